@@ -1,0 +1,113 @@
+"""Typed errors shared by every layer.
+
+Each error carries a stable wire code (used by the AMP control plane and the CLI) and a
+message that is safe to show to the caller: it never echoes raw client- or agent-controlled
+bytes (use :func:`safe_repr` to mention a bad value) and never carries a secret.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+_SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:/[]@+=,")
+
+
+class BottlenetError(Exception):
+    """Base class: ``code`` is the stable machine-readable error code."""
+
+    code = "INTERNAL"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(BottlenetError):
+    code = "INVALID_ARGUMENT"
+
+
+class NotFound(BottlenetError):
+    code = "NOT_FOUND"
+
+
+class AlreadyExists(BottlenetError):
+    code = "ALREADY_EXISTS"
+
+
+class BindRefused(BottlenetError):
+    """The operating system refused to bind a listener (address in use, not available...)."""
+
+    code = "BIND_REFUSED"
+
+
+class Busy(BottlenetError):
+    """Another operation on the same object is in flight, or a capacity limit is reached."""
+
+    code = "BUSY"
+
+
+class ResourceExhausted(BottlenetError):
+    code = "RESOURCE_EXHAUSTED"
+
+
+class SmolvmUnavailable(BottlenetError):
+    code = "SMOLVM_UNAVAILABLE"
+
+
+class SmolvmFailed(BottlenetError):
+    code = "SMOLVM_FAILED"
+
+
+class IsolationUnavailable(BottlenetError):
+    code = "ISOLATION_UNAVAILABLE"
+
+
+class IsolationFailed(BottlenetError):
+    code = "ISOLATION_FAILED"
+
+
+class Unavailable(BottlenetError):
+    """The daemon is shutting down or a dependency is not ready."""
+
+    code = "UNAVAILABLE"
+
+
+ALL_ERRORS: tuple[type[BottlenetError], ...] = (
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    BindRefused,
+    Busy,
+    ResourceExhausted,
+    SmolvmUnavailable,
+    SmolvmFailed,
+    IsolationUnavailable,
+    IsolationFailed,
+    Unavailable,
+)
+
+
+def safe_repr(value: object, limit: int = 64) -> str:
+    """Describe an untrusted value without echoing it raw.
+
+    Short values made only of harmless characters are quoted as they are; anything else
+    (control characters, newlines, non-ASCII, long values) becomes a length plus a sha256
+    prefix, so logs and error messages can never be used for injection or exfiltration.
+    """
+    if isinstance(value, bytes):
+        raw = value
+        text = None
+        try:
+            text = value.decode("ascii")
+        except UnicodeDecodeError:
+            pass
+    else:
+        text = value if isinstance(value, str) else repr(value)
+        raw = text.encode("utf-8", "surrogatepass")
+    if text is not None and 0 < len(text) <= limit and all(c in _SAFE for c in text):
+        return repr(text)
+    digest = hashlib.sha256(raw).hexdigest()[:12]
+    return f"<{len(raw)} bytes sha256:{digest}>"
