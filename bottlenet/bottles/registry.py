@@ -121,7 +121,7 @@ class BottleRegistry:
         return await self._locked(name, create)
 
     async def destroy_bottle(self, name: str) -> None:
-        """Stop the bottle's listeners, abort its relays, release its alias. Idempotent after a crash."""
+        """Stop the bottle's listeners, abort its relays, release its alias."""
         self._require(name)
 
         async def destroy() -> None:
