@@ -153,7 +153,8 @@ class _Call(ProcessProtocol):
         self.exited = False
         self.finished = False
         self.timed_out = False
-        self.cancelled = False
+        #: Why vmctl killed the child (timeout, shutdown), reported instead of its result.
+        self.abort: Exception | None = None
         self.process: IProcessTransport | None = None
         self._timeout_call: IDelayedCall | None = None
         self._kill_call: IDelayedCall | None = None
@@ -183,14 +184,15 @@ class _Call(ProcessProtocol):
         self._timeout_call = None
         self.timed_out = True
         self.log.warn("{cmd} timed out; terminating", cmd=_describe(self.argv))
-        self.terminate()
+        self.terminate(CallTimeout(f"{_describe(self.argv)} timed out and was killed"))
 
     def _cancel(self, d: Deferred[ProcResult]) -> None:
-        self.cancelled = True
         self.terminate()
 
-    def terminate(self) -> None:
+    def terminate(self, abort: Exception | None = None) -> None:
         """TERM now, KILL after the grace period (idempotent)."""
+        if self.abort is None:
+            self.abort = abort
         if self.finished or self._kill_call is not None:
             return
         self._signal("TERM")
@@ -249,10 +251,10 @@ class _Call(ProcessProtocol):
             nerr=len(result.stderr),
         )
         if not self.result.called:
-            if self.timed_out:
-                self.result.errback(
-                    CallTimeout(f"{_describe(self.argv)} timed out and was killed", partial=result)
-                )
+            if self.abort is not None:
+                if isinstance(self.abort, CallTimeout):
+                    self.abort.partial = result
+                self.result.errback(Failure(self.abort))
             else:
                 self.result.callback(result)
         self.ended.callback(None)
@@ -364,7 +366,7 @@ class ProcessRunner:
             "killing {n} smolvm call(s) past the shutdown deadline", n=len(self._inflight)
         )
         for call in list(self._inflight):
-            call.terminate()
+            call.terminate(Unavailable("vmctl is shutting down; the smolvm call was killed"))
 
 
 def _fail(exc: Exception) -> Deferred[ProcResult]:
