@@ -22,7 +22,7 @@ def sanitize(text: str | bytes, limit: int = MESSAGE_LIMIT) -> str:
     """
     if isinstance(text, bytes):
         text = text.decode("utf-8", "replace")
-    text = text.replace("\r\n", "\n").replace("\r", "\n").strip("\n")
+    text = text.replace("\r\n", "\n").replace("\r", "\n").replace("\t", " ").strip("\n")
     text = " | ".join(line.rstrip() for line in text.split("\n") if line.strip())
     text = _CONTROL.sub("?", text)
     if len(text) > limit:
