@@ -250,6 +250,7 @@ class _Call(ProcessProtocol):
             nout=len(result.stdout),
             nerr=len(result.stderr),
         )
+        self.ended.callback(None)  # first, so the call is no longer "in flight" for waiters
         if not self.result.called:
             if self.abort is not None:
                 if isinstance(self.abort, CallTimeout):
@@ -257,7 +258,6 @@ class _Call(ProcessProtocol):
                 self.result.errback(Failure(self.abort))
             else:
                 self.result.callback(result)
-        self.ended.callback(None)
 
 
 def _describe(argv: Sequence[str]) -> str:
@@ -319,6 +319,8 @@ class ProcessRunner:
             raise ValueError("argv[0] must be an absolute path")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
+        if not _is_executable(argv_t[0]):
+            return _fail(SmolvmUnavailable(f"cannot run {argv_t[0]}: not an executable file"))
         call = _Call(
             argv_t,
             self.clock,

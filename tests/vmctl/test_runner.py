@@ -12,12 +12,13 @@ from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.fakes import FAKE_SMOLVM
 from tests.vmctl.fakereactor import FakeProcess, FakeProcessReactor
 from vmctl.errors import CallTimeout, SmolvmUnavailable, Unavailable
 from vmctl.runner import BoundedBuffer, ProcessRunner, ProcResult, build_env, resolve_smolvm
 from vmctl.service import VmctlService, make_smolvm
 
-BIN = "/opt/smolvm/bin/smolvm"
+BIN = FAKE_SMOLVM  # exists; the fake reactor never runs it
 HOSTILE = {
     "PATH": "/usr/bin:/bin",
     "HOME": "/home/u",

@@ -6,6 +6,7 @@ import json
 
 from twisted.trial.unittest import SynchronousTestCase
 
+from tests.fakes import FAKE_SMOLVM
 from tests.vmctl.fakereactor import FakeProcessReactor, scripted
 from vmctl.errors import (
     CallTimeout,
@@ -21,7 +22,7 @@ from vmctl.runner import ProcessRunner
 from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, Timeouts
 from vmctl.spec import MachineSpec, PortMapping
 
-BIN = "/opt/bin/smolvm"
+BIN = FAKE_SMOLVM  # exists; the fake reactor never runs it
 
 
 def rec(name: str, **kw: object) -> dict[str, object]:
