@@ -237,7 +237,9 @@ class ErrorTests(FakeSmolvmTestCase):
                 break
             await sleep(0.05)
         self.assertEqual((await self.smolvm.status("m1")).state, "stopped")
-        self.assertEqual(await self.smolvm.list({"owner": "bottlenet-test"}) != [], True)
+        [m] = await self.smolvm.list(LABELS)
+        self.assertEqual((m.state, m.pid), ("stopped", None))
+        self.assertNotEqual(await self.smolvm.start("m1"), pid)  # it can be started again
 
     async def test_vm_ignoring_term_is_killed(self) -> None:
         self.fake.set_faults("ignore-term", stop_grace=0.2)
@@ -245,6 +247,21 @@ class ErrorTests(FakeSmolvmTestCase):
         pid = await self.smolvm.start("m1")
         assert pid is not None
         await self.smolvm.stop("m1")
+        self.assertFalse(process_alive(pid))
+
+    async def test_delete_without_force_is_cancelled(self) -> None:
+        """Why vmctl always passes -f: without it smolvm stops the VM, prompts, and (stdin
+        closed) prints Cancelled and exits 0 without deleting anything."""
+        await self.smolvm.create(self.spec("m1"))
+        pid = await self.smolvm.start("m1")
+        r = await self.runner.run(
+            [FAKE_SMOLVM, "machine", "delete", "--name", "m1"], self.smolvm.env, 10
+        )
+        self.assertEqual((r.exit_code, r.stdout.splitlines()[-1]), (0, b"Cancelled"))
+        self.assertIn(b"Delete machine 'm1'? [y/N]", r.stderr)
+        m = await self.smolvm.status("m1")
+        self.assertEqual(m.state, "stopped")
+        assert pid is not None
         self.assertFalse(process_alive(pid))
 
     async def test_usage_error(self) -> None:
