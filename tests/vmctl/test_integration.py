@@ -412,7 +412,7 @@ class RawPortTests(FakeSmolvmTestCase):
 class ServiceTests(FakeSmolvmTestCase):
     async def test_stop_service_kills_calls_past_deadline(self) -> None:
         await self.smolvm.create(self.spec("m1"))
-        await self.smolvm.start("m1")
+        vm = await self.smolvm.start("m1")
         service = VmctlService(self.runner, stop_deadline=0.2)
         service.startService()
         d = self.smolvm.exec("m1", ["sleep", "30"])
@@ -421,5 +421,6 @@ class ServiceTests(FakeSmolvmTestCase):
         with self.assertRaises(Unavailable):
             await d
         self.assertEqual(self.runner.in_flight, 0)
+        self.assertEqual(self.fake.live_pids(), [vm])  # the guest command died with its CLI
         with self.assertRaises(Unavailable):
             await self.smolvm.list()
