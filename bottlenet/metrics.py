@@ -414,7 +414,7 @@ def render_metrics(
     w.family(
         "bottlenet_relay_bytes_total",
         "counter",
-        "Bytes relayed; direction is ForwardCounters.bytes_in (in) or bytes_out (out).",
+        "Bytes relayed: direction in = agent to target, out = target to agent.",
     )
     for bottle, label in keys:
         row = forwards[(bottle, label)]
