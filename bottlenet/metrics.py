@@ -1,0 +1,580 @@
+"""Prometheus metrics over HTTP (``--metrics ENDPOINT``), loopback or UNIX socket only.
+
+The text exposition format (version 0.0.4) is written by hand: it is small, and it keeps
+``prometheus_client`` out of the daemon (the tests use it to parse what we write). What is
+measured comes from a :class:`MetricsSource` (a snapshot of the forward table and the bottle
+registry, read at scrape time) and from two recorders the daemon feeds as things happen:
+:class:`CallStats` (smolvm calls) and :class:`CommandStats` (control commands).
+
+Label values are only ever validated names; anything else is dropped (forwards, bottles)
+or counted as ``other`` (recorders), and escaped per the format regardless.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import math
+import re
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
+
+from attrs import define, field, frozen
+from twisted.application.service import Service
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
+from twisted.internet.interfaces import IListeningPort, IReactorTime, IStreamServerEndpoint
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from twisted.web import http
+from twisted.web.iweb import IRequest
+from twisted.web.pages import notFound
+from twisted.web.resource import IResource, Resource
+from twisted.web.server import Request, Site
+
+from bottlenet import __version__
+from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.spec import (
+    BOTTLE_NAME_RE,
+    LABEL_RE,
+    MAX_UNIX_PATH,
+    AliasPool,
+    parse_canonical_ipv4,
+)
+
+CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+# smolvm calls range from tens of milliseconds (list) to minutes (create, first image pull).
+DURATION_BUCKETS: tuple[float, ...] = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+NAME_RE = re.compile(r"[A-Za-z0-9_.]{1,64}")
+STATE_RE = re.compile(r"[a-z][a-z0-9_-]{0,31}")
+OTHER = "other"
+MAX_SERIES = 1000
+
+
+# -- the --metrics endpoint ---------------------------------------------------------------
+
+
+@frozen
+class MetricsEndpoint:
+    """A validated ``--metrics`` endpoint: loopback TCP or a UNIX socket, never a wildcard."""
+
+    kind: str  # "tcp" | "tcp6" | "unix"
+    port: int = 0
+    interface: str = ""
+    path: str = ""
+    mode: int = 0o600
+
+    def describe(self) -> str:
+        if self.kind == "unix":
+            return f"unix:{self.path}"
+        if self.kind == "tcp6":
+            return f"[{self.interface}]:{self.port}"
+        return f"{self.interface}:{self.port}"
+
+    def endpoint(self, reactor: Any) -> IStreamServerEndpoint:
+        """Built from the validated fields, never by re-parsing the string."""
+        if self.kind == "unix":
+            return UNIXServerEndpoint(reactor, self.path, mode=self.mode)
+        if self.kind == "tcp6":
+            return TCP6ServerEndpoint(reactor, self.port, interface=self.interface)
+        return TCP4ServerEndpoint(reactor, self.port, interface=self.interface)
+
+
+def _split_endpoint(text: str) -> list[str]:
+    """Split on ``:`` as Twisted's endpoint parser does, honouring ``\\:`` and ``\\\\``."""
+    parts: list[str] = []
+    current: list[str] = []
+    chars = iter(text)
+    for c in chars:
+        if c == "\\":
+            nxt = next(chars, None)
+            if nxt is None:
+                raise ValueError("trailing backslash")
+            current.append(nxt)
+        elif c == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    parts.append("".join(current))
+    return parts
+
+
+def _arguments(parts: Sequence[str], positional: str, allowed: set[str]) -> dict[str, str]:
+    args: dict[str, str] = {}
+    for i, part in enumerate(parts):
+        key, sep, value = part.partition("=")
+        if not sep:
+            if i != 0:
+                raise ValueError("only the first argument may be positional")
+            key, value = positional, part
+        if key not in allowed:
+            raise ValueError(f"unknown argument {safe_repr(key)}")
+        if key in args:
+            raise ValueError(f"{key} given twice")
+        args[key] = value
+    return args
+
+
+def _port(text: str | None) -> int:
+    if text is None or not text.isdigit() or len(text) > 5 or int(text) > 65535:
+        raise ValueError(f"port {safe_repr(text)} must be a number 0-65535")
+    return int(text)
+
+
+def parse_metrics_endpoint(text: object, alias_pool: AliasPool | None = None) -> MetricsEndpoint:
+    """Parse ``--metrics``; raise InvalidArgument for anything not loopback-only.
+
+    Accepted: ``tcp:PORT:interface=127.x.y.z``, ``tcp6:PORT:interface=\\:\\:1``,
+    ``unix:/abs/path[:mode=0600]``. A missing interface means every address and is refused,
+    as is any address inside the bottle alias pool (an agent could reach it).
+    """
+    if not isinstance(text, str) or not text:
+        raise InvalidArgument(f"metrics endpoint {safe_repr(text)} must be a non-empty string")
+    try:
+        kind, *parts = _split_endpoint(text)
+        if kind in ("tcp", "tcp6"):
+            return _parse_tcp(kind, parts, alias_pool)
+        if kind == "unix":
+            return _parse_unix(parts)
+        raise ValueError(
+            "use tcp:PORT:interface=127.0.0.1, tcp6:PORT:interface=\\:\\:1 or unix:PATH"
+        )
+    except ValueError as e:
+        raise InvalidArgument(f"metrics endpoint {safe_repr(text)}: {e}") from None
+
+
+def _parse_tcp(kind: str, parts: Sequence[str], alias_pool: AliasPool | None) -> MetricsEndpoint:
+    args = _arguments(parts, "port", {"port", "interface"})
+    port = _port(args.get("port"))
+    interface = args.get("interface")
+    if not interface:
+        raise ValueError(
+            "no interface= given, which listens on every address; name a loopback address, "
+            f"e.g. {kind}:{port}:interface=" + ("127.0.0.1" if kind == "tcp" else "\\:\\:1")
+        )
+    if kind == "tcp6":
+        if interface != "::1":
+            raise ValueError("the only IPv6 interface allowed is ::1 (write interface=\\:\\:1)")
+        return MetricsEndpoint("tcp6", port, "::1")
+    try:
+        addr = parse_canonical_ipv4(interface, "interface")
+    except InvalidArgument as e:
+        raise ValueError(e.message) from None
+    if not addr.is_loopback:
+        raise ValueError(f"interface {addr} is not a loopback address")
+    if alias_pool is not None and addr in alias_pool.network:
+        raise ValueError(f"interface {addr} is inside the alias pool {alias_pool.network}")
+    return MetricsEndpoint("tcp", port, str(ipaddress.IPv4Address(addr)))
+
+
+def _parse_unix(parts: Sequence[str]) -> MetricsEndpoint:
+    args = _arguments(parts, "path", {"path", "mode"})
+    path = args.get("path", "")
+    if not path.startswith("/") or "\x00" in path:
+        raise ValueError("the socket path must be absolute")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_UNIX_PATH:
+        raise ValueError(f"the socket path is longer than {MAX_UNIX_PATH} bytes")
+    mode_text = args.get("mode", "0600")
+    if not re.fullmatch(r"0?[0-7]{3}", mode_text):
+        raise ValueError(f"mode {safe_repr(mode_text)} must be octal, e.g. 0600")
+    mode = int(mode_text, 8)
+    if mode & 0o007:
+        raise ValueError(f"mode {mode:04o} gives every local user access; use 0600 or 0660")
+    return MetricsEndpoint("unix", path=path, mode=mode)
+
+
+# -- what is measured ---------------------------------------------------------------------
+
+
+class CountersLike(Protocol):
+    """The shape of ``ForwardCounters``."""
+
+    @property
+    def accepted(self) -> int: ...
+    @property
+    def active(self) -> int: ...
+    @property
+    def refused(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def bytes_in(self) -> int: ...
+    @property
+    def bytes_out(self) -> int: ...
+
+
+class ForwardSpecLike(Protocol):
+    @property
+    def bottle(self) -> str: ...
+    @property
+    def label(self) -> str: ...
+
+
+class ForwardLike(Protocol):
+    """The shape of ``ForwardInfo`` (as listed by ``ForwardTable.list()``)."""
+
+    @property
+    def spec(self) -> ForwardSpecLike: ...
+    @property
+    def counters(self) -> CountersLike: ...
+
+
+class BottleLike(Protocol):
+    """The shape of ``BottleInfo``: only its state is counted."""
+
+    @property
+    def state(self) -> str: ...
+
+
+class MetricsSource(Protocol):
+    """A snapshot read at each scrape; both calls must be cheap and synchronous."""
+
+    def forwards(self) -> Iterable[ForwardLike]: ...
+    def bottles(self) -> Iterable[BottleLike]: ...
+
+
+@frozen
+class SnapshotSource:
+    """A :class:`MetricsSource` from two callables, e.g. ``table.list`` and
+    ``registry.list_bottles``."""
+
+    list_forwards: Callable[[], Iterable[ForwardLike]]
+    list_bottles: Callable[[], Iterable[BottleLike]] = tuple
+
+    def forwards(self) -> Iterable[ForwardLike]:
+        return self.list_forwards()
+
+    def bottles(self) -> Iterable[BottleLike]:
+        return self.list_bottles()
+
+
+def _name(value: object, allowed: frozenset[str] | None) -> str:
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        return OTHER
+    if allowed is not None and value not in allowed:
+        return OTHER
+    return value
+
+
+@define
+class _Histogram:
+    buckets: list[int]
+    count: int = 0
+    total: float = 0.0
+
+
+@define
+class CallStats:
+    """smolvm call counts and durations by subcommand and result (a histogram).
+
+    ``record("create", "ok", 1.7)``. Names outside ``[A-Za-z0-9_.]{1,64}`` (or outside the
+    allow-lists, when given) are recorded as ``other``; so are new pairs past ``MAX_SERIES``.
+    """
+
+    subcommands: frozenset[str] | None = None
+    results: frozenset[str] | None = None
+    buckets: tuple[float, ...] = DURATION_BUCKETS
+    _series: dict[tuple[str, str], _Histogram] = field(factory=dict, init=False)
+
+    def record(self, subcommand: str, result: str, seconds: float) -> None:
+        key = (_name(subcommand, self.subcommands), _name(result, self.results))
+        if key not in self._series and len(self._series) >= MAX_SERIES:
+            key = (OTHER, OTHER)
+        h = self._series.get(key)
+        if h is None:
+            h = self._series[key] = _Histogram([0] * len(self.buckets))
+        seconds = seconds if math.isfinite(seconds) and seconds > 0 else 0.0
+        h.count += 1
+        h.total += seconds
+        for i, bound in enumerate(self.buckets):
+            if seconds <= bound:
+                h.buckets[i] += 1
+
+    def snapshot(self) -> dict[tuple[str, str], tuple[list[int], int, float]]:
+        """``{(subcommand, result): (cumulative bucket counts, count, sum)}``."""
+        return {k: (list(h.buckets), h.count, h.total) for k, h in self._series.items()}
+
+
+@define
+class CommandStats:
+    """Control commands by name and result code: ``record("CreateBottle", "OK")``."""
+
+    commands: frozenset[str] | None = None
+    results: frozenset[str] | None = None
+    _counts: dict[tuple[str, str], int] = field(factory=dict, init=False)
+
+    def record(self, command: str, result_code: str) -> None:
+        key = (_name(command, self.commands), _name(result_code, self.results))
+        if key not in self._counts and len(self._counts) >= MAX_SERIES:
+            key = (OTHER, OTHER)
+        self._counts[key] = self._counts.get(key, 0) + 1
+
+    def snapshot(self) -> dict[tuple[str, str], int]:
+        return dict(self._counts)
+
+
+# -- the exposition format ----------------------------------------------------------------
+
+
+def escape_label_value(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _labels(pairs: Sequence[tuple[str, str]]) -> str:
+    if not pairs:
+        return ""
+    return "{" + ",".join(f'{k}="{escape_label_value(v)}"' for k, v in pairs) + "}"
+
+
+def _number(value: float) -> str:
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: Sequence[tuple[str, str]], value: float) -> None:
+        self.lines.append(f"{name}{_labels(labels)} {_number(value)}")
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+_RELAY_FAMILIES: tuple[tuple[str, str, str], ...] = (
+    ("bottlenet_relays_active", "gauge", "Relays open now (ForwardCounters.active)."),
+    (
+        "bottlenet_relays_accepted_total",
+        "counter",
+        "Connections accepted on the agent endpoint (ForwardCounters.accepted).",
+    ),
+    (
+        "bottlenet_relays_refused_total",
+        "counter",
+        "Connections the forward refused (ForwardCounters.refused).",
+    ),
+    (
+        "bottlenet_relays_failed_total",
+        "counter",
+        "Relays that failed (ForwardCounters.failed).",
+    ),
+)
+
+
+def _collect_forwards(
+    forwards: Iterable[ForwardLike],
+) -> tuple[dict[tuple[str, str], list[int]], int]:
+    totals: dict[tuple[str, str], list[int]] = {}
+    invalid = 0
+    for info in forwards:
+        bottle, label = info.spec.bottle, info.spec.label
+        if not (
+            isinstance(bottle, str)
+            and BOTTLE_NAME_RE.fullmatch(bottle)
+            and isinstance(label, str)
+            and LABEL_RE.fullmatch(label)
+        ):
+            invalid += 1
+            continue
+        c = info.counters
+        values = [c.active, c.accepted, c.refused, c.failed, c.bytes_in, c.bytes_out]
+        row = totals.setdefault((bottle, label), [0] * 6)
+        for i, v in enumerate(values):
+            row[i] += int(v)
+    return totals, invalid
+
+
+def render_metrics(
+    source: MetricsSource,
+    smolvm: CallStats | None = None,
+    control: CommandStats | None = None,
+) -> str:
+    """The whole scrape, in the Prometheus text format 0.0.4."""
+    w = _Writer()
+    w.family("bottlenet_build_info", "gauge", "Always 1; the version is a label.")
+    w.sample("bottlenet_build_info", [("version", _name(__version__, None))], 1)
+
+    forwards, invalid = _collect_forwards(source.forwards())
+    keys = sorted(forwards)
+    for index, (name, kind, help_text) in enumerate(_RELAY_FAMILIES):
+        w.family(name, kind, help_text)
+        for bottle, label in keys:
+            labels = [("bottle", bottle), ("forward", label)]
+            w.sample(name, labels, forwards[(bottle, label)][index])
+    w.family(
+        "bottlenet_relay_bytes_total",
+        "counter",
+        "Bytes relayed: direction in = agent to target, out = target to agent.",
+    )
+    for bottle, label in keys:
+        row = forwards[(bottle, label)]
+        for direction, value in (("in", row[4]), ("out", row[5])):
+            labels = [("bottle", bottle), ("forward", label), ("direction", direction)]
+            w.sample("bottlenet_relay_bytes_total", labels, value)
+
+    states: dict[str, int] = {}
+    for bottle_info in source.bottles():
+        state = bottle_info.state
+        if not isinstance(state, str) or not STATE_RE.fullmatch(state):
+            state = OTHER
+        states[state] = states.get(state, 0) + 1
+    w.family("bottlenet_bottles", "gauge", "Bottles by state.")
+    for state in sorted(states):
+        w.sample("bottlenet_bottles", [("state", state)], states[state])
+
+    if smolvm is not None:
+        name = "bottlenet_smolvm_call_duration_seconds"
+        w.family(name, "histogram", "smolvm CLI calls by subcommand and result, and their time.")
+        for (sub, result), (buckets, count, total) in sorted(smolvm.snapshot().items()):
+            base = [("subcommand", sub), ("result", result)]
+            for bound, n in zip(smolvm.buckets, buckets, strict=True):
+                w.sample(f"{name}_bucket", [*base, ("le", _number(float(bound)))], n)
+            w.sample(f"{name}_bucket", [*base, ("le", "+Inf")], count)
+            w.sample(f"{name}_sum", base, total)
+            w.sample(f"{name}_count", base, count)
+
+    if control is not None:
+        name = "bottlenet_control_commands_total"
+        w.family(name, "counter", "Control-socket commands by name and result code.")
+        for (command, result), n in sorted(control.snapshot().items()):
+            w.sample(name, [("command", command), ("result", result)], n)
+
+    w.family(
+        "bottlenet_metrics_invalid_series",
+        "gauge",
+        "Series left out of this scrape because a label failed validation (a bug if not 0).",
+    )
+    w.sample("bottlenet_metrics_invalid_series", [], invalid)
+    return w.text()
+
+
+# -- serving ------------------------------------------------------------------------------
+
+
+class MetricsResource(Resource):
+    """``GET /metrics``: renders a fresh scrape each time."""
+
+    isLeaf = True
+    log = Logger()
+
+    def __init__(self, render: Callable[[], str]) -> None:
+        super().__init__()
+        self._render = render
+
+    def render_GET(self, request: Request) -> bytes:
+        try:
+            body = self._render()
+        except Exception:
+            self.log.failure("rendering metrics failed")
+            request.setResponseCode(500)
+            request.setHeader(b"content-type", b"text/plain; charset=utf-8")
+            return b"metrics collection failed\n"
+        request.setHeader(b"content-type", CONTENT_TYPE)
+        return body.encode("utf-8")
+
+
+class _Root(Resource):
+    """Only ``/metrics`` exists; everything else is a plain 404."""
+
+    def getChild(self, path: bytes, request: IRequest) -> IResource:
+        return notFound()
+
+
+class _QuietSite(Site):
+    """No access log: a scrape every few seconds would drown the daemon's own lines."""
+
+    noisy = False
+
+    def log(self, request: http.Request) -> None:
+        pass
+
+
+def metrics_site(
+    source: MetricsSource,
+    reactor: IReactorTime,
+    smolvm: CallStats | None = None,
+    control: CommandStats | None = None,
+) -> Site:
+    """A ``Site`` serving ``/metrics`` (and nothing else)."""
+    root = _Root()
+    root.putChild(b"metrics", MetricsResource(lambda: render_metrics(source, smolvm, control)))
+    return _QuietSite(root, reactor=reactor)
+
+
+class MetricsService(Service):
+    """Listens on the metrics endpoint while running.
+
+    Unlike ``StreamServerEndpointService``, a failed listen is not only logged: it is handed
+    to ``on_error`` (the daemon passes ``fatal_stop``), so ``--metrics`` never silently fails.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        spec: MetricsEndpoint,
+        endpoint: IStreamServerEndpoint,
+        site: Site,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self._spec = spec
+        self._endpoint = endpoint
+        self._site = site
+        self._on_error = on_error
+        self._port: IListeningPort | None = None
+        self._outcome: IListeningPort | Failure | None = None
+        self._waiters: list[Deferred[IListeningPort]] = []
+
+    def when_listening(self) -> Deferred[IListeningPort]:
+        """Fires with the listening port, or fails with the listen error (each caller its own)."""
+        d: Deferred[IListeningPort] = Deferred()
+        if self._outcome is None:
+            self._waiters.append(d)
+        elif isinstance(self._outcome, Failure):
+            d.errback(self._outcome)
+        else:
+            d.callback(self._outcome)
+        return d
+
+    def _settle(self, outcome: IListeningPort | Failure) -> None:
+        self._outcome = outcome
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            if isinstance(outcome, Failure):
+                d.errback(outcome)
+            else:
+                d.callback(outcome)
+
+    def startService(self) -> None:
+        super().startService()
+        d = self._endpoint.listen(self._site)
+        d.addCallbacks(self._listening, self._failed)
+
+    def _listening(self, port: IListeningPort) -> None:
+        self._port = port
+        self.log.info("metrics on {endpoint}/metrics", endpoint=self._spec.describe())
+        self._settle(port)
+
+    def _failed(self, failure: Failure) -> None:
+        message = f"--metrics {self._spec.describe()}: cannot listen: {failure.getErrorMessage()}"
+        self.log.error("{message}", message=message)
+        self._settle(failure)
+        if self._on_error is not None:
+            self._on_error(message)
+
+    def stopService(self) -> Deferred[None] | None:
+        super().stopService()
+        port, self._port = self._port, None
+        if port is not None:
+            return port.stopListening()
+        return None
