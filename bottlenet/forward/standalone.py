@@ -82,8 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     state_dir = tempfile.mkdtemp(prefix="bottlenet-standalone-")
     table = ForwardTable(reactor, registry, state_dir=state_dir)
+    table.log_clean_relay_ends = False
     table.startService()
-    reactor.addSystemEventTrigger("before", "shutdown", table.stopService)  # type: ignore[attr-defined]
+    reactor.addSystemEventTrigger("before", "shutdown", table.stopService)
     status = {"code": 0}
 
     def ready(info: object) -> None:
@@ -92,12 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     def failed(f: object) -> None:
         print(f"standalone: {getattr(f, 'value', f)}", file=sys.stderr, flush=True)
         status["code"] = 1
-        reactor.stop()  # type: ignore[attr-defined]
+        reactor.stop()
 
-    reactor.callWhenRunning(  # type: ignore[attr-defined]
-        lambda: table.add(spec).addCallbacks(ready, failed)
-    )
-    reactor.run()  # type: ignore[attr-defined]
+    reactor.callWhenRunning(lambda: table.add(spec).addCallbacks(ready, failed))
+    reactor.run()
     return status["code"]
 
 

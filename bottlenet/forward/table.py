@@ -119,7 +119,7 @@ class _Forward(Factory):
         self.port: IListeningPort | None = None
         self._target = target
         self._engine_factory = engine_factory
-        self._listen_tcp = isinstance(spec.listen, TCPListen)
+        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener.
         self._target_tcp = isinstance(spec.target, TCPTarget)
         self._clock = table.reactor
         self.sessions: set[RelaySession] = set()
@@ -143,8 +143,8 @@ class _Forward(Factory):
             self._clock,
             self._target,
             self,
-            listen_tcp=self._listen_tcp,
-            target_tcp=self._target_tcp,
+            tune_inbound=False,
+            tune_outbound=self._target_tcp,
             engine_factory=self._engine_factory,
         )
         self.sessions.add(session)
@@ -173,8 +173,11 @@ class _Forward(Factory):
         bytes_in, bytes_out = session.bytes_in, session.bytes_out
         self.done_in += bytes_in
         self.done_out += bytes_out
-        if outcome not in (OUTCOME_CLOSED, OUTCOME_ABORTED):
+        clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
+        if not clean:
             self.failed += 1
+        elif not self.table.log_clean_relay_ends:
+            return
         # Metadata only: never payload bytes, never client-controlled values.
         self.log.emit(
             self.log_level(outcome),
@@ -242,6 +245,9 @@ class ForwardTable(Service):
         self.aliases = aliases
         self.state_dir = state_dir
         self.connect_timeout = connect_timeout
+        #: Emit the per-relay log event for clean ends too (debug level); failures always log.
+        #: The benchmark entry point turns it off: no per-connection logging there.
+        self.log_clean_relay_ends = True
         #: The relay engine for new connections (a splice() engine can be swapped in here).
         self.engine_factory: EngineFactory = TransportRelay
         self._forwards: dict[Key, _Forward] = {}
@@ -426,9 +432,15 @@ class ForwardTable(Service):
         listen = spec.listen
         if isinstance(listen, TCPListen):
             return BackoffTCP4ServerEndpoint(
-                self.reactor, listen.port, backlog=backlog, interface=str(listen.alias)
+                self.reactor,
+                listen.port,
+                backlog=backlog,
+                interface=str(listen.alias),
+                start_paused=True,
             )
-        return BackoffUNIXServerEndpoint(self.reactor, listen.path, backlog=backlog, mode=0o600)
+        return BackoffUNIXServerEndpoint(
+            self.reactor, listen.path, backlog=backlog, mode=0o600, start_paused=True
+        )
 
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
         target = spec.target
