@@ -246,7 +246,9 @@ class _Side:
                 except BlockingIOError:
                     sent = 0
                 except OSError:
-                    dst.write(data)  # let Twisted's doWrite see and report the error
+                    # The send consumed the socket's pending error (ECONNRESET, EPIPE): a
+                    # later recv() would only see EOF, so fail the relay here (RST both ways).
+                    self.engine._send_failed()
                     return
                 if sent == len(data):
                     return
@@ -323,6 +325,12 @@ class TransportRelay:
 
     def abort(self) -> None:
         self._aborted = True
+        for side in (self._in, self._out):
+            if side is not None and not side.gone:
+                side.leg.transport.abortConnection()
+
+    def _send_failed(self) -> None:
+        self._failed = True
         for side in (self._in, self._out):
             if side is not None and not side.gone:
                 side.leg.transport.abortConnection()
