@@ -1,0 +1,540 @@
+"""Byte-transparent relay between an accepted agent connection and its target.
+
+Written here rather than taken from ``twisted.protocols.portforward`` (no half-close, no
+cancellable connect) or any ``twisted.protocols.policies`` wrapper (they drop
+``IHalfCloseableProtocol``). The code is split in two so a later splice() implementation can
+replace the byte-moving part without touching listeners, limits, counters or teardown:
+
+- :class:`RelaySession` (one per accepted connection, engine-agnostic): pauses the accepted
+  leg, connects to the target through a client endpoint (cancellable, with a timeout), hands
+  both legs to a :class:`RelayEngine`, and reports the end exactly once to its
+  :class:`RelayOwner` with an outcome and byte counts.
+- :class:`RelayEngine` (interface) and :class:`TransportRelay` (the Twisted-transport
+  implementation): moves bytes, passes FIN both ways, turns an error on one leg into an abort
+  (RST) of the other.
+
+Each :class:`Leg` is a thin protocol that forwards every transport event to its current
+:class:`LegSink`; whoever owns the leg (the session during connect, then the engine) installs
+itself as the sink.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+from typing import Protocol as TypingProtocol
+
+from twisted.internet import error as ierror
+from twisted.internet import tcp
+from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import (
+    IConsumer,
+    IHalfCloseableProtocol,
+    IPushProducer,
+    IStreamClientEndpoint,
+    ISystemHandle,
+    ITCPTransport,
+)
+from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+import twisted
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IAddress, IReactorTime
+
+#: Largest single read from a leg (also the per-leg write high-water mark, see ``bufferSize``).
+READ_SIZE = 256 * 1024
+
+#: Twisted versions whose private transport attributes the eager send was checked against
+#: (see ``tests/forward/test_eager_pin.py``). Any other version falls back to plain write().
+EAGER_VERIFIED_TWISTED = frozenset({"26.10.0"})
+
+OUTCOME_CLOSED = "closed"  # both directions finished with FIN
+OUTCOME_RESET = "reset"  # a leg failed (RST, write error): the other leg was reset too
+OUTCOME_CONNECT_FAILED = "connect-failed"  # target refused, unreachable or timed out
+OUTCOME_ABORTED = "aborted"  # torn down by the table (remove / stop)
+
+
+def _eager_supported() -> bool:
+    fd = tcp.Connection
+    return twisted.__version__ in EAGER_VERIFIED_TWISTED and all(
+        hasattr(fd, name)
+        for name in ("dataBuffer", "offset", "_writeDisconnecting", "disconnecting", "connected")
+    )
+
+
+EAGER_SEND = _eager_supported()
+
+
+class _Transport(ITCPTransport, IPushProducer, IConsumer, ISystemHandle):
+    """What a relay leg's transport provides (portforward's ``_MakeTypesHappy`` trick)."""
+
+
+class LegSink(TypingProtocol):
+    """Receives one leg's transport events."""
+
+    def made(self) -> None: ...
+
+    def data(self, data: bytes) -> None: ...
+
+    def read_eof(self) -> None: ...
+
+    def write_shut(self) -> None: ...
+
+    def lost(self, reason: Failure) -> None: ...
+
+
+class _NullSink:
+    """Sink of a leg nobody owns any more: drops everything."""
+
+    def made(self) -> None:
+        pass
+
+    def data(self, data: bytes) -> None:
+        pass
+
+    def read_eof(self) -> None:
+        pass
+
+    def write_shut(self) -> None:
+        pass
+
+    def lost(self, reason: Failure) -> None:
+        pass
+
+
+_NULL_SINK = _NullSink()
+
+
+@implementer(IHalfCloseableProtocol)
+class Leg(Protocol):
+    """One socket of a relay; forwards each event to ``sink`` (no logic of its own).
+
+    ``tune_tcp`` makes ``connectionMade`` turn on TCP_NODELAY and keepalive (accepted TCP
+    sockets inherit both from their listener instead, see ``listen.BackoffTCPPort``).
+    """
+
+    transport: _Transport
+    sink: LegSink = _NULL_SINK
+    tune_tcp = False
+
+    def __init__(self, sink: LegSink, tune_tcp: bool) -> None:
+        self.sink = sink
+        self.tune_tcp = tune_tcp
+
+    def connectionMade(self) -> None:
+        if self.tune_tcp:
+            sock: socket.socket = self.transport.getHandle()  # type: ignore[assignment]
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        self.sink.made()
+
+    def dataReceived(self, data: bytes) -> None:
+        self.sink.data(data)
+
+    def readConnectionLost(self) -> None:
+        self.sink.read_eof()
+
+    def writeConnectionLost(self) -> None:
+        self.sink.write_shut()
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.sink.lost(reason)
+
+
+class RelayEngine(TypingProtocol):
+    """Moves bytes between two connected legs until both directions are finished.
+
+    ``start`` is called once with the accepted (agent) leg and the outbound (target) leg, the
+    accepted leg's transport still paused. The engine calls the ``on_end`` callback it was
+    built with exactly once, after both legs' connections are lost, with an outcome string
+    (``OUTCOME_CLOSED`` or ``OUTCOME_RESET``; ``OUTCOME_ABORTED`` after :meth:`abort`).
+    """
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes moved agent -> target so far."""
+        ...
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes moved target -> agent so far."""
+        ...
+
+    def start(self, inbound: Leg, outbound: Leg) -> None: ...
+
+    def abort(self) -> None: ...
+
+
+EngineFactory = Callable[[Callable[[str], None]], RelayEngine]
+
+
+@implementer(IPushProducer)
+class _Throttle:
+    """The streaming producer registered on a leg's transport: pauses/resumes the peer's reads.
+
+    It forwards to the peer transport, except ``stopProducing`` which does nothing: Twisted
+    calls it from ``connectionLost`` and a transport's own ``stopProducing`` is an orderly
+    ``loseConnection()``, which would turn a reset into a clean close. Teardown is explicit.
+    """
+
+    __slots__ = ("_transport",)
+
+    def __init__(self, transport: _Transport) -> None:
+        self._transport = transport
+
+    def pauseProducing(self) -> None:
+        self._transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._transport.resumeProducing()
+
+    def stopProducing(self) -> None:
+        pass
+
+
+def _idle(d: tcp.Connection) -> bool:
+    """Nothing queued in Twisted's write buffer and no close pending (private attributes)."""
+    return (
+        not d._tempDataLen
+        and d.offset == len(d.dataBuffer)
+        and bool(d.connected)
+        and not d.disconnecting
+        and not d._writeDisconnecting
+    )
+
+
+class _Side:
+    """One leg as seen by :class:`TransportRelay`: reads from it go to ``dst`` (the peer)."""
+
+    __slots__ = ("closing", "dst", "engine", "gone", "leg", "nbytes", "rd", "wr")
+
+    def __init__(self, engine: TransportRelay, leg: Leg, dst: _Transport) -> None:
+        self.engine = engine
+        self.leg = leg
+        self.dst = dst
+        self.nbytes = 0
+        self.rd = False  # read EOF seen
+        self.wr = False  # our write side shut down (FIN sent)
+        self.closing = False  # we called loseConnection after rd and wr
+        self.gone = False  # connectionLost seen
+
+    def made(self) -> None:
+        pass
+
+    def data(self, data: bytes) -> None:
+        self.nbytes += len(data)
+        dst = self.dst
+        if self.engine.eager:
+            # "Eager send": with nothing queued on the peer and no close pending, hand the
+            # bytes to the kernel now instead of waiting for the next writable event; only the
+            # remainder goes through Twisted's buffer (which keeps ordering and backpressure).
+            d: tcp.Connection = dst  # type: ignore[assignment]
+            if (
+                not d._tempDataLen
+                and d.offset == len(d.dataBuffer)
+                and d.connected
+                and not d.disconnecting
+                and not d._writeDisconnecting
+            ):
+                try:
+                    sent = d.socket.send(data)
+                except BlockingIOError:
+                    sent = 0
+                except OSError:
+                    # The send consumed the socket's pending error (ECONNRESET, EPIPE): a
+                    # later recv() would only see EOF, so fail the relay here (RST both ways).
+                    self.engine._send_failed()
+                    return
+                if sent == len(data):
+                    return
+                data = data[sent:]
+        dst.write(data)
+
+    def read_eof(self) -> None:
+        self.rd = True
+        dst = self.dst
+        peer = self.engine._peer_of(self)
+        if not peer.gone:
+            # Trap: unregister first, else a paused producer would be resumed by doWrite
+            # instead of the FIN being sent (and reading would resume on a socket at EOF).
+            dst.unregisterProducer()
+            if self.engine.eager and _idle(dst):  # type: ignore[arg-type]
+                # "Eager FIN": nothing queued, so do now what doWrite would do on the next
+                # writable event (saves a reactor pass and two epoll_ctl per direction).
+                # Same state changes as doWrite + _closeWriteConnection, minus the adapter
+                # lookup and the wrapper hops back to our own leg.
+                d: tcp.Connection = dst  # type: ignore[assignment]
+                d._writeDisconnecting = True
+                d._writeDisconnected = True
+                try:
+                    d.socket.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                peer.write_shut()
+            else:
+                dst.loseWriteConnection()
+        self.engine._maybe_close(self)
+
+    def write_shut(self) -> None:
+        self.wr = True
+        self.engine._maybe_close(self)
+
+    def lost(self, reason: Failure) -> None:
+        self.gone = True
+        self.engine._lost(self, reason)
+
+
+class TransportRelay:
+    """:class:`RelayEngine` over Twisted transports: producers wired both ways, eager send."""
+
+    def __init__(self, on_end: Callable[[str], None], *, eager: bool | None = None) -> None:
+        self._on_end: Callable[[str], None] | None = on_end
+        self._eager_wanted = EAGER_SEND if eager is None else eager
+        self.eager = False
+        self._in: _Side | None = None
+        self._out: _Side | None = None
+        self._failed = False
+        self._aborted = False
+
+    @property
+    def bytes_in(self) -> int:
+        return self._in.nbytes if self._in is not None else 0
+
+    @property
+    def bytes_out(self) -> int:
+        return self._out.nbytes if self._out is not None else 0
+
+    def start(self, inbound: Leg, outbound: Leg) -> None:
+        tin, tout = inbound.transport, outbound.transport
+        self.eager = self._eager_wanted and all(isinstance(t, tcp.Connection) for t in (tin, tout))
+        self._in = _Side(self, inbound, tout)
+        self._out = _Side(self, outbound, tin)
+        for t in (tin, tout):
+            if isinstance(t, tcp.Connection):
+                t.bufferSize = READ_SIZE
+        tout.registerProducer(_Throttle(tin), True)
+        tin.registerProducer(_Throttle(tout), True)
+        inbound.sink = self._in
+        outbound.sink = self._out
+        tin.resumeProducing()
+
+    def abort(self) -> None:
+        self._aborted = True
+        for side in (self._in, self._out):
+            if side is not None and not side.gone:
+                side.leg.transport.abortConnection()
+
+    def _send_failed(self) -> None:
+        self._failed = True
+        for side in (self._in, self._out):
+            if side is not None and not side.gone:
+                side.leg.transport.abortConnection()
+
+    def _peer_of(self, side: _Side) -> _Side:
+        peer = self._out if side is self._in else self._in
+        assert peer is not None
+        return peer
+
+    def _maybe_close(self, side: _Side) -> None:
+        if side.rd and side.wr and not side.closing and not side.gone:
+            side.closing = True
+            t = side.leg.transport
+            if self.eager:
+                # Both directions are shut down already: skip Twisted's shutdown(2) before
+                # close() (a redundant syscall that mostly fails with ENOTCONN).
+                t._shouldShutdown = False  # type: ignore[attr-defined]
+            t.loseConnection()
+
+    def _lost(self, side: _Side, reason: Failure) -> None:
+        side.leg.sink = _NULL_SINK
+        if not side.closing:
+            # Not a close we asked for: a reset, a write error or an abort. Reset the peer so
+            # its end sees the truncation (RST) rather than a clean EOF.
+            self._failed = True
+            peer = self._peer_of(side)
+            if not peer.gone:
+                peer.leg.transport.abortConnection()
+        assert self._in is not None and self._out is not None
+        if self._in.gone and self._out.gone and self._on_end is not None:
+            on_end, self._on_end = self._on_end, None
+            if self._aborted:
+                on_end(OUTCOME_ABORTED)
+            else:
+                on_end(OUTCOME_RESET if self._failed else OUTCOME_CLOSED)
+
+
+class RelayOwner(TypingProtocol):
+    """Told once when a session is over (all its sockets closed)."""
+
+    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None: ...
+
+
+class _OutboundFactory(Factory):
+    """A quiet one-shot factory handing the endpoint the session's pre-built outbound leg."""
+
+    noisy = False
+
+    def __init__(self, leg: Leg) -> None:
+        self._leg: Leg | None = leg
+
+    def buildProtocol(self, addr: IAddress | None) -> Leg | None:
+        leg, self._leg = self._leg, None
+        return leg
+
+
+def _describe_failure(failure: Failure) -> str:
+    """A short, safe reason (exception class, errno name): never a message or traceback."""
+    value = failure.value
+    name = type(value).__name__
+    os_error = getattr(value, "osError", None) or (value if isinstance(value, OSError) else None)
+    if isinstance(os_error, OSError) and os_error.errno is not None:
+        return f"{name}:{errno.errorcode.get(os_error.errno, os_error.errno)}"
+    return name
+
+
+class RelaySession:
+    """One accepted connection, from accept to the last closed socket.
+
+    Engine-agnostic: the listener, the connection cap, the counters and teardown only deal
+    with sessions; the byte moving is delegated to the engine built by ``engine_factory``.
+    """
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        target: IStreamClientEndpoint,
+        owner: RelayOwner,
+        *,
+        tune_inbound: bool,
+        tune_outbound: bool,
+        engine_factory: EngineFactory = TransportRelay,
+    ) -> None:
+        self._target = target
+        self._owner = owner
+        self._engine_factory = engine_factory
+        self.started = clock.seconds()
+        self.inbound = Leg(self, tune_inbound)
+        self._outbound = Leg(_NULL_SINK, tune_outbound)
+        self._connecting: Deferred[Leg] | None = None
+        self.engine: RelayEngine | None = None
+        self._in_gone = False
+        self._aborted = False
+        self._failure: tuple[str, str] | None = None  # (outcome, reason) decided before the end
+        self._ended = False
+        self._waiters: list[Deferred[None]] = []
+
+    # Byte counters, live while the relay runs.
+    @property
+    def bytes_in(self) -> int:
+        return self.engine.bytes_in if self.engine is not None else 0
+
+    @property
+    def bytes_out(self) -> int:
+        return self.engine.bytes_out if self.engine is not None else 0
+
+    @property
+    def ended(self) -> bool:
+        return self._ended
+
+    def when_ended(self) -> Deferred[None]:
+        """A Deferred that fires once every socket of this session is closed."""
+        d: Deferred[None] = Deferred()
+        if self._ended:
+            d.callback(None)
+        else:
+            self._waiters.append(d)
+        return d
+
+    def abort(self) -> None:
+        """Tear the session down now (RST both ways); the end is still reported once."""
+        if self._ended or self._aborted:
+            return
+        self._aborted = True
+        if self.engine is not None:
+            self.engine.abort()
+            return
+        if self._connecting is not None:
+            self._connecting.cancel()
+        if not self._in_gone:
+            self.inbound.transport.abortConnection()
+
+    # LegSink for the accepted leg during the connect phase.
+    def made(self) -> None:
+        self.inbound.transport.pauseProducing()
+        d: Deferred[Leg] = self._target.connect(_OutboundFactory(self._outbound))  # type: ignore[assignment]
+        if d.called:
+            d.addCallbacks(self._connected, self._connect_failed)
+            return
+        self._connecting = d
+        d.addCallbacks(self._connected, self._connect_failed)
+
+    def data(self, data: bytes) -> None:
+        # The accepted leg is paused until the engine starts; nothing can be lost here.
+        raise AssertionError("data before the relay started")
+
+    def read_eof(self) -> None:
+        pass
+
+    def write_shut(self) -> None:
+        pass
+
+    def lost(self, reason: Failure) -> None:
+        self._in_gone = True
+        if self._connecting is not None:
+            self._connecting.cancel()
+        self._finish(OUTCOME_ABORTED if self._aborted else OUTCOME_RESET)
+
+    def _connected(self, leg: Leg) -> None:
+        self._connecting = None
+        if self._in_gone or self._aborted:
+            leg.transport.abortConnection()
+            return
+        engine = self._engine_factory(self._engine_ended)
+        self.engine = engine
+        engine.start(self.inbound, leg)
+
+    def _connect_failed(self, failure: Failure) -> None:
+        self._connecting = None
+        if failure.check(CancelledError, ierror.ConnectingCancelledError):
+            return
+        self._failure = (OUTCOME_CONNECT_FAILED, _describe_failure(failure))
+        if not self._in_gone:
+            self.inbound.transport.abortConnection()
+
+    def _engine_ended(self, outcome: str) -> None:
+        self._in_gone = True
+        self._finish(outcome)
+
+    def _finish(self, outcome: str) -> None:
+        if self._ended:
+            return
+        self._ended = True
+        reason = None
+        if self._failure is not None:
+            outcome, reason = self._failure
+        self._owner.relay_ended(self, outcome, reason)
+        waiters, self._waiters = self._waiters, []
+        for d in waiters:
+            d.callback(None)
+
+
+__all__ = [
+    "EAGER_SEND",
+    "OUTCOME_ABORTED",
+    "OUTCOME_CLOSED",
+    "OUTCOME_CONNECT_FAILED",
+    "OUTCOME_RESET",
+    "READ_SIZE",
+    "EngineFactory",
+    "Leg",
+    "LegSink",
+    "RelayEngine",
+    "RelayOwner",
+    "RelaySession",
+    "TransportRelay",
+]

@@ -1,0 +1,485 @@
+"""The forward table: every agent endpoint listener, its live relays and its counters.
+
+This is the API the control plane and the config loader call. Every ``add`` re-checks the
+binding invariant (own alias, or a path inside the bottle's own directory) right before it
+binds, whatever the caller already checked; ``remove`` returns only once the listener and every
+relay socket of the forward are closed, so a caller can safely reuse the address afterwards.
+"""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import socket
+import stat
+from typing import TYPE_CHECKING, Any, cast
+
+from attrs import frozen
+from twisted.application.service import Service
+from twisted.internet import defer
+from twisted.internet.address import IPv4Address
+from twisted.internet.endpoints import (
+    TCP4ClientEndpoint,
+    TCP6ClientEndpoint,
+    UNIXClientEndpoint,
+)
+from twisted.internet.error import CannotListenError
+from twisted.internet.interfaces import IListeningPort, IStreamClientEndpoint
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger, LogLevel
+from twisted.python.failure import Failure
+
+from bottlenet.errors import (
+    AlreadyExists,
+    BindRefused,
+    BottlenetError,
+    Busy,
+    InvalidArgument,
+    NotFound,
+    Unavailable,
+    safe_repr,
+)
+from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
+from bottlenet.forward.relay import (
+    OUTCOME_ABORTED,
+    OUTCOME_CLOSED,
+    EngineFactory,
+    Leg,
+    RelaySession,
+    TransportRelay,
+)
+from bottlenet.forward.spec import (
+    ForwardSpec,
+    ListenSpec,
+    TCPListen,
+    TCPTarget,
+    UNIXListen,
+    UNIXTarget,
+    bottle_dir,
+    check_bottle_name,
+    check_label,
+    check_port,
+    check_unix_listen,
+)
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IAddress
+
+#: At most one refusal log event per forward per this many seconds.
+REFUSAL_LOG_INTERVAL = 1.0
+MAX_CONNECTIONS_LIMIT = 65536
+
+
+@frozen
+class ForwardCounters:
+    """Counters of one forward. ``bytes_in`` = agent -> target, ``bytes_out`` = target -> agent."""
+
+    accepted: int
+    active: int
+    refused: int
+    failed: int
+    bytes_in: int
+    bytes_out: int
+
+
+@frozen
+class ForwardInfo:
+    """A forward as it is: ``bound`` is the real address (port 0 resolved)."""
+
+    spec: ForwardSpec
+    bound: ListenSpec
+    counters: ForwardCounters
+
+
+Key = tuple[str, str]
+
+
+class _Forward(Factory):
+    """One forward's listener factory, relay owner and counters.
+
+    The connection cap is enforced here in ``buildProtocol`` (None = refused and closed with a
+    reset), not with a ``policies`` wrapper, which would lose half-close.
+    """
+
+    log = Logger(namespace="bottlenet.forward")
+    noisy = False
+
+    def __init__(
+        self,
+        table: ForwardTable,
+        spec: ForwardSpec,
+        target: IStreamClientEndpoint,
+        engine_factory: EngineFactory,
+    ) -> None:
+        self.table = table
+        self.spec = spec
+        self.bound: ListenSpec = spec.listen
+        self.port: IListeningPort | None = None
+        self._target = target
+        self._engine_factory = engine_factory
+        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener.
+        self._target_tcp = isinstance(spec.target, TCPTarget)
+        self._clock = table.reactor
+        self.sessions: set[RelaySession] = set()
+        self.accepted = 0
+        self.refused = 0
+        self.failed = 0
+        self.done_in = 0
+        self.done_out = 0
+        self._refusal_logged_at: float | None = None
+        self._refusals_suppressed = 0
+        self.closing = False
+        self._closed_waiters: list[defer.Deferred[None]] | None = None
+
+    def buildProtocol(self, addr: IAddress | None) -> Leg | None:
+        if self.closing or len(self.sessions) >= self.spec.max_connections:
+            self.refused += 1
+            self._log_refusal()
+            return None
+        self.accepted += 1
+        session = RelaySession(
+            self._clock,
+            self._target,
+            self,
+            tune_inbound=False,
+            tune_outbound=self._target_tcp,
+            engine_factory=self._engine_factory,
+        )
+        self.sessions.add(session)
+        return session.inbound
+
+    def _log_refusal(self) -> None:
+        now = self._clock.seconds()
+        last = self._refusal_logged_at
+        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
+            self._refusals_suppressed += 1
+            return
+        self._refusal_logged_at = now
+        suppressed, self._refusals_suppressed = self._refusals_suppressed, 0
+        self.log.warn(
+            "forward {bottle}/{label} refused a connection: {max_connections} active"
+            " ({suppressed} more refusals not logged)",
+            bottle=self.spec.bottle,
+            label=self.spec.label,
+            max_connections=self.spec.max_connections,
+            suppressed=suppressed,
+        )
+
+    # RelayOwner
+    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None:
+        self.sessions.discard(session)
+        bytes_in, bytes_out = session.bytes_in, session.bytes_out
+        self.done_in += bytes_in
+        self.done_out += bytes_out
+        clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
+        if not clean:
+            self.failed += 1
+        elif not self.table.log_clean_relay_ends:
+            return
+        # Metadata only: never payload bytes, never client-controlled values.
+        self.log.emit(
+            self.log_level(outcome),
+            "relay {bottle}/{label} {outcome}: {bytes_in} bytes in, {bytes_out} bytes out,"
+            " {duration:.3f}s",
+            bottle=self.spec.bottle,
+            label=self.spec.label,
+            outcome=outcome,
+            reason=reason,
+            bytes_in=bytes_in,
+            bytes_out=bytes_out,
+            duration=self._clock.seconds() - session.started,
+        )
+
+    @staticmethod
+    def log_level(outcome: str) -> LogLevel:
+        """Clean ends are debug (one per connection adds up); failures are info."""
+        return LogLevel.debug if outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED) else LogLevel.info
+
+    def counters(self) -> ForwardCounters:
+        live_in = live_out = 0
+        for s in self.sessions:
+            live_in += s.bytes_in
+            live_out += s.bytes_out
+        return ForwardCounters(
+            accepted=self.accepted,
+            active=len(self.sessions),
+            refused=self.refused,
+            failed=self.failed,
+            bytes_in=self.done_in + live_in,
+            bytes_out=self.done_out + live_out,
+        )
+
+    def info(self) -> ForwardInfo:
+        return ForwardInfo(self.spec, self.bound, self.counters())
+
+    def shutdown(self) -> defer.Deferred[None]:
+        """Stop listening and abort every live relay; fires once all their fds are closed."""
+        self.closing = True
+        waits: list[defer.Deferred[Any]] = []
+        if self.port is not None:
+            waits.append(defer.maybeDeferred(self.port.stopListening))
+            self.port = None
+        for session in list(self.sessions):
+            waits.append(session.when_ended())
+            session.abort()
+        d = defer.gatherResults(waits, consumeErrors=True)
+        return d.addCallback(lambda _: None)
+
+
+class ForwardTable(Service):
+    """All forwards of the daemon, keyed by (bottle, label)."""
+
+    log = Logger(namespace="bottlenet.forward")
+
+    def __init__(
+        self,
+        reactor: Any,
+        aliases: AliasRegistry,
+        *,
+        state_dir: str,
+        connect_timeout: float = 10.0,
+    ) -> None:
+        self.reactor = reactor
+        self.aliases = aliases
+        self.state_dir = state_dir
+        self.connect_timeout = connect_timeout
+        #: Emit the per-relay log event for clean ends too (debug level); failures always log.
+        #: The benchmark entry point turns it off: no per-connection logging there.
+        self.log_clean_relay_ends = True
+        #: The relay engine for new connections (a splice() engine can be swapped in here).
+        self.engine_factory: EngineFactory = TransportRelay
+        self._forwards: dict[Key, _Forward] = {}
+        self._pending: set[Key] = set()
+        self._removing: dict[Key, list[defer.Deferred[None]]] = {}
+        self._stopping = False
+
+    # Service
+    def startService(self) -> None:
+        self._stopping = False
+        super().startService()
+
+    def stopService(self) -> defer.Deferred[None]:
+        self._stopping = True
+        super().stopService()
+        waits = [self._remove_key(key) for key in list(self._forwards)]
+        waits += [self._wait_removal(key) for key in list(self._removing)]
+        return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
+
+    # Queries
+    def get(self, bottle: str, label: str) -> ForwardInfo:
+        fwd = self._forwards.get((bottle, label))
+        if fwd is None:
+            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
+        return fwd.info()
+
+    def list(self, bottle: str | None = None) -> list[ForwardInfo]:
+        keys = sorted(k for k in self._forwards if bottle is None or k[0] == bottle)
+        return [self._forwards[k].info() for k in keys]
+
+    # Changes
+    def add(self, spec: ForwardSpec) -> defer.Deferred[ForwardInfo]:
+        """Bind ``spec``'s agent endpoint and start forwarding; fires with its ForwardInfo."""
+        try:
+            key = self._check_new(spec)
+            created_dir = self._prepare_listen(spec)
+        except BottlenetError as e:
+            return defer.fail(e)
+        fwd = _Forward(self, spec, self._target_endpoint(spec), self.engine_factory)
+        self._pending.add(key)
+        d = self._server_endpoint(spec).listen(fwd)
+
+        def listening(port: IListeningPort) -> ForwardInfo:
+            self._pending.discard(key)
+            fwd.port = port
+            if isinstance(spec.listen, TCPListen):
+                fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
+            self._forwards[key] = fwd
+            self.log.info(
+                "forward {bottle}/{label} listening on {listen} -> {target}",
+                bottle=spec.bottle,
+                label=spec.label,
+                listen=fwd.bound.describe(),
+                target=spec.target.describe(),
+            )
+            return fwd.info()
+
+        def failed(f: Failure) -> Failure:
+            self._pending.discard(key)
+            if created_dir is not None:
+                try:
+                    os.rmdir(created_dir)
+                except OSError:
+                    pass
+            return Failure(_bind_error(spec.listen, f.value))
+
+        return d.addCallbacks(listening, failed)
+
+    def remove(self, bottle: str, label: str) -> defer.Deferred[None]:
+        """Stop listening and abort the forward's relays; fires once every fd is closed."""
+        key = (bottle, label)
+        if key not in self._forwards:
+            if key in self._pending:
+                return defer.fail(Busy(f"forward {bottle}/{label} is still being added"))
+            return defer.fail(NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}"))
+        return self._remove_key(key)
+
+    def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
+        """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
+        waits = [self._remove_key(k) for k in list(self._forwards) if k[0] == bottle]
+        waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
+        return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
+
+    # Internals
+    def _remove_key(self, key: Key) -> defer.Deferred[None]:
+        fwd = self._forwards.pop(key)
+        self._removing[key] = []
+        d = fwd.shutdown()
+
+        def done(result: object) -> object:
+            waiters = self._removing.pop(key, [])
+            self.log.info(
+                "forward {bottle}/{label} removed", bottle=fwd.spec.bottle, label=fwd.spec.label
+            )
+            for w in waiters:
+                w.callback(None)
+            return result
+
+        return d.addBoth(done)
+
+    def _wait_removal(self, key: Key) -> defer.Deferred[None]:
+        d: defer.Deferred[None] = defer.Deferred()
+        self._removing[key].append(d)
+        return d
+
+    def _check_new(self, spec: ForwardSpec) -> Key:
+        if self._stopping:
+            raise Unavailable("the forward table is shutting down")
+        if not isinstance(spec, ForwardSpec):
+            raise InvalidArgument("not a ForwardSpec")
+        check_bottle_name(spec.bottle)
+        check_label(spec.label)
+        key = (spec.bottle, spec.label)
+        if key in self._forwards or key in self._pending:
+            raise AlreadyExists(f"forward {spec.bottle}/{spec.label} already exists")
+        if key in self._removing:
+            raise Busy(f"forward {spec.bottle}/{spec.label} is still being removed")
+        mc = spec.max_connections
+        if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc <= MAX_CONNECTIONS_LIMIT:
+            raise InvalidArgument(
+                f"max_connections {safe_repr(mc)} is out of range 1-{MAX_CONNECTIONS_LIMIT}"
+            )
+        target = spec.target
+        if isinstance(target, TCPTarget):
+            if not isinstance(target.host, ipaddress.IPv4Address | ipaddress.IPv6Address):
+                raise InvalidArgument("target host must be an IP address value")
+            if not target.host.is_loopback:
+                raise InvalidArgument(f"target host {target.host} is not a loopback address")
+            check_port(target.port, allow_zero=False)
+        elif not isinstance(target, UNIXTarget):
+            raise InvalidArgument("unknown target kind")
+        listen = spec.listen
+        if isinstance(listen, TCPListen):
+            self.aliases.check_owned(spec.bottle, listen.alias)
+            check_port(listen.port, allow_zero=True)
+        elif isinstance(listen, UNIXListen):
+            check_unix_listen(listen, self.state_dir, spec.bottle)
+            for other in self._forwards.values():
+                if other.spec.listen == listen:
+                    raise BindRefused(f"cannot listen on {listen.describe()}: in use")
+        else:
+            raise InvalidArgument("unknown listen kind")
+        return key
+
+    def _prepare_listen(self, spec: ForwardSpec) -> str | None:
+        """For a UNIX endpoint: make sure the bottle dir is ours and the path is free.
+
+        Returns the bottle dir if this call created it (so a failed bind can remove it).
+        """
+        listen = spec.listen
+        if not isinstance(listen, UNIXListen):
+            return None
+        bdir = bottle_dir(self.state_dir, spec.bottle)
+        created = None
+        parent = os.path.dirname(bdir)
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        try:
+            os.mkdir(bdir, 0o700)
+            created = bdir
+        except FileExistsError:
+            pass
+        st = os.lstat(bdir)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise InvalidArgument(f"bottle directory of {spec.bottle} is not a directory")
+        if st.st_uid != os.geteuid():
+            raise InvalidArgument(f"bottle directory of {spec.bottle} is not owned by us")
+        try:
+            pst = os.lstat(listen.path)
+        except FileNotFoundError:
+            return created
+        if not stat.S_ISSOCK(pst.st_mode):
+            raise InvalidArgument(f"{listen.describe()} exists and is not a socket")
+        if _unix_socket_alive(listen.path):
+            raise BindRefused(f"cannot listen on {listen.describe()}: in use by another process")
+        os.unlink(listen.path)  # a stale socket from a previous run
+        return created
+
+    def _server_endpoint(
+        self, spec: ForwardSpec
+    ) -> BackoffTCP4ServerEndpoint | BackoffUNIXServerEndpoint:
+        backlog = min(1024, max(16, spec.max_connections))
+        listen = spec.listen
+        if isinstance(listen, TCPListen):
+            return BackoffTCP4ServerEndpoint(
+                self.reactor,
+                listen.port,
+                backlog=backlog,
+                interface=str(listen.alias),
+                start_paused=True,
+            )
+        return BackoffUNIXServerEndpoint(
+            self.reactor, listen.path, backlog=backlog, mode=0o600, start_paused=True
+        )
+
+    def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
+        target = spec.target
+        timeout = self.connect_timeout
+        if isinstance(target, UNIXTarget):
+            return UNIXClientEndpoint(self.reactor, target.path, timeout=timeout)
+        if isinstance(target.host, ipaddress.IPv6Address):
+            return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
+        return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
+
+
+def _unix_socket_alive(path: str) -> bool:
+    """True if something accepts connections on ``path`` (non-blocking probe, no data sent)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except (BlockingIOError, InterruptedError):
+        return True  # backlog full: very much alive
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return False
+        return True  # EACCES and friends: not ours to replace
+    finally:
+        probe.close()
+    return True
+
+
+def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
+    """Map a listen failure to BindRefused with the address and the OS reason (no traceback)."""
+    if isinstance(exc, BottlenetError):
+        return exc
+    os_error: object = exc.socketError if isinstance(exc, CannotListenError) else exc
+    if isinstance(os_error, OSError) and os_error.errno is not None:
+        name = errno.errorcode.get(os_error.errno, str(os_error.errno))
+        reason = f"{name} ({os.strerror(os_error.errno)})"
+    else:
+        reason = type(exc).__name__
+    return BindRefused(f"cannot listen on {listen.describe()}: {reason}")
+
+
+__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable"]

@@ -1,0 +1,357 @@
+"""Real loopback relays through a ForwardTable (trial TestCases on the real reactor)."""
+
+from __future__ import annotations
+
+import errno
+import ipaddress
+import os
+import shutil
+import socket
+import stat
+import tempfile
+from typing import Any
+
+from twisted.internet import reactor, task
+from twisted.internet.error import (
+    ConnectError,
+    ConnectionDone,
+    ConnectionLost,
+    ConnectionRefusedError,
+)
+from twisted.trial import unittest
+
+from bottlenet.forward.relay import EAGER_SEND
+from bottlenet.forward.spec import (
+    ForwardSpec,
+    TCPListen,
+    TCPTarget,
+    UNIXTarget,
+    unix_listen_for,
+)
+from bottlenet.forward.table import ForwardInfo, ForwardTable
+from tests.forward.netutil import (
+    Collector,
+    Echo,
+    ReplyAfterEOF,
+    ResetAfter,
+    SendThenFINThenRead,
+    StreamOut,
+    connect_tcp,
+    connect_unix,
+    factory_of,
+    pattern,
+    registry_with,
+    sha,
+)
+
+MiB = 1024 * 1024
+ALIAS = "127.77.0.2"
+LOOP = ipaddress.IPv4Address("127.0.0.1")
+
+
+def sleep(seconds: float) -> Any:
+    return task.deferLater(reactor, seconds, lambda: None)
+
+
+def tempdir(test: unittest.TestCase) -> str:
+    """A short temp dir (UNIX socket paths are limited to ~100 bytes), removed after the test."""
+    path = tempfile.mkdtemp(prefix="bn-")
+    test.addCleanup(shutil.rmtree, path, True)
+    return path
+
+
+def fd_links(prefix: str = "socket:") -> set[str]:
+    """What this process's fds point to (``socket:[inode]`` by default)."""
+    links = set()
+    for n in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{n}")
+        except FileNotFoundError:
+            continue  # the directory listing's own fd
+        if link.startswith(prefix):
+            links.add(link)
+    return links
+
+
+def buffered(t: Any) -> int:
+    """Bytes waiting in a Twisted transport's user-space write buffer."""
+    return len(t.dataBuffer) - t.offset + t._tempDataLen
+
+
+class Base(unittest.TestCase):
+    def setUp(self) -> None:
+        self.state_dir = tempdir(self)
+        self.aliases = registry_with(("b1", ALIAS), ("b2", "127.77.0.3"))
+        self.table = ForwardTable(reactor, self.aliases, state_dir=self.state_dir)
+        self.table.startService()
+        self.addCleanup(self.table.stopService)
+
+    def target(self, build: Any) -> int:
+        port = reactor.listenTCP(0, factory_of(build), interface="127.0.0.1")  # type: ignore[attr-defined]
+        self.addCleanup(port.stopListening)
+        return int(port.getHost().port)
+
+    async def forward(self, target_port: int, label: str = "web", **kw: Any) -> ForwardInfo:
+        spec = ForwardSpec(
+            "b1",
+            label,
+            TCPListen(ipaddress.IPv4Address(ALIAS), 0),
+            TCPTarget(LOOP, target_port),
+            **kw,
+        )
+        return await self.table.add(spec)
+
+    async def client(self, info: ForwardInfo, proto: Collector) -> Collector:
+        assert isinstance(info.bound, TCPListen)
+        await connect_tcp(ALIAS, info.bound.port, proto)
+        return proto
+
+    async def assert_reset(self, info: ForwardInfo) -> None:
+        """A new connection is reset: at connect time or right after, with no data."""
+        c = Collector(b"x", fin=False)
+        try:
+            await self.client(info, c)
+        except ConnectError as e:
+            assert e.osError == errno.ECONNRESET, e
+            return
+        await c.done
+        assert c.received == b""
+        assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
+
+    def sessions(self, label: str = "web") -> list[Any]:
+        return list(self.table._forwards[("b1", label)].sessions)
+
+    async def until(self, cond: Any, what: str) -> None:
+        for _ in range(500):
+            if cond():
+                return
+            await sleep(0.01)
+        self.fail(f"timed out waiting for {what}")
+
+
+class TransferTests(Base):
+    async def test_upload_then_half_close_reply(self) -> None:
+        """Client sends 8 MiB and FIN; the target replies after EOF and the reply arrives."""
+        data = pattern(8 * MiB)
+        info = await self.forward(self.target(lambda: ReplyAfterEOF(b"!" * 100_000)))
+        c = await self.client(info, Collector(data, fin=True))
+        await c.done
+        assert bytes(c.received) == sha(data).encode() + b"!" * 100_000
+        assert c.clean
+        await self.until(lambda: self.table.get("b1", "web").counters.active == 0, "relay end")
+        counters = self.table.get("b1", "web").counters
+        assert counters.bytes_in == len(data)
+        assert counters.bytes_out == 64 + 100_000
+        assert (counters.accepted, counters.failed) == (1, 0)
+
+    async def test_download(self) -> None:
+        server = StreamOut(8 * MiB)
+        info = await self.forward(self.target(lambda: server))
+        c = await self.client(info, Collector(fin=False))
+        await c.done
+        assert len(c.received) == 8 * MiB
+        assert sha(bytes(c.received)) == server.digest.hexdigest()
+        assert c.eof
+
+    async def test_full_duplex(self) -> None:
+        data = pattern(6 * MiB, seed=7)
+        info = await self.forward(self.target(Echo))
+        c = await self.client(info, Collector(data, fin=True))
+        await c.done
+        assert sha(bytes(c.received)) == sha(data)
+        assert c.clean
+
+    async def test_target_half_closes_first(self) -> None:
+        """The target sends its reply and FIN first, then still receives the client's data."""
+        got: Any = __import__("twisted.internet.defer", fromlist=["Deferred"]).Deferred()
+        reply = pattern(MiB, seed=3)
+        upload = pattern(2 * MiB, seed=4)
+        info = await self.forward(self.target(lambda: SendThenFINThenRead(reply, got)))
+        c = Collector(fin=False)
+        c.after_eof = upload
+        await self.client(info, c)
+        received_by_target = await got
+        await c.done
+        assert bytes(c.received) == reply
+        assert sha(received_by_target) == sha(upload)
+        assert c.clean
+
+
+class FailureTests(Base):
+    async def test_target_refuses(self) -> None:
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        dead_port = s.getsockname()[1]
+        s.close()  # nothing listens there now
+        info = await self.forward(dead_port)
+        c = await self.client(info, Collector(b"hello", fin=False))
+        await c.done
+        assert c.received == b""
+        assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
+        await self.until(lambda: self.table.get("b1", "web").counters.failed == 1, "failed")
+
+    async def test_target_resets_midstream(self) -> None:
+        """The client must see a reset (ECONNRESET), never a clean EOF, on truncation."""
+        info = await self.forward(self.target(lambda: ResetAfter(MiB, payload=b"partial")))
+        c = await self.client(info, Collector(pattern(4 * MiB), fin=False))
+        await c.done
+        assert not c.eof
+        assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
+        await self.until(lambda: self.table.get("b1", "web").counters.failed == 1, "failed")
+
+    async def test_slow_reader_memory_stays_bounded(self) -> None:
+        """The target pushes 64 MiB at a throttled reader: the relay's buffers stay small."""
+        total = 64 * MiB
+        server = StreamOut(total)
+        info = await self.forward(self.target(lambda: server))
+        c = Collector(fin=False)
+        peak = [0]
+        since_pause = [0]
+
+        def sample() -> None:
+            for s in self.sessions():
+                for t in (s.inbound.transport, s.engine._out.leg.transport):
+                    peak[0] = max(peak[0], buffered(t))
+
+        def throttle(col: Collector) -> None:
+            sample()
+            since_pause[0] += 1
+            if since_pause[0] >= 8:  # read a little, then stall the reader for a while
+                since_pause[0] = 0
+                col.transport.pauseProducing()  # type: ignore[union-attr]
+                reactor.callLater(0.004, resume)  # type: ignore[attr-defined]
+
+        def resume() -> None:
+            sample()
+            if c.reason is None:
+                c.transport.resumeProducing()  # type: ignore[union-attr]
+
+        c.on_data = throttle
+        await self.client(info, c)
+        await c.done
+        assert len(c.received) == total
+        assert sha(bytes(c.received)) == server.digest.hexdigest()
+        assert 0 < peak[0] < MiB, peak[0]
+
+
+class LimitTests(Base):
+    async def _echo_client(self, info: ForwardInfo) -> Collector:
+        c = Collector(b"x", fin=False)
+        got: Any = __import__("twisted.internet.defer", fromlist=["Deferred"]).Deferred()
+        c.on_data = lambda col: got.called or got.callback(None)
+        await self.client(info, c)
+        await got
+        return c
+
+    async def test_connection_cap_is_exact(self) -> None:
+        info = await self.forward(self.target(Echo), max_connections=3)
+        live = [await self._echo_client(info) for _ in range(3)]
+        await self.assert_reset(info)
+        counters = self.table.get("b1", "web").counters
+        assert (counters.accepted, counters.active, counters.refused) == (3, 3, 1)
+        live[0].transport.loseConnection()  # type: ignore[union-attr]
+        await self.until(lambda: self.table.get("b1", "web").counters.active == 2, "slot")
+        again = await self._echo_client(info)
+        assert self.table.get("b1", "web").counters.accepted == 4
+        for c in [*live[1:], again]:
+            c.transport.loseConnection()  # type: ignore[union-attr]
+            await c.done
+
+    async def test_remove_closes_listener_and_relays(self) -> None:
+        target = self.target(Echo)
+        before = fd_links()  # sockets only: the reactor may open unrelated pipes lazily
+        info = await self.forward(target)
+        assert isinstance(info.bound, TCPListen)
+        clients = [await self._echo_client(info) for _ in range(2)]
+        fwd = self.table._forwards[("b1", "web")]
+        relay_sockets = {os.readlink(f"/proc/self/fd/{fwd.port.fileno()}")}  # type: ignore[union-attr]
+        for s in fwd.sessions:
+            for t in (s.inbound.transport, s.engine._out.leg.transport):
+                relay_sockets.add(os.readlink(f"/proc/self/fd/{t.fileno()}"))
+        assert len(relay_sockets) == 5
+        await self.table.remove("b1", "web")
+        # Every listener and relay socket is closed by the time remove() fires.
+        still_open = fd_links()
+        assert not (relay_sockets & still_open)
+        for c in clients:
+            await c.done
+            assert c.reason is not None and c.reason.check(ConnectionLost)  # reset, not EOF
+        refused = Collector(fin=False)
+        with self.assertRaises(ConnectionRefusedError):
+            await connect_tcp(ALIAS, info.bound.port, refused)
+        await self.until(lambda: fd_links() <= before, f"fds to close: {fd_links() - before}")
+        assert self.table.list() == []
+
+
+class SocketOptionTests(Base):
+    async def test_port_zero_reuseport_and_tcp_options(self) -> None:
+        info = await self.forward(self.target(Echo))
+        assert isinstance(info.bound, TCPListen) and info.bound.port != 0
+        assert info.bound.alias == ipaddress.IPv4Address(ALIAS)
+        port = self.table._forwards[("b1", "web")].port
+        lsock = port.socket  # type: ignore[union-attr]
+        assert lsock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
+        assert lsock.getsockname() == (ALIAS, info.bound.port)
+        c = await LimitTests._echo_client(self, info)  # type: ignore[arg-type]
+        (s,) = self.sessions()
+        for t in (s.inbound.transport, s.engine._out.leg.transport):
+            sk = t.getHandle()
+            assert sk.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1
+            assert sk.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE) == 1
+        assert s.engine.eager is EAGER_SEND
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+
+
+class UnixTests(Base):
+    async def test_unix_listen_and_unix_target(self) -> None:
+        target_path = os.path.join(self.state_dir, "sidecar.sock")
+        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(tport.stopListening)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        spec = ForwardSpec("b1", "agent", listen, UNIXTarget(target_path))
+        info = await self.table.add(spec)
+        assert info.bound == listen
+        mode = os.stat(listen.path).st_mode
+        assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
+        bdir = os.path.dirname(listen.path)
+        assert stat.S_IMODE(os.stat(bdir).st_mode) == 0o700
+        data = pattern(2 * MiB, seed=9)
+        c = Collector(data, fin=True)
+        await connect_unix(listen.path, c)
+        await c.done
+        assert sha(bytes(c.received)) == sha(data) and c.clean
+        await self.table.remove("b1", "agent")
+        assert not os.path.lexists(listen.path)
+
+    async def test_stale_socket_replaced_but_regular_file_kept(self) -> None:
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        os.makedirs(os.path.dirname(listen.path), mode=0o700)
+        stale = socket.socket(socket.AF_UNIX)
+        stale.bind(listen.path)
+        stale.close()  # a socket file with no listener
+        target = TCPTarget(LOOP, self.target(Echo))
+        await self.table.add(ForwardSpec("b1", "agent", listen, target))
+        await self.table.remove("b1", "agent")
+        with open(listen.path, "w") as f:
+            f.write("not a socket")
+        from bottlenet.errors import InvalidArgument
+
+        with self.assertRaises(InvalidArgument):
+            await self.table.add(ForwardSpec("b1", "agent", listen, target))
+        assert os.path.isfile(listen.path)
+
+    async def test_symlinked_bottle_dir_refused(self) -> None:
+        from bottlenet.errors import InvalidArgument
+
+        elsewhere = tempdir(self)
+        os.makedirs(os.path.join(self.state_dir, "bottles"))
+        os.symlink(elsewhere, os.path.join(self.state_dir, "bottles", "b1"))
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        target = TCPTarget(LOOP, self.target(Echo))
+        with self.assertRaises(InvalidArgument):
+            await self.table.add(ForwardSpec("b1", "agent", listen, target))
+        assert os.listdir(elsewhere) == []
+
+
+__all__ = ["ConnectionDone"]
