@@ -27,7 +27,11 @@ def fatal_stop(reactor: Any, message: str, code: int = 1) -> None:
     "after shutdown" trigger, once every service has stopped and released what it held.
     """
     log.critical("fatal: {message}", message=message)
-    print(f"bottlenet: error: {message}", file=sys.stderr, flush=True)
+    # twist/twistd redirect sys.stderr into the log once running: write to the real fd 2.
+    try:
+        os.write(2, f"bottlenet: error: {message}\n".encode("utf-8", "replace"))
+    except OSError:
+        pass
     reactor.addSystemEventTrigger("after", "shutdown", _exit, code)
     if reactor.running:
         reactor.stop()
