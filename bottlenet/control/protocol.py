@@ -30,6 +30,8 @@ from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
 
 # At most this many commands of one connection run at once; more are left unparsed.
 MAX_IN_FLIGHT = 16
+# While parsing is paused on a transport we keep reading (TLS), at most this much input waits.
+MAX_UNPARSED = 1024 * 1024
 
 _INTERNAL = InternalError.code.encode("ascii")
 
@@ -107,8 +109,15 @@ class HardenedAMP(amp.AMP):
 
     log = Logger()
 
-    def __init__(self, locator: amp.IResponderLocator | None = None) -> None:
+    def __init__(
+        self, locator: amp.IResponderLocator | None = None, *, pause_reading: bool = True
+    ) -> None:
+        """``pause_reading=False`` for TLS: pausing the TLS transport's reading while it
+        buffers our writes would stall its own handshake (a deadlock), so there we only
+        stop parsing, and drop a peer whose unparsed input passes ``MAX_UNPARSED``.
+        """
         super().__init__(boxReceiver=self, locator=locator or SafeCommandLocator())
+        self._pause_reading = pause_reading
         self._parser = BoxParser()
         self._pause_reasons: set[str] = set()
         self._in_flight = 0
@@ -125,6 +134,13 @@ class HardenedAMP(amp.AMP):
 
     def connectionMade(self) -> None:
         self.ctransport.registerProducer(self, True)
+
+    def close(self) -> None:
+        """Close cleanly. Unregister first: TLS waits for that before its close_notify."""
+        if self.transport is None:
+            return
+        self.ctransport.unregisterProducer()
+        self.ctransport.loseConnection()
 
     def drop(self, why: str) -> None:
         """Close this connection now, for a reason we wrote (never peer bytes)."""
@@ -153,7 +169,12 @@ class HardenedAMP(amp.AMP):
         else:
             self._pause_reasons.discard(reason)
         want_reading = not self._pause_reasons
-        if self.transport is None or self._closing or want_reading == self._reading_enabled:
+        if (
+            not self._pause_reading
+            or self.transport is None
+            or self._closing
+            or want_reading == self._reading_enabled
+        ):
             return
         self._reading_enabled = want_reading
         if want_reading:
@@ -181,6 +202,9 @@ class HardenedAMP(amp.AMP):
         if self._closing or not self.may_parse():
             return
         self._parser.feed(data)
+        if self._pause_reasons and self._parser.buffered > MAX_UNPARSED:
+            self.drop("peer sends commands faster than it reads the answers")
+            return
         self._drain()
 
     def _drain(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Sequence
 from typing import Any, Literal, TypeVar, cast
 
 from attrs import frozen
+from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IAddress, IHandshakeListener, ISSLTransport
 from twisted.internet.protocol import Factory
@@ -270,7 +271,7 @@ class ControlServerProtocol(HardenedAMP):
 
     def __init__(self, factory: ControlServerFactory) -> None:
         self.control = ControlLocator(factory)
-        super().__init__(locator=self.control)
+        super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
         self.factory = factory
 
     @property
@@ -316,8 +317,9 @@ class ControlServerProtocol(HardenedAMP):
         if cert is None:
             self.drop("TLS peer presented no certificate")
             return
-        subject = cert.get_subject().commonName
-        self.control.peer = PeerIdentity("tls", subject=safe_repr(subject or ""))
+        names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        subject = str(names[0].value) if names else ""
+        self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
         self.log.info("control: TLS peer {peer} authenticated", peer=self.control.peer.describe())
 
 

@@ -308,3 +308,43 @@ def test_parser_chunking_invariance(boxes: list[dict[bytes, bytes]], data: st.Da
         while (box := parser.next_box()) is not None:
             out.append(dict(box))
     assert out == boxes
+
+
+def test_tls_mode_stops_parsing_but_not_reading_and_caps_input() -> None:
+    from bottlenet.control.protocol import MAX_UNPARSED
+    from bottlenet.control.server import PeerIdentity
+
+    factory = make_factory().for_tls()
+    transport = UNIXStringTransport()
+    proto = factory.buildProtocol(None)
+    proto.makeConnection(transport)
+    proto.control.peer = PeerIdentity("tls", subject="'t'")
+    proto.pauseProducing()  # the TLS layer is buffering our writes (e.g. mid-handshake)
+    assert transport.producerState == "producing"  # reading is never paused under TLS
+    proto.dataReceived(raw_command(b"bottlenet.Ping", b"1"))
+    assert transport.value() == b""  # parsed later, not now
+    proto.resumeProducing()
+    assert codec.decode_answer(C.Ping, _one(transport)) == {}
+    proto.pauseProducing()
+    proto.dataReceived(b"\x00" * (MAX_UNPARSED + 1))
+    assert transport.aborted
+    transport.sock.close()
+
+
+def _one(transport: UNIXStringTransport) -> amp.AmpBox:
+    p = BoxParser()
+    p.feed(transport.value())
+    box = p.next_box()
+    assert box is not None
+    return box
+
+
+def test_tls_peer_without_certificate_dropped() -> None:
+    factory = make_factory().for_tls()
+    transport = UNIXStringTransport()
+    transport.getPeerCertificate = lambda: None  # type: ignore[attr-defined]
+    proto = factory.buildProtocol(None)
+    proto.makeConnection(transport)
+    proto.dataReceived(raw_command(b"bottlenet.Ping", b"1"))  # before the handshake: refused
+    assert transport.aborted and transport.value() == b""
+    transport.sock.close()
