@@ -97,6 +97,8 @@ def safe_repr(value: object, limit: int = 64) -> str:
     (control characters, newlines, non-ASCII, long values) becomes a length plus a sha256
     prefix, so logs and error messages can never be used for injection or exfiltration.
     """
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**18:
+        return str(value)
     if isinstance(value, bytes):
         raw = value
         text = None

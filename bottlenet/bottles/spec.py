@@ -1,0 +1,288 @@
+"""Bottle specs: what a launcher asks for, validated field by field before anything is made.
+
+A spec arrives as a TOML file (``bottlenetctl bottle create NAME --spec FILE``) or as the
+equivalent JSON over the control socket. Every field is checked here and every problem is an
+InvalidArgument naming the field, so no half-valid spec ever reaches smolvm.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import string
+from collections.abc import Mapping
+from typing import Any
+
+from attrs import frozen
+
+from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.spec import LABEL_RE, check_bottle_name
+
+MODES = ("auto", "alias", "socket", "none")
+MAX_ALLOW_HOSTS = 256
+MAX_SERVICES = 16
+MAX_ENV = 128
+MAX_STRING = 4096
+ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
+_HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+TEMPLATE_FIELDS = frozenset({"host", "port", "socket", "service"})
+_LOCAL_IMAGE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".smolmachine")
+
+
+def check_egress_host(host: object) -> str:
+    """Validate one allow-list entry: a lowercase DNS name, optionally ``*.``-prefixed.
+
+    Unicode names are accepted in lowercase and stored in their IDNA (punycode) form, so the
+    sidecar's proxy compares like with like. IP literals are refused: egress is by name.
+    """
+    if not isinstance(host, str) or not host or len(host) > 253:
+        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a host name")
+    wildcard = host.startswith("*.")
+    body = host[2:] if wildcard else host
+    if body != body.lower():
+        raise InvalidArgument(f"allow-host {safe_repr(host)} must be lowercase")
+    try:
+        ascii_body = body.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid IDNA name") from None
+    labels = ascii_body.split(".")
+    if len(labels) < 2 or not all(_HOST_LABEL_RE.fullmatch(label) for label in labels):
+        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid host name")
+    if labels[-1].isdigit():
+        raise InvalidArgument(f"allow-host {safe_repr(host)}: IP literals are not host names")
+    return ("*." if wildcard else "") + ascii_body
+
+
+def check_allow_hosts(hosts: object) -> tuple[str, ...]:
+    """Validate a whole allow-list (at most 256 names, duplicates removed, order kept)."""
+    if not isinstance(hosts, list | tuple):
+        raise InvalidArgument("allow_hosts must be a list of host names")
+    if len(hosts) > MAX_ALLOW_HOSTS:
+        raise InvalidArgument(f"allow_hosts has more than {MAX_ALLOW_HOSTS} entries")
+    return tuple(dict.fromkeys(check_egress_host(h) for h in hosts))
+
+
+def is_local_image(image: str) -> bool:
+    """smolvm's rule: a path, ``-`` or an archive name is local; the rest is a registry ref."""
+    return (
+        image.startswith(("/", "./", "../"))
+        or image == "-"
+        or image.endswith(_LOCAL_IMAGE_SUFFIXES)
+    )
+
+
+@frozen
+class ServiceSpec:
+    """One sidecar service the agent may reach, and how its endpoint is stamped into env."""
+
+    name: str
+    guest_port: int
+    env: tuple[str, ...] = ()
+
+
+@frozen
+class EgressSpec:
+    allow_hosts: tuple[str, ...]
+    policy_path: str
+    reload: tuple[str, ...]
+
+
+@frozen
+class SidecarSpec:
+    image: str
+    cpus: int
+    mem: int
+    services: tuple[ServiceSpec, ...]
+    egress: EgressSpec | None
+
+
+@frozen
+class AgentSpec:
+    image: str
+    cpus: int
+    mem: int
+    env: tuple[str, ...] = ()
+    workload: tuple[str, ...] = ()
+    volumes: tuple[str, ...] = ()
+
+
+@frozen
+class BottleSpec:
+    name: str
+    mode: str  # auto | alias | socket | none
+    sidecar: SidecarSpec | None
+    agent: AgentSpec | None
+
+    @property
+    def has_vms(self) -> bool:
+        return self.mode != "none"
+
+
+class _Fields:
+    """Typed access to one table of the spec; every error names the field's dotted path."""
+
+    def __init__(self, table: object, where: str, allowed: set[str]) -> None:
+        if not isinstance(table, Mapping):
+            raise InvalidArgument(f"{where or 'spec'}: must be a table")
+        for key in table:
+            if key not in allowed:
+                shown = (
+                    key if isinstance(key, str) and key.isidentifier() and len(key) < 40 else "?"
+                )
+                raise InvalidArgument(f"{self._path(where, shown)}: unknown key")
+        self.table: Mapping[str, Any] = table
+        self.where = where
+
+    @staticmethod
+    def _path(where: str, key: str) -> str:
+        return f"{where}.{key}" if where else key
+
+    def path(self, key: str) -> str:
+        return self._path(self.where, key)
+
+    def get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
+        if key not in self.table:
+            if required:
+                raise InvalidArgument(f"{self.path(key)}: missing")
+            return default
+        return self.table[key]
+
+    def string(self, key: str, *, required: bool = True, default: str | None = None) -> str:
+        value = self.get(key, default, required=required)
+        if not isinstance(value, str) or not value or len(value) > MAX_STRING:
+            raise InvalidArgument(f"{self.path(key)}: must be a non-empty string")
+        if any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise InvalidArgument(f"{self.path(key)}: must not contain control characters")
+        return value
+
+    def integer(self, key: str, low: int, high: int, default: int | None = None) -> int:
+        value = self.get(key, default, required=default is None)
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise InvalidArgument(f"{self.path(key)}: must be an integer {low}-{high}")
+        return value
+
+    def strings(self, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
+        value = self.get(key, [])
+        if not isinstance(value, list) or len(value) > limit:
+            raise InvalidArgument(f"{self.path(key)}: must be a list of at most {limit} strings")
+        out = []
+        for i, item in enumerate(value):
+            if not isinstance(item, str) or len(item) > MAX_STRING or "\x00" in item:
+                raise InvalidArgument(f"{self.path(key)}[{i}]: must be a string without NUL")
+            out.append(item)
+        return tuple(out)
+
+
+def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tuple[str, ...]:
+    for i, entry in enumerate(entries):
+        key, sep, value = entry.partition("=")
+        if not sep or not ENV_KEY_RE.fullmatch(key):
+            raise InvalidArgument(f"{where}[{i}]: must be KEY=VALUE with KEY a variable name")
+        if any(ord(c) < 32 and c != "\t" for c in value):
+            raise InvalidArgument(f"{where}[{i}]: value must not contain control characters")
+        if templates:
+            try:
+                fields = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
+            except ValueError:
+                raise InvalidArgument(f"{where}[{i}]: unbalanced braces in template") from None
+            unknown = fields - TEMPLATE_FIELDS
+            if unknown:
+                raise InvalidArgument(
+                    f"{where}[{i}]: unknown placeholder; use {{host}}, {{port}}, {{socket}} "
+                    "or {service}"
+                )
+    return entries
+
+
+def _check_abs(path: str, where: str) -> str:
+    if not path.startswith("/") or os.path.normpath(path) != path:
+        raise InvalidArgument(f"{where}: must be an absolute, normalised path")
+    return path
+
+
+def _check_volume(spec: str, where: str) -> str:
+    parts = spec.rsplit(":", 2)
+    if len(parts) == 3 and parts[2] in ("ro", "rw"):
+        host, guest = parts[0], parts[1]
+    else:
+        host, _, guest = spec.rpartition(":")
+    if not host or not guest:
+        raise InvalidArgument(f"{where}: must be HOST:GUEST[:ro|:rw]")
+    _check_abs(host, where)
+    _check_abs(guest, where)
+    if not os.path.isdir(host) or os.path.islink(host):
+        raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
+    return spec
+
+
+def _service(raw: object, where: str) -> ServiceSpec:
+    f = _Fields(raw, where, {"name", "guest_port", "env"})
+    name = f.string("name")
+    if not LABEL_RE.fullmatch(name):
+        raise InvalidArgument(f"{f.path('name')}: must match [a-z0-9][a-z0-9_-]{{0,31}}")
+    port = f.integer("guest_port", 1, 65535)
+    env = _check_env(f.strings("env"), f.path("env"), templates=True)
+    return ServiceSpec(name, port, env)
+
+
+def _egress(raw: object, where: str) -> EgressSpec:
+    f = _Fields(raw, where, {"allow_hosts", "policy_path", "reload"})
+    try:
+        hosts = check_allow_hosts(f.get("allow_hosts", []))
+    except InvalidArgument as e:
+        raise InvalidArgument(f"{f.path('allow_hosts')}: {e.message}") from None
+    policy_path = _check_abs(f.string("policy_path"), f.path("policy_path"))
+    reload = f.strings("reload", limit=64)
+    if not reload or not reload[0].startswith("/"):
+        raise InvalidArgument(f"{f.path('reload')}: must be an argv whose first item is absolute")
+    return EgressSpec(hosts, policy_path, reload)
+
+
+def _sidecar(raw: object) -> SidecarSpec:
+    f = _Fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
+    image = f.string("image")
+    cpus = f.integer("cpus", 1, 16, default=1)
+    mem = f.integer("mem", 64, 1 << 20, default=512)
+    raw_services = f.get("service", [])
+    if not isinstance(raw_services, list) or not 1 <= len(raw_services) <= MAX_SERVICES:
+        raise InvalidArgument(f"sidecar.service: must list 1-{MAX_SERVICES} services")
+    services = tuple(_service(s, f"sidecar.service[{i}]") for i, s in enumerate(raw_services))
+    names = [s.name for s in services]
+    if len(set(names)) != len(names):
+        raise InvalidArgument("sidecar.service: service names must be unique")
+    egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
+    return SidecarSpec(image, cpus, mem, services, egress)
+
+
+def _agent(raw: object) -> AgentSpec:
+    f = _Fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
+    image = f.string("image")
+    cpus = f.integer("cpus", 1, 16, default=2)
+    mem = f.integer("mem", 64, 1 << 20, default=2048)
+    env = _check_env(f.strings("env"), "agent.env", templates=False)
+    workload = f.strings("workload", limit=256)
+    volumes = tuple(
+        _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(f.strings("volumes"))
+    )
+    return AgentSpec(image, cpus, mem, env, workload, volumes)
+
+
+def parse_bottle_spec(name: str, data: object) -> BottleSpec:
+    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``."""
+    check_bottle_name(name)
+    f = _Fields(data, "", {"mode", "sidecar", "agent"})
+    mode = f.get("mode", "auto")
+    if mode not in MODES:
+        raise InvalidArgument(f"mode: must be one of {', '.join(MODES)}")
+    if mode == "none":
+        if "sidecar" in f.table or "agent" in f.table:
+            raise InvalidArgument("mode: 'none' is a forward-only bottle: no sidecar or agent")
+        return BottleSpec(name, mode, None, None)
+    sidecar = _sidecar(f.get("sidecar", required=True))
+    agent = _agent(f.get("agent", required=True))
+    if mode == "socket" and not is_local_image(agent.image):
+        raise InvalidArgument(
+            "agent.image: socket mode gives the agent VM no network, so smolvm cannot pull a "
+            "registry image: use a local image (an archive, a directory or a packed machine)"
+        )
+    return BottleSpec(name, mode, sidecar, agent)

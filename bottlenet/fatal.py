@@ -1,0 +1,35 @@
+"""Stopping the daemon on an error it must not run on with (no socket, half a config)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+from twisted.logger import Logger
+
+log = Logger(namespace="bottlenet.fatal")
+
+
+def _exit(code: int) -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
+def fatal_stop(reactor: Any, message: str, code: int = 1) -> None:
+    """Log ``message`` as one line, stop the reactor, and exit with ``code`` after shutdown.
+
+    twistd and twist always exit 0 once the reactor stops, so the status is set from an
+    "after shutdown" trigger, once every service has stopped and released what it held.
+    """
+    log.critical("fatal: {message}", message=message)
+    print(f"bottlenet: error: {message}", file=sys.stderr, flush=True)
+    reactor.addSystemEventTrigger("after", "shutdown", _exit, code)
+    if reactor.running:
+        reactor.stop()
+    else:
+        reactor.callWhenRunning(reactor.stop)

@@ -1,0 +1,155 @@
+"""Bottle spec validation: every field, with errors that name it."""
+
+from __future__ import annotations
+
+import tomllib
+from typing import Any
+
+import pytest
+
+from bottlenet.bottles.spec import check_egress_host, parse_bottle_spec
+from bottlenet.errors import InvalidArgument
+
+SPEC = """
+mode = "auto"
+[sidecar]
+image = "/var/lib/bottles/sidecar.tar"
+cpus = 1
+mem = 512
+[[sidecar.service]]
+name = "egress"
+guest_port = 3128
+env = ["HTTPS_PROXY=http://{host}:{port}", "HTTP_PROXY=http://{host}:{port}"]
+[sidecar.egress]
+allow_hosts = ["api.anthropic.com", "*.github.com"]
+policy_path = "/etc/bottle/egress-allow.txt"
+reload = ["/usr/local/bin/egress-reload"]
+[agent]
+image = "/var/lib/bottles/agent.tar"
+cpus = 2
+mem = 2048
+env = ["TERM=xterm-256color"]
+"""
+
+
+def doc(**changes: Any) -> dict[str, Any]:
+    data = tomllib.loads(SPEC)
+    for dotted, value in changes.items():
+        *path, last = dotted.split("__")
+        table = data
+        for part in path:
+            table = table[part]
+        if value is KeyError:
+            del table[last]
+        else:
+            table[last] = value
+    return data
+
+
+def test_issue_example_parses() -> None:
+    spec = parse_bottle_spec("b1", doc())
+    assert spec.mode == "auto" and spec.has_vms
+    assert spec.sidecar is not None and spec.agent is not None
+    assert spec.sidecar.services[0].guest_port == 3128
+    assert spec.sidecar.egress is not None
+    assert spec.sidecar.egress.allow_hosts == ("api.anthropic.com", "*.github.com")
+    assert spec.agent.volumes == ()
+
+
+def test_forward_only_mode() -> None:
+    spec = parse_bottle_spec("b1", {"mode": "none"})
+    assert not spec.has_vms and spec.sidecar is None
+    with pytest.raises(InvalidArgument, match="forward-only"):
+        parse_bottle_spec("b1", {"mode": "none", "agent": {"image": "/x"}})
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"mode": "bridge"}, "mode"),
+        ({"sidecar": KeyError}, "sidecar: missing"),
+        ({"agent__image": KeyError}, "agent.image: missing"),
+        ({"agent__image": ""}, "agent.image"),
+        ({"agent__cpus": 0}, "agent.cpus"),
+        ({"agent__cpus": True}, "agent.cpus"),
+        ({"agent__mem": 32}, "agent.mem"),
+        ({"agent__env": ["1BAD=x"]}, "agent.env[0]"),
+        ({"agent__env": ["NOEQUALS"]}, "agent.env[0]"),
+        ({"agent__env": ["A=b\nc"]}, "agent.env[0]"),
+        ({"agent__volumes": ["/nonexistent-dir-xyz:/work"]}, "agent.volumes[0]"),
+        ({"agent__volumes": ["relative:/work"]}, "agent.volumes[0]"),
+        ({"agent__colour": "red"}, "agent.colour: unknown key"),
+        ({"sidecar__service": []}, "sidecar.service"),
+        ({"sidecar__service": [{"name": "Egress", "guest_port": 1}]}, "sidecar.service[0].name"),
+        ({"sidecar__service": [{"name": "e", "guest_port": 0}]}, "sidecar.service[0].guest_port"),
+        (
+            {"sidecar__service": [{"name": "e", "guest_port": 1, "env": ["X={secret}"]}]},
+            "sidecar.service[0].env[0]: unknown placeholder",
+        ),
+        (
+            {"sidecar__service": [{"name": "e", "guest_port": 1}, {"name": "e", "guest_port": 2}]},
+            "unique",
+        ),
+        ({"sidecar__egress__allow_hosts": ["Example.com"]}, "sidecar.egress.allow_hosts"),
+        ({"sidecar__egress__allow_hosts": ["x"] * 300}, "sidecar.egress.allow_hosts"),
+        ({"sidecar__egress__policy_path": "etc/x"}, "sidecar.egress.policy_path"),
+        ({"sidecar__egress__reload": []}, "sidecar.egress.reload"),
+        ({"sidecar__egress__reload": ["reload"]}, "sidecar.egress.reload"),
+    ],
+)
+def test_bad_fields_are_named(changes: dict[str, Any], field: str) -> None:
+    with pytest.raises(InvalidArgument) as info:
+        parse_bottle_spec("b1", doc(**changes))
+    assert field in str(info.value)
+
+
+def test_socket_mode_needs_a_local_agent_image() -> None:
+    with pytest.raises(InvalidArgument, match="local image"):
+        parse_bottle_spec("b1", doc(mode="socket", agent__image="docker.io/library/alpine"))
+    assert parse_bottle_spec("b1", doc(mode="socket")).mode == "socket"
+
+
+def test_volume_must_be_an_existing_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    spec = parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}:/work:ro"]))
+    assert spec.agent is not None and spec.agent.volumes == (f"{tmp_path}:/work:ro",)
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InvalidArgument):
+        parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}/f:/work"]))
+
+
+@pytest.mark.parametrize(
+    ("host", "canonical"),
+    [
+        ("api.anthropic.com", "api.anthropic.com"),
+        ("*.github.com", "*.github.com"),
+        ("bücher.example", "xn--bcher-kva.example"),
+    ],
+)
+def test_good_hosts(host: str, canonical: str) -> None:
+    assert check_egress_host(host) == canonical
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "",
+        "localhost",
+        "API.example.com",
+        "a..b",
+        "-a.com",
+        "a-.com",
+        "*.",
+        "*",
+        "a.*.com",
+        "1.2.3.4",
+        "exa mple.com",
+        "a.com.",
+        "x" * 64 + ".com",
+        "a.com/path",
+        "a.com:443",
+        None,
+    ],
+)
+def test_bad_hosts(host: object) -> None:
+    with pytest.raises(InvalidArgument):
+        check_egress_host(host)

@@ -1,0 +1,168 @@
+"""The daemon as a person runs it: `twist bottlenet` / `twistd -n bottlenet` in a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import select
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+@pytest.fixture
+def echo_server() -> Iterator[int]:
+    """A plain threaded echo server on 127.0.0.1 standing in for a sidecar's raw port."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                continue
+            with conn:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join(5)
+    srv.close()
+
+
+def _write_config(tmp_path, body: str) -> str:  # type: ignore[no-untyped-def]
+    path = tmp_path / "bn.toml"
+    path.write_text(body)
+    return str(path)
+
+
+def _run_fail(args: list[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet", *args],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+
+
+def test_bad_config_is_one_line_and_nonzero(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    config = _write_config(tmp_path, "[[bottle]]\nname = 'demo'\nalias = '127.0.0.1'\n")
+    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--config", config])
+    assert out.returncode != 0
+    assert out.stderr.strip().splitlines() == [
+        f"bottlenet: error: {config}: bottle[0].alias: alias 127.0.0.1 is not in the alias pool "
+        "127.77.0.0/16"
+    ]
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_bad_option_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--alias-pool", "0.0.0.0/0"])
+    assert out.returncode != 0
+    assert len(out.stderr.strip().splitlines()) == 1
+    assert out.stderr.startswith("bottlenet: error: --alias-pool:")
+
+
+def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    squatter = socket.socket()
+    squatter.bind(("127.77.0.9", 0))
+    squatter.listen(1)
+    port = squatter.getsockname()[1]
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n"
+        "[[bottle.forward]]\nlabel = 'a'\nport = 0\ntarget = '127.0.0.1:9'\n"
+        f"[[bottle.forward]]\nlabel = 'b'\nport = {port}\ntarget = '127.0.0.1:9'\n",
+    )
+    try:
+        out = _run_fail(["--state-dir", str(tmp_path / "s"), "--config", config])
+    finally:
+        squatter.close()
+    assert out.returncode == 1
+    assert f"{config}: bottle[0].forward[1]:" in out.stderr
+    assert "Traceback" not in out.stdout + out.stderr
+
+
+def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[str, int]:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout
+    seen = b""
+    while time.monotonic() < deadline:
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        if ready:
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen += line
+            m = LISTENING.search(line)
+            if m:
+                return m.group(3).decode(), int(m.group(4))
+    proc.kill()
+    raise AssertionError(f"daemon never reported a listening forward:\n{seen.decode()}")
+
+
+def _echo_through(host: str, port: int, payload: bytes) -> bytes:
+    with socket.create_connection((host, port), timeout=10) as c:
+        c.sendall(payload)
+        c.shutdown(socket.SHUT_WR)
+        chunks = []
+        while data := c.recv(65536):
+            chunks.append(data)
+    return b"".join(chunks)
+
+
+@pytest.mark.parametrize("runner", ["twist", "twistd"])
+def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner: str) -> None:  # type: ignore[no-untyped-def]
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
+        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
+    )
+    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
+    if runner == "twist":
+        cmd = [sys.executable, "-m", "twisted", "--log-format=text", *args]
+    else:
+        twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
+        cmd = [twistd, "-n", "--pidfile=", "--logfile=-", *args]
+    proc = _start(cmd)
+    try:
+        host, port = _wait_listening(proc)
+        assert host == "127.77.0.2" and port != 0
+        payload = os.urandom(300_000)
+        assert _echo_through(host, port, payload) == payload
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    # After a clean stop nothing listens on the forward any more.
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, port), timeout=5).close()

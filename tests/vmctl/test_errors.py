@@ -1,0 +1,150 @@
+"""Unit tests for the smolvm stderr → typed error mapping."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+from twisted.trial.unittest import SynchronousTestCase
+
+from vmctl import errors as E
+
+KVM = (
+    b"Error: agent operation failed: start machine: kvm not available: KVM not available. "
+    b"Ensure KVM kernel module is loaded.\n  Try: sudo modprobe kvm_intel\n"
+)
+CASES: list[tuple[bytes, int, type[E.SmolvmFailed], str]] = [
+    (b"Error: vm not found: m1\n", 1, E.NotFound, "NOT_FOUND"),
+    (
+        b"Error: config operation failed: machine status: machine 'm1' not found\n",
+        1,
+        E.NotFound,
+        "NOT_FOUND",
+    ),
+    (
+        b"Error: config operation failed: create machine: machine 'm1' already exists or is "
+        b"being created\n",
+        1,
+        E.AlreadyExists,
+        "ALREADY_EXISTS",
+    ),
+    (
+        b"WARN something\nError: config operation failed: start machine: host port 4000 is "
+        b"already in use by running machine 'other'\n",
+        1,
+        E.PortInUse,
+        "PORT_IN_USE",
+    ),
+    (
+        b"Error: agent operation failed: start machine: configure virtio-net: failed to start "
+        b"virtio network runtime: Address already in use (os error 98) (boot process exited "
+        b"(code 1) before the agent was ready)\n",
+        1,
+        E.PortInUse,
+        "PORT_IN_USE",
+    ),
+    (KVM, 1, E.KvmUnavailable, "KVM_UNAVAILABLE"),
+    (
+        b"Error: agent operation failed: start machine: kvm permission denied: Cannot access "
+        b"/dev/kvm (permission denied).\n  usermod hint\n",
+        1,
+        E.KvmUnavailable,
+        "KVM_UNAVAILABLE",
+    ),
+    (
+        b"Error: agent operation failed: start machine: monitor agent: agent operation failed: "
+        b"start vm: krun_start_enter returned: -22 (EINVAL: Invalid argument)\n",
+        1,
+        E.DeviceBudget,
+        "DEVICE_BUDGET",
+    ),
+    (
+        b"Error: agent operation failed: connect: machine 'm1' is not running. Use 'smolvm "
+        b"machine start --name m1' first.\n",
+        1,
+        E.NotRunning,
+        "NOT_RUNNING",
+    ),
+    (
+        b"Error: agent operation failed: start machine: agent operation failed: wait for "
+        b"ready: agent did not become ready within 30 seconds\n",
+        1,
+        E.ReadinessTimeout,
+        "READINESS_TIMEOUT",
+    ),
+    (
+        b"error: unexpected argument '--bogus' found\n\nUsage: smolvm machine create\n",
+        2,
+        E.UsageError,
+        "USAGE_ERROR",
+    ),
+    (b"Error: something new went wrong\n", 1, E.SmolvmFailed, "SMOLVM_FAILED"),
+    (b"", 1, E.SmolvmFailed, "SMOLVM_FAILED"),
+]
+
+
+class ClassifyTests(SynchronousTestCase):
+    def test_table(self) -> None:
+        for stderr, code, cls, wire in CASES:
+            e = E.classify(stderr, code, "machine start")
+            self.assertIs(type(e), cls, stderr)
+            self.assertEqual(e.code, wire)
+            self.assertEqual(e.exit_code, code)
+            self.assertTrue(e.message.startswith("smolvm machine start"))
+
+    def test_port_details(self) -> None:
+        e = E.classify(CASES[3][0], 1, "machine start")
+        assert isinstance(e, E.PortInUse)
+        self.assertEqual((e.port, e.holder), (4000, "other"))
+        self.assertIn("host port 4000", e.message)
+        e = E.classify(CASES[4][0], 1, "machine start")
+        assert isinstance(e, E.PortInUse)
+        self.assertIsNone(e.holder)
+
+    def test_multiline_kept_sanitised(self) -> None:
+        e = E.classify(KVM, 1, "machine start")
+        self.assertNotIn("\n", e.message)
+        self.assertIn("modprobe", e.message)
+
+    def test_signal(self) -> None:
+        e = E.classify(b"", None, "machine stop", signal=9)
+        self.assertEqual(e.code, "SMOLVM_FAILED")
+        self.assertIn("signal 9", e.message)
+
+    def test_generic_carries_tail(self) -> None:
+        e = E.classify(b"noise\x1b[31m\n" * 200 + b"the end\n", 1, "machine ls")
+        self.assertTrue(e.stderr_tail.endswith("the end"))
+        self.assertNotIn("\x1b", e.message)
+        self.assertLessEqual(len(e.stderr_tail), E.MESSAGE_LIMIT)
+
+    def test_every_class_has_distinct_code(self) -> None:
+        codes = {c: c.code for c in E.ALL_ERRORS}
+        for c in (
+            "SMOLVM_UNAVAILABLE",
+            "SMOLVM_FAILED",
+            "NOT_FOUND",
+            "ALREADY_EXISTS",
+            "PORT_IN_USE",
+            "KVM_UNAVAILABLE",
+            "DEVICE_BUDGET",
+            "NOT_RUNNING",
+            "READINESS_TIMEOUT",
+            "USAGE_ERROR",
+            "TIMEOUT",
+            "INVALID_ARGUMENT",
+            "UNSUPPORTED_VERSION",
+        ):
+            self.assertIn(c, codes.values())
+
+
+class SanitizeTests(SynchronousTestCase):
+    @given(st.binary(max_size=2000))
+    def test_no_control_bounded(self, data: bytes) -> None:
+        s = E.sanitize(data)
+        self.assertLessEqual(len(s), E.MESSAGE_LIMIT)
+        self.assertFalse(any(ord(c) < 32 or 0x7F <= ord(c) <= 0x9F for c in s))
+
+    @given(st.binary(max_size=500), st.integers(0, 3))
+    def test_classify_never_raises(self, data: bytes, code: int) -> None:
+        e = E.classify(data, code, "x")
+        self.assertIsInstance(e, E.SmolvmFailed)
+        self.assertFalse(any(ord(c) < 32 for c in e.message))

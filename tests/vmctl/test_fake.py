@@ -1,0 +1,83 @@
+"""The fake smolvm itself (a test double): CLI forms, exit codes, and the leak-free fixture."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+from tests.fakes import FAKE_SMOLVM, FakeSmolvm, process_alive
+
+
+def run(fake: FakeSmolvm, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [FAKE_SMOLVM, *args],
+        env=fake.environ(SMOLVM_DATA_DIR=fake.path, **env),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def test_version_and_override(fake_smolvm: FakeSmolvm) -> None:
+    assert run(fake_smolvm, "--version").stdout == "smolvm 1.9.2\n"
+    assert run(fake_smolvm, "-V", FAKE_SMOLVM_VERSION="1.7.0").stdout == "smolvm 1.7.0\n"
+    fake_smolvm.set_faults(version="1.6.4")
+    assert run(fake_smolvm, "--version").stdout == "smolvm 1.6.4\n"
+
+
+def test_usage_errors_exit_2(fake_smolvm: FakeSmolvm) -> None:
+    for args in (
+        ["machine", "create", "positional"],
+        ["machine", "create", "--name", "a", "-p", "127.0.0.1:80:80"],
+        ["machine", "create", "--name", "a", "-p", "0:80"],
+        ["machine", "frobnicate"],
+        ["machine", "exec", "-n", "a", "--", "true"],  # exec has no -n
+        ["machine", "delete"],
+    ):
+        r = run(fake_smolvm, *args)
+        assert r.returncode == 2, args
+        assert r.stderr.startswith("error: "), args
+
+
+def test_runtime_errors_exit_1(fake_smolvm: FakeSmolvm) -> None:
+    r = run(fake_smolvm, "machine", "start", "--name", "nope")
+    assert (r.returncode, r.stderr) == (1, "Error: vm not found: nope\n")
+    r = run(fake_smolvm, "machine", "status", "--name", "nope", "--json")
+    assert "machine 'nope' not found" in r.stderr
+    r = run(fake_smolvm, "machine", "create", "--name", "a", "-v", "/nonexistent-xyz:/g")
+    assert (r.returncode, r.stderr) == (1, "Error: mount source not found: /nonexistent-xyz\n")
+    r = run(fake_smolvm, "machine", "create", "--name", "a", "-I", "alpine")
+    assert r.returncode == 1 and "must be pulled from a registry" in r.stderr
+
+
+def test_calls_recorded_and_cleanup_kills(fake_smolvm: FakeSmolvm) -> None:
+    assert run(fake_smolvm, "machine", "create", "--name", "a", "--label", "k=v").returncode == 0
+    r = run(fake_smolvm, "machine", "start", "--name", "a")
+    assert r.returncode == 0 and r.stderr == "Starting machine 'a'...\n"
+    pid = int(r.stdout.split("PID: ")[1].rstrip(")\n"))
+    assert process_alive(pid)
+    with open(fake_smolvm.path + "/" + "calls.jsonl") as f:
+        calls = [json.loads(line) for line in f]
+    assert [c["argv"][:2] for c in calls] == [["machine", "create"], ["machine", "start"]]
+    assert calls[0]["env"]["SMOLVM_DATA_DIR"] == fake_smolvm.path
+    [listed] = json.loads(run(fake_smolvm, "machine", "ls", "--json").stdout)
+    assert (listed["name"], listed["state"], listed["pid"], listed["labels"]) == (
+        "a",
+        "running",
+        pid,
+        {"k": "v"},
+    )
+    assert fake_smolvm.live_pids() == [pid]
+    assert fake_smolvm.cleanup() == []
+    assert not process_alive(pid)
+    assert json.loads(run(fake_smolvm, "machine", "ls", "--json").stdout)[0]["state"] == "stopped"
+
+
+def test_exec_detached_pid_recorded(fake_smolvm: FakeSmolvm) -> None:
+    run(fake_smolvm, "machine", "create", "--name", "a")
+    run(fake_smolvm, "machine", "start", "--name", "a")
+    r = run(fake_smolvm, "machine", "exec", "--name", "a", "-d", "--", "sleep", "30")
+    pid = int(r.stdout)
+    assert pid in fake_smolvm.live_pids()
+    # the fixture's teardown kills it (and the VM) and asserts nothing survives

@@ -1,0 +1,218 @@
+"""Unit tests for vmctl.smolvm against a scripted fake process reactor."""
+
+from __future__ import annotations
+
+import json
+
+from twisted.trial.unittest import SynchronousTestCase
+
+from tests.fakes import FAKE_SMOLVM
+from tests.vmctl.fakereactor import FakeProcessReactor, scripted
+from vmctl.errors import (
+    CallTimeout,
+    InvalidArgument,
+    NotFound,
+    NotRunning,
+    SmolvmFailed,
+    SmolvmUnavailable,
+    UnsupportedVersion,
+    UsageError,
+)
+from vmctl.runner import ProcessRunner
+from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, Timeouts
+from vmctl.spec import MachineSpec, PortMapping
+
+BIN = FAKE_SMOLVM  # exists; the fake reactor never runs it
+
+
+def rec(name: str, **kw: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "name": name, "state": "running", "pid": 77, "labels": {}, "ports": 1, "mounts": 0,
+        "ephemeral": False, "network": True, "image": None, "cpus": 4, "memory_mib": 8192,
+        "created_at": 1,
+    }  # fmt: skip
+    base.update(kw)
+    return base
+
+
+class Script:
+    """Answers smolvm argv with canned (code, stdout, stderr); records every argv."""
+
+    def __init__(self, version: bytes = b"smolvm 1.9.2\n") -> None:
+        self.version = version
+        self.answers: dict[str, tuple[int, bytes, bytes]] = {}
+        self.seen: list[list[str]] = []
+
+    def __call__(self, args: list[str]) -> tuple[int, bytes, bytes]:
+        self.seen.append(args)
+        if args == ["--version"]:
+            return 0, self.version, b""
+        key = " ".join(args[:2])
+        return self.answers.get(key, (0, b"", b""))
+
+
+class SmolvmUnitTests(SynchronousTestCase):
+    def setUp(self) -> None:
+        self.script = Script()
+        self.reactor = FakeProcessReactor(scripted(self.script))
+        self.runner = ProcessRunner(self.reactor)
+        self.smolvm = Smolvm(
+            self.runner, BIN, "/var/lib/smol",
+            environ={"PATH": "/bin", "SMOLVM_PUBLISH_ADDR": "0.0.0.0", "HOME": "/h"},
+        )  # fmt: skip
+
+    def test_version(self) -> None:
+        v = self.successResultOf(self.smolvm.version())
+        self.assertEqual(v, SmolvmVersion(1, 9, 2))
+        self.assertTrue(v.supports_mount_socket)
+        self.assertEqual(str(v), "1.9.2")
+        self.assertEqual(self.smolvm.known_version, v)
+
+    def test_version_features(self) -> None:
+        self.assertFalse(SmolvmVersion(1, 6, 3).supports_mount_socket)
+        self.assertFalse(SmolvmVersion(1, 6, 3).supported)
+        self.assertTrue(SmolvmVersion(1, 6, 4).supported)
+        self.assertTrue(SmolvmVersion(2, 0, 0) > SmolvmVersion(1, 99, 99))
+        self.assertFalse(SmolvmVersion(1, 1, 2).egress_forces_virtio_net)
+        self.assertTrue(SmolvmVersion(1, 0, 4).ports_force_virtio_net)
+
+    def test_old_version_refused(self) -> None:
+        self.script.version = b"smolvm 1.5.0\n"
+        f = self.failureResultOf(self.smolvm.version(), UnsupportedVersion)
+        self.assertIn("1.6.4", f.value.message)
+        f = self.failureResultOf(self.smolvm.start("m1"), UnsupportedVersion)
+        self.assertEqual(f.value.code, "UNSUPPORTED_VERSION")
+        self.assertEqual([a for a in self.script.seen if a[0] == "machine"], [])
+
+    def test_garbage_version(self) -> None:
+        self.script.version = b"hello\n"
+        self.failureResultOf(self.smolvm.version(), SmolvmFailed)
+
+    def test_gate_runs_once(self) -> None:
+        self.successResultOf(self.smolvm.stop("m1"))
+        self.successResultOf(self.smolvm.stop("m1"))
+        self.assertEqual(self.script.seen.count(["--version"]), 1)
+
+    def test_env_and_argv(self) -> None:
+        self.script.answers["machine start"] = (0, b"Machine 'm1' running (PID: 123)\n", b"")
+        self.assertEqual(self.successResultOf(self.smolvm.start("m1")), 123)
+        proc = self.reactor.spawned[-1]
+        self.assertEqual(proc.args, [BIN, "machine", "start", "--name", "m1"])
+        self.assertEqual(
+            proc.env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_DATA_DIR": "/var/lib/smol"}
+        )
+
+    def test_delete_always_forced(self) -> None:
+        self.successResultOf(self.smolvm.delete("m1"))
+        self.assertEqual(self.script.seen[-1], ["machine", "delete", "--name", "m1", "-f"])
+
+    def test_lifecycle_argv(self) -> None:
+        self.successResultOf(self.smolvm.stop("m1"))
+        self.script.answers["machine data-dir"] = (0, b"/d/vms/abc\n", b"")
+        self.assertEqual(self.successResultOf(self.smolvm.data_dir("m1")), "/d/vms/abc")
+        self.successResultOf(self.smolvm.create(MachineSpec("m1", ports=[PortMapping(5, 6)])))
+        self.assertEqual(
+            self.script.seen[1:],
+            [
+                ["machine", "stop", "--name", "m1"],
+                ["machine", "data-dir", "--name", "m1"],
+                ["machine", "create", "--name", "m1", "--port", "5:6"],
+            ],
+        )
+
+    def test_invalid_spawns_nothing(self) -> None:
+        for d in (
+            self.smolvm.start("-f"),
+            self.smolvm.delete("a--b"),
+            self.smolvm.exec("m1", []),
+            self.smolvm.create(MachineSpec("m1", cpus=0)),
+            self.smolvm.status("bad name"),
+        ):
+            self.failureResultOf(d, InvalidArgument)
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_unavailable(self) -> None:
+        smolvm = Smolvm(self.runner, None, environ={})
+        for d in (smolvm.version(), smolvm.list(), smolvm.start("m1")):
+            self.failureResultOf(d, SmolvmUnavailable)
+        self.assertEqual(self.reactor.spawned, [])
+
+    def test_errors_mapped(self) -> None:
+        self.script.answers["machine stop"] = (1, b"", b"Error: vm not found: m1\n")
+        f = self.failureResultOf(self.smolvm.stop("m1"), NotFound)
+        self.assertIn("vm not found: m1", f.value.message)
+
+    def test_list(self) -> None:
+        data = [
+            rec("a", labels={"owner": "bn", "b": "1"}),
+            rec("b", labels={"owner": "other"}),
+            rec("c", labels={"owner": "bn"}, ephemeral=True),
+            rec("d", labels={"owner": "bn"}, pid="12", ports="x", state=None),
+            {"name": 5},
+            "junk",
+        ]
+        self.script.answers["machine ls"] = (0, json.dumps(data).encode(), b"WARN x\n")
+        ms = self.successResultOf(self.smolvm.list({"owner": "bn"}))
+        self.assertEqual([m.name for m in ms], ["a", "d"])
+        self.assertEqual(ms[0], Machine("a", "running", 77, {"owner": "bn", "b": "1"}, 1, 0,
+                                        False, True, None, 4, 8192, 1))  # fmt: skip
+        self.assertEqual((ms[1].pid, ms[1].ports, ms[1].state), (None, 0, "unknown"))
+        self.assertEqual(len(self.successResultOf(self.smolvm.list())), 3)
+        self.assertEqual(len(self.successResultOf(self.smolvm.list(include_ephemeral=True))), 4)
+        self.assertEqual(self.script.seen[-1], ["machine", "ls", "--json"])
+
+    def test_list_bad_json(self) -> None:
+        for out in (b"{}", b"not json", b"\xff"):
+            self.script.answers["machine ls"] = (0, out, b"")
+            self.failureResultOf(self.smolvm.list(), SmolvmFailed)
+
+    def test_status(self) -> None:
+        self.script.answers["machine status"] = (0, json.dumps(rec("m1", pid=99)).encode(), b"")
+        m = self.successResultOf(self.smolvm.status("m1"))
+        self.assertEqual((m.pid, m.running), (99, True))
+        self.assertEqual(self.script.seen[-1], ["machine", "status", "--name", "m1", "--json"])
+        self.script.answers["machine status"] = (0, json.dumps(rec("other")).encode(), b"")
+        self.failureResultOf(self.smolvm.status("m1"), SmolvmFailed)
+
+    def test_exec_guest_codes_are_results(self) -> None:
+        self.script.answers["machine exec"] = (1, b"out", b"Error: from the guest itself\n")
+        r = self.successResultOf(self.smolvm.exec("m1", ["false"]))
+        self.assertEqual((r.exit_code, r.stdout), (1, b"out"))
+        self.script.answers["machine exec"] = (2, b"", b"error: guest usage\n")
+        self.assertEqual(self.successResultOf(self.smolvm.exec("m1", ["x"])).exit_code, 2)
+        self.script.answers["machine exec"] = (0, b"ok", b"")
+        self.assertEqual(self.successResultOf(self.smolvm.exec("m1", ["x"])).exit_code, 0)
+
+    def test_exec_smolvm_failures_raised(self) -> None:
+        self.script.answers["machine exec"] = (
+            1, b"", b"Error: agent operation failed: connect: machine 'm1' is not running. "
+            b"Use 'smolvm machine start --name m1' first.\n",
+        )  # fmt: skip
+        self.failureResultOf(self.smolvm.exec("m1", ["x"]), NotRunning)
+        self.script.answers["machine exec"] = (1, b"", b"Error: vm not found: m1\n")
+        self.failureResultOf(self.smolvm.exec("m1", ["x"]), NotFound)
+        self.script.answers["machine exec"] = (
+            2, b"", b"error: unexpected argument '-q' found\n\nUsage: smolvm machine exec\n",
+        )  # fmt: skip
+        self.failureResultOf(self.smolvm.exec("m1", ["x"]), UsageError)
+
+    def test_exec_stdin_and_env(self) -> None:
+        self.successResultOf(self.smolvm.exec("m1", ["cat"], env={"K": "v"}, stdin=b"data"))
+        proc = self.reactor.spawned[-1]
+        self.assertEqual(proc.stdin, b"data")
+        self.assertEqual(
+            proc.args[1:], ["machine", "exec", "--name", "m1", "-e", "K=v", "-i", "--", "cat"]
+        )
+
+    def test_timeouts_apply(self) -> None:
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={}, check_version=False,
+                        timeouts=Timeouts(stop=7))  # fmt: skip
+        d = smolvm.stop("m1")
+        reactor.advance(7)
+        self.assertEqual(reactor.spawned[0].signals, ["TERM"])
+        self.failureResultOf(d, CallTimeout)
+        d = smolvm.exec("m1", ["sleep", "100"], timeout=2)
+        reactor.advance(2)
+        self.assertEqual(reactor.spawned[1].signals, ["TERM"])
+        self.failureResultOf(d, CallTimeout)
