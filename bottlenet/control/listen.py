@@ -31,7 +31,12 @@ from twisted.application.service import Service
 from twisted.internet import tcp, unix
 from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred, fail, succeed
-from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, wrapServerTLS
+from twisted.internet.endpoints import (
+    TCP4ServerEndpoint,
+    TCP6ServerEndpoint,
+    serverFromString,
+    wrapServerTLS,
+)
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
@@ -307,7 +312,7 @@ class SystemdUNIXServerEndpoint:
     log = Logger()
 
     def __init__(
-        self, reactor: Any, description: SystemdDescription, listen_fds: ListenFDs
+        self, reactor: Any, description: SystemdDescription, listen_fds: ListenFDs | None
     ) -> None:
         self._reactor = reactor
         self.description = description
@@ -316,6 +321,13 @@ class SystemdUNIXServerEndpoint:
     def _fd(self) -> int:
         d = self.description
         try:
+            if self._fds is None:
+                # twisted.internet.endpoints reads (and deletes) LISTEN_FDS when it is
+                # imported, so ask its systemd parser instead of the environment.
+                spec = f"name={d.name}" if d.name is not None else f"index={d.index}"
+                adopted = serverFromString(self._reactor, f"systemd:domain=UNIX:{spec}")
+                fd: int = adopted.fileno
+                return fd
             if d.name is not None:
                 return self._fds.inheritedNamedDescriptors()[d.name]
             assert d.index is not None
@@ -342,6 +354,8 @@ class SystemdUNIXServerEndpoint:
             return fail()
         except OSError as e:
             return fail(ControlListenError(f"{self.description.describe()}: {e.strerror}"))
+        except Exception as e:
+            return fail(ControlListenError(f"{self.description.describe()}: {e}"))
         sock.setblocking(False)
         name = sock.getsockname()
         path = name if isinstance(name, str) else os.fsdecode(name)
@@ -373,8 +387,7 @@ def control_endpoint(
     parsed = parse_control_description(description)
     if isinstance(parsed, UNIXDescription):
         return PrivateUNIXServerEndpoint(reactor, parsed.path, parsed.backlog)
-    fds = listen_fds if listen_fds is not None else ListenFDs.fromEnvironment()
-    return SystemdUNIXServerEndpoint(reactor, parsed, fds)
+    return SystemdUNIXServerEndpoint(reactor, parsed, listen_fds)
 
 
 def tls_control_endpoint(
