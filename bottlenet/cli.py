@@ -1,0 +1,280 @@
+"""``bottlenetctl``: the console client of the control socket (no reactor, blocking client).
+
+Exit codes: 0 ok, 1 the daemon refused (``error: CODE: message``), 2 usage error,
+3 the daemon cannot be reached. Tables for people, ``--json`` for scripts; never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
+
+import attrs
+
+from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+from bottlenet.control.listen import default_control_path
+from bottlenet.errors import BottlenetError
+from bottlenet.statedir import default_state_dir
+
+EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
+
+
+def default_control(env: os._Environ[str] | dict[str, str]) -> str:
+    """``$BOTTLENET_CONTROL``, else the daemon's own default path rule."""
+    explicit = env.get("BOTTLENET_CONTROL")
+    if explicit:
+        return explicit
+    return default_control_path(env, default_state_dir(env))
+
+
+def _socket_path(control: str) -> str:
+    return control[len("unix:") :] if control.startswith("unix:") else control
+
+
+def _clean(value: object) -> str:
+    """Printable text only: a daemon-reported value never drives the terminal."""
+    text = "" if value is None else str(value)
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
+    cells = [[_clean(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    for row in [list(headers), *cells]:
+        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
+
+
+def _json(value: Any, out: TextIO) -> None:
+    def default(o: Any) -> Any:
+        if attrs.has(type(o)):
+            return attrs.asdict(o)
+        raise TypeError(type(o).__name__)
+
+    out.write(json.dumps(value, default=default, sort_keys=True) + "\n")
+
+
+Handler = Callable[[BlockingControlClient, argparse.Namespace, TextIO], None]
+
+
+def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    hello = c.hello()
+    bottles = c.list_bottles(limit=1).total
+    if a.json:
+        _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
+        return
+    smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
+    table(
+        ["FIELD", "VALUE"],
+        [
+            ["daemon", hello.server_version],
+            ["protocol", hello.protocol],
+            ["features", ",".join(hello.features)],
+            ["smolvm", smolvm],
+            ["bottles", bottles],
+            ["control", c.path],
+        ],
+        out,
+    )
+
+
+def cmd_ping(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    c.ping()
+    if a.json:
+        _json({"ok": True}, out)
+    else:
+        out.write("ok\n")
+
+
+def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    b = c.create_bottle(a.name, alias=a.alias)
+    if a.json:
+        _json(b, out)
+    else:
+        out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
+
+
+def cmd_bottle_rm(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    c.destroy_bottle(a.name)
+    if a.json:
+        _json({"destroyed": a.name}, out)
+    else:
+        out.write(f"destroyed {a.name}\n")
+
+
+def cmd_bottle_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    bottles = list(c.all_bottles())
+    if a.json:
+        _json(bottles, out)
+        return
+    rows = [[b.name, b.alias or "-", b.source, b.state, b.forwards] for b in bottles]
+    table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
+
+
+def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    b = c.bottle_status(a.name)
+    forwards = list(c.all_forwards(a.name))
+    if a.json:
+        _json({"bottle": b, "forwards": forwards}, out)
+        return
+    table(
+        ["FIELD", "VALUE"],
+        [["name", b.name], ["alias", b.alias or "-"], ["source", b.source], ["state", b.state]],
+        out,
+    )
+    if forwards:
+        out.write("\n")
+        table(
+            ["LABEL", "ENDPOINT", "TARGET"],
+            [[f.label, f.endpoint, f.target] for f in forwards],
+            out,
+        )
+
+
+def cmd_forward_add(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    ep = c.add_forward(a.bottle, a.label, a.to, port=a.port)
+    if a.json:
+        _json(ep, out)
+    else:
+        out.write(_clean(ep.describe()) + "\n")
+
+
+def cmd_forward_rm(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    c.remove_forward(a.bottle, a.label)
+    if a.json:
+        _json({"removed": f"{a.bottle}/{a.label}"}, out)
+    else:
+        out.write(f"removed {a.bottle}/{a.label}\n")
+
+
+def cmd_forward_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    forwards = list(c.all_forwards(a.bottle))
+    if a.json:
+        _json(forwards, out)
+        return
+    rows = [[f.bottle, f.label, f.endpoint, f.target] for f in forwards]
+    table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
+
+
+def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    stats = list(c.all_stats(a.bottle))
+    if a.json:
+        _json(stats, out)
+        return
+    rows = [
+        [s.bottle, s.label, s.accepted, s.active, s.refused, s.failed, s.bytes_in, s.bytes_out]
+        for s in stats
+    ]
+    headers = ["BOTTLE", "LABEL", "ACCEPTED", "ACTIVE", "REFUSED", "FAILED", "IN", "OUT"]
+    table(headers, rows, out)
+
+
+def _port(text: str) -> int:
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise argparse.ArgumentTypeError("must be a port number 0-65535")
+    return int(text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag.add_argument(
+        "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
+    )
+    p = argparse.ArgumentParser(
+        prog="bottlenetctl",
+        description="Control a running bottlenet daemon over its control socket.",
+        parents=[json_flag],
+    )
+    p.add_argument(
+        "--control",
+        metavar="PATH",
+        help="control socket (default: $BOTTLENET_CONTROL, else"
+        " $XDG_RUNTIME_DIR/bottlenet/control.sock, else <state-dir>/control.sock)",
+    )
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(parent: Any, name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
+        sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
+        sp.set_defaults(handler=handler)
+        return sp
+
+    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
+    add(sub, "ping", cmd_ping, "check that the daemon answers")
+
+    bottle = sub.add_parser("bottle", help="create, remove, list bottles").add_subparsers(
+        dest="bottle_command", required=True, metavar="ACTION"
+    )
+    sp = add(bottle, "create", cmd_bottle_create, "create a forward-only bottle")
+    sp.add_argument("name")
+    sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
+    add(bottle, "rm", cmd_bottle_rm, "destroy a bottle and its forwards").add_argument("name")
+    add(bottle, "ls", cmd_bottle_ls, "list bottles")
+    add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
+
+    forward = sub.add_parser("forward", help="add, remove, list forwards").add_subparsers(
+        dest="forward_command", required=True, metavar="ACTION"
+    )
+    sp = add(forward, "add", cmd_forward_add, "add a forward; prints the agent endpoint")
+    sp.add_argument("bottle")
+    sp.add_argument("label")
+    sp.add_argument("--to", required=True, metavar="HOST:PORT", help="loopback target")
+    sp.add_argument("--port", type=_port, default=0, help="agent-side port (0: any free one)")
+    sp = add(forward, "rm", cmd_forward_rm, "remove a forward")
+    sp.add_argument("bottle")
+    sp.add_argument("label")
+    add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
+    add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    return p
+
+
+def main(
+    argv: Sequence[str] | None = None,
+    *,
+    env: dict[str, str] | None = None,
+    out: TextIO | None = None,
+    err: TextIO | None = None,
+) -> int:
+    out = out or sys.stdout
+    err = err or sys.stderr
+    environ = dict(os.environ) if env is None else env
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
+    args.json = getattr(args, "json", False)
+    path = _socket_path(args.control or default_control(environ))
+    if args.timeout <= 0:
+        err.write("bottlenetctl: error: --timeout must be positive\n")
+        return EXIT_USAGE
+    try:
+        with BlockingControlClient(path, timeout=args.timeout) as client:
+            args.handler(client, args, out)
+    except ControlConnectionError as e:
+        err.write(f"error: {_clean(e)}\n")
+        err.write(
+            f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
+            " (set --control or BOTTLENET_CONTROL)\n"
+        )
+        return EXIT_UNREACHABLE
+    except BottlenetError as e:
+        err.write(f"error: {_clean(e.code)}: {_clean(e.message)}\n")
+        return EXIT_DAEMON
+    except KeyboardInterrupt:
+        return 130
+    except Exception as e:  # never a traceback for a person at a terminal
+        err.write(f"error: INTERNAL: bottlenetctl failed: {type(e).__name__}\n")
+        return EXIT_DAEMON
+    return EXIT_OK
+
+
+def run() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,230 @@
+"""AMP commands of the bottlenet control protocol (protocol version 1).
+
+Rules that keep old clients and daemons talking (see docs/protocol.md):
+- names are namespaced (``bottlenet.X``) and never reused;
+- commands evolve only by adding ``optional=True`` arguments and response keys;
+- a new operation is a new command (old daemons answer ``UNHANDLED``);
+- anything without a fixed bound is paginated (offset/limit -> next_offset), so no value can
+  pass AMP's 64 KiB limit;
+- errors are the typed codes of :mod:`bottlenet.errors`; new codes reach old clients as
+  ``UnknownRemoteError``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from twisted.protocols import amp
+
+from bottlenet.control.records import (
+    BottleRecord,
+    ForwardRecord,
+    Record,
+    RecordList,
+    StatsRecord,
+)
+from bottlenet.errors import ALL_ERRORS, BottlenetError
+
+PROTOCOL_VERSION = 1
+SUPPORTED_PROTOCOLS = (1,)
+# Server-side cap on page sizes; each page is also trimmed to a byte budget.
+MAX_PAGE = 100
+FEATURES = ("bottles", "forwards", "stats")
+
+
+class InternalError(BottlenetError):
+    """Something unexpected failed inside the daemon; details are only in its log."""
+
+    code = "INTERNAL"
+
+
+class UnsupportedProtocol(BottlenetError):
+    """Client and daemon share no protocol version."""
+
+    code = "UNSUPPORTED_PROTOCOL"
+
+
+CONTROL_ERRORS: tuple[type[BottlenetError], ...] = (
+    *ALL_ERRORS,
+    InternalError,
+    UnsupportedProtocol,
+)
+ERROR_BY_CODE: dict[str, type[BottlenetError]] = {e.code: e for e in CONTROL_ERRORS}
+
+_INT_RE = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")
+
+
+class StrictInteger(amp.Argument):
+    """``amp.Integer``'s encoding with a strict decoder.
+
+    ``int()`` accepts blanks, ``+``, ``_`` separators and unbounded digit strings; we accept
+    only a canonical decimal that fits in 64 bits.
+    """
+
+    def fromString(self, inString: bytes) -> int:
+        if not _INT_RE.fullmatch(inString):
+            raise ValueError("not a canonical decimal integer")
+        return int(inString)
+
+    def toString(self, inObject: int) -> bytes:
+        return b"%d" % (inObject,)
+
+
+class StrictBoolean(amp.Boolean):
+    def fromString(self, inString: bytes) -> bool:
+        if inString == b"True":
+            return True
+        if inString == b"False":
+            return False
+        raise ValueError("not a boolean")
+
+
+class StrictListOf(amp.ListOf):
+    """``amp.ListOf``'s encoding; the stock decoder silently drops a truncated tail."""
+
+    def fromString(self, inString: bytes) -> list[Any]:
+        out = []
+        pos = 0
+        while pos < len(inString):
+            if pos + 2 > len(inString):
+                raise ValueError("truncated list")
+            size = int.from_bytes(inString[pos : pos + 2], "big")
+            end = pos + 2 + size
+            if end > len(inString):
+                raise ValueError("truncated list")
+            out.append(self.elementType.fromString(inString[pos + 2 : end]))
+            pos = end
+        return out
+
+
+def _page_arguments() -> list[tuple[bytes, amp.Argument]]:
+    return [
+        (b"offset", StrictInteger(optional=True)),
+        (b"limit", StrictInteger(optional=True)),
+    ]
+
+
+def _page_response(key: bytes, arg: amp.Argument) -> list[tuple[bytes, amp.Argument]]:
+    return [
+        (key, arg),
+        (b"total", StrictInteger()),
+        (b"next_offset", StrictInteger(optional=True)),
+    ]
+
+
+class ControlCommand(amp.Command):
+    """Base of every bottlenet command: maps every typed error code both ways."""
+
+    commandName = b"bottlenet.ControlCommand"
+    errors = {cls: cls.code.encode("ascii") for cls in CONTROL_ERRORS}
+
+
+class Hello(ControlCommand):
+    """First call on a connection: negotiate the protocol version, learn features."""
+
+    commandName = b"bottlenet.Hello"
+    arguments = [
+        (b"client_version", amp.Unicode()),
+        (b"protocols", StrictListOf(StrictInteger())),
+    ]
+    response = [
+        (b"server_version", amp.Unicode()),
+        (b"protocol", StrictInteger()),
+        (b"features", StrictListOf(amp.Unicode())),
+        (b"smolvm_available", StrictBoolean()),
+        (b"smolvm_version", amp.Unicode(optional=True)),
+    ]
+
+
+class Ping(ControlCommand):
+    """Liveness check; answers an empty box."""
+
+    commandName = b"bottlenet.Ping"
+    arguments = []
+    response = []
+
+
+class CreateBottle(ControlCommand):
+    """Create a forward-only bottle (alias drawn from the pool when omitted)."""
+
+    commandName = b"bottlenet.CreateBottle"
+    arguments = [
+        (b"name", amp.Unicode()),
+        (b"alias", amp.Unicode(optional=True)),
+    ]
+    response = [(b"bottle", Record(BottleRecord))]
+
+
+class DestroyBottle(ControlCommand):
+    commandName = b"bottlenet.DestroyBottle"
+    arguments = [(b"name", amp.Unicode())]
+    response = []
+
+
+class ListBottles(ControlCommand):
+    commandName = b"bottlenet.ListBottles"
+    arguments = _page_arguments()
+    response = _page_response(b"bottles", RecordList(BottleRecord))
+
+
+class BottleStatus(ControlCommand):
+    commandName = b"bottlenet.BottleStatus"
+    arguments = [(b"name", amp.Unicode())]
+    response = [(b"bottle", Record(BottleRecord))]
+
+
+class AddForward(ControlCommand):
+    """Add a forward; answers the real agent endpoint (port 0 = kernel-chosen)."""
+
+    commandName = b"bottlenet.AddForward"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"label", amp.Unicode()),
+        (b"target", amp.Unicode()),
+        (b"port", StrictInteger(optional=True)),
+    ]
+    response = [
+        (b"forward", Record(ForwardRecord)),
+        (b"host", amp.Unicode(optional=True)),
+        (b"port", StrictInteger(optional=True)),
+        (b"path", amp.Unicode(optional=True)),
+    ]
+
+
+class RemoveForward(ControlCommand):
+    commandName = b"bottlenet.RemoveForward"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"label", amp.Unicode()),
+    ]
+    response = []
+
+
+class ListForwards(ControlCommand):
+    commandName = b"bottlenet.ListForwards"
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    response = _page_response(b"forwards", RecordList(ForwardRecord))
+
+
+class Stats(ControlCommand):
+    commandName = b"bottlenet.Stats"
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    response = _page_response(b"stats", RecordList(StatsRecord))
+
+
+ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
+    Hello,
+    Ping,
+    CreateBottle,
+    DestroyBottle,
+    ListBottles,
+    BottleStatus,
+    AddForward,
+    RemoveForward,
+    ListForwards,
+    Stats,
+)
+MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
+    {CreateBottle, DestroyBottle, AddForward, RemoveForward}
+)

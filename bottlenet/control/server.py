@@ -1,0 +1,373 @@
+"""The control server: who may talk (peer check) and what each command does (responders).
+
+Responders validate every argument with the spec validators *before* calling the backend,
+so a bad value never reaches the service layer and never changes state. Mutating commands
+are logged with the peer's uid and pid (UNIX) or certificate subject (TLS).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Sequence
+from typing import Any, Literal, TypeVar, cast
+
+from attrs import frozen
+from cryptography.x509.oid import NameOID
+from OpenSSL.crypto import X509
+from twisted.internet.interfaces import IAddress, IHandshakeListener, ISSLTransport
+from twisted.internet.protocol import Factory
+from twisted.logger import Logger
+from zope.interface import implementer
+
+from bottlenet.control import commands as C
+from bottlenet.control.backend import BottleView, ControlBackend, ForwardView
+from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
+from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
+from bottlenet.control.records import (
+    BottleRecord,
+    ForwardRecord,
+    StatsRecord,
+    encode_records,
+)
+from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.spec import (
+    TCPListen,
+    check_bottle_name,
+    check_label,
+    check_port,
+    parse_canonical_ipv4,
+    parse_target,
+)
+
+T = TypeVar("T")
+# A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
+PAGE_BYTE_BUDGET = 60_000
+MAX_CLIENT_VERSION = 128
+
+
+@frozen
+class PeerIdentity:
+    """An authenticated peer, as it appears in logs."""
+
+    kind: Literal["unix", "tls"]
+    uid: int | None = None
+    pid: int | None = None
+    subject: str | None = None
+
+    def describe(self) -> str:
+        if self.kind == "unix":
+            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}"
+        return f"tls subject={self.subject}"
+
+
+def bottle_record(info: BottleView) -> BottleRecord:
+    return BottleRecord(
+        name=info.name,
+        alias=info.alias,
+        source=info.source,
+        state=info.state,
+        created_at=float(info.created_at),
+        forwards=len(info.forwards),
+    )
+
+
+def forward_record(info: ForwardView) -> ForwardRecord:
+    return ForwardRecord(
+        bottle=info.spec.bottle,
+        label=info.spec.label,
+        target=info.spec.target.describe(),
+        endpoint=info.bound.describe(),
+    )
+
+
+def stats_record(info: ForwardView) -> StatsRecord:
+    c = info.counters
+    return StatsRecord(
+        bottle=info.spec.bottle,
+        label=info.spec.label,
+        endpoint=info.bound.describe(),
+        accepted=c.accepted,
+        active=c.active,
+        refused=c.refused,
+        failed=c.failed,
+        bytes_in=c.bytes_in,
+        bytes_out=c.bytes_out,
+    )
+
+
+def paginate(
+    records: Sequence[T], offset: int | None, limit: int | None, budget: int = PAGE_BYTE_BUDGET
+) -> dict[str, Any]:
+    """One page of ``records``: at most ``MAX_PAGE`` items and ``budget`` JSON bytes."""
+    start = 0 if offset is None else offset
+    if start < 0:
+        raise InvalidArgument("offset must be >= 0")
+    count = C.MAX_PAGE if limit is None else limit
+    if count < 1:
+        raise InvalidArgument("limit must be >= 1")
+    count = min(count, C.MAX_PAGE)
+    page: list[T] = []
+    size = 2
+    for record in records[start : start + count]:
+        size += len(encode_records([record])) - 1  # minus brackets, plus a comma
+        if size > budget and page:
+            break
+        page.append(record)
+    end = start + len(page)
+    return {
+        "items": page,
+        "total": len(records),
+        "next_offset": end if end < len(records) else None,
+    }
+
+
+class ControlLocator(SafeCommandLocator):
+    """Responders for one connection; ``peer`` is set once the peer is authenticated."""
+
+    log = Logger()
+
+    def __init__(self, factory: ControlServerFactory) -> None:
+        self.factory = factory
+        self.backend: ControlBackend = factory.backend
+        self.peer: PeerIdentity | None = None
+
+    async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
+        peer = self.peer
+        fields = {
+            "command": command,
+            "subject": subject,
+            "peer": peer.describe() if peer else "?",
+            "uid": peer.uid if peer else None,
+            "pid": peer.pid if peer else None,
+        }
+        self.log.info("control: {command} {subject} requested by {peer}", **fields)
+        try:
+            result = await action
+        except Exception as e:
+            code = getattr(e, "code", "INTERNAL")
+            self.log.info("control: {command} {subject} failed: {code}", code=code, **fields)
+            raise
+        self.log.info("control: {command} {subject} done", **fields)
+        return result
+
+    @C.Hello.responder
+    def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
+        common = set(protocols) & set(C.SUPPORTED_PROTOCOLS)
+        self.log.info(
+            "control: hello from {peer} client={client} protocols={protocols}",
+            peer=self.peer.describe() if self.peer else "?",
+            client=safe_repr(client_version, limit=MAX_CLIENT_VERSION),
+            protocols=sorted(common),
+        )
+        if not common:
+            raise C.UnsupportedProtocol(
+                f"no common protocol version: daemon speaks {list(C.SUPPORTED_PROTOCOLS)}"
+            )
+        f = self.factory
+        return {
+            "server_version": f.server_version,
+            "protocol": max(common),
+            "features": list(C.FEATURES),
+            "smolvm_available": f.smolvm_available,
+            "smolvm_version": f.smolvm_version,
+        }
+
+    @C.Ping.responder
+    def ping(self) -> dict[str, Any]:
+        return {}
+
+    @C.CreateBottle.responder
+    async def create_bottle(self, name: str, alias: str | None) -> dict[str, Any]:
+        check_bottle_name(name)
+        if alias is not None:
+            alias = str(parse_canonical_ipv4(alias, "alias"))
+        info = await self._mutate(
+            "CreateBottle", name, self.backend.create_bottle(name, alias=alias)
+        )
+        return {"bottle": bottle_record(info)}
+
+    @C.DestroyBottle.responder
+    async def destroy_bottle(self, name: str) -> dict[str, Any]:
+        check_bottle_name(name)
+        await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
+        return {}
+
+    @C.ListBottles.responder
+    def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
+        records = [bottle_record(b) for b in self.backend.list_bottles()]
+        page = paginate(records, offset, limit)
+        return {
+            "bottles": page["items"],
+            "total": page["total"],
+            "next_offset": page["next_offset"],
+        }
+
+    @C.BottleStatus.responder
+    def bottle_status(self, name: str) -> dict[str, Any]:
+        check_bottle_name(name)
+        return {"bottle": bottle_record(self.backend.get_bottle(name))}
+
+    @C.AddForward.responder
+    async def add_forward(
+        self, bottle: str, label: str, target: str, port: int | None
+    ) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        check_label(label)
+        parse_target(target, unix_root=self.factory.unix_target_root)
+        port = check_port(0 if port is None else port, allow_zero=True)
+        info = await self._mutate(
+            "AddForward",
+            f"{bottle}/{label}",
+            self.backend.add_forward(bottle, label, target, port=port),
+        )
+        bound = info.bound
+        result: dict[str, Any] = {"forward": forward_record(info)}
+        if isinstance(bound, TCPListen):
+            result["host"] = str(bound.alias)
+            result["port"] = bound.port
+        else:
+            result["path"] = bound.path
+        return result
+
+    @C.RemoveForward.responder
+    async def remove_forward(self, bottle: str, label: str) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        check_label(label)
+        await self._mutate(
+            "RemoveForward", f"{bottle}/{label}", self.backend.remove_forward(bottle, label)
+        )
+        return {}
+
+    def _forwards(self, bottle: str | None) -> Sequence[ForwardView]:
+        if bottle is not None:
+            check_bottle_name(bottle)
+            self.backend.get_bottle(bottle)  # NOT_FOUND for an unknown bottle
+        return self.backend.list_forwards(bottle)
+
+    @C.ListForwards.responder
+    def list_forwards(
+        self, bottle: str | None, offset: int | None, limit: int | None
+    ) -> dict[str, Any]:
+        records = [forward_record(f) for f in self._forwards(bottle)]
+        page = paginate(records, offset, limit)
+        return {
+            "forwards": page["items"],
+            "total": page["total"],
+            "next_offset": page["next_offset"],
+        }
+
+    @C.Stats.responder
+    def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
+        records = [stats_record(f) for f in self._forwards(bottle)]
+        page = paginate(records, offset, limit)
+        return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+
+
+@implementer(IHandshakeListener)
+class ControlServerProtocol(HardenedAMP):
+    """One control connection: authenticate the peer before parsing a single byte."""
+
+    log = Logger()
+
+    def __init__(self, factory: ControlServerFactory) -> None:
+        self.control = ControlLocator(factory)
+        super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
+        self.factory = factory
+
+    @property
+    def peer(self) -> PeerIdentity | None:
+        return self.control.peer
+
+    def log_fields(self) -> dict[str, object]:
+        peer = self.peer
+        if peer is None:
+            return {"peer": "unauthenticated"}
+        return {"peer": peer.describe(), "uid": peer.uid, "pid": peer.pid}
+
+    def may_parse(self) -> bool:
+        if self.peer is None:
+            self.drop("data before authentication")
+            return False
+        return True
+
+    def connectionMade(self) -> None:
+        if self.factory.transport_kind == "tls":
+            # Authenticated in handshakeCompleted, before any application data flows.
+            super().connectionMade()
+            return
+        handle = self.ctransport.getHandle()
+        if not isinstance(handle, socket.socket) or handle.family != socket.AF_UNIX:
+            self.drop("not a UNIX socket: refusing a peer without credentials")
+            return
+        try:
+            cred = self.factory.peer_credentials(handle)
+        except OSError:
+            self.drop("could not read peer credentials")
+            return
+        if cred.uid not in self.factory.allowed_uids:
+            self._closing = True
+            self.log.warn("control: refused peer uid={uid} pid={pid}", uid=cred.uid, pid=cred.pid)
+            self.ctransport.abortConnection()
+            return
+        self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
+        super().connectionMade()
+
+    def handshakeCompleted(self) -> None:
+        cert = cast(X509 | None, ISSLTransport(self.transport).getPeerCertificate())
+        if cert is None:
+            self.drop("TLS peer presented no certificate")
+            return
+        names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        subject = str(names[0].value) if names else ""
+        self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
+        self.log.info("control: TLS peer {peer} authenticated", peer=self.control.peer.describe())
+
+
+class ControlServerFactory(Factory):
+    """Builds control connections.
+
+    ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``).
+    ``transport_kind="tls"`` is for the optional TLS listener, where the client certificate
+    (verified by the TLS layer) stands in for peer credentials.
+    """
+
+    noisy = False
+
+    def __init__(
+        self,
+        backend: ControlBackend,
+        *,
+        server_version: str,
+        smolvm_version: str | None,
+        allowed_uids: frozenset[int],
+        smolvm_available: bool | None = None,
+        peer_credentials: PeerCredentials = get_peer_credentials,
+        unix_target_root: str | None = None,
+        transport_kind: Literal["unix", "tls"] = "unix",
+    ) -> None:
+        self.backend = backend
+        self.server_version = server_version
+        self.smolvm_version = smolvm_version
+        self.smolvm_available = (
+            smolvm_version is not None if smolvm_available is None else smolvm_available
+        )
+        self.allowed_uids = allowed_uids
+        self.peer_credentials = peer_credentials
+        self.unix_target_root = unix_target_root
+        self.transport_kind: Literal["unix", "tls"] = transport_kind
+
+    def for_tls(self) -> ControlServerFactory:
+        """The same service for the TLS listener (client certificates instead of uids)."""
+        return ControlServerFactory(
+            self.backend,
+            server_version=self.server_version,
+            smolvm_version=self.smolvm_version,
+            smolvm_available=self.smolvm_available,
+            allowed_uids=self.allowed_uids,
+            peer_credentials=self.peer_credentials,
+            unix_target_root=self.unix_target_root,
+            transport_kind="tls",
+        )
+
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
+        return ControlServerProtocol(self)

@@ -1,0 +1,189 @@
+"""An in-memory ControlBackend and helpers to drive a server protocol on a StringTransport."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Any
+
+from attrs import field, frozen
+from twisted.internet.address import UNIXAddress
+from twisted.internet.testing import StringTransport
+from twisted.protocols import amp
+
+from bottlenet.control import codec
+from bottlenet.control.framing import BoxParser
+from bottlenet.control.peercred import PeerCred
+from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
+from bottlenet.errors import AlreadyExists, NotFound
+from bottlenet.forward.spec import ForwardSpec, TCPListen, parse_target
+
+OWN_UID = 1000
+
+
+@frozen
+class Counters:
+    accepted: int = 0
+    active: int = 0
+    refused: int = 0
+    failed: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+
+@frozen
+class FakeForward:
+    spec: ForwardSpec
+    bound: TCPListen
+    counters: Counters = field(factory=Counters)
+
+
+@frozen
+class FakeBottle:
+    name: str
+    alias: str | None
+    source: str
+    state: str
+    created_at: float
+    forwards: tuple[FakeForward, ...]
+
+
+class FakeBackend:
+    """Implements ControlBackend in memory and records every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, tuple[Any, ...]]] = []
+        self.bottles: dict[str, FakeBottle] = {}
+        self.next_alias = 2
+        self.next_port = 43000
+        self.fail_with: Exception | None = None
+
+    def _check(self) -> None:
+        if self.fail_with is not None:
+            raise self.fail_with
+
+    async def create_bottle(self, name: str, alias: str | None = None) -> FakeBottle:
+        self.calls.append(("create_bottle", (name, alias)))
+        self._check()
+        if name in self.bottles:
+            raise AlreadyExists(f"bottle {name!r} exists")
+        if alias is None:
+            alias = f"127.77.0.{self.next_alias}"
+            self.next_alias += 1
+        b = FakeBottle(name, alias, "control", "ready", 1700000000.5, ())
+        self.bottles[name] = b
+        return b
+
+    async def destroy_bottle(self, name: str) -> None:
+        self.calls.append(("destroy_bottle", (name,)))
+        self._check()
+        self.get_bottle(name)
+        del self.bottles[name]
+
+    def list_bottles(self) -> list[FakeBottle]:
+        self.calls.append(("list_bottles", ()))
+        self._check()
+        return [self.bottles[k] for k in sorted(self.bottles)]
+
+    def get_bottle(self, name: str) -> FakeBottle:
+        self._check()
+        try:
+            return self.bottles[name]
+        except KeyError:
+            raise NotFound(f"no bottle {name!r}") from None
+
+    async def add_forward(self, bottle: str, label: str, target: str, port: int = 0) -> FakeForward:
+        self.calls.append(("add_forward", (bottle, label, target, port)))
+        self._check()
+        b = self.get_bottle(bottle)
+        if any(f.spec.label == label for f in b.forwards):
+            raise AlreadyExists(f"forward {label!r} exists")
+        assert b.alias is not None
+        alias = ipaddress.IPv4Address(b.alias)
+        real = port or self.next_port
+        self.next_port += 1
+        spec = ForwardSpec(bottle, label, TCPListen(alias, port), parse_target(target))
+        fwd = FakeForward(spec, TCPListen(alias, real), Counters(accepted=1, bytes_in=5))
+        self.bottles[bottle] = FakeBottle(
+            b.name, b.alias, b.source, b.state, b.created_at, (*b.forwards, fwd)
+        )
+        return fwd
+
+    async def remove_forward(self, bottle: str, label: str) -> None:
+        self.calls.append(("remove_forward", (bottle, label)))
+        self._check()
+        b = self.get_bottle(bottle)
+        kept = tuple(f for f in b.forwards if f.spec.label != label)
+        if len(kept) == len(b.forwards):
+            raise NotFound(f"no forward {label!r}")
+        self.bottles[bottle] = FakeBottle(b.name, b.alias, b.source, b.state, b.created_at, kept)
+
+    def list_forwards(self, bottle: str | None = None) -> list[FakeForward]:
+        self.calls.append(("list_forwards", (bottle,)))
+        self._check()
+        names = [bottle] if bottle is not None else sorted(self.bottles)
+        return [f for n in names for f in self.get_bottle(n).forwards]
+
+    @property
+    def mutations(self) -> list[tuple[str, tuple[Any, ...]]]:
+        return [c for c in self.calls if not c[0].startswith("list")]
+
+
+def make_factory(
+    backend: FakeBackend | None = None, uid: int = OWN_UID, **kw: Any
+) -> ControlServerFactory:
+    def creds(sock: socket.socket) -> PeerCred:
+        return PeerCred(uid=uid, pid=4242)
+
+    kw.setdefault("allowed_uids", frozenset({OWN_UID}))
+    kw.setdefault("server_version", "0.1.0")
+    kw.setdefault("smolvm_version", None)
+    return ControlServerFactory(backend or FakeBackend(), peer_credentials=creds, **kw)
+
+
+class UNIXStringTransport(StringTransport):
+    """A StringTransport whose handle is a real (unconnected) AF_UNIX socket."""
+
+    def __init__(self) -> None:
+        super().__init__(UNIXAddress(None), UNIXAddress(None))
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.aborted = False
+
+    def getHandle(self) -> socket.socket:
+        return self.sock
+
+    def abortConnection(self) -> None:
+        self.aborted = True
+        super().abortConnection()
+
+
+class Conn:
+    """A server protocol on a StringTransport, with a tiny synchronous client."""
+
+    def __init__(self, factory: ControlServerFactory | None = None) -> None:
+        self.factory = factory or make_factory()
+        self.transport = UNIXStringTransport()
+        self.proto: ControlServerProtocol = self.factory.buildProtocol(None)
+        self.proto.makeConnection(self.transport)
+        self.parser = BoxParser(max_box_bytes=1 << 24)
+        self.tag = 0
+
+    def close(self) -> None:
+        self.transport.sock.close()
+
+    def send(self, data: bytes) -> None:
+        self.proto.dataReceived(data)
+
+    def boxes(self) -> list[amp.AmpBox]:
+        self.parser.feed(self.transport.value())
+        self.transport.clear()
+        out = []
+        while (box := self.parser.next_box()) is not None:
+            out.append(box)
+        return out
+
+    def call(self, command: type[amp.Command], **kw: Any) -> dict[str, Any]:
+        self.tag += 1
+        self.send(codec.encode_request(command, b"%x" % self.tag, kw))
+        (box,) = self.boxes()
+        return codec.decode_answer(command, box)

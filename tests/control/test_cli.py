@@ -1,0 +1,144 @@
+"""bottlenetctl: output, --json, exit codes (against a real control socket)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from typing import Any
+
+from twisted.internet import reactor as _reactor
+from twisted.internet.defer import inlineCallbacks
+from twisted.internet.threads import deferToThread
+from twisted.trial import unittest
+
+from bottlenet.cli import default_control, main
+from bottlenet.control.listen import ControlService
+from bottlenet.control.peercred import default_allowed_uids
+from bottlenet.control.server import ControlServerFactory
+
+from .fakes import FakeBackend
+
+reactor: Any = _reactor
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run(argv: list[str], env: dict[str, str] | None = None) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    code = main(argv, env=env or {}, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
+
+
+def test_default_control_rule() -> None:
+    assert default_control({"BOTTLENET_CONTROL": "/x.sock"}) == "/x.sock"
+    assert default_control({"XDG_RUNTIME_DIR": "/run/user/5"}) == (
+        "/run/user/5/bottlenet/control.sock"
+    )
+
+
+def test_unreachable_is_exit_3_with_hint() -> None:
+    code, out, err = run(["--control", "/nonexistent/bn/control.sock", "ping"])
+    assert code == 3
+    assert "hint:" in err and "/nonexistent/bn/control.sock" in err
+    assert "Traceback" not in err and out == ""
+
+
+def test_env_control_used() -> None:
+    code, _, err = run(["ping"], env={"BOTTLENET_CONTROL": "unix:/nonexistent/e.sock"})
+    assert code == 3 and "/nonexistent/e.sock" in err
+
+
+def test_usage_errors_exit_2() -> None:
+    assert run([])[0] == 2
+    assert run(["bottle"])[0] == 2
+    assert run(["forward", "add", "b", "web"])[0] == 2  # --to is required
+    assert run(["forward", "add", "b", "web", "--to", "127.0.0.1:1", "--port", "x"])[0] == 2
+    assert run(["--help"])[0] == 0
+
+
+def test_console_entry_point_runs_without_reactor() -> None:
+    """``python -m bottlenet.cli`` (what the console script runs): exit 3, no traceback."""
+    code = (
+        "import sys, runpy; sys.argv=['bottlenetctl','--control','/nonexistent/c.sock','ping'];"
+        "\ntry:\n runpy.run_module('bottlenet.cli', run_name='__main__')"
+        "\nfinally:\n assert 'twisted.internet.reactor' not in sys.modules"
+    )
+    p = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=60,
+    )
+    assert p.returncode == 3, p.stderr
+    assert "Traceback" not in p.stderr
+
+
+class CLITests(unittest.TestCase):
+    def setUp(self) -> None:
+        d = tempfile.mkdtemp(prefix="bcl-")
+        self.addCleanup(os.rmdir, d)
+        self.path = os.path.join(d, "control.sock")
+        factory = ControlServerFactory(
+            FakeBackend(),
+            server_version="1.2.3",
+            smolvm_version=None,
+            allowed_uids=default_allowed_uids(),
+        )
+        svc = ControlService(reactor, f"unix:{self.path}", factory, self.fail)
+        svc.startService()
+        self.addCleanup(lambda: os.unlink(self.path + ".lock"))
+        self.addCleanup(svc.stopService)
+
+    def ctl(self, *argv: str) -> Any:
+        return deferToThread(run, ["--control", self.path, *argv])
+
+    @inlineCallbacks
+    def test_session(self) -> Any:
+        code, out, _ = yield self.ctl("ping")
+        self.assertEqual((code, out), (0, "ok\n"))
+        code, out, _ = yield self.ctl("status")
+        self.assertIn("1.2.3", out)
+        code, out, _ = yield self.ctl("bottle", "create", "web1")
+        self.assertEqual((code, out), (0, "created web1 on 127.77.0.2\n"))
+        code, out, _ = yield self.ctl("forward", "add", "web1", "http", "--to", "127.0.0.1:8080")
+        self.assertEqual((code, out), (0, "127.77.0.2:43000\n"))
+        code, out, _ = yield self.ctl("bottle", "ls")
+        lines = out.splitlines()
+        self.assertEqual(lines[0].split(), ["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"])
+        self.assertEqual(lines[1].split(), ["web1", "127.77.0.2", "control", "ready", "1"])
+        self.assertEqual(lines[0].index("ALIAS"), lines[1].index("127.77.0.2"))  # aligned
+        code, out, _ = yield self.ctl("forward", "ls", "--json")
+        self.assertEqual(
+            json.loads(out),
+            [
+                {
+                    "bottle": "web1",
+                    "label": "http",
+                    "target": "127.0.0.1:8080",
+                    "endpoint": "127.77.0.2:43000",
+                }
+            ],
+        )
+        code, out, _ = yield self.ctl("--json", "stats", "web1")
+        self.assertEqual(json.loads(out)[0]["bytes_in"], 5)
+        code, out, _ = yield self.ctl("stats")
+        self.assertIn("ACCEPTED", out)
+        code, out, _ = yield self.ctl("bottle", "status", "web1", "--json")
+        self.assertEqual(json.loads(out)["bottle"]["name"], "web1")
+        code, out, err = yield self.ctl("bottle", "create", "web1")
+        self.assertEqual(code, 1)
+        self.assertTrue(err.startswith("error: ALREADY_EXISTS: "), err)
+        code, out, err = yield self.ctl("forward", "add", "web1", "x", "--to", "10.0.0.1:80")
+        self.assertEqual(code, 1)
+        self.assertTrue(err.startswith("error: INVALID_ARGUMENT: "), err)
+        code, out, _ = yield self.ctl("forward", "rm", "web1", "http")
+        self.assertEqual(code, 0)
+        code, out, _ = yield self.ctl("bottle", "rm", "web1", "--json")
+        self.assertEqual((code, json.loads(out)), (0, {"destroyed": "web1"}))
+        code, out, err = yield self.ctl("bottle", "rm", "web1")
+        self.assertEqual(code, 1)
+        self.assertIn("NOT_FOUND", err)

@@ -1,0 +1,135 @@
+"""End to end, no reactor in the test: a real daemon process, the blocking client, bottlenetctl.
+
+Creates a forward-only bottle, adds a forward to a local echo server, moves bytes through it,
+reads the stats and destroys the bottle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from bottlenet.control.blocking import BlockingControlClient
+from bottlenet.errors import NotFound
+
+# The daemon's service tree needs the forward table (branch `forward`); until that is merged
+# these real end-to-end tests cannot run. They were run against a local merge of `forward`.
+pytest.importorskip("bottlenet.forward.table", reason="needs the forward branch (ForwardTable)")
+
+from .daemon_helpers import ENV, start_daemon, stop, wait_ready
+
+
+@pytest.fixture
+def echo() -> Iterator[int]:
+    srv = socket.create_server(("127.0.0.1", 0))
+    stop = threading.Event()
+
+    def serve() -> None:
+        srv.settimeout(0.2)
+        while not stop.is_set():
+            try:
+                conn, _ = srv.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with conn:
+                while data := conn.recv(65536):
+                    conn.sendall(data)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield srv.getsockname()[1]
+    stop.set()
+    t.join(2)
+    srv.close()
+
+
+@pytest.fixture
+def tmp() -> Iterator[str]:
+    d = tempfile.mkdtemp(prefix="bne-")
+    yield d
+    subprocess.run(["rm", "-rf", d], check=False)
+
+
+def roundtrip(host: str, port: int, payload: bytes) -> bytes:
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(payload)
+        s.shutdown(socket.SHUT_WR)
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+def test_blocking_client_end_to_end(tmp: str, echo: int) -> None:
+    state = os.path.join(tmp, "state")
+    path = os.path.join(tmp, "run", "control.sock")
+    proc = start_daemon(state, f"unix:{path}")
+    try:
+        wait_ready(path, proc)
+        with BlockingControlClient(path, timeout=5) as c:
+            assert c.hello().protocol == 1
+            bottle = c.create_bottle("e2e")
+            ep = c.add_forward("e2e", "echo", f"127.0.0.1:{echo}")
+            assert ep.host == bottle.alias and ep.port
+            payload = os.urandom(100_000)
+            assert roundtrip(ep.host, ep.port, payload) == payload
+            for _ in range(50):
+                (stats,) = c.all_stats("e2e")
+                if stats.active == 0:
+                    break
+                time.sleep(0.02)
+            assert (stats.accepted, stats.bytes_in, stats.bytes_out) == (1, 100_000, 100_000)
+            c.destroy_bottle("e2e")
+            with pytest.raises(NotFound):
+                c.bottle_status("e2e")
+            with pytest.raises(OSError):
+                socket.create_connection((ep.host, ep.port), timeout=2).close()
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out
+    assert "Traceback" not in out
+    assert not os.path.exists(path)  # the daemon removed its own socket
+
+
+def test_bottlenetctl_end_to_end(tmp: str, echo: int) -> None:
+    state = os.path.join(tmp, "state")
+    path = os.path.join(tmp, "run", "control.sock")
+    proc = start_daemon(state, f"unix:{path}")
+
+    def ctl(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "bottlenet.cli", "--control", path, *argv],
+            env=ENV,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    try:
+        wait_ready(path, proc)
+        assert ctl("bottle", "create", "cli").returncode == 0
+        added = ctl("forward", "add", "cli", "echo", "--to", f"127.0.0.1:{echo}")
+        assert added.returncode == 0, added.stderr
+        host, port = added.stdout.strip().rsplit(":", 1)
+        assert roundtrip(host, int(port), b"hello bottle") == b"hello bottle"
+        time.sleep(0.1)
+        stats = json.loads(ctl("stats", "cli", "--json").stdout)
+        assert stats[0]["bytes_in"] == len(b"hello bottle")
+        table = ctl("forward", "ls").stdout
+        assert f"{host}:{port}" in table and "echo" in table
+        assert ctl("bottle", "rm", "cli").returncode == 0
+        missing = ctl("bottle", "rm", "cli")
+        assert missing.returncode == 1 and missing.stderr.startswith("error: NOT_FOUND: ")
+    finally:
+        stop(proc)

@@ -1,0 +1,265 @@
+"""The control listener: default path, socket/dir modes, stale/symlink/second-daemon rules."""
+
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import tempfile
+from collections.abc import Iterator
+
+import pytest
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IListeningPort
+from twisted.internet.protocol import Factory, Protocol
+from twisted.internet.testing import MemoryReactor
+from twisted.logger import LogEvent, globalLogPublisher
+from twisted.python.failure import Failure
+from twisted.python.systemd import ListenFDs
+
+from bottlenet.control.listen import (
+    ControlListenError,
+    ControlService,
+    SystemdDescription,
+    UNIXDescription,
+    bind_private,
+    control_endpoint,
+    default_control_path,
+    listen_private_unix,
+    parse_control_description,
+)
+from bottlenet.control.peercred import get_peer_credentials
+
+
+@pytest.fixture
+def tmp() -> Iterator[str]:
+    # Short paths: sun_path is 108 bytes and pytest's tmp_path can be long.
+    d = tempfile.mkdtemp(prefix="bnc-")
+    os.chmod(d, 0o700)
+    yield d
+    for root, dirs, files in os.walk(d, topdown=False):
+        for f in files:
+            os.unlink(os.path.join(root, f))
+        for sub in dirs:
+            p = os.path.join(root, sub)
+            if os.path.islink(p):
+                os.unlink(p)
+            else:
+                os.rmdir(p)
+    os.rmdir(d)
+
+
+@pytest.fixture
+def logs() -> Iterator[list[LogEvent]]:
+    events: list[LogEvent] = []
+    globalLogPublisher.addObserver(events.append)
+    yield events
+    globalLogPublisher.removeObserver(events.append)
+
+
+def test_default_path() -> None:
+    assert default_control_path({"XDG_RUNTIME_DIR": "/run/user/7"}, "/var/lib/bn") == (
+        "/run/user/7/bottlenet/control.sock"
+    )
+    assert default_control_path({}, "/var/lib/bn") == "/var/lib/bn/control.sock"
+    assert default_control_path({"XDG_RUNTIME_DIR": ""}, "/s") == "/s/control.sock"
+    assert default_control_path({"XDG_RUNTIME_DIR": "rel"}, "/s") == "/s/control.sock"
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("unix:/run/b/control.sock", UNIXDescription("/run/b/control.sock")),
+        ("unix:path=/run/b/c.sock:backlog=5", UNIXDescription("/run/b/c.sock", 5)),
+        ("unix:/a/b.sock:mode=600:lockfile=1", UNIXDescription("/a/b.sock")),
+        ("unix:/a/with\\:colon.sock", UNIXDescription("/a/with:colon.sock")),
+        ("systemd:domain=UNIX:name=control", SystemdDescription(name="control")),
+        ("systemd:domain=UNIX:index=0", SystemdDescription(index=0)),
+    ],
+)
+def test_parse_ok(text: str, expected: object) -> None:
+    assert parse_control_description(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "tcp:8080",
+        "ssl:443",
+        "unix:relative.sock",
+        "unix:/a.sock:mode=666",
+        "unix:/a.sock:bogus=1",
+        "unix:",
+        "systemd:domain=INET:index=0",
+        "systemd:domain=UNIX",
+        "systemd:domain=UNIX:name=a:index=0",
+    ],
+)
+def test_parse_refused(text: str) -> None:
+    with pytest.raises(ControlListenError):
+        parse_control_description(text)
+
+
+def test_bind_private_is_0600_right_after_bind(tmp: str) -> None:
+    old = os.umask(0o022)
+    try:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = os.path.join(tmp, "x.sock")
+        bind_private(s, path)
+        assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+        assert os.umask(0o022) == 0o022  # restored
+        s.close()
+    finally:
+        os.umask(old)
+
+
+def test_listen_creates_private_dir_and_socket(tmp: str) -> None:
+    path = os.path.join(tmp, "run", "bottlenet", "control.sock")
+    sock, cleanup = listen_private_unix(path)
+    try:
+        assert stat.S_IMODE(os.lstat(os.path.dirname(path)).st_mode) == 0o700
+        st = os.lstat(path)
+        assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+        assert sorted(os.listdir(os.path.dirname(path))) == ["control.sock", "control.sock.lock"]
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(path)
+        c.close()
+    finally:
+        sock.close()
+        cleanup()
+    assert not os.path.lexists(path)
+
+
+def test_stale_socket_is_replaced(tmp: str) -> None:
+    path = os.path.join(tmp, "control.sock")
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(path)
+    dead.close()  # bound, never listening: connect() is refused
+    sock, cleanup = listen_private_unix(path)
+    assert stat.S_IMODE(os.lstat(path).st_mode) == 0o600
+    sock.close()
+    cleanup()
+
+
+@pytest.mark.parametrize("kind", ["symlink", "file", "dir"])
+def test_non_socket_refused_and_kept(tmp: str, kind: str) -> None:
+    path = os.path.join(tmp, "control.sock")
+    target = os.path.join(tmp, "elsewhere")
+    with open(target, "w") as f:
+        f.write("keep me")
+    if kind == "symlink":
+        os.symlink(target, path)
+    elif kind == "file":
+        with open(path, "w") as f:
+            f.write("keep me")
+    else:
+        os.mkdir(path)
+    with pytest.raises(ControlListenError, match="refusing"):
+        listen_private_unix(path)
+    assert os.path.lexists(path)
+    with open(target) as f:
+        assert f.read() == "keep me"
+
+
+def test_live_socket_not_stolen(tmp: str) -> None:
+    path = os.path.join(tmp, "control.sock")
+    other = socket.socket(socket.AF_UNIX)
+    other.bind(path)
+    other.listen(1)
+    try:
+        with pytest.raises(ControlListenError, match="another daemon"):
+            listen_private_unix(path)
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(path)  # still the other daemon's
+        c.close()
+    finally:
+        other.close()
+
+
+def test_second_daemon_fails_on_lock(tmp: str) -> None:
+    path = os.path.join(tmp, "control.sock")
+    sock, cleanup = listen_private_unix(path)
+    try:
+        ino = os.lstat(path).st_ino
+        with pytest.raises(ControlListenError, match="another bottlenet daemon"):
+            listen_private_unix(path)
+        assert os.lstat(path).st_ino == ino
+    finally:
+        sock.close()
+        cleanup()
+
+
+def test_wide_or_foreign_dir_refused(tmp: str) -> None:
+    d = os.path.join(tmp, "wide")
+    os.mkdir(d, 0o755)
+    os.chmod(d, 0o755)
+    with pytest.raises(ControlListenError, match="0700"):
+        listen_private_unix(os.path.join(d, "control.sock"))
+    os.symlink(tmp, os.path.join(tmp, "link"))
+    with pytest.raises(ControlListenError, match="symlink"):
+        listen_private_unix(os.path.join(tmp, "link", "control.sock"))
+    assert stat.S_IMODE(os.lstat(d).st_mode) == 0o755  # never "fixed" behind the user's back
+
+
+def test_peer_credentials_of_a_real_socketpair() -> None:
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        cred = get_peer_credentials(a)
+        assert (cred.uid, cred.pid, cred.gid) == (os.geteuid(), os.getpid(), os.getegid())
+    finally:
+        a.close()
+        b.close()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
+        get_peer_credentials(s)
+
+
+def test_service_failure_is_fatal_with_one_clear_line(tmp: str, logs: list[LogEvent]) -> None:
+    path = os.path.join(tmp, "control.sock")
+    with open(path, "w") as f:
+        f.write("not a socket")
+    fatal: list[str] = []
+    svc = ControlService(
+        MemoryReactor(), f"unix:{path}", Factory.forProtocol(Protocol), fatal.append
+    )
+    svc.startService()
+    assert len(fatal) == 1 and "not a socket" in fatal[0]
+    critical = [e for e in logs if e["log_level"].name == "critical"]
+    assert len(critical) == 1
+    assert "cannot listen on" in critical[0]["log_format"]
+    assert not any(e.get("log_failure") for e in logs)
+    assert svc.port is None
+
+
+def test_service_bad_description_is_fatal(logs: list[LogEvent]) -> None:
+    fatal: list[str] = []
+    svc = ControlService(MemoryReactor(), "tcp:1234", Factory.forProtocol(Protocol), fatal.append)
+    svc.startService()
+    assert len(fatal) == 1 and "unix:PATH" in fatal[0]
+
+
+def test_systemd_missing_fd_is_fatal() -> None:
+    fatal: list[str] = []
+    svc = ControlService(
+        MemoryReactor(),
+        "systemd:domain=UNIX:name=control",
+        Factory.forProtocol(Protocol),
+        fatal.append,
+        listen_fds=ListenFDs([], ()),
+    )
+    svc.startService()
+    assert fatal == ["systemd passed no systemd socket 'control'"]
+
+
+def test_systemd_rejects_non_unix_fd() -> None:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    fd = os.dup(s.fileno())
+    s.close()
+    ep = control_endpoint(
+        MemoryReactor(), "systemd:domain=UNIX:index=0", listen_fds=ListenFDs([fd], ("x",))
+    )
+    d: Deferred[IListeningPort] = ep.listen(Factory.forProtocol(Protocol))
+    failures: list[Failure] = []
+    d.addErrback(failures.append)
+    assert failures and failures[0].check(ControlListenError)

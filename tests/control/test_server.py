@@ -1,0 +1,251 @@
+"""Responders and peer checks, on StringTransport with a fake backend."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from twisted.logger import LogEvent, globalLogPublisher
+
+from bottlenet.control import commands as C
+from bottlenet.control.codec import RemoteError
+from bottlenet.control.records import BottleRecord, ForwardRecord
+from bottlenet.errors import (
+    ALL_ERRORS,
+    AlreadyExists,
+    BottlenetError,
+    Busy,
+    InvalidArgument,
+    NotFound,
+)
+
+from .fakes import OWN_UID, Conn, FakeBackend, make_factory
+
+
+@pytest.fixture
+def logs() -> Iterator[list[LogEvent]]:
+    events: list[LogEvent] = []
+    globalLogPublisher.addObserver(events.append)
+    yield events
+    globalLogPublisher.removeObserver(events.append)
+
+
+@pytest.fixture
+def conn() -> Iterator[Conn]:
+    c = Conn()
+    yield c
+    c.close()
+
+
+def test_hello_negotiates(conn: Conn) -> None:
+    r = conn.call(C.Hello, client_version="test/1", protocols=[1, 7])
+    assert r == {
+        "server_version": "0.1.0",
+        "protocol": 1,
+        "features": list(C.FEATURES),
+        "smolvm_available": False,
+        "smolvm_version": None,
+    }
+
+
+def test_hello_reports_smolvm() -> None:
+    c = Conn(make_factory(smolvm_version="1.3.3"))
+    r = c.call(C.Hello, client_version="x", protocols=[1])
+    assert r["smolvm_available"] is True
+    assert r["smolvm_version"] == "1.3.3"
+    c.close()
+
+
+def test_hello_without_common_protocol(conn: Conn) -> None:
+    with pytest.raises(C.UnsupportedProtocol):
+        conn.call(C.Hello, client_version="x", protocols=[2, 3])
+
+
+def test_bottle_lifecycle(conn: Conn) -> None:
+    backend = conn.factory.backend
+    assert isinstance(backend, FakeBackend)
+    r = conn.call(C.CreateBottle, name="b1")
+    assert r["bottle"] == BottleRecord("b1", "127.77.0.2", "control", "ready", 1700000000.5, 0)
+    r = conn.call(C.CreateBottle, name="b2", alias="127.77.0.9")
+    assert r["bottle"].alias == "127.77.0.9"
+    with pytest.raises(AlreadyExists):
+        conn.call(C.CreateBottle, name="b1")
+    r = conn.call(C.AddForward, bottle="b1", label="web", target="127.0.0.1:8080")
+    assert r["forward"] == ForwardRecord("b1", "web", "127.0.0.1:8080", "127.77.0.2:43000")
+    assert (r["host"], r["port"], r["path"]) == ("127.77.0.2", 43000, None)
+    assert conn.call(C.BottleStatus, name="b1")["bottle"].forwards == 1
+    fw = conn.call(C.ListForwards, bottle="b1")
+    assert fw["total"] == 1 and fw["next_offset"] is None
+    st = conn.call(C.Stats)["stats"]
+    assert [(s.label, s.accepted, s.bytes_in) for s in st] == [("web", 1, 5)]
+    conn.call(C.RemoveForward, bottle="b1", label="web")
+    with pytest.raises(NotFound):
+        conn.call(C.RemoveForward, bottle="b1", label="web")
+    conn.call(C.DestroyBottle, name="b1")
+    with pytest.raises(NotFound):
+        conn.call(C.BottleStatus, name="b1")
+    with pytest.raises(NotFound):
+        conn.call(C.ListForwards, bottle="b1")
+    assert [b.name for b in conn.call(C.ListBottles)["bottles"]] == ["b2"]
+    assert conn.call(C.Ping) == {}
+
+
+def test_pagination(conn: Conn) -> None:
+    backend = conn.factory.backend
+    assert isinstance(backend, FakeBackend)
+    for i in range(250):
+        conn.call(C.CreateBottle, name=f"b{i:03d}")
+    first = conn.call(C.ListBottles)
+    assert len(first["bottles"]) == C.MAX_PAGE
+    assert first["total"] == 250 and first["next_offset"] == 100
+    page = conn.call(C.ListBottles, offset=240, limit=1000)
+    assert [b.name for b in page["bottles"]] == [f"b{i}" for i in range(240, 250)]
+    assert page["next_offset"] is None
+    with pytest.raises(InvalidArgument):
+        conn.call(C.ListBottles, offset=-1)
+    with pytest.raises(InvalidArgument):
+        conn.call(C.ListBottles, limit=0)
+    assert conn.call(C.ListBottles, offset=999)["bottles"] == []
+
+
+BAD_NAMES = ["", "a/b", "..", "a\x00b", "A", "-x", "x" * 300, "é"]
+
+
+@pytest.mark.parametrize("name", BAD_NAMES)
+def test_bad_names_change_nothing(conn: Conn, name: str) -> None:
+    for cmd, kw in [
+        (C.CreateBottle, {"name": name}),
+        (C.DestroyBottle, {"name": name}),
+        (C.BottleStatus, {"name": name}),
+        (C.AddForward, {"bottle": name, "label": "web", "target": "127.0.0.1:80"}),
+        (C.AddForward, {"bottle": "ok", "label": name, "target": "127.0.0.1:80"}),
+        (C.RemoveForward, {"bottle": name, "label": "web"}),
+        (C.ListForwards, {"bottle": name}),
+    ]:
+        with pytest.raises(InvalidArgument):
+            conn.call(cmd, **kw)
+    backend = conn.factory.backend
+    assert isinstance(backend, FakeBackend)
+    assert backend.calls == []
+
+
+@pytest.mark.parametrize("port", [-1, 65536, 1 << 40])
+def test_bad_ports(conn: Conn, port: int) -> None:
+    with pytest.raises(InvalidArgument):
+        conn.call(C.AddForward, bottle="b", label="web", target="127.0.0.1:80", port=port)
+    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    "target", ["10.0.0.1:80", "localhost:80", "127.1:80", "127.0.0.1:0", "unix:/tmp/x"]
+)
+def test_bad_targets(conn: Conn, target: str) -> None:
+    with pytest.raises(InvalidArgument):
+        conn.call(C.AddForward, bottle="b", label="web", target=target)
+    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+
+
+def test_bad_alias(conn: Conn) -> None:
+    with pytest.raises(InvalidArgument):
+        conn.call(C.CreateBottle, name="b", alias="127.1")
+    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("exc_type", ALL_ERRORS)
+def test_every_error_code_crosses(exc_type: type[BottlenetError]) -> None:
+    backend = FakeBackend()
+    backend.fail_with = exc_type("safe message")
+    c = Conn(make_factory(backend))
+    with pytest.raises(exc_type) as info:
+        c.call(C.ListBottles)
+    assert info.value.message == "safe message"
+    assert type(info.value).code == exc_type.code
+    c.close()
+
+
+def test_internal_error_is_generic_and_logged_without_detail(logs: list[LogEvent]) -> None:
+    backend = FakeBackend()
+    canary = "CANARY-internal-4c1d"
+    backend.fail_with = RuntimeError(canary)
+    c = Conn(make_factory(backend))
+    with pytest.raises(C.InternalError) as info:
+        c.call(C.CreateBottle, name="b")
+    assert canary not in str(info.value)
+    assert not c.transport.disconnecting  # the connection stays usable
+    assert c.call(C.Ping) == {}
+    assert any("internal error" in str(e.get("log_format")) for e in logs)
+    assert canary not in repr(logs)
+    c.close()
+
+
+def test_mutations_logged_with_uid_and_pid(conn: Conn, logs: list[LogEvent]) -> None:
+    conn.call(C.CreateBottle, name="b1")
+    conn.call(C.AddForward, bottle="b1", label="web", target="127.0.0.1:80")
+    conn.call(C.RemoveForward, bottle="b1", label="web")
+    conn.call(C.DestroyBottle, name="b1")
+    requested = [e for e in logs if "requested by" in str(e.get("log_format"))]
+    assert [e["command"] for e in requested] == [
+        "CreateBottle",
+        "AddForward",
+        "RemoveForward",
+        "DestroyBottle",
+    ]
+    assert all(e["uid"] == OWN_UID and e["pid"] == 4242 for e in requested)
+
+
+def test_other_uid_dropped_before_parsing(logs: list[LogEvent]) -> None:
+    backend = FakeBackend()
+    c = Conn(make_factory(backend, uid=0))
+    assert c.transport.aborted
+    c.send(b"\x00\x08_command\x00\x0fbottlenet.Ping\x00\x04_ask\x00\x011\x00\x00")
+    assert c.transport.value() == b""
+    refused = [e for e in logs if "refused peer" in str(e.get("log_format"))]
+    assert [(e["uid"], e["pid"]) for e in refused] == [(0, 4242)]
+    c.close()
+
+
+def test_allow_uid_admits_another_uid() -> None:
+    c = Conn(make_factory(uid=2000, allowed_uids=frozenset({OWN_UID, 2000})))
+    assert not c.transport.aborted
+    assert c.call(C.Ping) == {}
+    c.close()
+
+
+def test_unreadable_credentials_dropped() -> None:
+    def broken(sock: object) -> object:
+        raise OSError("nope")
+
+    f = make_factory()
+    f.peer_credentials = broken  # type: ignore[assignment]
+    c = Conn(f)
+    assert c.transport.aborted
+    c.close()
+
+
+def test_unknown_command_is_unhandled_and_connection_survives(conn: Conn) -> None:
+    canary = b"CANARY\nunknown"
+    conn.send(b"\x00\x08_command" + len(canary).to_bytes(2, "big") + canary)
+    conn.send(b"\x00\x04_ask\x00\x017\x00\x00")
+    (box,) = conn.boxes()
+    assert box[b"_error_code"] == b"UNHANDLED"
+    assert canary not in box[b"_error_description"]
+    assert conn.call(C.Ping) == {}
+
+
+def test_unknown_code_becomes_remote_error() -> None:
+    from twisted.protocols import amp
+
+    from bottlenet.control.codec import decode_answer
+
+    box = amp.AmpBox(
+        {b"_error": b"1", b"_error_code": b"NEW_CODE", b"_error_description": b"later"}
+    )
+    with pytest.raises(RemoteError) as info:
+        decode_answer(C.Ping, box)
+    assert info.value.code == "NEW_CODE"
+
+
+def test_busy_maps(conn: Conn) -> None:
+    conn.factory.backend.fail_with = Busy("try later")  # type: ignore[attr-defined]
+    with pytest.raises(Busy):
+        conn.call(C.DestroyBottle, name="b")
