@@ -12,19 +12,25 @@ import sys
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.logger import Logger
 from twisted.python import usage
 
-from bottlenet import __version__
+from bottlenet import __version__, limits, logs, metrics, sdnotify
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.config import ConfigError, DaemonConfig, load_config
+from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
+from bottlenet.control.peercred import default_allowed_uids
+from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
 from bottlenet.fatal import fatal_stop
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.statedir import default_state_dir, ensure_private_dir
+from vmctl.errors import VmctlError
+from vmctl.service import make_smolvm
+from vmctl.smolvm import Smolvm
 
 
 class Options(usage.Options):
@@ -38,7 +44,37 @@ class Options(usage.Options):
         ["config", None, None, "TOML file declaring forward-only bottles."],
         ["alias-pool", None, DEFAULT_POOL, "Loopback network that bottle aliases come from."],
         ["connect-timeout", None, "10", "Seconds to wait for a forward's target to accept."],
+        [
+            "control",
+            None,
+            None,
+            "Control socket endpoint: unix:PATH or systemd:domain=UNIX:name=NAME "
+            "(default: unix:$XDG_RUNTIME_DIR/bottlenet/control.sock).",
+        ],
+        ["control-tls-port", None, None, "Also serve control over TLS on this TCP port."],
+        ["control-tls-interface", None, None, "Address the TLS control listener binds."],
+        ["control-tls-key", None, None, "PEM private key of the TLS control listener."],
+        ["control-tls-cert", None, None, "PEM certificate of the TLS control listener."],
+        ["control-tls-ca", None, None, "PEM CA that signs accepted client certificates."],
+        ["smolvm", None, None, "Path to the smolvm binary (default: smolvm on PATH)."],
+        ["smolvm-data-dir", None, None, "Passed to smolvm as SMOLVM_DATA_DIR."],
+        ["log-format", None, None, "json (one object per line) or text (default: the runner's)."],
+        ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
     ]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self["allow-uid"] = []
+
+    def opt_allow_uid(self, value: str) -> None:
+        """Also accept control connections from this uid (repeatable)."""
+        if not value.isdigit() or int(value) > 2**32 - 2:
+            raise usage.UsageError(f"--allow-uid: {value!r} is not a uid")
+        self["allow-uid"].append(int(value))
+
+    def postOptions(self) -> None:
+        # twist/twistd read their log settings after the plugin's options: choose ours now.
+        logs.install_log_format(self.parent, self["log-format"])
 
     def opt_version(self) -> None:
         """Print the version and exit."""
@@ -117,13 +153,42 @@ class ConfigBottles(Service):
 class BottlenetService(MultiService):
     """The daemon's root service; keeps handles on the parts tests and later layers need."""
 
-    def __init__(self, table: ForwardTable, registry: BottleRegistry, state_dir: str) -> None:
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        table: ForwardTable,
+        registry: BottleRegistry,
+        smolvm: Smolvm,
+        factory: ControlServerFactory,
+        state_dir: str,
+    ) -> None:
         super().__init__()
+        self.reactor = reactor
         self.table = table
         self.registry = registry
+        self.smolvm = smolvm
+        self.control_factory = factory
         self.state_dir = state_dir
-        table.setName("forwards")
-        table.setServiceParent(self)
+
+    def startService(self) -> None:
+        old, new = limits.raise_nofile(limits.select_reactor_cap(self.reactor))
+        self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        super().startService()
+        if self.smolvm.binary is not None:
+            Deferred.fromCoroutine(self._probe_smolvm())
+
+    async def _probe_smolvm(self) -> None:
+        """Learn the smolvm version once, for Hello and to refuse an unsupported one early."""
+        try:
+            version = await self.smolvm.version()
+        except VmctlError as e:
+            self.log.warn("smolvm is unusable: {code}: {why}", code=e.code, why=str(e))
+            return
+        self.control_factory.smolvm_version = str(version)
+        self.control_factory.smolvm_available = version.supported
+        self.log.info("smolvm {version} at {path}", version=str(version), path=self.smolvm.binary)
 
 
 def build_service(options: Options, reactor: Any) -> BottlenetService:
@@ -152,14 +217,85 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             config = load_config(config_path, pool, state_dir)
         except ConfigError as e:
             raise _fail(str(e)) from None
+    metrics_spec = None
+    if options["metrics"] is not None:
+        try:
+            metrics_spec = metrics.parse_metrics_endpoint(options["metrics"], pool)
+        except BottlenetError as e:
+            raise _fail(f"--metrics: {e.message}") from None
+    tls = _tls_options(options)
 
+    def on_fatal(why: str) -> None:
+        fatal_stop(reactor, why)
+
+    vmctl_service, smolvm = make_smolvm(reactor, options["smolvm"], options["smolvm-data-dir"])
     aliases = AliasRegistry(pool)
     table = ForwardTable(reactor, aliases, state_dir=state_dir, connect_timeout=connect_timeout)
     registry = BottleRegistry(reactor, table, aliases, state_dir=state_dir)
-    root = BottlenetService(table, registry, state_dir)
+    factory = ControlServerFactory(
+        registry,
+        server_version=__version__,
+        smolvm_version=None,
+        allowed_uids=default_allowed_uids(options["allow-uid"]),
+        unix_target_root=state_dir,
+    )
+    root = BottlenetService(reactor, table, registry, smolvm, factory, state_dir)
+    # Children start in this order and stop in reverse: the notifier says STOPPING first,
+    # the control socket closes before the forwards, and smolvm calls drain last.
+    vmctl_service.setServiceParent(root)
+    table.setName("forwards")
+    table.setServiceParent(root)
+    waits: list[Deferred[Any]] = []
     if config.bottles:
-        ConfigBottles(reactor, registry, config, config_path or "").setServiceParent(root)
+        bottles = ConfigBottles(reactor, registry, config, config_path or "")
+        bottles.setServiceParent(root)
+        waits.append(bottles.ready)
+    control = options["control"] or default_control_endpoint(os.environ, state_dir)
+    ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
+    if tls is not None:
+        ControlService(
+            reactor,
+            tls_control_endpoint(reactor, *tls),
+            factory.for_tls(),
+            on_fatal=on_fatal,
+            what="control-tls",
+        ).setServiceParent(root)
+    if metrics_spec is not None:
+        site = metrics.metrics_site(
+            metrics.SnapshotSource(table.list, registry.list_bottles),
+            reactor,
+            metrics.CallStats(),
+            metrics.CommandStats(),
+        )
+        listener = metrics.MetricsService(
+            metrics_spec, metrics_spec.endpoint(reactor), site, on_fatal
+        )
+        listener.setServiceParent(root)
+        waits.append(listener.when_listening())
+    ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
+    sdnotify.SystemdNotifier(
+        ready, status=f"{len(config.bottles)} configured bottles"
+    ).setServiceParent(root)
     return root
+
+
+def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:
+    """All five --control-tls-* options, or none of them."""
+    names = ["port", "interface", "key", "cert", "ca"]
+    values = {n: options[f"control-tls-{n}"] for n in names}
+    given = [n for n in names if values[n] is not None]
+    if not given:
+        return None
+    missing = [f"--control-tls-{n}" for n in names if values[n] is None]
+    if missing:
+        raise _fail(f"--control-tls-{given[0]} also needs {', '.join(missing)}")
+    port = values["port"]
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise _fail("--control-tls-port: must be a port 1-65535")
+    for n in ("key", "cert", "ca"):
+        if not os.path.isfile(values[n]):
+            raise _fail(f"--control-tls-{n}: {values[n]} is not a readable file")
+    return int(port), values["interface"], values["key"], values["cert"], values["ca"]
 
 
 def makeService(options: Options) -> IService:

@@ -22,6 +22,7 @@ LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
 def _env() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT
+    env.pop("XDG_RUNTIME_DIR", None)  # the control socket goes into each test's state dir
     return env
 
 
@@ -113,7 +114,7 @@ def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
     )
 
 
-def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 30) -> tuple[str, int]:
+def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple[str, int]:
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     seen = b""
