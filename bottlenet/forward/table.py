@@ -286,6 +286,8 @@ class ForwardTable(Service):
             created_dir = self._prepare_listen(spec)
         except BottlenetError as e:
             return defer.fail(e)
+        except OSError as e:  # preparing the bottle dir or probing a stale socket
+            return defer.fail(_bind_error(spec.listen, e))
         fwd = _Forward(self, spec, self._target_endpoint(spec), self.engine_factory)
         self._pending.add(key)
         d = self._server_endpoint(spec).listen(fwd)

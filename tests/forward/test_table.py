@@ -1,0 +1,199 @@
+"""ForwardTable API: binding invariants, errors, counters, refusal log rate limiting."""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+from typing import Any
+
+import pytest
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.logger import capturedLogs
+from twisted.python.failure import Failure
+from twisted.trial import unittest
+
+from bottlenet.errors import AlreadyExists, BindRefused, InvalidArgument, NotFound
+from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.spec import ForwardSpec, TCPListen, TCPTarget
+from bottlenet.forward.table import ForwardTable
+from tests.forward.netutil import POOL, registry_with
+from tests.forward.test_loopback import LOOP, tempdir
+
+OWN = "127.77.0.2"
+OTHER = "127.77.0.3"  # belongs to bottle b2
+
+REJECTED_ALIASES = [
+    "0.0.0.0",
+    "::",
+    "",
+    "127.0.0.1",
+    "::1",
+    "localhost",
+    "127.78.0.2",  # outside the pool
+    OTHER,  # another bottle's alias
+    "127.1",
+    "0x7f.0.0.2",
+    "2130706434",
+    "127.0.0.016",
+    " 127.77.0.2",
+    "127.77.0.2\n",
+    "127.77.0.2/32",
+    "::ffff:127.77.0.2",
+]
+
+
+def failure_of(d: Deferred[Any]) -> Failure:
+    result: list[Failure] = []
+    d.addErrback(result.append)
+    assert result, "expected a synchronous failure"
+    return result[0]
+
+
+def as_value(text: str) -> Any:
+    """What a caller that skipped parsing might put in TCPListen.alias."""
+    try:
+        return ipaddress.ip_address(text)
+    except ValueError:
+        return text
+
+
+@pytest.mark.parametrize("spelling", REJECTED_ALIASES)
+def test_rejected_alias_spellings(spelling: str) -> None:
+    # The path a config file or control request takes: parse, then claim...
+    if spelling == OTHER:
+        POOL.parse_alias(spelling)  # a fine pool address: ownership is what refuses it
+    else:
+        with pytest.raises(InvalidArgument):
+            POOL.parse_alias(spelling)
+    reg = registry_with(("b1", OWN), ("b2", OTHER))
+    with pytest.raises((InvalidArgument, AlreadyExists)):
+        reg.claim("b3", spelling)
+    # ... and the table re-checks before binding, whatever the caller did.
+    table = ForwardTable(Clock(), reg, state_dir="/nonexistent")
+    spec = ForwardSpec("b1", "web", TCPListen(as_value(spelling), 0), TCPTarget(LOOP, 9))
+    f = failure_of(table.add(spec))
+    assert f.check(InvalidArgument), f
+    assert table.list() == []
+
+
+def test_registry_refuses_another_bottles_alias_with_already_exists() -> None:
+    reg = registry_with(("b2", OTHER))
+    with pytest.raises(AlreadyExists):
+        reg.claim("b1", OTHER)
+
+
+def test_unknown_forward_is_not_found() -> None:
+    table = ForwardTable(Clock(), AliasRegistry(POOL), state_dir="/nonexistent")
+    with pytest.raises(NotFound):
+        table.get("b1", "web")
+    assert failure_of(table.remove("b1", "web")).check(NotFound)
+    assert table.list() == []
+
+
+def test_bad_target_refused() -> None:
+    table = ForwardTable(Clock(), registry_with(("b1", OWN)), state_dir="/nonexistent")
+    alias = ipaddress.IPv4Address(OWN)
+    for target in (
+        TCPTarget(ipaddress.IPv4Address("10.0.0.1"), 80),
+        TCPTarget(LOOP, 0),
+    ):
+        f = failure_of(table.add(ForwardSpec("b1", "web", TCPListen(alias, 0), target)))
+        assert f.check(InvalidArgument), f
+
+
+def test_refusal_logs_are_rate_limited() -> None:
+    clock = Clock()
+    table = ForwardTable(clock, registry_with(("b1", OWN)), state_dir="/nonexistent")
+    spec = ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(OWN), 0), TCPTarget(LOOP, 9), 1)
+    from bottlenet.forward.table import _Forward
+
+    fwd = _Forward(table, spec, table._target_endpoint(spec), table.engine_factory)
+    with capturedLogs() as events:
+        assert fwd.buildProtocol(None) is not None
+        for _ in range(100):
+            assert fwd.buildProtocol(None) is None
+        clock.advance(1.0)
+        assert fwd.buildProtocol(None) is None
+    refusals = [e for e in events if "refused" in e.get("log_format", "")]
+    assert len(refusals) == 2
+    assert refusals[1]["suppressed"] == 99
+    assert (fwd.accepted, fwd.refused) == (1, 101)
+    for e in refusals:
+        assert set(e) >= {"bottle", "label", "max_connections", "suppressed"}
+
+
+class BindTests(unittest.TestCase):
+    def setUp(self) -> None:
+        self.table = ForwardTable(
+            reactor, registry_with(("b1", OWN), ("b2", OTHER)), state_dir=tempdir(self)
+        )
+        self.table.startService()
+        self.addCleanup(self.table.stopService)
+        self.alias = ipaddress.IPv4Address(OWN)
+
+    def spec(self, label: str, port: int = 0) -> ForwardSpec:
+        return ForwardSpec("b1", label, TCPListen(self.alias, port), TCPTarget(LOOP, 9))
+
+    async def test_duplicate_label_already_exists(self) -> None:
+        await self.table.add(self.spec("web"))
+        with self.assertRaises(AlreadyExists):
+            await self.table.add(self.spec("web"))
+        assert [i.spec.label for i in self.table.list()] == ["web"]
+
+    async def test_address_in_use_is_bind_refused_without_traceback(self) -> None:
+        squatter = socket.socket()
+        self.addCleanup(squatter.close)
+        squatter.bind((OWN, 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        with self.assertRaises(BindRefused) as cm:
+            await self.table.add(self.spec("web", port))
+        message = str(cm.exception)
+        assert f"{OWN}:{port}" in message and "EADDRINUSE" in message
+        assert "Traceback" not in message
+        assert self.table.list() == []
+        # Nothing half-created: the same label can be added once the port is free.
+        squatter.close()
+        info = await self.table.add(self.spec("web", port))
+        assert info.bound == TCPListen(self.alias, port)
+
+    async def test_list_sorted_and_remove_bottle(self) -> None:
+        await self.table.add(self.spec("zeta"))
+        await self.table.add(self.spec("alpha"))
+        other = ForwardSpec(
+            "b2", "web", TCPListen(ipaddress.IPv4Address(OTHER), 0), TCPTarget(LOOP, 9)
+        )
+        await self.table.add(other)
+        keys = [(i.spec.bottle, i.spec.label) for i in self.table.list()]
+        assert keys == [("b1", "alpha"), ("b1", "zeta"), ("b2", "web")]
+        assert [i.spec.label for i in self.table.list("b2")] == ["web"]
+        await self.table.remove_bottle("b1")
+        assert [(i.spec.bottle, i.spec.label) for i in self.table.list()] == [("b2", "web")]
+        await self.table.remove_bottle("nobody")  # fine: nothing to remove
+
+    async def test_stop_service_removes_everything(self) -> None:
+        info = await self.table.add(self.spec("web"))
+        assert isinstance(info.bound, TCPListen)
+        await self.table.stopService()
+        assert self.table.list() == []
+        probe = socket.socket()
+        self.addCleanup(probe.close)
+        assert probe.connect_ex((OWN, info.bound.port)) != 0
+        self.table.startService()
+
+
+def test_bottle_dir_not_owned_refused(tmp_path: Any) -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to chown")
+    from bottlenet.forward.spec import unix_listen_for
+
+    state = str(tmp_path)
+    listen = unix_listen_for(state, "b1", "agent")
+    os.makedirs(os.path.dirname(listen.path), mode=0o700)
+    os.chown(os.path.dirname(listen.path), 12345, 12345)
+    table = ForwardTable(Clock(), AliasRegistry(POOL), state_dir=state)
+    f = failure_of(table.add(ForwardSpec("b1", "agent", listen, TCPTarget(LOOP, 9))))
+    assert f.check(InvalidArgument), f
