@@ -506,7 +506,15 @@ class ControlService(Service):
 
     def _listening(self, port: IListeningPort) -> None:
         self.port = port
-        self.log.info("{what}: listening on {where}", what=self._what, where=port.getHost())
+        host = port.getHost()
+        # A plain string, so the JSON log keeps it (address objects are not serialisable).
+        where = getattr(host, "name", None) or getattr(host, "host", None)
+        if isinstance(where, bytes):
+            where = where.decode("utf-8", "replace")
+        port_number = getattr(host, "port", None)
+        if port_number is not None:
+            where = f"{where}:{port_number}"
+        self.log.info("{what}: listening on {where}", what=self._what, where=str(where))
 
     def _failed(self, failure: Failure) -> None:
         exc = failure.value
