@@ -80,7 +80,9 @@ def test_render_aligns_columns_and_shows_rates() -> None:
     forwards = table[table.index("") + 1 :]
     assert bottles[0].split() == ["BOTTLE", "ALIAS", "STATE", "FORWARDS", "ACTIVE", "IN/s", "OUT/s"]
     for block in (bottles, forwards):
-        starts = {line.index(word) for line, word in zip(block, ("BOTTLE", "alpha", "b"))}
+        starts = {
+            line.index(word) for line, word in zip(block, ("BOTTLE", "alpha", "b"), strict=True)
+        }
         assert starts == {0}
         # every row's second column starts where its header's does
         col = block[0].index(block[0].split()[1])
