@@ -7,6 +7,8 @@ are logged with the peer's uid and pid (UNIX) or certificate subject (TLS).
 
 from __future__ import annotations
 
+import hashlib
+import re
 import socket
 import time
 from collections.abc import Awaitable, Sequence
@@ -46,6 +48,19 @@ T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
 PAGE_BYTE_BUDGET = 60_000
 MAX_CLIENT_VERSION = 128
+# A client version is logged as is only in this shape (name/dotted version, lowercase);
+# anything else, however harmless its characters, as a length and a sha256 prefix.
+_CLIENT_VERSION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}/[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
+
+
+def describe_client_version(value: str) -> str:
+    """The client's self-description for the log: a known shape, else length + hash."""
+    if _CLIENT_VERSION_RE.fullmatch(value):
+        return repr(value)
+    raw = value.encode("utf-8", "surrogatepass")
+    return f"<{len(raw)} bytes sha256:{hashlib.sha256(raw).hexdigest()[:12]}>"
+
+
 #: At most one "refused peer" line per uid per this many seconds (a peer can retry at will).
 REFUSED_PEER_LOG_INTERVAL = 10.0
 
@@ -168,7 +183,7 @@ class ControlLocator(SafeCommandLocator):
         self.log.info(
             "control: hello from {peer} client={client} protocols={protocols}",
             peer=self.peer.describe() if self.peer else "?",
-            client=safe_repr(client_version, limit=MAX_CLIENT_VERSION),
+            client=describe_client_version(client_version),
             protocols=sorted(common),
         )
         if not common:
