@@ -144,3 +144,29 @@ def test_every_bottlenetctl_line_parses(doc: str) -> None:
             parser.parse_args(argv)
         except SystemExit as e:
             raise AssertionError(f"{doc}: {line!r} is not a valid bottlenetctl command") from e
+
+
+def test_security_doc_names_real_tests() -> None:
+    """Every ``tests/...py::name`` (and following ``::name`` / ``Class.method``) exists."""
+    with open(os.path.join(ROOT, "docs", "security.md")) as f:
+        text = f.read()
+    current: str | None = None
+    checked = 0
+    for m in re.finditer(r"`([^`]+)`", text):
+        span = m.group(1)
+        file_part, _, name = span.partition("::")
+        if file_part.startswith("tests/") and file_part.endswith(".py"):
+            current = file_part
+            assert os.path.exists(os.path.join(ROOT, current)), span
+        elif span.startswith("::") or re.fullmatch(r"[A-Z]\w+\.test_\w+", span):
+            name = span.lstrip(":")
+        else:
+            continue
+        if not name or current is None:
+            continue
+        with open(os.path.join(ROOT, current)) as f:
+            source = f.read()
+        for part in name.split("."):
+            assert re.search(rf"(def|class) {re.escape(part)}\b", source), f"{current}::{name}"
+        checked += 1
+    assert checked > 30
