@@ -170,3 +170,47 @@ def test_security_doc_names_real_tests() -> None:
             assert re.search(rf"(def|class) {re.escape(part)}\b", source), f"{current}::{name}"
         checked += 1
     assert checked > 30
+
+
+# Fixed parts of the messages docs/operations.md quotes in its troubleshooting section.
+QUOTED = [
+    "is not in the alias pool",
+    "cannot listen on",
+    "EADDRINUSE",
+    "another bottlenet daemon holds",
+    "not taking over",
+    "another daemon is answering on",
+    "is a symlink; refusing to use or remove it",
+    "exists and is not a socket; refusing to remove it",
+    "0700 directory of its own",
+    "cannot reach the bottlenet daemon at",
+    "hint: is the bottlenet daemon running? its control socket is expected at",
+    "the daemon closed the connection",
+    "control: refused peer uid=",
+    "similar suppressed",
+    "no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)",
+    "smolvm is unusable: ",
+    "is too old: vmctl needs smolvm",
+    "the daemon holds its maximum of",
+    "is exhausted",
+    "refused a connection: ",
+    "more refusals not logged",
+    "accept paused: ",
+    "retrying with backoff",
+    "open files limit ",
+]
+
+
+def test_troubleshooting_quotes_real_messages() -> None:
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        doc = f.read().replace("\n   ", " ").replace("\n    ", " ")
+    sources = ""
+    for top in ("bottlenet", "vmctl"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(dirpath, name)) as f:
+                        sources += f.read()
+    for fragment in QUOTED:
+        assert fragment in doc, f"operations.md does not quote {fragment!r}"
+        assert fragment in sources, f"no code writes {fragment!r} any more"
