@@ -228,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    from bottlenet import cli_down, cli_top  # their own modules (ops subcommands)
+
+    cli_top.register(sub, json_flag)
+    cli_down.register(sub, add)
     return p
 
 
@@ -251,6 +255,9 @@ def main(
     if args.timeout <= 0:
         err.write("bottlenetctl: error: --timeout must be positive\n")
         return EXIT_USAGE
+    standalone = getattr(args, "standalone", None)
+    if standalone is not None:  # a subcommand that runs its own connection loop (top)
+        return int(standalone(args, path, out, err))
     try:
         with BlockingControlClient(path, timeout=args.timeout) as client:
             args.handler(client, args, out)

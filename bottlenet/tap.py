@@ -238,6 +238,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         smolvm_version=None,
         allowed_uids=default_allowed_uids(options["allow-uid"]),
         unix_target_root=state_dir,
+        clock=reactor,
     )
     root = BottlenetService(reactor, table, registry, smolvm, factory, state_dir)
     # Children start in this order and stop in reverse: the notifier says STOPPING first,

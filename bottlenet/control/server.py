@@ -7,15 +7,19 @@ are logged with the peer's uid and pid (UNIX) or certificate subject (TLS).
 
 from __future__ import annotations
 
+import hashlib
+import re
 import socket
+import time
 from collections.abc import Awaitable, Sequence
 from typing import Any, Literal, TypeVar, cast
 
 from attrs import frozen
 from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
-from twisted.internet.interfaces import IAddress, IHandshakeListener, ISSLTransport
+from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
 from twisted.internet.protocol import Factory
+from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -38,11 +42,34 @@ from bottlenet.forward.spec import (
     parse_canonical_ipv4,
     parse_target,
 )
+from bottlenet.logs import RateLimitedLogger
 
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
 PAGE_BYTE_BUDGET = 60_000
 MAX_CLIENT_VERSION = 128
+# A client version is logged as is only in this shape (name/dotted version, lowercase);
+# anything else, however harmless its characters, as a length and a sha256 prefix.
+_CLIENT_VERSION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}/[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
+
+
+def describe_client_version(value: str) -> str:
+    """The client's self-description for the log: a known shape, else length + hash."""
+    if _CLIENT_VERSION_RE.fullmatch(value):
+        return repr(value)
+    raw = value.encode("utf-8", "surrogatepass")
+    return f"<{len(raw)} bytes sha256:{hashlib.sha256(raw).hexdigest()[:12]}>"
+
+
+#: At most one "refused peer" line per uid per this many seconds (a peer can retry at will).
+REFUSED_PEER_LOG_INTERVAL = 10.0
+
+
+class _MonotonicClock:
+    """``seconds()`` only: enough for rate limiting when no reactor is passed in."""
+
+    def seconds(self) -> float:
+        return time.monotonic()
 
 
 @frozen
@@ -156,7 +183,7 @@ class ControlLocator(SafeCommandLocator):
         self.log.info(
             "control: hello from {peer} client={client} protocols={protocols}",
             peer=self.peer.describe() if self.peer else "?",
-            client=safe_repr(client_version, limit=MAX_CLIENT_VERSION),
+            client=describe_client_version(client_version),
             protocols=sorted(common),
         )
         if not common:
@@ -306,7 +333,12 @@ class ControlServerProtocol(HardenedAMP):
             return
         if cred.uid not in self.factory.allowed_uids:
             self._closing = True
-            self.log.warn("control: refused peer uid={uid} pid={pid}", uid=cred.uid, pid=cred.pid)
+            self.factory.refused_log.warn(
+                ("refused-peer", cred.uid),
+                "control: refused peer uid={uid} pid={pid}",
+                uid=cred.uid,
+                pid=cred.pid,
+            )
             self.ctransport.abortConnection()
             return
         self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
@@ -329,8 +361,12 @@ class ControlServerFactory(Factory):
     ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``).
     ``transport_kind="tls"`` is for the optional TLS listener, where the client certificate
     (verified by the TLS layer) stands in for peer credentials.
+    ``clock`` (the reactor) rate-limits the refused-peer log per uid and flushes the
+    suppressed counts periodically; without it a monotonic clock is used and counts are
+    reported with that uid's next refusal or when the listener stops.
     """
 
+    log = Logger()
     noisy = False
 
     def __init__(
@@ -344,6 +380,8 @@ class ControlServerFactory(Factory):
         peer_credentials: PeerCredentials = get_peer_credentials,
         unix_target_root: str | None = None,
         transport_kind: Literal["unix", "tls"] = "unix",
+        clock: IReactorTime | None = None,
+        refused_log: RateLimitedLogger | None = None,
     ) -> None:
         self.backend = backend
         self.server_version = server_version
@@ -355,6 +393,26 @@ class ControlServerFactory(Factory):
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
         self.transport_kind: Literal["unix", "tls"] = transport_kind
+        self._clock = clock
+        self.refused_log = refused_log or RateLimitedLogger(
+            self.log,
+            clock if clock is not None else cast(IReactorTime, _MonotonicClock()),
+            interval=REFUSED_PEER_LOG_INTERVAL,
+            max_keys=1024,
+        )
+        self._flusher: LoopingCall | None = None
+
+    def startFactory(self) -> None:
+        if self._clock is not None and self._flusher is None:
+            self._flusher = LoopingCall(self.refused_log.flush)
+            self._flusher.clock = self._clock
+            self._flusher.start(REFUSED_PEER_LOG_INTERVAL, now=False)
+
+    def stopFactory(self) -> None:
+        if self._flusher is not None:
+            self._flusher.stop()
+            self._flusher = None
+        self.refused_log.flush()
 
     def for_tls(self) -> ControlServerFactory:
         """The same service for the TLS listener (client certificates instead of uids)."""
@@ -367,6 +425,8 @@ class ControlServerFactory(Factory):
             peer_credentials=self.peer_credentials,
             unix_target_root=self.unix_target_root,
             transport_kind="tls",
+            clock=self._clock,
+            refused_log=self.refused_log,
         )
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:

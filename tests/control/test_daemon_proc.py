@@ -1,4 +1,4 @@
-"""Daemon processes without the forward table: systemd socket activation, fatal exit."""
+"""The real daemon process: systemd socket activation, and a fatal exit without its socket."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from bottlenet.control.blocking import BlockingControlClient
 
-from .daemon_helpers import start_daemon, stop, wait_ready
+from .daemon_helpers import CLEAN_EXIT, start_daemon, stop, wait_ready
 
 
 @pytest.fixture
@@ -29,15 +29,23 @@ def test_systemd_socket_activation(tmp: str) -> None:
     os.chmod(path, 0o600)
     s.listen(16)
     s.set_inheritable(True)
-    proc = start_daemon("FAKE", "systemd:domain=UNIX:name=control", s.fileno())
+    state = os.path.join(tmp, "state")
+    proc = start_daemon(state, "systemd:domain=UNIX:name=control", s.fileno())
     s.close()
     try:
         wait_ready(path, proc)
         with BlockingControlClient(path, timeout=5) as c:
-            assert c.hello().smolvm_available is False
+            assert c.hello().protocol == 1
+            c.create_bottle("sd")
+            assert [b.name for b in c.all_bottles()] == ["sd"]
         assert os.stat(path).st_mode & 0o777 == 0o600
     finally:
-        stop(proc)
+        out = stop(proc)
+    assert proc.returncode in CLEAN_EXIT, out
+    assert "Traceback" not in out
+    assert "control: listening on" in out
+    # systemd owns the path: the daemon neither chmods nor unlinks it.
+    assert os.path.exists(path) and os.stat(path).st_mode & 0o777 == 0o600
 
 
 def test_daemon_without_its_socket_exits_nonzero(tmp: str) -> None:
@@ -46,8 +54,8 @@ def test_daemon_without_its_socket_exits_nonzero(tmp: str) -> None:
     path = os.path.join(run, "control.sock")
     with open(path, "w") as f:
         f.write("not a socket")
-    proc = start_daemon("FAKE", f"unix:{path}")
-    out, _ = proc.communicate(timeout=30)
+    proc = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
+    out, _ = proc.communicate(timeout=60)
     text = out.decode()
     assert proc.returncode == 1, text
     assert "Traceback" not in text

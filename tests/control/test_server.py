@@ -249,3 +249,12 @@ def test_busy_maps(conn: Conn) -> None:
     conn.factory.backend.fail_with = Busy("try later")  # type: ignore[attr-defined]
     with pytest.raises(Busy):
         conn.call(C.DestroyBottle, name="b")
+
+
+def test_client_version_logged_only_in_a_known_shape() -> None:
+    from bottlenet.control.server import describe_client_version
+
+    assert describe_client_version("bottlenet-blocking/0.1.0") == "'bottlenet-blocking/0.1.0'"
+    for odd in ("CANARY-0f0e", "x/1.0 CANARY", "launcher/1.2.3.4.5", "a" * 300, "x/1\n"):
+        described = describe_client_version(odd)
+        assert odd not in described and described.startswith(f"<{len(odd.encode())} bytes sha256:")

@@ -1,0 +1,216 @@
+"""The documentation's commands work: docs/quickstart.md is run against a real daemon.
+
+Blocks preceded by ``<!-- test -->`` run in order in one ``bash -euo pipefail`` (so an
+``export`` or a background job carries over); the ``<!-- test: daemon -->`` block is started
+first, in the background, and stopped at the end. ``/tmp/bn-quick`` and the two ports are
+replaced by a fresh directory and free ports. Separately, every ``bottlenetctl`` line in any
+shell block of the docs must parse with bottlenetctl's own argument parser.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from bottlenet.cli import build_parser
+from bottlenet.control.blocking import BlockingControlClient
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "docs", "quickstart.md")
+BLOCK = re.compile(r"(?:<!-- (test(?:: \w+)?) -->\n)?```sh\n(.*?)```", re.S)
+
+
+def shell_blocks(path: str) -> list[tuple[str | None, str]]:
+    """(marker or None, body) of every ```sh block."""
+    with open(path) as f:
+        return [(m.group(1), m.group(2)) for m in BLOCK.finditer(f.read())]
+
+
+def _free_port(host: str) -> int:
+    with socket.create_server((host, 0)) as s:
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    for name in ("BOTTLENET_CONTROL", "XDG_RUNTIME_DIR", "LISTEN_FDS", "LISTEN_PID"):
+        env.pop(name, None)
+    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+    env["PYTHONPATH"] = ROOT
+    return env
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(5)
+
+
+def test_quickstart_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    blocks = shell_blocks(QUICKSTART)
+    daemon = [body for marker, body in blocks if marker == "test: daemon"]
+    steps = [body for marker, body in blocks if marker == "test"]
+    assert len(daemon) == 1 and len(steps) >= 5
+
+    base = str(tmp_path / "bn-quick")
+    web, agent = _free_port("127.0.0.1"), _free_port("127.77.0.1")
+
+    def fill(text: str) -> str:
+        text = text.replace("/tmp/bn-quick", base)
+        return re.sub(r"\b8080\b", str(web), re.sub(r"\b8077\b", str(agent), text))
+
+    env = _env()
+    log = open(tmp_path / "daemon.log", "wb")  # closed in the finally below
+    proc = subprocess.Popen(
+        ["bash", "-euc", fill(daemon[0])],
+        env=env,
+        cwd=tmp_path,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    script: subprocess.Popen[bytes] | None = None
+    try:
+        sock = os.path.join(base, "run", "control.sock")
+        for _ in range(400):
+            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
+            try:
+                with BlockingControlClient(sock, timeout=2) as c:
+                    c.ping()
+                break
+            except Exception:
+                time.sleep(0.05)
+        script = subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", fill("\n".join(steps))],
+            env=env,
+            cwd=tmp_path,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        out_b, err_b = script.communicate(timeout=120)
+        out, err = out_b.decode(), err_b.decode()
+    finally:
+        if script is not None:
+            _kill_group(script)
+        _kill_group(proc)
+        log.close()
+    assert script.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    # The outputs the quickstart promises in its comments.
+    assert "created demo on 127.77.0.1\n" in out
+    assert f"127.77.0.1:{agent}\n" in out
+    assert "hello through bottlenet\n" in out
+    assert "destroyed demo\n" in out and "no bottles\n" in out
+    assert "Traceback" not in err
+    daemon_log = (tmp_path / "daemon.log").read_text()
+    assert "Traceback" not in daemon_log
+
+
+@pytest.mark.parametrize("doc", ["quickstart.md", "operations.md", "protocol.md", "security.md"])
+def test_every_bottlenetctl_line_parses(doc: str) -> None:
+    parser = build_parser()
+    path = os.path.join(ROOT, "docs", doc)
+    if not os.path.exists(path):
+        pytest.skip(f"{doc} does not exist")
+    lines = [
+        line.split("#", 1)[0].strip()
+        for _, body in shell_blocks(path)
+        for line in body.splitlines()
+        if line.strip().startswith("bottlenetctl ")
+    ]
+    with open(path) as f:
+        text = f.read()
+    lines += re.findall(r"`(bottlenetctl [^`]*)`", text)
+    for line in lines:
+        argv = shlex.split(line)[1:]
+        if not argv or any(a.isupper() or "..." in a or a.startswith(("[", "<")) for a in argv):
+            continue  # a synopsis (COMMAND, ...), not a command
+        try:
+            parser.parse_args(argv)
+        except SystemExit as e:
+            raise AssertionError(f"{doc}: {line!r} is not a valid bottlenetctl command") from e
+
+
+def test_security_doc_names_real_tests() -> None:
+    """Every ``tests/...py::name`` (and following ``::name`` / ``Class.method``) exists."""
+    with open(os.path.join(ROOT, "docs", "security.md")) as f:
+        text = f.read()
+    current: str | None = None
+    checked = 0
+    for m in re.finditer(r"`([^`]+)`", text):
+        span = m.group(1)
+        file_part, _, name = span.partition("::")
+        if file_part.startswith("tests/") and file_part.endswith(".py"):
+            current = file_part
+            assert os.path.exists(os.path.join(ROOT, current)), span
+        elif span.startswith("::") or re.fullmatch(r"[A-Z]\w+\.test_\w+", span):
+            name = span.lstrip(":")
+        else:
+            continue
+        if not name or current is None:
+            continue
+        with open(os.path.join(ROOT, current)) as f:
+            source = f.read()
+        for part in name.split("."):
+            assert re.search(rf"(def|class) {re.escape(part)}\b", source), f"{current}::{name}"
+        checked += 1
+    assert checked > 30
+
+
+# Fixed parts of the messages docs/operations.md quotes in its troubleshooting section.
+QUOTED = [
+    "is not in the alias pool",
+    "cannot listen on",
+    "EADDRINUSE",
+    "another bottlenet daemon holds",
+    "not taking over",
+    "another daemon is answering on",
+    "is a symlink; refusing to use or remove it",
+    "exists and is not a socket; refusing to remove it",
+    "0700 directory of its own",
+    "cannot reach the bottlenet daemon at",
+    "hint: is the bottlenet daemon running? its control socket is expected at",
+    "the daemon closed the connection",
+    "control: refused peer uid=",
+    "similar suppressed",
+    "no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)",
+    "smolvm is unusable: ",
+    "is too old: vmctl needs smolvm",
+    "the daemon holds its maximum of",
+    "is exhausted",
+    "refused a connection: ",
+    "more refusals not logged",
+    "accept paused: ",
+    "retrying with backoff",
+    "open files limit ",
+]
+
+
+def test_troubleshooting_quotes_real_messages() -> None:
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        doc = f.read().replace("\n   ", " ").replace("\n    ", " ")
+    sources = ""
+    for top in ("bottlenet", "vmctl"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            for name in files:
+                if name.endswith(".py"):
+                    with open(os.path.join(dirpath, name)) as f:
+                        sources += f.read()
+    for fragment in QUOTED:
+        assert fragment in doc, f"operations.md does not quote {fragment!r}"
+        assert fragment in sources, f"no code writes {fragment!r} any more"
