@@ -326,9 +326,7 @@ class Smolvm:
         """
 
         async def go() -> ExecResult:
-            args = exec_args(
-                name, argv, env, workdir, interactive=stdin is not None, detach=detach
-            )
+            args = exec_args(name, argv, env, workdir, interactive=stdin is not None, detach=detach)
             await self._gate()
             result = await self._run(args, timeout or self.timeouts.exec, stdin=stdin)
             if result.exit_code is None:
