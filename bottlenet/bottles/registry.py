@@ -105,16 +105,27 @@ class BottleRegistry:
         self._vms: dict[str, VMBottle] = {}
         self._busy: set[str] = set()
         self._creating: set[str] = set()
-        #: Set while the daemon restores its state; control changes wait for it.
-        self.recovering = False
+        self._recovering = False
+        self._recovery_waiters: list[Deferred[None]] = []
+
+    @property
+    def recovering(self) -> bool:
+        """True while the daemon restores its state; changes wait until it is done."""
+        return self._recovering
+
+    @recovering.setter
+    def recovering(self, value: bool) -> None:
+        self._recovering = value
+        if not value:
+            waiters, self._recovery_waiters = self._recovery_waiters, []
+            for d in waiters:
+                d.callback(None)
 
     # -- bookkeeping --------------------------------------------------------------------
 
     @contextmanager
     def _operation(self, name: str) -> Iterator[None]:
         """One operation at a time per bottle: a second one gets BUSY instead of racing."""
-        if self.recovering:
-            raise Unavailable("the daemon is restoring its bottles; try again shortly")
         if name in self._busy:
             raise Busy(f"bottle {name} has another operation in progress")
         self._busy.add(name)
@@ -124,6 +135,10 @@ class BottleRegistry:
             self._busy.discard(name)
 
     async def _locked(self, name: str, op: Callable[[], Awaitable[T]]) -> T:
+        while self._recovering:
+            waiter: Deferred[None] = Deferred()
+            self._recovery_waiters.append(waiter)
+            await waiter
         with self._operation(name):
             return await op()
 
@@ -256,9 +271,10 @@ class BottleRegistry:
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
-        self._require(name)
+        check_bottle_name(name)
 
         async def destroy() -> None:
+            self._require(name)  # (inside the lock: a bottle being created is BUSY)
             vb = self._vms.get(name)
             if vb is not None:
                 assert self.vms is not None
