@@ -130,8 +130,7 @@ def _bottle_rows(b: Any) -> list[list[object]]:
 
 
 def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    spec = read_spec(a.spec) if a.spec else None
-    b = c.create_bottle(a.name, alias=a.alias, spec=spec)
+    b = c.create_bottle(a.name, alias=a.alias, spec=a.spec_json)
     if a.json:
         _json(b, out)
     elif b.mode:
@@ -315,12 +314,14 @@ def main(
     if args.timeout <= 0:
         err.write("bottlenetctl: error: --timeout must be positive\n")
         return EXIT_USAGE
-    try:
-        with BlockingControlClient(path, timeout=args.timeout) as client:
-            args.handler(client, args, out)
+    try:  # the spec file is read before the daemon is contacted: a bad file is a usage error
+        args.spec_json = read_spec(args.spec) if getattr(args, "spec", None) else None
     except SpecFileError as e:
         err.write(f"bottlenetctl: error: {_clean(e)}\n")
         return EXIT_USAGE
+    try:
+        with BlockingControlClient(path, timeout=args.timeout) as client:
+            args.handler(client, args, out)
     except ControlConnectionError as e:
         err.write(f"error: {_clean(e)}\n")
         err.write(

@@ -29,11 +29,11 @@ STATE_DEGRADED = "degraded"
 def machine_name(bottle: str, role: str) -> str:
     """``bn-<bottle>-<role>``, or ``bn_<hash>-<role>`` when that breaks smolvm's name rules.
 
-    smolvm refuses ``--`` anywhere and a trailing ``-`` before the suffix cannot happen, but
-    a bottle name may contain ``--``. Bottle names never contain ``_``, so the hashed form
-    can never collide with a literal one.
+    smolvm refuses ``--`` anywhere, and a bottle name may contain ``--`` or end in ``-``
+    (which the suffix would turn into ``--``). Bottle names never contain ``_``, so the
+    hashed form can never collide with a literal one.
     """
-    if "--" not in bottle:
+    if "--" not in bottle and not bottle.endswith("-"):
         return f"bn-{bottle}-{role}"
     digest = hashlib.sha256(bottle.encode()).hexdigest()[:20]
     return f"bn_{digest}-{role}"

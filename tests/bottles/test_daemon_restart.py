@@ -197,3 +197,50 @@ def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
         assert c.list_bottles().total == 0
     assert "deleting orphan machine" in daemon.log()
     daemon.kill(signal.SIGTERM)
+
+
+def test_bottlenetctl_spec_egress_verify(daemon: Daemon) -> None:
+    import io
+
+    from bottlenet.cli import main
+
+    toml = os.path.join(daemon.tmp, "t1.toml")
+    with open(toml, "w") as f:
+        f.write(
+            f"""mode = "socket"
+[sidecar]
+image = "registry.example/sidecar:1"
+[[sidecar.service]]
+name = "egress"
+guest_port = 3128
+env = ["HTTPS_PROXY=http://{{host}}:{{port}}"]
+[sidecar.egress]
+allow_hosts = ["pypi.org"]
+policy_path = "{daemon.tmp}/policy.txt"
+reload = ["/bin/true"]
+[agent]
+image = "{daemon.tmp}/agent.tar"
+"""
+        )
+    daemon.start("--unsafe-skip-isolation-probe")
+    daemon.wait_ready()
+    base = ["--control", daemon.control, "--timeout", "60"]
+
+    def ctl(*args: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = main([*base, *args], env={}, out=out, err=err)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = ctl("bottle", "create", "t1", "--spec", toml)
+    assert code == 0, err
+    assert "HTTPS_PROXY" in out and "--mount-socket" in out and "WARNING" in out
+    assert ctl("egress", "set", "t1", "example.org", "*.pypi.org")[0] == 0
+    with open(os.path.join(daemon.tmp, "policy.txt")) as f:
+        assert f.read() == "example.org\n*.pypi.org\n"
+    code, out, err = ctl("--json", "bottle", "status", "t1")
+    assert json.loads(out)["bottle"]["policy"] == ["example.org", "*.pypi.org"]
+    code, out, err = ctl("bottle", "verify", "t1")  # the plain fake isolates nothing
+    assert code == 1 and "ISOLATION_FAILED" in err and "leak: tcp:127.0.0.1:" in err
+    assert ctl("bottle", "rm", "t1")[0] == 0
+    assert daemon.fake.state()["machines"] == {}
+    daemon.kill(signal.SIGTERM)

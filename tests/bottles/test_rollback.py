@@ -77,8 +77,8 @@ class RollbackTests(DaemonCase):
                 await self.stop()
                 self.fake.cleanup()
 
-    async def test_after_each_step_alias_mode(self) -> None:
-        for step in STEPS:
+    async def test_after_mode_specific_steps_alias_mode(self) -> None:
+        for step in ("step_allocate", "step_bind", "step_agent"):
             await self._after_step(step, "alias")
             await self.stop()
             self.fake.cleanup()
