@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import tomllib
 from collections.abc import Callable, Sequence
 from typing import Any, TextIO
 
@@ -89,12 +90,69 @@ def cmd_ping(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> No
         out.write("ok\n")
 
 
+class SpecFileError(Exception):
+    """The --spec file could not be read as TOML (reported as a usage error)."""
+
+
+def read_spec(path: str) -> str:
+    """Read a TOML bottle spec and return it as JSON text for CreateBottle."""
+    try:
+        with open(path, "rb") as f:
+            doc = tomllib.load(f)
+    except OSError as e:
+        raise SpecFileError(f"--spec {path}: {e.strerror}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise SpecFileError(f"--spec {path}: not valid TOML: {e}") from None
+    return json.dumps(doc, separators=(",", ":"), default=str)
+
+
+def _bottle_rows(b: Any) -> list[list[object]]:
+    rows: list[list[object]] = [
+        ["name", b.name],
+        ["alias", b.alias or "-"],
+        ["source", b.source],
+        ["state", b.state],
+    ]
+    if b.detail:
+        rows.append(["detail", b.detail])
+    if b.mode:
+        rows += [
+            ["mode", b.mode],
+            ["isolation", b.isolation or "-"],
+            ["sidecar vm", b.sidecar_vm or "-"],
+            ["agent vm", b.agent_vm or "-"],
+            ["egress", " ".join(b.policy) if b.policy else "(deny all)"],
+        ]
+        rows += [[f"endpoint {e.service}", e.endpoint] for e in b.endpoints]
+        rows += [[f"env {k}", v] for k, v in sorted(b.env.items())]
+    rows += [["WARNING", w] for w in b.warnings]
+    return rows
+
+
 def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.create_bottle(a.name, alias=a.alias)
+    b = c.create_bottle(a.name, alias=a.alias, spec=a.spec_json)
     if a.json:
         _json(b, out)
+    elif b.mode:
+        table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
+
+
+def cmd_bottle_verify(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    b, result = c.verify_bottle(a.name)
+    if a.json:
+        _json({"bottle": b, "result": result}, out)
+    else:
+        out.write(f"{_clean(b.name)}: isolation probe {_clean(result)}\n")
+
+
+def cmd_egress_set(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    hosts = c.set_egress_policy(a.name, list(a.hosts))
+    if a.json:
+        _json({"bottle": a.name, "allow_hosts": hosts}, out)
+    else:
+        out.write(f"{a.name}: egress allows {len(hosts)} host(s)\n")
 
 
 def cmd_bottle_rm(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -120,11 +178,7 @@ def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: Text
     if a.json:
         _json({"bottle": b, "forwards": forwards}, out)
         return
-    table(
-        ["FIELD", "VALUE"],
-        [["name", b.name], ["alias", b.alias or "-"], ["source", b.source], ["state", b.state]],
-        out,
-    )
+    table(["FIELD", "VALUE"], _bottle_rows(b), out)
     if forwards:
         out.write("\n")
         table(
@@ -208,12 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
     bottle = sub.add_parser("bottle", help="create, remove, list bottles").add_subparsers(
         dest="bottle_command", required=True, metavar="ACTION"
     )
-    sp = add(bottle, "create", cmd_bottle_create, "create a forward-only bottle")
+    sp = add(bottle, "create", cmd_bottle_create, "create a bottle (with VMs given --spec)")
     sp.add_argument("name")
     sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
+    sp.add_argument("--spec", metavar="FILE.toml", help="bottle spec: sidecar and agent VMs")
     add(bottle, "rm", cmd_bottle_rm, "destroy a bottle and its forwards").add_argument("name")
     add(bottle, "ls", cmd_bottle_ls, "list bottles")
     add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
+    add(bottle, "verify", cmd_bottle_verify, "run the isolation probe again").add_argument("name")
+
+    egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
+        dest="egress_command", required=True, metavar="ACTION"
+    )
+    sp = add(egress, "set", cmd_egress_set, "replace the allow-list (no hosts: deny all)")
+    sp.add_argument("name")
+    sp.add_argument("hosts", nargs="*", metavar="HOST")
 
     forward = sub.add_parser("forward", help="add, remove, list forwards").add_subparsers(
         dest="forward_command", required=True, metavar="ACTION"
@@ -258,6 +321,11 @@ def main(
     standalone = getattr(args, "standalone", None)
     if standalone is not None:  # a subcommand that runs its own connection loop (top)
         return int(standalone(args, path, out, err))
+    try:  # the spec file is read before the daemon is contacted: a bad file is a usage error
+        args.spec_json = read_spec(args.spec) if getattr(args, "spec", None) else None
+    except SpecFileError as e:
+        err.write(f"bottlenetctl: error: {_clean(e)}\n")
+        return EXIT_USAGE
     try:
         with BlockingControlClient(path, timeout=args.timeout) as client:
             args.handler(client, args, out)

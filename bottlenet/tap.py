@@ -17,7 +17,9 @@ from twisted.logger import Logger
 from twisted.python import usage
 
 from bottlenet import __version__, limits, logs, metrics, sdnotify
-from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.recovery import Recovery, RecoveryService
+from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.config import ConfigError, DaemonConfig, load_config
 from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
@@ -27,6 +29,7 @@ from bottlenet.fatal import fatal_stop
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
+from bottlenet.state import StateError, StateStore
 from bottlenet.statedir import default_state_dir, ensure_private_dir
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
@@ -60,6 +63,21 @@ class Options(usage.Options):
         ["smolvm-data-dir", None, None, "Passed to smolvm as SMOLVM_DATA_DIR."],
         ["log-format", None, None, "json (one object per line) or text (default: the runner's)."],
         ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
+        ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
+    ]
+    optFlags = [
+        [
+            "alias-iptables-fallback",
+            None,
+            "Allow alias-mode bottles on smolvm that refuses TSI with an allow-list, by "
+            "installing guest iptables rules through exec (the agent must run as non-root).",
+        ],
+        [
+            "unsafe-skip-isolation-probe",
+            None,
+            "Do not run the isolation probe before an agent's workload starts (UNSAFE; "
+            "every bottle created so says so in its status).",
+        ],
     ]
 
     def __init__(self) -> None:
@@ -224,6 +242,18 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         except BottlenetError as e:
             raise _fail(f"--metrics: {e.message}") from None
     tls = _tls_options(options)
+    max_bottles = options["max-bottles"]
+    if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
+        raise _fail("--max-bottles: must be an integer 1-65536")
+    store = StateStore(state_dir)
+    try:
+        state = store.load()
+        if not os.path.exists(store.path):
+            store.save(state)  # the instance id (our owner label) must outlive a crash
+    except StateError as e:
+        raise _fail(e.message) from None
+    except OSError as e:
+        raise _fail(f"{store.path}: {e.strerror}") from None
 
     def on_fatal(why: str) -> None:
         fatal_stop(reactor, why)
@@ -231,7 +261,26 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     vmctl_service, smolvm = make_smolvm(reactor, options["smolvm"], options["smolvm-data-dir"])
     aliases = AliasRegistry(pool)
     table = ForwardTable(reactor, aliases, state_dir=state_dir, connect_timeout=connect_timeout)
-    registry = BottleRegistry(reactor, table, aliases, state_dir=state_dir)
+    vm_options = VMOptions(
+        instance_id=state.instance_id,
+        iptables_fallback=options["alias-iptables-fallback"],
+        skip_probe=options["unsafe-skip-isolation-probe"],
+    )
+    if vm_options.skip_probe:
+        BottlenetService.log.warn(
+            "--unsafe-skip-isolation-probe: agent VMs start WITHOUT the isolation launch gate"
+        )
+    vms = VMLifecycle(reactor, smolvm, table, aliases, state_dir=state_dir, options=vm_options)
+    registry = BottleRegistry(
+        reactor,
+        table,
+        aliases,
+        state_dir=state_dir,
+        max_bottles=int(max_bottles),
+        store=store,
+        instance_id=state.instance_id,
+        vms=vms,
+    )
     factory = ControlServerFactory(
         registry,
         server_version=__version__,
@@ -247,10 +296,15 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     table.setName("forwards")
     table.setServiceParent(root)
     waits: list[Deferred[Any]] = []
+    config_ready: Deferred[Any] | None = None
     if config.bottles:
         bottles = ConfigBottles(reactor, registry, config, config_path or "")
         bottles.setServiceParent(root)
         waits.append(bottles.ready)
+        config_ready = bottles.ready
+    recovery = RecoveryService(Recovery(registry, vms, state, state_dir), after=config_ready)
+    recovery.setServiceParent(root)
+    waits.append(recovery.ready)
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
     ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
     if tls is not None:

@@ -314,15 +314,19 @@ class Smolvm:
         stdin: bytes | None = None,
         timeout: float | None = None,
         workdir: str | None = None,
+        detach: bool = False,
     ) -> Deferred[ExecResult]:
         """``machine exec``: the guest's exit code is returned, smolvm's failures raised.
+
+        With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
+        returns: the result's stdout holds that pid and the command keeps running.
 
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: ``Error: `` plus a known smolvm phrase (or a clap usage error, exit 2).
         """
 
         async def go() -> ExecResult:
-            args = exec_args(name, argv, env, workdir, interactive=stdin is not None)
+            args = exec_args(name, argv, env, workdir, interactive=stdin is not None, detach=detach)
             await self._gate()
             result = await self._run(args, timeout or self.timeouts.exec, stdin=stdin)
             if result.exit_code is None:

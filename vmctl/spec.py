@@ -355,8 +355,14 @@ def exec_args(
     env: Mapping[str, str] | None = None,
     workdir: str | None = None,
     interactive: bool = False,
+    detach: bool = False,
 ) -> list[str]:
-    """The arguments after ``smolvm`` for ``machine exec`` (``--name`` is long-only there)."""
+    """The arguments after ``smolvm`` for ``machine exec`` (``--name`` is long-only there).
+
+    ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i``.
+    """
+    if detach and interactive:
+        raise InvalidArgument("exec -d cannot feed stdin (-i)")
     validate_name(name)
     if not argv:
         raise InvalidArgument("exec needs a command")
@@ -372,4 +378,6 @@ def exec_args(
         args += ["-w", workdir]
     if interactive:
         args.append("-i")
+    if detach:
+        args.append("-d")
     return [*args, "--", *argv]

@@ -118,10 +118,21 @@ class BlockingControlClient:
     def ping(self) -> None:
         self.call(C.Ping)
 
-    def create_bottle(self, name: str, alias: str | None = None) -> BottleRecord:
-        answer = self.call(C.CreateBottle, name=name, alias=alias)
+    def create_bottle(
+        self, name: str, alias: str | None = None, spec: str | None = None
+    ) -> BottleRecord:
+        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
+        answer = self.call(C.CreateBottle, name=name, alias=alias, spec=spec)
         bottle: BottleRecord = answer["bottle"]
         return bottle
+
+    def verify_bottle(self, name: str) -> tuple[BottleRecord, str]:
+        answer = self.call(C.VerifyBottle, name=name)
+        return answer["bottle"], answer["result"]
+
+    def set_egress_policy(self, bottle: str, hosts: list[str]) -> tuple[str, ...]:
+        answer = self.call(C.SetEgressPolicy, bottle=bottle, allow_hosts=list(hosts))
+        return tuple(answer["allow_hosts"])
 
     def destroy_bottle(self, name: str) -> None:
         self.call(C.DestroyBottle, name=name)

@@ -49,8 +49,22 @@ class ControlClient:
     def ping(self) -> Deferred[None]:
         return self._call(C.Ping, lambda _: None)
 
-    def create_bottle(self, name: str, alias: str | None = None) -> Deferred[BottleRecord]:
-        return self._call(C.CreateBottle, lambda a: a["bottle"], name=name, alias=alias)
+    def create_bottle(
+        self, name: str, alias: str | None = None, spec: str | None = None
+    ) -> Deferred[BottleRecord]:
+        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
+        return self._call(C.CreateBottle, lambda a: a["bottle"], name=name, alias=alias, spec=spec)
+
+    def verify_bottle(self, name: str) -> Deferred[tuple[BottleRecord, str]]:
+        return self._call(C.VerifyBottle, lambda a: (a["bottle"], a["result"]), name=name)
+
+    def set_egress_policy(self, bottle: str, hosts: list[str]) -> Deferred[tuple[str, ...]]:
+        return self._call(
+            C.SetEgressPolicy,
+            lambda a: tuple(a["allow_hosts"]),
+            bottle=bottle,
+            allow_hosts=list(hosts),
+        )
 
     def destroy_bottle(self, name: str) -> Deferred[None]:
         return self._call(C.DestroyBottle, lambda _: None, name=name)

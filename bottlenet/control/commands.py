@@ -30,7 +30,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = (1,)
 # Server-side cap on page sizes; each page is also trimmed to a byte budget.
 MAX_PAGE = 100
-FEATURES = ("bottles", "forwards", "stats")
+FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify")
 
 
 class InternalError(BottlenetError):
@@ -146,12 +146,16 @@ class Ping(ControlCommand):
 
 
 class CreateBottle(ControlCommand):
-    """Create a forward-only bottle (alias drawn from the pool when omitted)."""
+    """Create a bottle: forward-only, or with VMs when ``spec`` (a JSON bottle spec) is given.
+
+    The alias is drawn from the pool when omitted (forward-only and alias-mode bottles).
+    """
 
     commandName = b"bottlenet.CreateBottle"
     arguments = [
         (b"name", amp.Unicode()),
         (b"alias", amp.Unicode(optional=True)),
+        (b"spec", amp.Unicode(optional=True)),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -207,6 +211,28 @@ class ListForwards(ControlCommand):
     response = _page_response(b"forwards", RecordList(ForwardRecord))
 
 
+class VerifyBottle(ControlCommand):
+    """Run the isolation probe in the bottle's agent VM again (ISOLATION_FAILED on a leak)."""
+
+    commandName = b"bottlenet.VerifyBottle"
+    arguments = [(b"name", amp.Unicode())]
+    response = [
+        (b"bottle", Record(BottleRecord)),
+        (b"result", amp.Unicode()),
+    ]
+
+
+class SetEgressPolicy(ControlCommand):
+    """Replace a VM bottle's egress allow-list (recorded only once the sidecar reloaded it)."""
+
+    commandName = b"bottlenet.SetEgressPolicy"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"allow_hosts", StrictListOf(amp.Unicode())),
+    ]
+    response = [(b"allow_hosts", StrictListOf(amp.Unicode()))]
+
+
 class Stats(ControlCommand):
     commandName = b"bottlenet.Stats"
     arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
@@ -224,7 +250,9 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     RemoveForward,
     ListForwards,
     Stats,
+    VerifyBottle,
+    SetEgressPolicy,
 )
 MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
-    {CreateBottle, DestroyBottle, AddForward, RemoveForward}
+    {CreateBottle, DestroyBottle, AddForward, RemoveForward, VerifyBottle, SetEgressPolicy}
 )

@@ -11,7 +11,7 @@ import json
 from typing import Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
-from attrs import frozen
+from attrs import field, frozen
 from twisted.protocols import amp
 
 from bottlenet.control.framing import MAX_VALUE_LENGTH
@@ -34,17 +34,66 @@ def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: b
     return value
 
 
+def _str_map(d: dict[str, Any], key: str) -> dict[str, str]:
+    value = _get(d, key, dict, optional=True) or {}
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise RecordError(f"record field {key!r} has the wrong type")
+    return dict(value)
+
+
+def _str_list(d: dict[str, Any], key: str) -> tuple[str, ...] | None:
+    value = _get(d, key, list, optional=True)
+    if value is None:
+        return None
+    if not all(isinstance(v, str) for v in value):
+        raise RecordError(f"record field {key!r} has the wrong type")
+    return tuple(value)
+
+
+@frozen
+class EndpointRecord:
+    """One agent endpoint of a VM bottle: what the agent dials (never the raw port)."""
+
+    service: str
+    endpoint: str  # "alias:port" (alias mode) or "unix:GUEST_PATH" (socket mode)
+    host_path: str | None = None  # socket mode: the host socket mounted into the agent VM
+
+    @classmethod
+    def from_json(cls, d: object) -> EndpointRecord:
+        if not isinstance(d, dict):
+            raise RecordError("endpoint record must be an object")
+        return cls(
+            service=_get(d, "service", str),
+            endpoint=_get(d, "endpoint", str),
+            host_path=_get(d, "host_path", str, optional=True),
+        )
+
+
 @frozen
 class BottleRecord:
+    """A bottle. Fields after ``forwards`` were added with VM bottles; they are left out of
+    the JSON when they hold their default (so forward-only records are unchanged)."""
+
     name: str
     alias: str | None
     source: str
     state: str
     created_at: float
     forwards: int
+    mode: str | None = None
+    isolation: str | None = None
+    sidecar_vm: str | None = None
+    agent_vm: str | None = None
+    endpoints: tuple[EndpointRecord, ...] = ()
+    env: dict[str, str] = field(factory=dict)
+    policy: tuple[str, ...] | None = None
+    probe: str | None = None
+    warnings: tuple[str, ...] = ()
+    detail: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
+        endpoints = _get(d, "endpoints", list, optional=True) or []
         return cls(
             name=_get(d, "name", str),
             alias=_get(d, "alias", str, optional=True),
@@ -52,6 +101,16 @@ class BottleRecord:
             state=_get(d, "state", str),
             created_at=float(_get(d, "created_at", (int, float))),
             forwards=_get(d, "forwards", int),
+            mode=_get(d, "mode", str, optional=True),
+            isolation=_get(d, "isolation", str, optional=True),
+            sidecar_vm=_get(d, "sidecar_vm", str, optional=True),
+            agent_vm=_get(d, "agent_vm", str, optional=True),
+            endpoints=tuple(EndpointRecord.from_json(e) for e in endpoints),
+            env=_str_map(d, "env"),
+            policy=_str_list(d, "policy"),
+            probe=_get(d, "probe", str, optional=True),
+            warnings=_str_list(d, "warnings") or (),
+            detail=_get(d, "detail", str, optional=True),
         )
 
 
@@ -116,10 +175,23 @@ class _Record(Protocol):
 R = TypeVar("R", bound=_Record)
 
 
+def _record_json(record: Any) -> dict[str, Any]:
+    """A record as a JSON object; fields that have a default are omitted while they hold it."""
+    plain = attrs.asdict(record)
+    out: dict[str, Any] = {}
+    for f in attrs.fields(type(record)):
+        if f.default is not attrs.NOTHING:
+            default = f.default.factory() if isinstance(f.default, attrs.Factory) else f.default  # type: ignore[arg-type]
+            if getattr(record, f.name) == default:
+                continue
+        out[f.name] = plain[f.name]
+    return out
+
+
 def encode_records(records: list[Any]) -> bytes:
     """Compact JSON for a list of attrs records (UTF-8, no NaN, no spaces)."""
     return json.dumps(
-        [attrs.asdict(r) for r in records],
+        [_record_json(r) for r in records],
         separators=(",", ":"),
         ensure_ascii=False,
         allow_nan=False,

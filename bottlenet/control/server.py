@@ -8,6 +8,7 @@ are logged with the peer's uid and pid (UNIX) or certificate subject (TLS).
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import socket
 import time
@@ -23,12 +24,14 @@ from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
+from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.control import commands as C
 from bottlenet.control.backend import BottleView, ControlBackend, ForwardView
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
     BottleRecord,
+    EndpointRecord,
     ForwardRecord,
     StatsRecord,
     encode_records,
@@ -87,7 +90,8 @@ class PeerIdentity:
         return f"tls subject={self.subject}"
 
 
-def bottle_record(info: BottleView) -> BottleRecord:
+def bottle_record(info: BottleView, *, with_env: bool = True) -> BottleRecord:
+    """The wire record; listings leave the (possibly large) stamped env out."""
     return BottleRecord(
         name=info.name,
         alias=info.alias,
@@ -95,7 +99,35 @@ def bottle_record(info: BottleView) -> BottleRecord:
         state=info.state,
         created_at=float(info.created_at),
         forwards=len(info.forwards),
+        mode=getattr(info, "mode", None),
+        isolation=getattr(info, "isolation", None),
+        sidecar_vm=getattr(info, "sidecar_vm", None),
+        agent_vm=getattr(info, "agent_vm", None),
+        endpoints=tuple(
+            EndpointRecord(e.service, e.agent_address(), e.path)
+            for e in getattr(info, "endpoints", ())
+        ),
+        env=dict(getattr(info, "env", ())) if with_env else {},
+        policy=getattr(info, "policy", None),
+        probe=getattr(info, "probe", None),
+        warnings=tuple(getattr(info, "warnings", ())),
+        detail=getattr(info, "detail", None),
     )
+
+
+def parse_spec_json(text: str) -> dict[str, Any]:
+    """The ``spec`` argument: one JSON object (no NaN/Infinity, bounded nesting)."""
+
+    def reject(_: str) -> Any:
+        raise InvalidArgument("spec: NaN and Infinity are not allowed")
+
+    try:
+        doc = json.loads(text, parse_constant=reject)
+    except (json.JSONDecodeError, RecursionError):
+        raise InvalidArgument("spec: not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidArgument("spec: must be a JSON object")
+    return doc
 
 
 def forward_record(info: ForwardView) -> ForwardRecord:
@@ -204,14 +236,33 @@ class ControlLocator(SafeCommandLocator):
         return {}
 
     @C.CreateBottle.responder
-    async def create_bottle(self, name: str, alias: str | None) -> dict[str, Any]:
+    async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:
         check_bottle_name(name)
         if alias is not None:
             alias = str(parse_canonical_ipv4(alias, "alias"))
-        info = await self._mutate(
-            "CreateBottle", name, self.backend.create_bottle(name, alias=alias)
-        )
+        if spec is None:
+            action = self.backend.create_bottle(name, alias=alias)
+        else:
+            doc = parse_spec_json(spec)
+            parse_bottle_spec(name, doc)  # INVALID_ARGUMENT before anything changes
+            action = self.backend.create_bottle(name, alias=alias, spec=doc)
+        info = await self._mutate("CreateBottle", name, action)
         return {"bottle": bottle_record(info)}
+
+    @C.VerifyBottle.responder
+    async def verify_bottle(self, name: str) -> dict[str, Any]:
+        check_bottle_name(name)
+        info, verdict = await self._mutate("VerifyBottle", name, self.backend.verify_bottle(name))
+        return {"bottle": bottle_record(info), "result": "PASS" if verdict.passed else "FAIL"}
+
+    @C.SetEgressPolicy.responder
+    async def set_egress_policy(self, bottle: str, allow_hosts: list[str]) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        hosts = check_allow_hosts(allow_hosts)
+        result = await self._mutate(
+            "SetEgressPolicy", bottle, self.backend.set_egress_policy(bottle, list(hosts))
+        )
+        return {"allow_hosts": list(result)}
 
     @C.DestroyBottle.responder
     async def destroy_bottle(self, name: str) -> dict[str, Any]:
@@ -221,7 +272,7 @@ class ControlLocator(SafeCommandLocator):
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records = [bottle_record(b) for b in self.backend.list_bottles()]
+        records = [bottle_record(b, with_env=False) for b in self.backend.list_bottles()]
         page = paginate(records, offset, limit)
         return {
             "bottles": page["items"],

@@ -46,6 +46,16 @@ class FakeBottle:
     state: str
     created_at: float
     forwards: tuple[FakeForward, ...]
+    mode: str | None = None
+    isolation: str | None = None
+    sidecar_vm: str | None = None
+    agent_vm: str | None = None
+    endpoints: tuple[Any, ...] = ()
+    env: tuple[tuple[str, str], ...] = ()
+    policy: tuple[str, ...] | None = None
+    probe: str | None = None
+    warnings: tuple[str, ...] = ()
+    detail: str | None = None
 
 
 class FakeBackend:
@@ -62,8 +72,10 @@ class FakeBackend:
         if self.fail_with is not None:
             raise self.fail_with
 
-    async def create_bottle(self, name: str, alias: str | None = None) -> FakeBottle:
-        self.calls.append(("create_bottle", (name, alias)))
+    async def create_bottle(
+        self, name: str, alias: str | None = None, *, spec: Any = None
+    ) -> FakeBottle:
+        self.calls.append(("create_bottle", (name, alias) if spec is None else (name, alias, spec)))
         self._check()
         if name in self.bottles:
             raise AlreadyExists(f"bottle {name!r} exists")

@@ -11,12 +11,38 @@ from twisted.protocols import amp
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.framing import BoxParser
-from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
+from bottlenet.control.records import BottleRecord, EndpointRecord, ForwardRecord, StatsRecord
 from bottlenet.control.server import ControlLocator, paginate
 from bottlenet.errors import ALL_ERRORS
 
 # Checked-in wire bytes. If one of these changes, the protocol changed: old clients or
 # daemons may break. Only ever add optional keys (see docs/protocol.md).
+VM_RECORD = BottleRecord(
+    name="b2",
+    alias=None,
+    source="control",
+    state="ready",
+    created_at=1700000000.5,
+    forwards=1,
+    mode="socket",
+    isolation="socket: test",
+    sidecar_vm="bn-b2-sidecar",
+    agent_vm="bn-b2-agent",
+    endpoints=(
+        EndpointRecord("egress", "unix:/run/bottle/egress.sock", "/s/bottles/b2/egress.sock"),
+    ),
+    env={"HTTPS_PROXY": "http://127.0.0.1:3128"},
+    policy=("example.org",),
+    probe="PASS",
+)
+VM_RECORD_JSON = (
+    b'{"name":"b2","alias":null,"source":"control","state":"ready","created_at":1700000000.5,'
+    b'"forwards":1,"mode":"socket","isolation":"socket: test","sidecar_vm":"bn-b2-sidecar",'
+    b'"agent_vm":"bn-b2-agent","endpoints":[{"service":"egress",'
+    b'"endpoint":"unix:/run/bottle/egress.sock","host_path":"/s/bottles/b2/egress.sock"}],'
+    b'"env":{"HTTPS_PROXY":"http://127.0.0.1:3128"},"policy":["example.org"],"probe":"PASS"}'
+)
+
 GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [
     (
         C.Hello,
@@ -153,6 +179,29 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
             "total": 1,
         },
         b'\x00\x07_answer\x00\x011\x00\x05stats\x00\x8b[{"bottle":"b1","label":"web","endpoint":"127.77.0.2:43001","accepted":3,"active":1,"refused":0,"failed":0,"bytes_in":100,"bytes_out":200}]\x00\x05total\x00\x011\x00\x00',
+    ),
+    (
+        C.CreateBottle,
+        {"name": "b2", "spec": '{"mode":"socket"}'},
+        b'\x00\x04_ask\x00\x011\x00\x08_command\x00\x16bottlenet.CreateBottle\x00\x04name\x00\x02b2\x00\x04spec\x00\x11{"mode":"socket"}\x00\x00',
+        {"bottle": VM_RECORD},
+        b"\x00\x07_answer\x00\x011\x00\x06bottle\x01\x90" + VM_RECORD_JSON + b"\x00\x00",
+    ),
+    (
+        C.VerifyBottle,
+        {"name": "b2"},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x16bottlenet.VerifyBottle\x00\x04name\x00\x02b2\x00\x00",
+        {"bottle": VM_RECORD, "result": "PASS"},
+        b"\x00\x07_answer\x00\x011\x00\x06bottle\x01\x90"
+        + VM_RECORD_JSON
+        + b"\x00\x06result\x00\x04PASS\x00\x00",
+    ),
+    (
+        C.SetEgressPolicy,
+        {"bottle": "b2", "allow_hosts": ["example.org", "*.pypi.org"]},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x19bottlenet.SetEgressPolicy\x00\x0ballow_hosts\x00\x19\x00\x0bexample.org\x00\n*.pypi.org\x00\x06bottle\x00\x02b2\x00\x00",
+        {"allow_hosts": ["example.org", "*.pypi.org"]},
+        b"\x00\x07_answer\x00\x011\x00\x0ballow_hosts\x00\x19\x00\x0bexample.org\x00\n*.pypi.org\x00\x00",
     ),
 ]
 

@@ -245,3 +245,10 @@ class ArgvTests(SynchronousTestCase):
         self.assertRaises(InvalidArgument, exec_args, "-m1", ["x"])
         self.assertRaises(InvalidArgument, exec_args, "m1", ["x"], {"B AD": "v"})
         self.assertRaises(InvalidArgument, exec_args, "m1", ["x\0"])
+
+    def test_exec_detached(self) -> None:
+        self.assertEqual(
+            exec_args("m1", ["run"], detach=True),
+            ["machine", "exec", "--name", "m1", "-d", "--", "run"],
+        )
+        self.assertRaises(InvalidArgument, exec_args, "m1", ["x"], interactive=True, detach=True)

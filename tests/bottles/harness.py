@@ -1,0 +1,155 @@
+"""An in-process daemon (the tap's real service tree) against the fake smolvm, over AMP.
+
+Everything here runs against ``tests/fakes/smolvm``, a TEST DOUBLE: no real smolvm, no VM.
+The fake's ``exec`` runs commands on the host, so tests never let the alias fallback's
+iptables rules run (``harmless_iptables``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import tempfile
+from typing import Any
+
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import deferLater
+from twisted.trial.unittest import TestCase
+
+from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.tap import BottlenetService, Options, build_service
+from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
+
+SIDECAR_IMAGE = "registry.example/sidecar:1"
+
+
+def spec_doc(
+    tmp: str,
+    *,
+    mode: str = "socket",
+    egress: bool = True,
+    reload: tuple[str, ...] = ("/bin/true",),
+    workload: tuple[str, ...] = (),
+    services: tuple[tuple[str, int, list[str]], ...] = (
+        ("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),
+        ("git", 9418, ["GIT_GATE_URL=http://{host}:{port}/", "GIT_GATE_SOCKET={socket}"]),
+    ),
+) -> dict[str, Any]:
+    """A bottle spec; the egress policy file is a host path (the fake execs on the host)."""
+    sidecar: dict[str, Any] = {
+        "image": SIDECAR_IMAGE,
+        "service": [{"name": n, "guest_port": p, "env": env} for n, p, env in services],
+    }
+    if egress:
+        sidecar["egress"] = {
+            "allow_hosts": ["pypi.org", "*.github.com"],
+            "policy_path": os.path.join(tmp, "policy.txt"),
+            "reload": list(reload),
+        }
+    agent: dict[str, Any] = {"image": os.path.join(tmp, "agent.tar"), "env": ["LANG=C.UTF-8"]}
+    if workload:
+        agent["workload"] = list(workload)
+    return {"mode": mode, "sidecar": sidecar, "agent": agent}
+
+
+def echo_unix(path: str, payload: bytes = b"ping") -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        s.connect(path)
+        s.sendall(payload)
+        return s.recv(len(payload))
+
+
+def echo_tcp(host: str, port: int, payload: bytes = b"ping") -> bytes:
+    with socket.create_connection((host, port), timeout=5) as s:
+        s.sendall(payload)
+        return s.recv(len(payload))
+
+
+def in_thread(f: Any, *args: Any) -> Deferred[Any]:
+    """Blocking socket helpers run off the reactor thread (the relay needs the reactor)."""
+    from twisted.internet.threads import deferToThread
+
+    return deferToThread(f, *args)
+
+
+def harmless_iptables(alias: str) -> list[str]:
+    return ["/bin/true"]
+
+
+def sleep(seconds: float) -> Deferred[None]:
+    return deferLater(reactor, seconds, lambda: None)
+
+
+class DaemonCase(FakeSmolvmMixin, TestCase):
+    """A fresh state dir, control socket and fake smolvm per test."""
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        self.setUpFake()
+        self.tmp = tempfile.mkdtemp(prefix="bnb-", dir="/tmp")
+        self.addCleanup(shutil.rmtree, self.tmp, True)
+        self.state_dir = os.path.join(self.tmp, "s")
+        self.control = os.path.join(self.tmp, "c.sock")
+        self.root: BottlenetService | None = None
+        self.clients: list[ControlClient] = []
+
+    async def start(self, *extra: str) -> ControlClient:
+        options = Options()
+        options.parseOptions(
+            [
+                "--state-dir",
+                self.state_dir,
+                "--control",
+                f"unix:{self.control}",
+                "--smolvm",
+                FAKE_SMOLVM,
+                "--smolvm-data-dir",
+                self.fake.path,
+                *extra,
+            ]
+        )
+        root = build_service(options, reactor)
+        vms = root.registry.vms
+        assert vms is not None
+        vms.iptables_argv = harmless_iptables
+        root.startService()
+        self.root = root
+        self.addCleanup(self.stop)
+        for _ in range(200):
+            if not root.registry.recovering and os.path.exists(self.control):
+                break
+            await sleep(0.02)
+        client = await connect_control(reactor, self.control, timeout=30)
+        self.clients.append(client)
+        return client
+
+    async def stop(self) -> None:
+        for c in self.clients:
+            c.close()
+        self.clients = []
+        root, self.root = self.root, None
+        if root is not None and root.running:
+            await root.stopService()
+
+    @property
+    def registry(self) -> BottleRegistry:
+        assert self.root is not None
+        return self.root.registry
+
+    def spec_json(self, **kw: Any) -> str:
+        return json.dumps(spec_doc(self.tmp, **kw))
+
+    def state_file(self) -> dict[str, Any]:
+        with open(os.path.join(self.state_dir, "state.json")) as f:
+            data: dict[str, Any] = json.load(f)
+            return data
+
+    def machines(self) -> dict[str, Any]:
+        machines: dict[str, Any] = self.fake.state()["machines"]
+        return machines

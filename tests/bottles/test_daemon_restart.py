@@ -1,0 +1,246 @@
+"""The real daemon process (``python -m twisted bottlenet``) against the fake smolvm.
+
+kill -9 and restart must restore every live bottle's listeners on the same addresses and
+ports (within 5 s) and leave no orphan; SIGTERM in the middle of a create must leave no half
+bottle once the daemon has restarted. The fake smolvm is a test double (no VM, no KVM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bottlenet.control.blocking import BlockingControlClient
+from tests.bottles.harness import spec_doc
+from tests.fakes import FAKE_SMOLVM, FakeSmolvm
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+class Daemon:
+    def __init__(self, tmp: str, fake: FakeSmolvm) -> None:
+        self.tmp = tmp
+        self.fake = fake
+        self.state = os.path.join(tmp, "s")
+        self.control = os.path.join(tmp, "c.sock")
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.runs = 0
+
+    def start(self, *extra: str) -> subprocess.Popen[bytes]:
+        self.runs += 1
+        log = open(os.path.join(self.tmp, f"daemon-{self.runs}.log"), "wb")
+        env = {**os.environ, "PYTHONPATH": REPO}
+        env.pop("XDG_RUNTIME_DIR", None)
+        argv = [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet"]
+        argv += ["--state-dir", self.state, "--control", f"unix:{self.control}"]
+        argv += ["--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path, *extra]
+        self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self.proc
+
+    def log(self) -> str:
+        with open(os.path.join(self.tmp, f"daemon-{self.runs}.log"), errors="replace") as f:
+            return f.read()
+
+    def wait_ready(self, timeout: float = 20) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited {self.proc.returncode}: {self.log()}")
+            try:
+                with self.client() as c:
+                    c.ping()
+                return
+            except Exception:
+                time.sleep(0.05)
+        raise AssertionError("daemon never answered:\n" + self.log())
+
+    def client(self, timeout: float = 30) -> BlockingControlClient:
+        return BlockingControlClient(self.control, timeout=timeout)
+
+    def kill(self, sig: int) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        self.proc.wait(30)
+
+    def state_file(self) -> dict[str, Any]:
+        with open(os.path.join(self.state, "state.json")) as f:
+            data: dict[str, Any] = json.load(f)
+            return data
+
+
+@pytest.fixture
+def daemon(fake_smolvm: FakeSmolvm) -> Iterator[Daemon]:
+    tmp = tempfile.mkdtemp(prefix="bnr-", dir="/tmp")
+    d = Daemon(tmp, fake_smolvm)
+    yield d
+    if d.proc is not None and d.proc.poll() is None:
+        d.proc.kill()
+        d.proc.wait(10)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def fake_smolvm(tmp_path: Any) -> Iterator[FakeSmolvm]:
+    fake = FakeSmolvm(str(tmp_path / "smolvm-data"))
+    yield fake
+    assert fake.cleanup() == []
+
+
+def echo_unix(path: str) -> bytes:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(2)
+        s.connect(path)
+        s.sendall(b"ping")
+        return s.recv(4)
+
+
+def echo_tcp(host: str, port: int) -> bytes:
+    with socket.create_connection((host, port), timeout=2) as s:
+        s.sendall(b"ping")
+        return s.recv(4)
+
+
+def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
+    daemon.start("--unsafe-skip-isolation-probe")
+    daemon.wait_ready()
+    with daemon.client() as c:
+        v1 = c.create_bottle("v1", spec=json.dumps(spec_doc(daemon.tmp)))
+        v2 = c.create_bottle("v2", spec=json.dumps(spec_doc(daemon.tmp, egress=False)))
+        c.create_bottle("plain", alias="127.77.0.7")
+        raw = daemon.state_file()["bottles"]["v1"]["endpoints"][0]["raw_port"]
+        fwd = c.add_forward("plain", "web", f"127.0.0.1:{raw}")
+    sockets = [e.host_path for b in (v1, v2) for e in b.endpoints]
+    assert all(p is not None and echo_unix(p) == b"ping" for p in sockets)
+    assert fwd.port is not None and echo_tcp("127.77.0.7", fwd.port) == b"ping"
+    machines = sorted(daemon.fake.state()["machines"])
+    pids = sorted(daemon.fake.live_pids())
+    assert len(pids) == 4
+
+    daemon.kill(signal.SIGKILL)
+    started = time.monotonic()
+    daemon.start("--unsafe-skip-isolation-probe")
+    pending = {("unix", p) for p in sockets} | {("tcp", fwd.port)}
+    while pending and time.monotonic() - started < 15:
+        for kind, where in list(pending):
+            try:
+                ok = echo_unix(where) if kind == "unix" else echo_tcp("127.77.0.7", where)
+            except OSError:
+                continue
+            if ok == b"ping":
+                pending.discard((kind, where))
+        time.sleep(0.02)
+    elapsed = time.monotonic() - started
+    assert not pending, daemon.log()
+    assert elapsed < 5.0, f"listeners restored after {elapsed:.2f}s"
+    daemon.wait_ready()
+    with daemon.client() as c:
+        again = c.bottle_status("v1")
+        assert [e.endpoint for e in again.endpoints] == [e.endpoint for e in v1.endpoints]
+        assert [f.endpoint for f in c.all_forwards("plain")] == [fwd.forward.endpoint]
+    # no orphan: the same machines and VM processes, nothing more
+    assert sorted(daemon.fake.state()["machines"]) == machines
+    assert sorted(daemon.fake.live_pids()) == pids
+    daemon.kill(signal.SIGTERM)
+
+
+def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
+    daemon.fake.set_faults("slow-start", slow_start=2.0)
+    daemon.start("--unsafe-skip-isolation-probe")
+    daemon.wait_ready()
+    errors: list[BaseException] = []
+
+    def create() -> None:
+        try:
+            with daemon.client() as c:
+                c.create_bottle("half", spec=json.dumps(spec_doc(daemon.tmp)))
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=create)
+    t.start()
+    deadline = time.monotonic() + 20
+    while not daemon.fake.state()["machines"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert daemon.fake.state()["machines"], daemon.log()
+    time.sleep(0.3)  # the sidecar's start is in flight (its VM process exists)
+    daemon.kill(signal.SIGTERM)
+    t.join(30)
+    assert errors, "the create cannot have succeeded"
+    assert daemon.proc is not None and daemon.proc.returncode is not None
+    assert "Main loop terminated" in daemon.log()  # a clean stop, not a crash
+
+    daemon.fake.set_faults()
+    daemon.start("--unsafe-skip-isolation-probe")
+    daemon.wait_ready()
+    deadline = time.monotonic() + 10
+    while daemon.fake.state()["machines"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert daemon.fake.state()["machines"] == {}, daemon.log()
+    assert daemon.fake.live_pids() == []
+    assert daemon.state_file()["bottles"] == {}
+    assert not os.path.exists(os.path.join(daemon.state, "bottles", "half"))
+    with daemon.client() as c:
+        assert c.list_bottles().total == 0
+    assert "deleting orphan machine" in daemon.log()
+    daemon.kill(signal.SIGTERM)
+
+
+def test_bottlenetctl_spec_egress_verify(daemon: Daemon) -> None:
+    import io
+
+    from bottlenet.cli import main
+
+    toml = os.path.join(daemon.tmp, "t1.toml")
+    with open(toml, "w") as f:
+        f.write(
+            f"""mode = "socket"
+[sidecar]
+image = "registry.example/sidecar:1"
+[[sidecar.service]]
+name = "egress"
+guest_port = 3128
+env = ["HTTPS_PROXY=http://{{host}}:{{port}}"]
+[sidecar.egress]
+allow_hosts = ["pypi.org"]
+policy_path = "{daemon.tmp}/policy.txt"
+reload = ["/bin/true"]
+[agent]
+image = "{daemon.tmp}/agent.tar"
+"""
+        )
+    daemon.start("--unsafe-skip-isolation-probe")
+    daemon.wait_ready()
+    base = ["--control", daemon.control, "--timeout", "60"]
+
+    def ctl(*args: str) -> tuple[int, str, str]:
+        out, err = io.StringIO(), io.StringIO()
+        code = main([*base, *args], env={}, out=out, err=err)
+        return code, out.getvalue(), err.getvalue()
+
+    code, out, err = ctl("bottle", "create", "t1", "--spec", toml)
+    assert code == 0, err
+    assert "HTTPS_PROXY" in out and "--mount-socket" in out and "WARNING" in out
+    assert ctl("egress", "set", "t1", "example.org", "*.pypi.org")[0] == 0
+    with open(os.path.join(daemon.tmp, "policy.txt")) as f:
+        assert f.read() == "example.org\n*.pypi.org\n"
+    code, out, err = ctl("--json", "bottle", "status", "t1")
+    assert json.loads(out)["bottle"]["policy"] == ["example.org", "*.pypi.org"]
+    code, out, err = ctl("bottle", "verify", "t1")  # the plain fake isolates nothing
+    assert code == 1 and "ISOLATION_FAILED" in err and "leak: tcp:127.0.0.1:" in err
+    assert ctl("bottle", "rm", "t1")[0] == 0
+    assert daemon.fake.state()["machines"] == {}
+    daemon.kill(signal.SIGTERM)

@@ -1,0 +1,135 @@
+"""SetEgressPolicy, BUSY, --max-bottles, and in-process restarts (fake smolvm test double)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+from bottlenet.errors import BottlenetError, Busy, InvalidArgument, ResourceExhausted
+from tests.bottles.harness import DaemonCase, echo_tcp, echo_unix, in_thread, sleep
+from tests.fakes import FAKE_SMOLVM
+
+
+class EgressPolicyTests(DaemonCase):
+    async def test_set_policy_then_failed_reload_keeps_previous(self) -> None:
+        client = await self.start("--unsafe-skip-isolation-probe")
+        reload_flag = os.path.join(self.tmp, "reload-ok")
+        reload = ("/bin/sh", "-c", f'test -e "{reload_flag}"')
+        open(reload_flag, "w").close()
+        await client.create_bottle("e1", spec=self.spec_json(reload=reload))
+        policy = os.path.join(self.tmp, "policy.txt")
+
+        hosts = await client.set_egress_policy(
+            "e1", ["example.org", "*.pypi.org", "Bücher.de".lower()]
+        )
+        self.assertEqual(hosts, ("example.org", "*.pypi.org", "xn--bcher-kva.de"))
+        with open(policy) as f:
+            self.assertEqual(f.read(), "example.org\n*.pypi.org\nxn--bcher-kva.de\n")
+        self.assertEqual((await client.bottle_status("e1")).policy, hosts)
+
+        os.unlink(reload_flag)  # the sidecar's reload now fails
+        with self.assertRaises(BottlenetError) as cm:
+            await client.set_egress_policy("e1", ["evil.example"])
+        self.assertEqual(cm.exception.code, "SMOLVM_FAILED")
+        self.assertIn("reload", str(cm.exception))
+        self.assertEqual((await client.bottle_status("e1")).policy, hosts)
+        self.assertEqual(self.state_file()["bottles"]["e1"]["policy"], list(hosts))
+        with open(policy) as f:  # the previous file was put back
+            self.assertEqual(f.read(), "example.org\n*.pypi.org\nxn--bcher-kva.de\n")
+
+        for bad in (["UPPER.example"], ["1.2.3.4"], ["a" * 300], ["x.example"] * 2 + [""]):
+            with self.assertRaises(InvalidArgument):
+                await client.set_egress_policy("e1", bad)
+        with self.assertRaises(InvalidArgument):
+            await client.set_egress_policy("e1", [f"h{i}.example" for i in range(257)])
+
+    async def test_policy_needs_a_vm_bottle(self) -> None:
+        client = await self.start()
+        await client.create_bottle("plain")
+        with self.assertRaises(InvalidArgument):
+            await client.set_egress_policy("plain", ["example.org"])
+        with self.assertRaises(InvalidArgument):
+            await client.verify_bottle("plain")
+
+
+class LimitTests(DaemonCase):
+    async def test_busy_and_max_bottles(self) -> None:
+        client = await self.start("--unsafe-skip-isolation-probe", "--max-bottles", "2")
+        first = client.create_bottle("m1", spec=self.spec_json())
+        # while m1 is being created: BUSY for a second operation on it
+        await self._until(lambda: "m1" in self.registry._busy)
+        with self.assertRaises(Busy):
+            await client.destroy_bottle("m1")
+        with self.assertRaises(Busy):
+            await client.create_bottle("m1")
+        await client.create_bottle("m2")  # forward-only counts too
+        with self.assertRaises(ResourceExhausted):
+            await client.create_bottle("m3")
+        await first
+        with self.assertRaises(BottlenetError) as cm:
+            await client.create_bottle("m1")
+        self.assertEqual(cm.exception.code, "ALREADY_EXISTS")
+        await client.destroy_bottle("m1")
+        await client.create_bottle("m3")
+
+    async def _until(self, cond: object) -> None:
+        for _ in range(500):
+            if cond():  # type: ignore[operator]
+                return
+            await sleep(0.01)
+        self.fail("condition never held")
+
+
+class RestartTests(DaemonCase):
+    async def test_restart_restores_vm_and_forward_only_bottles(self) -> None:
+        client = await self.start("--unsafe-skip-isolation-probe")
+        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket"))
+        plain = await client.create_bottle("plain", alias="127.77.0.5")
+        ep = await client.add_forward(
+            "plain", "web", f"127.0.0.1:{self.registry.vm_bottles()[0].raw_ports[0]}"
+        )
+        # a labelled machine of ours that no bottle claims, one of another owner, one unlabelled
+        env = self.fake.environ(SMOLVM_DATA_DIR=self.fake.path)
+        owner = f"bottlenet.owner={self.registry.instance_id}"
+        for name, labels in (
+            ("orphan", ["--label", owner]),
+            ("foreign", ["--label", "bottlenet.owner=someoneelse"]),
+            ("unlabelled", []),
+        ):
+            subprocess.run(
+                [FAKE_SMOLVM, "machine", "create", "--name", name, *labels],
+                env=env,
+                check=True,
+                capture_output=True,
+            )
+        await self.stop()  # VMs survive the daemon
+
+        self.assertEqual(len(self.fake.live_pids()), 2)
+        client = await self.start("--unsafe-skip-isolation-probe")
+        again = await client.bottle_status("r1")
+        self.assertEqual([e.endpoint for e in again.endpoints], [e.endpoint for e in b.endpoints])
+        self.assertEqual(again.env, b.env)
+        for e in again.endpoints:
+            assert e.host_path is not None
+            self.assertEqual(await in_thread(echo_unix, e.host_path), b"ping")
+        self.assertEqual((await client.bottle_status("plain")).alias, plain.alias)
+        forwards = (await client.list_forwards("plain")).items
+        self.assertEqual([f.endpoint for f in forwards], [ep.forward.endpoint])
+        assert ep.port is not None
+        self.assertEqual(await in_thread(echo_tcp, "127.77.0.5", ep.port), b"ping")
+        self.assertEqual(
+            sorted(self.machines()), ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
+        )
+
+    async def test_restart_tears_down_bottle_whose_sidecar_is_gone(self) -> None:
+        client = await self.start("--unsafe-skip-isolation-probe")
+        await client.create_bottle("g1", spec=self.spec_json(mode="socket"))
+        sidecar_pid = self.registry.vm_bottles()[0].sidecar_pid
+        await self.stop()
+        os.kill(sidecar_pid, 9)
+        client = await self.start("--unsafe-skip-isolation-probe")
+        self.assertEqual((await client.list_bottles()).total, 0)
+        self.assertEqual(self.machines(), {})
+        self.assertEqual(self.fake.live_pids(), [])
+        self.assertEqual(self.state_file()["bottles"], {})
+        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
