@@ -65,6 +65,7 @@ from bottlenet.forward.spec import (
 )
 from bottlenet.forward.table import ForwardTable
 from vmctl.errors import NotFound as VmNotFound
+from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import VmctlError
 from vmctl.ports import Checker, check_port_owner, start_with_raw_ports
 from vmctl.smolvm import Smolvm, SmolvmVersion
@@ -79,7 +80,9 @@ def map_vmctl(e: VmctlError) -> BottlenetError:
     """vmctl's codes onto the control plane's (messages are already sanitised)."""
     if e.code in ("SMOLVM_UNAVAILABLE", "UNSUPPORTED_VERSION"):
         return SmolvmUnavailable(e.message)
-    if e.code in ("INVALID_ARGUMENT", "DEVICE_BUDGET") and not isinstance(e, SmolvmFailed):
+    # A budget or argument problem found before smolvm ran is the caller's; the same code
+    # reported by smolvm itself (krun -22 at start) is a smolvm failure.
+    if e.code in ("INVALID_ARGUMENT", "DEVICE_BUDGET") and not isinstance(e, VmSmolvmFailed):
         return InvalidArgument(e.message)
     if e.code == "UNAVAILABLE":
         return Unavailable(e.message)

@@ -214,3 +214,13 @@ def test_cli_spec_file_is_sent_as_json(tmp_path: object) -> None:
     assert json.loads(read_spec(spec)) == {"mode": "none"}
     with pytest.raises(SpecFileError, match="not valid TOML"):
         read_spec(bad)
+
+
+def test_map_vmctl_tells_precheck_from_smolvm_failure() -> None:
+    from bottlenet.bottles.lifecycle import map_vmctl
+    from bottlenet.errors import InvalidArgument, SmolvmFailed, SmolvmUnavailable
+    from vmctl import errors as v
+
+    assert isinstance(map_vmctl(v.DeviceBudgetExceeded("5 devices > 4")), InvalidArgument)
+    assert isinstance(map_vmctl(v.DeviceBudget("krun_start_enter returned: -22")), SmolvmFailed)
+    assert isinstance(map_vmctl(v.SmolvmUnavailable("no smolvm")), SmolvmUnavailable)
