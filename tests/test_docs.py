@@ -311,3 +311,19 @@ def test_troubleshooting_quotes_real_messages() -> None:
     for fragment in QUOTED:
         assert fragment in doc, f"operations.md does not quote {fragment!r}"
         assert fragment in sources, f"no code writes {fragment!r} any more"
+
+
+def test_readme_options_table_names_every_daemon_option() -> None:
+    from bottlenet.tap import Options
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("## Options") : readme.index("## Control")]
+    o = Options()
+    names = [p[0] for p in o.optParameters] + [f[0] for f in o.optFlags]
+    names += ["allow-uid", "version"]
+    for name in names:
+        assert f"`--{name}" in table, f"README options table lacks --{name}"
+    for name, _, default, _ in o.optParameters:
+        if default is not None:
+            assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
