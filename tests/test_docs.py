@@ -295,6 +295,13 @@ QUOTED = [
     "accept paused: ",
     "retrying with backoff",
     "open files limit ",
+    "no isolation mode can be enforced: ",
+    "isolation probe failed in ",
+    "; bottle torn down",
+    "sidecar VM process exited",
+    "teardown incomplete: ",
+    "recovery done: ",
+    "deleting orphan machine",
 ]
 
 
