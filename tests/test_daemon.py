@@ -118,16 +118,18 @@ def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     seen = b""
+    fd = proc.stdout.fileno()  # raw reads: a buffered readline after select() can strand lines
     while time.monotonic() < deadline:
-        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        ready, _, _ = select.select([fd], [], [], 0.5)
         if ready:
-            line = proc.stdout.readline()
-            if not line:
+            chunk = os.read(fd, 65536)
+            if not chunk:
                 break
-            seen += line
-            m = LISTENING.search(line)
-            if m:
-                return m.group(3).decode(), int(m.group(4))
+            seen += chunk
+            for line in seen.split(b"\n")[:-1]:  # complete lines only
+                m = LISTENING.search(line)
+                if m:
+                    return m.group(3).decode(), int(m.group(4))
     proc.kill()
     raise AssertionError(f"daemon never reported a listening forward:\n{seen.decode()}")
 

@@ -2,9 +2,12 @@
 
 Blocks preceded by ``<!-- test -->`` run in order in one ``bash -euo pipefail`` (so an
 ``export`` or a background job carries over); the ``<!-- test: daemon -->`` block is started
-first, in the background, and stopped at the end. ``/tmp/bn-quick`` and the two ports are
-replaced by a fresh directory and free ports. Separately, every ``bottlenetctl`` line in any
-shell block of the docs must parse with bottlenetctl's own argument parser.
+first, in the background, and stopped at the end. The VM section works the same way with
+``<!-- test: vm-daemon -->`` and ``<!-- test: vm -->`` (run from the checkout, against the fake
+smolvm, as root only; every process the fake started is killed afterwards and none may
+survive). ``/tmp/bn-quick`` and the two ports are replaced by a fresh directory and free ports.
+Separately, every ``bottlenetctl`` and ``twist bottlenet`` line in the docs must parse with the
+program's own option parser.
 """
 
 from __future__ import annotations
@@ -12,20 +15,23 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from bottlenet.cli import build_parser
 from bottlenet.control.blocking import BlockingControlClient
+from tests.fakes import FakeSmolvm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "docs", "quickstart.md")
-BLOCK = re.compile(r"(?:<!-- (test(?:: \w+)?) -->\n)?```sh\n(.*?)```", re.S)
+BLOCK = re.compile(r"(?:<!-- (test(?:: [\w-]+)?) -->\n)?```sh\n(.*?)```", re.S)
 
 
 def shell_blocks(path: str) -> list[tuple[str | None, str]]:
@@ -61,6 +67,56 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(5)
 
 
+def _run_against_daemon(
+    tmp_path: Path, daemon_block: str, steps: list[str], cwd: str
+) -> tuple[int, str, str]:
+    """Start ``daemon_block`` in the background, run ``steps`` in one bash, stop the daemon.
+
+    Returns (exit status, stdout, stderr) of the steps; the daemon's log has no traceback.
+    """
+    env = _env()
+    base = str(tmp_path / "bn-quick")
+    log = open(tmp_path / "daemon.log", "wb")  # closed in the finally below
+    proc = subprocess.Popen(
+        ["bash", "-euc", daemon_block],
+        env=env,
+        cwd=cwd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    script: subprocess.Popen[bytes] | None = None
+    out = err = ""
+    try:
+        sock = os.path.join(base, "run", "control.sock")
+        for _ in range(400):
+            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
+            try:
+                with BlockingControlClient(sock, timeout=2) as c:
+                    c.ping()
+                break
+            except Exception:
+                time.sleep(0.05)
+        script = subprocess.Popen(
+            ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        out_b, err_b = script.communicate(timeout=120)
+        out, err = out_b.decode(), err_b.decode()
+    finally:
+        if script is not None:
+            _kill_group(script)
+        _kill_group(proc)
+        log.close()
+    assert "Traceback" not in (tmp_path / "daemon.log").read_text()
+    assert script.returncode is not None
+    return script.returncode, out, err
+
+
 def test_quickstart_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     blocks = shell_blocks(QUICKSTART)
     daemon = [body for marker, body in blocks if marker == "test: daemon"]
@@ -74,54 +130,68 @@ def test_quickstart_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
         text = text.replace("/tmp/bn-quick", base)
         return re.sub(r"\b8080\b", str(web), re.sub(r"\b8077\b", str(agent), text))
 
-    env = _env()
-    log = open(tmp_path / "daemon.log", "wb")  # closed in the finally below
-    proc = subprocess.Popen(
-        ["bash", "-euc", fill(daemon[0])],
-        env=env,
-        cwd=tmp_path,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    code, out, err = _run_against_daemon(
+        tmp_path, fill(daemon[0]), [fill(s) for s in steps], str(tmp_path)
     )
-    script: subprocess.Popen[bytes] | None = None
-    try:
-        sock = os.path.join(base, "run", "control.sock")
-        for _ in range(400):
-            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
-            try:
-                with BlockingControlClient(sock, timeout=2) as c:
-                    c.ping()
-                break
-            except Exception:
-                time.sleep(0.05)
-        script = subprocess.Popen(
-            ["bash", "-euo", "pipefail", "-c", fill("\n".join(steps))],
-            env=env,
-            cwd=tmp_path,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-        )
-        out_b, err_b = script.communicate(timeout=120)
-        out, err = out_b.decode(), err_b.decode()
-    finally:
-        if script is not None:
-            _kill_group(script)
-        _kill_group(proc)
-        log.close()
-    assert script.returncode == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     # The outputs the quickstart promises in its comments.
     assert "created demo on 127.77.0.1\n" in out
     assert f"127.77.0.1:{agent}\n" in out
     assert "hello through bottlenet\n" in out
     assert "destroyed demo\n" in out and "no bottles\n" in out
     assert "Traceback" not in err
-    daemon_log = (tmp_path / "daemon.log").read_text()
-    assert "Traceback" not in daemon_log
 
 
-@pytest.mark.parametrize("doc", ["quickstart.md", "operations.md", "protocol.md", "security.md"])
+def _netns_works() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "--net", "--mount", "true"], check=False).returncode == 0
+
+
+@pytest.mark.skipif(not _netns_works(), reason="the fake's exec-netns stand-in needs root")
+def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Section 5 against a real daemon and the fake smolvm (a test double); nothing survives."""
+    blocks = shell_blocks(QUICKSTART)
+    daemon = [body for marker, body in blocks if marker == "test: vm-daemon"]
+    steps = [body for marker, body in blocks if marker == "test: vm"]
+    assert len(daemon) == 1 and len(steps) >= 6
+
+    base = str(tmp_path / "bn-quick")
+    spec = tmp_path / "bottle-socket.toml"
+    with open(os.path.join(ROOT, "examples", "bottle-socket.toml")) as f:
+        spec.write_text(f.read().replace("/tmp/bn-quick", base))
+
+    def fill(text: str) -> str:
+        text = text.replace("/tmp/bn-quick", base)
+        return text.replace("examples/bottle-socket.toml", str(spec))
+
+    fake = FakeSmolvm(os.path.join(base, "smolvm"))
+    try:
+        code, out, err = _run_against_daemon(
+            tmp_path, fill(daemon[0]), [fill(s) for s in steps], ROOT
+        )
+        machines = fake.state()["machines"]
+        live = fake.live_pids()
+    finally:
+        survivors = fake.cleanup()
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert not survivors and not live and machines == {}
+    # The outputs the quickstart promises in its comments.
+    assert "error: ISOLATION_FAILED: isolation probe failed in bn-agent1-agent" in err
+    assert "bottle torn down" in err and "refused\n" in out
+    assert "launch gate: isolation probe PASS" in out
+    assert "hello through a VM bottle\n" in out
+    assert "agent1: egress allows 2 host(s)\n" in out and "pypi.org\n*.github.com\n" in out
+    assert "agent1: isolation probe PASS\n" in out
+    assert "destroyed agent1\n" in out and "No machines found\n" in out
+    assert "Traceback" not in err
+
+
+SHELL_OPERATORS = ("||", "&&", "|", ";", ">", "2>&1")
+DOCS = sorted(n for n in os.listdir(os.path.join(ROOT, "docs")) if n.endswith(".md"))
+
+
+@pytest.mark.parametrize("doc", DOCS)
 def test_every_bottlenetctl_line_parses(doc: str) -> None:
     parser = build_parser()
     path = os.path.join(ROOT, "docs", doc)
@@ -140,10 +210,37 @@ def test_every_bottlenetctl_line_parses(doc: str) -> None:
         argv = shlex.split(line)[1:]
         if not argv or any(a.isupper() or "..." in a or a.startswith(("[", "<")) for a in argv):
             continue  # a synopsis (COMMAND, ...), not a command
+        if any(a in SHELL_OPERATORS for a in argv):
+            argv = argv[: min(argv.index(a) for a in argv if a in SHELL_OPERATORS)]
         try:
             parser.parse_args(argv)
         except SystemExit as e:
             raise AssertionError(f"{doc}: {line!r} is not a valid bottlenetctl command") from e
+
+
+@pytest.mark.parametrize("doc", DOCS)
+def test_every_daemon_command_line_parses(doc: str) -> None:
+    """``twist bottlenet OPTIONS`` in a shell block names only options the daemon has."""
+    from bottlenet.tap import Options
+
+    with open(os.path.join(ROOT, "docs", doc)) as f:
+        text = f.read()
+    lines = [
+        line.split("#", 1)[0].strip()
+        for _, body in shell_blocks(os.path.join(ROOT, "docs", doc))
+        for line in body.splitlines()
+        if line.strip().startswith("twist bottlenet")
+    ]
+    lines += re.findall(r"`(twist bottlenet [^`]*)`", text)
+    for line in lines:
+        argv = shlex.split(line)[2:]
+        if any(a.isupper() or "..." in a for a in argv):
+            continue  # a synopsis
+        argv = [a for a in argv if not a.startswith("--log-format")]  # acts on twist itself
+        try:
+            Options().parseOptions(argv)
+        except Exception as e:
+            raise AssertionError(f"{doc}: {line!r}: {e}") from e
 
 
 def test_security_doc_names_real_tests() -> None:
@@ -198,6 +295,13 @@ QUOTED = [
     "accept paused: ",
     "retrying with backoff",
     "open files limit ",
+    "no isolation mode can be enforced: ",
+    "isolation probe failed in ",
+    "; bottle torn down",
+    "sidecar VM process exited",
+    "teardown incomplete: ",
+    "recovery done: ",
+    "deleting orphan machine",
 ]
 
 
@@ -214,3 +318,19 @@ def test_troubleshooting_quotes_real_messages() -> None:
     for fragment in QUOTED:
         assert fragment in doc, f"operations.md does not quote {fragment!r}"
         assert fragment in sources, f"no code writes {fragment!r} any more"
+
+
+def test_readme_options_table_names_every_daemon_option() -> None:
+    from bottlenet.tap import Options
+
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("## Options") : readme.index("## Control")]
+    o = Options()
+    names = [p[0] for p in o.optParameters] + [f[0] for f in o.optFlags]
+    names += ["allow-uid", "version"]
+    for name in names:
+        assert f"`--{name}" in table, f"README options table lacks --{name}"
+    for name, _, default, _ in o.optParameters:
+        if default is not None:
+            assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
