@@ -18,6 +18,7 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
+import attrs
 from attrs import define, field, frozen
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -562,8 +563,16 @@ class MetricsService(Service):
 
     def _listening(self, port: IListeningPort) -> None:
         self._port = port
-        self.log.info("metrics on {endpoint}/metrics", endpoint=self._spec.describe())
+        self.log.info("metrics on {endpoint}/metrics", endpoint=self.bound())
         self._settle(port)
+
+    def bound(self) -> str:
+        """Where it listens now: for ``tcp:0`` the port the kernel picked, as clients need."""
+        host = self._port.getHost() if self._port is not None else None
+        number = getattr(host, "port", None)
+        if self._spec.kind != "unix" and isinstance(number, int):
+            return attrs.evolve(self._spec, port=number).describe()
+        return self._spec.describe()
 
     def _failed(self, failure: Failure) -> None:
         message = f"--metrics {self._spec.describe()}: cannot listen: {failure.getErrorMessage()}"

@@ -28,7 +28,7 @@ from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.control import commands as C
 from bottlenet.control.backend import BottleView, ControlBackend, ForwardView
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
+from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
     BottleRecord,
     EndpointRecord,
@@ -189,6 +189,7 @@ class ControlLocator(SafeCommandLocator):
         self.factory = factory
         self.backend: ControlBackend = factory.backend
         self.peer: PeerIdentity | None = None
+        self.on_command = factory.on_command
 
     async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
         peer = self.peer
@@ -415,6 +416,7 @@ class ControlServerFactory(Factory):
     ``clock`` (the reactor) rate-limits the refused-peer log per uid and flushes the
     suppressed counts periodically; without it a monotonic clock is used and counts are
     reported with that uid's next refusal or when the listener stops.
+    ``on_command(command, result)`` hears every handled command (the daemon's metrics).
     """
 
     log = Logger()
@@ -433,8 +435,10 @@ class ControlServerFactory(Factory):
         transport_kind: Literal["unix", "tls"] = "unix",
         clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
+        on_command: CommandObserver | None = None,
     ) -> None:
         self.backend = backend
+        self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
         self.smolvm_available = (
@@ -478,6 +482,7 @@ class ControlServerFactory(Factory):
             transport_kind="tls",
             clock=self._clock,
             refused_log=self.refused_log,
+            on_command=self.on_command,
         )
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
