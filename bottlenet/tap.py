@@ -134,7 +134,8 @@ class ConfigBottles(Service):
             for j, fwd in enumerate(bottle.forwards):
                 key = f"bottle[{i}].forward[{j}]"
                 try:
-                    info = await self._registry.add_forward(
+                    # The forward table logs "forward B/L listening on ..." itself.
+                    await self._registry.add_forward(
                         bottle.name,
                         fwd.label,
                         fwd.target.describe(),
@@ -143,13 +144,6 @@ class ConfigBottles(Service):
                     )
                 except BottlenetError as e:
                     raise ConfigError(f"{self._path}: {key}: {e.message}") from None
-                self.log.info(
-                    "forward {bottle}/{label} listening on {endpoint} -> {target}",
-                    bottle=bottle.name,
-                    label=fwd.label,
-                    endpoint=info.bound.describe(),
-                    target=fwd.target.describe(),
-                )
 
     async def _rollback(self) -> None:
         for bottle in self._config.bottles:

@@ -15,7 +15,7 @@ from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactor
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
@@ -50,14 +50,6 @@ def tmp() -> Iterator[str]:
             else:
                 os.rmdir(p)
     os.rmdir(d)
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 def test_default_path() -> None:

@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.protocols import amp
 
 from bottlenet.control import commands as C
@@ -21,21 +19,6 @@ from bottlenet.errors import (
 )
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
-
-
-@pytest.fixture
-def conn() -> Iterator[Conn]:
-    c = Conn()
-    yield c
-    c.close()
 
 
 def test_hello_negotiates(conn: Conn) -> None:
