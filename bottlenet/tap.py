@@ -21,11 +21,11 @@ from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.config import ConfigError, DaemonConfig, load_config
-from bottlenet.control.commands import ALL_COMMANDS, InternalError, UnsupportedProtocol
+from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
-from bottlenet.errors import ALL_ERRORS, BottlenetError
+from bottlenet.errors import BottlenetError
 from bottlenet.fatal import fatal_stop
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
@@ -35,7 +35,7 @@ from bottlenet.statedir import PrivateDirError, default_state_dir, ensure_privat
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
-from vmctl.smolvm import CANCELLED, SUBCOMMANDS, Smolvm
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm
 
 
 class Options(usage.Options):
@@ -347,14 +347,9 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
     """The two metrics recorders, with every label value they may see allow-listed."""
     vmctl_codes = {e.code for e in vmctl_errors.ALL_ERRORS}
-    control_errors: tuple[type[BottlenetError], ...] = (
-        *ALL_ERRORS,
-        InternalError,
-        UnsupportedProtocol,
-    )
-    control_codes = {e.code for e in control_errors}
+    control_codes = {e.code for e in CONTROL_ERRORS}
     calls = metrics.CallStats(
-        subcommands=SUBCOMMANDS, results=frozenset({"ok", CANCELLED, *vmctl_codes})
+        subcommands=SUBCOMMANDS, results=frozenset({"ok", CANCELLED, INTERNAL, *vmctl_codes})
     )
     commands = metrics.CommandStats(
         commands=frozenset(c.__name__ for c in ALL_COMMANDS),

@@ -124,3 +124,19 @@ class OutputReader:
                 chunk = os.read(self.fd, 65536)
                 self.eof = not chunk
                 self.seen += chunk
+
+
+def ping_tcp(host: str, port: int, payload: bytes = b"ping", timeout: float = 5) -> bytes:
+    """One small write and one read on a fresh TCP connection (is an echo answering there?)."""
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(payload)
+        return s.recv(len(payload))
+
+
+def ping_unix(path: str, payload: bytes = b"ping", timeout: float = 5) -> bytes:
+    """:func:`ping_tcp` over a UNIX socket."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(timeout)
+        s.connect(path)
+        s.sendall(payload)
+        return s.recv(len(payload))

@@ -48,8 +48,9 @@ _PID = re.compile(r"running \(PID: (\d+)\)")
 SUBCOMMANDS = frozenset(
     {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "other"}
 )
-#: Result of a call the runner cancelled (it is not a VmctlError, so it has no code).
+#: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
 CANCELLED = "CANCELLED"
+INTERNAL = "INTERNAL"
 
 #: ``on_call(subcommand, result, seconds)``: ``result`` is ``"ok"`` or a VmctlError code.
 CallObserver = Callable[[str, str, float], None]
@@ -264,6 +265,9 @@ class Smolvm:
             raise
         except CancelledError:
             outcome = CANCELLED
+            raise
+        except BaseException:
+            outcome = INTERNAL
             raise
         finally:
             self._observe(args, outcome, self.runner.clock.seconds() - started)

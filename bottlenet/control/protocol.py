@@ -92,8 +92,10 @@ class SafeCommandLocator(amp.CommandLocator):
 
         def to_remote(failure: Failure) -> Failure:
             exc = failure.value
-            if isinstance(exc, BottlenetError) and type(exc) in command.errors:
-                code = command.errors[type(exc)]
+            # A subclass of a wire error (e.g. statedir.PrivateDirError) travels as its base.
+            known = [c for c in type(exc).__mro__ if c in command.errors]
+            if isinstance(exc, BottlenetError) and known:
+                code = command.errors[known[0]]
                 return Failure(amp.RemoteAmpError(code, exc.message, False))
             self.log.error(
                 "control: internal error in {command}: {where}",

@@ -17,6 +17,7 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
 )
+from bottlenet.statedir import PrivateDirError
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
 
@@ -144,6 +145,16 @@ def test_every_error_code_crosses(exc_type: type[BottlenetError]) -> None:
         c.call(C.ListBottles)
     assert info.value.message == "safe message"
     assert type(info.value).code == exc_type.code
+    c.close()
+
+
+def test_a_subclass_of_a_wire_error_crosses_as_its_base() -> None:
+    backend = FakeBackend()
+    backend.fail_with = PrivateDirError("bottle directory of b is mode 0755")
+    c = Conn(make_factory(backend))
+    with pytest.raises(InvalidArgument) as info:
+        c.call(C.ListBottles)
+    assert info.value.message == "bottle directory of b is mode 0755"
     c.close()
 
 

@@ -278,6 +278,15 @@ class CallObserverTests(SynchronousTestCase):
         def broken(*_: object) -> None:
             raise RuntimeError("observer bug")
 
+        def bug(*_: object, **__: object) -> None:
+            raise RuntimeError("runner bug")
+
+        self.calls.clear()
+        self.smolvm.runner.run = bug  # type: ignore[method-assign]
+        self.failureResultOf(self.smolvm.stop("m1"), RuntimeError)
+        self.assertEqual([c[:2] for c in self.calls], [("version", "INTERNAL")])  # never "ok"
+        self.smolvm.runner = ProcessRunner(self.reactor)
+
         self.smolvm.on_call = broken
         self.successResultOf(self.smolvm.version())  # the call itself is unaffected
         self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
