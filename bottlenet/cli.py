@@ -16,12 +16,17 @@ from typing import Any, TextIO
 
 import attrs
 
+from bottlenet.cliutil import (
+    EXIT_DAEMON,
+    EXIT_OK,
+    EXIT_USAGE,
+    report_control_error,
+)
+from bottlenet.cliutil import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.listen import default_control_path
 from bottlenet.errors import BottlenetError
 from bottlenet.statedir import default_state_dir
-
-EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -34,12 +39,6 @@ def default_control(env: os._Environ[str] | dict[str, str]) -> str:
 
 def _socket_path(control: str) -> str:
     return control[len("unix:") :] if control.startswith("unix:") else control
-
-
-def _clean(value: object) -> str:
-    """Printable text only: a daemon-reported value never drives the terminal."""
-    text = "" if value is None else str(value)
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
@@ -329,16 +328,8 @@ def main(
     try:
         with BlockingControlClient(path, timeout=args.timeout) as client:
             args.handler(client, args, out)
-    except ControlConnectionError as e:
-        err.write(f"error: {_clean(e)}\n")
-        err.write(
-            f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
-            " (set --control or BOTTLENET_CONTROL)\n"
-        )
-        return EXIT_UNREACHABLE
-    except BottlenetError as e:
-        err.write(f"error: {_clean(e.code)}: {_clean(e.message)}\n")
-        return EXIT_DAEMON
+    except (ControlConnectionError, BottlenetError) as e:
+        return report_control_error(e, path, err)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # never a traceback for a person at a terminal

@@ -26,11 +26,12 @@ from typing import Any, TextIO
 import attrs
 from attrs import frozen
 
+from bottlenet.cliutil import EXIT_OK, report_control_error
+from bottlenet.cliutil import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from bottlenet.errors import BottlenetError
 
-EXIT_OK, EXIT_DAEMON, EXIT_UNREACHABLE = 0, 1, 3
 DEFAULT_INTERVAL = 1.0
 MIN_INTERVAL = 0.05
 
@@ -99,12 +100,6 @@ def human_bytes(n: float, suffix: str = "") -> str:
 
 def _rate(r: tuple[float, float] | None, i: int) -> str:
     return "-" if r is None else human_bytes(r[i], "/s")
-
-
-def _clean(value: object) -> str:
-    """Printable text only: a daemon-reported value never drives the terminal."""
-    text = "" if value is None else str(value)
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
 
 
 def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
@@ -280,16 +275,8 @@ def run_once(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
             first = take_snapshot(client, version)
             time.sleep(args.interval)
             snap = take_snapshot(client, version)
-    except ControlConnectionError as e:
-        err.write(f"error: {_clean(e)}\n")
-        err.write(
-            f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
-            " (set --control or BOTTLENET_CONTROL)\n"
-        )
-        return EXIT_UNREACHABLE
-    except BottlenetError as e:
-        err.write(f"error: {_clean(e.code)}: {_clean(e.message)}\n")
-        return EXIT_DAEMON
+    except (ControlConnectionError, BottlenetError) as e:
+        return report_control_error(e, path, err)
     if args.json:
         out.write(json.dumps(frame_json(snap, first), sort_keys=True) + "\n")
     else:

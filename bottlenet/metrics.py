@@ -16,8 +16,9 @@ import ipaddress
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
+import attrs
 from attrs import define, field, frozen
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
@@ -40,6 +41,10 @@ from bottlenet.forward.spec import (
     AliasPool,
     parse_canonical_ipv4,
 )
+
+if TYPE_CHECKING:  # the real records, named for the type checker only
+    from bottlenet.bottles.registry import BottleInfo
+    from bottlenet.forward.table import ForwardInfo
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 # smolvm calls range from tens of milliseconds (list) to minutes (create, first image pull).
@@ -186,51 +191,11 @@ def _parse_unix(parts: Sequence[str]) -> MetricsEndpoint:
 # -- what is measured ---------------------------------------------------------------------
 
 
-class CountersLike(Protocol):
-    """The shape of ``ForwardCounters``."""
-
-    @property
-    def accepted(self) -> int: ...
-    @property
-    def active(self) -> int: ...
-    @property
-    def refused(self) -> int: ...
-    @property
-    def failed(self) -> int: ...
-    @property
-    def bytes_in(self) -> int: ...
-    @property
-    def bytes_out(self) -> int: ...
-
-
-class ForwardSpecLike(Protocol):
-    @property
-    def bottle(self) -> str: ...
-    @property
-    def label(self) -> str: ...
-
-
-class ForwardLike(Protocol):
-    """The shape of ``ForwardInfo`` (as listed by ``ForwardTable.list()``)."""
-
-    @property
-    def spec(self) -> ForwardSpecLike: ...
-    @property
-    def counters(self) -> CountersLike: ...
-
-
-class BottleLike(Protocol):
-    """The shape of ``BottleInfo``: only its state is counted."""
-
-    @property
-    def state(self) -> str: ...
-
-
 class MetricsSource(Protocol):
     """A snapshot read at each scrape; both calls must be cheap and synchronous."""
 
-    def forwards(self) -> Iterable[ForwardLike]: ...
-    def bottles(self) -> Iterable[BottleLike]: ...
+    def forwards(self) -> Iterable[ForwardInfo]: ...
+    def bottles(self) -> Iterable[BottleInfo]: ...
 
 
 @frozen
@@ -238,13 +203,13 @@ class SnapshotSource:
     """A :class:`MetricsSource` from two callables, e.g. ``table.list`` and
     ``registry.list_bottles``."""
 
-    list_forwards: Callable[[], Iterable[ForwardLike]]
-    list_bottles: Callable[[], Iterable[BottleLike]] = tuple
+    list_forwards: Callable[[], Iterable[ForwardInfo]]
+    list_bottles: Callable[[], Iterable[BottleInfo]] = tuple
 
-    def forwards(self) -> Iterable[ForwardLike]:
+    def forwards(self) -> Iterable[ForwardInfo]:
         return self.list_forwards()
 
-    def bottles(self) -> Iterable[BottleLike]:
+    def bottles(self) -> Iterable[BottleInfo]:
         return self.list_bottles()
 
 
@@ -372,7 +337,7 @@ _RELAY_FAMILIES: tuple[tuple[str, str, str], ...] = (
 
 
 def _collect_forwards(
-    forwards: Iterable[ForwardLike],
+    forwards: Iterable[ForwardInfo],
 ) -> tuple[dict[tuple[str, str], list[int]], int]:
     totals: dict[tuple[str, str], list[int]] = {}
     invalid = 0
@@ -562,8 +527,16 @@ class MetricsService(Service):
 
     def _listening(self, port: IListeningPort) -> None:
         self._port = port
-        self.log.info("metrics on {endpoint}/metrics", endpoint=self._spec.describe())
+        self.log.info("metrics on {endpoint}/metrics", endpoint=self.bound())
         self._settle(port)
+
+    def bound(self) -> str:
+        """Where it listens now: for ``tcp:0`` the port the kernel picked, as clients need."""
+        host = self._port.getHost() if self._port is not None else None
+        number = getattr(host, "port", None)
+        if self._spec.kind != "unix" and isinstance(number, int):
+            return attrs.evolve(self._spec, port=number).describe()
+        return self._spec.describe()
 
     def _failed(self, failure: Failure) -> None:
         message = f"--metrics {self._spec.describe()}: cannot listen: {failure.getErrorMessage()}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Mapping
+from typing import Literal
 
 from bottlenet.errors import InvalidArgument
 
@@ -17,23 +18,44 @@ def default_state_dir(env: Mapping[str, str]) -> str:
     return os.path.join(base, "bottlenet")
 
 
-def ensure_private_dir(path: str) -> str:
+class PrivateDirError(InvalidArgument):
+    """A directory that must be ours alone is not, or cannot be made so.
+
+    The message names the directory as the caller asked (a path for the operator, or e.g.
+    "bottle directory of NAME" where the message goes to a control client).
+    """
+
+
+def ensure_private_dir(
+    path: str, *, too_open: Literal["fix", "refuse"] = "fix", name: str | None = None
+) -> bool:
     """Create ``path`` (and parents) so that it is a real directory, ours, mode 0700.
 
     An existing symlink, a non-directory or a directory owned by someone else is refused
-    rather than repaired: the daemon never follows or chmods what it does not own.
+    rather than repaired: the daemon never follows or chmods what it does not own. A
+    directory of ours that is group/world accessible is chmodded to 0700 (``too_open="fix"``,
+    our own state) or refused (``"refuse"``, e.g. a runtime dir the user chose to share).
+    Returns True when this call created ``path``; raises PrivateDirError.
     """
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    what = path if name is None else name
+    created = False
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise InvalidArgument(f"{path} is not a directory (symlinks are refused)")
-    if st.st_uid != os.geteuid():
-        raise InvalidArgument(f"{path} is owned by uid {st.st_uid}, not by this user")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        os.chmod(path, 0o700)
-    return path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise PrivateDirError(f"{what} is not a directory (symlinks are refused)")
+        if st.st_uid != os.geteuid():
+            raise PrivateDirError(f"{what} is owned by uid {st.st_uid}, not by this user")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            if too_open == "refuse":
+                raise PrivateDirError(f"{what} is mode {mode:04o}")  # the caller says why
+            os.chmod(path, 0o700)
+    except OSError as e:
+        raise PrivateDirError(f"cannot create {what}: {e.strerror or e}") from None
+    return created

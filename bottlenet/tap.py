@@ -21,6 +21,7 @@ from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.config import ConfigError, DaemonConfig, load_config
+from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
@@ -30,10 +31,11 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.state import StateError, StateStore
-from bottlenet.statedir import default_state_dir, ensure_private_dir
+from bottlenet.statedir import PrivateDirError, default_state_dir, ensure_private_dir
+from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
-from vmctl.smolvm import Smolvm
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm
 
 
 class Options(usage.Options):
@@ -132,7 +134,8 @@ class ConfigBottles(Service):
             for j, fwd in enumerate(bottle.forwards):
                 key = f"bottle[{i}].forward[{j}]"
                 try:
-                    info = await self._registry.add_forward(
+                    # The forward table logs "forward B/L listening on ..." itself.
+                    await self._registry.add_forward(
                         bottle.name,
                         fwd.label,
                         fwd.target.describe(),
@@ -141,13 +144,6 @@ class ConfigBottles(Service):
                     )
                 except BottlenetError as e:
                     raise ConfigError(f"{self._path}: {key}: {e.message}") from None
-                self.log.info(
-                    "forward {bottle}/{label} listening on {endpoint} -> {target}",
-                    bottle=bottle.name,
-                    label=fwd.label,
-                    endpoint=info.bound.describe(),
-                    target=fwd.target.describe(),
-                )
 
     async def _rollback(self) -> None:
         for bottle in self._config.bottles:
@@ -181,6 +177,8 @@ class BottlenetService(MultiService):
         smolvm: Smolvm,
         factory: ControlServerFactory,
         state_dir: str,
+        smolvm_calls: metrics.CallStats | None = None,
+        control_commands: metrics.CommandStats | None = None,
     ) -> None:
         super().__init__()
         self.reactor = reactor
@@ -188,7 +186,11 @@ class BottlenetService(MultiService):
         self.registry = registry
         self.smolvm = smolvm
         self.control_factory = factory
+        #: Every control factory (UNIX and TLS): each answers Hello with the smolvm version.
+        self.control_factories = [factory]
         self.state_dir = state_dir
+        self.smolvm_calls = smolvm_calls or metrics.CallStats()
+        self.control_commands = control_commands or metrics.CommandStats()
 
     def startService(self) -> None:
         old, new = limits.raise_nofile(limits.select_reactor_cap(self.reactor))
@@ -204,8 +206,9 @@ class BottlenetService(MultiService):
         except VmctlError as e:
             self.log.warn("smolvm is unusable: {code}: {why}", code=e.code, why=str(e))
             return
-        self.control_factory.smolvm_version = str(version)
-        self.control_factory.smolvm_available = version.supported
+        for factory in self.control_factories:
+            factory.smolvm_version = str(version)
+            factory.smolvm_available = version.supported
         self.log.info("smolvm {version} at {path}", version=str(version), path=self.smolvm.binary)
 
 
@@ -223,10 +226,8 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail("--connect-timeout: must be a number of seconds in (0, 600]") from None
     state_dir = options["state-dir"] or default_state_dir(os.environ)
     try:
-        ensure_private_dir(state_dir)
-    except OSError as e:
-        raise _fail(f"--state-dir {state_dir}: {e.strerror or e}") from None
-    except BottlenetError as e:
+        ensure_private_dir(state_dir, too_open="fix")
+    except PrivateDirError as e:
         raise _fail(f"--state-dir: {e.message}") from None
     config = DaemonConfig(())
     config_path = options["config"]
@@ -258,7 +259,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     def on_fatal(why: str) -> None:
         fatal_stop(reactor, why)
 
-    vmctl_service, smolvm = make_smolvm(reactor, options["smolvm"], options["smolvm-data-dir"])
+    # Recorded whether or not --metrics is given (cheap), so the root service always has them.
+    smolvm_calls, control_commands = _recorders()
+    vmctl_service, smolvm = make_smolvm(
+        reactor, options["smolvm"], options["smolvm-data-dir"], on_call=smolvm_calls.record
+    )
     aliases = AliasRegistry(pool)
     table = ForwardTable(reactor, aliases, state_dir=state_dir, connect_timeout=connect_timeout)
     vm_options = VMOptions(
@@ -288,8 +293,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         allowed_uids=default_allowed_uids(options["allow-uid"]),
         unix_target_root=state_dir,
         clock=reactor,
+        on_command=control_commands.record,
     )
-    root = BottlenetService(reactor, table, registry, smolvm, factory, state_dir)
+    root = BottlenetService(
+        reactor, table, registry, smolvm, factory, state_dir, smolvm_calls, control_commands
+    )
     # Children start in this order and stop in reverse: the notifier says STOPPING first,
     # the control socket closes before the forwards, and smolvm calls drain last.
     vmctl_service.setServiceParent(root)
@@ -308,10 +316,12 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
     ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
     if tls is not None:
+        tls_factory = factory.for_tls()
+        root.control_factories.append(tls_factory)
         ControlService(
             reactor,
             tls_control_endpoint(reactor, *tls),
-            factory.for_tls(),
+            tls_factory,
             on_fatal=on_fatal,
             what="control-tls",
         ).setServiceParent(root)
@@ -319,8 +329,8 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         site = metrics.metrics_site(
             metrics.SnapshotSource(table.list, registry.list_bottles),
             reactor,
-            metrics.CallStats(),
-            metrics.CommandStats(),
+            smolvm_calls,
+            control_commands,
         )
         listener = metrics.MetricsService(
             metrics_spec, metrics_spec.endpoint(reactor), site, on_fatal
@@ -332,6 +342,20 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         ready, status=f"{len(config.bottles)} configured bottles"
     ).setServiceParent(root)
     return root
+
+
+def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
+    """The two metrics recorders, with every label value they may see allow-listed."""
+    vmctl_codes = {e.code for e in vmctl_errors.ALL_ERRORS}
+    control_codes = {e.code for e in CONTROL_ERRORS}
+    calls = metrics.CallStats(
+        subcommands=SUBCOMMANDS, results=frozenset({"ok", CANCELLED, INTERNAL, *vmctl_codes})
+    )
+    commands = metrics.CommandStats(
+        commands=frozenset(c.__name__ for c in ALL_COMMANDS),
+        results=frozenset({"OK", *control_codes}),
+    )
+    return calls, commands
 
 
 def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:

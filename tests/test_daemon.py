@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import os
 import re
-import select
 import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
-from collections.abc import Iterator
 
 import pytest
+
+from tests.netio import OutputReader, roundtrip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
@@ -24,33 +22,6 @@ def _env() -> dict[str, str]:
     env["PYTHONPATH"] = ROOT
     env.pop("XDG_RUNTIME_DIR", None)  # the control socket goes into each test's state dir
     return env
-
-
-@pytest.fixture
-def echo_server() -> Iterator[int]:
-    """A plain threaded echo server on 127.0.0.1 standing in for a sidecar's raw port."""
-    srv = socket.socket()
-    srv.bind(("127.0.0.1", 0))
-    srv.listen(16)
-    stop = threading.Event()
-
-    def serve() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except OSError:
-                continue
-            with conn:
-                while data := conn.recv(65536):
-                    conn.sendall(data)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join(5)
-    srv.close()
 
 
 def _write_config(tmp_path, body: str) -> str:  # type: ignore[no-untyped-def]
@@ -116,32 +87,12 @@ def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
 
 def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple[str, int]:
     assert proc.stdout is not None
-    deadline = time.monotonic() + timeout
-    seen = b""
-    fd = proc.stdout.fileno()  # raw reads: a buffered readline after select() can strand lines
-    while time.monotonic() < deadline:
-        ready, _, _ = select.select([fd], [], [], 0.5)
-        if ready:
-            chunk = os.read(fd, 65536)
-            if not chunk:
-                break
-            seen += chunk
-            for line in seen.split(b"\n")[:-1]:  # complete lines only
-                m = LISTENING.search(line)
-                if m:
-                    return m.group(3).decode(), int(m.group(4))
-    proc.kill()
-    raise AssertionError(f"daemon never reported a listening forward:\n{seen.decode()}")
-
-
-def _echo_through(host: str, port: int, payload: bytes) -> bytes:
-    with socket.create_connection((host, port), timeout=10) as c:
-        c.sendall(payload)
-        c.shutdown(socket.SHUT_WR)
-        chunks = []
-        while data := c.recv(65536):
-            chunks.append(data)
-    return b"".join(chunks)
+    try:
+        m = OutputReader(proc.stdout.fileno()).wait_for(LISTENING, timeout)
+    except AssertionError:
+        proc.kill()
+        raise
+    return m.group(3).decode(), int(m.group(4))
 
 
 @pytest.mark.parametrize("runner", ["twist", "twistd"])
@@ -162,7 +113,7 @@ def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner
         host, port = _wait_listening(proc)
         assert host == "127.77.0.2" and port != 0
         payload = os.urandom(300_000)
-        assert _echo_through(host, port, payload) == payload
+        assert roundtrip(host, port, payload) == payload
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)

@@ -11,7 +11,7 @@ from twisted.internet.interfaces import IReactorProcess, IReactorTime
 from twisted.logger import Logger
 
 from vmctl.runner import ProcessRunner, resolve_smolvm
-from vmctl.smolvm import Smolvm, Timeouts
+from vmctl.smolvm import CallObserver, Smolvm, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
 
 DEFAULT_STOP_DEADLINE = 10.0
@@ -45,11 +45,13 @@ def make_smolvm(
     timeouts: Timeouts = Timeouts(),  # noqa: B008 - frozen value
     device_budget: int = DEFAULT_DEVICE_BUDGET,
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
+    on_call: CallObserver | None = None,
 ) -> tuple[VmctlService, Smolvm]:
     """Wire the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options into a Smolvm.
 
     The binary is resolved once, here, on the daemon's PATH. When none is found the daemon
-    still runs and every VM call fails with SMOLVM_UNAVAILABLE.
+    still runs and every VM call fails with SMOLVM_UNAVAILABLE. ``on_call`` is passed on to
+    :class:`Smolvm` (the daemon's metrics hear every call through it).
     """
     env = dict(os.environ if environ is None else environ)
     binary = resolve_smolvm(smolvm_option, env.get("PATH"))
@@ -58,6 +60,12 @@ def make_smolvm(
     data_dir = os.path.abspath(data_dir_option) if data_dir_option else None
     runner = ProcessRunner(reactor, clock)
     smolvm = Smolvm(
-        runner, binary, data_dir, environ=env, timeouts=timeouts, device_budget=device_budget
+        runner,
+        binary,
+        data_dir,
+        environ=env,
+        timeouts=timeouts,
+        device_budget=device_budget,
+        on_call=on_call,
     )
     return VmctlService(runner, stop_deadline), smolvm

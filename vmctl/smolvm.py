@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Coroutine, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from attrs import field, frozen
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
 from vmctl.errors import (
@@ -21,6 +21,7 @@ from vmctl.errors import (
     SmolvmFailed,
     SmolvmUnavailable,
     UnsupportedVersion,
+    VmctlError,
     classify,
     error_text,
     sanitize,
@@ -42,6 +43,26 @@ T = TypeVar("T")
 MIN_VERSION = (1, 6, 4)
 _VERSION = re.compile(r"^smolvm (\d+)\.(\d+)\.(\d+)(\S*)\s*$", re.MULTILINE)
 _PID = re.compile(r"running \(PID: (\d+)\)")
+
+#: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
+SUBCOMMANDS = frozenset(
+    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "other"}
+)
+#: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
+CANCELLED = "CANCELLED"
+INTERNAL = "INTERNAL"
+
+#: ``on_call(subcommand, result, seconds)``: ``result`` is ``"ok"`` or a VmctlError code.
+CallObserver = Callable[[str, str, float], None]
+
+
+def subcommand_of(args: Sequence[str]) -> str:
+    """The :data:`SUBCOMMANDS` name of a smolvm argv (without the binary)."""
+    if list(args[:1]) == ["--version"]:
+        return "version"
+    if len(args) >= 2 and args[0] == "machine" and args[1] in SUBCOMMANDS:
+        return args[1]
+    return "other"
 
 
 @frozen(order=True)
@@ -179,7 +200,9 @@ class Smolvm:
     ``binary`` is the absolute path from :func:`vmctl.runner.resolve_smolvm`; when it is None
     every call fails with SmolvmUnavailable. ``environ`` is the source the child environment
     is built from (allow-list only, see :func:`vmctl.runner.build_env`); it defaults to a
-    snapshot of ``os.environ`` taken here.
+    snapshot of ``os.environ`` taken here. ``on_call`` (e.g. the daemon's metrics) is told
+    about every CLI call made: its :func:`subcommand_of` name, ``"ok"`` or the error code,
+    and its wall time; vmctl itself stays free of any metrics library.
     """
 
     log = Logger()
@@ -194,6 +217,7 @@ class Smolvm:
         timeouts: Timeouts = Timeouts(),
         device_budget: int = DEFAULT_DEVICE_BUDGET,
         check_version: bool = True,
+        on_call: CallObserver | None = None,
     ) -> None:
         if binary is not None and not os.path.isabs(binary):
             raise ValueError("binary must be an absolute path (see resolve_smolvm)")
@@ -204,48 +228,88 @@ class Smolvm:
         self.timeouts = timeouts
         self.device_budget = device_budget
         self.check_version = check_version
+        self.on_call = on_call
         self._version: SmolvmVersion | None = None
 
     # -- plumbing ---------------------------------------------------------------------
 
     async def _run(
-        self, args: Sequence[str], timeout: float, stdin: bytes | None = None
+        self,
+        args: Sequence[str],
+        timeout: float,
+        stdin: bytes | None = None,
+        check: Callable[[ProcResult], None] | None = None,
     ) -> ProcResult:
-        if self.binary is None:
-            raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
-        result = await self.runner.run([self.binary, *args], self.env, timeout, stdin=stdin)
-        self.log.info(
-            "smolvm {sub} exited {code} signal={sig} in {dur:.3f}s",
-            sub=" ".join(args[:2]),
-            code=result.exit_code,
-            sig=result.signal,
-            dur=result.duration,
-        )
-        return result
+        """One CLI call; ``check`` raises the VmctlError a finished call amounts to.
+
+        The call, with its outcome, is reported to ``on_call`` whatever happens.
+        """
+        started = self.runner.clock.seconds()
+        outcome = "ok"
+        try:
+            if self.binary is None:
+                raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
+            result = await self.runner.run([self.binary, *args], self.env, timeout, stdin=stdin)
+            self.log.info(
+                "smolvm {sub} exited {code} signal={sig} in {dur:.3f}s",
+                sub=" ".join(args[:2]),
+                code=result.exit_code,
+                sig=result.signal,
+                dur=result.duration,
+            )
+            if check is not None:
+                check(result)
+            return result
+        except VmctlError as e:
+            outcome = e.code
+            raise
+        except CancelledError:
+            outcome = CANCELLED
+            raise
+        except BaseException:
+            outcome = INTERNAL
+            raise
+        finally:
+            self._observe(args, outcome, self.runner.clock.seconds() - started)
+
+    def _observe(self, args: Sequence[str], outcome: str, seconds: float) -> None:
+        if self.on_call is None:
+            return
+        try:
+            self.on_call(subcommand_of(args), outcome, max(0.0, seconds))
+        except Exception:
+            self.log.failure("smolvm call observer failed")
 
     async def _call(self, args: Sequence[str], timeout: float, what: str) -> ProcResult:
         await self._gate()
-        result = await self._run(args, timeout)
-        if result.exit_code != 0:
-            raise classify(result.stderr, result.exit_code, what, result.signal)
-        return result
+
+        def check(result: ProcResult) -> None:
+            if result.exit_code != 0:
+                raise classify(result.stderr, result.exit_code, what, result.signal)
+
+        return await self._run(args, timeout, check=check)
 
     async def _gate(self) -> None:
         if self.check_version and self._version is None:
             await self._version_call()
 
     async def _version_call(self) -> SmolvmVersion:
-        result = await self._run(["--version"], self.timeouts.version)
-        if result.exit_code != 0:
-            raise classify(result.stderr, result.exit_code, "--version", result.signal)
-        version = SmolvmVersion.parse(result.stdout)
-        if not version.supported:
-            oldest = ".".join(map(str, MIN_VERSION))
-            raise UnsupportedVersion(
-                f"smolvm {version} is too old: vmctl needs smolvm {oldest} or newer"
-            )
-        self._version = version
-        return version
+        parsed: list[SmolvmVersion] = []
+
+        def check(result: ProcResult) -> None:
+            if result.exit_code != 0:
+                raise classify(result.stderr, result.exit_code, "--version", result.signal)
+            version = SmolvmVersion.parse(result.stdout)
+            if not version.supported:
+                oldest = ".".join(map(str, MIN_VERSION))
+                raise UnsupportedVersion(
+                    f"smolvm {version} is too old: vmctl needs smolvm {oldest} or newer"
+                )
+            parsed.append(version)
+
+        await self._run(["--version"], self.timeouts.version, check=check)
+        self._version = parsed[0]
+        return parsed[0]
 
     # -- API --------------------------------------------------------------------------
 
@@ -328,11 +392,16 @@ class Smolvm:
         async def go() -> ExecResult:
             args = exec_args(name, argv, env, workdir, interactive=stdin is not None, detach=detach)
             await self._gate()
-            result = await self._run(args, timeout or self.timeouts.exec, stdin=stdin)
-            if result.exit_code is None:
-                raise classify(result.stderr, result.exit_code, "machine exec", result.signal)
-            if _exec_smolvm_failure(result, name):
-                raise classify(result.stderr, result.exit_code, "machine exec")
+
+            def check(result: ProcResult) -> None:
+                # A guest's non-zero exit is a result ("ok"); only smolvm's own failure raises.
+                if result.exit_code is None:
+                    raise classify(result.stderr, result.exit_code, "machine exec", result.signal)
+                if _exec_smolvm_failure(result, name):
+                    raise classify(result.stderr, result.exit_code, "machine exec")
+
+            result = await self._run(args, timeout or self.timeouts.exec, stdin=stdin, check=check)
+            assert result.exit_code is not None
             self.log.info(
                 "exec in {name}: guest exit {code}, out={nout}B err={nerr}B",
                 name=name,

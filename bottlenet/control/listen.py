@@ -49,6 +49,8 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
+from bottlenet.statedir import PrivateDirError, ensure_private_dir
+
 SOCKET_NAME = "control.sock"
 # sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS (with the NUL).
 MAX_SUN_PATH = 103
@@ -129,26 +131,6 @@ def parse_control_description(text: str) -> UNIXDescription | SystemdDescription
     )
 
 
-def ensure_private_dir(directory: str) -> None:
-    """Create ``directory`` 0700, or check that it is a real 0700 directory of ours."""
-    try:
-        os.makedirs(directory, mode=0o700)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise ControlListenError(f"cannot create {directory}: {e.strerror}") from None
-    st = os.lstat(directory)
-    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-        raise ControlListenError(f"{directory} is not a directory (a symlink?); refusing it")
-    if st.st_uid != os.geteuid():
-        raise ControlListenError(f"{directory} is owned by uid {st.st_uid}, not by us")
-    if stat.S_IMODE(st.st_mode) & 0o077:
-        raise ControlListenError(
-            f"{directory} is mode {stat.S_IMODE(st.st_mode):04o}; the control socket needs a"
-            " 0700 directory of its own"
-        )
-
-
 def _probe_existing(path: str) -> None:
     """Remove a stale socket at ``path``; refuse anything else that is there."""
     try:
@@ -206,7 +188,13 @@ def listen_private_unix(path: str, backlog: int = 50) -> tuple[socket.socket, Ca
     if len(os.fsencode(path)) + 16 > MAX_SUN_PATH:
         raise ControlListenError(f"{path} is too long for a UNIX socket path")
     directory = os.path.dirname(path)
-    ensure_private_dir(directory)
+    try:
+        # Refused, not chmodded: the directory may be one the user chose to share.
+        ensure_private_dir(directory, too_open="refuse")
+    except PrivateDirError as e:
+        raise ControlListenError(
+            f"{e.message}; the control socket needs a 0700 directory of its own"
+        ) from None
     lock_fd = _lock(path)
     tmp = os.path.join(directory, f".{secrets.token_hex(6)}.tmp")
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -242,11 +230,28 @@ def listen_private_unix(path: str, backlog: int = 50) -> tuple[socket.socket, Ca
     return sock, cleanup
 
 
+class ControlConnection(unix.Server):
+    """A control connection that names the port's path as its host address.
+
+    The kernel keeps the name a socket was bound under, and ``listen_private_unix`` binds at
+    a temporary name before renaming it into place; ``getsockname()`` (and so Twisted's
+    "connection established (HOST:...)" line) would name that ``.….tmp`` file.
+    """
+
+    server: ControlPort
+
+    def getHost(self) -> UNIXAddress:
+        return self.server.getHost()
+
+
 class ControlPort(unix.Port):
     """A UNIX port around a socket that is already bound and listening.
 
-    Unlike ``unix.Port`` it never chmods the path and never unlinks a path it does not own.
+    Unlike ``unix.Port`` it never chmods the path and never unlinks a path it does not own,
+    and its connections report the final path, not the temporary one (ControlConnection).
     """
+
+    transport = ControlConnection
 
     def __init__(
         self,

@@ -67,10 +67,19 @@ def parse_arguments(command: type[amp.Command], box: amp.AmpBox) -> dict[str, An
     return objects
 
 
+#: Told ``(command, result)`` once per handled command: its class name and "OK" or the code.
+CommandObserver = Callable[[str, str], None]
+
+
 class SafeCommandLocator(amp.CommandLocator):
-    """A CommandLocator whose responders can only fail with typed, value-free errors."""
+    """A CommandLocator whose responders can only fail with typed, value-free errors.
+
+    Every responder runs through :meth:`_wrapWithSerialization`, so that is also the one place
+    where ``on_command`` (the daemon's metrics) hears how each command ended.
+    """
 
     log = Logger()
+    on_command: CommandObserver | None = None
 
     def _wrapWithSerialization(
         self, aCallable: Callable[..., Any], command: type[amp.Command]
@@ -83,8 +92,10 @@ class SafeCommandLocator(amp.CommandLocator):
 
         def to_remote(failure: Failure) -> Failure:
             exc = failure.value
-            if isinstance(exc, BottlenetError) and type(exc) in command.errors:
-                code = command.errors[type(exc)]
+            # A subclass of a wire error (e.g. statedir.PrivateDirError) travels as its base.
+            known = [c for c in type(exc).__mro__ if c in command.errors]
+            if isinstance(exc, BottlenetError) and known:
+                code = command.errors[known[0]]
                 return Failure(amp.RemoteAmpError(code, exc.message, False))
             self.log.error(
                 "control: internal error in {command}: {where}",
@@ -93,11 +104,25 @@ class SafeCommandLocator(amp.CommandLocator):
             )
             return Failure(amp.RemoteAmpError(_INTERNAL, "internal error", False))
 
+        def observe(outcome: amp.AmpBox | Failure) -> amp.AmpBox | Failure:
+            if self.on_command is None:
+                return outcome
+            code = "OK"
+            if isinstance(outcome, Failure):
+                raw = getattr(outcome.value, "errorCode", _INTERNAL)
+                code = raw.decode("ascii", "replace") if isinstance(raw, bytes) else str(raw)
+            try:
+                self.on_command(command.__name__, code)
+            except Exception:
+                self.log.failure("control: command observer failed")
+            return outcome
+
         def doit(box: amp.AmpBox) -> Deferred[amp.AmpBox]:
             d: Deferred[Any] = maybeDeferred(parse_arguments, command, box)
             d.addCallback(run)
             d.addCallback(respond)
             d.addErrback(to_remote)
+            d.addBoth(observe)
             return d
 
         return doit

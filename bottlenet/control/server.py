@@ -13,7 +13,7 @@ import re
 import socket
 import time
 from collections.abc import Awaitable, Sequence
-from typing import Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from attrs import frozen
 from cryptography.x509.oid import NameOID
@@ -26,9 +26,9 @@ from zope.interface import implementer
 
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.control import commands as C
-from bottlenet.control.backend import BottleView, ControlBackend, ForwardView
+from bottlenet.control.backend import ControlBackend
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
+from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
     BottleRecord,
     EndpointRecord,
@@ -46,6 +46,10 @@ from bottlenet.forward.spec import (
     parse_target,
 )
 from bottlenet.logs import RateLimitedLogger
+
+if TYPE_CHECKING:
+    from bottlenet.bottles.registry import BottleInfo
+    from bottlenet.forward.table import ForwardInfo
 
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
@@ -90,7 +94,7 @@ class PeerIdentity:
         return f"tls subject={self.subject}"
 
 
-def bottle_record(info: BottleView, *, with_env: bool = True) -> BottleRecord:
+def bottle_record(info: BottleInfo, *, with_env: bool = True) -> BottleRecord:
     """The wire record; listings leave the (possibly large) stamped env out."""
     return BottleRecord(
         name=info.name,
@@ -99,19 +103,18 @@ def bottle_record(info: BottleView, *, with_env: bool = True) -> BottleRecord:
         state=info.state,
         created_at=float(info.created_at),
         forwards=len(info.forwards),
-        mode=getattr(info, "mode", None),
-        isolation=getattr(info, "isolation", None),
-        sidecar_vm=getattr(info, "sidecar_vm", None),
-        agent_vm=getattr(info, "agent_vm", None),
+        mode=info.mode,
+        isolation=info.isolation,
+        sidecar_vm=info.sidecar_vm,
+        agent_vm=info.agent_vm,
         endpoints=tuple(
-            EndpointRecord(e.service, e.agent_address(), e.path)
-            for e in getattr(info, "endpoints", ())
+            EndpointRecord(e.service, e.agent_address(), e.path) for e in info.endpoints
         ),
-        env=dict(getattr(info, "env", ())) if with_env else {},
-        policy=getattr(info, "policy", None),
-        probe=getattr(info, "probe", None),
-        warnings=tuple(getattr(info, "warnings", ())),
-        detail=getattr(info, "detail", None),
+        env=dict(info.env) if with_env else {},
+        policy=info.policy,
+        probe=info.probe,
+        warnings=tuple(info.warnings),
+        detail=info.detail,
     )
 
 
@@ -130,7 +133,7 @@ def parse_spec_json(text: str) -> dict[str, Any]:
     return doc
 
 
-def forward_record(info: ForwardView) -> ForwardRecord:
+def forward_record(info: ForwardInfo) -> ForwardRecord:
     return ForwardRecord(
         bottle=info.spec.bottle,
         label=info.spec.label,
@@ -139,7 +142,7 @@ def forward_record(info: ForwardView) -> ForwardRecord:
     )
 
 
-def stats_record(info: ForwardView) -> StatsRecord:
+def stats_record(info: ForwardInfo) -> StatsRecord:
     c = info.counters
     return StatsRecord(
         bottle=info.spec.bottle,
@@ -189,6 +192,7 @@ class ControlLocator(SafeCommandLocator):
         self.factory = factory
         self.backend: ControlBackend = factory.backend
         self.peer: PeerIdentity | None = None
+        self.on_command = factory.on_command
 
     async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
         peer = self.peer
@@ -316,7 +320,7 @@ class ControlLocator(SafeCommandLocator):
         )
         return {}
 
-    def _forwards(self, bottle: str | None) -> Sequence[ForwardView]:
+    def _forwards(self, bottle: str | None) -> Sequence[ForwardInfo]:
         if bottle is not None:
             check_bottle_name(bottle)
             self.backend.get_bottle(bottle)  # NOT_FOUND for an unknown bottle
@@ -415,6 +419,7 @@ class ControlServerFactory(Factory):
     ``clock`` (the reactor) rate-limits the refused-peer log per uid and flushes the
     suppressed counts periodically; without it a monotonic clock is used and counts are
     reported with that uid's next refusal or when the listener stops.
+    ``on_command(command, result)`` hears every handled command (the daemon's metrics).
     """
 
     log = Logger()
@@ -433,8 +438,10 @@ class ControlServerFactory(Factory):
         transport_kind: Literal["unix", "tls"] = "unix",
         clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
+        on_command: CommandObserver | None = None,
     ) -> None:
         self.backend = backend
+        self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
         self.smolvm_available = (
@@ -478,6 +485,7 @@ class ControlServerFactory(Factory):
             transport_kind="tls",
             clock=self._clock,
             refused_log=self.refused_log,
+            on_command=self.on_command,
         )
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:

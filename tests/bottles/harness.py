@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import tempfile
 from typing import Any
 
@@ -54,20 +53,6 @@ def spec_doc(
     if workload:
         agent["workload"] = list(workload)
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
-
-
-def echo_unix(path: str, payload: bytes = b"ping") -> bytes:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(5)
-        s.connect(path)
-        s.sendall(payload)
-        return s.recv(len(payload))
-
-
-def echo_tcp(host: str, port: int, payload: bytes = b"ping") -> bytes:
-    with socket.create_connection((host, port), timeout=5) as s:
-        s.sendall(payload)
-        return s.recv(len(payload))
 
 
 def in_thread(f: Any, *args: Any) -> Deferred[Any]:

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ import pytest
 from bottlenet.control.blocking import BlockingControlClient
 from tests.bottles.harness import spec_doc
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
+from tests.netio import ping_tcp, ping_unix
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -100,20 +100,6 @@ def fake_smolvm(tmp_path: Any) -> Iterator[FakeSmolvm]:
     assert fake.cleanup() == []
 
 
-def echo_unix(path: str) -> bytes:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        s.settimeout(2)
-        s.connect(path)
-        s.sendall(b"ping")
-        return s.recv(4)
-
-
-def echo_tcp(host: str, port: int) -> bytes:
-    with socket.create_connection((host, port), timeout=2) as s:
-        s.sendall(b"ping")
-        return s.recv(4)
-
-
 def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
@@ -124,8 +110,8 @@ def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
         raw = daemon.state_file()["bottles"]["v1"]["endpoints"][0]["raw_port"]
         fwd = c.add_forward("plain", "web", f"127.0.0.1:{raw}")
     sockets = [e.host_path for b in (v1, v2) for e in b.endpoints]
-    assert all(p is not None and echo_unix(p) == b"ping" for p in sockets)
-    assert fwd.port is not None and echo_tcp("127.77.0.7", fwd.port) == b"ping"
+    assert all(p is not None and ping_unix(p) == b"ping" for p in sockets)
+    assert fwd.port is not None and ping_tcp("127.77.0.7", fwd.port) == b"ping"
     machines = sorted(daemon.fake.state()["machines"])
     pids = sorted(daemon.fake.live_pids())
     assert len(pids) == 4
@@ -137,7 +123,11 @@ def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
     while pending and time.monotonic() - started < 15:
         for kind, where in list(pending):
             try:
-                ok = echo_unix(where) if kind == "unix" else echo_tcp("127.77.0.7", where)
+                ok = (
+                    ping_unix(where, timeout=2)
+                    if kind == "unix"
+                    else ping_tcp("127.77.0.7", where, timeout=2)
+                )
             except OSError:
                 continue
             if ok == b"ping":

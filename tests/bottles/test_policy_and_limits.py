@@ -6,8 +6,9 @@ import os
 import subprocess
 
 from bottlenet.errors import BottlenetError, Busy, InvalidArgument, ResourceExhausted
-from tests.bottles.harness import DaemonCase, echo_tcp, echo_unix, in_thread, sleep
+from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import FAKE_SMOLVM
+from tests.netio import ping_tcp, ping_unix
 
 
 class EgressPolicyTests(DaemonCase):
@@ -111,12 +112,12 @@ class RestartTests(DaemonCase):
         self.assertEqual(again.env, b.env)
         for e in again.endpoints:
             assert e.host_path is not None
-            self.assertEqual(await in_thread(echo_unix, e.host_path), b"ping")
+            self.assertEqual(await in_thread(ping_unix, e.host_path), b"ping")
         self.assertEqual((await client.bottle_status("plain")).alias, plain.alias)
         forwards = (await client.list_forwards("plain")).items
         self.assertEqual([f.endpoint for f in forwards], [ep.forward.endpoint])
         assert ep.port is not None
-        self.assertEqual(await in_thread(echo_tcp, "127.77.0.5", ep.port), b"ping")
+        self.assertEqual(await in_thread(ping_tcp, "127.77.0.5", ep.port), b"ping")
         self.assertEqual(
             sorted(self.machines()), ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
         )

@@ -10,8 +10,9 @@ import os
 import socket
 
 from bottlenet.errors import IsolationFailed, NotFound
-from tests.bottles.harness import DaemonCase, echo_tcp, echo_unix, in_thread
+from tests.bottles.harness import DaemonCase, in_thread
 from tests.fakes import process_alive
+from tests.netio import ping_tcp, ping_unix
 
 
 class SocketModeTests(DaemonCase):
@@ -28,7 +29,7 @@ class SocketModeTests(DaemonCase):
         for ep in b.endpoints:
             assert ep.host_path is not None
             payload = b"hello " + ep.service.encode()
-            self.assertEqual(await in_thread(echo_unix, ep.host_path, payload), payload)
+            self.assertEqual(await in_thread(ping_unix, ep.host_path, payload), payload)
             self.assertEqual(os.stat(os.path.dirname(ep.host_path)).st_mode & 0o777, 0o700)
         # the stamped env: agent endpoints only, never a raw port
         self.assertEqual(b.env["HTTPS_PROXY"], "http://127.0.0.1:3128")
@@ -97,7 +98,7 @@ class AliasModeTests(DaemonCase):
         for ep in b.endpoints:
             host, _, port = ep.endpoint.rpartition(":")
             self.assertEqual(host, "127.77.0.9")
-            self.assertEqual(await in_thread(echo_tcp, host, int(port)), b"ping")
+            self.assertEqual(await in_thread(ping_tcp, host, int(port)), b"ping")
             self.assertNotIn(int(port), vb.raw_ports)
         self.assertTrue(b.env["HTTPS_PROXY"].startswith("http://127.77.0.9:"))
         for raw in vb.raw_ports:

@@ -15,7 +15,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 
@@ -23,34 +22,9 @@ import pytest
 
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import NotFound
+from tests.netio import roundtrip
 
 from .daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
-
-
-@pytest.fixture
-def echo() -> Iterator[int]:
-    srv = socket.create_server(("127.0.0.1", 0))
-    stop = threading.Event()
-
-    def serve() -> None:
-        srv.settimeout(0.2)
-        while not stop.is_set():
-            try:
-                conn, _ = srv.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            with conn:
-                while data := conn.recv(65536):
-                    conn.sendall(data)
-
-    t = threading.Thread(target=serve, daemon=True)
-    t.start()
-    yield srv.getsockname()[1]
-    stop.set()
-    t.join(2)
-    srv.close()
 
 
 @pytest.fixture
@@ -60,17 +34,7 @@ def tmp() -> Iterator[str]:
     subprocess.run(["rm", "-rf", d], check=False)
 
 
-def roundtrip(host: str, port: int, payload: bytes) -> bytes:
-    with socket.create_connection((host, port), timeout=5) as s:
-        s.sendall(payload)
-        s.shutdown(socket.SHUT_WR)
-        got = b""
-        while chunk := s.recv(65536):
-            got += chunk
-    return got
-
-
-def test_blocking_client_end_to_end(tmp: str, echo: int) -> None:
+def test_blocking_client_end_to_end(tmp: str, echo_server: int) -> None:
     state = os.path.join(tmp, "state")
     path = os.path.join(tmp, "run", "control.sock")
     proc = start_daemon(state, f"unix:{path}")
@@ -79,7 +43,7 @@ def test_blocking_client_end_to_end(tmp: str, echo: int) -> None:
         with BlockingControlClient(path, timeout=5) as c:
             assert c.hello().protocol == 1
             bottle = c.create_bottle("e2e")
-            ep = c.add_forward("e2e", "echo", f"127.0.0.1:{echo}")
+            ep = c.add_forward("e2e", "echo", f"127.0.0.1:{echo_server}")
             assert ep.host == bottle.alias and ep.port
             payload = os.urandom(100_000)
             assert roundtrip(ep.host, ep.port, payload) == payload
@@ -101,7 +65,7 @@ def test_blocking_client_end_to_end(tmp: str, echo: int) -> None:
     assert not os.path.exists(path)  # the daemon removed its own socket
 
 
-def test_bottlenetctl_end_to_end(tmp: str, echo: int) -> None:
+def test_bottlenetctl_end_to_end(tmp: str, echo_server: int) -> None:
     state = os.path.join(tmp, "state")
     path = os.path.join(tmp, "run", "control.sock")
     proc = start_daemon(state, f"unix:{path}")
@@ -118,7 +82,7 @@ def test_bottlenetctl_end_to_end(tmp: str, echo: int) -> None:
     try:
         wait_ready(path, proc)
         assert ctl("bottle", "create", "cli").returncode == 0
-        added = ctl("forward", "add", "cli", "echo", "--to", f"127.0.0.1:{echo}")
+        added = ctl("forward", "add", "cli", "echo", "--to", f"127.0.0.1:{echo_server}")
         assert added.returncode == 0, added.stderr
         host, port = added.stdout.strip().rsplit(":", 1)
         assert roundtrip(host, int(port), b"hello bottle") == b"hello bottle"

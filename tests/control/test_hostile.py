@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import tracemalloc
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.protocols import amp
 
 from bottlenet.control import codec
@@ -31,21 +30,6 @@ def raw_command(command: bytes, tag: bytes = b"1", /, **args: bytes) -> bytes:
     for k, v in args.items():
         body += kv(k.encode(), v)
     return body + b"\x00\x00"
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
-
-
-@pytest.fixture
-def conn() -> Iterator[Conn]:
-    c = Conn()
-    yield c
-    c.close()
 
 
 def assert_no_canary(logs: list[LogEvent], canary: str = CANARY) -> None:

@@ -9,16 +9,19 @@ import tempfile
 from collections.abc import Iterator
 
 import pytest
+from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred
+from twisted.internet.error import ConnectionDone
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.testing import MemoryReactor
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet.control.listen import (
     ControlListenError,
+    ControlPort,
     ControlService,
     SystemdDescription,
     UNIXDescription,
@@ -47,14 +50,6 @@ def tmp() -> Iterator[str]:
             else:
                 os.rmdir(p)
     os.rmdir(d)
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 def test_default_path() -> None:
@@ -127,6 +122,47 @@ def test_listen_creates_private_dir_and_socket(tmp: str) -> None:
     finally:
         sock.close()
         cleanup()
+    assert not os.path.lexists(path)
+
+
+class _SelectFree:
+    """Just enough reactor for a port and its connections that nobody runs."""
+
+    def addReader(self, reader: object) -> None:
+        pass
+
+    def removeReader(self, reader: object) -> None:
+        pass
+
+    def removeWriter(self, writer: object) -> None:
+        pass
+
+
+def test_connections_name_the_final_path_not_the_temporary_one(tmp: str) -> None:
+    path = os.path.join(tmp, "run", "control.sock")
+    sock, cleanup = listen_private_unix(path)
+    accepted: list[Protocol] = []
+
+    class Remember(Factory):
+        def buildProtocol(self, addr: object) -> Protocol:
+            accepted.append(Protocol())
+            return accepted[-1]
+
+    port = ControlPort(sock, path, Remember(), _SelectFree(), cleanup)
+    port.startListening()
+    client = socket.socket(socket.AF_UNIX)
+    try:
+        client.connect(path)
+        assert ".tmp" in os.fsdecode(sock.getsockname())  # what the kernel remembers
+        port.doRead()
+        (proto,) = accepted
+        assert proto.transport is not None
+        assert proto.transport.getHost() == UNIXAddress(path)
+        assert port.getHost() == UNIXAddress(path)
+        proto.transport.connectionLost(Failure(ConnectionDone()))  # closes its socket
+    finally:
+        client.close()
+        port.connectionLost(Failure(ConnectionDone()))
     assert not os.path.lexists(path)
 
 

@@ -2,24 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
 from twisted.internet.task import Clock
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
 
 from bottlenet.control.peercred import PeerCred
 from bottlenet.control.server import REFUSED_PEER_LOG_INTERVAL, ControlServerFactory
 
 from .fakes import Conn, make_factory
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
 
 
 def _refused(logs: list[LogEvent]) -> list[LogEvent]:

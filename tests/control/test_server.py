@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
-from twisted.logger import LogEvent, globalLogPublisher
+from twisted.logger import LogEvent
+from twisted.protocols import amp
 
 from bottlenet.control import commands as C
 from bottlenet.control.codec import RemoteError
@@ -18,23 +17,9 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
 )
+from bottlenet.statedir import PrivateDirError
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
-
-
-@pytest.fixture
-def logs() -> Iterator[list[LogEvent]]:
-    events: list[LogEvent] = []
-    globalLogPublisher.addObserver(events.append)
-    yield events
-    globalLogPublisher.removeObserver(events.append)
-
-
-@pytest.fixture
-def conn() -> Iterator[Conn]:
-    c = Conn()
-    yield c
-    c.close()
 
 
 def test_hello_negotiates(conn: Conn) -> None:
@@ -163,6 +148,16 @@ def test_every_error_code_crosses(exc_type: type[BottlenetError]) -> None:
     c.close()
 
 
+def test_a_subclass_of_a_wire_error_crosses_as_its_base() -> None:
+    backend = FakeBackend()
+    backend.fail_with = PrivateDirError("bottle directory of b is mode 0755")
+    c = Conn(make_factory(backend))
+    with pytest.raises(InvalidArgument) as info:
+        c.call(C.ListBottles)
+    assert info.value.message == "bottle directory of b is mode 0755"
+    c.close()
+
+
 def test_internal_error_is_generic_and_logged_without_detail(logs: list[LogEvent]) -> None:
     backend = FakeBackend()
     canary = "CANARY-internal-4c1d"
@@ -258,3 +253,29 @@ def test_client_version_logged_only_in_a_known_shape() -> None:
     for odd in ("CANARY-0f0e", "x/1.0 CANARY", "launcher/1.2.3.4.5", "a" * 300, "x/1\n"):
         described = describe_client_version(odd)
         assert odd not in described and described.startswith(f"<{len(odd.encode())} bytes sha256:")
+
+
+def test_every_handled_command_is_reported_once_with_its_result() -> None:
+    seen: list[tuple[str, str]] = []
+    backend = FakeBackend()
+    c = Conn(make_factory(backend, on_command=lambda *pair: seen.append(pair)))
+    c.call(C.Hello, client_version="x", protocols=[1])
+    c.call(C.CreateBottle, name="b1")
+    with pytest.raises(AlreadyExists):
+        c.call(C.CreateBottle, name="b1")
+    with pytest.raises(InvalidArgument):
+        c.call(C.BottleStatus, name="Bad Name")  # refused by the validator, still counted
+    backend.fail_with = RuntimeError("boom")
+    with pytest.raises(C.InternalError):
+        c.call(C.ListBottles)
+    c.send(amp.AmpBox({b"_command": b"bottlenet.Nope", b"_ask": b"9"}).serialize())
+    assert c.boxes()[0][b"_error_code"] == amp.UNHANDLED_ERROR_CODE  # not a command: not counted
+    assert seen == [
+        ("Hello", "OK"),
+        ("CreateBottle", "OK"),
+        ("CreateBottle", "ALREADY_EXISTS"),
+        ("BottleStatus", "INVALID_ARGUMENT"),
+        ("ListBottles", "INTERNAL"),
+    ]
+    assert c.factory.for_tls().on_command is c.factory.on_command
+    c.close()

@@ -11,20 +11,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from bottlenet import metrics
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.spec import AliasPool
+from tests.control.fakes import Counters
 
 
 # Stand-ins with the shapes the forward table and the bottle registry expose:
 # ForwardInfo(spec=ForwardSpec(bottle, label, ...), bound, counters=ForwardCounters(...)).
-@frozen
-class Counters:
-    accepted: int = 0
-    active: int = 0
-    refused: int = 0
-    failed: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
 @frozen
 class Spec:
     bottle: str

@@ -17,6 +17,7 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin, process_alive
+from tests.netio import ping_tcp
 from vmctl.errors import (
     AlreadyExists,
     CallTimeout,
@@ -44,12 +45,6 @@ from vmctl.smolvm import Smolvm, Timeouts
 from vmctl.spec import MachineSpec, PortMapping, Volume
 
 LABELS = {"owner": "bottlenet-test"}
-
-
-def echo(port: int, payload: bytes = b"ping", host: str = "127.0.0.1") -> bytes:
-    with socket.create_connection((host, port), timeout=5) as s:
-        s.sendall(payload)
-        return s.recv(len(payload))
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -95,7 +90,7 @@ class LifecycleTests(FakeSmolvmTestCase):
         self.assertTrue(process_alive(pid))
         m = await self.smolvm.status("m1")
         self.assertEqual((m.state, m.pid, m.ports, m.labels), ("running", pid, 1, LABELS))
-        self.assertEqual(echo(port), b"ping")
+        self.assertEqual(ping_tcp("127.0.0.1", port), b"ping")
         self.assertEqual(await self.smolvm.start("m1"), pid)  # already running
         self.assertEqual([x.name for x in await self.smolvm.list(LABELS)], ["m1"])
         self.assertEqual(await self.smolvm.list({"owner": "someone-else"}), [])
@@ -341,7 +336,7 @@ class RawPortTests(FakeSmolvmTestCase):
         self.assertEqual(len(set(result.ports)), 3)
         self.assertEqual([c.ownership for c in result.checks], [Ownership.OWNED] * 3)
         for p in result.ports:
-            self.assertEqual(echo(p), b"ping")
+            self.assertEqual(ping_tcp("127.0.0.1", p), b"ping")
         self.assertEqual((await self.smolvm.status("side")).pid, result.pid)
 
     async def test_retry_on_reported_collision(self) -> None:

@@ -19,7 +19,7 @@ from vmctl.errors import (
     UsageError,
 )
 from vmctl.runner import ProcessRunner
-from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, Timeouts
+from vmctl.smolvm import SUBCOMMANDS, Machine, Smolvm, SmolvmVersion, Timeouts, subcommand_of
 from vmctl.spec import MachineSpec, PortMapping
 
 BIN = FAKE_SMOLVM  # exists; the fake reactor never runs it
@@ -216,3 +216,86 @@ class SmolvmUnitTests(SynchronousTestCase):
         reactor.advance(2)
         self.assertEqual(reactor.spawned[1].signals, ["TERM"])
         self.failureResultOf(d, CallTimeout)
+
+
+class CallObserverTests(SynchronousTestCase):
+    """``on_call`` hears every CLI call: allow-listed subcommand, "ok" or the code, seconds."""
+
+    def setUp(self) -> None:
+        self.script = Script()
+        self.reactor = FakeProcessReactor(scripted(self.script))
+        self.calls: list[tuple[str, str, float]] = []
+        self.smolvm = Smolvm(
+            ProcessRunner(self.reactor), BIN, environ={},
+            on_call=lambda *call: self.calls.append(call),
+        )  # fmt: skip
+
+    def test_successes_failures_and_guest_exit_codes(self) -> None:
+        self.script.answers["machine start"] = (0, b"Machine 'm1' running (PID: 5)\n", b"")
+        self.script.answers["machine stop"] = (1, b"", b"Error: vm not found: m1\n")
+        self.script.answers["machine exec"] = (3, b"", b"guest says no\n")
+        self.successResultOf(self.smolvm.start("m1"))
+        self.failureResultOf(self.smolvm.stop("m1"), NotFound)
+        self.assertEqual(self.successResultOf(self.smolvm.exec("m1", ["false"])).exit_code, 3)
+        self.successResultOf(self.smolvm.data_dir("m1").addErrback(lambda _: None))
+        self.assertEqual(
+            [(sub, result) for sub, result, _ in self.calls],
+            [
+                ("version", "ok"),
+                ("start", "ok"),
+                ("stop", "NOT_FOUND"),
+                ("exec", "ok"),  # the guest's own exit code is a result
+                ("data-dir", "ok"),
+            ],
+        )
+        self.assertTrue(all(seconds == 0.0 for _, _, seconds in self.calls))
+
+    def test_duration_timeout_and_version_refusal(self) -> None:
+        reactor = FakeProcessReactor()
+        calls: list[tuple[str, str, float]] = []
+        smolvm = Smolvm(
+            ProcessRunner(reactor),
+            BIN,
+            environ={},
+            check_version=False,
+            timeouts=Timeouts(delete=4),
+            on_call=lambda *c: calls.append(c),
+        )
+        d = smolvm.delete("m1")
+        reactor.advance(4)
+        self.failureResultOf(d, CallTimeout)
+        self.assertEqual(calls, [("delete", "TIMEOUT", 4.0)])
+        self.script.version = b"smolvm 1.5.0\n"
+        self.failureResultOf(self.smolvm.list(), UnsupportedVersion)
+        self.assertEqual(self.calls, [("version", "UNSUPPORTED_VERSION", 0.0)])
+
+    def test_no_binary_and_a_failing_observer(self) -> None:
+        smolvm = Smolvm(ProcessRunner(self.reactor), None, environ={},
+                        on_call=lambda *c: self.calls.append(c))  # fmt: skip
+        self.failureResultOf(smolvm.status("m1"), SmolvmUnavailable)
+        self.assertEqual([c[:2] for c in self.calls], [("version", "SMOLVM_UNAVAILABLE")])
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("observer bug")
+
+        def bug(*_: object, **__: object) -> None:
+            raise RuntimeError("runner bug")
+
+        self.calls.clear()
+        self.smolvm.runner.run = bug  # type: ignore[method-assign]
+        self.failureResultOf(self.smolvm.stop("m1"), RuntimeError)
+        self.assertEqual([c[:2] for c in self.calls], [("version", "INTERNAL")])  # never "ok"
+        self.smolvm.runner = ProcessRunner(self.reactor)
+
+        self.smolvm.on_call = broken
+        self.successResultOf(self.smolvm.version())  # the call itself is unaffected
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+
+    def test_subcommand_names_come_from_the_allow_list(self) -> None:
+        self.assertEqual(subcommand_of(["--version"]), "version")
+        self.assertEqual(subcommand_of(["machine", "ls", "--json"]), "ls")
+        self.assertEqual(subcommand_of(["machine", "data-dir", "--name", "x"]), "data-dir")
+        self.assertEqual(subcommand_of(["machine", "evil\nname"]), "other")
+        self.assertEqual(subcommand_of(["pack", "create"]), "other")
+        self.assertEqual(subcommand_of([]), "other")
+        self.assertLessEqual({subcommand_of(a) for a in (["x"], ["machine", "y"])}, SUBCOMMANDS)

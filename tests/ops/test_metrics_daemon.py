@@ -1,0 +1,95 @@
+"""The real daemon with ``--metrics``: the recorders are fed by smolvm calls and control commands.
+
+``twist bottlenet --metrics tcp:0:interface=127.0.0.1`` logs the port it bound; the test
+drives a control command, a relay and the fake smolvm's ``--version`` (which the daemon runs
+at start), then scrapes ``/metrics`` and parses it with ``prometheus_client``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from bottlenet.control.blocking import BlockingControlClient
+from bottlenet.errors import AlreadyExists
+from tests.control.daemon_helpers import CLEAN_EXIT, start_daemon, stop, wait_ready
+from tests.fakes import FAKE_SMOLVM, FakeSmolvm
+from tests.netio import OutputReader, roundtrip
+
+METRICS_ON = re.compile(rb"metrics on 127\.0\.0\.1:(\d+)/metrics")
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(port: int) -> Samples:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def scrape_until(port: int, key: tuple[str, tuple[tuple[str, str], ...]]) -> Samples:
+    """Scrape until ``key`` is there (the smolvm probe runs while the daemon starts)."""
+    deadline = time.monotonic() + 30
+    while True:
+        samples = scrape(port)
+        if key in samples or time.monotonic() > deadline:
+            return samples
+        time.sleep(0.1)
+
+
+def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(
+    tmp_path: Path, echo_server: int
+) -> None:
+    state = str(tmp_path / "state")
+    control = str(tmp_path / "run" / "control.sock")
+    fake = FakeSmolvm(str(tmp_path / "smolvm-data"))
+    extra = ["--metrics", "tcp:0:interface=127.0.0.1", "--smolvm", FAKE_SMOLVM]
+    extra += ["--smolvm-data-dir", fake.path]
+    proc = start_daemon(state, f"unix:{control}", extra=extra)
+    try:
+        assert proc.stdout is not None
+        port = int(OutputReader(proc.stdout.fileno()).wait_for(METRICS_ON, 60).group(1))
+        wait_ready(control, proc)
+        version = (("result", "ok"), ("subcommand", "version"))
+        count = "bottlenet_smolvm_call_duration_seconds_count"
+        before = scrape_until(port, (count, version))
+        assert before[(count, version)] >= 1  # the start-up probe (recovery may race it)
+        commands = "bottlenet_control_commands_total"
+        create_ok = (commands, (("command", "CreateBottle"), ("result", "OK")))
+        create_dup = (commands, (("command", "CreateBottle"), ("result", "ALREADY_EXISTS")))
+        assert create_ok not in before
+
+        with BlockingControlClient(control, timeout=10) as c:
+            c.create_bottle("m")
+            with pytest.raises(AlreadyExists):
+                c.create_bottle("m")
+            ep = c.add_forward("m", "echo", f"127.0.0.1:{echo_server}")
+            assert ep.host is not None and ep.port is not None
+            payload = os.urandom(10_000)
+            assert roundtrip(ep.host, ep.port, payload) == payload
+
+        fwd = (("bottle", "m"), ("forward", "echo"))
+        accepted = ("bottlenet_relays_accepted_total", fwd)
+        after = scrape_until(port, accepted)
+        assert after[create_ok] == 1
+        assert after[create_dup] == 1
+        assert after[(commands, (("command", "AddForward"), ("result", "OK")))] == 1
+        assert after[accepted] == 1
+        assert after[("bottlenet_relay_bytes_total", (fwd[0], ("direction", "in"), fwd[1]))] > 0
+        assert after[("bottlenet_bottles", (("state", "ready"),))] == 1
+        assert after[(count, version)] >= before[(count, version)]
+        assert after[("bottlenet_metrics_invalid_series", ())] == 0
+    finally:
+        out = stop(proc)
+        fake.cleanup()
+    assert proc.returncode in CLEAN_EXIT, out
+    assert "Traceback" not in out

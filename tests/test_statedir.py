@@ -1,0 +1,53 @@
+"""The one private-directory helper: created 0700, ours, too-open dirs fixed or refused."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from bottlenet.errors import InvalidArgument
+from bottlenet.statedir import PrivateDirError, ensure_private_dir
+
+
+def _mode(path: Path) -> int:
+    return stat.S_IMODE(os.lstat(path).st_mode)
+
+
+def test_creates_parents_and_a_0700_dir_once(tmp_path: Path) -> None:
+    d = tmp_path / "a" / "b"
+    assert ensure_private_dir(str(d)) is True
+    assert _mode(d) == 0o700
+    assert ensure_private_dir(str(d), too_open="refuse") is False
+
+
+def test_too_open_is_fixed_or_refused(tmp_path: Path) -> None:
+    d = tmp_path / "wide"
+    d.mkdir()
+    os.chmod(d, 0o750)
+    with pytest.raises(PrivateDirError, match=r"wide is mode 0750$"):
+        ensure_private_dir(str(d), too_open="refuse")
+    assert _mode(d) == 0o750  # refusing never repairs
+    assert ensure_private_dir(str(d), too_open="fix") is False
+    assert _mode(d) == 0o700
+
+
+def test_symlinks_and_files_refused_with_the_callers_name(tmp_path: Path) -> None:
+    (tmp_path / "real").mkdir(mode=0o700)
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    (tmp_path / "file").write_text("")
+    for name in ("link", "file"):
+        with pytest.raises(PrivateDirError) as info:
+            ensure_private_dir(str(tmp_path / name), name="bottle directory of x")
+        assert (
+            info.value.message == "bottle directory of x is not a directory (symlinks are refused)"
+        )
+    assert issubclass(PrivateDirError, InvalidArgument)  # a typed, client-safe error
+
+
+def test_os_errors_become_the_typed_error(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PrivateDirError, match=r"^cannot create .*file/sub: "):
+        ensure_private_dir(str(tmp_path / "file" / "sub"))
