@@ -337,7 +337,9 @@ def drive_relays(c: bytes, client: BlockingControlClient, state: str, servers: S
     except ConnectionResetError:
         pass
     # target resets mid-stream after sending canaries
-    with socket.create_connection(eps["reset"], timeout=5) as s:
+    # (a generous timeout: on a loaded machine a short one let the client give up first, and
+    # the relay then ended as "aborted" at shutdown instead of "reset")
+    with socket.create_connection(eps["reset"], timeout=60) as s:
         s.sendall(c)
         _recv_all(s)
     # slow reader: the target floods, we read a little, slowly, then reset
