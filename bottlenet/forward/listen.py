@@ -77,27 +77,31 @@ class _StartsPaused(_ServerBase):
         self._held = False
         super().resumeProducing()
 
+    def detachable(self) -> bool:
+        """True while the transport never read, wrote or started closing (nothing buffered)."""
+        return (
+            self._held
+            and bool(self.connected)
+            and not self.disconnecting
+            and not self.disconnected
+            and not self.dataBuffer
+            and not self._tempDataLen
+            and self.producer is None
+            # trap 5: splice needs non-blocking sockets
+            and self.socket.gettimeout() == 0.0
+        )
+
     def detach_socket(self) -> socket.socket | None:
-        """Give the socket away, or None if this transport ever read, wrote or started closing.
+        """Give the socket away, or None if it is not :meth:`detachable`.
 
         Afterwards the transport is inert: it is not connected, so ``write``,
         ``loseConnection``, ``abortConnection`` and ``resumeProducing`` are no-ops, its
         ``fileno()`` is -1, and it no longer refers to the socket, so nothing in Twisted can
         shut down, linger-reset or close the socket (traps 2: a ``dup()`` would not protect it).
         """
-        if (
-            not self._held
-            or not self.connected
-            or self.disconnecting
-            or self.disconnected
-            or self.dataBuffer
-            or self._tempDataLen
-            or self.producer is not None
-        ):
+        if not self.detachable():
             return None
         sock = self.socket
-        if sock.gettimeout() != 0.0:  # trap 5: splice needs non-blocking sockets
-            return None
         self.connected = 0
         self.disconnected = 1
         self.fileno = _no_fileno

@@ -280,13 +280,12 @@ class SpliceRelay:
 
     def start(self, inbound: Leg, outbound: Leg) -> None:
         tin, tout = inbound.transport, outbound.transport
-        din = getattr(tin, "detach_socket", None)
-        dout = getattr(tout, "detach_socket", None)
-        a = din() if din is not None else None
-        b = dout() if a is not None and dout is not None else None
+        # Both or neither: check both before taking either (trap 2).
+        if _detachable(tin) and _detachable(tout):
+            a, b = tin.detach_socket(), tout.detach_socket()  # type: ignore[attr-defined]
+        else:
+            a = b = None
         if a is None or b is None:
-            if a is not None:  # pragma: no cover - both transports are our classes or neither
-                raise AssertionError("only one leg could be detached")
             self._engines.fallbacks += 1
             fallback = self._fallback = TransportRelay(self._fallback_ended)
             fallback.start(inbound, outbound)
@@ -358,6 +357,9 @@ class SpliceRelay:
         except BlockingIOError:
             m = 0
         except OSError:
+            # The bytes stay in the scratch pipe: make it ours so _finish closes it (trap 6).
+            d.pipe = engines.promote_scratch()
+            d.inpipe = n
             self._fail()
             return
         if m < n:
@@ -461,6 +463,11 @@ class SpliceRelay:
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
             on_end(outcome)
+
+
+def _detachable(transport: object) -> bool:
+    check = getattr(transport, "detachable", None)
+    return check is not None and bool(check())
 
 
 class _DropSink:
