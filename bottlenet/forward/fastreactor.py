@@ -18,6 +18,7 @@ or ``twist --reactor bottlenet-epoll`` once a reactor plugin names this module.
 from __future__ import annotations
 
 import errno
+from collections.abc import Callable
 
 from twisted.internet.epollreactor import EPollReactor
 from twisted.logger import Logger
@@ -29,6 +30,24 @@ class QuietEPollReactor(EPollReactor):
 
     _log = Logger(namespace="bottlenet.reactor")
 
+    def __init__(self) -> None:
+        super().__init__()
+        self._after_batch: list[Callable[[], object]] = []
+        self._dispatching = False
+
+    def call_after_batch(self, f: Callable[[], object]) -> bool:
+        """Run ``f`` once the events of the current epoll batch are all dispatched.
+
+        Returns False (and does nothing) outside a batch: the caller then uses
+        ``callLater(0, f)``. This is what a relay needs to close sockets safely (no stale event
+        of the same batch can reach a descriptor that reused the number) without paying for an
+        extra reactor iteration per connection.
+        """
+        if not self._dispatching:
+            return False
+        self._after_batch.append(f)
+        return True
+
     def doPoll(self, timeout: float | None) -> None:
         if timeout is None:
             timeout = -1
@@ -38,6 +57,20 @@ class QuietEPollReactor(EPollReactor):
             if err.errno == errno.EINTR:
                 return
             raise
+        self._dispatching = True
+        try:
+            self._dispatch(events)
+        finally:
+            self._dispatching = False
+        after = self._after_batch
+        while after:
+            f = after.pop(0)
+            try:
+                f()
+            except Exception:
+                self._log.failure("error in an after-batch call", Failure())
+
+    def _dispatch(self, events: list[tuple[int, int]]) -> None:
         selectables = self._selectables
         drdw = self._doReadOrWrite
         for fd, event in events:

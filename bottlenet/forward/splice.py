@@ -178,9 +178,15 @@ class SpliceEngines:
 
     # Deferred close (trap 4)
     def close_later(self, relay: SpliceRelay, outcome: str) -> None:
+        """Close after the current epoll batch: at its end on the quiet reactor, else on the
+        next pass (``callLater(0)``)."""
         self._closing.append((relay, outcome))
-        if self._close_call is None:
-            self._close_call = self._clock.callLater(0, self._close_now)
+        if len(self._closing) > 1:
+            return  # already scheduled
+        after_batch = getattr(self.reactor, "call_after_batch", None)
+        if after_batch is not None and after_batch(self._close_now):
+            return
+        self._close_call = self._clock.callLater(0, self._close_now)
 
     def _close_now(self) -> None:
         call, self._close_call = self._close_call, None
@@ -418,14 +424,17 @@ class SpliceRelay:
         if d.shut or self._over:
             return
         d.shut = True
+        up, down = self._up, self._down
+        assert up is not None and down is not None
+        if up.shut and down.shut:
+            # The last FIN: close() sends it (both receive queues are empty: both sources
+            # reached EOF), so skip the shutdown() syscall.
+            self._finish(OUTCOME_CLOSED)
+            return
         try:
             d.dst.sock.shutdown(socket.SHUT_WR)
         except OSError:
             pass  # the peer is gone; its own read side will report the error
-        up, down = self._up, self._down
-        assert up is not None and down is not None
-        if up.shut and down.shut:
-            self._finish(OUTCOME_CLOSED)
 
     def _fail(self) -> None:
         self._finish(OUTCOME_RESET)

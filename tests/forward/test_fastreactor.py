@@ -85,3 +85,30 @@ def test_an_error_in_one_callback_does_not_stop_the_batch(r: Any) -> None:
         os.close(rd)
         if wr != fds[0][1]:
             os.close(wr)
+
+
+def test_call_after_batch_runs_once_the_whole_batch_is_dispatched(r: Any) -> None:
+    order: list[str] = []
+    pipes = [os.pipe() for _ in range(2)]
+
+    class Reader(PipeReader):
+        def doRead(self) -> object:
+            order.append(f"read{self.fd}")
+            assert r.call_after_batch(lambda: order.append(f"after{self.fd}"))
+            os.read(self.fd, 100)
+            return None
+
+    readers = [Reader(rd) for rd, _ in pipes]
+    for reader in readers:
+        r.addReader(reader)
+    for _, wr in pipes:
+        os.write(wr, b"x")
+    r.doIteration(0)
+    assert sorted(order[:2]) == sorted(f"read{rd}" for rd, _ in pipes)
+    assert sorted(order[2:]) == sorted(f"after{rd}" for rd, _ in pipes)
+    assert r.call_after_batch(lambda: None) is False  # outside a batch: use callLater
+    for reader in readers:
+        r.removeReader(reader)
+    for rd, wr in pipes:
+        os.close(rd)
+        os.close(wr)
