@@ -92,6 +92,37 @@ def echo(c: socket.socket) -> bool:
         return False
 
 
+def classify(
+    socks: list[socket.socket], wait: float
+) -> tuple[list[socket.socket], list[socket.socket], list[socket.socket]]:
+    """Each socket sent b"x": (echoed, still waiting after ``wait`` s, reset or closed)."""
+    sel = selectors.EpollSelector()
+    for c in socks:
+        c.setblocking(False)
+        sel.register(c, selectors.EVENT_READ)
+    echoed: list[socket.socket] = []
+    gone: list[socket.socket] = []
+    deadline = time.monotonic() + wait
+    left = len(socks)
+    while left and (remaining := deadline - time.monotonic()) > 0:
+        for key, _ in sel.select(remaining):
+            c = key.fileobj
+            assert isinstance(c, socket.socket)
+            sel.unregister(c)
+            left -= 1
+            try:
+                data = c.recv(16)
+            except OSError:
+                data = b""
+            (echoed if data.endswith(b"x") else gone).append(c)
+    done = set(echoed) | set(gone)
+    waiting = [c for c in socks if c not in done]
+    sel.close()
+    for c in socks:
+        c.setblocking(True)
+    return echoed, waiting, gone
+
+
 def role_client(targets: list[tuple[str, int]], count: int, offset: int) -> None:
     """Opens ``count`` echo-proven connections, then obeys commands on stdin."""
     raise_nofile()
@@ -115,65 +146,59 @@ def role_client(targets: list[tuple[str, int]], count: int, offset: int) -> None
     extra: list[socket.socket] = []
     for line in sys.stdin:
         cmd, _, arg = line.strip().partition(" ")
-        if cmd == "extra":  # try more connections with a short wait: served / reset / waiting
+        if cmd == "extra":  # try more connections: served / reset / waiting (in the backlog)
             n = int(arg)
-            served = reset = waiting = 0
+            batch: list[socket.socket] = []
+            reset = 0
             for i in range(n):
                 try:
                     c = socket.create_connection(targets[i % len(targets)], timeout=5)
-                except OSError:
-                    reset += 1
-                    continue
-                c.settimeout(0.3)
-                try:
                     c.sendall(b"x")
-                    got = c.recv(1)
-                except TimeoutError:
-                    waiting += 1
-                    extra.append(c)
-                    continue
+                    batch.append(c)
                 except OSError:
-                    got = b""
-                if got == b"x":
-                    served += 1
-                    extra.append(c)
-                else:
                     reset += 1
-                    c.close()
-            print(json.dumps({"served": served, "reset": reset, "waiting": waiting}), flush=True)
+            served, waiting, gone = classify(batch, 1.0)
+            reset += len(gone)
+            for c in gone:
+                c.close()
+            extra += served + waiting
+            print(
+                json.dumps({"served": len(served), "reset": reset, "waiting": len(waiting)}),
+                flush=True,
+            )
         elif cmd == "free":
             n = int(arg)
             for c in held[:n]:
                 c.close()
             del held[:n]
             print(json.dumps({"held": len(held)}), flush=True)
-        elif cmd == "recheck":  # the extras that waited: are they served now?
-            ok = 0
+        elif cmd == "recheck":  # every extra (waiting ones too) and fresh ones must echo now
             for c in extra:
-                c.setblocking(False)
                 try:
-                    # waiting ones already sent their byte; served ones send another
-                    data = c.recv(1, socket.MSG_PEEK)
-                except BlockingIOError:
-                    data = b""
-                except OSError:
-                    continue
-                c.settimeout(5)
-                try:
-                    if data:
-                        c.recv(1)
-                    ok += echo(c)
+                    c.setblocking(False)
+                    while c.recv(16):  # drain earlier echoes
+                        pass
                 except OSError:
                     pass
-            fresh = 0
+                try:
+                    c.setblocking(True)
+                    c.sendall(b"x")
+                except OSError:
+                    pass
+            ok, _, _ = classify(extra, 5.0)
+            fresh_batch = []
             for i in range(int(arg or 0)):
                 try:
                     c = socket.create_connection(targets[i % len(targets)], timeout=5)
-                    fresh += echo(c)
-                    extra.append(c)
+                    c.sendall(b"x")
+                    fresh_batch.append(c)
                 except OSError:
                     pass
-            print(json.dumps({"extra_ok": ok, "extra": len(extra), "fresh_ok": fresh}), flush=True)
+            fresh, _, _ = classify(fresh_batch, 5.0)
+            print(
+                json.dumps({"extra_ok": len(ok), "extra": len(extra), "fresh_ok": len(fresh)}),
+                flush=True,
+            )
         elif cmd == "quit":
             break
 
@@ -246,7 +271,7 @@ def main() -> None:
     p.add_argument("--clients", type=int, default=3)
     p.add_argument("--backends", type=int, default=2)
     p.add_argument("--extra", type=int, default=1200)
-    p.add_argument("--free", type=int, default=600)
+    p.add_argument("--free", type=int, default=1500)
     p.add_argument("--engine", default="auto", choices=("auto", "splice", "portable"))
     p.add_argument("--reactor", default="epoll")
     p.add_argument("--json", default=None)
