@@ -394,6 +394,12 @@ class SpliceRelay:
             return
         d.pipe = None
         self._engines.release(pipe)
+        if not (d.eof or self._paused):
+            # Under bulk the source has more already: move it now (one more pump, still
+            # bounded) instead of swapping the registrations and waiting for another pass.
+            self._pump(d)
+            if self._over or d.inpipe:
+                return  # finished, or blocked again and still registered for writing
         self._writing(d.dst, False)
         if d.eof:
             self._shut(d)
