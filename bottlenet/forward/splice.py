@@ -297,7 +297,10 @@ class SpliceRelay:
             fallback.start(inbound, outbound)
             return
         self._engines.taken_over += 1
-        inbound.sink = outbound.sink = _DROP
+        for leg in (inbound, outbound):
+            # The inert transports are never used again: drop them (memory per idle relay).
+            leg.sink = _DROP
+            leg.transport = None  # type: ignore[assignment]
         ea, eb = _End(self, a), _End(self, b)
         up, down = _Dir(ea, eb), _Dir(eb, ea)
         ea.src_of = eb.dst_of = up
