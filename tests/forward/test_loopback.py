@@ -210,6 +210,28 @@ class TransferTests(Base):
         assert sha(received_by_target) == sha(upload)
         assert c.clean
 
+    async def test_session_pause_holds_traffic_until_resumed(self) -> None:
+        """Outside code (e.g. cutting a bottle off) pauses a live relay and resumes it."""
+        info = await self.forward(self.target(Echo))
+        c = Collector(b"a", fin=False)
+        got: Any = __import__("twisted.internet.defer", fromlist=["Deferred"]).Deferred()
+        c.on_data = lambda col: got.called or got.callback(None)
+        await self.client(info, c)
+        await got
+        (s,) = self.sessions()
+        self.check_engine()
+        s.pauseProducing()
+        c.transport.write(b"b")  # type: ignore[union-attr]
+        await sleep(0.05)  # passes in which a reading relay would have moved "b"
+        assert s.bytes_in == 1 and bytes(c.received) == b"a"
+        got = __import__("twisted.internet.defer", fromlist=["Deferred"]).Deferred()
+        c.on_data = lambda col: got.called or got.callback(None)
+        s.resumeProducing()
+        await got
+        assert bytes(c.received) == b"ab" and s.bytes_in == 2
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+
 
 class FailureTests(Base):
     async def test_target_refuses(self) -> None:
