@@ -26,6 +26,7 @@ import json
 import os
 import resource
 import selectors
+import shutil
 import socket
 import subprocess
 import sys
@@ -275,6 +276,7 @@ def main() -> None:
     p.add_argument("--engine", default="auto", choices=("auto", "splice", "portable"))
     p.add_argument("--reactor", default="epoll")
     p.add_argument("--json", default=None)
+    p.add_argument("--keep", action="store_true", help="keep the work dir (config, daemon log)")
     args = p.parse_args()
     hard = raise_nofile()
     work = tempfile.mkdtemp(prefix="bn-scale-")
@@ -414,6 +416,10 @@ def main() -> None:
                 daemon.wait(20)
             except subprocess.TimeoutExpired:
                 daemon.kill()
+        if args.keep:
+            note(f"work dir kept: {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
