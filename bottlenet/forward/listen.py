@@ -52,12 +52,19 @@ else:
     _ServerBase = object
 
 
+def _no_fileno() -> int:
+    return -1
+
+
 class _StartsPaused(_ServerBase):
     """An accepted transport that does not read until its first ``resumeProducing()``.
 
     A relay pauses its accepted leg at once anyway (until the target is connected); starting
     paused saves registering the socket with epoll only to unregister it again. ``Port.transport``
     is documented as replaceable with anything taking ``Server.__init__``'s arguments.
+
+    While it is still held (never read, never written), :meth:`detach_socket` hands the socket
+    over for good to a relay that moves bytes itself (``splice.SpliceRelay``).
     """
 
     _held = True
@@ -69,6 +76,37 @@ class _StartsPaused(_ServerBase):
     def resumeProducing(self) -> None:
         self._held = False
         super().resumeProducing()
+
+    def detachable(self) -> bool:
+        """True while the transport never read, wrote or started closing (nothing buffered)."""
+        return (
+            self._held
+            and bool(self.connected)
+            and not self.disconnecting
+            and not self.disconnected
+            and not self.dataBuffer
+            and not self._tempDataLen
+            and self.producer is None
+            # trap 5: splice needs non-blocking sockets
+            and self.socket.gettimeout() == 0.0
+        )
+
+    def detach_socket(self) -> socket.socket | None:
+        """Give the socket away, or None if it is not :meth:`detachable`.
+
+        Afterwards the transport is inert: it is not connected, so ``write``,
+        ``loseConnection``, ``abortConnection`` and ``resumeProducing`` are no-ops, its
+        ``fileno()`` is -1, and it no longer refers to the socket, so nothing in Twisted can
+        shut down, linger-reset or close the socket (traps 2: a ``dup()`` would not protect it).
+        """
+        if not self.detachable():
+            return None
+        sock = self.socket
+        self.connected = 0
+        self.disconnected = 1
+        self.fileno = _no_fileno
+        del self.socket
+        return sock
 
 
 class HeldTCPServer(_StartsPaused, tcp.Server):
@@ -124,6 +162,8 @@ class _BackoffAccept(_PortBase):
             except Exception:
                 self.log.failure("setting up an accepted connection failed", Failure())
                 skt.close()
+            if self._backoff_call is not None:
+                return  # exhausted() was called meanwhile: leave the rest in the backlog
         # Adaptive batch size: ask for no more than we got last time, which saves a failing
         # accept() per wakeup when connections come one at a time; grow after two full batches
         # in a row (Twisted grows after one, so a sequential client costs it an EAGAIN every
@@ -135,6 +175,11 @@ class _BackoffAccept(_PortBase):
         else:
             self._full_batches = False
             self.numberAccepts = max(1, accepted)
+
+    def exhausted(self, err: int) -> None:
+        """The process ran out of fds elsewhere (a relay's connect): back off as for accept."""
+        if self._backoff_call is None and self.connected and not self.disconnecting:
+            self._pause_accepting(err)
 
     def _pause_accepting(self, err: int) -> None:
         self.exhausted_count += 1
@@ -153,8 +198,22 @@ class _BackoffAccept(_PortBase):
 
     def _resume_accepting(self) -> None:
         self._backoff_call = None
-        if self.connected and not self.disconnecting:
-            self.startReading()
+        if not self.connected or self.disconnecting:
+            return
+        # A relay needs two fds (accepted + outbound): only accept again once both are
+        # available, else every retry would accept one client just to reset it.
+        probes: list[int] = []
+        try:
+            for _ in range(2):
+                probes.append(os.dup(self.socket.fileno()))
+        except OSError as e:
+            if e.errno in _EXHAUSTED:
+                self._pause_accepting(e.errno)
+                return
+        finally:
+            for fd in probes:
+                os.close(fd)
+        self.startReading()
 
     def _cancel_backoff(self) -> None:
         if self._backoff_call is not None and self._backoff_call.active():

@@ -169,6 +169,11 @@ class RelayEngine(TypingProtocol):
 
     def abort(self) -> None: ...
 
+    def pauseProducing(self) -> None:
+        """Stop reading both legs (from outside, e.g. to cut a bottle off) until resumed."""
+
+    def resumeProducing(self) -> None: ...
+
 
 EngineFactory = Callable[[Callable[[str], None]], RelayEngine]
 
@@ -180,18 +185,25 @@ class _Throttle:
     It forwards to the peer transport, except ``stopProducing`` which does nothing: Twisted
     calls it from ``connectionLost`` and a transport's own ``stopProducing`` is an orderly
     ``loseConnection()``, which would turn a reset into a clean close. Teardown is explicit.
+    A resume is held back while the whole relay is paused from outside; ``held`` remembers
+    that the consumer still wants the peer paused.
     """
 
-    __slots__ = ("_transport",)
+    __slots__ = ("_engine", "_transport", "held")
 
-    def __init__(self, transport: _Transport) -> None:
+    def __init__(self, engine: TransportRelay, transport: _Transport) -> None:
+        self._engine = engine
         self._transport = transport
+        self.held = False
 
     def pauseProducing(self) -> None:
+        self.held = True
         self._transport.pauseProducing()
 
     def resumeProducing(self) -> None:
-        self._transport.resumeProducing()
+        self.held = False
+        if not self._engine.paused:
+            self._transport.resumeProducing()
 
     def stopProducing(self) -> None:
         pass
@@ -211,12 +223,13 @@ def _idle(d: tcp.Connection) -> bool:
 class _Side:
     """One leg as seen by :class:`TransportRelay`: reads from it go to ``dst`` (the peer)."""
 
-    __slots__ = ("closing", "dst", "engine", "gone", "leg", "nbytes", "rd", "wr")
+    __slots__ = ("closing", "dst", "engine", "gone", "leg", "nbytes", "rd", "throttle", "wr")
 
     def __init__(self, engine: TransportRelay, leg: Leg, dst: _Transport) -> None:
         self.engine = engine
         self.leg = leg
         self.dst = dst
+        self.throttle = _Throttle(engine, leg.transport)  # registered on dst: gates our reads
         self.nbytes = 0
         self.rd = False  # read EOF seen
         self.wr = False  # our write side shut down (FIN sent)
@@ -300,6 +313,7 @@ class TransportRelay:
         self._out: _Side | None = None
         self._failed = False
         self._aborted = False
+        self.paused = False
 
     @property
     def bytes_in(self) -> int:
@@ -317,11 +331,26 @@ class TransportRelay:
         for t in (tin, tout):
             if isinstance(t, tcp.Connection):
                 t.bufferSize = READ_SIZE
-        tout.registerProducer(_Throttle(tin), True)
-        tin.registerProducer(_Throttle(tout), True)
+        tout.registerProducer(self._in.throttle, True)
+        tin.registerProducer(self._out.throttle, True)
         inbound.sink = self._in
         outbound.sink = self._out
         tin.resumeProducing()
+        tout.resumeProducing()  # a no-op for Twisted's clients, which read from the start
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+        for side in (self._in, self._out):
+            if side is not None and not side.gone and not side.rd:
+                side.leg.transport.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+        for side in (self._in, self._out):
+            # Never resume a leg at read EOF (it would read the EOF again), nor one whose
+            # peer's write buffer is still over its high-water mark.
+            if side is not None and not side.gone and not side.rd and not side.throttle.held:
+                side.leg.transport.resumeProducing()
 
     def abort(self) -> None:
         self._aborted = True
@@ -397,6 +426,7 @@ def _describe_failure(failure: Failure) -> str:
     return name
 
 
+@implementer(IPushProducer)
 class RelaySession:
     """One accepted connection, from accept to the last closed socket.
 
@@ -426,6 +456,7 @@ class RelaySession:
         self._aborted = False
         self._failure: tuple[str, str] | None = None  # (outcome, reason) decided before the end
         self._ended = False
+        self._paused = False
         self._waiters: list[Deferred[None]] = []
 
     # Byte counters, live while the relay runs.
@@ -449,6 +480,21 @@ class RelaySession:
         else:
             self._waiters.append(d)
         return d
+
+    # IPushProducer: lets outside code stop a relay's traffic without closing it.
+    def pauseProducing(self) -> None:
+        """Stop reading both legs (also before the engine started) until resumed."""
+        self._paused = True
+        if self.engine is not None:
+            self.engine.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        self._paused = False
+        if self.engine is not None:
+            self.engine.resumeProducing()
+
+    def stopProducing(self) -> None:
+        self.abort()
 
     def abort(self) -> None:
         """Tear the session down now (RST both ways); the end is still reported once."""
@@ -497,6 +543,8 @@ class RelaySession:
         engine = self._engine_factory(self._engine_ended)
         self.engine = engine
         engine.start(self.inbound, leg)
+        if self._paused:
+            engine.pauseProducing()
 
     def _connect_failed(self, failure: Failure) -> None:
         self._connecting = None

@@ -2,9 +2,10 @@
 
     python -m bottlenet.forward.standalone --listen 127.77.0.1:9000 --to 127.0.0.1:8000
 
-Uses the epoll reactor and the same :class:`ForwardTable` code path as the daemon (alias
-registry check, bind, relay). Logs warnings and errors only: no per-connection log lines.
-This is the only module of the forward package that installs or imports a global reactor.
+Uses the epoll reactor (by default its quiet subclass, see ``fastreactor``) and the same
+:class:`ForwardTable` code path as the daemon (alias registry check, bind, relay; ``--engine``
+picks the relay engine). Logs warnings and errors only: no per-connection log lines. This is
+the only module of the forward package that installs or imports a global reactor.
 """
 
 from __future__ import annotations
@@ -43,11 +44,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-connections", type=int, default=16384)
     parser.add_argument("--bottle", default="bench")
     parser.add_argument("--label", default="fwd")
+    parser.add_argument(
+        "--engine", choices=("auto", "splice", "portable"), default="auto", help="relay engine"
+    )
+    parser.add_argument(
+        "--reactor",
+        choices=("quiet", "epoll"),
+        default="quiet",
+        help="quiet = fastreactor.QuietEPollReactor (no logging context per event)",
+    )
+    parser.add_argument(
+        "--twisted-connect",
+        action="store_true",
+        help="connect with Twisted's TCP4ClientEndpoint (implies the portable engine)",
+    )
     args = parser.parse_args(argv)
 
-    from twisted.internet import epollreactor
+    if args.reactor == "quiet":
+        from bottlenet.forward import fastreactor
 
-    epollreactor.install()
+        fastreactor.install()
+    else:
+        from twisted.internet import epollreactor
+
+        epollreactor.install()
     from twisted.internet import reactor
 
     from bottlenet.forward.table import ForwardTable
@@ -81,7 +101,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     state_dir = tempfile.mkdtemp(prefix="bottlenet-standalone-")
-    table = ForwardTable(reactor, registry, state_dir=state_dir)
+    table = ForwardTable(
+        reactor,
+        registry,
+        state_dir=state_dir,
+        engine=args.engine,
+        fast_connect=not args.twisted_connect,
+    )
     table.log_clean_relay_ends = False
     table.startService()
     reactor.addSystemEventTrigger("before", "shutdown", table.stopService)

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from attrs import frozen
 from twisted.application.service import Service
 from twisted.internet import defer
-from twisted.internet.address import IPv4Address
+from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.endpoints import (
     TCP4ClientEndpoint,
     TCP6ClientEndpoint,
@@ -41,6 +41,7 @@ from bottlenet.errors import (
     safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.connect import FastClientEndpoint
 from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
 from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
@@ -63,12 +64,14 @@ from bottlenet.forward.spec import (
     check_port,
     check_unix_listen,
 )
+from bottlenet.forward.splice import engine_factory
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
 
 #: At most one refusal log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
+_FD_EXHAUSTED = (":EMFILE", ":ENFILE")
 MAX_CONNECTIONS_LIMIT = 65536
 
 
@@ -112,6 +115,8 @@ class _Forward(Factory):
         spec: ForwardSpec,
         target: IStreamClientEndpoint,
         engine_factory: EngineFactory,
+        *,
+        tune_outbound: bool = False,
     ) -> None:
         self.table = table
         self.spec = spec
@@ -119,8 +124,9 @@ class _Forward(Factory):
         self.port: IListeningPort | None = None
         self._target = target
         self._engine_factory = engine_factory
-        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener.
-        self._target_tcp = isinstance(spec.target, TCPTarget)
+        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener; the fast
+        # endpoint sets both before connecting, Twisted's endpoints need the Leg to do it.
+        self._tune_outbound = tune_outbound
         self._clock = table.reactor
         self.sessions: set[RelaySession] = set()
         self.accepted = 0
@@ -144,7 +150,7 @@ class _Forward(Factory):
             self._target,
             self,
             tune_inbound=False,
-            tune_outbound=self._target_tcp,
+            tune_outbound=self._tune_outbound,
             engine_factory=self._engine_factory,
         )
         self.sessions.add(session)
@@ -176,6 +182,13 @@ class _Forward(Factory):
         clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
         if not clean:
             self.failed += 1
+            if reason is not None and reason.endswith(_FD_EXHAUSTED):
+                # The connect could not get a socket: stop accepting for a while (the
+                # listener's EMFILE backoff) so further clients wait in the backlog instead of
+                # being accepted only to be reset.
+                exhausted = getattr(self.port, "exhausted", None)
+                if exhausted is not None:
+                    exhausted(errno.EMFILE if reason.endswith("EMFILE") else errno.ENFILE)
         elif not self.table.log_clean_relay_ends:
             return
         # Metadata only: never payload bytes, never client-controlled values.
@@ -240,16 +253,28 @@ class ForwardTable(Service):
         *,
         state_dir: str,
         connect_timeout: float = 10.0,
+        engine: str = "auto",
+        fast_connect: bool = True,
     ) -> None:
+        """``engine``: ``auto`` (splice where supported), ``splice`` or ``portable``.
+
+        ``fast_connect`` connects to targets with :class:`connect.FastClientEndpoint` (needed
+        for splice: its transports can hand their socket over); False uses Twisted's
+        ``TCP4ClientEndpoint``/``UNIXClientEndpoint``, and relays then run on the portable
+        engine whatever ``engine`` says. Raises ValueError for an unknown or unsupported
+        ``engine``.
+        """
         self.reactor = reactor
         self.aliases = aliases
         self.state_dir = state_dir
         self.connect_timeout = connect_timeout
+        self.fast_connect = fast_connect
         #: Emit the per-relay log event for clean ends too (debug level); failures always log.
         #: The benchmark entry point turns it off: no per-connection logging there.
         self.log_clean_relay_ends = True
-        #: The relay engine for new connections (a splice() engine can be swapped in here).
-        self.engine_factory: EngineFactory = TransportRelay
+        #: The relay engine for new connections (see ``splice.engine_factory``).
+        self.engine_factory: EngineFactory = engine_factory(reactor, engine)
+        self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
         self._forwards: dict[Key, _Forward] = {}
         self._pending: set[Key] = set()
         self._removing: dict[Key, list[defer.Deferred[None]]] = {}
@@ -265,7 +290,13 @@ class ForwardTable(Service):
         super().stopService()
         waits = [self._remove_key(key) for key in list(self._forwards)]
         waits += [self._wait_removal(key) for key in list(self._removing)]
-        return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
+
+        def stopped(_: object) -> None:
+            close = getattr(self.engine_factory, "close", None)
+            if close is not None:
+                close()  # pooled pipes: no relay is left that could use them
+
+        return defer.gatherResults(waits, consumeErrors=True).addCallback(stopped)
 
     # Queries
     def get(self, bottle: str, label: str) -> ForwardInfo:
@@ -288,7 +319,13 @@ class ForwardTable(Service):
             return defer.fail(e)
         except OSError as e:  # preparing the bottle dir or probing a stale socket
             return defer.fail(_bind_error(spec.listen, e))
-        fwd = _Forward(self, spec, self._target_endpoint(spec), self.engine_factory)
+        fwd = _Forward(
+            self,
+            spec,
+            self._target_endpoint(spec),
+            self.engine_factory,
+            tune_outbound=isinstance(spec.target, TCPTarget) and not self.fast_connect,
+        )
         self._pending.add(key)
         d = self._server_endpoint(spec).listen(fwd)
 
@@ -447,6 +484,15 @@ class ForwardTable(Service):
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
         target = spec.target
         timeout = self.connect_timeout
+        if self.fast_connect:
+            peer: IPv4Address | IPv6Address | UNIXAddress
+            if isinstance(target, UNIXTarget):
+                peer = UNIXAddress(target.path)
+            elif isinstance(target.host, ipaddress.IPv6Address):
+                peer = IPv6Address("TCP", str(target.host), target.port)
+            else:
+                peer = IPv4Address("TCP", str(target.host), target.port)
+            return FastClientEndpoint(self.reactor, peer, timeout)
         if isinstance(target, UNIXTarget):
             return UNIXClientEndpoint(self.reactor, target.path, timeout=timeout)
         if isinstance(target.host, ipaddress.IPv6Address):

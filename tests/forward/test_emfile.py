@@ -124,9 +124,11 @@ def test_accept_backs_off_at_fd_limit_and_recovers(echo_port: int) -> None:
         # Free fds: a connection that waited in the backlog is served after the backoff.
         for c in working:
             c.close()
+        # The backlog is FIFO and every waiting client must still be there (none accepted
+        # just to be reset while the limit lasted): the oldest one is served first.
         waiting = [c for c in clients if c not in working]
-        waiting[-1].settimeout(5)
-        assert echo_ok(waiting[-1]), "accepting did not resume after fds were freed"
+        waiting[0].settimeout(5)
+        assert echo_ok(waiting[0]), "accepting did not resume after fds were freed"
         for c in clients:
             c.close()
         # Once the backlog is gone and its relays closed, new connections work normally.

@@ -1,0 +1,176 @@
+"""splice() engine specifics on real sockets: producer pausing, pipes, take-over, fallback."""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from twisted.internet import defer, reactor
+
+from bottlenet.forward.listen import HeldTCPServer
+from bottlenet.forward.splice import POOL_MAX, SpliceEngines, SpliceRelay, splice_supported
+from tests.forward.netutil import Collector, Echo, pattern, sha
+from tests.forward.test_loopback import Base, MiB, sleep
+
+SKIP = None if splice_supported() else "splice() is Linux-only"
+
+
+def pipe_fds() -> int:
+    return sum(1 for n in os.listdir("/proc/self/fd") if _link(n).startswith("pipe:"))
+
+
+def _link(n: str) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{n}")
+    except OSError:
+        return ""
+
+
+class Silent(Collector):
+    """A target that never reads: whatever is sent to it piles up in the relay's pipe."""
+
+    def connectionMade(self) -> None:
+        self.transport.pauseProducing()  # type: ignore[union-attr]
+
+
+class SpliceTests(Base):
+    engine = "splice"
+    skip = SKIP
+
+    @property
+    def engines(self) -> SpliceEngines:
+        e = self.table.engine_factory
+        assert isinstance(e, SpliceEngines)
+        return e
+
+    async def echo_client(self, info: Any) -> Collector:
+        c = Collector(b"x", fin=False)
+        got: defer.Deferred[None] = defer.Deferred()
+        c.on_data = lambda col: got.called or got.callback(None)
+        await self.client(info, c)
+        await got
+        return c
+
+    async def test_pause_stops_reading_both_sockets_until_resumed(self) -> None:
+        info = await self.forward(self.target(Echo))
+        c = await self.echo_client(info)
+        (s,) = self.sessions()
+        engine = s.engine
+        assert isinstance(engine, SpliceRelay) and engine.spliced
+        ends = {engine._up.src, engine._down.src}  # type: ignore[union-attr]
+        assert ends <= set(reactor.getReaders())
+        s.pauseProducing()
+        assert not (ends & set(reactor.getReaders()))
+        c.transport.write(b"y")  # type: ignore[union-attr]
+        await sleep(0.05)  # reactor passes in which a reader would have forwarded "y"
+        assert engine.bytes_in == 1  # only the first byte went through
+        got: defer.Deferred[None] = defer.Deferred()
+        c.on_data = lambda col: got.called or got.callback(None)
+        s.resumeProducing()
+        await got
+        assert bytes(c.received) == b"xy" and engine.bytes_in == 2
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+
+    async def test_pipes_grow_under_bulk_and_are_pooled(self) -> None:
+        data = pattern(16 * MiB, seed=5)
+        info = await self.forward(self.target(Echo))
+        warm = await self.echo_client(info)  # the reactor may open its own pipes lazily
+        warm.transport.loseConnection()  # type: ignore[union-attr]
+        await self.until(lambda: not self.sessions(), "warm-up relay end")
+        before = pipe_fds() - 2 * self.engines.pipes_open()
+        c = await self.client(info, Collector(data, fin=True))
+        await c.done
+        assert sha(bytes(c.received)) == sha(data)
+        await self.until(lambda: not self.sessions(), "relay end")
+        pipes = list(self.engines._pool)
+        if self.engines._scratch is not None:
+            pipes.append(self.engines._scratch)
+        assert max(p.size for p in pipes) > 64 * 1024, [p.size for p in pipes]
+        assert len(self.engines._pool) <= POOL_MAX
+        # Every pipe fd belongs to the engine's scratch/pool: none leaked with the relay.
+        assert pipe_fds() - before == 2 * self.engines.pipes_open()
+
+    async def test_aborted_relay_never_returns_a_full_pipe_to_the_pool(self) -> None:
+        """Trap 6: bytes left in a pipe must not leak into the next relay."""
+        silent = Silent(fin=False)
+        info = await self.forward(self.target(lambda: silent))
+        c = await self.client(info, Collector(pattern(8 * MiB), fin=False))
+        await self.until(
+            lambda: any(
+                d.inpipe for s in self.sessions() for d in (s.engine._up, s.engine._down) if d
+            ),
+            "bytes held in a pipe",
+        )
+        (s,) = self.sessions()
+        held = s.engine._up.pipe
+        assert held is not None
+        await self.table.remove("b1", "web")
+        await c.done
+        assert held not in self.engines._pool and held is not self.engines._scratch
+        # A fresh relay through a fresh forward sees exactly its own bytes.
+        info = await self.forward(self.target(Echo), label="next")
+        data = pattern(3 * MiB, seed=11)
+        c2 = await self.client(info, Collector(data, fin=True))
+        await c2.done
+        assert sha(bytes(c2.received)) == sha(data) and c2.clean
+
+    async def test_end_is_reported_after_the_sockets_are_closed(self) -> None:
+        """Trap 4: sockets close on a later pass than the one that ended the relay."""
+        info = await self.forward(self.target(Echo))
+        c = await self.echo_client(info)
+        (s,) = self.sessions()
+        socks = s.engine.sockets()
+        seen: list[list[int]] = []
+        real_finish = s._finish
+
+        def spy(outcome: str) -> None:
+            seen.append([sk.fileno() for sk in socks])
+            real_finish(outcome)
+
+        s._finish = spy
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+        await s.when_ended()
+        assert seen == [[-1, -1]]
+
+    async def test_transport_that_cannot_hand_over_falls_back_to_portable(self) -> None:
+        self.table.fast_connect = False  # Twisted's client transports have no detach_socket
+        info = await self.forward(self.target(Echo))
+        data = pattern(MiB, seed=2)
+        c = await self.client(info, Collector(data, fin=True))
+        await c.done
+        assert sha(bytes(c.received)) == sha(data) and c.clean
+        assert (self.engines.fallbacks, self.engines.taken_over) == (1, 0)
+
+
+def test_detach_refused_once_a_transport_has_read() -> None:
+    a, b = socket.socketpair()
+    try:
+        t = HeldTCPServer(a, Collector(), ("127.0.0.1", 1), None, 1, reactor)
+        t.resumeProducing()  # it may have read now: never hand it over
+        t.stopReading()
+        assert t.detach_socket() is None
+        assert t.socket is a and t.connected
+    finally:
+        a.close()
+        b.close()
+
+
+def test_detached_transport_is_inert() -> None:
+    a, b = socket.socketpair()
+    try:
+        a.setblocking(False)
+        t = HeldTCPServer(a, Collector(), ("127.0.0.1", 1), None, 1, reactor)
+        assert t.detach_socket() is a
+        assert t.fileno() == -1 and not t.connected
+        t.write(b"nothing")
+        t.loseConnection()
+        t.abortConnection()
+        t.resumeProducing()
+        a.send(b"still ours")  # Twisted neither shut down nor closed it
+        assert b.recv(20) == b"still ours"
+    finally:
+        a.close()
+        b.close()
