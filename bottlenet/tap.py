@@ -64,6 +64,12 @@ class Options(usage.Options):
         ["smolvm", None, None, "Path to the smolvm binary (default: smolvm on PATH)."],
         ["smolvm-data-dir", None, None, "Passed to smolvm as SMOLVM_DATA_DIR."],
         ["log-format", None, None, "json (one object per line) or text (default: the runner's)."],
+        [
+            "relay-engine",
+            None,
+            "auto",
+            "How relays move bytes: auto (splice where supported), splice or portable.",
+        ],
         ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
         ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
     ]
@@ -265,7 +271,16 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         reactor, options["smolvm"], options["smolvm-data-dir"], on_call=smolvm_calls.record
     )
     aliases = AliasRegistry(pool)
-    table = ForwardTable(reactor, aliases, state_dir=state_dir, connect_timeout=connect_timeout)
+    try:
+        table = ForwardTable(
+            reactor,
+            aliases,
+            state_dir=state_dir,
+            connect_timeout=connect_timeout,
+            engine=options["relay-engine"],
+        )
+    except ValueError as e:
+        raise _fail(f"--relay-engine: {e}") from None
     vm_options = VMOptions(
         instance_id=state.instance_id,
         iptables_fallback=options["alias-iptables-fallback"],

@@ -44,6 +44,23 @@ def test_plugin_found_after_normal_install(tmp_path) -> None:  # type: ignore[no
         )
 
 
+def test_reactor_plugin_found_after_normal_install(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    probe = (
+        "from twisted.application.reactors import getReactorTypes\n"
+        "print(sorted(r.shortName for r in getReactorTypes()))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-I", "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "'bottlenet-epoll'" in out.stdout
+
+
 def test_no_init_in_twisted_plugins() -> None:
     # An __init__.py here would shadow Twisted's own twisted/plugins package.
     assert not os.path.exists(os.path.join(ROOT, "twisted", "__init__.py"))

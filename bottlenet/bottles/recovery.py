@@ -106,13 +106,18 @@ class Recovery:
 
     # -- VM bottles ---------------------------------------------------------------------
 
-    async def _list_ours(self) -> list[Machine] | None:
+    async def _list_ours(self, expected: bool) -> list[Machine] | None:
+        """Our labelled machines; None when smolvm cannot tell (missing, failing)."""
         if self.vms is None:
             return None
         try:
             return await self.vms.smolvm.list(labels={LABEL_OWNER: self.registry.instance_id})
         except VmctlError as e:
-            self.log.error("cannot list smolvm machines: {err}", err=e.message)
+            if not expected and e.code == "SMOLVM_UNAVAILABLE":
+                # A forward-only daemon without smolvm: nothing to reconcile, nothing wrong.
+                self.log.info("no smolvm: no machines to reconcile")
+            else:
+                self.log.error("cannot list smolvm machines: {err}", err=e.message)
             return None
 
     async def _vm_bottles(self) -> None:
@@ -124,7 +129,7 @@ class Recovery:
                 bottles.append(VMBottle.from_state(name, rec))
             except StateError as e:
                 self.log.error("persisted bottle {bottle} dropped: {err}", bottle=name, err=str(e))
-        machines = await self._list_ours()
+        machines = await self._list_ours(expected=bool(bottles))
         by_name = {m.name: m for m in machines or []}
         claimed: set[str] = set()
         for vb in bottles:
