@@ -55,6 +55,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from bottlenet.forward.relay import (
+    _NULL_SINK,
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
     OUTCOME_RESET,
@@ -299,7 +300,7 @@ class SpliceRelay:
         self._engines.taken_over += 1
         for leg in (inbound, outbound):
             # The inert transports are never used again: drop them (memory per idle relay).
-            leg.sink = _DROP
+            leg.sink = _NULL_SINK  # its transport is inert after the take-over: nothing arrives
             leg.transport = None  # type: ignore[assignment]
         ea, eb = _End(self, a), _End(self, b)
         up, down = _Dir(ea, eb), _Dir(eb, ea)
@@ -486,28 +487,6 @@ class SpliceRelay:
 def _detachable(transport: object) -> bool:
     check = getattr(transport, "detachable", None)
     return check is not None and bool(check())
-
-
-class _DropSink:
-    """Sink of a leg whose socket was taken over: its transport is inert, nothing arrives."""
-
-    def made(self) -> None:
-        pass
-
-    def data(self, data: bytes) -> None:
-        pass
-
-    def read_eof(self) -> None:
-        pass
-
-    def write_shut(self) -> None:
-        pass
-
-    def lost(self, reason: Failure) -> None:
-        pass
-
-
-_DROP = _DropSink()
 
 
 def engine_factory(reactor: Any, engine: str = "auto") -> EngineFactory:

@@ -65,6 +65,7 @@ from bottlenet.forward.spec import (
     check_unix_listen,
 )
 from bottlenet.forward.splice import engine_factory
+from bottlenet.statedir import ensure_private_dir
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
@@ -440,19 +441,9 @@ class ForwardTable(Service):
         if not isinstance(listen, UNIXListen):
             return None
         bdir = bottle_dir(self.state_dir, spec.bottle)
-        created = None
-        parent = os.path.dirname(bdir)
-        os.makedirs(parent, mode=0o700, exist_ok=True)
-        try:
-            os.mkdir(bdir, 0o700)
-            created = bdir
-        except FileExistsError:
-            pass
-        st = os.lstat(bdir)
-        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
-            raise InvalidArgument(f"bottle directory of {spec.bottle} is not a directory")
-        if st.st_uid != os.geteuid():
-            raise InvalidArgument(f"bottle directory of {spec.bottle} is not owned by us")
+        os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
+        made = ensure_private_dir(bdir, too_open="fix", name=f"bottle directory of {spec.bottle}")
+        created = bdir if made else None
         try:
             pst = os.lstat(listen.path)
         except FileNotFoundError:
