@@ -153,3 +153,14 @@ def test_good_hosts(host: str, canonical: str) -> None:
 def test_bad_hosts(host: object) -> None:
     with pytest.raises(InvalidArgument):
         check_egress_host(host)
+
+
+def test_image_rules_follow_smolvm_and_route_packed_machines_to_from() -> None:
+    from bottlenet.bottles.spec import image_fields, is_local_image
+
+    for local in ("/img.tar", "./dir", "../x", "a.tar.gz", "b.tgz", "-", "/m.smolmachine"):
+        assert is_local_image(local), local
+    for remote in ("docker.io/library/alpine", "alpine:3", "ghcr.io/x/y:tag"):
+        assert not is_local_image(remote), remote
+    assert image_fields("/m.smolmachine") == {"from_file": "/m.smolmachine"}
+    assert image_fields("/img.tar") == {"image": "/img.tar"}

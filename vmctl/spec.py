@@ -194,8 +194,13 @@ def _check_host(value: str) -> None:
 
 
 def is_local_image(image: str) -> bool:
-    """smolvm's rule for a local image: a path or a ``docker save`` archive (packed layers)."""
-    return image.startswith(("/", "./", "../")) or image.endswith(_LOCAL_IMAGE_SUFFIXES)
+    """smolvm's rule for a local image: a path, ``-`` (a tar on stdin) or a ``docker save``
+    archive (packed layers)."""
+    return (
+        image.startswith(("/", "./", "../"))
+        or image == "-"
+        or image.endswith(_LOCAL_IMAGE_SUFFIXES)
+    )
 
 
 @frozen

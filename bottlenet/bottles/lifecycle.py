@@ -44,7 +44,7 @@ from bottlenet.bottles.model import (
     machine_name,
 )
 from bottlenet.bottles.probe import PROBE_TIMEOUT, ProbeVerdict, judge, plan_probe, probe_script
-from bottlenet.bottles.spec import BottleSpec, is_local_image
+from bottlenet.bottles.spec import BottleSpec, image_fields, is_local_image
 from bottlenet.bottles.watch import PidWatcher, Watch
 from bottlenet.errors import (
     BottlenetError,
@@ -263,7 +263,7 @@ class VMLifecycle:
         def make_spec(ports: Sequence[int]) -> MachineSpec:
             # (a plain dict: mypy's attrs plugin mistypes converter=tuple fields)
             fields: dict[str, Any] = {
-                "image": sidecar.image,
+                **image_fields(sidecar.image),
                 "labels": self.labels(c.name, ROLE_SIDECAR),
                 "cpus": sidecar.cpus,
                 "mem": sidecar.mem,
@@ -373,7 +373,7 @@ class VMLifecycle:
         assert agent is not None
         endpoints: tuple[Endpoint, ...] = c.facts["endpoints"]
         common: dict[str, Any] = {
-            "image": agent.image,
+            **image_fields(agent.image),
             "labels": self.labels(c.name, ROLE_AGENT),
             "cpus": agent.cpus,
             "mem": agent.mem,

@@ -17,6 +17,7 @@ from attrs import frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
+from vmctl.spec import is_local_image as vmctl_is_local_image
 
 MODES = ("auto", "alias", "socket", "none")
 MAX_ALLOW_HOSTS = 256
@@ -26,7 +27,7 @@ MAX_STRING = 4096
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 TEMPLATE_FIELDS = frozenset({"host", "port", "socket", "service"})
-_LOCAL_IMAGE_SUFFIXES = (".tar", ".tar.gz", ".tgz", ".smolmachine")
+PACKED_SUFFIX = ".smolmachine"
 
 
 def check_egress_host(host: object) -> str:
@@ -63,12 +64,13 @@ def check_allow_hosts(hosts: object) -> tuple[str, ...]:
 
 
 def is_local_image(image: str) -> bool:
-    """smolvm's rule: a path, ``-`` or an archive name is local; the rest is a registry ref."""
-    return (
-        image.startswith(("/", "./", "../"))
-        or image == "-"
-        or image.endswith(_LOCAL_IMAGE_SUFFIXES)
-    )
+    """Local by smolvm's rule (see ``vmctl.spec.is_local_image``), or a packed machine."""
+    return vmctl_is_local_image(image) or image.endswith(PACKED_SUFFIX)
+
+
+def image_fields(image: str) -> dict[str, str]:
+    """The MachineSpec fields for ``image``: a packed machine goes to ``--from``."""
+    return {"from_file": image} if image.endswith(PACKED_SUFFIX) else {"image": image}
 
 
 @frozen
