@@ -247,7 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="control socket (default: $BOTTLENET_CONTROL, else"
         " $XDG_RUNTIME_DIR/bottlenet/control.sock, else <state-dir>/control.sock)",
     )
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per call (default 10)")
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=None,
+        help=f"seconds per call (default {DEFAULT_TIMEOUT:g}; {VM_TIMEOUT:g} for calls that may"
+        " start or stop VMs: bottle create --spec, bottle rm, bottle verify, egress set, down)",
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(parent: Any, name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
@@ -297,6 +303,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_TIMEOUT = 10.0
+#: Calls that wait on smolvm (create/start/stop/delete/exec) take as long as smolvm does.
+VM_TIMEOUT = 300.0
+
+
+def _vm_handlers() -> frozenset[Handler]:
+    from bottlenet import cli_down
+
+    return frozenset(
+        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, cli_down.cmd_down}
+    )
+
+
 def main(
     argv: Sequence[str] | None = None,
     *,
@@ -314,6 +333,12 @@ def main(
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     args.json = getattr(args, "json", False)
     path = _socket_path(args.control or default_control(environ))
+    if args.timeout is None:
+        handler = getattr(args, "handler", None)
+        slow = handler in _vm_handlers() and (
+            handler is not cmd_bottle_create or getattr(args, "spec", None)
+        )
+        args.timeout = VM_TIMEOUT if slow else DEFAULT_TIMEOUT
     if args.timeout <= 0:
         err.write("bottlenetctl: error: --timeout must be positive\n")
         return EXIT_USAGE

@@ -142,3 +142,33 @@ class CLITests(unittest.TestCase):
         code, out, err = yield self.ctl("bottle", "rm", "web1")
         self.assertEqual(code, 1)
         self.assertIn("NOT_FOUND", err)
+
+
+def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import io
+
+    from bottlenet import cli
+
+    seen: dict[str, float] = {}
+
+    class Recorder:
+        def __init__(self, path: str, timeout: float) -> None:
+            seen["timeout"] = timeout
+
+        def __enter__(self) -> Recorder:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            return None
+
+    monkeypatch.setattr(cli, "BlockingControlClient", Recorder)
+
+    def timeout_for(*argv: str) -> float:
+        seen.clear()
+        cli.main(["--control", "/nonexistent.sock", *argv], out=io.StringIO(), err=io.StringIO())
+        return seen["timeout"]
+
+    assert timeout_for("ping") == cli.DEFAULT_TIMEOUT
+    assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
+    assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
+    assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
