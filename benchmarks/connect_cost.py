@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import selectors
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+
+from echoserver import serve_echo  # sibling module: these files run as scripts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTEN = "127.77.0.1"
@@ -30,37 +31,7 @@ def echo_backend() -> int:
     srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     srv.bind(("127.0.0.1", 0))
     srv.listen(1024)
-    srv.setblocking(False)
-    sel = selectors.DefaultSelector()
-    sel.register(srv, selectors.EVENT_READ)
-
-    def loop() -> None:
-        while True:
-            for key, _ in sel.select():
-                s = key.fileobj
-                if s is srv:
-                    try:
-                        c, _ = srv.accept()
-                    except BlockingIOError:
-                        continue
-                    c.setblocking(False)
-                    sel.register(c, selectors.EVENT_READ)
-                    continue
-                assert isinstance(s, socket.socket)
-                try:
-                    data = s.recv(65536)
-                except OSError:
-                    data = b""
-                if data:
-                    try:
-                        s.send(data)
-                    except OSError:
-                        pass
-                else:
-                    sel.unregister(s)
-                    s.close()
-
-    threading.Thread(target=loop, daemon=True).start()
+    threading.Thread(target=serve_echo, args=(srv,), daemon=True).start()
     return int(srv.getsockname()[1])
 
 

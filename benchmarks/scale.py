@@ -36,6 +36,9 @@ from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's bottlenet, not an installed copy
+
+from echoserver import serve_echo  # noqa: E402 - sibling module (run as a script)
+
 PORT = 9100
 
 
@@ -54,35 +57,8 @@ def role_backend() -> None:
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
     srv.listen(4096)
-    srv.setblocking(False)
-    sel = selectors.EpollSelector()
-    sel.register(srv, selectors.EVENT_READ)
     print(srv.getsockname()[1], flush=True)
-    while True:
-        for key, _ in sel.select():
-            s = key.fileobj
-            if s is srv:
-                while True:
-                    try:
-                        c, _ = srv.accept()
-                    except (BlockingIOError, OSError):
-                        break
-                    c.setblocking(False)
-                    sel.register(c, selectors.EVENT_READ)
-                continue
-            assert isinstance(s, socket.socket)
-            try:
-                data = s.recv(4096)
-            except OSError:
-                data = b""
-            if data:
-                try:
-                    s.send(data)
-                except OSError:
-                    pass
-            else:
-                sel.unregister(s)
-                s.close()
+    serve_echo(srv, recv_size=4096)
 
 
 def echo(c: socket.socket) -> bool:
