@@ -16,22 +16,28 @@ from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.logger import Logger
 from twisted.python import usage
 
-from bottlenet import __version__, limits, logs, metrics, sdnotify
+from bottlenet import __version__
+from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
-from bottlenet.config import ConfigError, DaemonConfig, load_config
+from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
-from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
+from bottlenet.control.endpoints import ControlService, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
-from bottlenet.fatal import fatal_stop
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
-from bottlenet.state import StateError, StateStore
-from bottlenet.statedir import PrivateDirError, default_state_dir, ensure_private_dir
+from bottlenet.ops import logs, metrics, rlimits, sdnotify
+from bottlenet.ops.fatal import fatal_stop
+from bottlenet.paths import (
+    PrivateDirError,
+    default_control_endpoint,
+    default_state_dir,
+    ensure_private_dir,
+)
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
@@ -199,7 +205,7 @@ class BottlenetService(MultiService):
         self.control_commands = control_commands or metrics.CommandStats()
 
     def startService(self) -> None:
-        old, new = limits.raise_nofile(limits.select_reactor_cap(self.reactor))
+        old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
         super().startService()
         if self.smolvm.binary is not None:

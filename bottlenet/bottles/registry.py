@@ -22,6 +22,7 @@ from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import STATE_DEGRADED, STATE_READY, Endpoint, VMBottle
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -42,7 +43,6 @@ from bottlenet.forward.spec import (
     parse_target,
 )
 from bottlenet.forward.table import ForwardInfo, ForwardTable
-from bottlenet.state import State, StateStore
 
 T = TypeVar("T")
 

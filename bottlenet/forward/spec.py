@@ -16,6 +16,7 @@ from typing import TypeAlias
 from attrs import frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.paths import MAX_SUN_PATH
 
 BOTTLE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 LABEL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -25,8 +26,6 @@ _CANONICAL_V4 = re.compile(rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}")
 _LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
 _HOST_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
 DEFAULT_POOL = "127.77.0.0/16"
-# sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS); keep a margin for the NUL.
-MAX_UNIX_PATH = 103
 
 
 def check_bottle_name(name: object) -> str:
@@ -178,8 +177,8 @@ def _check_abs_path(path: object, what: str) -> str:
         raise InvalidArgument(f"{what} {safe_repr(path)} must be an absolute path")
     if os.path.normpath(path) != path or "/../" in f"{path}/":
         raise InvalidArgument(f"{what} {safe_repr(path)} must be a normalised path")
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_UNIX_PATH:
-        raise InvalidArgument(f"{what} {safe_repr(path)} is longer than {MAX_UNIX_PATH} bytes")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_SUN_PATH:
+        raise InvalidArgument(f"{what} {safe_repr(path)} is longer than {MAX_SUN_PATH} bytes")
     return path
 
 

@@ -65,7 +65,7 @@ from bottlenet.forward.spec import (
     check_unix_listen,
 )
 from bottlenet.forward.splice import engine_factory
-from bottlenet.statedir import ensure_private_dir
+from bottlenet.paths import ensure_private_dir
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress

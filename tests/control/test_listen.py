@@ -19,7 +19,7 @@ from twisted.logger import LogEvent
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
-from bottlenet.control.listen import (
+from bottlenet.control.endpoints import (
     ControlListenError,
     ControlPort,
     ControlService,
@@ -27,11 +27,11 @@ from bottlenet.control.listen import (
     UNIXDescription,
     bind_private,
     control_endpoint,
-    default_control_path,
     listen_private_unix,
     parse_control_description,
 )
 from bottlenet.control.peercred import get_peer_credentials
+from bottlenet.paths import default_control_path
 
 
 @pytest.fixture

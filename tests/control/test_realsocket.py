@@ -20,7 +20,7 @@ from twisted.trial import unittest
 
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
-from bottlenet.control.listen import ControlService, tls_control_endpoint
+from bottlenet.control.endpoints import ControlService, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
 from bottlenet.control.server import ControlServerFactory
@@ -327,7 +327,7 @@ class TLSTests(unittest.TestCase):
         self.assertEqual(self.backend.calls, [])
 
     def test_interface_required(self) -> None:
-        from bottlenet.control.listen import ControlListenError
+        from bottlenet.control.endpoints import ControlListenError
 
         with self.assertRaises(ControlListenError):
             tls_control_endpoint(reactor, 0, "", self.key, self.cert, self.ca_path)

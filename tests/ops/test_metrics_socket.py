@@ -17,7 +17,7 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
-from bottlenet import metrics
+from bottlenet.ops import metrics
 from tests.ops.test_metrics import Bottle, _fwd
 
 

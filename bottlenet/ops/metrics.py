@@ -37,10 +37,10 @@ from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import (
     BOTTLE_NAME_RE,
     LABEL_RE,
-    MAX_UNIX_PATH,
     AliasPool,
     parse_canonical_ipv4,
 )
+from bottlenet.paths import MAX_SUN_PATH
 
 if TYPE_CHECKING:  # the real records, named for the type checker only
     from bottlenet.bottles.registry import BottleInfo
@@ -177,8 +177,8 @@ def _parse_unix(parts: Sequence[str]) -> MetricsEndpoint:
     path = args.get("path", "")
     if not path.startswith("/") or "\x00" in path:
         raise ValueError("the socket path must be absolute")
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_UNIX_PATH:
-        raise ValueError(f"the socket path is longer than {MAX_UNIX_PATH} bytes")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_SUN_PATH:
+        raise ValueError(f"the socket path is longer than {MAX_SUN_PATH} bytes")
     mode_text = args.get("mode", "0600")
     if not re.fullmatch(r"0?[0-7]{3}", mode_text):
         raise ValueError(f"mode {safe_repr(mode_text)} must be octal, e.g. 0600")

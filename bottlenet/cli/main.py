@@ -16,17 +16,16 @@ from typing import Any, TextIO
 
 import attrs
 
-from bottlenet.cliutil import (
+from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
     EXIT_USAGE,
     report_control_error,
 )
-from bottlenet.cliutil import clean as _clean
+from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.control.listen import default_control_path
 from bottlenet.errors import BottlenetError
-from bottlenet.statedir import default_state_dir
+from bottlenet.paths import default_control_path, default_state_dir
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -296,10 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
-    from bottlenet import cli_down, cli_top  # their own modules (ops subcommands)
+    from bottlenet.cli import down, top  # their own modules (ops subcommands)
 
-    cli_top.register(sub, json_flag)
-    cli_down.register(sub, add)
+    top.register(sub, json_flag)
+    down.register(sub, add)
     return p
 
 
@@ -309,10 +308,10 @@ VM_TIMEOUT = 300.0
 
 
 def _vm_handlers() -> frozenset[Handler]:
-    from bottlenet import cli_down
+    from bottlenet.cli import down
 
     return frozenset(
-        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, cli_down.cmd_down}
+        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
     )
 
 

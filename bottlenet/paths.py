@@ -1,4 +1,8 @@
-"""Where the daemon keeps its state, and how private directories are made safely."""
+"""Where the daemon keeps things: its state directory, its control socket, private directories.
+
+The ground floor: both the daemon and ``bottlenetctl`` read these rules, so this module
+imports nothing of bottlenet but :mod:`bottlenet.errors`.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +12,11 @@ from collections.abc import Mapping
 from typing import Literal
 
 from bottlenet.errors import InvalidArgument
+
+#: The control socket's file name, in the runtime dir or the state dir.
+SOCKET_NAME = "control.sock"
+#: ``sockaddr_un.sun_path`` is 108 bytes on Linux, 104 on macOS (with the NUL): 103 usable.
+MAX_SUN_PATH = 103
 
 
 def default_state_dir(env: Mapping[str, str]) -> str:
@@ -59,3 +68,16 @@ def ensure_private_dir(
     except OSError as e:
         raise PrivateDirError(f"cannot create {what}: {e.strerror or e}") from None
     return created
+
+
+def default_control_path(env: Mapping[str, str], state_dir: str) -> str:
+    """``$XDG_RUNTIME_DIR/bottlenet/control.sock``, else ``<state-dir>/control.sock``."""
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "bottlenet", SOCKET_NAME)
+    return os.path.join(state_dir, SOCKET_NAME)
+
+
+def default_control_endpoint(env: Mapping[str, str], state_dir: str) -> str:
+    """The default ``--control`` value, as an endpoint description."""
+    return "unix:" + default_control_path(env, state_dir).replace(":", r"\:")

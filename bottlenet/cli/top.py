@@ -26,8 +26,8 @@ from typing import Any, TextIO
 import attrs
 from attrs import frozen
 
-from bottlenet.cliutil import EXIT_OK, report_control_error
-from bottlenet.cliutil import clean as _clean
+from bottlenet.cli.output import EXIT_OK, report_control_error
+from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from bottlenet.errors import BottlenetError

@@ -23,7 +23,7 @@ import re
 import secrets
 import socket
 import stat
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
@@ -49,28 +49,11 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
-from bottlenet.statedir import PrivateDirError, ensure_private_dir
-
-SOCKET_NAME = "control.sock"
-# sockaddr_un.sun_path is 108 bytes on Linux, 104 on macOS (with the NUL).
-MAX_SUN_PATH = 103
+from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir
 
 
 class ControlListenError(Exception):
     """The control listener cannot be set up; the message is one clear line for the log."""
-
-
-def default_control_path(env: Mapping[str, str], state_dir: str) -> str:
-    """``$XDG_RUNTIME_DIR/bottlenet/control.sock``, else ``<state-dir>/control.sock``."""
-    runtime = env.get("XDG_RUNTIME_DIR", "")
-    if runtime and os.path.isabs(runtime):
-        return os.path.join(runtime, "bottlenet", SOCKET_NAME)
-    return os.path.join(state_dir, SOCKET_NAME)
-
-
-def default_control_endpoint(env: Mapping[str, str], state_dir: str) -> str:
-    """The default ``--control`` value, as an endpoint description."""
-    return "unix:" + default_control_path(env, state_dir).replace(":", r"\:")
 
 
 @frozen

@@ -8,7 +8,7 @@ from typing import Any
 
 from twisted.logger import Logger
 
-log = Logger(namespace="bottlenet.fatal")
+log = Logger(namespace="bottlenet.ops.fatal")
 
 
 def _exit(code: int) -> None:

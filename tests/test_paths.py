@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from bottlenet.errors import InvalidArgument
-from bottlenet.statedir import PrivateDirError, ensure_private_dir
+from bottlenet.paths import PrivateDirError, ensure_private_dir
 
 
 def _mode(path: Path) -> int:
