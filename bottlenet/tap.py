@@ -24,6 +24,7 @@ from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import ControlService, tls_control_endpoint
+from bottlenet.control.events import EventHub
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
@@ -315,6 +316,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         unix_target_root=state_dir,
         clock=reactor,
         on_command=control_commands.record,
+        event_hub=EventHub(registry.events.subscribe),
     )
     root = BottlenetService(
         reactor, table, registry, smolvm, factory, state_dir, smolvm_calls, control_commands

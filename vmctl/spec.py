@@ -361,13 +361,19 @@ def exec_args(
     workdir: str | None = None,
     interactive: bool = False,
     detach: bool = False,
+    *,
+    tty: bool = False,
+    user: str | None = None,
 ) -> list[str]:
     """The arguments after ``smolvm`` for ``machine exec`` (``--name`` is long-only there).
 
-    ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i``.
+    ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i`` and
+    ``-t``. ``tty`` (``-t``) gives the command a guest terminal; smolvm sizes it from its own
+    stdin's terminal and follows SIGWINCH. ``user`` (``-u``, smolvm 1.32) is a user name or
+    ``uid[:gid]``.
     """
-    if detach and interactive:
-        raise InvalidArgument("exec -d cannot feed stdin (-i)")
+    if detach and (interactive or tty):
+        raise InvalidArgument("exec -d cannot feed stdin (-i) or a terminal (-t)")
     validate_name(name)
     if not argv:
         raise InvalidArgument("exec needs a command")
@@ -381,8 +387,23 @@ def exec_args(
     if workdir is not None:
         _check_path(workdir, "workdir")
         args += ["-w", workdir]
+    if user is not None:
+        check_user(user)
+        args += ["-u", user]
     if interactive:
         args.append("-i")
+    if tty:
+        args.append("-t")
     if detach:
         args.append("-d")
     return [*args, "--", *argv]
+
+
+_USER = re.compile(r"[a-z_][a-z0-9_-]{0,31}|[0-9]{1,10}(:[0-9]{1,10})?")
+
+
+def check_user(user: str) -> str:
+    """``-u``: a POSIX user name, or ``uid[:gid]`` (never a flag, never a path)."""
+    if not isinstance(user, str) or not _USER.fullmatch(user):
+        raise _bad("user", user, "use a user name or uid[:gid]")
+    return user

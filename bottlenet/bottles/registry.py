@@ -15,9 +15,19 @@ from typing import Any, TypeVar
 
 from attrs import evolve, frozen
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 from twisted.logger import Logger
 
+from bottlenet.bottles import attach
+from bottlenet.bottles.attach import ExecRequest
+from bottlenet.bottles.events import (
+    CREATED,
+    DEGRADED,
+    DESTROYED,
+    READY,
+    BottleEvent,
+    EventBus,
+)
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import STATE_DEGRADED, STATE_READY, Endpoint, VMBottle
 from bottlenet.bottles.probe import ProbeVerdict
@@ -26,6 +36,7 @@ from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
+    Degraded,
     InvalidArgument,
     IsolationFailed,
     NotFound,
@@ -107,6 +118,18 @@ class BottleRegistry:
         self._creating: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
+        #: Every bottle event (created, ready, degraded, destroyed) as it happens.
+        self.events = EventBus()
+
+    def emit(
+        self,
+        kind: str,
+        name: str,
+        state: str | None = None,
+        detail: str | None = None,
+        exit_code: int | None = None,
+    ) -> None:
+        self.events.emit(BottleEvent(kind, name, self._clock.seconds(), state, detail, exit_code))
 
     @property
     def recovering(self) -> bool:
@@ -224,7 +247,15 @@ class BottleRegistry:
                     f"the daemon holds its maximum of {self._max_bottles} bottles"
                 )
             if parsed is not None and parsed.has_vms:
-                return await self._create_vm(name, alias, parsed, dict(spec or {}))
+                self.emit(CREATED, name, "creating")
+                try:
+                    vm_info = await self._create_vm(name, alias, parsed, dict(spec or {}))
+                except BaseException as e:
+                    code = getattr(e, "code", "INTERNAL")
+                    self.emit(DESTROYED, name, None, f"create failed: {code}")
+                    raise
+                self.emit(READY, name, vm_info.state)
+                return vm_info
             addr = self._aliases.claim(name, alias)
             info = BottleInfo(
                 name=name,
@@ -242,6 +273,8 @@ class BottleRegistry:
                     self._aliases.release(name)
                     raise
             self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
+            self.emit(CREATED, name, STATE_READY)
+            self.emit(READY, name, STATE_READY)
             return info
 
         return await self._locked(name, create)
@@ -284,6 +317,8 @@ class BottleRegistry:
                     detail = f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
                     self._vms[name] = evolve(vb, state=STATE_DEGRADED, detail=detail)
                     self._save_quietly()
+                    if vb.state != STATE_DEGRADED:
+                        self.emit(DEGRADED, name, STATE_DEGRADED, detail)
                     raise
                 del self._vms[name]
             else:
@@ -293,9 +328,11 @@ class BottleRegistry:
                 del self._bottles[name]
                 if info.source != "control":
                     self.log.info("bottle {bottle} destroyed", bottle=name)
+                    self.emit(DESTROYED, name)
                     return
             self.save()
             self.log.info("bottle {bottle} destroyed", bottle=name)
+            self.emit(DESTROYED, name)
 
         await self._locked(name, destroy)
 
@@ -371,6 +408,23 @@ class BottleRegistry:
 
         return await self._locked(name, push)
 
+    def exec_target(self, name: str) -> VMBottle:
+        """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
+        BUSY (being created) or DEGRADED otherwise."""
+        check_bottle_name(name)
+        if name in self._creating:
+            raise Busy(f"bottle {name} is being created")
+        vb = self._require_vm(name)
+        if vb.state == STATE_DEGRADED:
+            raise Degraded(f"bottle {name} is degraded: {vb.detail or 'no detail'}")
+        return vb
+
+    async def spawn_exec(
+        self, name: str, request: ExecRequest, protocol: IProcessProtocol
+    ) -> IProcessTransport:
+        """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio."""
+        return await attach.spawn_exec(self.vms, self.exec_target(name), request, protocol)
+
     def watch(self, vb: VMBottle) -> None:
         """Turn the bottle degraded when its sidecar's VM process exits."""
         if self.vms is None or vb.state == STATE_DEGRADED:
@@ -387,6 +441,7 @@ class BottleRegistry:
             return
         self._vms[name] = evolve(vb, state=STATE_DEGRADED, detail=why)
         self.log.warn("bottle {bottle} is degraded: {why}", bottle=name, why=why)
+        self.emit(DEGRADED, name, STATE_DEGRADED, why)
         if self.vms is not None:
             self.vms.unwatch(name)
         await self._table.remove_bottle(name)

@@ -196,6 +196,11 @@ def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tupl
     return entries
 
 
+def check_env_entries(entries: tuple[str, ...], where: str) -> tuple[str, ...]:
+    """``KEY=VALUE`` entries without templates (an exec's ``-e``), as the spec's ``env``."""
+    return _check_env(entries, where, templates=False)
+
+
 def _check_abs(path: str, where: str) -> str:
     if not path.startswith("/") or os.path.normpath(path) != path:
         raise InvalidArgument(f"{where}: must be an absolute, normalised path")

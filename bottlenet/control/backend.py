@@ -12,6 +12,9 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+
+    from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.registry import BottleInfo
     from bottlenet.forward.table import ForwardInfo
@@ -41,3 +44,7 @@ class ControlBackend(Protocol):
     async def remove_forward(self, bottle: str, label: str) -> None: ...
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]: ...
+
+    async def spawn_exec(
+        self, name: str, request: ExecRequest, protocol: IProcessProtocol
+    ) -> IProcessTransport: ...

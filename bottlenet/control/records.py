@@ -115,6 +115,32 @@ class BottleRecord:
 
 
 @frozen
+class EventRecord:
+    """One bottle event pushed to watchers: ``kind`` is ``created``, ``ready``,
+    ``degraded``, ``workload_exited`` or ``destroyed``; ``seq`` grows by one per event."""
+
+    seq: int
+    kind: str
+    bottle: str
+    at: float
+    state: str | None = None
+    detail: str | None = None
+    exit_code: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EventRecord:
+        return cls(
+            seq=_get(d, "seq", int),
+            kind=_get(d, "kind", str),
+            bottle=_get(d, "bottle", str),
+            at=float(_get(d, "at", (int, float))),
+            state=_get(d, "state", str, optional=True),
+            detail=_get(d, "detail", str, optional=True),
+            exit_code=_get(d, "exit_code", int, optional=True),
+        )
+
+
+@frozen
 class ForwardRecord:
     bottle: str
     label: str

@@ -19,14 +19,18 @@ from attrs import frozen
 from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.control import commands as C
 from bottlenet.control.backend import ControlBackend
+from bottlenet.control.events import EventHub
+from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
@@ -36,7 +40,7 @@ from bottlenet.control.records import (
     StatsRecord,
     encode_records,
 )
-from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.errors import Busy, InvalidArgument, Unavailable, safe_repr
 from bottlenet.forward.spec import (
     TCPListen,
     check_bottle_name,
@@ -193,6 +197,7 @@ class ControlLocator(SafeCommandLocator):
         self.backend: ControlBackend = factory.backend
         self.peer: PeerIdentity | None = None
         self.on_command = factory.on_command
+        self.connection: ControlServerProtocol | None = None
 
     async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
         peer = self.peer
@@ -274,6 +279,72 @@ class ControlLocator(SafeCommandLocator):
         await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
         return {}
 
+    @C.Exec.responder
+    async def exec_command(
+        self,
+        bottle: str,
+        argv: list[str],
+        env: list[str] | None,
+        user: str | None,
+        workdir: str | None,
+        stdin: bool | None,
+        tty: bool | None,
+        rows: int | None,
+        cols: int | None,
+    ) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        request = parse_exec_request(
+            argv,
+            env=env or (),
+            user=user,
+            workdir=workdir,
+            stdin=bool(stdin),
+            tty=bool(tty),
+            rows=rows,
+            cols=cols,
+        )
+        connection = self.connection
+        if connection is None or connection.in_flight != 1:
+            raise Busy("Exec needs a connection of its own (no other command in flight)")
+        f = self.factory
+        if f.stopping:
+            raise Unavailable("the daemon is stopping")
+        peer = self.peer.describe() if self.peer else "?"
+        bridge = ExecBridge(
+            bottle=bottle,
+            peer=peer,
+            tty=request.tty,
+            stdin=request.stdin,
+            clock=f.clock,
+            resize=resize,
+            on_end=f.exec_sessions.discard,
+        )
+        self.log.info(
+            "control: exec in bottle {bottle} requested by {peer} (tty={tty}, stdin={stdin})",
+            bottle=bottle,
+            peer=peer,
+            tty=request.tty,
+            stdin=request.stdin,
+            uid=self.peer.uid if self.peer else None,
+            pid=self.peer.pid if self.peer else None,
+        )
+        await self.backend.spawn_exec(bottle, request, bridge)
+        f.exec_sessions.add(bridge)
+        if connection.transport is None:  # the client left while smolvm was starting
+            bridge.client_lost()
+        else:
+            connection.switch_after_answer(bridge)
+        return {"tty": request.tty}
+
+    @C.Watch.responder
+    def watch(self, bottle: str | None) -> dict[str, Any]:
+        if bottle is not None:
+            check_bottle_name(bottle)
+        hub = self.factory.event_hub
+        if hub is None or self.connection is None:
+            raise Unavailable("this daemon publishes no events")
+        return {"seq": hub.watch(self.connection, bottle)}
+
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
         records = [bottle_record(b, with_env=False) for b in self.backend.list_bottles()]
@@ -354,7 +425,13 @@ class ControlServerProtocol(HardenedAMP):
     def __init__(self, factory: ControlServerFactory) -> None:
         self.control = ControlLocator(factory)
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
+        self.control.connection = self
         self.factory = factory
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        if self.factory.event_hub is not None:
+            self.factory.event_hub.forget(self)
+        super().connectionLost(reason)
 
     @property
     def peer(self) -> PeerIdentity | None:
@@ -439,8 +516,14 @@ class ControlServerFactory(Factory):
         clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
         on_command: CommandObserver | None = None,
+        event_hub: EventHub | None = None,
+        exec_sessions: set[ExecBridge] | None = None,
     ) -> None:
         self.backend = backend
+        self.event_hub = event_hub
+        #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
+        self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
+        self.stopping = False
         self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
@@ -466,7 +549,22 @@ class ControlServerFactory(Factory):
             self._flusher.clock = self._clock
             self._flusher.start(REFUSED_PEER_LOG_INTERVAL, now=False)
 
+    @property
+    def clock(self) -> Any:
+        if self._clock is not None:
+            return self._clock
+        from twisted.internet import reactor
+
+        return reactor
+
+    def end_exec_sessions(self) -> None:
+        """The daemon stops: end every command still running for a client."""
+        self.stopping = True
+        for bridge in list(self.exec_sessions):
+            bridge.terminate()
+
     def stopFactory(self) -> None:
+        self.end_exec_sessions()
         if self._flusher is not None:
             self._flusher.stop()
             self._flusher = None
@@ -486,6 +584,8 @@ class ControlServerFactory(Factory):
             clock=self._clock,
             refused_log=self.refused_log,
             on_command=self.on_command,
+            event_hub=self.event_hub,
+            exec_sessions=self.exec_sessions,
         )
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
