@@ -27,7 +27,6 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
-from twisted.application.service import Service
 from twisted.internet import tcp, unix
 from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred, fail, succeed
@@ -40,7 +39,6 @@ from twisted.internet.endpoints import (
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
-    IReactorCore,
     IReactorTCP,
     IStreamServerEndpoint,
 )
@@ -49,10 +47,11 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
+from bottlenet.errors import ListenError
 from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir
 
 
-class ControlListenError(Exception):
+class ControlListenError(ListenError):
     """The control listener cannot be set up; the message is one clear line for the log."""
 
 
@@ -420,105 +419,3 @@ def tls_control_endpoint(
     else:
         inner = TCP4ServerEndpoint(reactor, port, interface=interface)
     return wrapServerTLS(options, inner)
-
-
-def exit_reactor(reactor: IReactorCore, code: int = 1) -> Callable[[str], None]:
-    """An ``on_fatal`` that stops the reactor and then exits the process with ``code``.
-
-    ``twist`` exits 0 once the reactor stops, so the exit status is forced after shutdown.
-    """
-
-    def on_fatal(why: str) -> None:
-        def _exit() -> None:
-            import sys
-
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-        reactor.addSystemEventTrigger("after", "shutdown", _exit)
-        if reactor.running:
-            reactor.stop()
-        else:
-            reactor.callWhenRunning(reactor.stop)
-
-    return on_fatal
-
-
-class ControlService(Service):
-    """Listens for control connections; if it cannot, the daemon must not run on.
-
-    ``endpoint`` is a ``--control`` description (``unix:...``/``systemd:...``) or an
-    endpoint (e.g. from :func:`tls_control_endpoint`). On failure one clear line is logged
-    and ``on_fatal(why)`` runs (default: stop the reactor, exit status 1).
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        reactor: Any,
-        endpoint: str | IStreamServerEndpoint,
-        factory: IProtocolFactory,
-        on_fatal: Callable[[str], None] | None = None,
-        *,
-        listen_fds: ListenFDs | None = None,
-        what: str = "control",
-    ) -> None:
-        self._reactor = reactor
-        self._endpoint = endpoint
-        self._factory = factory
-        self._on_fatal = on_fatal if on_fatal is not None else exit_reactor(reactor, 1)
-        self._listen_fds = listen_fds
-        self._what = what
-        self.port: IListeningPort | None = None
-        self.failed: str | None = None
-
-    def _where(self) -> str:
-        return self._endpoint if isinstance(self._endpoint, str) else repr(self._endpoint)
-
-    def startService(self) -> None:
-        super().startService()
-        endpoint: IStreamServerEndpoint
-        if isinstance(self._endpoint, str):
-            try:
-                endpoint = control_endpoint(
-                    self._reactor, self._endpoint, listen_fds=self._listen_fds
-                )
-            except ControlListenError:
-                self._failed(Failure())
-                return
-        else:
-            endpoint = self._endpoint
-        endpoint.listen(self._factory).addCallbacks(self._listening, self._failed)
-
-    def _listening(self, port: IListeningPort) -> None:
-        self.port = port
-        host = port.getHost()
-        # A plain string, so the JSON log keeps it (address objects are not serialisable).
-        where = getattr(host, "name", None) or getattr(host, "host", None)
-        if isinstance(where, bytes):
-            where = where.decode("utf-8", "replace")
-        port_number = getattr(host, "port", None)
-        if port_number is not None:
-            where = f"{where}:{port_number}"
-        self.log.info("{what}: listening on {where}", what=self._what, where=str(where))
-
-    def _failed(self, failure: Failure) -> None:
-        exc = failure.value
-        why = str(exc) if isinstance(exc, ControlListenError) else f"{type(exc).__name__}: {exc}"
-        self.failed = why
-        self.log.critical(
-            "{what}: cannot listen on {where}: {why}; exiting",
-            what=self._what,
-            where=self._where(),
-            why=why,
-        )
-        self._on_fatal(why)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
-        port, self.port = self.port, None
-        if port is None:
-            return None
-        return port.stopListening()

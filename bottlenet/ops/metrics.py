@@ -18,14 +18,10 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 from attrs import define, field, frozen
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
-from twisted.internet.interfaces import IListeningPort, IReactorTime, IStreamServerEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamServerEndpoint
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.iweb import IRequest
 from twisted.web.pages import notFound
@@ -474,80 +470,3 @@ def metrics_site(
     root = _Root()
     root.putChild(b"metrics", MetricsResource(lambda: render_metrics(source, smolvm, control)))
     return _QuietSite(root, reactor=reactor)
-
-
-class MetricsService(Service):
-    """Listens on the metrics endpoint while running.
-
-    Unlike ``StreamServerEndpointService``, a failed listen is not only logged: it is handed
-    to ``on_error`` (the daemon passes ``fatal_stop``), so ``--metrics`` never silently fails.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        spec: MetricsEndpoint,
-        endpoint: IStreamServerEndpoint,
-        site: Site,
-        on_error: Callable[[str], None] | None = None,
-    ) -> None:
-        self._spec = spec
-        self._endpoint = endpoint
-        self._site = site
-        self._on_error = on_error
-        self._port: IListeningPort | None = None
-        self._outcome: IListeningPort | Failure | None = None
-        self._waiters: list[Deferred[IListeningPort]] = []
-
-    def when_listening(self) -> Deferred[IListeningPort]:
-        """Fires with the listening port, or fails with the listen error (each caller its own)."""
-        d: Deferred[IListeningPort] = Deferred()
-        if self._outcome is None:
-            self._waiters.append(d)
-        elif isinstance(self._outcome, Failure):
-            d.errback(self._outcome)
-        else:
-            d.callback(self._outcome)
-        return d
-
-    def _settle(self, outcome: IListeningPort | Failure) -> None:
-        self._outcome = outcome
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            if isinstance(outcome, Failure):
-                d.errback(outcome)
-            else:
-                d.callback(outcome)
-
-    def startService(self) -> None:
-        super().startService()
-        d = self._endpoint.listen(self._site)
-        d.addCallbacks(self._listening, self._failed)
-
-    def _listening(self, port: IListeningPort) -> None:
-        self._port = port
-        self.log.info("metrics on {endpoint}/metrics", endpoint=self.bound())
-        self._settle(port)
-
-    def bound(self) -> str:
-        """Where it listens now: for ``tcp:0`` the port the kernel picked, as clients need."""
-        host = self._port.getHost() if self._port is not None else None
-        number = getattr(host, "port", None)
-        if self._spec.kind != "unix" and isinstance(number, int):
-            return attrs.evolve(self._spec, port=number).describe()
-        return self._spec.describe()
-
-    def _failed(self, failure: Failure) -> None:
-        message = f"--metrics {self._spec.describe()}: cannot listen: {failure.getErrorMessage()}"
-        self.log.error("{message}", message=message)
-        self._settle(failure)
-        if self._on_error is not None:
-            self._on_error(message)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
-        port, self._port = self._port, None
-        if port is not None:
-            return port.stopListening()
-        return None
