@@ -52,6 +52,7 @@ from bottlenet.forward.relay import (
     TransportRelay,
 )
 from bottlenet.forward.spec import (
+    MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
     TCPListen,
@@ -73,7 +74,6 @@ if TYPE_CHECKING:
 #: At most one refusal log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
 _FD_EXHAUSTED = (":EMFILE", ":ENFILE")
-MAX_CONNECTIONS_LIMIT = 65536
 
 
 @frozen
