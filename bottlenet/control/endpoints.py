@@ -48,7 +48,7 @@ from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
 from bottlenet.errors import ListenError
-from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir
+from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir, unix_path_state
 
 
 class ControlListenError(ListenError):
@@ -115,25 +115,19 @@ def parse_control_description(text: str) -> UNIXDescription | SystemdDescription
 
 def _probe_existing(path: str) -> None:
     """Remove a stale socket at ``path``; refuse anything else that is there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    state, error = unix_path_state(path)
+    if state == "absent":
         return
-    if stat.S_ISLNK(st.st_mode):
+    if state == "stale":
+        os.unlink(path)  # its daemon is gone
+        return
+    if state == "symlink":
         raise ControlListenError(f"{path} is a symlink; refusing to use or remove it")
-    if not stat.S_ISSOCK(st.st_mode):
+    if state == "not-a-socket":
         raise ControlListenError(f"{path} exists and is not a socket; refusing to remove it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # stale: its daemon is gone
-        return
-    except OSError as e:
-        raise ControlListenError(f"cannot check the existing socket {path}: {e.strerror}") from None
-    finally:
-        probe.close()
+    if error is not None:
+        why = error.strerror or type(error).__name__
+        raise ControlListenError(f"cannot check the existing socket {path}: {why}")
     raise ControlListenError(f"another daemon is answering on {path}; not taking it over")
 
 
