@@ -13,6 +13,8 @@ import stat
 from collections.abc import Mapping
 from typing import Literal
 
+from attrs import frozen
+
 from bottlenet.errors import InvalidArgument
 
 #: The control socket's file name, in the runtime dir or the state dir.
@@ -117,3 +119,53 @@ def unix_path_state(path: str) -> tuple[UnixPathState, OSError | None]:
     finally:
         probe.close()
     return "alive", None
+
+
+@frozen
+class Description:
+    """An endpoint description (``kind:ARG:key=value...``) split the way Twisted splits one.
+
+    ``positional`` are the arguments without ``=`` (they come first); ``options`` the
+    ``key=value`` ones, each key once. Meaning is the caller's: this only splits.
+    """
+
+    kind: str
+    positional: tuple[str, ...]
+    options: Mapping[str, str]
+
+
+def split_description(text: str) -> Description:
+    """Split on ``:``, honouring ``\\:`` and ``\\\\`` as Twisted's endpoint parser does.
+
+    Raises ValueError (a one-line reason naming no value) for a trailing backslash, a
+    positional argument after a keyword one, or a key given twice.
+    """
+    parts: list[str] = []
+    current: list[str] = []
+    chars = iter(text)
+    for c in chars:
+        if c == "\\":
+            nxt = next(chars, None)
+            if nxt is None:
+                raise ValueError("trailing backslash")
+            current.append(nxt)
+        elif c == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    parts.append("".join(current))
+    kind, *args = parts
+    positional: list[str] = []
+    options: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            if options:
+                raise ValueError("a positional argument must come before every key=value")
+            positional.append(arg)
+        elif key in options:
+            raise ValueError(f"{key} given twice")
+        else:
+            options[key] = value
+    return Description(kind, tuple(positional), options)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import secrets
 import socket
 import stat
@@ -48,7 +47,13 @@ from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
 from bottlenet.errors import ListenError
-from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir, unix_path_state
+from bottlenet.paths import (
+    MAX_SUN_PATH,
+    PrivateDirError,
+    ensure_private_dir,
+    split_description,
+    unix_path_state,
+)
 
 
 class ControlListenError(ListenError):
@@ -72,14 +77,12 @@ class SystemdDescription:
 
 def parse_control_description(text: str) -> UNIXDescription | SystemdDescription:
     """Parse ``--control``; anything but a UNIX socket is refused (TLS has its own options)."""
-    kind, _, rest = text.partition(":")
-    parts = [p.replace(r"\:", ":") for p in re.split(r"(?<!\\):", rest)] if rest else []
-    positional = [p for p in parts if "=" not in p]
-    options: dict[str, str] = {}
-    for p in parts:
-        if "=" in p:
-            k, _, v = p.partition("=")
-            options[k] = v
+    try:
+        description = split_description(text)
+    except ValueError as e:
+        raise ControlListenError(f"--control: {e}") from None
+    kind, positional = description.kind, description.positional
+    options = dict(description.options)
     if kind == "unix":
         named = options.pop("path", None)
         if len(positional) > (0 if named is not None else 1):

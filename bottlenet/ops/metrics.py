@@ -36,7 +36,7 @@ from bottlenet.forward.spec import (
     AliasPool,
     parse_canonical_ipv4,
 )
-from bottlenet.paths import MAX_SUN_PATH
+from bottlenet.paths import MAX_SUN_PATH, Description, split_description
 
 if TYPE_CHECKING:  # the real records, named for the type checker only
     from bottlenet.bottles.registry import BottleInfo
@@ -80,39 +80,17 @@ class MetricsEndpoint:
         return TCP4ServerEndpoint(reactor, self.port, interface=self.interface)
 
 
-def _split_endpoint(text: str) -> list[str]:
-    """Split on ``:`` as Twisted's endpoint parser does, honouring ``\\:`` and ``\\\\``."""
-    parts: list[str] = []
-    current: list[str] = []
-    chars = iter(text)
-    for c in chars:
-        if c == "\\":
-            nxt = next(chars, None)
-            if nxt is None:
-                raise ValueError("trailing backslash")
-            current.append(nxt)
-        elif c == ":":
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(c)
-    parts.append("".join(current))
-    return parts
-
-
-def _arguments(parts: Sequence[str], positional: str, allowed: set[str]) -> dict[str, str]:
-    args: dict[str, str] = {}
-    for i, part in enumerate(parts):
-        key, sep, value = part.partition("=")
-        if not sep:
-            if i != 0:
-                raise ValueError("only the first argument may be positional")
-            key, value = positional, part
+def _arguments(description: Description, positional: str, allowed: set[str]) -> dict[str, str]:
+    if len(description.positional) > 1:
+        raise ValueError("only the first argument may be positional")
+    args = dict(description.options)
+    if description.positional:
+        if positional in args:
+            raise ValueError(f"{positional} given twice")
+        args[positional] = description.positional[0]
+    for key in args:
         if key not in allowed:
             raise ValueError(f"unknown argument {safe_repr(key)}")
-        if key in args:
-            raise ValueError(f"{key} given twice")
-        args[key] = value
     return args
 
 
@@ -132,11 +110,12 @@ def parse_metrics_endpoint(text: object, alias_pool: AliasPool | None = None) ->
     if not isinstance(text, str) or not text:
         raise InvalidArgument(f"metrics endpoint {safe_repr(text)} must be a non-empty string")
     try:
-        kind, *parts = _split_endpoint(text)
+        description = split_description(text)
+        kind = description.kind
         if kind in ("tcp", "tcp6"):
-            return _parse_tcp(kind, parts, alias_pool)
+            return _parse_tcp(kind, description, alias_pool)
         if kind == "unix":
-            return _parse_unix(parts)
+            return _parse_unix(description)
         raise ValueError(
             "use tcp:PORT:interface=127.0.0.1, tcp6:PORT:interface=\\:\\:1 or unix:PATH"
         )
@@ -144,8 +123,10 @@ def parse_metrics_endpoint(text: object, alias_pool: AliasPool | None = None) ->
         raise InvalidArgument(f"metrics endpoint {safe_repr(text)}: {e}") from None
 
 
-def _parse_tcp(kind: str, parts: Sequence[str], alias_pool: AliasPool | None) -> MetricsEndpoint:
-    args = _arguments(parts, "port", {"port", "interface"})
+def _parse_tcp(
+    kind: str, description: Description, alias_pool: AliasPool | None
+) -> MetricsEndpoint:
+    args = _arguments(description, "port", {"port", "interface"})
     port = _port(args.get("port"))
     interface = args.get("interface")
     if not interface:
@@ -168,8 +149,8 @@ def _parse_tcp(kind: str, parts: Sequence[str], alias_pool: AliasPool | None) ->
     return MetricsEndpoint("tcp", port, str(ipaddress.IPv4Address(addr)))
 
 
-def _parse_unix(parts: Sequence[str]) -> MetricsEndpoint:
-    args = _arguments(parts, "path", {"path", "mode"})
+def _parse_unix(description: Description) -> MetricsEndpoint:
+    args = _arguments(description, "path", {"path", "mode"})
     path = args.get("path", "")
     if not path.startswith("/") or "\x00" in path:
         raise ValueError("the socket path must be absolute")
