@@ -1,0 +1,177 @@
+"""``bottlenetctl bottle exec`` and ``bottle shell``: a command in a bottle's agent VM, attached.
+
+With ``-t`` and a terminal on stdin the terminal goes raw for the session and is restored on
+every way out (the command ends, Ctrl-C, SIGTERM/SIGHUP, the daemon going away); SIGWINCH
+sends the new size. bottlenetctl exits with the command's exit code; 255 when the connection
+to the daemon broke mid-session (as ssh does), 1/2/3 as usual when the command never started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import signal
+import sys
+import termios
+import tty
+from collections.abc import Callable, Iterator
+from typing import Any, TextIO
+
+from bottlenet.cli.output import clean, report_control_error
+from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError, ExecSession
+from bottlenet.errors import BottlenetError
+
+EXIT_SESSION_LOST = 255
+DEFAULT_SHELL = "/bin/sh"
+
+
+def _terminal_size(fd: int) -> tuple[int, int] | None:
+    try:
+        size = os.get_terminal_size(fd)
+    except OSError:
+        return None
+    return size.lines, size.columns
+
+
+@contextlib.contextmanager
+def raw_terminal(fd: int | None) -> Iterator[None]:
+    """Raw mode on ``fd`` (a terminal) for the block; restored however the block ends.
+
+    SIGTERM and SIGHUP are turned into an orderly exit (so the ``finally`` runs).
+    """
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        tty.setraw(fd)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def forward_winch(session: ExecSession, fd: int | None) -> Iterator[None]:
+    if fd is None:
+        yield
+        return
+
+    def on_winch(signum: int, frame: object) -> None:
+        size = _terminal_size(fd)
+        if size is not None:
+            session.resize(*size)
+
+    old = signal.signal(signal.SIGWINCH, on_winch)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGWINCH, old)
+
+
+def run_exec(
+    connect: Callable[[], BlockingControlClient],
+    args: argparse.Namespace,
+    err: TextIO,
+    *,
+    stdin: Any = None,
+    stdout: Any = None,
+    stderr: Any = None,
+) -> int:
+    """Run ``args.argv`` in ``args.name``'s agent VM; the exit status for bottlenetctl."""
+    stdin = stdin if stdin is not None else sys.stdin.buffer
+    stdout = stdout if stdout is not None else sys.stdout.buffer
+    stderr = stderr if stderr is not None else sys.stderr.buffer
+    try:
+        in_fd: int | None = stdin.fileno()
+    except (AttributeError, OSError, ValueError):
+        in_fd = None
+    terminal = in_fd if (args.tty and in_fd is not None and os.isatty(in_fd)) else None
+    size = _terminal_size(terminal) if terminal is not None else None
+    if args.tty and size is None:
+        size = (24, 80)
+    forward = args.interactive or (args.tty and terminal is not None)
+    client = connect()
+    try:
+        session = client.open_exec(
+            args.name,
+            args.argv,
+            env=args.env,
+            user=args.user,
+            workdir=args.workdir,
+            stdin=forward,
+            tty=args.tty,
+            size=size,
+            timeout=args.timeout,
+        )
+    except (ControlConnectionError, BottlenetError) as e:
+        return report_control_error(e, client.path, err)
+    finally:
+        client.close()
+    raw = terminal if forward else None
+    try:
+        with session, raw_terminal(raw), forward_winch(session, terminal):
+            return session.run(stdin if forward else None, stdout, stderr)
+    except ControlConnectionError as e:
+        err.write(f"\r\nerror: {clean(e)}\n")
+        return EXIT_SESSION_LOST
+    except KeyboardInterrupt:
+        return 130
+
+
+def _command(values: list[str]) -> list[str]:
+    return values[1:] if values[:1] == ["--"] else values
+
+
+def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
+    """Add ``exec`` and ``shell`` to ``bottlenetctl bottle``."""
+    sp = bottle.add_parser(
+        "exec",
+        help="run a command in the bottle's agent VM",
+        parents=[json_flag],
+        description="Run CMD in the agent VM; bottlenetctl exits with its exit code.",
+    )
+    sp.add_argument("name")
+    sp.add_argument("-i", "--interactive", action="store_true", help="forward stdin")
+    sp.add_argument("-t", "--tty", action="store_true", help="give the command a terminal")
+    sp.add_argument(
+        "-e", "--env", action="append", default=[], metavar="K=V", help="extra environment"
+    )
+    sp.add_argument("-u", "--user", help="run as this user (name or uid[:gid])")
+    sp.add_argument("-w", "--workdir", help="working directory in the VM")
+    sp.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG]...")
+    sp.set_defaults(attached=True)
+
+    sp = bottle.add_parser(
+        "shell", help="an interactive shell in the bottle's agent VM", parents=[json_flag]
+    )
+    sp.add_argument("name")
+    sp.add_argument("-u", "--user", help="run as this user (name or uid[:gid])")
+    sp.add_argument(
+        "--shell",
+        dest="shell_path",
+        default=DEFAULT_SHELL,
+        help=f"the shell (default {DEFAULT_SHELL})",
+    )
+    sp.set_defaults(attached=True, shell_mode=True)
+
+
+def prepare(args: argparse.Namespace) -> str | None:
+    """Fill in ``shell``'s defaults and check the command; a usage error message or None."""
+    if getattr(args, "shell_mode", False):
+        args.argv = [args.shell_path]
+        args.interactive = args.tty = True
+        args.env = []
+        args.workdir = None
+        return None
+    args.argv = _command(list(args.argv))
+    if not args.argv:
+        return "bottle exec: a command is required (bottle exec NAME -- CMD [ARG]...)"
+    return None
