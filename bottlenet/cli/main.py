@@ -220,6 +220,27 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
     write_table(headers, rows, out)
 
 
+def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    """Print bottle events as they happen, one per line (until Ctrl-C, or ``--count``)."""
+    seen = 0
+    if a.count is not None and a.count <= 0:
+        return
+    for ev in c.events(a.bottle):
+        if a.json:
+            _json(ev, out)
+        else:
+            extra = [f"state={ev.state}"] if ev.state else []
+            if ev.exit_code is not None:
+                extra.append(f"exit={ev.exit_code}")
+            if ev.detail:
+                extra.append(f"detail={ev.detail}")
+            out.write(_clean(f"{ev.seq} {ev.kind} {ev.bottle} {' '.join(extra)}".rstrip()) + "\n")
+        out.flush()
+        seen += 1
+        if a.count is not None and seen >= a.count:
+            return
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError("must be a port number 0-65535")
@@ -296,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
+    sp.add_argument("--bottle", help="only this bottle's events")
+    sp.add_argument("--count", type=int, help="exit after this many events")
     from bottlenet.cli import down, top  # their own modules (ops subcommands)
 
     top.register(sub, json_flag)
@@ -356,6 +380,8 @@ def main(
             return EXIT_USAGE
         args.timeout = explicit_timeout or VM_TIMEOUT
         return attach.run_exec(connect, args, err)
+    if args.timeout is None and getattr(args, "handler", None) is cmd_events:
+        args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
         handler = getattr(args, "handler", None)
         slow = handler in _vm_handlers() and (

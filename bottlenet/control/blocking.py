@@ -159,7 +159,7 @@ class BlockingControlClient:
             self._sock.sendall(data)
             while True:
                 box = self._next_box(self._sock)
-                if box.get(amp.ANSWER, box.get(amp.ERROR)) == tag:
+                if box is not None and box.get(amp.ANSWER, box.get(amp.ERROR)) == tag:
                     return codec.decode_answer(command, box)
         except TimeoutError:
             self.close()
@@ -171,8 +171,9 @@ class BlockingControlClient:
             self.close()
             raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
 
-    def _next_box(self, sock: socket.socket) -> amp.AmpBox:
-        """The next answer box; pushed events are answered and queued on the way."""
+    def _next_box(self, sock: socket.socket, *, until_event: bool = False) -> amp.AmpBox | None:
+        """The next answer box; pushed events are answered and queued on the way (with
+        ``until_event``, None as soon as one is queued)."""
         while True:
             box = self._parser.next_box()
             if box is None:
@@ -183,6 +184,8 @@ class BlockingControlClient:
                 continue
             if box.get(amp.COMMAND) == C.Event.commandName and amp.ASK in box:
                 self._queue_event(sock, box)
+                if until_event:
+                    return None
                 continue
             return box
 
@@ -215,7 +218,7 @@ class BlockingControlClient:
             assert self._sock is not None
             try:
                 self._sock.settimeout(idle)
-                box = self._next_box(self._sock)
+                self._next_box(self._sock, until_event=True)
             except FramingError as e:
                 self.close()
                 raise ControlConnectionError(f"bad data from the daemon: {e}") from None
@@ -224,8 +227,6 @@ class BlockingControlClient:
             except OSError as e:
                 self.close()
                 raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
-            if amp.ANSWER in box or amp.ERROR in box:
-                continue  # a late answer to a call that timed out
 
     # -- exec --------------------------------------------------------------------------------
 

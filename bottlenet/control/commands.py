@@ -300,6 +300,8 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Exec,
     Watch,
 )
+#: Commands the daemon calls on its clients (the client answers them).
+PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
 MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
     {CreateBottle, DestroyBottle, AddForward, RemoveForward, VerifyBottle, SetEgressPolicy}
 )
