@@ -126,8 +126,15 @@ def run_exec(
         return 130
 
 
-def _command(values: list[str]) -> list[str]:
-    return values[1:] if values[:1] == ["--"] else values
+def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
+    """``bottle exec NAME [OPTIONS] -- CMD...``: bottlenetctl's words, and the command after
+    the first ``--`` (None when there is no ``--``, or it is not an exec)."""
+    if "--" not in argv:
+        return argv, None
+    cut = argv.index("--")
+    if "exec" not in argv[:cut]:
+        return argv, None
+    return argv[:cut], argv[cut + 1 :]
 
 
 def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
@@ -146,7 +153,7 @@ def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
     )
     sp.add_argument("-u", "--user", help="run as this user (name or uid[:gid])")
     sp.add_argument("-w", "--workdir", help="working directory in the VM")
-    sp.add_argument("argv", nargs=argparse.REMAINDER, metavar="-- CMD [ARG]...")
+    sp.add_argument("argv", nargs="*", metavar="-- CMD [ARG]...")
     sp.set_defaults(attached=True)
 
     sp = bottle.add_parser(
@@ -171,7 +178,8 @@ def prepare(args: argparse.Namespace) -> str | None:
         args.env = []
         args.workdir = None
         return None
-    args.argv = _command(list(args.argv))
+    if getattr(args, "command_after_dashes", None) is not None:
+        args.argv = list(args.argv) + list(args.command_after_dashes)
     if not args.argv:
         return "bottle exec: a command is required (bottle exec NAME -- CMD [ARG]...)"
     return None

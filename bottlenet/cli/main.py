@@ -351,10 +351,12 @@ def main(
     err = err or sys.stderr
     environ = dict(os.environ) if env is None else env
     parser = build_parser()
+    words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(words)
     except SystemExit as e:
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
+    args.command_after_dashes = command
     args.json = getattr(args, "json", False)
     control = args.control or default_control(environ)
     path = _socket_path(control) if not control.startswith("tls:") else control

@@ -34,6 +34,8 @@ CLIENT_VERSION = f"bottlenet-blocking/{__version__}"
 DEFAULT_TIMEOUT = 10.0
 #: Calls that wait on smolvm (create with a spec, destroy, verify, egress, exec's start).
 VM_TIMEOUT = 300.0
+#: Input an exec session holds while the daemon is slow to take it (then stdin waits).
+MAX_OUTGOING = 256 * 1024
 VM_COMMANDS: frozenset[type[amp.Command]] = frozenset(
     {C.DestroyBottle, C.VerifyBottle, C.SetEgressPolicy, C.Exec}
 )
@@ -459,11 +461,6 @@ class ExecSession:
         except OSError:
             pass
 
-    def _send(self, data: bytes) -> None:
-        self.sock.setblocking(True)
-        self.sock.settimeout(None)
-        self.sock.sendall(data)
-
     def run(
         self,
         stdin: IO[bytes] | None = None,
@@ -471,26 +468,36 @@ class ExecSession:
         stderr: IO[bytes] | None = None,
     ) -> int:
         """Pump until the command ends; its exit code (ControlConnectionError if the
-        daemon goes away first)."""
+        daemon goes away first).
+
+        The socket is non-blocking: input waits in a bounded buffer while the daemon is slow
+        to take it, and output is read all the while (a full pipe one way never stalls the
+        other way).
+        """
+        out = bytearray()
         stdin_fd: int | None = None
         if stdin is not None and self.forward_stdin:
             try:
                 stdin_fd = stdin.fileno()
             except (AttributeError, OSError, ValueError):
-                stdin_fd = None
-                self._send(
-                    stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
-                )
+                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
+        self.sock.setblocking(False)
         try:
             if self._leftover:
                 self._receive(self._leftover, stdout, stderr)
                 self._leftover = b""
             while self.exit_code is None:
-                fds: list[Any] = [self.sock, self._wake_r]
-                if stdin_fd is not None:
-                    fds.append(stdin_fd)
+                readers: list[Any] = [self.sock, self._wake_r]
+                if stdin_fd is not None and len(out) < MAX_OUTGOING:
+                    readers.append(stdin_fd)
+                writers = [self.sock] if out else []
                 pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
-                ready = [self.sock] if pending else select.select(fds, [], [])[0]
+                ready: list[Any]
+                writable: list[Any]
+                if pending:
+                    ready, writable = [self.sock], []
+                else:
+                    ready, writable, _ = select.select(readers, writers, [])
                 if self._wake_r in ready:
                     try:
                         os.read(self._wake_r, 512)
@@ -498,22 +505,27 @@ class ExecSession:
                         pass
                     size, self._size = self._size, None
                     if size is not None:
-                        self._send(stream.encode_resize(*size))
+                        out += stream.encode_resize(*size)
                 if stdin_fd is not None and stdin_fd in ready:
                     try:
                         data = os.read(stdin_fd, 65536)
                     except OSError:
                         data = b""
                     if data:
-                        self._send(stream.encode(stream.STDIN, data))
+                        out += stream.encode(stream.STDIN, data)
                     else:
-                        self._send(stream.encode(stream.STDIN_EOF))
+                        out += stream.encode(stream.STDIN_EOF)
                         stdin_fd = None
+                if out and (self.sock in writable or not pending):
+                    try:
+                        sent = self.sock.send(out)
+                        del out[:sent]
+                    except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                        pass
                 if self.sock in ready:
-                    self.sock.setblocking(False)
                     try:
                         chunk = self.sock.recv(65536)
-                    except (BlockingIOError, ssl.SSLWantReadError):
+                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                         continue
                     if not chunk:
                         break

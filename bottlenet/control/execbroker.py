@@ -157,6 +157,12 @@ class ExecBridge(ProcessProtocol):
                     process.write(frame.payload)
             elif frame.kind == stream.STDIN_EOF:
                 if not self.tty:
+                    # A pipe with a producer registered never closes: unregister first.
+                    unregister = getattr(process, "unregisterProducer", None)
+                    if unregister is not None and self.stdin:
+                        unregister()
+                        if self._client is not None:
+                            self._client.resumeProducing()
                     process.closeStdin()
             elif frame.kind == stream.RESIZE:
                 rows, cols = stream.decode_resize(frame.payload)
