@@ -221,7 +221,9 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
             "rows": 24,
             "cols": 80,
         },
-        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0ebottlenet.Exec\x00\x04argv\x00\x11\x00\x02sh\x00\x02-c\x00\x07echo hi\x00\x06bottle\x00\x02b2\x00\x04cols\x00\x0280\x00\x03env\x00\x05\x00\x03K=V\x00\x04rows\x00\x0224\x00\x05stdin\x00\x04True\x00\x03tty\x00\x04True\x00\x04user\x00\x041000\x00\x00",
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0ebottlenet.Exec\x00\x04argv\x00\x11\x00\x02sh\x00\x02-c\x00\x07echo"
+        b" hi"
+        b"\x00\x06bottle\x00\x02b2\x00\x04cols\x00\x0280\x00\x03env\x00\x05\x00\x03K=V\x00\x04rows\x00\x0224\x00\x05stdin\x00\x04True\x00\x03tty\x00\x04True\x00\x04user\x00\x041000\x00\x00",
         {"tty": True},
         b"\x00\x07_answer\x00\x011\x00\x03tty\x00\x04True\x00\x00",
     ),
@@ -247,7 +249,9 @@ PUSHED_GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[st
                 detail="sidecar VM process exited",
             )
         },
-        b'\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Event\x00\x05event\x00s{"seq":8,"kind":"degraded","bottle":"b2","at":1700000000.5,"state":"degraded","detail":"sidecar VM process exited"}\x00\x00',
+        b'\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Event\x00\x05event\x00s{"seq":8,"kind":"degraded","bottle":"b2","at":1700000000.5,"state":"degraded","detail":"sidecar'
+        b" VM process exited"
+        b'"}\x00\x00',
         {},
         b"\x00\x07_answer\x00\x011\x00\x00",
     ),
