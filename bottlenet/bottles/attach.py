@@ -14,7 +14,7 @@ from attrs import frozen
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
 from bottlenet.bottles.lifecycle import map_vmctl
-from bottlenet.bottles.model import VMBottle
+from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
 from bottlenet.errors import InvalidArgument, SmolvmUnavailable, safe_repr
 from vmctl.errors import VmctlError
@@ -90,9 +90,9 @@ def parse_exec_request(
 
 
 async def spawn_exec(
-    vms: Any, vb: VMBottle, request: ExecRequest, protocol: IProcessProtocol
+    vms: Any, bottle: Bottle, request: ExecRequest, protocol: IProcessProtocol
 ) -> IProcessTransport:
-    """Start ``machine exec`` in ``vb``'s agent VM with ``protocol`` attached to its stdio.
+    """Start ``machine exec`` in the bottle's agent VM with ``protocol`` attached to its stdio.
 
     ``vms`` is the VMLifecycle (its ``smolvm``); vmctl errors become the control plane's.
     """
@@ -100,7 +100,7 @@ async def spawn_exec(
         raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
     try:
         transport: IProcessTransport = await vms.smolvm.spawn_exec(
-            vb.agent_vm,
+            bottle.machine().agent_vm,
             list(request.argv),
             protocol,
             env=dict(request.env),
