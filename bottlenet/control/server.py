@@ -296,7 +296,13 @@ class ControlLocator(SafeCommandLocator):
         hub = self.factory.event_hub
         if hub is None or self.connection is None:
             raise Unavailable("this daemon publishes no events")
-        return {"seq": hub.watch(self.connection, bottle)}
+        seq = hub.watch(self.connection, bottle)
+        self.log.info(
+            "control: {peer} watches events (from seq {seq})",
+            peer=self.peer.describe() if self.peer else "?",
+            seq=seq,
+        )
+        return {"seq": seq}
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
