@@ -47,11 +47,14 @@ class ClientLocator(SafeCommandLocator):
     """The client's responders: the daemon's ``Event`` calls, handed to every listener."""
 
     def __init__(self) -> None:
-        self.listeners: list[Callable[[EventRecord], None]] = []
+        #: (listener, bottle or None for every bottle)
+        self.listeners: list[tuple[Callable[[EventRecord], None], str | None]] = []
 
     @C.Event.responder
     def event(self, event: EventRecord) -> dict[str, Any]:
-        for listener in list(self.listeners):
+        for listener, bottle in list(self.listeners):
+            if bottle is not None and bottle != event.bottle:
+                continue
             try:
                 listener(event)
             except Exception:
@@ -131,7 +134,7 @@ class ControlClient:
         locator = self.proto.locator
         if not isinstance(locator, ClientLocator):
             raise TypeError("this connection was not made by connect_control")
-        locator.listeners.append(listener)
+        locator.listeners.append((listener, bottle))
         return self._call(C.Watch, lambda a: int(a["seq"]), bottle=bottle)
 
     def events(self, bottle: str | None = None) -> Deferred[EventStream]:

@@ -30,9 +30,10 @@ class WatchingConnection(Protocol):
 
 
 class _Watcher:
-    def __init__(self, connection: WatchingConnection, bottle: str | None) -> None:
+    def __init__(self, connection: WatchingConnection) -> None:
         self.connection = connection
-        self.bottle = bottle
+        #: Bottles watched on this connection; None stands for every bottle.
+        self.bottles: set[str | None] = set()
         self.unanswered = 0
         self.dropped = False
 
@@ -58,12 +59,12 @@ class EventHub:
         return len(self._watchers)
 
     def watch(self, connection: WatchingConnection, bottle: str | None = None) -> int:
-        """Start (or re-filter) pushing events to ``connection``; answers the current seq."""
-        existing = self._watchers.get(id(connection))
-        if existing is not None:
-            existing.bottle = bottle
-        else:
-            self._watchers[id(connection)] = _Watcher(connection, bottle)
+        """Push ``bottle``'s events (every bottle's for None) to ``connection`` too; answers
+        the current seq. Several watches on one connection add up."""
+        w = self._watchers.get(id(connection))
+        if w is None:
+            w = self._watchers[id(connection)] = _Watcher(connection)
+        w.bottles.add(bottle)
         return self.seq
 
     def forget(self, connection: object) -> None:
@@ -85,7 +86,7 @@ class EventHub:
             exit_code=event.exit_code,
         )
         for key, w in list(self._watchers.items()):
-            if w.bottle is not None and w.bottle != event.bottle:
+            if None not in w.bottles and event.bottle not in w.bottles:
                 continue
             if w.unanswered >= self.max_unanswered:
                 self._watchers.pop(key, None)
