@@ -8,8 +8,6 @@ InvalidArgument naming the field, so no half-valid spec ever reaches smolvm.
 from __future__ import annotations
 
 import os
-import re
-import string
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,51 +15,27 @@ from attrs import field, frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.fields import Fields
-from bottlenet.forward.spec import LABEL_RE, check_bottle_name
+from bottlenet.specrules import (
+    AGENT_CPUS,
+    AGENT_MEM,
+    LABEL_RE,
+    MAX_ENV,
+    MAX_SERVICES,
+    MAX_STRING,
+    MODES,
+    SIDECAR_CPUS,
+    SIDECAR_MEM,
+    check_abs_path,
+    check_allow_hosts,
+    check_bottle_name,
+    check_egress_host,
+    check_env,
+    check_env_entries,
+    split_volume,
+)
 from vmctl.spec import is_local_image as vmctl_is_local_image
 
-MODES = ("auto", "alias", "socket", "none")
-MAX_ALLOW_HOSTS = 256
-MAX_SERVICES = 16
-MAX_ENV = 128
-MAX_STRING = 4096
-ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-_HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-TEMPLATE_FIELDS = frozenset({"host", "port", "socket", "service"})
 PACKED_SUFFIX = ".smolmachine"
-
-
-def check_egress_host(host: object) -> str:
-    """Validate one allow-list entry: a lowercase DNS name, optionally ``*.``-prefixed.
-
-    Unicode names are accepted in lowercase and stored in their IDNA (punycode) form, so the
-    sidecar's proxy compares like with like. IP literals are refused: egress is by name.
-    """
-    if not isinstance(host, str) or not host or len(host) > 253:
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a host name")
-    wildcard = host.startswith("*.")
-    body = host[2:] if wildcard else host
-    if body != body.lower():
-        raise InvalidArgument(f"allow-host {safe_repr(host)} must be lowercase")
-    try:
-        ascii_body = body.encode("idna").decode("ascii")
-    except UnicodeError:
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid IDNA name") from None
-    labels = ascii_body.split(".")
-    if len(labels) < 2 or not all(_HOST_LABEL_RE.fullmatch(label) for label in labels):
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid host name")
-    if labels[-1].isdigit():
-        raise InvalidArgument(f"allow-host {safe_repr(host)}: IP literals are not host names")
-    return ("*." if wildcard else "") + ascii_body
-
-
-def check_allow_hosts(hosts: object) -> tuple[str, ...]:
-    """Validate a whole allow-list (at most 256 names, duplicates removed, order kept)."""
-    if not isinstance(hosts, list | tuple):
-        raise InvalidArgument("allow_hosts must be a list of host names")
-    if len(hosts) > MAX_ALLOW_HOSTS:
-        raise InvalidArgument(f"allow_hosts has more than {MAX_ALLOW_HOSTS} entries")
-    return tuple(dict.fromkeys(check_egress_host(h) for h in hosts))
 
 
 def is_local_image(image: str) -> bool:
@@ -149,48 +123,8 @@ def _strings(f: Fields, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tuple[str, ...]:
-    for i, entry in enumerate(entries):
-        key, sep, value = entry.partition("=")
-        if not sep or not ENV_KEY_RE.fullmatch(key):
-            raise InvalidArgument(f"{where}[{i}]: must be KEY=VALUE with KEY a variable name")
-        if any(ord(c) < 32 and c != "\t" for c in value):
-            raise InvalidArgument(f"{where}[{i}]: value must not contain control characters")
-        if templates:
-            try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
-            except ValueError:
-                raise InvalidArgument(f"{where}[{i}]: unbalanced braces in template") from None
-            unknown = fields - TEMPLATE_FIELDS
-            if unknown:
-                raise InvalidArgument(
-                    f"{where}[{i}]: unknown placeholder; use {{host}}, {{port}}, {{socket}} "
-                    "or {service}"
-                )
-    return entries
-
-
-def check_env_entries(entries: tuple[str, ...], where: str) -> tuple[str, ...]:
-    """``KEY=VALUE`` entries without templates (an exec's ``-e``), as the spec's ``env``."""
-    return _check_env(entries, where, templates=False)
-
-
-def _check_abs(path: str, where: str) -> str:
-    if not path.startswith("/") or os.path.normpath(path) != path:
-        raise InvalidArgument(f"{where}: must be an absolute, normalised path")
-    return path
-
-
 def _check_volume(spec: str, where: str) -> str:
-    parts = spec.rsplit(":", 2)
-    if len(parts) == 3 and parts[2] in ("ro", "rw"):
-        host, guest = parts[0], parts[1]
-    else:
-        host, _, guest = spec.rpartition(":")
-    if not host or not guest:
-        raise InvalidArgument(f"{where}: must be HOST:GUEST[:ro|:rw]")
-    _check_abs(host, where)
-    _check_abs(guest, where)
+    host, _ = split_volume(spec, where)
     if not os.path.isdir(host) or os.path.islink(host):
         raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
     return spec
@@ -202,7 +136,7 @@ def _service(raw: object, where: str) -> ServiceSpec:
     if not LABEL_RE.fullmatch(name):
         raise InvalidArgument(f"{f.path('name')}: must match [a-z0-9][a-z0-9_-]{{0,31}}")
     port = f.integer("guest_port", 1, 65535)
-    env = _check_env(_strings(f, "env"), f.path("env"), templates=True)
+    env = check_env(_strings(f, "env"), f.path("env"), templates=True)
     return ServiceSpec(name, port, env)
 
 
@@ -212,7 +146,7 @@ def _egress(raw: object, where: str) -> EgressSpec:
         hosts = check_allow_hosts(f.get("allow_hosts", []))
     except InvalidArgument as e:
         raise InvalidArgument(f"{f.path('allow_hosts')}: {e.message}") from None
-    policy_path = _check_abs(_string(f, "policy_path"), f.path("policy_path"))
+    policy_path = check_abs_path(_string(f, "policy_path"), f.path("policy_path"))
     reload = _strings(f, "reload", limit=64)
     if not reload or not reload[0].startswith("/"):
         raise InvalidArgument(f"{f.path('reload')}: must be an argv whose first item is absolute")
@@ -222,8 +156,8 @@ def _egress(raw: object, where: str) -> EgressSpec:
 def _sidecar(raw: object) -> SidecarSpec:
     f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
     image = _string(f, "image")
-    cpus = f.integer("cpus", 1, 16, default=1)
-    mem = f.integer("mem", 64, 1 << 20, default=512)
+    cpus = f.integer("cpus", SIDECAR_CPUS[0], SIDECAR_CPUS[1], default=SIDECAR_CPUS[2])
+    mem = f.integer("mem", SIDECAR_MEM[0], SIDECAR_MEM[1], default=SIDECAR_MEM[2])
     raw_services = f.get("service", [])
     if not isinstance(raw_services, list) or not 1 <= len(raw_services) <= MAX_SERVICES:
         raise InvalidArgument(f"sidecar.service: must list 1-{MAX_SERVICES} services")
@@ -238,9 +172,9 @@ def _sidecar(raw: object) -> SidecarSpec:
 def _agent(raw: object) -> AgentSpec:
     f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
     image = _string(f, "image")
-    cpus = f.integer("cpus", 1, 16, default=2)
-    mem = f.integer("mem", 64, 1 << 20, default=2048)
-    env = _check_env(_strings(f, "env"), "agent.env", templates=False)
+    cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
+    mem = f.integer("mem", AGENT_MEM[0], AGENT_MEM[1], default=AGENT_MEM[2])
+    env = check_env(_strings(f, "env"), "agent.env", templates=False)
     workload = _strings(f, "workload", limit=256)
     volumes = tuple(
         _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(_strings(f, "volumes"))
@@ -269,3 +203,20 @@ def parse_bottle_spec(name: str, data: object) -> BottleSpec:
             "registry image: use a local image (an archive, a directory or a packed machine)"
         )
     return BottleSpec(name, mode, sidecar, agent, dict(f.table))
+
+
+__all__ = [
+    "MAX_ENV",
+    "MAX_STRING",
+    "AgentSpec",
+    "BottleSpec",
+    "EgressSpec",
+    "ServiceSpec",
+    "SidecarSpec",
+    "check_allow_hosts",
+    "check_egress_host",
+    "check_env_entries",
+    "image_fields",
+    "is_local_image",
+    "parse_bottle_spec",
+]
