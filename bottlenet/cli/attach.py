@@ -9,71 +9,18 @@ to the daemon broke mid-session (as ssh does), 1/2/3 as usual when the command n
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import signal
 import sys
-import termios
-import tty
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from bottlenet.cli.output import clean, report_control_error
-from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError, ExecSession
+from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
 from bottlenet.errors import BottlenetError
 
 EXIT_SESSION_LOST = 255
 DEFAULT_SHELL = "/bin/sh"
-
-
-def _terminal_size(fd: int) -> tuple[int, int] | None:
-    try:
-        size = os.get_terminal_size(fd)
-    except OSError:
-        return None
-    return size.lines, size.columns
-
-
-@contextlib.contextmanager
-def raw_terminal(fd: int | None) -> Iterator[None]:
-    """Raw mode on ``fd`` (a terminal) for the block; restored however the block ends.
-
-    SIGTERM and SIGHUP are turned into an orderly exit (so the ``finally`` runs).
-    """
-    if fd is None:
-        yield
-        return
-    saved = termios.tcgetattr(fd)
-
-    def leave(signum: int, frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    old = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        tty.setraw(fd)
-        yield
-    finally:
-        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
-        for s, handler in old.items():
-            signal.signal(s, handler)
-
-
-@contextlib.contextmanager
-def forward_winch(session: ExecSession, fd: int | None) -> Iterator[None]:
-    if fd is None:
-        yield
-        return
-
-    def on_winch(signum: int, frame: object) -> None:
-        size = _terminal_size(fd)
-        if size is not None:
-            session.resize(*size)
-
-    old = signal.signal(signal.SIGWINCH, on_winch)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGWINCH, old)
 
 
 def run_exec(
@@ -94,7 +41,7 @@ def run_exec(
     except (AttributeError, OSError, ValueError):
         in_fd = None
     terminal = in_fd if (args.tty and in_fd is not None and os.isatty(in_fd)) else None
-    size = _terminal_size(terminal) if terminal is not None else None
+    size = terminal_size(terminal) if terminal is not None else None
     if args.tty and size is None:
         size = (24, 80)
     forward = args.interactive or (args.tty and terminal is not None)
