@@ -22,6 +22,7 @@ create time, with the same messages.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
 from attrs import field, frozen
@@ -42,6 +43,18 @@ from bottlenet.specrules import (
     check_label,
     split_volume,
 )
+
+
+def _words(values: Iterable[str]) -> tuple[str, ...]:
+    return tuple(values)
+
+
+def _services(values: Iterable[Service]) -> tuple[Service, ...]:
+    return tuple(values)
+
+
+def _hosts(values: Iterable[str]) -> tuple[str, ...]:
+    return check_allow_hosts(list(values) if not isinstance(values, list | tuple) else values)
 
 
 def _text(value: object, where: str) -> str:
@@ -74,7 +87,7 @@ class Service:
 
     name: str
     guest_port: int
-    env: tuple[str, ...] = field(default=(), converter=tuple)
+    env: tuple[str, ...] = field(default=(), converter=_words)
 
     def __attrs_post_init__(self) -> None:
         check_label(self.name)
@@ -89,9 +102,9 @@ class Service:
 class Egress:
     """``[sidecar.egress]``: the allow-list (normalised, IDNA as punycode) and how to push it."""
 
-    allow_hosts: tuple[str, ...] = field(converter=check_allow_hosts)
+    allow_hosts: tuple[str, ...] = field(converter=_hosts)
     policy_path: str
-    reload: tuple[str, ...] = field(converter=tuple)
+    reload: tuple[str, ...] = field(converter=_words)
 
     def __attrs_post_init__(self) -> None:
         check_abs_path(_text(self.policy_path, "egress.policy_path"), "egress.policy_path")
@@ -112,7 +125,7 @@ class Sidecar:
     """``[sidecar]``: the image with the bottle's services (1-16, unique names)."""
 
     image: str
-    services: tuple[Service, ...] = field(converter=tuple)
+    services: tuple[Service, ...] = field(converter=_services)
     cpus: int = SIDECAR_CPUS[2]
     mem: int = SIDECAR_MEM[2]
     egress: Egress | None = None
@@ -148,9 +161,9 @@ class Agent:
     image: str
     cpus: int = AGENT_CPUS[2]
     mem: int = AGENT_MEM[2]
-    env: tuple[str, ...] = field(default=(), converter=tuple)
-    workload: tuple[str, ...] = field(default=(), converter=tuple)
-    volumes: tuple[str, ...] = field(default=(), converter=tuple)
+    env: tuple[str, ...] = field(default=(), converter=_words)
+    workload: tuple[str, ...] = field(default=(), converter=_words)
+    volumes: tuple[str, ...] = field(default=(), converter=_words)
 
     def __attrs_post_init__(self) -> None:
         _text(self.image, "agent.image")
