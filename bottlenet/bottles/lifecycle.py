@@ -23,7 +23,7 @@ from typing import Any
 from attrs import evolve, field, frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress
+from bottlenet.bottles import egress, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
     MODE_ALIAS,
@@ -368,7 +368,11 @@ class VMLifecycle:
             c.facts["probe"] = "PASS"
         if agent.workload:
             result = await self.smolvm.exec(
-                name, list(agent.workload), env=dict(env), detach=True, timeout=WORKLOAD_TIMEOUT
+                name,
+                workload.wrap(agent.workload, name),
+                env=dict(env),
+                detach=True,
+                timeout=WORKLOAD_TIMEOUT,
             )
             if result.exit_code != 0:
                 raise SmolvmFailed(
@@ -416,6 +420,7 @@ class VMLifecycle:
                 policy=c.facts["policy"],
                 probe_skipped=self.options.skip_probe,
                 probe=c.facts["probe"],
+                workload=workload.STATE_RUNNING if c.spec.agent and c.spec.agent.workload else None,
             ),
         )
 

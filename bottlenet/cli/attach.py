@@ -116,6 +116,34 @@ def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
     )
     sp.set_defaults(attached=True, shell_mode=True)
 
+    sp = bottle.add_parser("logs", help="the output of the bottle's workload", parents=[json_flag])
+    sp.add_argument("name")
+    sp.add_argument("-f", "--follow", action="store_true", help="keep printing new output")
+    sp.add_argument("--tail", type=int, default=None, metavar="N", help="last N lines (200)")
+    sp.set_defaults(logs=True)
+
+
+def run_logs(
+    connect: Callable[[], BlockingControlClient], args: argparse.Namespace, err: TextIO
+) -> int:
+    """``bottle logs NAME [--follow] [--tail N]``: the workload's output on stdout."""
+    client = connect()
+    try:
+        return client.logs(
+            args.name,
+            stdout=sys.stdout.buffer,
+            stderr=sys.stderr.buffer,
+            tail=args.tail,
+            follow=args.follow,
+            timeout=args.timeout,
+        )
+    except (ControlConnectionError, BottlenetError) as e:
+        return report_control_error(e, client.path, err)
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        client.close()
+
 
 def prepare(args: argparse.Namespace) -> str | None:
     """Fill in ``shell``'s defaults and check the command; a usage error message or None."""

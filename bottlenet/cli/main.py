@@ -109,6 +109,9 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     ]
     if b.detail:
         rows.append(["detail", b.detail])
+    if b.workload:
+        code = b.workload_exit_code
+        rows.append(["workload", b.workload if code is None else f"{b.workload} (code {code})"])
     if b.mode:
         rows += [
             ["mode", b.mode],
@@ -372,6 +375,9 @@ def main(
         vm = explicit_timeout if explicit_timeout is not None else VM_TIMEOUT
         return BlockingControlClient(path, timeout=args.timeout, vm_timeout=vm, tls=args.tls)
 
+    if getattr(args, "logs", False):
+        args.timeout = explicit_timeout or VM_TIMEOUT
+        return attach.run_logs(connect, args, err)
     if getattr(args, "attached", False):
         problem = attach.prepare(args)
         if problem is not None:

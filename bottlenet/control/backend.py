@@ -58,3 +58,7 @@ class ControlBackend(Protocol):
     async def spawn_exec(
         self, name: str, request: ExecRequest, protocol: IProcessProtocol
     ) -> IProcessTransport: ...
+
+    async def spawn_logs(
+        self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
+    ) -> IProcessTransport: ...

@@ -246,31 +246,63 @@ class BlockingControlClient:
         timeout: float | None = None,
     ) -> ExecSession:
         """Start ``argv`` in the bottle's agent VM on a connection of its own."""
+        rows, cols = size if size is not None else (None, None)
+        return self._open_stream(
+            C.Exec,
+            timeout,
+            tty=tty,
+            stdin=stdin,
+            bottle=bottle,
+            argv=list(argv),
+            env=list(env) if env else None,
+            user=user,
+            workdir=workdir,
+            rows=rows,
+            cols=cols,
+        )
+
+    def _open_stream(
+        self,
+        command: type[amp.Command],
+        timeout: float | None,
+        *,
+        tty: bool,
+        stdin: bool,
+        **arguments: Any,
+    ) -> ExecSession:
+        """Send ``command`` on a connection of its own; its answer switches it to frames."""
         limit = self.vm_timeout if timeout is None else timeout
         session = BlockingControlClient(
             self.address, self.timeout, vm_timeout=self.vm_timeout, tls=self.tls
         )
         session._sock = self._open(limit)
-        rows, cols = size if size is not None else (None, None)
+        if command is C.Exec:
+            arguments.update(stdin=stdin, tty=tty)
         try:
-            session.call(
-                C.Exec,
-                timeout=limit,
-                bottle=bottle,
-                argv=list(argv),
-                env=list(env) if env else None,
-                user=user,
-                workdir=workdir,
-                stdin=stdin,
-                tty=tty,
-                rows=rows,
-                cols=cols,
-            )
+            session.call(command, timeout=limit, **arguments)
         except BaseException:
             session.close()
             raise
         assert session._sock is not None
         return ExecSession(session._sock, session._parser.take_rest(), tty=tty, stdin=stdin)
+
+    def logs(
+        self,
+        bottle: str,
+        *,
+        stdout: IO[bytes] | None = None,
+        stderr: IO[bytes] | None = None,
+        tail: int | None = None,
+        follow: bool = False,
+        timeout: float | None = None,
+    ) -> int:
+        """Write the workload's output (its last ``tail`` lines, default 200) to ``stdout``;
+        with ``follow``, keep writing until the connection is closed. ``tail``'s exit code."""
+        session = self._open_stream(
+            C.Logs, timeout, tty=False, stdin=False, bottle=bottle, tail=tail, follow=follow
+        )
+        with session:
+            return session.run(None, stdout, stderr)
 
     def exec(
         self,

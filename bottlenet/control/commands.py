@@ -31,7 +31,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = (1,)
 # Server-side cap on page sizes; each page is also trimmed to a byte budget.
 MAX_PAGE = 100
-FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify", "exec", "events")
+FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify", "exec", "events", "logs")
 
 
 class InternalError(BottlenetError):
@@ -264,6 +264,19 @@ class Exec(ControlCommand):
     response = [(b"tty", StrictBoolean())]
 
 
+class Logs(ControlCommand):
+    """The workload's output (its last ``tail`` lines; ``follow`` keeps printing): the answer
+    switches the connection to exec frames, as ``Exec`` does (STDOUT, STDERR, EXIT)."""
+
+    commandName = b"bottlenet.Logs"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"tail", StrictInteger(optional=True)),
+        (b"follow", StrictBoolean(optional=True)),
+    ]
+    response = []
+
+
 class Watch(ControlCommand):
     """Subscribe this connection to bottle events: the daemon then calls ``Event`` on it.
 
@@ -298,6 +311,7 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     VerifyBottle,
     SetEgressPolicy,
     Exec,
+    Logs,
     Watch,
 )
 #: Commands the daemon calls on its clients (the client answers them).

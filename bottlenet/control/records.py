@@ -73,6 +73,8 @@ class BottleRecord:
     probe: str | None = None
     warnings: tuple[str, ...] = ()
     detail: str | None = None
+    workload: str | None = None
+    workload_exit_code: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
@@ -96,6 +98,8 @@ class BottleRecord:
             probe=f.value("probe", str, optional=True),
             warnings=f.strings("warnings", optional=True) or (),
             detail=f.value("detail", str, optional=True),
+            workload=f.value("workload", str, optional=True),
+            workload_exit_code=f.value("workload_exit_code", int, optional=True),
         )
 
 
@@ -205,6 +209,8 @@ def bottle_record(bottle: Bottle, forwards: int, *, with_env: bool = True) -> Bo
         probe=vm.probe if vm else None,
         warnings=bottle.warnings,
         detail=bottle.detail,
+        workload=vm.workload if vm else None,
+        workload_exit_code=vm.workload_exit_code if vm else None,
     )
 
 

@@ -13,7 +13,7 @@ import re
 import socket
 import time
 from collections import Counter
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from attrs import frozen
@@ -28,6 +28,7 @@ from zope.interface import implementer
 
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.backend import ControlBackend
 from bottlenet.control.events import EventHub
@@ -256,9 +257,28 @@ class ControlLocator(SafeCommandLocator):
             rows=rows,
             cols=cols,
         )
+        await self._attach(
+            bottle,
+            lambda bridge: self.backend.spawn_exec(bottle, request, bridge),
+            tty=request.tty,
+            stdin=request.stdin,
+            what="exec",
+        )
+        return {"tty": request.tty}
+
+    async def _attach(
+        self,
+        bottle: str,
+        spawn: Callable[[ExecBridge], Awaitable[object]],
+        *,
+        tty: bool,
+        stdin: bool,
+        what: str,
+    ) -> None:
+        """Start a command with a bridge; the connection switches once the answer is out."""
         connection = self.connection
         if connection is None or connection.in_flight != 1:
-            raise Busy("Exec needs a connection of its own (no other command in flight)")
+            raise Busy(f"{what} needs a connection of its own (no other command in flight)")
         f = self.factory
         if f.stopping:
             raise Unavailable("the daemon is stopping")
@@ -266,28 +286,43 @@ class ControlLocator(SafeCommandLocator):
         bridge = ExecBridge(
             bottle=bottle,
             peer=peer,
-            tty=request.tty,
-            stdin=request.stdin,
+            tty=tty,
+            stdin=stdin,
             clock=f.clock,
             resize=resize,
             on_end=f.exec_sessions.discard,
         )
         self.log.info(
-            "control: exec in bottle {bottle} requested by {peer} (tty={tty}, stdin={stdin})",
+            "control: {what} in bottle {bottle} requested by {peer} (tty={tty}, stdin={stdin})",
+            what=what,
             bottle=bottle,
             peer=peer,
-            tty=request.tty,
-            stdin=request.stdin,
+            tty=tty,
+            stdin=stdin,
             uid=self.peer.uid if self.peer else None,
             pid=self.peer.pid if self.peer else None,
         )
-        await self.backend.spawn_exec(bottle, request, bridge)
+        await spawn(bridge)
         f.exec_sessions.add(bridge)
         if connection.transport is None:  # the client left while smolvm was starting
             bridge.client_lost()
         else:
             connection.switch_after_answer(bridge)
-        return {"tty": request.tty}
+
+    @C.Logs.responder
+    async def logs(self, bottle: str, tail: int | None, follow: bool | None) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        lines = DEFAULT_TAIL if tail is None else tail
+        if not 0 <= lines <= MAX_TAIL:
+            raise InvalidArgument(f"tail must be 0-{MAX_TAIL}")
+        await self._attach(
+            bottle,
+            lambda bridge: self.backend.spawn_logs(bottle, lines, bool(follow), bridge),
+            tty=False,
+            stdin=False,
+            what="logs",
+        )
+        return {}
 
     @C.Watch.responder
     def watch(self, bottle: str | None) -> dict[str, Any]:
