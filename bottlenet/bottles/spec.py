@@ -13,12 +13,10 @@ from typing import Any
 
 from attrs import field, frozen
 
-from bottlenet.errors import InvalidArgument, safe_repr
-from bottlenet.fields import Fields
-from bottlenet.specrules import (
+from bottlenet.bottles.fields import Fields
+from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
-    LABEL_RE,
     MAX_ENV,
     MAX_SERVICES,
     MAX_STRING,
@@ -27,12 +25,13 @@ from bottlenet.specrules import (
     SIDECAR_MEM,
     check_abs_path,
     check_allow_hosts,
-    check_bottle_name,
     check_egress_host,
     check_env,
     check_env_entries,
     split_volume,
 )
+from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.spec import LABEL_RE, check_bottle_name
 from vmctl.spec import is_local_image as vmctl_is_local_image
 
 PACKED_SUFFIX = ".smolmachine"

@@ -1,11 +1,12 @@
 """A typed bottle spec for launchers: attrs classes mirroring ``docs/sidecar.md``, checked on
-construction with the daemon's own rules (:mod:`bottlenet.specrules`), turned into the JSON
-that ``CreateBottle`` takes.
+construction with the daemon's own rules (:mod:`bottlenet.bottles.specrules`), turned into
+the JSON that ``CreateBottle`` takes.
 
-Client side: it imports only the ground floor, so a launcher on another host can use it
-without the daemon's rooms. What only the daemon's host can answer (does a volume's host
-directory exist there; is the agent image local to its smolvm) is checked by the daemon at
-create time, with the same messages.
+Client side: it imports only the errors and two pure leaf modules (the spec value rules and
+the name rules), no reactor and no daemon machinery, so a launcher on another host can use it.
+What only the daemon's host can answer (does a volume's host directory exist there; is the
+agent image local to its smolvm) is checked by the daemon at create time, with the same
+messages.
 
     spec = BottleSpec(
         mode="socket",
@@ -27,8 +28,7 @@ from typing import Any
 
 from attrs import field, frozen
 
-from bottlenet.errors import InvalidArgument
-from bottlenet.specrules import (
+from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
     MAX_ENV,
@@ -43,6 +43,7 @@ from bottlenet.specrules import (
     check_label,
     split_volume,
 )
+from bottlenet.errors import InvalidArgument
 
 
 def _words(values: Iterable[str]) -> tuple[str, ...]:

@@ -18,17 +18,33 @@ from attrs import frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.paths import MAX_SUN_PATH
-from bottlenet.specrules import BOTTLE_NAME_RE as BOTTLE_NAME_RE
-from bottlenet.specrules import LABEL_RE as LABEL_RE
-from bottlenet.specrules import check_bottle_name as check_bottle_name
-from bottlenet.specrules import check_label as check_label
 
+BOTTLE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
+LABEL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 # A canonical dotted-quad: four decimal octets, no leading zeros, nothing else.
 _OCTET = r"(?:25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9][0-9]|[0-9])"
 _CANONICAL_V4 = re.compile(rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}")
 _LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
 _HOST_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
 DEFAULT_POOL = "127.77.0.0/16"
+
+
+def check_bottle_name(name: object) -> str:
+    """Return ``name`` if it is a valid bottle name, else raise InvalidArgument."""
+    if not isinstance(name, str) or not BOTTLE_NAME_RE.fullmatch(name):
+        raise InvalidArgument(
+            f"bottle name {safe_repr(name)} is invalid: use [a-z0-9][a-z0-9-]{{0,62}}"
+        )
+    return name
+
+
+def check_label(label: object) -> str:
+    """Return ``label`` if it is a valid forward label, else raise InvalidArgument."""
+    if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
+        raise InvalidArgument(
+            f"forward label {safe_repr(label)} is invalid: use [a-z0-9][a-z0-9_-]{{0,31}}"
+        )
+    return label
 
 
 def check_port(port: object, *, allow_zero: bool) -> int:

@@ -1,10 +1,11 @@
-"""The rules of names and bottle-spec values that both sides apply: the daemon, when it reads
-a spec or a command, and a launcher, when it builds one (:mod:`bottlenet.control.specbuilder`).
+"""The rules of bottle-spec values that both sides apply: the daemon, when it reads a spec or
+a command, and a launcher, when it builds one (:mod:`bottlenet.control.specbuilder`).
 
-Ground floor: pure functions of their arguments (no filesystem, no VM, nothing of the rooms),
-so a launcher on another host checks exactly what the daemon will check. What only the daemon's
-host can decide (does a volume's host directory exist, is an image local to smolvm) stays in
-:mod:`bottlenet.bottles.spec`.
+A leaf of the bottles wing: pure functions of their arguments (no filesystem, no VM, no
+reactor; its only bottlenet imports are the errors and the data plane's pure name rules in
+``forward.spec``), so a launcher on another host checks exactly what the daemon will check.
+What only the daemon's host can decide (does a volume's host directory exist, is an image local
+to smolvm) stays in :mod:`bottlenet.bottles.spec`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,8 @@ import re
 import string
 
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.spec import check_label as check_label
 
-BOTTLE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
-LABEL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 MODES = ("auto", "alias", "socket", "none")
 MAX_ALLOW_HOSTS = 256
 MAX_SERVICES = 16
@@ -30,24 +30,6 @@ SIDECAR_CPUS = (1, 16, 1)
 SIDECAR_MEM = (64, 1 << 20, 512)
 AGENT_CPUS = (1, 16, 2)
 AGENT_MEM = (64, 1 << 20, 2048)
-
-
-def check_bottle_name(name: object) -> str:
-    """Return ``name`` if it is a valid bottle name, else raise InvalidArgument."""
-    if not isinstance(name, str) or not BOTTLE_NAME_RE.fullmatch(name):
-        raise InvalidArgument(
-            f"bottle name {safe_repr(name)} is invalid: use [a-z0-9][a-z0-9-]{{0,62}}"
-        )
-    return name
-
-
-def check_label(label: object) -> str:
-    """Return ``label`` if it is a valid forward label, else raise InvalidArgument."""
-    if not isinstance(label, str) or not LABEL_RE.fullmatch(label):
-        raise InvalidArgument(
-            f"forward label {safe_repr(label)} is invalid: use [a-z0-9][a-z0-9_-]{{0,31}}"
-        )
-    return label
 
 
 def check_egress_host(host: object) -> str:
