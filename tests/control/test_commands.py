@@ -228,6 +228,13 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         b"\x00\x07_answer\x00\x011\x00\x03tty\x00\x04True\x00\x00",
     ),
     (
+        C.Logs,
+        {"bottle": "b2", "tail": 50, "follow": True},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0ebottlenet.Logs\x00\x06bottle\x00\x02b2\x00\x06follow\x00\x04True\x00\x04tail\x00\x0250\x00\x00",
+        {},
+        b"\x00\x07_answer\x00\x011\x00\x00",
+    ),
+    (
         C.Watch,
         {"bottle": "b2"},
         b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Watch\x00\x06bottle\x00\x02b2\x00\x00",
