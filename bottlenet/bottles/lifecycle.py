@@ -367,6 +367,14 @@ class VMLifecycle:
                 )
             c.facts["probe"] = "PASS"
         if agent.workload:
+            check = await self.smolvm.exec(
+                name, workload.check_argv(agent.workload), env=dict(env), timeout=SETUP_TIMEOUT
+            )
+            if check.exit_code != 0:
+                raise SmolvmFailed(
+                    f"starting the workload in {name} failed: its command is not found"
+                    f" in the agent VM (exit {check.exit_code})"
+                )
             result = await self.smolvm.exec(
                 name,
                 workload.wrap(agent.workload, name),

@@ -49,6 +49,12 @@ def wrap(argv: tuple[str, ...], agent_vm: str) -> list[str]:
     return ["/bin/sh", "-c", _WRAPPER, "bottlenet-workload", guest_dir(agent_vm), *argv]
 
 
+def check_argv(argv: tuple[str, ...]) -> list[str]:
+    """Exit 0 when the workload's command can be run in the guest (the detached start cannot
+    tell: its wrapper always starts)."""
+    return ["/bin/sh", "-c", 'command -v -- "$1" >/dev/null 2>&1', "bottlenet-check", argv[0]]
+
+
 def waiter_argv(agent_vm: str) -> list[str]:
     return ["/bin/sh", "-c", _WAITER, "bottlenet-wait", guest_dir(agent_vm)]
 
