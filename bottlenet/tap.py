@@ -18,6 +18,7 @@ from twisted.python import usage
 
 from bottlenet import __version__, limits, logs, metrics, sdnotify
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.config import ConfigError, DaemonConfig, load_config
@@ -30,6 +31,7 @@ from bottlenet.fatal import fatal_stop
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from bottlenet.state import StateError, StateStore
 from bottlenet.statedir import PrivateDirError, default_state_dir, ensure_private_dir
 from vmctl import errors as vmctl_errors
@@ -72,6 +74,19 @@ class Options(usage.Options):
         ],
         ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
         ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
+        [
+            "gate-outside",
+            None,
+            DEFAULT_OUTSIDE,
+            "An IP:PORT outside the host that the launch gate requires unreachable from a "
+            "guest (by TCP and ICMP).",
+        ],
+        [
+            "gate-dns-name",
+            None,
+            DEFAULT_DNS_NAME,
+            "A DNS name the launch gate requires not to resolve inside a guest.",
+        ],
     ]
     optFlags = [
         [
@@ -249,6 +264,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         except BottlenetError as e:
             raise _fail(f"--metrics: {e.message}") from None
     tls = _tls_options(options)
+    gate = _gate_settings(options, tls, metrics_spec)
     max_bottles = options["max-bottles"]
     if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
         raise _fail("--max-bottles: must be an integer 1-65536")
@@ -283,6 +299,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail(f"--relay-engine: {e}") from None
     vm_options = VMOptions(
         instance_id=state.instance_id,
+        gate=gate,
         iptables_fallback=options["alias-iptables-fallback"],
         skip_probe=options["unsafe-skip-isolation-probe"],
     )
@@ -371,6 +388,23 @@ def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
         results=frozenset({"OK", *control_codes}),
     )
     return calls, commands
+
+
+def _gate_settings(
+    options: Options, tls: tuple[int, str, str, str, str] | None, metrics_spec: Any
+) -> GateSettings:
+    """The gate's stand-in-able targets, plus the daemon's own TCP services to find closed."""
+    try:
+        outside = Target.parse(f"tcp:{options['gate-outside']}")
+        dns_name = check_dns_name(options["gate-dns-name"])
+    except BottlenetError as e:
+        raise _fail(f"--gate-outside/--gate-dns-name: {e.message}") from None
+    ports = []
+    if tls is not None:
+        ports.append(tls[0])
+    if metrics_spec is not None and metrics_spec.kind != "unix" and metrics_spec.port:
+        ports.append(metrics_spec.port)
+    return GateSettings(outside=str(outside)[4:], dns_name=dns_name, host_ports=tuple(ports))
 
 
 def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:

@@ -21,7 +21,12 @@ from twisted.trial.unittest import TestCase
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
+from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
+
+#: The gate's outside address and DNS name, pointed at stand-ins: an address local to the
+#: suite's own namespace (nothing listens on port 9) and a name only loopback could answer.
+GATE_STAND_INS = ("--gate-outside", f"{netguard.TRAP_V4}:9", "--gate-dns-name", "gate.invalid")
 
 SIDECAR_IMAGE = "registry.example/sidecar:1"
 
@@ -85,9 +90,14 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         self.clients: list[ControlClient] = []
 
     async def start(self, *extra: str) -> ControlClient:
+        if "--unsafe-skip-isolation-probe" not in extra and not netguard.active():
+            # With the fake, the gate's probe runs on the host: only the suite's own network
+            # namespace keeps its outside and DNS checks from leaving the machine.
+            self.skipTest("the launch gate with the fake smolvm needs the netguard (root)")
         options = Options()
         options.parseOptions(
             [
+                *GATE_STAND_INS,
                 "--state-dir",
                 self.state_dir,
                 "--control",
