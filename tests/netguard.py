@@ -44,6 +44,10 @@ IFF_NO_PI = 0x1000
 TRAP = "bntrap0"
 TRAP_V4 = "198.18.0.1"  # RFC 2544 benchmarking range: never routed anywhere
 TRAP_V6 = "fd42:b077:1e70::1"
+#: Daemon options every test daemon gets: the gate's outside address and DNS name pointed at
+#: stand-ins, an address local to the suite's own namespace (nothing listens on port 9) and a
+#: name that only the loopback resolver could answer.
+GATE_STAND_INS = ("--gate-outside", f"{TRAP_V4}:9", "--gate-dns-name", "gate.invalid")
 
 _state: dict[str, Any] = {"fd": None, "why": None, "seen": [], "inproc": []}
 _real_connect = socket.socket.connect

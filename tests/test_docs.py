@@ -28,7 +28,6 @@ import pytest
 from bottlenet.cli import build_parser
 from bottlenet.control.blocking import BlockingControlClient
 from tests import netguard
-from tests.bottles.harness import GATE_STAND_INS
 from tests.fakes import FakeSmolvm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -168,7 +167,9 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
         text = text.replace("/tmp/bn-quick", base)
         # The fake runs the gate's probe on the host: its outside and DNS checks go to
         # stand-ins in the suite's own namespace (tests/netguard.py), never off the machine.
-        text = text.replace("twist bottlenet ", "twist bottlenet " + " ".join(GATE_STAND_INS) + " ")
+        text = text.replace(
+            "twist bottlenet ", "twist bottlenet " + " ".join(netguard.GATE_STAND_INS) + " "
+        )
         return text.replace("examples/bottle-socket.toml", str(spec))
 
     fake = FakeSmolvm(os.path.join(base, "smolvm"))

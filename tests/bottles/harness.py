@@ -24,9 +24,7 @@ from bottlenet.tap import BottlenetService, Options, build_service
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
 
-#: The gate's outside address and DNS name, pointed at stand-ins: an address local to the
-#: suite's own namespace (nothing listens on port 9) and a name only loopback could answer.
-GATE_STAND_INS = ("--gate-outside", f"{netguard.TRAP_V4}:9", "--gate-dns-name", "gate.invalid")
+GATE_STAND_INS = netguard.GATE_STAND_INS
 
 SIDECAR_IMAGE = "registry.example/sidecar:1"
 

@@ -111,7 +111,6 @@ def test_gate_plan_covers_every_required_check() -> None:
     assert plan.mode == "alias" and plan.witness
 
 
-
 def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
     spec = parse_bottle_spec("b1", spec_doc(str(tmp_path), mode="alias"))
     env = dict(stamp_env(spec, "alias", ENDPOINTS))
