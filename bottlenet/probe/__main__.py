@@ -151,7 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.buffer.write(render(_plan(ns, nonce)))
             return 0
         if not ns.nonce:
-            parser.error("judge needs --nonce (the one the script was made with)")
+            sys.stderr.write("error: judge needs --nonce (the one the script was made with)\n")
+            return EXIT_BAD_INPUT
         plan = _plan(ns, ns.nonce)
         witnessed = [str(Target.parse(e)) for e in ns.witnessed]
     except BottlenetError as e:

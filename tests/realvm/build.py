@@ -7,7 +7,7 @@ package ``linux-image-amd64`` depends on) and unpacked here, never installed. Th
 it through PVH, several seconds faster under software emulation than decompressing a bzImage.
 
 The result is cached in ``$BOTTLENET_REALVM_CACHE`` (default ``/var/tmp/bottlenet-realvm``),
-keyed by kernel version and the hash of this file and ``init.sh``.
+keyed by kernel version and a hash of the guest's files and of ``LAYOUT``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 import tempfile
 
-from attrs import frozen
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.environ.get("BOTTLENET_REALVM_CACHE", "/var/tmp/bottlenet-realvm")
@@ -48,8 +48,7 @@ MODULES = (
 PY_IMPORTS = "hashlib os socket struct sys tempfile threading time select"
 
 
-@frozen
-class Kit:
+class Kit(NamedTuple):
     vmlinux: str
     initrd: str  # an uncompressed newc cpio; a per-run cpio is appended to it
     kernel_version: str
@@ -157,9 +156,13 @@ def build_initrd(root: str, modules_dir: str, out: str) -> None:
         )
 
 
+#: Bump when build_initrd changes what goes into the initramfs.
+LAYOUT = 1
+
+
 def _source_hash() -> str:
-    h = hashlib.sha256()
-    for name in ("build.py", "init.sh", "relay.py", "blind-python3"):
+    h = hashlib.sha256(f"{LAYOUT} {MODULES} {PY_IMPORTS}".encode())
+    for name in ("init.sh", "relay.py", "blind-python3"):
         with open(os.path.join(HERE, name), "rb") as fh:
             h.update(fh.read())
     return h.hexdigest()[:12]
@@ -201,12 +204,18 @@ def ensure_kit() -> Kit:
             raise RuntimeError(f"dpkg-deb could not read {deb}")
         stage = os.path.join(work, "stage")
         os.makedirs(stage)
-        carve_vmlinux(os.path.join(work, "boot", f"vmlinuz-{version}"), os.path.join(stage, "vmlinux"))
+        carve_vmlinux(
+            os.path.join(work, "boot", f"vmlinuz-{version}"), os.path.join(stage, "vmlinux")
+        )
         root = os.path.join(work, "root")
-        build_initrd(root, os.path.join(work, "lib", "modules", version, "kernel"), os.path.join(stage, "initrd.cpio"))
-        os.makedirs(os.path.dirname(dest), exist_ok=True)
-        if os.path.exists(dest):
-            shutil.rmtree(dest)
+        build_initrd(
+            root,
+            os.path.join(work, "lib", "modules", version, "kernel"),
+            os.path.join(stage, "initrd.cpio"),
+        )
+        for old in os.listdir(CACHE):  # kits of older sources for this kernel
+            if old.startswith(f"{version}-"):
+                shutil.rmtree(os.path.join(CACHE, old), ignore_errors=True)
         os.rename(stage, dest)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -18,6 +18,7 @@ import ipaddress
 import json
 import os
 import secrets
+import shutil
 import socket
 import subprocess
 import sys
@@ -138,17 +139,44 @@ class QemuProtocol(protocol.ProcessProtocol):
         self.ended.callback(code)
 
 
-def qemu_argv(variant: dict[str, Any], kit: Any, initrd: str, work: str, sock: str,
-              shares: list[tuple[str, str, bool]]) -> list[str]:
+def qemu_argv(
+    variant: dict[str, Any],
+    kit: Any,
+    initrd: str,
+    work: str,
+    sock: str,
+    shares: list[tuple[str, str, bool]],
+) -> list[str]:
     argv = [
-        "qemu-system-x86_64", "-accel", "tcg", "-m", "384", "-smp", "1",
-        "-kernel", kit.vmlinux, "-initrd", initrd,
-        "-append", "console=ttyS0 quiet panic=-1 rdinit=/init",
-        "-display", "none", "-monitor", "none", "-no-reboot", "-nodefaults",
-        "-serial", f"file:{work}/console.log", "-serial", f"file:{work}/transcript.txt",
-        "-device", "virtio-serial-pci",
-        "-chardev", f"socket,id=egress0,path={sock},reconnect=1",
-        "-device", "virtserialport,chardev=egress0,name=egress",
+        "qemu-system-x86_64",
+        "-accel",
+        "tcg",
+        "-m",
+        "384",
+        "-smp",
+        "1",
+        "-kernel",
+        kit.vmlinux,
+        "-initrd",
+        initrd,
+        "-append",
+        "console=ttyS0 quiet panic=-1 rdinit=/init",
+        "-display",
+        "none",
+        "-monitor",
+        "none",
+        "-no-reboot",
+        "-nodefaults",
+        "-serial",
+        f"file:{work}/console.log",
+        "-serial",
+        f"file:{work}/transcript.txt",
+        "-device",
+        "virtio-serial-pci",
+        "-chardev",
+        f"socket,id=egress0,path={sock},reconnect=1",
+        "-device",
+        "virtserialport,chardev=egress0,name=egress",
     ]
     net = variant["net"]
     if net == "none":
@@ -158,8 +186,12 @@ def qemu_argv(variant: dict[str, Any], kit: Any, initrd: str, work: str, sock: s
     else:
         argv += ["-nic", "user,model=virtio-net-pci"]
     for i, (host, _guest, ro) in enumerate(shares):
-        argv += ["-fsdev", f"local,id=fs{i},path={host},security_model=none" + (",readonly=on" if ro else ""),
-                 "-device", f"virtio-9p-pci,fsdev=fs{i},mount_tag=share{i}"]
+        argv += [
+            "-fsdev",
+            f"local,id=fs{i},path={host},security_model=none" + (",readonly=on" if ro else ""),
+            "-device",
+            f"virtio-9p-pci,fsdev=fs{i},mount_tag=share{i}",
+        ]
     return argv
 
 
@@ -173,8 +205,13 @@ def run_cpio(files: dict[str, bytes], base: str, out: str) -> None:
         while chunk := fh.read(1 << 20):
             dst.write(chunk)
         dst.flush()
-        subprocess.run(["cpio", "-o", "-H", "newc", "--quiet"], input="\n".join(files).encode(),
-                       stdout=dst, cwd=stage, check=True)
+        subprocess.run(
+            ["cpio", "-o", "-H", "newc", "--quiet"],
+            input="\n".join(files).encode(),
+            stdout=dst,
+            cwd=stage,
+            check=True,
+        )
 
 
 async def run(reactor: Any, name: str) -> dict[str, Any]:
@@ -198,7 +235,11 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
     table.startService()
     listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
-    info = await table.add(ForwardSpec("rvm", "egress", listen, TCPTarget(ipaddress.IPv4Address("127.0.0.1"), RAW_PORT)))
+    info = await table.add(
+        ForwardSpec(
+            "rvm", "egress", listen, TCPTarget(ipaddress.IPv4Address("127.0.0.1"), RAW_PORT)
+        )
+    )
     endpoint = Endpoint("egress", 3128, RAW_PORT, path=info.bound.path, guest_path=GUEST_SOCKET)  # type: ignore[union-attr]
 
     shares: list[tuple[str, str, bool]] = []
@@ -217,24 +258,41 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     settings = GateSettings(
         outside=f"{OUTSIDE}:443", dns_name=DNS_NAME, host_ports=(CONTROL_PORT, METRICS_PORT)
     )
-    plan = plan_gate([endpoint], mode="socket", nonce=nonce, other_bottle="%s:%d" % OTHER_BOTTLE,
-                     settings=settings, absent=markers.paths, volumes=volumes)
+    plan = plan_gate(
+        [endpoint],
+        mode="socket",
+        nonce=nonce,
+        other_bottle="%s:%d" % OTHER_BOTTLE,
+        settings=settings,
+        absent=markers.paths,
+        volumes=volumes,
+    )
     witness = Witness(nonce)
 
     def used() -> None:
         table.divert("rvm", "egress", None)
 
     # Under software emulation QEMU connects at boot and the probe writes much later.
-    table.divert("rvm", "egress", WitnessFactory(reactor, witness, str(plan.own[0]), used, timeout=BOOT_TIMEOUT))
+    table.divert(
+        "rvm",
+        "egress",
+        WitnessFactory(reactor, witness, str(plan.own[0]), used, timeout=BOOT_TIMEOUT),
+    )
     conf = f"NET={variant['net']}\nBLIND={1 if variant.get('blind') else 0}\n"
-    conf += "SHARES='" + " ".join(f"share{i}:{g}" + (":ro" if ro else "") for i, (_h, g, ro) in enumerate(shares)) + "'\n"
+    conf += (
+        "SHARES='"
+        + " ".join(f"share{i}:{g}" + (":ro" if ro else "") for i, (_h, g, ro) in enumerate(shares))
+        + "'\n"
+    )
     initrd = os.path.join(work, "initrd.cpio")
     run_cpio({"rvm.conf": conf.encode(), "probe.sh": render(plan)}, kit.initrd, initrd)
 
     argv = qemu_argv(variant, kit, initrd, work, info.bound.path, shares)  # type: ignore[union-attr]
     qemu = QemuProtocol()
     started = time.monotonic()
-    proc = reactor.spawnProcess(qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")})
+    proc = reactor.spawnProcess(
+        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    )
     timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
     code = await qemu.ended
     wall = time.monotonic() - started
@@ -256,6 +314,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         if line.startswith("RVM-EXIT "):
             exit_code = int(line.split()[1])
     verdict = judge(plan, transcript, exit_code=exit_code, witnessed=witness.seen, rw_seen=rw_seen)
+    shutil.rmtree(work, ignore_errors=True)
     rvm_lines = [ln.strip() for ln in console.splitlines() if ln.startswith("RVM-")]
     return {
         "variant": name,
