@@ -160,7 +160,12 @@ def test_script_finds_a_reachable_port_and_a_visible_marker(tmp_path: Any) -> No
     marker = str(tmp_path / ".bottlenet-gate-marker-x")
     open(marker, "w").close()
     p = plan(own=(), witness=False, host_ports=(18999,), absent=(marker,))
-    listener = "python3 -c 'import socket,time; s=socket.create_server((\"127.0.0.1\",18999)); time.sleep(60)' & sleep 0.5"
+    ready = tmp_path / "ready"
+    listener = (
+        'python3 -c \'import socket, sys, time; s = socket.create_server(("127.0.0.1", 18999));'
+        f' open(sys.argv[1], "w").close(); time.sleep(60)\' {ready} &'
+        f" while [ ! -e {ready} ]; do sleep 0.05; done"
+    )
     code, out = run_in_netns(render(p), listener)
     v = judge(p, out, exit_code=code, witnessed=None)
     assert not v.passed and code == 1
@@ -193,7 +198,8 @@ def test_a_forged_pass_without_the_host_witness_fails() -> None:
     p = plan()
     v = judge(p, transcript(p), exit_code=0, witnessed=[])
     assert v.problems == (
-        f"own endpoint {OWN} was not witnessed on the host (no connection carrying this run's nonce)",
+        f"own endpoint {OWN} was not witnessed on the host "
+        "(no connection carrying this run's nonce)",
     )
 
 
@@ -247,7 +253,8 @@ def test_every_path_to_the_host_is_required_and_leaks_are_named() -> None:
     assert v.problems == (
         "network interface eth0 in a socket-mode guest (only lo is allowed)",
         "leak: tcp:10.0.2.2:18080 (host port 18080 via the default gateway 10.0.2.2) is reachable",
-        "leak: tcp:[fe80::2%eth0]:18080 (host port 18080 via the default gateway fe80::2%eth0) is reachable",
+        "leak: tcp:[fe80::2%eth0]:18080 (host port 18080 via the default gateway fe80::2%eth0)"
+        " is reachable",
         "leak: the default gateway 10.0.2.2 answers ICMP echo",
         "leak: DNS name gate.invalid resolves",
     )
@@ -310,11 +317,11 @@ def test_witness_records_the_nonce_once_and_closes() -> None:
 
 def test_witness_refuses_a_wrong_nonce_garbage_and_silence() -> None:
     clock, used, w = Clock(), [], Witness(NONCE)
-    proto, tr = witness_conn(w, used, clock)
+    proto, _ = witness_conn(w, used, clock)
     proto.dataReceived(f"BNP-WITNESS {'f' * 32} {OWN}\n".encode())
     proto2, _ = witness_conn(w, used, clock)
     proto2.dataReceived(b"x" * 600)  # no newline, over the limit
-    proto3, tr3 = witness_conn(w, used, clock)
+    _, tr3 = witness_conn(w, used, clock)
     clock.advance(5)
     assert tr3.disconnecting
     assert w.seen == set() and w.mismatched == 3

@@ -20,7 +20,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-
 from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -262,7 +262,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         [endpoint],
         mode="socket",
         nonce=nonce,
-        other_bottle="%s:%d" % OTHER_BOTTLE,
+        other_bottle=f"{OTHER_BOTTLE[0]}:{OTHER_BOTTLE[1]}",
         settings=settings,
         absent=markers.paths,
         volumes=volumes,
@@ -342,7 +342,7 @@ class contextlib_suppress:
 
 
 def main() -> None:
-    from twisted.internet import reactor, task
+    from twisted.internet import task
 
     name, out = sys.argv[1], sys.argv[2]
 

@@ -114,8 +114,8 @@ def test_leaky_vm_fails_naming_every_leak(runs: Any) -> None:
         in problems
     )
     assert (
-        f"leak: tcp:10.0.2.2:{CONTROL_PORT} (host port {CONTROL_PORT} via the default gateway 10.0.2.2) is reachable"
-        in problems
+        f"leak: tcp:10.0.2.2:{CONTROL_PORT} (host port {CONTROL_PORT} via the default gateway"
+        " 10.0.2.2) is reachable" in problems
     )
     assert f"leak: tcp:{OUTSIDE}:443 (the outside address) is reachable" in problems
     assert "leak: the default gateway 10.0.2.2 answers ICMP echo" in problems  # it can ping
