@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
-import socket
-import stat
 from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
@@ -47,10 +45,12 @@ from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
     EngineFactory,
+    RelayFailure,
     RelaySession,
     TransportRelay,
 )
 from bottlenet.forward.spec import (
+    MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
     TCPListen,
@@ -64,15 +64,14 @@ from bottlenet.forward.spec import (
     check_unix_listen,
 )
 from bottlenet.forward.splice import engine_factory
-from bottlenet.statedir import ensure_private_dir
+from bottlenet.paths import ensure_private_dir, unix_path_state
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
 
 #: At most one refusal log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
-_FD_EXHAUSTED = (":EMFILE", ":ENFILE")
-MAX_CONNECTIONS_LIMIT = 65536
+_FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 @frozen
@@ -178,7 +177,7 @@ class _Forward(Factory):
         )
 
     # RelayOwner
-    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None:
+    def relay_ended(self, session: RelaySession, outcome: str, reason: RelayFailure | None) -> None:
         self.sessions.discard(session)
         bytes_in, bytes_out = session.bytes_in, session.bytes_out
         self.done_in += bytes_in
@@ -186,13 +185,13 @@ class _Forward(Factory):
         clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
         if not clean:
             self.failed += 1
-            if reason is not None and reason.endswith(_FD_EXHAUSTED):
+            if reason is not None and reason.errno in _FD_EXHAUSTED:
                 # The connect could not get a socket: stop accepting for a while (the
                 # listener's EMFILE backoff) so further clients wait in the backlog instead of
                 # being accepted only to be reset.
                 exhausted = getattr(self.port, "exhausted", None)
                 if exhausted is not None:
-                    exhausted(errno.EMFILE if reason.endswith("EMFILE") else errno.ENFILE)
+                    exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
             return
         # Metadata only: never payload bytes, never client-controlled values.
@@ -203,7 +202,7 @@ class _Forward(Factory):
             bottle=self.spec.bottle,
             label=self.spec.label,
             outcome=outcome,
-            reason=reason,
+            reason=None if reason is None else reason.describe(),
             bytes_in=bytes_in,
             bytes_out=bytes_out,
             duration=self._clock.seconds() - session.started,
@@ -459,15 +458,13 @@ class ForwardTable(Service):
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
         made = ensure_private_dir(bdir, too_open="fix", name=f"bottle directory of {spec.bottle}")
         created = bdir if made else None
-        try:
-            pst = os.lstat(listen.path)
-        except FileNotFoundError:
-            return created
-        if not stat.S_ISSOCK(pst.st_mode):
+        state, _ = unix_path_state(listen.path)
+        if state in ("symlink", "not-a-socket"):
             raise InvalidArgument(f"{listen.describe()} exists and is not a socket")
-        if _unix_socket_alive(listen.path):
+        if state in ("alive", "unknown"):  # unknown (e.g. EACCES): not ours to replace
             raise BindRefused(f"cannot listen on {listen.describe()}: in use by another process")
-        os.unlink(listen.path)  # a stale socket from a previous run
+        if state == "stale":
+            os.unlink(listen.path)  # a stale socket from a previous run
         return created
 
     def _server_endpoint(
@@ -504,23 +501,6 @@ class ForwardTable(Service):
         if isinstance(target.host, ipaddress.IPv6Address):
             return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
         return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
-
-
-def _unix_socket_alive(path: str) -> bool:
-    """True if something accepts connections on ``path`` (non-blocking probe, no data sent)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.setblocking(False)
-        probe.connect(path)
-    except (BlockingIOError, InterruptedError):
-        return True  # backlog full: very much alive
-    except OSError as e:
-        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        return True  # EACCES and friends: not ours to replace
-    finally:
-        probe.close()
-    return True
 
 
 def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:

@@ -18,16 +18,18 @@ from twisted.internet.threads import deferToThread
 from twisted.python.systemd import ListenFDs
 from twisted.trial import unittest
 
+from bottlenet.bottles.model import Bottle
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
-from bottlenet.control.listen import ControlService, tls_control_endpoint
+from bottlenet.control.endpoints import tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import NotFound
+from bottlenet.tap import control_service
 
 from . import certs
-from .fakes import FakeBackend, FakeBottle
+from .fakes import FakeBackend
 
 reactor: Any = _reactor
 
@@ -60,7 +62,9 @@ class UNIXControlTests(unittest.TestCase):
             allowed_uids=default_allowed_uids(),
         )
         self.fatal: list[str] = []
-        self.service = ControlService(reactor, f"unix:{self.path}", self.factory, self.fatal.append)
+        self.service = control_service(
+            reactor, f"unix:{self.path}", self.factory, self.fatal.append
+        )
         self.service.startService()
         self.addCleanup(self.service.stopService)
         self.assertEqual(self.fatal, [])
@@ -152,9 +156,8 @@ class UNIXControlTests(unittest.TestCase):
     def test_flood_never_read_pauses_reading(self) -> Any:
         """10k pipelined ListBottles (~10 KB answers each) never read: output stays bounded."""
         for i in range(100):
-            self.backend.bottles[f"b{i:03d}"] = FakeBottle(
-                f"b{i:03d}", "127.77.0.9", "control", "ready", 1.0, ()
-            )
+            self.backend.bottles[f"b{i:03d}"] = Bottle(f"b{i:03d}", "127.77.0.9", 1.0)
+            self.backend.forwards[f"b{i:03d}"] = ()
         protos: list[Any] = []
         build = self.factory.buildProtocol
 
@@ -229,7 +232,7 @@ class SystemdTests(unittest.TestCase):
             allowed_uids=default_allowed_uids(),
         )
         fatal: list[str] = []
-        svc = ControlService(
+        svc = control_service(
             reactor,
             "systemd:domain=UNIX:name=control",
             factory,
@@ -327,7 +330,7 @@ class TLSTests(unittest.TestCase):
         self.assertEqual(self.backend.calls, [])
 
     def test_interface_required(self) -> None:
-        from bottlenet.control.listen import ControlListenError
+        from bottlenet.control.endpoints import ControlListenError
 
         with self.assertRaises(ControlListenError):
             tls_control_endpoint(reactor, 0, "", self.key, self.cert, self.ca_path)

@@ -17,8 +17,10 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
-from bottlenet import metrics
-from tests.ops.test_metrics import Bottle, _fwd
+from bottlenet.bottles.model import Bottle
+from bottlenet.ops import metrics
+from bottlenet.ops.listening import ListeningService
+from tests.ops.test_metrics import _fwd
 
 
 class RawGet(Protocol):
@@ -55,13 +57,15 @@ class MetricsOverSockets(unittest.TestCase):
     def _start(self, text: str):  # type: ignore[no-untyped-def]
         spec = metrics.parse_metrics_endpoint(text)
         source = metrics.SnapshotSource(
-            lambda: [_fwd("demo", "git", accepted=3, active=1)], lambda: [Bottle("demo", "ready")]
+            lambda: [_fwd("demo", "git", accepted=3, active=1)], lambda: [Bottle("demo", None, 1.0)]
         )
         commands = metrics.CommandStats()
         commands.record("Hello", "OK")
         site = metrics.metrics_site(source, reactor, control=commands)
         errors: list[str] = []
-        svc = metrics.MetricsService(spec, spec.endpoint(reactor), site, errors.append)
+        svc = ListeningService(
+            "metrics", spec.describe(), spec.endpoint(reactor), site, errors.append
+        )
         svc.startService()
         self.addCleanup(svc.stopService)
         port = yield svc.when_listening()
@@ -104,8 +108,9 @@ class MetricsOverSockets(unittest.TestCase):
         spec = metrics.parse_metrics_endpoint(f"tcp:{taken.getsockname()[1]}:interface=127.0.0.1")
         source = metrics.SnapshotSource(list)
         errors: list[str] = []
-        svc = metrics.MetricsService(
-            spec, spec.endpoint(reactor), metrics.metrics_site(source, reactor), errors.append
+        site = metrics.metrics_site(source, reactor)
+        svc = ListeningService(
+            "metrics", spec.describe(), spec.endpoint(reactor), site, errors.append
         )
         svc.startService()
         self.addCleanup(svc.stopService)
