@@ -46,7 +46,7 @@ from bottlenet.bottles.model import (
     machine_name,
 )
 from bottlenet.bottles.probe import Gate, GateSettings
-from bottlenet.bottles.spec import BottleSpec, image_fields, is_local_image
+from bottlenet.bottles.spec import BottleSpec, EgressSpec, image_fields, is_local_image
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
@@ -363,7 +363,14 @@ class VMLifecycle:
             c.facts["probe"] = "skipped"
         else:
             verdict = await self.run_probe(
-                c.name, name, c.plan.mode, endpoints, volumes=agent.volumes, witness=True
+                c.name,
+                name,
+                c.plan.mode,
+                endpoints,
+                volumes=agent.volumes,
+                witness=True,
+                egress=c.spec.sidecar.egress if c.spec.sidecar is not None else None,
+                policy=c.facts["policy"],
             )
             if not verdict.passed:
                 raise IsolationFailed(
@@ -452,6 +459,8 @@ class VMLifecycle:
         *,
         volumes: Sequence[str] = (),
         witness: bool,
+        egress: EgressSpec | None = None,
+        policy: Sequence[str] = (),
     ) -> Verdict:
         """The launch gate (``witness``: before any workload, own endpoints diverted)."""
         plan, verdict = await self.gate.run(
@@ -462,6 +471,11 @@ class VMLifecycle:
             other_bottle=self.other_bottle_target(bottle, endpoints),
             volumes=[Volume.parse(v) for v in volumes],
             witness=witness,
+            proxy=next(
+                (e for e in endpoints if egress is not None and e.service == egress.connect_proxy),
+                None,
+            ),
+            allow_hosts=policy,
         )
         self.log.info(
             "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
@@ -485,6 +499,8 @@ class VMLifecycle:
                 vm.endpoints,
                 volumes=vm.spec.agent.volumes if vm.spec.agent is not None else (),
                 witness=False,
+                egress=vm.spec.sidecar.egress if vm.spec.sidecar is not None else None,
+                policy=vm.policy,
             )
         except VmctlError as e:
             raise map_vmctl(e) from None

@@ -87,11 +87,24 @@ def plan_gate(
     absent: Sequence[str] = (),
     volumes: Sequence[Volume] = (),
     witness: bool = True,
+    proxy: Endpoint | None = None,
+    allow_hosts: Sequence[str] = (),
 ) -> ProbePlan:
     """Own endpoints; raw ports, the daemon's services and well-known ports on every path to
     the host; another bottle's endpoint; the outside address and DNS; markers; volumes."""
     ports = [e.raw_port for e in endpoints] + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
     deny = [Target.parse(f"tcp:{other_bottle}")] if other_bottle is not None else []
+    connect_ok: list[str] = []
+    connect_no: list[str] = []
+    if proxy is not None:
+        literal = [h for h in allow_hosts if not h.startswith("*.")]
+        connect_ok = [f"{literal[0]}:443"] if literal else []
+        denied = settings.dns_name
+        if any(
+            denied == h or denied.endswith(h[1:]) for h in allow_hosts if h.startswith("*.")
+        ) or (denied in allow_hosts):
+            denied = "bottlenet-gate.invalid"
+        connect_no = [f"{denied}:443"]
     return ProbePlan(
         mode=MODE_ALIAS if mode == MODE_ALIAS else "socket",
         nonce=nonce,
@@ -105,6 +118,9 @@ def plan_gate(
         ro=tuple(v.guest for v in volumes if v.read_only),
         rw=tuple(v.guest for v in volumes if not v.read_only),
         witness=witness,
+        connect_via=None if proxy is None else own_target(proxy),
+        connect_ok=tuple(connect_ok),
+        connect_no=tuple(connect_no),
     )
 
 
@@ -192,6 +208,8 @@ class Gate:
         other_bottle: str | None,
         volumes: Sequence[Volume] = (),
         witness: bool = True,
+        proxy: Endpoint | None = None,
+        allow_hosts: Sequence[str] = (),
     ) -> tuple[ProbePlan, Verdict]:
         nonce = new_nonce()
         markers = Markers(nonce, self.marker_dirs())
@@ -207,6 +225,8 @@ class Gate:
                 absent=markers.paths,
                 volumes=volumes,
                 witness=witness,
+                proxy=proxy,
+                allow_hosts=allow_hosts,
             )
             if witness:
                 seen = Witness(nonce)

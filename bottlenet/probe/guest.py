@@ -109,6 +109,36 @@ def ping(addr):
     return None
 
 
+def proxy_connect(via, target):
+    """``answered`` (2xx), ``refused`` (any other answer or a close), ``unreachable``."""
+    kind, _, addr = via.partition(":")
+    try:
+        family, sa = sockaddr(kind, addr)
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return "unreachable"
+    try:
+        s.settimeout(PLAN["timeout"] * 3)
+        try:
+            s.connect(sa)
+        except OSError:
+            return "unreachable"
+        s.sendall(("CONNECT %s HTTP/1.1\r\nHost: %s\r\n\r\n" % (target, target)).encode())
+        head = b""
+        while b"\r\n" not in head and len(head) < 256:
+            chunk = s.recv(256)
+            if not chunk:
+                break
+            head += chunk
+        words = head.split(b"\r\n", 1)[0].split()
+        good = len(words) >= 2 and words[0].startswith(b"HTTP/") and words[1][:1] == b"2"
+        return "answered" if good and len(words[1]) == 3 else "refused"
+    except OSError:
+        return "refused"
+    finally:
+        s.close()
+
+
 def resolves(name):
     ok = []
 
@@ -305,6 +335,11 @@ def main():
         present = os.path.lexists(p)
         say("absent", p, "present" if present else "ok")
         fail = fail or present
+    if PLAN["connect_via"]:
+        for target in PLAN["connect_ok"] + PLAN["connect_no"]:
+            r = proxy_connect(PLAN["connect_via"], target)
+            say("connect", target, r)
+            fail = fail or (r != "answered") == (target in PLAN["connect_ok"])
     say("id", "machine-id", ident_hash("/etc/machine-id"))
     say("id", "hostname", ident_hash("/proc/sys/kernel/hostname"))
     volumes()

@@ -131,6 +131,8 @@ class _Transcript:
                 self._result(("id", w[1]), w[2], (w[2],))
             else:
                 self.unexpected += 1
+        elif verb == "connect" and n == 3:
+            self._result(("connect", w[1]), w[2], ("answered", "refused", "unreachable"))
         elif verb == "ro" and n == 3:
             self._result(("ro", w[1]), w[2], ("ok", "writable"))
         elif verb == "rw" and n == 3:
@@ -250,6 +252,18 @@ def judge(
     checks += [
         ("rw", p, "fail", f"read-write volume {p} does not round-trip a file") for p in plan.rw
     ]
+    if plan.connect_via is not None:
+        via = str(plan.connect_via)
+        for target in plan.connect_no:
+            checks.append(
+                (
+                    "connect",
+                    target,
+                    "answered",
+                    f"leak: the egress proxy {via} lets CONNECT {target} through"
+                    " (not on the allow-list)",
+                )
+            )
     wanted = {(kind, key) for kind, key, _, _ in checks} | {("own", str(o)) for o in plan.own}
     for kind, key, bad, message in checks:
         r = t.results.get((kind, key))
@@ -257,6 +271,7 @@ def judge(
             problems.append(f"check missing: {kind} {key}")
         elif r == bad:
             problems.append(message)
+    wanted |= {("connect", c) for c in plan.connect_ok} if plan.connect_via is not None else set()
     for kind, key in t.results:
         if kind != "id" and (kind, key) not in wanted:
             problems.append(
@@ -264,6 +279,17 @@ def judge(
                 "result(s) for checks that were not planned"
             )
             break
+
+    if plan.connect_via is not None:
+        for target in plan.connect_ok:
+            r = t.results.get(("connect", target))
+            if r is None:
+                problems.append(f"check missing: connect {target}")
+            elif r != "answered":
+                problems.append(
+                    f"the egress proxy {plan.connect_via} did not answer CONNECT {target}"
+                    f" (on the allow-list): {r}"
+                )
 
     # 4. identity and volumes
     for which in ("machine-id", "hostname"):

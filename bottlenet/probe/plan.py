@@ -139,6 +139,23 @@ def _outside(value: str | Target) -> Target:
     return t
 
 
+def _target_or_none(value: str | Target | None) -> Target | None:
+    if value is None or isinstance(value, Target):
+        return value
+    return Target.parse(value)
+
+
+def _host_ports(values: object) -> tuple[str, ...]:
+    """``name:port`` for a CONNECT request (a lowercase DNS name, a port 1-65535)."""
+    out = []
+    for v in values:  # type: ignore[attr-defined]
+        name, sep, port = str(v).rpartition(":")
+        if not sep or not port.isdigit():
+            raise InvalidArgument(f"CONNECT target {safe_repr(v)} must be NAME:PORT")
+        out.append(f"{check_dns_name(name)}:{check_port(int(port))}")
+    return tuple(dict.fromkeys(out))
+
+
 def _hex64(values: object) -> tuple[str, ...]:
     out = []
     for v in values:  # type: ignore[attr-defined]
@@ -173,6 +190,11 @@ class ProbePlan:
     host_ids: tuple[str, ...] = field(converter=_hex64, default=())
     ro: tuple[str, ...] = field(converter=_paths, default=())
     rw: tuple[str, ...] = field(converter=_paths, default=())
+    #: An own endpoint that is an HTTP CONNECT proxy: ``connect_ok`` HOST:PORTs must be
+    #: answered (2xx) through it, ``connect_no`` ones refused.
+    connect_via: Target | None = field(converter=_target_or_none, default=None)
+    connect_ok: tuple[str, ...] = field(converter=_host_ports, default=())
+    connect_no: tuple[str, ...] = field(converter=_host_ports, default=())
     witness: bool = True
     timeout: float = CHECK_TIMEOUT
 

@@ -58,6 +58,9 @@ def guest_program(plan: ProbePlan) -> str:
         "absent": list(plan.absent),
         "ro": list(plan.ro),
         "rw": list(plan.rw),
+        "connect_via": None if plan.connect_via is None else str(plan.connect_via),
+        "connect_ok": list(plan.connect_ok),
+        "connect_no": list(plan.connect_no),
         "witness": plan.witness,
         "timeout": plan.timeout,
     }

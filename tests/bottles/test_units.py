@@ -190,3 +190,29 @@ def test_map_vmctl_tells_precheck_from_smolvm_failure() -> None:
     assert isinstance(map_vmctl(v.DeviceBudgetExceeded("5 devices > 4")), InvalidArgument)
     assert isinstance(map_vmctl(v.DeviceBudget("krun_start_enter returned: -22")), SmolvmFailed)
     assert isinstance(map_vmctl(v.SmolvmUnavailable("no smolvm")), SmolvmUnavailable)
+
+
+def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
+    sock = Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/egress.sock")
+    plan = plan_gate(
+        [sock],
+        mode="socket",
+        nonce="ab" * 16,
+        other_bottle=None,
+        settings=GateSettings(dns_name="gate.invalid"),
+        proxy=sock,
+        allow_hosts=("*.github.com", "pypi.org"),
+    )
+    assert str(plan.connect_via) == "unix:/run/bottle/egress.sock"
+    assert (plan.connect_ok, plan.connect_no) == (("pypi.org:443",), ("gate.invalid:443",))
+    # a gate name the allow-list admits is not a refusal check: a reserved name is used instead
+    allowed = plan_gate(
+        [sock],
+        mode="socket",
+        nonce="ab" * 16,
+        other_bottle=None,
+        settings=GateSettings(dns_name="x.github.com"),
+        proxy=sock,
+        allow_hosts=("*.github.com",),
+    )
+    assert (allowed.connect_ok, allowed.connect_no) == ((), ("bottlenet-gate.invalid:443",))

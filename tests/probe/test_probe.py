@@ -137,7 +137,14 @@ def run_in_netns(script: bytes, *setup: str) -> tuple[int, bytes]:
     """The script under ``sh -s`` in a new network namespace (lo up, nothing else)."""
     pre = "; ".join(["ip link set lo up", *setup])
     p = subprocess.run(
-        ["unshare", "--net", "/bin/sh", "-c", f"{pre}; exec /bin/sh -s"],
+        # background helpers of ``setup`` are stopped when the script is done
+        [
+            "unshare",
+            "--net",
+            "/bin/sh",
+            "-c",
+            f"{pre}; /bin/sh -s; rc=$?; kill $(jobs -p); exit $rc",
+        ],
         input=script,
         capture_output=True,
         timeout=120,
@@ -163,7 +170,7 @@ def test_script_finds_a_reachable_port_and_a_visible_marker(tmp_path: Any) -> No
     ready = tmp_path / "ready"
     listener = (
         'python3 -c \'import socket, sys, time; s = socket.create_server(("127.0.0.1", 18999));'
-        f' open(sys.argv[1], "w").close(); time.sleep(60)\' {ready} &'
+        f' open(sys.argv[1], "w").close(); time.sleep(60)\' {ready} >/dev/null 2>&1 &'
         f" while [ ! -e {ready} ]; do sleep 0.05; done"
     )
     code, out = run_in_netns(render(p), listener)
@@ -392,3 +399,81 @@ def test_cli_runs_as_a_module() -> None:
         check=False,
     )
     assert (p.returncode, p.stdout) == (0, b"PASS\n")
+
+
+# -- egress CONNECT --------------------------------------------------------------------------
+
+
+def connect_plan(**kw: Any) -> ProbePlan:
+    return plan(
+        connect_via=OWN, connect_ok=("pypi.org:443",), connect_no=("gate.invalid:443",), **kw
+    )
+
+
+def test_connect_through_the_egress_proxy_is_judged() -> None:
+    p = connect_plan()
+    base = transcript(p).replace(
+        f"BNP {NONCE} id machine-id".encode(),
+        f"BNP {NONCE} connect pypi.org:443 answered\nBNP {NONCE} connect gate.invalid:443 R\n"
+        f"BNP {NONCE} id machine-id".encode(),
+    )
+    assert judge(p, base.replace(b" R\n", b" refused\n"), exit_code=0, witnessed=[OWN]).passed
+    open_proxy = judge(p, base.replace(b" R\n", b" answered\n"), witnessed=[OWN])
+    assert open_proxy.problems[0] == (
+        f"leak: the egress proxy {OWN} lets CONNECT gate.invalid:443 through"
+        " (not on the allow-list)"
+    )
+    dead = base.replace(b"pypi.org:443 answered", b"pypi.org:443 unreachable")
+    assert judge(p, dead.replace(b" R\n", b" refused\n"), witnessed=[OWN]).problems[0] == (
+        f"the egress proxy {OWN} did not answer CONNECT pypi.org:443"
+        " (on the allow-list): unreachable"
+    )
+    assert (
+        "check missing: connect pypi.org:443" in judge(p, transcript(p), witnessed=[OWN]).problems
+    )
+
+
+PROXY = """
+import socket, sys
+srv = socket.socket(socket.AF_UNIX); srv.bind(sys.argv[1]); srv.listen(8)
+open(sys.argv[1] + ".ready", "w").close()
+while True:
+    c, _ = srv.accept()
+    line = c.recv(512).split(b"\\r\\n")[0]
+    ok = sys.argv[2] == "open" or b" pypi.org:443 " in line
+    answer = b"200 Connection established" if ok else b"403 Forbidden"
+    c.sendall(b"HTTP/1.1 " + answer + b"\\r\\n\\r\\n")
+    c.close()
+"""
+
+
+@needs_netns
+@pytest.mark.parametrize("kind", ["allow-list", "open"])
+def test_script_checks_connect_through_a_proxy(tmp_path: Any, kind: str) -> None:
+    via = f"/tmp/bnp-proxy-{os.getpid()}-{kind}.sock"
+    (tmp_path / "proxy.py").write_text(PROXY)
+    p = plan(
+        own=(),
+        witness=False,
+        connect_via=f"unix:{via}",
+        connect_ok=("pypi.org:443",),
+        connect_no=("gate.invalid:443",),
+    )
+    start = (
+        f"python3 {tmp_path / 'proxy.py'} {via} {kind} >/dev/null 2>&1 &"
+        f" while [ ! -e {via}.ready ]; do sleep 0.05; done"
+    )
+    try:
+        code, out = run_in_netns(render(p), start)
+    finally:
+        for f in (via, via + ".ready"):
+            if os.path.exists(f):
+                os.unlink(f)
+    v = judge(p, out, exit_code=code, witnessed=None)
+    if kind == "open":
+        assert v.problems == (
+            f"leak: the egress proxy unix:{via} lets CONNECT gate.invalid:443 through"
+            " (not on the allow-list)",
+        )
+    else:
+        assert v.passed, v.lines()
