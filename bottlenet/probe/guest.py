@@ -220,34 +220,28 @@ def hexip4(h):
     return socket.inet_ntoa(struct.pack("<I", int(h, 16)))
 
 
+def fields(path, skip=0):
+    """The whitespace-split lines of a text file (none when it cannot be read)."""
+    try:
+        with open(path) as fh:
+            return [line.split() for line in fh.readlines()[skip:]]
+    except OSError:
+        return []
+
+
 def paths():
     """Every way to the host the guest knows of: default gateways and nameservers."""
     found = []
-    try:
-        with open("/proc/net/route") as fh:
-            for line in fh.readlines()[1:]:
-                f = line.split()
-                if len(f) > 3 and f[1] == "00000000" and int(f[3], 16) & 2:
-                    found.append(("gw", hexip4(f[2])))
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/proc/net/ipv6_route") as fh:
-            for line in fh:
-                f = line.split()
-                if len(f) == 10 and f[0] == "0" * 32 and f[1] == "00" and f[4] != "0" * 32:
-                    ip = socket.inet_ntop(socket.AF_INET6, bytes.fromhex(f[4]))
-                    found.append(("gw", ip + "%" + f[9] if ip.startswith("fe80") else ip))
-    except (OSError, ValueError):
-        pass
-    try:
-        with open("/etc/resolv.conf") as fh:
-            for line in fh:
-                f = line.split()
-                if len(f) >= 2 and f[0] == "nameserver":
-                    found.append(("ns", f[1]))
-    except OSError:
-        pass
+    for f in fields("/proc/net/route", skip=1):
+        if len(f) > 3 and f[1] == "00000000" and int(f[3], 16) & 2:
+            found.append(("gw", hexip4(f[2])))
+    for f in fields("/proc/net/ipv6_route"):
+        if len(f) == 10 and f[0] == "0" * 32 and f[1] == "00" and f[4] != "0" * 32:
+            ip = socket.inet_ntop(socket.AF_INET6, bytes.fromhex(f[4]))
+            found.append(("gw", ip + "%" + f[9] if ip.startswith("fe80") else ip))
+    for f in fields("/etc/resolv.conf"):
+        if len(f) >= 2 and f[0] == "nameserver":
+            found.append(("ns", f[1]))
     out = []
     for kind, addr in found:
         if (kind, addr) not in out:

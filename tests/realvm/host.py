@@ -3,7 +3,7 @@
 Runs inside a network namespace with only ``lo`` (made by the caller), so no guest packet
 can leave the machine. In it: stand-ins for the host's services on loopback (a raw sidecar
 port, the daemon's control and metrics ports, another bottle's endpoint), an "outside"
-address on ``lo`` and a DNS stand-in on 127.0.0.1:53 that answers the gate's name (so a guest
+address and a DNS stand-in on ``lo`` that answers the gate's name (so a guest
 that has a path to them shows the leak, instead of failing for lack of a real internet). The
 bottle's endpoint is the daemon's real forward (``ForwardTable``) on a UNIX socket, diverted
 to the gate's witness, exactly as the daemon's gate step does; QEMU's virtio-serial chardev
@@ -42,6 +42,8 @@ from tests.realvm.build import find_kit
 from vmctl.spec import Volume
 
 OUTSIDE = "198.51.100.7"  # TEST-NET-2, put on this namespace's lo only
+#: The namespace's resolver stand-in (slirp forwards the guest's DNS to it; not to loopback).
+RESOLVER = "198.51.100.53"
 DNS_NAME = "gate-leak.test"
 RAW_PORT, CONTROL_PORT, METRICS_PORT = 18080, 18081, 18082
 OTHER_BOTTLE = ("127.77.0.3", 18083)
@@ -90,15 +92,19 @@ class Accepts:
         threading.Thread(target=loop, daemon=True).start()
 
 
+DNS_QUERIES = [0]
+
+
 def dns_stand_in(name: str, answer: str) -> None:
-    """A UDP resolver on 127.0.0.1:53 that answers A queries for ``name`` (and nothing else)."""
+    """A UDP resolver on RESOLVER:53 that answers A queries for ``name`` (and nothing else)."""
     s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind(("127.0.0.1", 53))
+    s.bind((RESOLVER, 53))
     want = b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
 
     def loop() -> None:
         while True:
             data, peer = s.recvfrom(512)
+            DNS_QUERIES[0] += 1
             if len(data) < 12 or want not in data[12:].lower():
                 continue
             q_end = 12 + data[12:].index(b"\0") + 5
@@ -117,9 +123,10 @@ def namespace_setup() -> None:
         if names != ["lo"]:
             raise SystemExit(f"not in a namespace with only lo: {names}")
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-    subprocess.run(["ip", "addr", "add", f"{OUTSIDE}/32", "dev", "lo"], check=True)
+    for addr in (OUTSIDE, RESOLVER):
+        subprocess.run(["ip", "addr", "add", f"{addr}/32", "dev", "lo"], check=True)
     resolv = tempfile.NamedTemporaryFile("w", delete=False, prefix="rvm-resolv-")
-    resolv.write("nameserver 127.0.0.1\n")
+    resolv.write(f"nameserver {RESOLVER}\n")
     resolv.close()
     subprocess.run(["mount", "--bind", resolv.name, "/etc/resolv.conf"], check=True)
 
@@ -323,6 +330,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         "problems": list(verdict.problems),
         "witnessed": sorted(witness.seen),
         "host_accepts": services.seen,
+        "dns_queries": DNS_QUERIES[0],
         "qemu_exit": code,
         "probe_exit": exit_code,
         "wall": round(wall, 1),
