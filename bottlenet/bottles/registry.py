@@ -44,7 +44,7 @@ from bottlenet.errors import (
     Unavailable,
 )
 from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
+from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 
 T = TypeVar("T")
@@ -65,7 +65,7 @@ class BottleRegistry:
         *,
         state_dir: str,
         max_bottles: int = DEFAULT_MAX_BOTTLES,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: StateStore | None = None,
         instance_id: str = "",
         vms: VMLifecycle | None = None,
