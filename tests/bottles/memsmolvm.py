@@ -71,6 +71,7 @@ class MemorySmolvm:
     #: The pid a started machine gets: a live process (ours), so pid watches hold.
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
+    holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
 
     @property
     def known_version(self) -> SmolvmVersion:
@@ -82,9 +83,21 @@ class MemorySmolvm:
     def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
         self.faults[(method, machine)] = error
 
+    def hold(self, method: str, machine: str) -> Deferred[None]:
+        """Make the next such call wait until the returned Deferred is fired (a slow call)."""
+        gate: Deferred[None] = Deferred()
+        self.holds[(method, machine)] = gate
+        return gate
+
     def _answer(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
         """Record the call, then the injected fault, else ``body()`` (its VmctlError fails)."""
         self.calls.append((method, name))
+        gate = self.holds.pop((method, name), None)
+        if gate is not None:
+            return gate.addCallback(lambda _: self._result(method, name, body))
+        return self._result(method, name, body)
+
+    def _result(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
         error = self.faults.get((method, name))
         try:
             if error is not None:
@@ -266,13 +279,30 @@ class Rig:
             vms=self.vms,
         )
 
+    def start(self, coro: Coroutine[Any, Any, T]) -> Deferred[T]:
+        """Start ``coro`` and run the clock until it is done or waits on a held call."""
+        d = Deferred.fromCoroutine(coro)
+        self.settle(d)
+        return d
+
+    def settle(self, d: Deferred[Any] | None = None) -> None:
+        """Fire every call that is due now (port closes are ``callLater(0)``), until ``d``
+        has its result or nothing is due."""
+        for _ in range(1000):
+            if d is not None and d.called:
+                return
+            now = self.clock.seconds()
+            if not any(c.getTime() <= now for c in self.clock.getDelayedCalls()):
+                return
+            self.clock.advance(0)
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` to its end on the clock; its exception is raised here."""
-        d = Deferred.fromCoroutine(coro)
-        for _ in range(1000):
-            if d.called:
-                break
-            self.clock.advance(0)
+        return self.result(self.start(coro))
+
+    def result(self, d: Deferred[T]) -> T:
+        """The outcome of ``d`` (settling the clock first); its failure is raised here."""
+        self.settle(d)
         results: list[Any] = []
         d.addBoth(results.append)
         assert results, "the operation never finished (it waits on something the rig lacks)"
@@ -281,11 +311,12 @@ class Rig:
             result.raiseException()
         return cast(T, result)
 
-    def recover(self) -> Recovery:
-        """Recovery of the state file as it is on disk, with this rig's parts."""
-        recovery = Recovery(self.registry, self.vms, self.store.load(), self.state_dir)
-        self.run(recovery.run())
-        return recovery
+    def recover(self) -> None:
+        """Run recovery of the state file as it is on disk, with this rig's parts."""
+        self.run(self.recover_later())
+
+    async def recover_later(self) -> None:
+        await Recovery(self.registry, self.vms, self.store.load(), self.state_dir).run()
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""
