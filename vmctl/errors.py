@@ -252,9 +252,12 @@ def kvm_message(what: str, err: str) -> str:
     """Plain words for a KVM failure: no rootfs, usage or libkrun noise."""
     lowered = err.lower()
     if "permission denied" in lowered or "error(13)" in lowered:
-        why = "the VM process is not allowed to open /dev/kvm (permission denied)"
+        why = (
+            "the VM process is not allowed to open /dev/kvm (permission denied; as root, "
+            "smolvm runs each VM under its own uid, which needs access to /dev/kvm too)"
+        )
     elif "not available" in lowered or "no such file" in lowered or "error(2)" in lowered:
-        why = "/dev/kvm is missing (no KVM kernel module, or no hardware virtualization)"
+        why = "/dev/kvm is missing (load kvm_intel or kvm_amd; needs hardware virtualization)"
     else:
         why = "the VM process cannot use /dev/kvm"
     return (

@@ -13,7 +13,7 @@ import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from attrs import evolve, field, frozen
+from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
@@ -52,13 +52,17 @@ MIN_VERSION = (1, 8, 0)
 TESTED_VERSION = (1, 32, 2)
 _VERSION = re.compile(r"^smolvm (\d+)\.(\d+)\.(\d+)(\S*)\s*$", re.MULTILINE)
 _PID = re.compile(r"running \(PID: (\d+)\)")
+#: Longest ``--state-dir`` smolvm can use: it binds per-machine sockets 46 bytes below it
+#: (``/.cache/smolvm/vms/<16 hex>/agent.sock``) and a UNIX socket path has 107 bytes.
+MAX_STATE_DIR = 107 - 46
 #: Seconds vmctl waits past smolvm's own ``exec --timeout`` before killing the CLI.
 EXEC_TIMEOUT_MARGIN = 5.0
 
 #: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
 SUBCOMMANDS = frozenset(
-    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "other"}
-)
+    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "help",
+     "other"}
+)  # fmt: skip
 #: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
 CANCELLED = "CANCELLED"
 INTERNAL = "INTERNAL"
@@ -71,6 +75,8 @@ def subcommand_of(args: Sequence[str]) -> str:
     """The :data:`SUBCOMMANDS` name of a smolvm argv (without the binary)."""
     if list(args[:1]) == ["--version"]:
         return "version"
+    if list(args[-1:]) == ["--help"]:
+        return "help"
     if len(args) >= 2 and args[0] == "machine" and args[1] in SUBCOMMANDS:
         return args[1]
     return "other"
@@ -142,7 +148,7 @@ class Features:
         )
 
     def names(self) -> list[str]:
-        return [k for k, v in sorted(self.__dict__.items()) if v is True]
+        return [k for k, v in sorted(asdict(self).items()) if v is True]
 
 
 @frozen
@@ -240,6 +246,19 @@ class ExecResult:
     stderr_truncated: bool = False
 
 
+def machine_argv(
+    features: Features, state_dir: str | None, sub: str, rest: Sequence[str]
+) -> list[str]:
+    """The argv (after the binary) of one ``machine SUB`` call: json errors and smolvm's own
+    state directory wherever this CLI has them, then the subcommand's own ``rest``."""
+    args = ["machine", sub]
+    if features.error_format_json:
+        args += ["--error-format", "json"]
+    if features.state_dir and state_dir is not None:
+        args += ["--state-dir", state_dir]
+    return [*args, *rest]
+
+
 def _coro(c: Coroutine[Deferred[Any], Any, T]) -> Deferred[T]:
     return Deferred.fromCoroutine(c)
 
@@ -290,8 +309,10 @@ class Smolvm:
     @property
     def env(self) -> dict[str, str]:
         """The child environment: ``SMOLVM_DATA_DIR`` only for a smolvm without --state-dir."""
-        features = self._features or Features()
-        data_dir = None if features.state_dir else self.data_dir_root
+        # Once the CLI is known to have --state-dir, the state dir goes there and nowhere
+        # else; before that (--version, --help) and on older CLIs it is SMOLVM_DATA_DIR.
+        features = self._features
+        data_dir = None if features is not None and features.state_dir else self.data_dir_root
         assets = self.install.env() if self.install is not None else {}
         return build_env(self._environ, data_dir, assets)
 
@@ -306,13 +327,7 @@ class Smolvm:
 
     def machine_args(self, sub: str, *rest: str) -> list[str]:
         """``machine SUB`` plus the options every call gets, then ``rest``."""
-        features = self._features or Features()
-        args = ["machine", sub]
-        if features.error_format_json:
-            args += ["--error-format", "json"]
-        if features.state_dir and self.data_dir_root is not None:
-            args += ["--state-dir", self.data_dir_root]
-        return [*args, *rest]
+        return machine_argv(self._features or Features(), self.data_dir_root, sub, rest)
 
     async def _run(
         self,
@@ -379,6 +394,14 @@ class Smolvm:
             await self._version_call()
         if self.check_version and self._features is None:
             await self._feature_call()
+        root = self.data_dir_root
+        if root is not None and len(os.fsencode(root)) > MAX_STATE_DIR:
+            raise SmolvmUnavailable(
+                f"smolvm's state directory {sanitize(root, 120)} is too long "
+                f"({len(os.fsencode(root))} bytes, at most {MAX_STATE_DIR}): smolvm binds "
+                "per-machine UNIX sockets below it; choose a shorter --smolvm-data-dir "
+                "or --state-dir"
+            )
 
     async def _version_call(self) -> SmolvmVersion:
         parsed: list[SmolvmVersion] = []
@@ -546,6 +569,8 @@ class Smolvm:
         """
 
         async def go() -> ExecResult:
+            # Refuse bad values before anything is spawned (the gate included).
+            exec_args(name, argv, env, workdir, stdin is not None, detach, user)
             await self._gate()
             features = self._features or Features()
             if user is not None and not features.exec_user:

@@ -24,6 +24,10 @@ from vmctl.smolvm import SmolvmVersion
 
 #: Where the agent endpoints of a socket-mode bottle appear inside the agent VM (a tmpfs).
 GUEST_SOCKET_DIR = "/run/bottle"
+#: The agent VM's workload at create: a command of bottlenet's that only waits. A create
+#: command replaces the image's ENTRYPOINT+CMD, so the agent's own code never starts on
+#: ``machine start``; bottlenet starts it with ``exec -d`` after the launch gate passed.
+AGENT_WAIT_COMMAND = ("sleep", "infinity")
 
 MODE_ALIAS = "alias"
 MODE_SOCKET = "socket"
