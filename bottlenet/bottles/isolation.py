@@ -46,7 +46,7 @@ ALIAS_UNAVAILABLE = (
     "alias mode cannot be enforced by smolvm: a TSI guest cannot reach host loopback "
     "(refused since smolvm 1.3.3) and guest firewall rules do not see TSI traffic, while a "
     "virtio-net guest's 127.77.x.y is its own loopback and its only way to the host lands on "
-    "127.0.0.1, never on one alias; use mode = \"socket\" with a local agent image"
+    '127.0.0.1, never on one alias; use mode = "socket" with a local agent image'
 )
 
 

@@ -1,11 +1,14 @@
 """Reconcile the state file with reality when the daemon starts.
 
-VMs survive a daemon restart; listeners do not. So on start the daemon: re-binds the agent
-endpoints of every live bottle on the same addresses and ports; tears down bottles whose
-sidecar is gone (or whose raw ports are no longer its VM's, or whose endpoint cannot be
-re-bound: fail closed); deletes machines that carry our owner label but that no bottle
-claims (a create cut short by a crash); removes unclaimed socket directories. It never
-touches a machine without our owner label.
+VMs survive a daemon restart; listeners do not. So on start the daemon: stops the VMMs of
+our machines whose record is not running (a start cut short by a crash leaves one that only
+``stop`` kills); re-binds the agent endpoints of every live bottle on the same addresses and
+ports; tears down bottles whose sidecar is gone (or whose sockets or raw ports are no longer
+its VM's, or whose endpoint cannot be re-bound: fail closed); deletes machines that carry our
+owner label but that no bottle claims (a create cut short by a crash); removes unclaimed
+socket directories. A sidecar smolvm calls ``unreachable`` (its agent missed a 250 ms ping)
+whose recorded VMM pid is alive is not dead. It never touches a machine without our owner
+label.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from bottlenet.forward.spec import (
     TCPListen,
     TCPTarget,
     UNIXListen,
+    UNIXTarget,
     bottle_dir,
 )
 from vmctl.errors import VmctlError
@@ -130,6 +134,7 @@ class Recovery:
             except StateError as e:
                 self.log.error("persisted bottle {bottle} dropped: {err}", bottle=name, err=str(e))
         machines = await self._list_ours(expected=bool(bottles))
+        await self._stop_unfinished(machines or [])
         by_name = {m.name: m for m in machines or []}
         claimed: set[str] = set()
         for vb in bottles:
@@ -155,6 +160,18 @@ class Recovery:
                 await self.vms.remove_machine(m.name)
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
+
+    async def _stop_unfinished(self, machines: list[Machine]) -> None:
+        """``stop`` every machine of ours whose record is neither running nor unreachable:
+        it kills a VMM that a start cut short left behind (``delete`` would not)."""
+        assert self.vms is not None or not machines
+        for m in machines:
+            if m.running or m.unreachable or self.vms is None:
+                continue
+            try:
+                await self.vms.smolvm.stop(m.name)
+            except VmctlError as e:
+                self.log.warn("could not stop {name}: {err}", name=m.name, err=e.message)
 
     async def _restore(self, vb: VMBottle, machines: dict[str, Machine] | None) -> bool:
         """Re-bind a live bottle's endpoints; tear down one that cannot be restored."""
@@ -187,10 +204,23 @@ class Recovery:
         if machines is None:
             alive = pid_alive(vb.sidecar_pid)
         else:
+            # `unreachable` is a live VMM whose agent was slow to answer: alive if it is ours.
             m = machines.get(vb.sidecar_vm)
-            alive = m is not None and m.running and m.pid == vb.sidecar_pid
+            alive = (
+                m is not None
+                and (m.running or m.unreachable)
+                and m.pid == vb.sidecar_pid
+                and pid_alive(vb.sidecar_pid)
+            )
         if not alive:
             return "its sidecar VM is gone"
+        for path in vb.sidecar_sockets:
+            check = self.vms.check_socket(path, vb.sidecar_pid)
+            if not check.owned and not (
+                self.vms.options.allow_unverifiable_ports
+                and check.ownership is Ownership.UNVERIFIABLE
+            ):
+                return f"a sidecar socket is no longer held by its VM ({check.ownership.value})"
         for port in vb.raw_ports:
             check = self.vms.check_port(port, vb.sidecar_pid)
             if not check.owned and not (
@@ -216,7 +246,11 @@ class Recovery:
                 else:
                     assert e.path is not None
                     listen = UNIXListen(e.path)
-                target = TCPTarget(LOCALHOST, e.raw_port)
+                target: TCPTarget | UNIXTarget = (
+                    UNIXTarget(e.sidecar_path)
+                    if e.sidecar_path is not None
+                    else TCPTarget(LOCALHOST, e.raw_port)
+                )
                 await table.add(ForwardSpec(vb.name, e.service, listen, target))
         except BottlenetError as e:
             await table.remove_bottle(vb.name)

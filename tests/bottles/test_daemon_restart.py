@@ -94,10 +94,13 @@ def daemon(fake_smolvm: FakeSmolvm) -> Iterator[Daemon]:
 
 
 @pytest.fixture
-def fake_smolvm(tmp_path: Any) -> Iterator[FakeSmolvm]:
-    fake = FakeSmolvm(str(tmp_path / "smolvm-data"))
+def fake_smolvm() -> Iterator[FakeSmolvm]:
+    # short: smolvm binds sockets below its state dir (vmctl.smolvm.MAX_STATE_DIR)
+    fake = FakeSmolvm(tempfile.mkdtemp(prefix="bnf-", dir="/tmp"))
     yield fake
-    assert fake.cleanup() == []
+    survivors = fake.cleanup()
+    shutil.rmtree(fake.path, ignore_errors=True)
+    assert survivors == []
 
 
 def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:

@@ -18,6 +18,7 @@ from bottlenet.control.client import ControlClient
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
 from tests.bottles.harness import DaemonCase
 from vmctl.ports import Ownership, PortCheck
+from vmctl.smolvm import Timeouts
 
 STEPS = ("step_allocate", "step_sidecar", "step_bind", "step_egress", "step_agent")
 
@@ -58,8 +59,7 @@ class RollbackTests(DaemonCase):
 
     async def _after_step(self, step: str, mode: str) -> None:
         self.fake.set_faults("exec-netns")
-        extra = ("--alias-iptables-fallback", "--unsafe-skip-isolation-probe")
-        client = await self.start(*(extra if mode == "alias" else ()))
+        client = await self.start()
         self.fail_after(step)
         await self._create_fails(client, "SMOLVM_FAILED", mode=mode)
         # and the same name can be created again afterwards
@@ -77,15 +77,27 @@ class RollbackTests(DaemonCase):
                 await self.stop()
                 self.fake.cleanup()
 
-    async def test_after_mode_specific_steps_alias_mode(self) -> None:
-        for step in ("step_allocate", "step_bind", "step_agent"):
-            await self._after_step(step, "alias")
-            await self.stop()
-            self.fake.cleanup()
+    # five daemons, ten creates: about 35 s on a loaded 2-core machine
+    test_after_each_step_socket_mode.timeout = 180  # type: ignore[attr-defined]
+
+    async def test_alias_mode_fails_closed_before_anything_exists(self) -> None:
+        client = await self.start("--unsafe-skip-isolation-probe")
+        await self._create_fails(client, "ISOLATION_UNAVAILABLE", mode="alias")
+        creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
+        self.assertEqual(creates, [])
 
     async def test_sidecar_start_fails(self) -> None:
+        """No usable KVM: one typed error that says so, and nothing left behind."""
         self.fake.set_faults("exec-netns", fail_start=["bn-rb-sidecar"])
-        await self._create_fails(await self.start(), "SMOLVM_FAILED")
+        await self._create_fails(await self.start(), "KVM_UNAVAILABLE")
+
+    async def test_sidecar_socket_not_owned(self) -> None:
+        self.fake.set_faults("exec-netns")
+        client = await self.start()
+        vms = self.registry.vms
+        assert vms is not None
+        vms.check_socket = lambda path, pid: PortCheck(0, pid, Ownership.FOREIGN, "injected")
+        await self._create_fails(client, "SMOLVM_FAILED")
 
     async def test_raw_port_not_owned(self) -> None:
         self.fake.set_faults("exec-netns")
@@ -93,7 +105,7 @@ class RollbackTests(DaemonCase):
         vms = self.registry.vms
         assert vms is not None
         vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected")
-        await self._create_fails(client, "SMOLVM_FAILED")
+        await self._create_fails(client, "SMOLVM_FAILED", listen="tcp")
 
     async def test_directory_taken(self) -> None:
         self.fake.set_faults("exec-netns")
@@ -135,7 +147,18 @@ class RollbackTests(DaemonCase):
 
     async def test_agent_start_fails(self) -> None:
         self.fake.set_faults("exec-netns", fail_start=["bn-rb-agent"])
-        await self._create_fails(await self.start(), "SMOLVM_FAILED")
+        await self._create_fails(await self.start(), "KVM_UNAVAILABLE")
+
+    async def test_agent_start_cut_short_leaves_no_orphan_vmm(self) -> None:
+        """A start that times out leaves a VMM behind a `created` record (smolvm writes
+        agent.pid before its ready wait); the undo stops it before deleting."""
+        self.fake.set_faults("exec-netns", "slow-start", slow_start=30)
+        client = await self.start()
+        assert self.root is not None
+        self.root.registry.vms.smolvm.timeouts = Timeouts(start=1.5)  # type: ignore[union-attr]
+        await self._create_fails(client, "SMOLVM_FAILED")
+        stops = [a for a in self.fake.argvs() if a[1:2] == ["stop"]]
+        self.assertTrue(stops)
 
     async def test_probe_fails(self) -> None:
         await self._create_fails(await self.start(), "ISOLATION_FAILED")
