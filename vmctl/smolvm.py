@@ -305,6 +305,9 @@ class Smolvm:
         self.on_call = on_call
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
+        #: The version+features run in flight; it fires with None or the exception it met (a
+        #: value, so it never fails and every waiter sees the same outcome).
+        self._learning: Deferred[Exception | None] | None = None
 
     @property
     def env(self) -> dict[str, str]:
@@ -390,10 +393,23 @@ class Smolvm:
         return await self._run(self.machine_args(sub, *rest), timeout, check=check)
 
     async def _gate(self) -> None:
-        if self.check_version and self._version is None:
-            await self._version_call()
-        if self.check_version and self._features is None:
-            await self._feature_call()
+        if self.check_version and (self._version is None or self._features is None):
+            # One learning run at a time; concurrent callers wait for it.
+            if self._learning is None:
+                self._learning = Deferred.fromCoroutine(self._learn())
+            learning = self._learning
+            waiter: Deferred[Exception | None] = Deferred()
+
+            def relay(outcome: Exception | None) -> Exception | None:
+                waiter.callback(outcome)
+                return outcome  # for the next waiter
+
+            learning.addCallback(relay)
+            outcome = await waiter
+            if self._learning is learning:
+                self._learning = None
+            if outcome is not None:
+                raise outcome
         root = self.data_dir_root
         if root is not None and len(os.fsencode(root)) > MAX_STATE_DIR:
             raise SmolvmUnavailable(
@@ -402,6 +418,16 @@ class Smolvm:
                 "per-machine UNIX sockets below it; choose a shorter --smolvm-data-dir "
                 "or --state-dir"
             )
+
+    async def _learn(self) -> Exception | None:
+        try:
+            if self._version is None:
+                await self._version_call()
+            if self._features is None:
+                await self._feature_call()
+        except Exception as e:
+            return e
+        return None
 
     async def _version_call(self) -> SmolvmVersion:
         parsed: list[SmolvmVersion] = []

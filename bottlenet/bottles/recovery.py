@@ -145,9 +145,9 @@ class Recovery:
                 self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=vb.name)
                 self.registry.adopt_vm(evolve(vb, state=STATE_DEGRADED))
                 continue
-            kept = await self._restore(vb, by_name if machines is not None else None)
-            if kept:
-                claimed |= {vb.sidecar_vm, vb.agent_vm}
+            await self._restore(vb, by_name if machines is not None else None)
+            # kept, or torn down (its machines removed by the teardown): not orphans either way
+            claimed |= {vb.sidecar_vm, vb.agent_vm}
         if machines is None or self.vms is None:
             return
         for m in machines:

@@ -17,6 +17,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
+from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
@@ -108,8 +109,9 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         root.startService()
         self.root = root
         self.addCleanup(self.stop)
-        for _ in range(200):
-            if not root.registry.recovering and os.path.exists(self.control):
+        recovery = next(s for s in root if isinstance(s, RecoveryService))
+        for _ in range(1500):  # until recovery has run to the end (state file written)
+            if recovery.ready.called and os.path.exists(self.control):
                 break
             await sleep(0.02)
         client = await connect_control(reactor, self.control, timeout=30)

@@ -107,7 +107,8 @@ def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     with daemon.client() as c:
-        v1 = c.create_bottle("v1", spec=json.dumps(spec_doc(daemon.tmp)))
+        # v1's sidecar serves raw TCP (the opt-in), v2's exposed UNIX sockets (the default)
+        v1 = c.create_bottle("v1", spec=json.dumps(spec_doc(daemon.tmp, listen="tcp")))
         v2 = c.create_bottle("v2", spec=json.dumps(spec_doc(daemon.tmp, egress=False)))
         c.create_bottle("plain", alias="127.77.0.7")
         raw = daemon.state_file()["bottles"]["v1"]["endpoints"][0]["raw_port"]
@@ -215,6 +216,8 @@ reload = ["/bin/true"]
 image = "{daemon.tmp}/agent.tar"
 """
         )
+    with open(os.path.join(daemon.tmp, "agent.tar"), "wb") as f:
+        f.write(b"\0" * 1024)
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     base = ["--control", daemon.control, "--timeout", "60"]
