@@ -27,7 +27,7 @@ class SocketModeTests(DaemonCase):
         self.assertIn("--mount-socket", b.isolation or "")
         self.assertEqual(b.warnings, ())
         self.assertEqual(b.agent_vm, "bn-b1-agent")
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         # bytes through each agent endpoint reach the sidecar's guest service (the fake echoes)
         for ep in b.endpoints:
             assert ep.host_path is not None
@@ -112,7 +112,7 @@ class SidecarSocketTests(DaemonCase):
         self.fake.set_faults("exec-netns")
         client = await self.start()
         b = await client.create_bottle("s1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         self.assertEqual(vb.raw_ports, ())
         self.assertNotIn("raw TCP", b.isolation or "")
         creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
@@ -138,7 +138,7 @@ class SidecarSocketTests(DaemonCase):
         self.fake.set_faults("exec-netns")
         client = await self.start()
         b = await client.create_bottle("t1", spec=self.spec_json(mode="socket", listen="tcp"))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         self.assertEqual(len(vb.raw_ports), 2)
         self.assertIn("every local user can connect", b.isolation or "")
         for ep in b.endpoints:
@@ -251,7 +251,7 @@ class DegradedTests(DaemonCase):
 
         client = await self.start("--unsafe-skip-isolation-probe")
         b = await client.create_bottle("d1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         ep = b.endpoints[0].host_path
         assert ep is not None
         held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -261,7 +261,7 @@ class DegradedTests(DaemonCase):
         self.assertEqual(await in_thread(held.recv, 1), b"x")  # the relay is live
         os.kill(vb.sidecar_pid, 9)
         for _ in range(250):
-            if self.registry.vm_bottles()[0].state == "degraded":
+            if self.registry.list_bottles()[0].state == "degraded":
                 break
             await sleep(0.02)
         status = await client.bottle_status("d1")
