@@ -25,6 +25,15 @@ from typing import Any
 import pytest
 
 from bottlenet.bottles.isolation import AGENT_WAIT_COMMAND
+from bottlenet.bottles.lifecycle import (
+    agent_machine_spec,
+    sidecar_guest_socket,
+    sidecar_machine_spec,
+    sidecar_socket_path,
+)
+from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
 from vmctl.errors import (
     AlreadyExists,
@@ -44,9 +53,7 @@ from vmctl.smolvm import MIN_VERSION, Features, Machine, SmolvmVersion, machine_
 from vmctl.spec import (
     ExposeSocket,
     MachineSpec,
-    MountSocket,
     PortMapping,
-    Volume,
     create_args,
     exec_args,
 )
@@ -225,65 +232,74 @@ def test_fake_models_older_versions(tmp_path: Path) -> None:
 # -- the machine create argv bottlenet generates -------------------------------------------
 
 
-def sidecar_spec(tmp: Path) -> MachineSpec:
-    """The sidecar as socket-mode bottles create it: services on exposed UNIX sockets."""
-    bdir = tmp / "bottle"
-    bdir.mkdir(mode=0o700, exist_ok=True)
-    return MachineSpec(
-        "bn-b1-sidecar",
-        image="alpine",
-        labels=LABELS,
-        cpus=1,
-        mem=512,
-        net=True,
-        block_private=True,
-        expose_sockets=(
-            ExposeSocket("/run/bottlenet/proxy.sock", str(bdir / "proxy.sock")),
-            ExposeSocket("/run/bottlenet/git.sock", str(bdir / "git.sock")),
-        ),
+def _bottle(tmp: Path, listen: str = "unix") -> BottleSpec:
+    image = make_tar(tmp / "agent.tar")
+    vol = tmp / "work"
+    vol.mkdir(exist_ok=True)
+    return parse_bottle_spec(
+        "b1",
+        {
+            "mode": "socket",
+            "sidecar": {
+                "image": "alpine",
+                "listen": listen,
+                "service": [
+                    {
+                        "name": "proxy",
+                        "guest_port": 3128,
+                        "env": ["HTTPS_PROXY=http://{host}:{port}"],
+                    },
+                    {"name": "git", "guest_port": 9418},
+                ],
+            },
+            "agent": {"image": image, "volumes": [f"{vol}:/work:ro"], "user": "1000:1000"},
+        },
     )
 
 
-def sidecar_tcp_spec() -> MachineSpec:
-    """The raw-port opt-in sidecar (a sidecar image that can only serve TCP)."""
-    return MachineSpec(
-        "bn-b2-sidecar",
-        image="alpine",
-        labels=LABELS,
-        cpus=1,
-        mem=512,
-        ports=(PortMapping(38401, 8080), PortMapping(38402, 9418)),
-    )
+def sidecar_spec(tmp: Path, features: Features) -> MachineSpec:
+    """The sidecar exactly as the lifecycle builds it: services on exposed UNIX sockets."""
+    bottle = _bottle(tmp)
+    assert bottle.sidecar is not None
+    state = str(tmp / "st")
+    os.makedirs(bottle_dir(state, "b1"), mode=0o700, exist_ok=True)
+    sockets = [
+        ExposeSocket(sidecar_guest_socket(s.name), sidecar_socket_path(state, "b1", s.name))
+        for s in bottle.sidecar.services
+    ]
+    return sidecar_machine_spec("bn-b1-sidecar", bottle.sidecar, LABELS, features, sockets=sockets)
+
+
+def sidecar_tcp_spec(tmp: Path, features: Features) -> MachineSpec:
+    """The raw-port opt-in sidecar (``sidecar.listen = "tcp"``), as the lifecycle builds it."""
+    bottle = _bottle(tmp, listen="tcp")
+    assert bottle.sidecar is not None
+    ports = [PortMapping(38401, 3128), PortMapping(38402, 9418)]
+    return sidecar_machine_spec("bn-b2-sidecar", bottle.sidecar, LABELS, features, ports=ports)
 
 
 def agent_spec(tmp: Path) -> MachineSpec:
-    """The socket-mode agent: local image, mounted endpoints, no network, bottlenet's wait
-    command as its workload (its own ENTRYPOINT never runs before the gate)."""
-    bdir = tmp / "bottle"
-    bdir.mkdir(mode=0o700, exist_ok=True)
-    vol = tmp / "work"
-    vol.mkdir(exist_ok=True)
-    return MachineSpec(
-        "bn-b1-agent",
-        image=make_tar(tmp / "agent.tar"),
-        labels=LABELS,
-        cpus=2,
-        mem=2048,
-        env=(("HTTPS_PROXY", "unix:/run/bottle/proxy.sock"),),
-        volumes=(Volume(str(vol), "/work", read_only=True),),
-        mount_sockets=(
-            MountSocket(str(bdir / "proxy.sock"), "/run/bottle/proxy.sock"),
-            MountSocket(str(bdir / "git.sock"), "/run/bottle/git.sock"),
-        ),
-        workload=AGENT_WAIT_COMMAND,
-    )
+    """The socket-mode agent as the lifecycle builds it: local image, mounted endpoints, no
+    network, bottlenet's wait command as its workload (its ENTRYPOINT never runs early)."""
+    bottle = _bottle(tmp)
+    assert bottle.agent is not None
+    state = str(tmp / "st")
+    endpoints = [
+        Endpoint(svc, port, 0, path=os.path.join(bottle_dir(state, "b1"), f"{svc}.sock"),
+                 guest_path=f"/run/bottle/{svc}.sock")
+        for svc, port in (("proxy", 3128), ("git", 9418))
+    ]  # fmt: skip
+    env = (("HTTPS_PROXY", "http://127.0.0.1:3128"),)
+    return agent_machine_spec("bn-b1-agent", bottle.agent, LABELS, env, endpoints)
 
 
 @needs_wheel
 def test_bottlenet_create_argvs_accepted_and_listed_alike(
     clis: dict[str, CLI], tmp_path: Path
 ) -> None:
-    specs = [sidecar_spec(tmp_path), sidecar_tcp_spec(), agent_spec(tmp_path)]
+    features = clis["real"].features
+    specs = [sidecar_spec(tmp_path, features), sidecar_tcp_spec(tmp_path, features),
+             agent_spec(tmp_path)]  # fmt: skip
     for spec in specs:
         out = agree(clis, "create", *create_args(spec)[2:])
         assert out.ok, out.r.stderr
@@ -316,8 +332,10 @@ def test_bottlenet_create_argvs_accepted_and_listed_alike(
         assert real.image.startswith("local:") == fake.image.startswith("local:")
     agent = parsed["real"]["bn-b1-agent"]
     assert agent.network is False and agent.cmd == AGENT_WAIT_COMMAND
-    assert parsed["real"]["bn-b1-sidecar"].network is True  # --net --block-private
-    assert parsed["real"]["bn-b2-sidecar"].network is False  # ports only
+    # --net --block-private: outbound for the proxy, never host loopback, LAN or metadata
+    assert parsed["real"]["bn-b1-sidecar"].network is True
+    assert parsed["real"]["bn-b2-sidecar"].network is True
+    assert parsed["real"]["bn-b2-sidecar"].ports == 2
     for kind, cli in clis.items():
         st = cli.machine("status", "--name", "bn-b1-agent", "--json")
         assert st.ok, kind
@@ -356,6 +374,8 @@ def test_lifecycle_errors_classified_alike(clis: dict[str, CLI]) -> None:
     assert isinstance(ex.error, NotRunning), ex.r.stderr
     ex_u = agree(clis, "exec", *exec_args("m1", ["true"], user="1000", guest_timeout=5)[2:])
     assert isinstance(ex_u.error, NotRunning)
+    workload = exec_args("m1", ["/bin/agent"], {"K": "v"}, detach=True, user="1000:1000")
+    assert isinstance(agree(clis, "exec", *workload[2:]).error, NotRunning)
     stop = agree(clis, "stop", "--name", "m1")
     assert stop.ok and b"is not running" in stop.r.stdout
     # status of a machine that does not exist: CONFIG_ERROR, refined from the message
