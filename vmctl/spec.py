@@ -126,18 +126,23 @@ class Volume:
         return f"{self.host}:{self.guest}" + (":ro" if self.read_only else "")
 
 
+def _check_socket_paths(flag: str, host: str, guest: str) -> None:
+    """Both ends absolute, and no ``;``/``|`` in the guest path (smolvm's separators)."""
+    _check_path(host, f"{flag} host path")
+    _check_path(guest, f"{flag} guest path")
+    if any(c in guest for c in ";|"):
+        raise _bad(f"{flag} guest path", guest, "must not contain ';' or '|'")
+
+
 @frozen
 class MountSocket:
-    """``--mount-socket HOST:GUEST``: a host UNIX socket made visible in the guest (>=1.6.4)."""
+    """``--mount-socket HOST:GUEST``: a host UNIX socket made visible in the guest."""
 
     host: str
     guest: str
 
     def __attrs_post_init__(self) -> None:
-        _check_path(self.host, "mount-socket host path")
-        _check_path(self.guest, "mount-socket guest path")
-        if any(c in self.guest for c in ";|"):
-            raise _bad("mount-socket guest path", self.guest, "must not contain ';' or '|'")
+        _check_socket_paths("mount-socket", self.host, self.guest)
 
     @classmethod
     def parse(cls, spec: str) -> MountSocket:
@@ -167,10 +172,7 @@ class ExposeSocket:
     host: str
 
     def __attrs_post_init__(self) -> None:
-        _check_path(self.guest, "expose-socket guest path")
-        _check_path(self.host, "expose-socket host path")
-        if any(c in self.guest for c in ";|"):
-            raise _bad("expose-socket guest path", self.guest, "must not contain ';' or '|'")
+        _check_socket_paths("expose-socket", self.host, self.guest)
 
     def arg(self) -> str:
         return f"{self.guest}:{self.host}"
@@ -299,6 +301,11 @@ def device_count(spec: MachineSpec) -> int:
     return len(spec.volumes) + int(spec.needs_nic) + int(spec.packed_image)
 
 
+def _unique(values: Sequence[object], what: str) -> None:
+    if len(set(values)) != len(values):
+        raise InvalidArgument(f"invalid {what} is repeated")
+
+
 def validate_spec(
     spec: MachineSpec, device_budget: int = DEFAULT_DEVICE_BUDGET, check_paths: bool = True
 ) -> MachineSpec:
@@ -329,15 +336,11 @@ def validate_spec(
             raise _bad("volume host path", vol.host, "smolvm refuses protected system paths")
         if check_paths:
             vol.check_host()
-    guests = [v.guest for v in spec.volumes]
-    if len(set(guests)) != len(guests):
-        raise InvalidArgument("invalid volumes: a guest path is repeated")
+    _unique([v.guest for v in spec.volumes], "volumes: a guest path")
     for p in spec.ports:
         if not isinstance(p, PortMapping):
             raise _bad("port", p, "must be a PortMapping")
-    hosts = [p.host for p in spec.ports]
-    if len(set(hosts)) != len(hosts):
-        raise InvalidArgument("invalid ports: a host port is repeated")
+    _unique([p.host for p in spec.ports], "ports: a host port")
     for k, v in spec.env:
         _check_env(k, v)
     if spec.workdir is not None:
@@ -348,23 +351,15 @@ def validate_spec(
         _check_cidr(c)
     for h in spec.allow_hosts:
         _check_host(h)
-    for ms in spec.mount_sockets:
-        if not isinstance(ms, MountSocket):
-            raise _bad("mount-socket", ms, "must be a MountSocket")
-    if len(spec.mount_sockets) > MAX_MOUNT_SOCKETS:
-        raise InvalidArgument(f"invalid mount-sockets: at most {MAX_MOUNT_SOCKETS}")
-    mguests = [m.guest for m in spec.mount_sockets]
-    if len(set(mguests)) != len(mguests):
-        raise InvalidArgument("invalid mount-sockets: a guest path is repeated")
-    for es in spec.expose_sockets:
-        if not isinstance(es, ExposeSocket):
-            raise _bad("expose-socket", es, "must be an ExposeSocket")
-    if len(spec.expose_sockets) > MAX_MOUNT_SOCKETS:
-        raise InvalidArgument(f"invalid expose-sockets: at most {MAX_MOUNT_SOCKETS}")
-    for which in ("guest", "host"):
-        paths = [getattr(e, which) for e in spec.expose_sockets]
-        if len(set(paths)) != len(paths):
-            raise InvalidArgument(f"invalid expose-sockets: a {which} path is repeated")
+    for sockets, kind in ((spec.mount_sockets, MountSocket), (spec.expose_sockets, ExposeSocket)):
+        flag = "mount-sockets" if kind is MountSocket else "expose-sockets"
+        for one in sockets:
+            if not isinstance(one, kind):
+                raise _bad(flag, one, f"must be a {kind.__name__}")
+        if len(sockets) > MAX_MOUNT_SOCKETS:
+            raise InvalidArgument(f"invalid {flag}: at most {MAX_MOUNT_SOCKETS}")
+        _unique([m.guest for m in sockets], f"{flag}: a guest path")
+    _unique([e.host for e in spec.expose_sockets], "expose-sockets: a host path")
     if spec.user is not None:
         check_user(spec.user)
     if spec.net_backend == "tsi" and (spec.ports or spec.has_egress_policy):

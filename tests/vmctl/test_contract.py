@@ -193,15 +193,10 @@ def test_version_is_supported_and_features_agree(clis: dict[str, CLI]) -> None:
     assert real.version() == fake.version()
     assert real.features == fake.features
     # Everything vmctl uses from 1.32 is there, detected from the real --help.
-    assert real.features == Features(
-        error_format_json=True,
-        state_dir=True,
-        expose_socket=True,
-        user=True,
-        exec_timeout=True,
-        exec_user=True,
-        block_private=True,
-    )
+    assert real.features.names() == sorted(
+        ["error_format_json", "state_dir", "expose_socket", "user", "exec_timeout", "exec_user",
+         "block_private"]
+    )  # fmt: skip
 
 
 @needs_wheel
