@@ -269,7 +269,7 @@ class SmolvmRulesTests(SynchronousTestCase):
             MachineSpec("m", net=True, net_backend="tsi", ports=[PortMapping(5, 6)]),
             MachineSpec("m", net_backend="virtio-net"),
             MachineSpec("m", mount_sockets=[MountSocket("/a", "/r/x"), MountSocket("/b", "/r/x")]),
-            MachineSpec("m", expose_sockets=[ExposeSocket("/r/x", "/h"), ExposeSocket("/r/y", "/h")]),
+            MachineSpec("m", expose_sockets=[ExposeSocket("/r/x", "/h"), ExposeSocket("/r", "/h")]),
             MachineSpec("m", user="bad user"),
         ]  # fmt: skip
         for spec in bad:
