@@ -410,3 +410,32 @@ class Smolvm132Tests(SynchronousTestCase):
         smolvm = Smolvm(ProcessRunner(self.reactor), BIN, "/" + "d" * 70, environ={})
         f = self.failureResultOf(smolvm.list(), SmolvmUnavailable)
         self.assertIn("too long", f.value.message)
+
+
+class SharedGateTests(SynchronousTestCase):
+    def test_concurrent_calls_share_one_version_and_feature_run(self) -> None:
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={})
+        first, second = smolvm.stop("m1"), smolvm.stop("m2")
+        self.assertEqual([p.args[1:] for p in reactor.spawned], [["--version"]])
+        reactor.spawned[0].finish(0, out=b"smolvm 1.32.2\n")
+        for sub in ("create", "exec"):
+            reactor.spawned[-1].finish(0, out=HELP_132[sub])
+        self.assertEqual(
+            [p.args[1:3] for p in reactor.spawned[3:]],
+            [["machine", "stop"], ["machine", "stop"]],
+        )
+        for p in reactor.spawned[3:]:
+            p.finish(0)
+        self.successResultOf(first)
+        self.successResultOf(second)
+
+    def test_a_failed_run_fails_every_waiter_and_is_retried(self) -> None:
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={})
+        first, second = smolvm.stop("m1"), smolvm.stop("m2")
+        reactor.spawned[0].finish(0, out=b"smolvm 1.7.7\n")
+        self.failureResultOf(first, UnsupportedVersion)
+        self.failureResultOf(second, UnsupportedVersion)
+        smolvm.stop("m3")
+        self.assertEqual([p.args[1:] for p in reactor.spawned][-1], ["--version"])
