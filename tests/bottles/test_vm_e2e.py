@@ -152,12 +152,17 @@ class EntrypointOrderTests(DaemonCase):
         """The agent image's ENTRYPOINT records when it starts; it must never start (the
         wait command replaces it), and the workload must start after the gate's exec."""
         self.fake.set_faults("exec-netns")
-        marks = os.path.join(self.tmp, "marks")
-        os.mkdir(marks)
+        # not under /tmp: the exec-netns stand-in gives its "guest" a /tmp of its own
+        marks = tempfile.mkdtemp(prefix="bnm-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, marks, True)
         image = os.path.join(self.tmp, "agent.tar")
         with open(image, "wb") as f:
             f.write(b"\0" * 1024)
-        record = ["/bin/sh", "-c", f'date +%s.%N > {marks}/"$0"']
+        record = [
+            "/bin/sh",
+            "-c",
+            f'date +%s.%N > {marks}/"$0".t && mv {marks}/"$0".t {marks}/"$0"',
+        ]
         with open(os.path.join(self.fake.path, "fake-images.json"), "w") as f:
             json.dump({image: {"entrypoint": [*record, "entrypoint"]}}, f)
         client = await self.start()
@@ -188,7 +193,7 @@ class EntrypointOrderTests(DaemonCase):
         if os.geteuid() != 0:
             self.skipTest("the fake drops to a numeric user only as root")
         self.fake.set_faults("exec-netns")
-        drop = tempfile.mkdtemp(prefix="bnu-", dir="/tmp")  # writable by the workload's uid
+        drop = tempfile.mkdtemp(prefix="bnu-", dir="/var/tmp")  # the guest's /tmp is its own
         self.addCleanup(shutil.rmtree, drop, True)
         os.chmod(drop, 0o777)
         out = os.path.join(drop, "whoami")
