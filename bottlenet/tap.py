@@ -75,8 +75,20 @@ class Options(usage.Options):
         ["control-tls-key", None, None, "PEM private key of the TLS control listener."],
         ["control-tls-cert", None, None, "PEM certificate of the TLS control listener."],
         ["control-tls-ca", None, None, "PEM CA that signs accepted client certificates."],
-        ["smolvm", None, None, "Path to the smolvm binary (default: smolvm on PATH)."],
-        ["smolvm-data-dir", None, None, "Passed to smolvm as SMOLVM_DATA_DIR."],
+        [
+            "smolvm",
+            None,
+            None,
+            "Path to the smolvm binary (default: smolvm on PATH, else the one of the "
+            "bottlenet[vm] extra).",
+        ],
+        [
+            "smolvm-data-dir",
+            None,
+            None,
+            "smolvm's own state directory (default: <state-dir>/smolvm), passed as "
+            "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
+        ],
         ["log-format", None, None, "json (one object per line) or text (default: the runner's)."],
         [
             "relay-engine",
@@ -101,12 +113,6 @@ class Options(usage.Options):
         ],
     ]
     optFlags = [
-        [
-            "alias-iptables-fallback",
-            None,
-            "Allow alias-mode bottles on smolvm that refuses TSI with an allow-list, by "
-            "installing guest iptables rules through exec (the agent must run as non-root).",
-        ],
         [
             "unsafe-skip-isolation-probe",
             None,
@@ -229,6 +235,8 @@ class BottlenetService(MultiService):
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
         super().startService()
+        for factory in self.control_factories:
+            factory.smolvm_source = self.smolvm.describe()
         if self.smolvm.binary is not None:
             Deferred.fromCoroutine(self._probe_smolvm())
 
@@ -242,7 +250,8 @@ class BottlenetService(MultiService):
         for factory in self.control_factories:
             factory.smolvm_version = str(version)
             factory.smolvm_available = version.supported
-        self.log.info("smolvm {version} at {path}", version=str(version), path=self.smolvm.binary)
+            factory.smolvm_source = self.smolvm.describe()
+        self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
 
 def build_service(options: Options, reactor: Any) -> BottlenetService:
@@ -295,7 +304,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
     vmctl_service, smolvm = make_smolvm(
-        reactor, options["smolvm"], options["smolvm-data-dir"], on_call=smolvm_calls.record
+        reactor,
+        options["smolvm"],
+        options["smolvm-data-dir"],
+        on_call=smolvm_calls.record,
+        default_data_dir=os.path.join(state_dir, "smolvm"),
     )
     aliases = AliasRegistry(pool)
     try:
@@ -311,7 +324,6 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     vm_options = VMOptions(
         instance_id=state.instance_id,
         gate=gate,
-        iptables_fallback=options["alias-iptables-fallback"],
         skip_probe=options["unsafe-skip-isolation-probe"],
     )
     if vm_options.skip_probe:

@@ -186,6 +186,7 @@ class ControlLocator(SafeCommandLocator):
             "features": list(C.FEATURES),
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
+            "smolvm_source": f.smolvm_source,
         }
 
     @C.Ping.responder
@@ -400,6 +401,8 @@ class ControlServerFactory(Factory):
         self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
+        #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
+        self.smolvm_source: str | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
@@ -430,7 +433,7 @@ class ControlServerFactory(Factory):
 
     def for_tls(self) -> ControlServerFactory:
         """The same service for the TLS listener (client certificates instead of uids)."""
-        return ControlServerFactory(
+        tls = ControlServerFactory(
             self.backend,
             server_version=self.server_version,
             smolvm_version=self.smolvm_version,
@@ -443,6 +446,8 @@ class ControlServerFactory(Factory):
             refused_log=self.refused_log,
             on_command=self.on_command,
         )
+        tls.smolvm_source = self.smolvm_source
+        return tls
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
         return ControlServerProtocol(self)

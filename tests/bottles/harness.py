@@ -1,8 +1,7 @@
 """An in-process daemon (the tap's real service tree) against the fake smolvm, over AMP.
 
 Everything here runs against ``tests/fakes/smolvm``, a TEST DOUBLE: no real smolvm, no VM.
-The fake's ``exec`` runs commands on the host, so tests never let the alias fallback's
-iptables rules run (``harmless_iptables``).
+The fake's ``exec`` runs commands on the host.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ def spec_doc(
     egress: bool = True,
     reload: tuple[str, ...] = ("/bin/true",),
     workload: tuple[str, ...] = (),
+    listen: str | None = None,
+    user: str | None = None,
     services: tuple[tuple[str, int, list[str]], ...] = (
         ("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),
         ("git", 9418, ["GIT_GATE_URL=http://{host}:{port}/", "GIT_GATE_SOCKET={socket}"]),
@@ -49,15 +50,23 @@ def spec_doc(
         "image": SIDECAR_IMAGE,
         "service": [{"name": n, "guest_port": p, "env": env} for n, p, env in services],
     }
+    if listen is not None:
+        sidecar["listen"] = listen
     if egress:
         sidecar["egress"] = {
             "allow_hosts": ["pypi.org", "*.github.com"],
             "policy_path": os.path.join(tmp, "policy.txt"),
             "reload": list(reload),
         }
-    agent: dict[str, Any] = {"image": os.path.join(tmp, "agent.tar"), "env": ["LANG=C.UTF-8"]}
+    image = os.path.join(tmp, "agent.tar")
+    if not os.path.exists(image):  # smolvm reads a local archive at create
+        with open(image, "wb") as f:
+            f.write(b"\0" * 1024)
+    agent: dict[str, Any] = {"image": image, "env": ["LANG=C.UTF-8"]}
     if workload:
         agent["workload"] = list(workload)
+    if user is not None:
+        agent["user"] = user
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
 
 
@@ -87,10 +96,6 @@ def in_thread(f: Any, *args: Any) -> Deferred[Any]:
     from twisted.internet.threads import deferToThread
 
     return deferToThread(f, *args)
-
-
-def harmless_iptables(alias: str) -> list[str]:
-    return ["/bin/true"]
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -132,9 +137,6 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
             ]
         )
         root = build_service(options, reactor)
-        vms = root.registry.vms
-        assert vms is not None
-        vms.iptables_argv = harmless_iptables
         root.startService()
         self.root = root
         self.addCleanup(self.stop)

@@ -34,7 +34,7 @@ from bottlenet.probe.script import ARGV
 from tests.probe.guests import pass_transcript, witness_own_endpoints
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
-from vmctl.smolvm import ExecResult, Machine, Smolvm, SmolvmVersion
+from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion
 from vmctl.spec import MachineSpec, validate_spec
 
 T = TypeVar("T")
@@ -61,7 +61,7 @@ ExecHandler = Callable[[str, Sequence[str], bytes | None], ExecResult | None]
 class MemorySmolvm:
     """The subset of :class:`vmctl.smolvm.Smolvm` the bottles layer calls, in memory."""
 
-    version_text: str = "1.9.2"
+    version_text: str = "1.32.2"
     machines: dict[str, MemMachine] = field(factory=dict)
     #: Every call: (method, machine name or "").
     calls: list[tuple[str, str]] = field(factory=list)
@@ -82,6 +82,19 @@ class MemorySmolvm:
 
     def version(self) -> Deferred[SmolvmVersion]:
         return succeed(self.known_version)
+
+    @property
+    def features(self) -> Features:
+        """Every optional flag of the 1.32 reference (the contract tests pin the real set)."""
+        return Features(
+            error_format_json=True,
+            state_dir=True,
+            expose_socket=True,
+            user=True,
+            exec_timeout=True,
+            exec_user=True,
+            block_private=True,
+        )
 
     def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
         self.faults[(method, machine)] = error
@@ -146,6 +159,24 @@ class MemorySmolvm:
 
         return self._answer("delete", name, delete)
 
+    def remove(self, name: str) -> Deferred[bool]:
+        """Stop, then delete, as :meth:`vmctl.smolvm.Smolvm.remove` does; True if it existed."""
+
+        async def go() -> bool:
+            try:
+                await self.stop(name)
+            except NotFound:
+                return False
+            except VmctlError:
+                pass
+            try:
+                await self.delete(name)
+            except NotFound:
+                return False
+            return True
+
+        return Deferred.fromCoroutine(go())
+
     def status(self, name: str) -> Deferred[Machine]:
         return self._answer("status", name, lambda: self._machine(name).record())
 
@@ -170,6 +201,7 @@ class MemorySmolvm:
         env: Mapping[str, str] | None = None,
         detach: bool = False,
         timeout: float | None = None,
+        user: str | None = None,
     ) -> Deferred[ExecResult]:
         def run() -> ExecResult:
             if self._machine(name).state != "running":
@@ -274,6 +306,7 @@ class Rig:
             state_dir=state_dir,
             options=self.options,
             check_port=owned,
+            check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
         if self.smolvm.guest is None:
