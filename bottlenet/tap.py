@@ -27,6 +27,7 @@ from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
 from bottlenet.fatal import fatal_stop
+from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
@@ -99,6 +100,11 @@ class Options(usage.Options):
         self["allow-uid"].append(int(value))
 
     def postOptions(self) -> None:
+        if self.parent is not None:
+            # Under twist/twistd: unless --reactor chose one, run on the epoll reactor without
+            # a log context per event (the relays' fast path; docs/performance.md). The runner
+            # installs its default reactor only after this, so the fast one is the default.
+            fastreactor.install_unless_chosen()
         # twist/twistd read their log settings after the plugin's options: choose ours now.
         logs.install_log_format(self.parent, self["log-format"])
 
@@ -201,6 +207,11 @@ class BottlenetService(MultiService):
     def startService(self) -> None:
         old, new = limits.raise_nofile(limits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        self.log.info(
+            "relay engine {engine}, reactor {reactor}",
+            engine=self.table.engine,
+            reactor=type(self.reactor).__qualname__,
+        )
         super().startService()
         if self.smolvm.binary is not None:
             Deferred.fromCoroutine(self._probe_smolvm())

@@ -10,14 +10,18 @@ calls ``_doReadOrWrite`` directly and logs an escaping exception itself. Everyth
 
 The cost: log events emitted from inside a read/write callback no longer get the
 descriptor's log prefix as ``system`` (bottlenet's own events use ``Logger`` namespaces and
-structured fields, so its logs do not change). It is a separate reactor, selected explicitly:
-``install()`` from an entry point (the standalone benchmark does, with ``--reactor quiet``),
-or ``twist --reactor bottlenet-epoll`` once a reactor plugin names this module.
+structured fields, so its logs do not change). Entry points install it: the standalone
+benchmark (``--reactor quiet``, its default) and the daemon, whose plugin options call
+:func:`install_unless_chosen` so that ``twist bottlenet`` and ``twistd bottlenet`` run on it
+without a flag; ``--reactor NAME`` (e.g. ``epoll``, or ``bottlenet-epoll`` through the
+reactor plugin) still chooses another.
 """
 
 from __future__ import annotations
 
 import errno
+import select
+import sys
 from collections.abc import Callable
 
 from twisted.internet.epollreactor import EPollReactor
@@ -100,4 +104,18 @@ def install() -> QuietEPollReactor:
     return reactor
 
 
-__all__ = ["QuietEPollReactor", "install"]
+def install_unless_chosen() -> QuietEPollReactor | None:
+    """Install a :class:`QuietEPollReactor` unless a reactor is installed already.
+
+    For the daemon's plugin options (``postOptions``): ``twist`` and ``twistd`` install a
+    reactor chosen with ``--reactor`` while parsing their own options, before the plugin's, and
+    their default one only after the plugin's options are parsed, by importing
+    ``twisted.internet.reactor``, which then returns the one installed here. Returns None (and
+    does nothing) when a reactor is installed already or the platform has no epoll.
+    """
+    if "twisted.internet.reactor" in sys.modules or not hasattr(select, "epoll"):
+        return None
+    return install()
+
+
+__all__ = ["QuietEPollReactor", "install", "install_unless_chosen"]
