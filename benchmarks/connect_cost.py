@@ -39,10 +39,12 @@ def echo_backend() -> int:
     return int(srv.getsockname()[1])
 
 
-def cpu(pid: int) -> float:
+def cpu(pid: int) -> tuple[float, float]:
+    """User and system CPU seconds of ``pid`` (its threads included)."""
     with open(f"/proc/{pid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def free_port() -> int:
@@ -59,22 +61,40 @@ def main() -> None:
     p.add_argument("--profile", help="write the forwarder's cProfile stats here")
     p.add_argument("--spy", help="record the forwarder with py-spy (raw format) to this file")
     p.add_argument("--pin", type=int, default=1, help="CPU to pin everything to (-1: none)")
+    p.add_argument(
+        "--callgrind",
+        metavar="FILE",
+        help="run the forwarder under valgrind's callgrind (instruction counts) into FILE",
+    )
     p.add_argument("--daemon", choices=("readme", "unit"), help="run the daemon instead")
+    p.add_argument(
+        "--command",
+        help="run this forwarder instead (a peer: {listen_host} {listen_port} {target_port})",
+    )
     p.add_argument("--rtt", action="store_true", help="64-byte round trips on one connection")
     p.add_argument("rest", nargs="*", help="arguments for the standalone forwarder")
     args = p.parse_args()
     backend = echo_backend()
     port = free_port()
     cmd = [sys.executable]
+    if args.callgrind:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={args.callgrind}", *cmd]
     if args.profile:
         cmd += ["-m", "cProfile", "-o", args.profile]
     where = ["--listen", f"{LISTEN}:{port}", "--to", f"127.0.0.1:{backend}"]
-    if args.daemon:
+    if args.command:
+        cmd = args.command.format(
+            listen_host=LISTEN, listen_port=port, target_host="127.0.0.1", target_port=backend
+        ).split()
+    elif args.daemon:
         cmd += [os.path.join(ROOT, "benchmarks", "daemon_peer.py"), args.daemon, *where]
     else:
         cmd += ["-m", "bottlenet.forward.standalone", *where, *args.rest]
     child = subprocess.Popen(
-        cmd, env=dict(os.environ, PYTHONPATH=ROOT), stdout=subprocess.DEVNULL, start_new_session=True
+        cmd,
+        env=dict(os.environ, PYTHONPATH=ROOT),
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
     )
     wait_ready(port)
     if args.pin >= 0:
@@ -128,13 +148,14 @@ def main() -> None:
     child.send_signal(signal.SIGINT)
     child.wait(30)
     what = "round trips" if args.rtt else "connections"
+    user, system = (1e6 * (b - a) / args.n for a, b in zip(c0, c1, strict=True))
     print(
-        f"{args.n} {what}: {1e6 * (c1 - c0) / args.n:.1f} µs forwarder CPU each,"
-        f" {args.n / (t1 - t0):.0f}/s"
+        f"{args.n} {what}: {user + system:.1f} µs forwarder CPU each ({user:.1f} user,"
+        f" {system:.1f} system), {args.n / (t1 - t0):.0f}/s"
     )
 
 
-def wait_ready(port: int, timeout: float = 30.0) -> None:
+def wait_ready(port: int, timeout: float = 300.0) -> None:
     """Until one byte echoes through the forwarder (as fwdbench decides a peer is ready)."""
     deadline = time.monotonic() + timeout
     while True:

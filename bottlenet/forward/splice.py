@@ -79,6 +79,7 @@ PIPE_MAX = 1024 * 1024
 POOL_MAX = 16
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 _LINGER_RST = struct.pack("ii", 1, 0)
+_splice: Callable[..., int] = getattr(os, "splice", None)  # type: ignore[assignment]
 
 ENGINES = ("auto", "splice", "portable")
 
@@ -135,6 +136,9 @@ class SpliceEngines:
         self.taken_over = 0
         #: Relays that fell back to the portable engine (a transport that cannot be detached).
         self.fallbacks = 0
+
+    #: Its relays can start from two bare sockets (``SpliceRelay.start_sockets``).
+    start_sockets_supported = True
 
     def __call__(self, on_end: Callable[[str], None]) -> RelayEngine:
         return SpliceRelay(self, on_end)
@@ -297,11 +301,16 @@ class SpliceRelay:
             fallback = self._fallback = TransportRelay(self._fallback_ended)
             fallback.start(inbound, outbound)
             return
-        self._engines.taken_over += 1
         for leg in (inbound, outbound):
             # The inert transports are never used again: drop them (memory per idle relay).
             leg.sink = _NULL_SINK  # its transport is inert after the take-over: nothing arrives
             leg.transport = None  # type: ignore[assignment]
+        self.start_sockets(a, b)
+
+    def start_sockets(self, a: socket.socket, b: socket.socket) -> None:
+        """Relay between two connected non-blocking sockets, ``a`` the agent's (accepted) one
+        and ``b`` the target's; from here on the relay owns and closes both."""
+        self._engines.taken_over += 1
         ea, eb = _End(self, a), _End(self, b)
         up, down = _Dir(ea, eb), _Dir(eb, ea)
         ea.src_of = eb.dst_of = up
@@ -346,9 +355,10 @@ class SpliceRelay:
     def _pump(self, d: _Dir) -> None:
         """``d.src`` is readable, and ``d`` holds nothing in a pipe (else it is not read)."""
         engines = self._engines
-        pipe = engines.scratch()
+        pipe = engines._scratch or engines.scratch()
         try:
-            n = os.splice(d.src.fd, pipe.w, pipe.size, flags=_SPLICE_FLAGS)
+            # Positional flags: keyword parsing is a measurable share of a small message.
+            n = _splice(d.src.fd, pipe.w, pipe.size, None, None, _SPLICE_FLAGS)
         except BlockingIOError:
             return  # the socket is empty (the pipe is: trap 3)
         except OSError:
@@ -363,7 +373,7 @@ class SpliceRelay:
         if n == pipe.size:
             pipe.grow()
         try:
-            m = os.splice(pipe.r, d.dst.fd, n, flags=_SPLICE_FLAGS)
+            m = _splice(pipe.r, d.dst.fd, n, None, None, _SPLICE_FLAGS)
         except BlockingIOError:
             m = 0
         except OSError:
@@ -387,7 +397,7 @@ class SpliceRelay:
             self._writing(d.dst, False)
             return
         try:
-            m = os.splice(pipe.r, d.dst.fd, d.inpipe, flags=_SPLICE_FLAGS)
+            m = _splice(pipe.r, d.dst.fd, d.inpipe, None, None, _SPLICE_FLAGS)
         except BlockingIOError:
             return
         except OSError:

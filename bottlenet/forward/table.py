@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import stat
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
@@ -49,6 +50,7 @@ from bottlenet.forward.relay import (
     EngineFactory,
     Leg,
     RelaySession,
+    SocketTarget,
     TransportRelay,
 )
 from bottlenet.forward.spec import (
@@ -139,8 +141,22 @@ class _Forward(Factory):
         self._refusals_suppressed = 0
         self.closing = False
         self._closed_waiters: list[defer.Deferred[None]] | None = None
+        #: Offered to the listener: accepted sockets skip transports when the engine can start
+        #: from bare sockets (splice) and the target endpoint can hand one over (fast connect).
+        self.accept_socket: Callable[[socket.socket, Callable[[Leg], object]], bool] | None = (
+            self._accept_socket
+            if hasattr(engine_factory, "start_sockets_supported")
+            and isinstance(target, FastClientEndpoint)
+            else None
+        )
 
     def buildProtocol(self, addr: IAddress | None) -> Leg | None:
+        session = self._admit()
+        return None if session is None else session.inbound
+
+    def _admit(self) -> RelaySession | None:
+        """The admission point for every accepted connection (both paths): a new session
+        counted and tracked, or None (refused: the listener resets the connection)."""
         if self.closing or len(self.sessions) >= self.spec.max_connections:
             self.refused += 1
             self._log_refusal()
@@ -155,7 +171,20 @@ class _Forward(Factory):
             engine_factory=self._engine_factory,
         )
         self.sessions.add(session)
-        return session.inbound
+        return session
+
+    def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool:
+        """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
+        socket (``RelaySession.start_accepted``). False = refused (the listener resets)."""
+        session = self._admit()
+        if session is None:
+            return False
+        try:
+            session.start_accepted(sock, adopt, cast(SocketTarget, self._target))
+        except BaseException:
+            self.sessions.discard(session)
+            raise
+        return True
 
     def _log_refusal(self) -> None:
         now = self._clock.seconds()
