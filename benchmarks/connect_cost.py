@@ -78,7 +78,13 @@ def main() -> None:
     port = free_port()
     cmd = [sys.executable]
     if args.callgrind:
-        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={args.callgrind}", *cmd]
+        cmd = [
+            "valgrind",
+            "--tool=callgrind",
+            "--trace-children=yes",
+            f"--callgrind-out-file={args.callgrind}.%p",
+            *cmd,
+        ]
     if args.profile:
         cmd += ["-m", "cProfile", "-o", args.profile]
     where = ["--listen", f"{LISTEN}:{port}", "--to", f"127.0.0.1:{backend}"]

@@ -108,7 +108,9 @@ REACTOR = re.compile(rb"relay engine (\S+), reactor (\w+)")
         ("twist --reactor epoll", "EPollReactor"),
     ],
 )
-def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner: str, reactor: str) -> None:  # type: ignore[no-untyped-def]
+def test_daemon_serves_the_configured_forward(
+    tmp_path, echo_server: int, runner: str, reactor: str
+) -> None:  # type: ignore[no-untyped-def]
     config = _write_config(
         tmp_path,
         "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
@@ -143,3 +145,14 @@ def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner
     # After a clean stop nothing listens on the forward any more.
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, port), timeout=5).close()
+
+
+def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
+    from twisted.logger import LogLevel
+
+    from bottlenet.tap import logs_relay_ends
+
+    assert logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.debug})
+    assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})
+    assert not logs_relay_ends({"logger": None, "nodaemon": True})  # twistd
+    assert not logs_relay_ends(None)

@@ -20,7 +20,6 @@ from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
 from twisted.internet.protocol import Factory
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from zope.interface import implementer
 
@@ -457,19 +456,11 @@ class ControlServerFactory(Factory):
             clock if clock is not None else cast(IReactorTime, _MonotonicClock()),
             interval=REFUSED_PEER_LOG_INTERVAL,
             max_keys=1024,
+            # A one-shot timer only while refusals were dropped: no periodic wakeup.
+            auto_flush=clock is not None,
         )
-        self._flusher: LoopingCall | None = None
-
-    def startFactory(self) -> None:
-        if self._clock is not None and self._flusher is None:
-            self._flusher = LoopingCall(self.refused_log.flush)
-            self._flusher.clock = self._clock
-            self._flusher.start(REFUSED_PEER_LOG_INTERVAL, now=False)
 
     def stopFactory(self) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-            self._flusher = None
         self.refused_log.flush()
 
     def for_tls(self) -> ControlServerFactory:

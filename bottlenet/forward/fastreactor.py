@@ -30,8 +30,9 @@ from twisted.internet.posixbase import _NO_FILEDESC
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-
 _IN_ONLY = getattr(select, "EPOLLIN", 1)
+#: The longest epoll timeout Twisted uses (2**31 ms, in seconds).
+_LONGEST_WAIT = 2147483.0
 
 
 class QuietEPollReactor(EPollReactor):
@@ -55,6 +56,26 @@ class QuietEPollReactor(EPollReactor):
         if not self._dispatching:
             return False
         self._after_batch.append(f)
+        return True
+
+    def forget_until_closed(self, descriptor: object) -> bool:
+        """Drop ``descriptor`` from the reactor without an ``epoll_ctl`` call, during a batch.
+
+        Only for a caller that closes the descriptor's fd (its only one: no ``dup``) from a
+        :meth:`call_after_batch` call: closing it removes it from the epoll set, and until then
+        an event for the fd finds no descriptor and is skipped (so no stale event can reach
+        anything, trap 4). Returns False (and does nothing) outside a batch: the caller then
+        removes it as usual. Saves two syscalls per relay.
+        """
+        if not self._dispatching:
+            return False
+        fileno = descriptor.fileno  # type: ignore[attr-defined]
+        fd = fileno()
+        if self._selectables.get(fd) is not descriptor:
+            return True  # not registered: nothing to drop
+        self._reads.discard(fd)
+        self._writes.discard(fd)
+        del self._selectables[fd]
         return True
 
     def doPoll(self, timeout: float | None) -> None:
@@ -116,28 +137,42 @@ class QuietEPollReactor(EPollReactor):
     doIteration = doPoll
 
     def mainLoop(self) -> None:
-        """``ReactorBase.mainLoop``, minus the timer bookkeeping when there is none to do.
+        """``ReactorBase.mainLoop``, minus the timer bookkeeping when no timer is due.
 
-        An iteration with no timed call (pending or new), no call from a thread and no stop
-        under way goes straight to epoll with no timeout: ``runUntilCurrent`` and ``timeout``
-        would only find that out, at two method calls and a clock read per event. Otherwise
-        the iteration is the stock one. Errors are handled as the stock loop does.
+        An iteration with no call from a thread, no new timed call, no stop under way and no
+        pending timed call that is due goes straight to epoll, with the time to the first
+        pending call as its timeout: ``runUntilCurrent`` and ``timeout`` would only find that
+        out, at several method calls per event. Otherwise the iteration is the stock one
+        (which also compacts cancelled calls). Errors are handled as the stock loop does.
         """
         poll = self.doPoll
+        seconds = self.seconds
         while self._started:
             with _topHandler:
                 while self._started:
+                    pending = self._pendingTimedCalls
                     if (
                         self.threadCallQueue
                         or self._newTimedCalls
-                        or self._pendingTimedCalls
                         or self._justStopped
+                        or self._cancellations > 50
                     ):
+                        t = None
+                        due = True
+                    elif pending:
+                        t = pending[0].time - seconds()
+                        due = t <= 0
+                    else:
+                        t = None
+                        due = False
+                    if due:
                         self.runUntilCurrent()
                         t2 = self.timeout()
                         t = self.running and t2
-                    else:
-                        t = None if self.running else 0
+                    elif not self.running:
+                        t = 0
+                    elif t is not None:
+                        t = min(t, _LONGEST_WAIT)
                     poll(t)
         self._log.info("Main loop terminated.")
 

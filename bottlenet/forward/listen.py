@@ -130,6 +130,8 @@ class _BackoffAccept(_PortBase):
     log = Logger()
 
     _full_batches = False
+    #: (family, type, proto) of accepted sockets, as ints (set when listening starts).
+    _sock_args: tuple[int, int, int] = (0, 0, 0)
     _backoff_call: IDelayedCall | None = None
     _backoff_delay: float = 0.0
     #: How many times accept() hit fd exhaustion (for tests and stats).
@@ -140,7 +142,7 @@ class _BackoffAccept(_PortBase):
         raw_accept = lsock._accept  # type: ignore[union-attr]
         # socket.accept() minus its per-call enum conversions (family/type properties): the
         # listener is non-blocking, so it would not touch the new socket's timeout either.
-        family, type_, proto = int(lsock.family), int(lsock.type), lsock.proto
+        family, type_, proto = self._sock_args
         factory = self.factory
         assert factory is not None
         fast = getattr(factory, "accept_socket", None)
@@ -199,6 +201,11 @@ class _BackoffAccept(_PortBase):
         self.sessionno = s + 1
         transport = self.transport(skt, protocol, addr, self, s, self.reactor)
         protocol.makeConnection(transport)
+
+    def startListening(self) -> None:
+        super().startListening()
+        s = self.socket
+        self._sock_args = (int(s.family), int(s.type), s.proto)
 
     def exhausted(self, err: int) -> None:
         """The process ran out of fds elsewhere (a relay's connect): back off as for accept."""

@@ -40,7 +40,7 @@ import socket
 import struct
 import sys
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from twisted.internet.interfaces import (
     IDelayedCall,
@@ -132,6 +132,12 @@ class SpliceEngines:
         self._pool: list[_Pipe] = []
         self._closing: list[tuple[SpliceRelay, str]] = []
         self._close_call: IDelayedCall | None = None
+        self._close_after_batch = False
+        self._after_batch: Callable[[Callable[[], object]], bool] | None = getattr(
+            reactor, "call_after_batch", None
+        )
+        #: The quiet reactor's forget_until_closed (None on other reactors).
+        self.forget: Callable[[object], bool] | None = getattr(reactor, "forget_until_closed", None)
         #: Relays that took their sockets over (for stats and tests).
         self.taken_over = 0
         #: Relays that fell back to the portable engine (a transport that cannot be detached).
@@ -184,16 +190,20 @@ class SpliceEngines:
     # Deferred close (trap 4)
     def close_later(self, relay: SpliceRelay, outcome: str) -> None:
         """Close after the current epoll batch: at its end on the quiet reactor, else on the
-        next pass (``callLater(0)``)."""
+        next pass (``callLater(0)``). Inside a batch the after-batch call is always used (a
+        relay may have let the reactor forget its sockets, see ``_finish``)."""
         self._closing.append((relay, outcome))
-        if len(self._closing) > 1:
-            return  # already scheduled
-        after_batch = getattr(self.reactor, "call_after_batch", None)
+        if self._close_after_batch:
+            return  # already scheduled at the end of this batch
+        after_batch = self._after_batch
         if after_batch is not None and after_batch(self._close_now):
+            self._close_after_batch = True
             return
-        self._close_call = self._clock.callLater(0, self._close_now)
+        if self._close_call is None:
+            self._close_call = self._clock.callLater(0, self._close_now)
 
     def _close_now(self) -> None:
+        self._close_after_batch = False
         call, self._close_call = self._close_call, None
         if call is not None and call.active():
             call.cancel()
@@ -214,8 +224,8 @@ class _End:
         self.fd = sock.fileno()
         self.reading = False
         self.writing = False
-        self.src_of: _Dir = cast("_Dir", None)
-        self.dst_of: _Dir = cast("_Dir", None)
+        self.src_of: _Dir = _NO_DIR
+        self.dst_of: _Dir = _NO_DIR
 
     def fileno(self) -> int:
         return self.fd
@@ -233,6 +243,9 @@ class _End:
         # The reactor dropped this descriptor: EPOLLERR/HUP without data, or an exception.
         self.reading = self.writing = False
         self.relay._fail()
+
+
+_NO_DIR: _Dir = None  # type: ignore[assignment]
 
 
 class _Dir:
@@ -464,7 +477,13 @@ class SpliceRelay:
         if self._over or self._up is None:
             return
         self._over = True
+        forget = self._engines.forget
         for end in (self._up.src, self._down.src):  # type: ignore[union-attr]
+            if forget is not None and (end.reading or end.writing) and forget(end):
+                # The quiet reactor, inside a batch: close() below (after the batch) takes
+                # the fd out of the epoll set, no epoll_ctl needed.
+                end.reading = end.writing = False
+                continue
             self._reading(end, False)
             self._writing(end, False)
         for d in (self._up, self._down):

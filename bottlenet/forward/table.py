@@ -50,7 +50,6 @@ from bottlenet.forward.relay import (
     EngineFactory,
     Leg,
     RelaySession,
-    SocketTarget,
     TransportRelay,
 )
 from bottlenet.forward.spec import (
@@ -180,7 +179,7 @@ class _Forward(Factory):
         if session is None:
             return False
         try:
-            session.start_accepted(sock, adopt, cast(SocketTarget, self._target))
+            session.start_accepted(sock, adopt, self._target)  # type: ignore[arg-type]
         except BaseException:
             self.sessions.discard(session)
             raise
