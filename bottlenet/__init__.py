@@ -1,4 +1,18 @@
-"""bottlenet: the host daemon that runs, wires and isolates bottles (agent VM + sidecar VM)."""
+"""bottlenet: the host daemon that runs, wires and isolates bottles (agent VM + sidecar VM).
+
+The ground floor and the composition root:
+
+- :mod:`~bottlenet.errors`: typed errors with their wire codes.
+- :mod:`~bottlenet.paths`: where the daemon keeps things (state dir, control socket path,
+  private directories).
+- :mod:`~bottlenet.tap`: the ``twist``/``twistd`` options and the one place that composes
+  the service tree.
+
+The rooms: :mod:`bottlenet.forward` (data plane), :mod:`bottlenet.bottles` (bottle model,
+lifecycle, recovery), :mod:`bottlenet.control` (AMP contract, responder, clients),
+:mod:`bottlenet.ops` (daemon plumbing), :mod:`bottlenet.cli` (``bottlenetctl``); the smolvm
+driver is the top-level package :mod:`vmctl`. ``docs/architecture.md`` shows the doors.
+"""
 
 from __future__ import annotations
 

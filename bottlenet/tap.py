@@ -9,30 +9,41 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger, LogLevel
 from twisted.python import usage
+from twisted.python.systemd import ListenFDs
 
-from bottlenet import __version__, limits, logs, metrics, sdnotify
+from bottlenet import __version__
+from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
-from bottlenet.config import ConfigError, DaemonConfig, load_config
+from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
-from bottlenet.control.listen import ControlService, default_control_endpoint, tls_control_endpoint
+from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
-from bottlenet.fatal import fatal_stop
 from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
-from bottlenet.state import StateError, StateStore
-from bottlenet.statedir import PrivateDirError, default_state_dir, ensure_private_dir
+from bottlenet.ops import logs, metrics, rlimits, sdnotify
+from bottlenet.ops.fatal import fatal_stop, fatal_stopper
+from bottlenet.ops.listening import ListeningService
+from bottlenet.paths import (
+    PrivateDirError,
+    default_control_endpoint,
+    default_state_dir,
+    ensure_private_dir,
+)
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
@@ -205,7 +216,7 @@ class BottlenetService(MultiService):
         self.control_commands = control_commands or metrics.CommandStats()
 
     def startService(self) -> None:
-        old, new = limits.raise_nofile(limits.select_reactor_cap(self.reactor))
+        old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
         self.log.info(
             "relay engine {engine}, reactor {reactor}",
@@ -273,8 +284,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     except OSError as e:
         raise _fail(f"{store.path}: {e.strerror}") from None
 
-    def on_fatal(why: str) -> None:
-        fatal_stop(reactor, why)
+    on_fatal = fatal_stopper(reactor)
 
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -341,16 +351,16 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
-    ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
+    control_service(reactor, control, factory, on_fatal).setServiceParent(root)
     if tls is not None:
         tls_factory = factory.for_tls()
         root.control_factories.append(tls_factory)
-        ControlService(
-            reactor,
-            tls_control_endpoint(reactor, *tls),
+        ListeningService(
+            "control-tls",
+            f"{tls[1]}:{tls[0]}",
+            partial(tls_control_endpoint, reactor, *tls),
             tls_factory,
-            on_fatal=on_fatal,
-            what="control-tls",
+            on_fatal,
         ).setServiceParent(root)
     if metrics_spec is not None:
         site = metrics.metrics_site(
@@ -359,8 +369,8 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             smolvm_calls,
             control_commands,
         )
-        listener = metrics.MetricsService(
-            metrics_spec, metrics_spec.endpoint(reactor), site, on_fatal
+        listener = ListeningService(
+            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), site, on_fatal
         )
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
@@ -395,6 +405,24 @@ def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
         results=frozenset({"OK", *control_codes}),
     )
     return calls, commands
+
+
+def control_service(
+    reactor: Any,
+    description: str,
+    factory: IProtocolFactory,
+    on_fatal: Callable[[str], None],
+    *,
+    listen_fds: ListenFDs | None = None,
+) -> ListeningService:
+    """The control socket's listener: ``--control`` parsed at start, a failure fatal."""
+    return ListeningService(
+        "control",
+        description,
+        partial(control_endpoint, reactor, description, listen_fds=listen_fds),
+        factory,
+        on_fatal,
+    )
 
 
 def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bottlenet.cli import build_parser
+from bottlenet.cli.main import build_parser
 from bottlenet.control.blocking import BlockingControlClient
 from tests.fakes import FakeSmolvm
 

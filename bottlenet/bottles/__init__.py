@@ -1,0 +1,19 @@
+"""The bottles wing: what a bottle is, how one is made, kept, checked and taken apart.
+
+- :mod:`~bottlenet.bottles.spec`: the bottle spec a launcher sends, validated field by field.
+- :mod:`~bottlenet.bottles.config`: the daemon's TOML file of forward-only bottles.
+- :mod:`~bottlenet.bottles.model`: the bottle as the daemon remembers it.
+- :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).
+- :mod:`~bottlenet.bottles.registry`: the bottles the daemon knows; one operation per bottle.
+- :mod:`~bottlenet.bottles.lifecycle`: VM create steps with their undos, verify, teardown.
+- :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start.
+- :mod:`~bottlenet.bottles.isolation`: which isolation mode, which mechanism, which VM flags.
+- :mod:`~bottlenet.bottles.probe` (+ ``probe.sh``): the launch gate.
+- :mod:`~bottlenet.bottles.egress`: the sidecar's egress allow-list, pushed and reloaded.
+- :mod:`~bottlenet.bottles.agentenv`: the agent's stamped environment.
+- :mod:`~bottlenet.bottles.watch`: notice a VM process exit without polling smolvm.
+
+The rule of this room: bottles composes the data plane (:mod:`bottlenet.forward`) and the
+smolvm driver (:mod:`vmctl`) with the ground floor; it knows nothing of AMP, the CLI or
+daemon plumbing.
+"""

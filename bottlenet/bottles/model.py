@@ -13,8 +13,8 @@ from typing import Any
 from attrs import field, frozen
 
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.store import StateError
 from bottlenet.errors import InvalidArgument
-from bottlenet.state import StateError
 
 ROLE_SIDECAR = "sidecar"
 ROLE_AGENT = "agent"

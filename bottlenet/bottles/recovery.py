@@ -23,6 +23,7 @@ from bottlenet.bottles.isolation import MODE_ALIAS
 from bottlenet.bottles.lifecycle import LOCALHOST, VMLifecycle, remove_bottle_dir
 from bottlenet.bottles.model import LABEL_OWNER, STATE_DEGRADED, VMBottle
 from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.store import State, StateError
 from bottlenet.bottles.watch import pid_alive
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.spec import (
@@ -33,7 +34,6 @@ from bottlenet.forward.spec import (
     UNIXListen,
     bottle_dir,
 )
-from bottlenet.state import State, StateError
 from vmctl.errors import VmctlError
 from vmctl.ports import Ownership
 from vmctl.smolvm import Machine

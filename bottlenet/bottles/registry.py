@@ -22,6 +22,7 @@ from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import STATE_DEGRADED, STATE_READY, Endpoint, VMBottle
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -34,6 +35,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
+    DEFAULT_MAX_CONNECTIONS,
     ForwardSpec,
     TCPListen,
     check_bottle_name,
@@ -42,7 +44,6 @@ from bottlenet.forward.spec import (
     parse_target,
 )
 from bottlenet.forward.table import ForwardInfo, ForwardTable
-from bottlenet.state import State, StateStore
 
 T = TypeVar("T")
 
@@ -87,7 +88,7 @@ class BottleRegistry:
         *,
         state_dir: str,
         max_bottles: int = DEFAULT_MAX_BOTTLES,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: StateStore | None = None,
         instance_id: str = "",
         vms: VMLifecycle | None = None,

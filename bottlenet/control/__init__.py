@@ -1,0 +1,18 @@
+"""The control plane: the AMP contract, who may speak it, and the clients that do.
+
+- :mod:`~bottlenet.control.commands`: the AMP commands (protocol version 1) and error codes.
+- :mod:`~bottlenet.control.framing` / :mod:`~bottlenet.control.protocol`: the bounded box
+  parser and the hardened AMP protocol.
+- :mod:`~bottlenet.control.peercred`: who is on the other end of a UNIX connection.
+- :mod:`~bottlenet.control.endpoints`: the private UNIX socket, systemd adoption, TLS.
+- :mod:`~bottlenet.control.server`: the peer check and the responders.
+- :mod:`~bottlenet.control.backend`: what the server needs from the bottles wing.
+- :mod:`~bottlenet.control.records`, :mod:`~bottlenet.control.results`,
+  :mod:`~bottlenet.control.codec`: wire records, typed results, reactor-free boxes.
+- :mod:`~bottlenet.control.client` / :mod:`~bottlenet.control.blocking`: the async and the
+  blocking client (the client side: imports no daemon module).
+
+The rule of this room: control translates AMP into calls on the bottles wing and back. It
+never drives smolvm itself (no :mod:`vmctl` import): VM work goes through
+:mod:`bottlenet.bottles`.
+"""

@@ -44,7 +44,7 @@ from bottlenet.forward.spec import (
     parse_canonical_ipv4,
     parse_target,
 )
-from bottlenet.logs import RateLimitedLogger
+from bottlenet.ops.logs import RateLimitedLogger
 
 if TYPE_CHECKING:
     from bottlenet.bottles.registry import BottleInfo

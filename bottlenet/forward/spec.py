@@ -11,11 +11,13 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import struct
 from typing import TypeAlias
 
 from attrs import frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.paths import MAX_SUN_PATH
 
 BOTTLE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 LABEL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
@@ -25,8 +27,6 @@ _CANONICAL_V4 = re.compile(rf"{_OCTET}\.{_OCTET}\.{_OCTET}\.{_OCTET}")
 _LOOPBACK_V4 = ipaddress.IPv4Network("127.0.0.0/8")
 _HOST_LOOPBACK = ipaddress.IPv4Address("127.0.0.1")
 DEFAULT_POOL = "127.77.0.0/16"
-# sockaddr_un.sun_path is 108 bytes on Linux (104 on macOS); keep a margin for the NUL.
-MAX_UNIX_PATH = 103
 
 
 def check_bottle_name(name: object) -> str:
@@ -162,6 +162,14 @@ class UNIXTarget:
 TargetSpec: TypeAlias = TCPTarget | UNIXTarget
 
 
+#: Connections one forward holds at once unless its bottle says otherwise, and the most any may.
+DEFAULT_MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_LIMIT = 65536
+
+#: ``SO_LINGER`` on, zero seconds: ``close()`` sends RST instead of FIN.
+LINGER_RST = struct.pack("ii", 1, 0)
+
+
 @frozen
 class ForwardSpec:
     """One fixed route: agent endpoint -> target; the target never comes from a client."""
@@ -170,7 +178,7 @@ class ForwardSpec:
     label: str
     listen: ListenSpec
     target: TargetSpec
-    max_connections: int = 1024
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 def _check_abs_path(path: object, what: str) -> str:
@@ -178,8 +186,8 @@ def _check_abs_path(path: object, what: str) -> str:
         raise InvalidArgument(f"{what} {safe_repr(path)} must be an absolute path")
     if os.path.normpath(path) != path or "/../" in f"{path}/":
         raise InvalidArgument(f"{what} {safe_repr(path)} must be a normalised path")
-    if len(path.encode("utf-8", "surrogateescape")) > MAX_UNIX_PATH:
-        raise InvalidArgument(f"{what} {safe_repr(path)} is longer than {MAX_UNIX_PATH} bytes")
+    if len(path.encode("utf-8", "surrogateescape")) > MAX_SUN_PATH:
+        raise InvalidArgument(f"{what} {safe_repr(path)} is longer than {MAX_SUN_PATH} bytes")
     return path
 
 

@@ -12,7 +12,6 @@ import errno
 import ipaddress
 import os
 import socket
-import stat
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -53,6 +52,7 @@ from bottlenet.forward.relay import (
     TransportRelay,
 )
 from bottlenet.forward.spec import (
+    MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
     TCPListen,
@@ -66,7 +66,7 @@ from bottlenet.forward.spec import (
     check_unix_listen,
 )
 from bottlenet.forward.splice import engine_factory
-from bottlenet.statedir import ensure_private_dir
+from bottlenet.paths import ensure_private_dir, unix_path_state
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
@@ -74,7 +74,6 @@ if TYPE_CHECKING:
 #: At most one refusal log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
 _FD_EXHAUSTED = (":EMFILE", ":ENFILE")
-MAX_CONNECTIONS_LIMIT = 65536
 
 
 @frozen
@@ -472,15 +471,13 @@ class ForwardTable(Service):
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
         made = ensure_private_dir(bdir, too_open="fix", name=f"bottle directory of {spec.bottle}")
         created = bdir if made else None
-        try:
-            pst = os.lstat(listen.path)
-        except FileNotFoundError:
-            return created
-        if not stat.S_ISSOCK(pst.st_mode):
+        state, _ = unix_path_state(listen.path)
+        if state in ("symlink", "not-a-socket"):
             raise InvalidArgument(f"{listen.describe()} exists and is not a socket")
-        if _unix_socket_alive(listen.path):
+        if state in ("alive", "unknown"):  # unknown (e.g. EACCES): not ours to replace
             raise BindRefused(f"cannot listen on {listen.describe()}: in use by another process")
-        os.unlink(listen.path)  # a stale socket from a previous run
+        if state == "stale":
+            os.unlink(listen.path)  # a stale socket from a previous run
         return created
 
     def _server_endpoint(
@@ -517,23 +514,6 @@ class ForwardTable(Service):
         if isinstance(target.host, ipaddress.IPv6Address):
             return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
         return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
-
-
-def _unix_socket_alive(path: str) -> bool:
-    """True if something accepts connections on ``path`` (non-blocking probe, no data sent)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.setblocking(False)
-        probe.connect(path)
-    except (BlockingIOError, InterruptedError):
-        return True  # backlog full: very much alive
-    except OSError as e:
-        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        return True  # EACCES and friends: not ours to replace
-    finally:
-        probe.close()
-    return True
 
 
 def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:

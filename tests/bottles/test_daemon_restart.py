@@ -192,7 +192,7 @@ def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
 def test_bottlenetctl_spec_egress_verify(daemon: Daemon) -> None:
     import io
 
-    from bottlenet.cli import main
+    from bottlenet.cli.main import main
 
     toml = os.path.join(daemon.tmp, "t1.toml")
     with open(toml, "w") as f:

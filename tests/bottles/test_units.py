@@ -23,7 +23,7 @@ from bottlenet.bottles.model import Endpoint, VMBottle, machine_name
 from bottlenet.bottles.probe import ProbePlan, judge, plan_probe
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.watch import PidWatcher, pid_alive
-from bottlenet.cli import main
+from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
 from tests.bottles.harness import spec_doc
 from vmctl.smolvm import SmolvmVersion
@@ -209,7 +209,7 @@ def test_cli_spec_file_is_sent_as_json(tmp_path: object) -> None:
     assert main(["bottle", "create", "x", "--spec", bad], env=env, err=err) == 2
     assert "not valid TOML" in err.getvalue()
     assert main(["bottle", "create", "x", "--spec", spec], env=env, err=io.StringIO()) == 3
-    from bottlenet.cli import SpecFileError, read_spec
+    from bottlenet.cli.main import SpecFileError, read_spec
 
     assert json.loads(read_spec(spec)) == {"mode": "none"}
     with pytest.raises(SpecFileError, match="not valid TOML"):

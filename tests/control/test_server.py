@@ -17,7 +17,7 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
 )
-from bottlenet.statedir import PrivateDirError
+from bottlenet.paths import PrivateDirError
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
 

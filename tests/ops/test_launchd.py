@@ -9,7 +9,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from bottlenet.forward.spec import MAX_UNIX_PATH, AliasPool
+from bottlenet.forward.spec import MAX_SUN_PATH, AliasPool
 
 LAUNCHD = Path(__file__).resolve().parents[2] / "contrib" / "launchd"
 
@@ -29,7 +29,7 @@ def test_agent_runs_twist_bottlenet_unprivileged() -> None:
     assert "UserName" not in agent and "GroupName" not in agent  # runs as the logged-in user
     control = argv[argv.index("--control") + 1]
     assert control.startswith("unix:/")
-    assert len(control.removeprefix("unix:")) <= MAX_UNIX_PATH
+    assert len(control.removeprefix("unix:")) <= MAX_SUN_PATH
     assert "--log-format=text" in argv
     # VMs started by the daemon must survive its restart (no process-group kill).
     assert agent["AbandonProcessGroup"] is True

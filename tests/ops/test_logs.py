@@ -22,7 +22,7 @@ from twisted.python.failure import Failure
 from twisted.python.usage import UsageError
 from twisted.scripts.twistd import ServerOptions
 
-from bottlenet import logs
+from bottlenet.ops import logs
 
 FORGED = "x\n2026-01-01T00:00:00+0000 [bottlenet#critical] fatal: forged\r\x1b[2J"
 

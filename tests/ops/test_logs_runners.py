@@ -25,7 +25,7 @@ TAP = """
 from twisted.application.service import Service
 from twisted.logger import Logger
 from twisted.python import usage
-from bottlenet.logs import install_log_format
+from bottlenet.ops.logs import install_log_format
 
 class Options(usage.Options):
     optParameters = [["log-format", None, None, "json or text"]]
@@ -94,6 +94,13 @@ def test_twistd_json(plugin_path: str, tmp_path: Path) -> None:
 
 
 def test_twistd_logger_option_directly(plugin_path: str, tmp_path: Path) -> None:
-    argv = ["-c", TWISTD, "-n", "--pidfile=", "--logger=bottlenet.logs.json_logger", "bnlogtest"]
+    argv = [
+        "-c",
+        TWISTD,
+        "-n",
+        "--pidfile=",
+        "--logger=bottlenet.ops.logs.json_logger",
+        "bnlogtest",
+    ]
     events = _json_lines(_run(plugin_path, argv, tmp_path))
     assert any(e.get("peer") == "x\nFORGED\x1b[2J" for e in events)

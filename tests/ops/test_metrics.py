@@ -8,9 +8,9 @@ import pytest
 from attrs import frozen
 from prometheus_client.parser import text_string_to_metric_families
 
-from bottlenet import metrics
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.spec import AliasPool
+from bottlenet.ops import metrics
 from tests.control.fakes import Counters
 
 

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from twisted.internet.defer import Deferred, succeed
 
-from bottlenet import sdnotify
+from bottlenet.ops import sdnotify
 
 
 @pytest.fixture

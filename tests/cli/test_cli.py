@@ -15,12 +15,11 @@ from twisted.internet.defer import inlineCallbacks
 from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
-from bottlenet.cli import default_control, main
-from bottlenet.control.listen import ControlService
+from bottlenet.cli.main import default_control, main
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
-
-from .fakes import FakeBackend
+from bottlenet.tap import control_service
+from tests.control.fakes import FakeBackend
 
 reactor: Any = _reactor
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -88,7 +87,7 @@ class CLITests(unittest.TestCase):
             smolvm_version=None,
             allowed_uids=default_allowed_uids(),
         )
-        svc = ControlService(reactor, f"unix:{self.path}", factory, self.fail)
+        svc = control_service(reactor, f"unix:{self.path}", factory, self.fail)
         svc.startService()
         self.addCleanup(lambda: os.unlink(self.path + ".lock"))
         self.addCleanup(svc.stopService)
@@ -147,7 +146,7 @@ class CLITests(unittest.TestCase):
 def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import io
 
-    from bottlenet import cli
+    from bottlenet.cli import main as cli
 
     seen: dict[str, float] = {}
 

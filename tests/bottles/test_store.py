@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from bottlenet.state import SCHEMA_VERSION, State, StateError, StateStore
+from bottlenet.bottles.store import SCHEMA_VERSION, State, StateError, StateStore
 
 
 def test_fresh_state_has_an_instance_id(tmp_path) -> None:  # type: ignore[no-untyped-def]

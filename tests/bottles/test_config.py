@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from bottlenet.config import ConfigError, load_config, parse_config
+from bottlenet.bottles.config import ConfigError, load_config, parse_config
 from bottlenet.forward.spec import AliasPool
 
 POOL = AliasPool.parse("127.77.0.0/16")
@@ -50,7 +50,7 @@ def test_good_config() -> None:
 
 def test_shipped_example_is_valid() -> None:
     here = os.path.dirname(__file__)
-    config = load_config(os.path.join(here, "..", "examples", "demo.toml"), POOL, "/state")
+    config = load_config(os.path.join(here, "..", "..", "examples", "demo.toml"), POOL, "/state")
     assert config.bottles[0].forwards[0].target.describe() == "127.0.0.1:8080"
 
 

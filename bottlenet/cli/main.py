@@ -16,17 +16,17 @@ from typing import Any, TextIO
 
 import attrs
 
-from bottlenet.cliutil import (
+from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
     EXIT_USAGE,
     report_control_error,
+    write_table,
 )
-from bottlenet.cliutil import clean as _clean
+from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.control.listen import default_control_path
 from bottlenet.errors import BottlenetError
-from bottlenet.statedir import default_state_dir
+from bottlenet.paths import default_control_path, default_state_dir
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -39,13 +39,6 @@ def default_control(env: os._Environ[str] | dict[str, str]) -> str:
 
 def _socket_path(control: str) -> str:
     return control[len("unix:") :] if control.startswith("unix:") else control
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
-    cells = [[_clean(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    for row in [list(headers), *cells]:
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 def _json(value: Any, out: TextIO) -> None:
@@ -67,7 +60,7 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
         _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
-    table(
+    write_table(
         ["FIELD", "VALUE"],
         [
             ["daemon", hello.server_version],
@@ -133,7 +126,7 @@ def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: Text
     if a.json:
         _json(b, out)
     elif b.mode:
-        table(["FIELD", "VALUE"], _bottle_rows(b), out)
+        write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
 
@@ -168,7 +161,7 @@ def cmd_bottle_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) 
         _json(bottles, out)
         return
     rows = [[b.name, b.alias or "-", b.source, b.state, b.forwards] for b in bottles]
-    table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
+    write_table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
 
 
 def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -177,10 +170,10 @@ def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: Text
     if a.json:
         _json({"bottle": b, "forwards": forwards}, out)
         return
-    table(["FIELD", "VALUE"], _bottle_rows(b), out)
+    write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     if forwards:
         out.write("\n")
-        table(
+        write_table(
             ["LABEL", "ENDPOINT", "TARGET"],
             [[f.label, f.endpoint, f.target] for f in forwards],
             out,
@@ -209,7 +202,7 @@ def cmd_forward_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO)
         _json(forwards, out)
         return
     rows = [[f.bottle, f.label, f.endpoint, f.target] for f in forwards]
-    table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
+    write_table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
 
 
 def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -222,7 +215,7 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
         for s in stats
     ]
     headers = ["BOTTLE", "LABEL", "ACCEPTED", "ACTIVE", "REFUSED", "FAILED", "IN", "OUT"]
-    table(headers, rows, out)
+    write_table(headers, rows, out)
 
 
 def _port(text: str) -> int:
@@ -296,10 +289,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
-    from bottlenet import cli_down, cli_top  # their own modules (ops subcommands)
+    from bottlenet.cli import down, top  # their own modules (ops subcommands)
 
-    cli_top.register(sub, json_flag)
-    cli_down.register(sub, add)
+    top.register(sub, json_flag)
+    down.register(sub, add)
     return p
 
 
@@ -309,10 +302,10 @@ VM_TIMEOUT = 300.0
 
 
 def _vm_handlers() -> frozenset[Handler]:
-    from bottlenet import cli_down
+    from bottlenet.cli import down
 
     return frozenset(
-        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, cli_down.cmd_down}
+        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
     )
 
 

@@ -10,14 +10,14 @@ import sys
 import attrs
 import pytest
 
-from bottlenet import limits
+from bottlenet.ops import rlimits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 _CHILD = """
 import json, resource
 resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
-from bottlenet.limits import raise_nofile
+from bottlenet.ops.rlimits import raise_nofile
 old, new = raise_nofile()
 print(json.dumps({"old": old, "new": new, "now": list(resource.getrlimit(resource.RLIMIT_NOFILE))}))
 """
@@ -37,7 +37,7 @@ def test_raises_soft_to_hard_in_a_subprocess() -> None:
     soft, hard = result["now"]
     assert result["old"] == 64
     assert result["new"] == soft
-    expected = hard if sys.platform != "darwin" else min(hard, limits.MACOS_OPEN_MAX)
+    expected = hard if sys.platform != "darwin" else min(hard, rlimits.MACOS_OPEN_MAX)
     assert soft == expected > 64
 
 
@@ -65,44 +65,44 @@ class FakeResource:
 
 def test_linux_soft_to_hard() -> None:
     res = FakeResource(1024, 524288)
-    assert limits.raise_nofile(resource_module=res, platform="linux") == (1024, 524288)
+    assert rlimits.raise_nofile(resource_module=res, platform="linux") == (1024, 524288)
     assert res.calls == [(524288, 524288)]
 
 
 def test_already_at_hard_does_nothing() -> None:
     res = FakeResource(4096, 4096)
-    assert limits.raise_nofile(resource_module=res, platform="linux") == (4096, 4096)
+    assert rlimits.raise_nofile(resource_module=res, platform="linux") == (4096, 4096)
     assert res.calls == []
 
 
 def test_macos_infinite_hard_caps_at_open_max() -> None:
     res = FakeResource(256, -1)
-    assert limits.raise_nofile(resource_module=res, platform="darwin") == (256, 10240)
+    assert rlimits.raise_nofile(resource_module=res, platform="darwin") == (256, 10240)
     assert res.calls == [(10240, -1)]
 
 
 def test_macos_falls_back_when_maxfilesperproc_is_lower_than_hard() -> None:
     res = FakeResource(256, 24576, max_soft=10240)
-    assert limits.raise_nofile(resource_module=res, platform="darwin") == (256, 10240)
+    assert rlimits.raise_nofile(resource_module=res, platform="darwin") == (256, 10240)
     assert res.calls == [(24576, 24576), (10240, 24576)]
 
 
 def test_refusal_is_reported_not_raised() -> None:
     res = FakeResource(256, 4096, max_soft=256)
-    assert limits.raise_nofile(resource_module=res, platform="linux") == (256, 256)
+    assert rlimits.raise_nofile(resource_module=res, platform="linux") == (256, 256)
 
 
 def test_cap_for_select_reactor() -> None:
     res = FakeResource(256, 65536)
-    assert limits.raise_nofile(1024, resource_module=res, platform="darwin") == (256, 1024)
+    assert rlimits.raise_nofile(1024, resource_module=res, platform="darwin") == (256, 1024)
     # ...and a cap never lowers a limit that is already higher.
     res = FakeResource(4096, 65536)
-    assert limits.raise_nofile(1024, resource_module=res, platform="linux") == (4096, 4096)
+    assert rlimits.raise_nofile(1024, resource_module=res, platform="linux") == (4096, 4096)
 
 
 def test_select_reactor_cap() -> None:
     from twisted.internet.selectreactor import SelectReactor
     from twisted.internet.testing import MemoryReactorClock
 
-    assert limits.select_reactor_cap(SelectReactor.__new__(SelectReactor)) == limits.FD_SETSIZE
-    assert limits.select_reactor_cap(MemoryReactorClock()) is None
+    assert rlimits.select_reactor_cap(SelectReactor.__new__(SelectReactor)) == rlimits.FD_SETSIZE
+    assert rlimits.select_reactor_cap(MemoryReactorClock()) is None

@@ -18,13 +18,12 @@ from collections.abc import Iterator
 
 import pytest
 
-from bottlenet.cli import main
-from bottlenet.cli_down import bottle_names, destroy_all
-from bottlenet.cli_top import Snapshot, human_bytes, rates, render
+from bottlenet.cli.down import bottle_names, destroy_all
+from bottlenet.cli.main import main
+from bottlenet.cli.top import Snapshot, human_bytes, rates, render
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
-
-from .daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
+from tests.control.daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
 
 
 def _stats(bottle: str, label: str, bytes_in: int, bytes_out: int, active: int = 0) -> StatsRecord:

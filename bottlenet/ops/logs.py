@@ -122,12 +122,12 @@ def _info_and_above(observer: ILogObserver) -> ILogObserver:
 
 
 def json_logger() -> ILogObserver:
-    """For ``twistd --logger=bottlenet.logs.json_logger``: JSON lines on stdout, info and up."""
+    """For ``twistd --logger=bottlenet.ops.logs.json_logger``: JSON lines on stdout, info and up."""
     return _info_and_above(json_observer(sys.stdout))
 
 
 def text_logger() -> ILogObserver:
-    """For ``twistd --logger=bottlenet.logs.text_logger``: escaped text on stdout, info and up."""
+    """For ``twistd --logger=bottlenet.ops.logs.text_logger``: escaped text, info and up."""
     return _info_and_above(text_observer(sys.stdout))
 
 
@@ -135,7 +135,10 @@ _FACTORIES: dict[str, Callable[[IO[Any]], ILogObserver]] = {
     "json": json_observer,
     "text": text_observer,
 }
-_TWISTD_LOGGERS = {"json": "bottlenet.logs.json_logger", "text": "bottlenet.logs.text_logger"}
+_TWISTD_LOGGERS = {
+    "json": "bottlenet.ops.logs.json_logger",
+    "text": "bottlenet.ops.logs.text_logger",
+}
 
 
 def install_log_format(runner_options: MutableMapping[str, Any] | None, fmt: str | None) -> str:
@@ -184,7 +187,7 @@ def install_log_format(runner_options: MutableMapping[str, Any] | None, fmt: str
     raise UsageError("--log-format: the runner is neither twist nor twistd; use its log options")
 
 
-_OVERFLOW: Hashable = ("bottlenet.logs", "overflow")
+_OVERFLOW: Hashable = ("bottlenet.ops.logs", "overflow")
 
 
 @define

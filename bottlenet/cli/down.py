@@ -13,7 +13,7 @@ import json
 from collections.abc import Callable
 from typing import Any, TextIO
 
-from bottlenet.cliutil import clean as _clean
+from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import BottlenetError, NotFound
 

@@ -17,7 +17,7 @@ from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-log = Logger(namespace="bottlenet.sdnotify")
+log = Logger(namespace="bottlenet.ops.sdnotify")
 
 
 def _clean(text: str) -> str:

@@ -1,0 +1,171 @@
+"""Where the daemon keeps things: its state directory, its control socket, private directories.
+
+The ground floor: both the daemon and ``bottlenetctl`` read these rules, so this module
+imports nothing of bottlenet but :mod:`bottlenet.errors`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import stat
+from collections.abc import Mapping
+from typing import Literal
+
+from attrs import frozen
+
+from bottlenet.errors import InvalidArgument
+
+#: The control socket's file name, in the runtime dir or the state dir.
+SOCKET_NAME = "control.sock"
+#: ``sockaddr_un.sun_path`` is 108 bytes on Linux, 104 on macOS (with the NUL): 103 usable.
+MAX_SUN_PATH = 103
+
+
+def default_state_dir(env: Mapping[str, str]) -> str:
+    """``$XDG_STATE_HOME/bottlenet``, else ``~/.local/state/bottlenet`` (one per user)."""
+    base = env.get("XDG_STATE_HOME") or os.path.join(
+        env.get("HOME") or os.path.expanduser("~"), ".local", "state"
+    )
+    return os.path.join(base, "bottlenet")
+
+
+class PrivateDirError(InvalidArgument):
+    """A directory that must be ours alone is not, or cannot be made so.
+
+    The message names the directory as the caller asked (a path for the operator, or e.g.
+    "bottle directory of NAME" where the message goes to a control client).
+    """
+
+
+def ensure_private_dir(
+    path: str, *, too_open: Literal["fix", "refuse"] = "fix", name: str | None = None
+) -> bool:
+    """Create ``path`` (and parents) so that it is a real directory, ours, mode 0700.
+
+    An existing symlink, a non-directory or a directory owned by someone else is refused
+    rather than repaired: the daemon never follows or chmods what it does not own. A
+    directory of ours that is group/world accessible is chmodded to 0700 (``too_open="fix"``,
+    our own state) or refused (``"refuse"``, e.g. a runtime dir the user chose to share).
+    Returns True when this call created ``path``; raises PrivateDirError.
+    """
+    what = path if name is None else name
+    created = False
+    try:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        try:
+            os.mkdir(path, 0o700)
+            created = True
+        except FileExistsError:
+            pass
+        st = os.lstat(path)
+        if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+            raise PrivateDirError(f"{what} is not a directory (symlinks are refused)")
+        if st.st_uid != os.geteuid():
+            raise PrivateDirError(f"{what} is owned by uid {st.st_uid}, not by this user")
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o077:
+            if too_open == "refuse":
+                raise PrivateDirError(f"{what} is mode {mode:04o}")  # the caller says why
+            os.chmod(path, 0o700)
+    except OSError as e:
+        raise PrivateDirError(f"cannot create {what}: {e.strerror or e}") from None
+    return created
+
+
+def default_control_path(env: Mapping[str, str], state_dir: str) -> str:
+    """``$XDG_RUNTIME_DIR/bottlenet/control.sock``, else ``<state-dir>/control.sock``."""
+    runtime = env.get("XDG_RUNTIME_DIR", "")
+    if runtime and os.path.isabs(runtime):
+        return os.path.join(runtime, "bottlenet", SOCKET_NAME)
+    return os.path.join(state_dir, SOCKET_NAME)
+
+
+def default_control_endpoint(env: Mapping[str, str], state_dir: str) -> str:
+    """The default ``--control`` value, as an endpoint description."""
+    return "unix:" + default_control_path(env, state_dir).replace(":", r"\:")
+
+
+#: What is at a UNIX socket path before the daemon binds there.
+UnixPathState = Literal["absent", "symlink", "not-a-socket", "stale", "alive", "unknown"]
+
+
+def unix_path_state(path: str) -> tuple[UnixPathState, OSError | None]:
+    """Look at ``path`` without following a symlink, and probe a socket found there.
+
+    ``stale`` (nothing accepts: its daemon is gone) is the only state a caller may unlink;
+    ``alive`` covers a full backlog too; ``unknown`` (e.g. EACCES) comes with the error and
+    is never replaced. The probe is a non-blocking connect: no data is sent, nothing waits.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent", None
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink", None
+    if not stat.S_ISSOCK(st.st_mode):
+        return "not-a-socket", None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except (BlockingIOError, InterruptedError):
+        return "alive", None
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return "stale", None
+        return "unknown", e
+    finally:
+        probe.close()
+    return "alive", None
+
+
+@frozen
+class Description:
+    """An endpoint description (``kind:ARG:key=value...``) split the way Twisted splits one.
+
+    ``positional`` are the arguments without ``=`` (they come first); ``options`` the
+    ``key=value`` ones, each key once. Meaning is the caller's: this only splits.
+    """
+
+    kind: str
+    positional: tuple[str, ...]
+    options: Mapping[str, str]
+
+
+def split_description(text: str) -> Description:
+    """Split on ``:``, honouring ``\\:`` and ``\\\\`` as Twisted's endpoint parser does.
+
+    Raises ValueError (a one-line reason naming no value) for a trailing backslash, a
+    positional argument after a keyword one, or a key given twice.
+    """
+    parts: list[str] = []
+    current: list[str] = []
+    chars = iter(text)
+    for c in chars:
+        if c == "\\":
+            nxt = next(chars, None)
+            if nxt is None:
+                raise ValueError("trailing backslash")
+            current.append(nxt)
+        elif c == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    parts.append("".join(current))
+    kind, *args = parts
+    positional: list[str] = []
+    options: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            if options:
+                raise ValueError("a positional argument must come before every key=value")
+            positional.append(arg)
+        elif key in options:
+            raise ValueError(f"{key} given twice")
+        else:
+            options[key] = value
+    return Description(kind, tuple(positional), options)
