@@ -9,9 +9,9 @@ control-created bottle is written to the state file, so a restarted daemon can r
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 from attrs import evolve, frozen
 from twisted.internet.defer import Deferred
@@ -46,6 +46,53 @@ from bottlenet.forward.spec import (
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 
 T = TypeVar("T")
+V = TypeVar("V")
+
+
+class BottleDict(dict[str, V]):
+    """A name -> value dict that says when a name comes or goes (keeps the sorted-name cache
+    of :meth:`BottleRegistry.list_bottles` honest wherever the dict is changed)."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def __setitem__(self, key: str, value: V) -> None:
+        if key not in self:
+            self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self._changed()
+        return super().pop(key, *default)
+
+
+class _BottleView(Sequence["BottleInfo"]):
+    """Bottles by sorted name, each BottleInfo built on access (pages cost only themselves)."""
+
+    def __init__(self, names: list[str], get: Callable[[str], BottleInfo]) -> None:
+        self._names = names
+        self._get = get
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    @overload
+    def __getitem__(self, index: int) -> BottleInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[BottleInfo]: ...
+
+    def __getitem__(self, index: int | slice) -> BottleInfo | list[BottleInfo]:
+        if isinstance(index, slice):
+            return [self._get(n) for n in self._names[index]]
+        return self._get(self._names[index])
+
 
 DEFAULT_MAX_BOTTLES = 256
 PROBE_SKIPPED_WARNING = (
@@ -102,12 +149,16 @@ class BottleRegistry:
         self._store = store
         self.instance_id = instance_id
         self.vms = vms
-        self._bottles: dict[str, BottleInfo] = {}
-        self._vms: dict[str, VMBottle] = {}
+        self._bottles: BottleDict[BottleInfo] = BottleDict(self._names_changed)
+        self._vms: BottleDict[VMBottle] = BottleDict(self._names_changed)
+        self._names: list[str] | None = None
         self._busy: set[str] = set()
         self._creating: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
+
+    def _names_changed(self) -> None:
+        self._names = None
 
     @property
     def recovering(self) -> bool:
@@ -163,30 +214,39 @@ class BottleRegistry:
         return vb
 
     def state_records(self) -> dict[str, dict[str, Any]]:
-        """What the state file holds: control-created bottles of both kinds."""
+        """What the state holds: control-created bottles of both kinds."""
         records: dict[str, dict[str, Any]] = {}
-        for name, info in self._bottles.items():
-            if info.source != "control":
-                continue
-            records[name] = {
-                "kind": "forward",
-                "alias": info.alias,
-                "created_at": info.created_at,
-                "forwards": [
-                    {
-                        "label": f.spec.label,
-                        "target": f.spec.target.describe(),
-                        "port": f.bound.port if isinstance(f.bound, TCPListen) else 0,
-                    }
-                    for f in self._table.list(name)
-                ],
-            }
-        for name, vb in self._vms.items():
-            records[name] = vb.to_state()
+        for name in list(self._bottles) + list(self._vms):
+            record = self._record(name)
+            if record is not None:
+                records[name] = record
         return records
 
+    def _record(self, name: str) -> dict[str, Any] | None:
+        """The persisted record of one bottle, or None if it is not persisted (unknown, or
+        from the config file). Costs only that bottle's forwards."""
+        vb = self._vms.get(name)
+        if vb is not None:
+            return vb.to_state()
+        info = self._bottles.get(name)
+        if info is None or info.source != "control":
+            return None
+        return {
+            "kind": "forward",
+            "alias": info.alias,
+            "created_at": info.created_at,
+            "forwards": [
+                {
+                    "label": f.spec.label,
+                    "target": f.spec.target.describe(),
+                    "port": f.bound.port if isinstance(f.bound, TCPListen) else 0,
+                }
+                for f in self._table.list(name)
+            ],
+        }
+
     def save(self) -> None:
-        """Write the state file (atomic); an I/O failure is UNAVAILABLE to the caller."""
+        """Write the whole state as a new snapshot (after recovery); UNAVAILABLE on I/O failure."""
         if self._store is None:
             return
         try:
@@ -195,9 +255,24 @@ class BottleRegistry:
             self.log.error("cannot write the state file: {err}", err=e.strerror)
             raise Unavailable(f"cannot write the state file: {e.strerror}") from None
 
-    def _save_quietly(self) -> None:
+    def persist(self, name: str) -> None:
+        """Make the stored state match one bottle (its record, or its absence): one journal
+        append, whatever the number of bottles. UNAVAILABLE on an I/O failure."""
+        if self._store is None:
+            return
+        record = self._record(name)
         try:
-            self.save()
+            if record is None:
+                self._store.remove(name)
+            else:
+                self._store.put(name, record)
+        except OSError as e:
+            self.log.error("cannot write the state file: {err}", err=e.strerror)
+            raise Unavailable(f"cannot write the state file: {e.strerror}") from None
+
+    def _persist_quietly(self, name: str) -> None:
+        try:
+            self.persist(name)
         except Unavailable:
             pass
 
@@ -237,7 +312,7 @@ class BottleRegistry:
             self._bottles[name] = info
             if source == "control":
                 try:
-                    self.save()
+                    self.persist(name)
                 except Unavailable:
                     del self._bottles[name]
                     self._aliases.release(name)
@@ -257,7 +332,7 @@ class BottleRegistry:
         def commit(vb: VMBottle) -> None:
             self._vms[name] = vb
             try:
-                self.save()
+                self.persist(name)
             except Unavailable:
                 del self._vms[name]
                 raise
@@ -284,7 +359,7 @@ class BottleRegistry:
                 except Exception as e:
                     detail = f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
                     self._vms[name] = evolve(vb, state=STATE_DEGRADED, detail=detail)
-                    self._save_quietly()
+                    self._persist_quietly(name)
                     raise
                 del self._vms[name]
             else:
@@ -295,14 +370,18 @@ class BottleRegistry:
                 if info.source != "control":
                     self.log.info("bottle {bottle} destroyed", bottle=name)
                     return
-            self.save()
+            self.persist(name)
             self.log.info("bottle {bottle} destroyed", bottle=name)
 
         await self._locked(name, destroy)
 
-    def list_bottles(self) -> list[BottleInfo]:
-        names = sorted(set(self._bottles) | set(self._vms))
-        return [self.get_bottle(name) for name in names]
+    def list_bottles(self) -> Sequence[BottleInfo]:
+        """Every bottle by name; each BottleInfo is built only when read (a page costs the
+        page). Sorted names are kept until a bottle comes or goes."""
+        names = self._names
+        if names is None or len(names) != len(self._bottles) + len(self._vms):
+            names = self._names = sorted(set(self._bottles) | set(self._vms))
+        return _BottleView(names, self.get_bottle)
 
     def get_bottle(self, name: str) -> BottleInfo:
         info = self._require(name)
@@ -346,7 +425,7 @@ class BottleRegistry:
             if current is not None:
                 updated = evolve(current, probe="PASS" if verdict.passed else "FAIL")
                 self._vms[name] = updated
-                self._save_quietly()
+                self._persist_quietly(name)
             if not verdict.passed:
                 raise IsolationFailed(f"bottle {name}: {verdict.describe()}")
             return self.get_bottle(name), verdict
@@ -364,7 +443,7 @@ class BottleRegistry:
             current = self._vms.get(name, vb)
             updated = await vms.set_policy(current, allow)
             self._vms[name] = updated
-            self.save()
+            self.persist(name)
             self.log.info(
                 "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(allow)
             )
@@ -391,7 +470,7 @@ class BottleRegistry:
         if self.vms is not None:
             self.vms.unwatch(name)
         await self._table.remove_bottle(name)
-        self._save_quietly()
+        self._persist_quietly(name)
 
     # -- recovery hooks -----------------------------------------------------------------
 
@@ -457,7 +536,7 @@ class BottleRegistry:
             result = await self._table.add(spec)
             if info.source == "control":
                 try:
-                    self.save()
+                    self.persist(bottle)
                 except Unavailable:
                     await self._table.remove(bottle, label)
                     raise
@@ -490,11 +569,11 @@ class BottleRegistry:
         async def remove() -> None:
             await self._table.remove(bottle, label)
             if info.source == "control":
-                self.save()
+                self.persist(bottle)
 
         await self._locked(bottle, remove)
 
-    def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
+    def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         if bottle is not None:
             self._require(bottle)
-        return self._table.list(bottle)
+        return self._table.view(bottle)

@@ -12,8 +12,8 @@ import json
 import re
 import socket
 import time
-from collections.abc import Awaitable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
 
 from attrs import frozen
 from cryptography.x509.oid import NameOID
@@ -156,6 +156,29 @@ def stats_record(info: ForwardInfo) -> StatsRecord:
     )
 
 
+class _Mapped(Sequence[T]):
+    """``[convert(x) for x in items]`` converted only where it is read: a listing's page costs
+    the page (``items`` may be lazy too: the registry's and the table's views are)."""
+
+    def __init__(self, items: Sequence[Any], convert: Callable[[Any], T]) -> None:
+        self._items = items
+        self._convert = convert
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            return [self._convert(x) for x in self._items[index]]
+        return self._convert(self._items[index])
+
+
 def paginate(
     records: Sequence[T], offset: int | None, limit: int | None, budget: int = PAGE_BYTE_BUDGET
 ) -> dict[str, Any]:
@@ -275,7 +298,9 @@ class ControlLocator(SafeCommandLocator):
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records = [bottle_record(b, with_env=False) for b in self.backend.list_bottles()]
+        records: _Mapped[BottleRecord] = _Mapped(
+            self.backend.list_bottles(), lambda b: bottle_record(b, with_env=False)
+        )
         page = paginate(records, offset, limit)
         return {
             "bottles": page["items"],
@@ -329,7 +354,7 @@ class ControlLocator(SafeCommandLocator):
     def list_forwards(
         self, bottle: str | None, offset: int | None, limit: int | None
     ) -> dict[str, Any]:
-        records = [forward_record(f) for f in self._forwards(bottle)]
+        records: _Mapped[ForwardRecord] = _Mapped(self._forwards(bottle), forward_record)
         page = paginate(records, offset, limit)
         return {
             "forwards": page["items"],
@@ -339,7 +364,7 @@ class ControlLocator(SafeCommandLocator):
 
     @C.Stats.responder
     def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records = [stats_record(f) for f in self._forwards(bottle)]
+        records: _Mapped[StatsRecord] = _Mapped(self._forwards(bottle), stats_record)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
 

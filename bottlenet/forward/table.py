@@ -12,8 +12,8 @@ import errno
 import ipaddress
 import os
 import socket
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, cast, overload
 
 from attrs import frozen
 from twisted.application.service import Service
@@ -269,6 +269,28 @@ class _Forward(Factory):
         return d.addCallback(lambda _: None)
 
 
+class _InfoView(Sequence[ForwardInfo]):
+    """A read-only sequence of ForwardInfo over sorted keys, built item by item on access."""
+
+    def __init__(self, keys: list[Key], forwards: dict[Key, _Forward]) -> None:
+        self._keys = keys
+        self._forwards = forwards
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    @overload
+    def __getitem__(self, index: int) -> ForwardInfo: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[ForwardInfo]: ...
+
+    def __getitem__(self, index: int | slice) -> ForwardInfo | list[ForwardInfo]:
+        if isinstance(index, slice):
+            return [self._forwards[k].info() for k in self._keys[index]]
+        return self._forwards[self._keys[index]].info()
+
+
 class ForwardTable(Service):
     """All forwards of the daemon, keyed by (bottle, label)."""
 
@@ -304,6 +326,9 @@ class ForwardTable(Service):
         self.engine_factory: EngineFactory = engine_factory(reactor, engine)
         self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
         self._forwards: dict[Key, _Forward] = {}
+        #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
+        self._labels: dict[str, set[str]] = {}
+        self._sorted_keys: list[Key] | None = None  # sorted(self._forwards), until it changes
         self._pending: set[Key] = set()
         self._removing: dict[Key, list[defer.Deferred[None]]] = {}
         self._stopping = False
@@ -334,8 +359,18 @@ class ForwardTable(Service):
         return fwd.info()
 
     def list(self, bottle: str | None = None) -> list[ForwardInfo]:
-        keys = sorted(k for k in self._forwards if bottle is None or k[0] == bottle)
-        return [self._forwards[k].info() for k in keys]
+        return list(self.view(bottle))
+
+    def view(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
+        """Like :meth:`list`, but each ForwardInfo is built only when it is read: a page of a
+        listing costs the page, not every forward (the sorted keys are kept between calls)."""
+        if bottle is None:
+            keys = self._sorted_keys
+            if keys is None:
+                keys = self._sorted_keys = sorted(self._forwards)
+        else:
+            keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
+        return _InfoView(keys, self._forwards)
 
     # Changes
     def add(self, spec: ForwardSpec) -> defer.Deferred[ForwardInfo]:
@@ -363,6 +398,8 @@ class ForwardTable(Service):
             if isinstance(spec.listen, TCPListen):
                 fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
             self._forwards[key] = fwd
+            self._sorted_keys = None
+            self._labels.setdefault(spec.bottle, set()).add(spec.label)
             self.log.info(
                 "forward {bottle}/{label} listening on {listen} -> {target}",
                 bottle=spec.bottle,
@@ -394,13 +431,19 @@ class ForwardTable(Service):
 
     def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
         """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
-        waits = [self._remove_key(k) for k in list(self._forwards) if k[0] == bottle]
+        waits = [self._remove_key((bottle, label)) for label in list(self._labels.get(bottle, ()))]
         waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
     # Internals
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
         fwd = self._forwards.pop(key)
+        self._sorted_keys = None
+        labels = self._labels.get(key[0])
+        if labels is not None:
+            labels.discard(key[1])
+            if not labels:
+                del self._labels[key[0]]
         self._removing[key] = []
         d = fwd.shutdown()
 

@@ -154,9 +154,11 @@ class RollbackTests(DaemonCase):
         store = self.registry._store
         assert store is not None
 
-        def broken(state: object) -> None:
+        def broken(*args: object) -> None:
             raise OSError(28, "No space left on device")
 
+        # A change writes one record (put); a full snapshot (save) is written by compaction.
+        store.put = broken  # type: ignore[method-assign]
         store.save = broken  # type: ignore[method-assign]
         try:
             await client.create_bottle("rb", spec=self.spec_json())
