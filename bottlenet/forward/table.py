@@ -48,6 +48,7 @@ from bottlenet.forward.relay import (
     OUTCOME_CLOSED,
     EngineFactory,
     Leg,
+    RelayFailure,
     RelaySession,
     TransportRelay,
 )
@@ -73,7 +74,7 @@ if TYPE_CHECKING:
 
 #: At most one refusal log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
-_FD_EXHAUSTED = (":EMFILE", ":ENFILE")
+_FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 @frozen
@@ -202,7 +203,7 @@ class _Forward(Factory):
         )
 
     # RelayOwner
-    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None:
+    def relay_ended(self, session: RelaySession, outcome: str, reason: RelayFailure | None) -> None:
         self.sessions.discard(session)
         bytes_in, bytes_out = session.bytes_in, session.bytes_out
         self.done_in += bytes_in
@@ -210,13 +211,13 @@ class _Forward(Factory):
         clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
         if not clean:
             self.failed += 1
-            if reason is not None and reason.endswith(_FD_EXHAUSTED):
+            if reason is not None and reason.errno in _FD_EXHAUSTED:
                 # The connect could not get a socket: stop accepting for a while (the
                 # listener's EMFILE backoff) so further clients wait in the backlog instead of
                 # being accepted only to be reset.
                 exhausted = getattr(self.port, "exhausted", None)
                 if exhausted is not None:
-                    exhausted(errno.EMFILE if reason.endswith("EMFILE") else errno.ENFILE)
+                    exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
             return
         # Metadata only: never payload bytes, never client-controlled values.
@@ -227,7 +228,7 @@ class _Forward(Factory):
             bottle=self.spec.bottle,
             label=self.spec.label,
             outcome=outcome,
-            reason=reason,
+            reason=None if reason is None else reason.describe(),
             bytes_in=bytes_in,
             bytes_out=bytes_out,
             duration=self._clock.seconds() - session.started,

@@ -24,7 +24,7 @@ class SocketModeTests(DaemonCase):
         self.assertIn("--mount-socket", b.isolation or "")
         self.assertEqual(b.warnings, ())
         self.assertEqual(b.agent_vm, "bn-b1-agent")
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         # bytes through each agent endpoint reach the sidecar's guest service (the fake echoes)
         for ep in b.endpoints:
             assert ep.host_path is not None
@@ -94,7 +94,7 @@ class AliasModeTests(DaemonCase):
         self.assertIn("iptables", b.isolation or "")
         self.assertIn("SKIPPED", b.isolation or "")
         self.assertTrue(any("NOT verified" in w for w in b.warnings))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         for ep in b.endpoints:
             host, _, port = ep.endpoint.rpartition(":")
             self.assertEqual(host, "127.77.0.9")
@@ -130,7 +130,7 @@ class DegradedTests(DaemonCase):
 
         client = await self.start("--unsafe-skip-isolation-probe")
         b = await client.create_bottle("d1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         ep = b.endpoints[0].host_path
         assert ep is not None
         held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,7 +140,7 @@ class DegradedTests(DaemonCase):
         self.assertEqual(await in_thread(held.recv, 1), b"x")  # the relay is live
         os.kill(vb.sidecar_pid, 9)
         for _ in range(250):
-            if self.registry.vm_bottles()[0].state == "degraded":
+            if self.registry.list_bottles()[0].state == "degraded":
                 break
             await sleep(0.02)
         status = await client.bottle_status("d1")
