@@ -172,7 +172,9 @@ def main() -> None:
         f50, f99 = result["add_forward_ms"][n]
         r_c = c50 / result["create_ms"][first][0]
         r_f = f50 / result["add_forward_ms"][first][0]
-        print(f"| {n:,} | {c50:.2f} / {c99:.2f} | {f50:.2f} / {f99:.2f} | {r_c:.2f}x / {r_f:.2f}x |")
+        print(
+            f"| {n:,} | {c50:.2f} / {c99:.2f} | {f50:.2f} / {f99:.2f} | {r_c:.2f}x / {r_f:.2f}x |"
+        )
     print()
     print(
         f"ListBottles, all {pages} pages of {total:,}: {list_s * 1e3:.0f} ms;"
