@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ RECOVERED = re.compile(rb"recovery done: (\d+) bottle")
 
 def pct(values: list[float], p: float) -> float:
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def rss_kib(pid: int) -> int:
@@ -131,6 +132,13 @@ def main() -> None:
                 if i in window:
                     create[n].append(1e3 * (t1 - t0))
                     forward[n].append(1e3 * (t2 - t1))
+                    if i == window[-1]:
+                        print(
+                            f"at {n}: CreateBottle p50 {pct(create[n], 50):.2f} ms,"
+                            f" AddForward p50 {pct(forward[n], 50):.2f} ms",
+                            file=sys.stderr,
+                            flush=True,
+                        )
         fill_s = time.monotonic() - started
         rss1 = rss_kib(daemon.proc.pid)
         t0 = time.perf_counter()
@@ -152,6 +160,7 @@ def main() -> None:
     with BlockingControlClient(daemon.control, timeout=60) as c:
         recovered = sum(1 for _ in c.all_forwards())
     daemon.kill(signal.SIGTERM)
+    shutil.rmtree(work, ignore_errors=True)
     result: dict[str, Any] = {
         "bottles": total,
         "fill_s": fill_s,
