@@ -165,14 +165,16 @@ class _BackoffAccept(_PortBase):
             accepted += 1
             self._backoff_delay = 0.0
             try:
+                handled = None
                 if fast is not None:
-                    # The factory relays the bare socket itself when it can, else it calls
-                    # back to wrap it in a transport as below.
-                    if not fast(
+                    # The factory relays the bare socket itself when it can (True), refuses
+                    # it (False), or leaves it to buildProtocol (None).
+                    handled = fast(
                         skt, lambda protocol, skt=skt, addr=addr: self._adopt(skt, addr, protocol)
-                    ):
+                    )
+                    if handled is False:
                         _reset(skt)
-                else:
+                if handled is None:
                     protocol = factory.buildProtocol(self._buildAddr(addr))
                     if protocol is None:
                         _reset(skt)

@@ -140,21 +140,27 @@ class _Forward(Factory):
         self._refusals_suppressed = 0
         self.closing = False
         self._closed_waiters: list[defer.Deferred[None]] | None = None
+        #: While set, accepted connections go to this factory instead of a relay.
+        self.diverted: Factory | None = None
         #: Offered to the listener: accepted sockets skip transports when the engine can start
         #: from bare sockets (splice) and the target endpoint can hand one over (fast connect).
-        self.accept_socket: Callable[[socket.socket, Callable[[Leg], object]], bool] | None = (
+        self.accept_socket: (
+            Callable[[socket.socket, Callable[[Leg], object]], bool | None] | None
+        ) = (
             self._accept_socket
             if hasattr(engine_factory, "start_sockets_supported")
             and isinstance(target, FastClientEndpoint)
             else None
         )
 
-    def buildProtocol(self, addr: IAddress | None) -> Leg | None:
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        if self.diverted is not None and not self.closing:
+            return self.diverted.buildProtocol(addr)
         session = self._admit()
         return None if session is None else session.inbound
 
     def _admit(self) -> RelaySession | None:
-        """The admission point for every accepted connection (both paths): a new session
+        """The admission point for every relayed connection (both paths): a new session
         counted and tracked, or None (refused: the listener resets the connection)."""
         if self.closing or len(self.sessions) >= self.spec.max_connections:
             self.refused += 1
@@ -172,9 +178,12 @@ class _Forward(Factory):
         self.sessions.add(session)
         return session
 
-    def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool:
+    def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool | None:
         """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
-        socket (``RelaySession.start_accepted``). False = refused (the listener resets)."""
+        socket (``RelaySession.start_accepted``). False = refused (the listener resets);
+        None = not a relay now (diverted): the listener goes the ``buildProtocol`` way."""
+        if self.diverted is not None and not self.closing:
+            return None
         session = self._admit()
         if session is None:
             return False
@@ -372,6 +381,18 @@ class ForwardTable(Service):
         else:
             keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
         return _InfoView(keys, self._forwards)
+
+    def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
+        """Hand the forward's new connections to ``factory`` (None: back to the relay).
+
+        For a check that must see connections on the real listener before it carries any
+        traffic (the launch gate's host-side witness); live relays are not touched, and the
+        relay path itself never looks at a diverted forward.
+        """
+        fwd = self._forwards.get((bottle, label))
+        if fwd is None:
+            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
+        fwd.diverted = factory
 
     # Changes
     def add(self, spec: ForwardSpec) -> defer.Deferred[ForwardInfo]:
