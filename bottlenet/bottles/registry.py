@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, TypeVar, overload
+from typing import Any, TypeVar
 
 from attrs import evolve
 from twisted.internet.defer import Deferred
@@ -45,7 +45,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
-from bottlenet.forward.table import ForwardInfo, ForwardTable
+from bottlenet.forward.table import ForwardInfo, ForwardTable, LazyView
 
 T = TypeVar("T")
 
@@ -270,7 +270,7 @@ class BottleRegistry:
         names = self._names
         if names is None:
             names = self._names = sorted(self._bottles)
-        return _BottleView(names, self._bottles)
+        return LazyView(names, self._bottles.__getitem__)
 
     def get_bottle(self, name: str) -> Bottle:
         return self._require(name)
@@ -454,28 +454,6 @@ class _BottleDict(dict[str, Bottle]):
         if key in self:
             self._changed()
         return super().pop(key, *default)
-
-
-class _BottleView(Sequence[Bottle]):
-    """Bottles in the order of ``names``, looked up on access (a page costs the page)."""
-
-    def __init__(self, names: list[str], bottles: dict[str, Bottle]) -> None:
-        self._names = names
-        self._bottles = bottles
-
-    def __len__(self) -> int:
-        return len(self._names)
-
-    @overload
-    def __getitem__(self, index: int) -> Bottle: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[Bottle]: ...
-
-    def __getitem__(self, index: int | slice) -> Bottle | list[Bottle]:
-        if isinstance(index, slice):
-            return [self._bottles[n] for n in self._names[index]]
-        return self._bottles[self._names[index]]
 
 
 def _kept(fwd: Forward, info: ForwardInfo) -> Forward:

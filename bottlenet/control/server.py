@@ -12,8 +12,8 @@ import json
 import re
 import socket
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, overload
+from collections.abc import Awaitable, Sequence
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from attrs import frozen
 from cryptography.x509.oid import NameOID
@@ -46,6 +46,7 @@ from bottlenet.forward.spec import (
     parse_canonical_ipv4,
     parse_target,
 )
+from bottlenet.forward.table import LazyView
 from bottlenet.ops.logs import RateLimitedLogger
 
 if TYPE_CHECKING:
@@ -108,29 +109,6 @@ def parse_spec_json(text: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidArgument("spec: must be a JSON object")
     return doc
-
-
-class _Mapped(Sequence[T]):
-    """``[convert(x) for x in items]`` converted only where it is read: a listing's page costs
-    the page (``items`` may be lazy too: the registry's and the table's views are)."""
-
-    def __init__(self, items: Sequence[Any], convert: Callable[[Any], T]) -> None:
-        self._items = items
-        self._convert = convert
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[T]: ...
-
-    def __getitem__(self, index: int | slice) -> T | list[T]:
-        if isinstance(index, slice):
-            return [self._convert(x) for x in self._items[index]]
-        return self._convert(self._items[index])
 
 
 def paginate(
@@ -255,7 +233,7 @@ class ControlLocator(SafeCommandLocator):
         backend = self.backend
         # Each record is built only when its page is (the forward count of one bottle is the
         # length of its lazy forward view): a page costs the page, not every bottle.
-        records: _Mapped[BottleRecord] = _Mapped(
+        records: LazyView[BottleRecord] = LazyView(
             backend.list_bottles(),
             lambda b: bottle_record(b, len(backend.list_forwards(b.name)), with_env=False),
         )
@@ -312,7 +290,7 @@ class ControlLocator(SafeCommandLocator):
     def list_forwards(
         self, bottle: str | None, offset: int | None, limit: int | None
     ) -> dict[str, Any]:
-        records: _Mapped[ForwardRecord] = _Mapped(self._forwards(bottle), forward_record)
+        records: LazyView[ForwardRecord] = LazyView(self._forwards(bottle), forward_record)
         page = paginate(records, offset, limit)
         return {
             "forwards": page["items"],
@@ -322,7 +300,7 @@ class ControlLocator(SafeCommandLocator):
 
     @C.Stats.responder
     def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records: _Mapped[StatsRecord] = _Mapped(self._forwards(bottle), stats_record)
+        records: LazyView[StatsRecord] = LazyView(self._forwards(bottle), stats_record)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
 

@@ -13,7 +13,7 @@ import ipaddress
 import os
 import socket
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast, overload
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from attrs import frozen
 from twisted.application.service import Service
@@ -279,26 +279,32 @@ class _Forward(Factory):
         return d.addCallback(lambda _: None)
 
 
-class _InfoView(Sequence[ForwardInfo]):
-    """A read-only sequence of ForwardInfo over sorted keys, built item by item on access."""
+K = TypeVar("K")
+T = TypeVar("T")
 
-    def __init__(self, keys: list[Key], forwards: dict[Key, _Forward]) -> None:
+
+class LazyView(Sequence[T]):
+    """``[get(k) for k in keys]``, but each item is built only when read: a page of a listing
+    costs the page. Used by the table's, the registry's and the control plane's listings."""
+
+    def __init__(self, keys: Sequence[K], get: Callable[[K], T]) -> None:
         self._keys = keys
-        self._forwards = forwards
+        self._get = get
 
     def __len__(self) -> int:
         return len(self._keys)
 
     @overload
-    def __getitem__(self, index: int) -> ForwardInfo: ...
+    def __getitem__(self, index: int) -> T: ...
 
     @overload
-    def __getitem__(self, index: slice) -> list[ForwardInfo]: ...
+    def __getitem__(self, index: slice) -> list[T]: ...
 
-    def __getitem__(self, index: int | slice) -> ForwardInfo | list[ForwardInfo]:
+    def __getitem__(self, index: int | slice) -> T | list[T]:
         if isinstance(index, slice):
-            return [self._forwards[k].info() for k in self._keys[index]]
-        return self._forwards[self._keys[index]].info()
+            get = self._get
+            return [get(k) for k in self._keys[index]]
+        return self._get(self._keys[index])
 
 
 class ForwardTable(Service):
@@ -380,7 +386,8 @@ class ForwardTable(Service):
                 keys = self._sorted_keys = sorted(self._forwards)
         else:
             keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
-        return _InfoView(keys, self._forwards)
+        forwards = self._forwards
+        return LazyView(keys, lambda k: forwards[k].info())
 
     def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
         """Hand the forward's new connections to ``factory`` (None: back to the relay).
@@ -594,4 +601,4 @@ def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
     return BindRefused(f"cannot listen on {listen.describe()}: {reason}")
 
 
-__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable"]
+__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable", "LazyView"]
