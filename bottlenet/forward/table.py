@@ -294,6 +294,14 @@ class LazyView(Sequence[T]):
     def __len__(self) -> int:
         return len(self._keys)
 
+    def __eq__(self, other: object) -> bool:
+        """Equal to a list (or another view) with the same items, like the list it stands for."""
+        if isinstance(other, list | LazyView):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
     @overload
     def __getitem__(self, index: int) -> T: ...
 

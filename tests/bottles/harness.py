@@ -18,7 +18,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
+from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
+from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
@@ -57,6 +60,27 @@ def spec_doc(
     if workload:
         agent["workload"] = list(workload)
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
+
+
+def socket_bottle(tmp: str, name: str = "b1", **vms: Any) -> Bottle:
+    """A socket-mode VM bottle value with one endpoint (``vms`` overrides BottleVMs fields)."""
+    fields: dict[str, Any] = {
+        "spec": parse_bottle_spec(name, spec_doc(tmp)),
+        "mode": "socket",
+        "mechanism": "socket: x",
+        "sidecar_vm": f"bn-{name}-sidecar",
+        "agent_vm": f"bn-{name}-agent",
+        "sidecar_pid": 123,
+        "endpoints": (
+            Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
+        ),
+        "env": (("A", "b"),),
+        "policy": ("pypi.org",),
+        "probe_skipped": True,
+        "probe": "skipped",
+    }
+    fields.update(vms)
+    return Bottle(name=name, alias=None, created_at=1.5, vms=BottleVMs(**fields))
 
 
 def in_thread(f: Any, *args: Any) -> Deferred[Any]:
@@ -115,10 +139,12 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         root.startService()
         self.root = root
         self.addCleanup(self.stop)
-        for _ in range(200):
-            if not root.registry.recovering and os.path.exists(self.control):
-                break
-            await sleep(0.02)
+        # Wait on the event, not on a poll: recovery (which may tear bottles down and then
+        # writes the state file) is done when its service's ``ready`` fires.
+        recovery = next(svc for svc in root if isinstance(svc, RecoveryService))
+        done: Deferred[None] = Deferred()
+        recovery.ready.addBoth(lambda result: (done.callback(None), result)[1])
+        await done
         client = await connect_control(reactor, self.control, timeout=30)
         self.clients.append(client)
         return client
