@@ -16,7 +16,7 @@ from typing import Any
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.interfaces import IProtocolFactory
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python import usage
 from twisted.python.systemd import ListenFDs
 
@@ -33,6 +33,7 @@ from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
+from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
@@ -132,6 +133,11 @@ class Options(usage.Options):
         self["allow-uid"].append(int(value))
 
     def postOptions(self) -> None:
+        if self.parent is not None:
+            # Under twist/twistd: unless --reactor chose one, run on the epoll reactor without
+            # a log context per event (the relays' fast path; docs/performance.md). The runner
+            # installs its default reactor only after this, so the fast one is the default.
+            fastreactor.install_unless_chosen()
         # twist/twistd read their log settings after the plugin's options: choose ours now.
         logs.install_log_format(self.parent, self["log-format"])
 
@@ -234,6 +240,11 @@ class BottlenetService(MultiService):
     def startService(self) -> None:
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        self.log.info(
+            "relay engine {engine}, reactor {reactor}",
+            engine=self.table.engine,
+            reactor=type(self.reactor).__qualname__,
+        )
         super().startService()
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
@@ -321,6 +332,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         )
     except ValueError as e:
         raise _fail(f"--relay-engine: {e}") from None
+    table.log_clean_relay_ends = logs_relay_ends(options.parent)
     vm_options = VMOptions(
         instance_id=state.instance_id,
         gate=gate,
@@ -397,6 +409,18 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         ready, status=f"{len(config.bottles)} configured bottles"
     ).setServiceParent(root)
     return root
+
+
+def logs_relay_ends(runner_options: Any) -> bool:
+    """Whether the daemon logs a line (debug) for every cleanly ended relay.
+
+    Only under ``twist --log-level debug``: at any other level the event would be built and
+    dropped for every connection (a measurable share of a short connection's cost, see
+    docs/performance.md). Failed relays are always logged; counters count every relay.
+    """
+    if runner_options is None or "fileLogObserverFactory" not in runner_options:
+        return False
+    return runner_options.get("logLevel") is LogLevel.debug
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

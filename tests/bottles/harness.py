@@ -21,6 +21,7 @@ from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
 from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests import netguard
@@ -167,9 +168,8 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         return json.dumps(spec_doc(self.tmp, **kw))
 
     def state_file(self) -> dict[str, Any]:
-        with open(os.path.join(self.state_dir, "state.json")) as f:
-            data: dict[str, Any] = json.load(f)
-            return data
+        # The stored state as a restarted daemon would see it (snapshot + journal).
+        return StateStore(self.state_dir).load().to_json()
 
     def machines(self) -> dict[str, Any]:
         machines: dict[str, Any] = self.fake.state()["machines"]

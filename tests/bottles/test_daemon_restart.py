@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bottlenet.bottles.store import StateStore
 from bottlenet.control.blocking import BlockingControlClient
 from tests.bottles.harness import spec_doc
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
@@ -78,9 +79,8 @@ class Daemon:
         self.proc.wait(30)
 
     def state_file(self) -> dict[str, Any]:
-        with open(os.path.join(self.state, "state.json")) as f:
-            data: dict[str, Any] = json.load(f)
-            return data
+        # The stored state as a restarted daemon would see it (snapshot + journal).
+        return StateStore(self.state).load().to_json()
 
 
 @pytest.fixture

@@ -9,7 +9,6 @@ same restart through the daemon and the fake smolvm executable stays in
 from __future__ import annotations
 
 import ipaddress
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -20,6 +19,7 @@ from twisted.internet.defer import Deferred, fail
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     BindRefused,
@@ -172,13 +172,14 @@ def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None
 def test_malformed_and_shadowed_records(rigs: Rigs, tmp: str) -> None:
     first = vm_with_plain(rigs, tmp)
     first.close()
-    path = first.store.path
-    with open(path) as f:
-        doc = json.load(f)
-    doc["bottles"]["bad"] = {"kind": "forward", "alias": 7, "created_at": 1, "forwards": []}
-    doc["bottles"]["Bad Name"] = dict(doc["bottles"]["plain"])
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    # Edit the stored state as a whole (snapshot + journal) and write it back as a snapshot.
+    store = StateStore(first.state_dir)
+    state = store.load()
+    bottles = dict(state.bottles)
+    bottles["bad"] = {"kind": "forward", "alias": 7, "created_at": 1, "forwards": []}
+    bottles["Bad Name"] = dict(bottles["plain"])
+    store.save(State(state.instance_id, bottles))
+    store.close()
     rig = rigs(smolvm=first.smolvm)
     rig.run(
         rig.registry.create_bottle(

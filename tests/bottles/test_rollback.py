@@ -170,8 +170,10 @@ def test_workload_fails(rigs: Callable[..., Rig], tmp: str) -> None:
 def test_state_write_fails(rigs: Callable[..., Rig], tmp: str) -> None:
     rig = rigs()
 
-    def broken(state: object) -> None:
+    def broken(*args: object) -> None:
         raise OSError(28, "No space left on device")
 
+    # A change writes one record (put); a full snapshot (save) is written by compaction.
+    rig.store.put = broken  # type: ignore[method-assign]
     rig.store.save = broken  # type: ignore[method-assign]
     create_fails(rig, "UNAVAILABLE", spec(tmp))
