@@ -17,12 +17,15 @@ from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
+    LISTEN_TCP,
+    LISTEN_UNIX,
     MAX_ENV,
     MAX_SERVICES,
     MAX_STRING,
     MODES,
     SIDECAR_CPUS,
     SIDECAR_MEM,
+    USER_RE,
     check_abs_path,
     check_allow_hosts,
     check_egress_host,
@@ -66,6 +69,12 @@ class EgressSpec:
     connect_proxy: str | None = None
 
 
+#: How sidecar services reach bottlenet: ``unix`` (default) guest UNIX sockets exposed with
+#: ``--expose-socket`` into the bottle's 0700 directory; ``tcp`` (opt-in, for a sidecar image
+#: that can only serve TCP) raw published ports on host 127.0.0.1, which any local user can
+#: connect to.
+
+
 @frozen
 class SidecarSpec:
     image: str
@@ -73,6 +82,7 @@ class SidecarSpec:
     mem: int
     services: tuple[ServiceSpec, ...]
     egress: EgressSpec | None
+    listen: str = LISTEN_UNIX
 
 
 @frozen
@@ -83,6 +93,8 @@ class AgentSpec:
     env: tuple[str, ...] = ()
     workload: tuple[str, ...] = ()
     volumes: tuple[str, ...] = ()
+    #: Who the workload runs as (``exec -u``): a user name of the image or ``uid[:gid]``.
+    user: str | None = None
 
 
 @frozen
@@ -157,8 +169,14 @@ def _egress(raw: object, where: str) -> EgressSpec:
 
 
 def _sidecar(raw: object) -> SidecarSpec:
-    f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
+    f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress", "listen"})
     image = _string(f, "image")
+    listen = f.get("listen", LISTEN_UNIX)
+    if listen not in (LISTEN_UNIX, LISTEN_TCP):
+        raise InvalidArgument(
+            'sidecar.listen: must be "unix" (services on guest UNIX sockets, the default) '
+            'or "tcp" (raw ports on host 127.0.0.1 that every local user can reach)'
+        )
     cpus = f.integer("cpus", SIDECAR_CPUS[0], SIDECAR_CPUS[1], default=SIDECAR_CPUS[2])
     mem = f.integer("mem", SIDECAR_MEM[0], SIDECAR_MEM[1], default=SIDECAR_MEM[2])
     raw_services = f.get("service", [])
@@ -175,11 +193,11 @@ def _sidecar(raw: object) -> SidecarSpec:
         and egress.connect_proxy not in names
     ):
         raise InvalidArgument("sidecar.egress.connect_proxy: must name one of sidecar.service")
-    return SidecarSpec(image, cpus, mem, services, egress)
+    return SidecarSpec(image, cpus, mem, services, egress, listen)
 
 
 def _agent(raw: object) -> AgentSpec:
-    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
+    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
     image = _string(f, "image")
     cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
     mem = f.integer("mem", AGENT_MEM[0], AGENT_MEM[1], default=AGENT_MEM[2])
@@ -188,7 +206,10 @@ def _agent(raw: object) -> AgentSpec:
     volumes = tuple(
         _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(_strings(f, "volumes"))
     )
-    return AgentSpec(image, cpus, mem, env, workload, volumes)
+    user = f.get("user")
+    if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
+        raise InvalidArgument("agent.user: must be a user name of the image or uid[:gid]")
+    return AgentSpec(image, cpus, mem, env, workload, volumes, user)
 
 
 def parse_bottle_spec(name: str, data: object) -> BottleSpec:

@@ -18,6 +18,11 @@ from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import check_label as check_label
 
 MODES = ("auto", "alias", "socket", "none")
+#: ``sidecar.listen``: services on guest UNIX sockets (the default) or raw host TCP ports.
+LISTEN_UNIX = "unix"
+LISTEN_TCP = "tcp"
+#: ``agent.user``: a user name of the image or ``uid[:gid]`` (smolvm's ``exec -u``).
+USER_RE = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?")
 MAX_ALLOW_HOSTS = 256
 MAX_SERVICES = 16
 MAX_ENV = 128

@@ -31,12 +31,15 @@ from attrs import field, frozen
 from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
+    LISTEN_TCP,
+    LISTEN_UNIX,
     MAX_ENV,
     MAX_SERVICES,
     MAX_STRING,
     MODES,
     SIDECAR_CPUS,
     SIDECAR_MEM,
+    USER_RE,
     check_abs_path,
     check_allow_hosts,
     check_env,
@@ -130,9 +133,12 @@ class Sidecar:
     cpus: int = SIDECAR_CPUS[2]
     mem: int = SIDECAR_MEM[2]
     egress: Egress | None = None
+    listen: str = LISTEN_UNIX
 
     def __attrs_post_init__(self) -> None:
         _text(self.image, "sidecar.image")
+        if self.listen not in (LISTEN_UNIX, LISTEN_TCP):
+            raise InvalidArgument(f'sidecar.listen: must be "{LISTEN_UNIX}" or "{LISTEN_TCP}"')
         _integer(self.cpus, "sidecar.cpus", SIDECAR_CPUS)
         _integer(self.mem, "sidecar.mem", SIDECAR_MEM)
         if not 1 <= len(self.services) <= MAX_SERVICES:
@@ -149,6 +155,7 @@ class Sidecar:
             "cpus": self.cpus,
             "mem": self.mem,
             "service": [s.to_doc() for s in self.services],
+            "listen": self.listen,
         }
         if self.egress is not None:
             doc["egress"] = self.egress.to_doc()
@@ -165,9 +172,15 @@ class Agent:
     env: tuple[str, ...] = field(default=(), converter=_words)
     workload: tuple[str, ...] = field(default=(), converter=_words)
     volumes: tuple[str, ...] = field(default=(), converter=_words)
+    #: The workload's user (``exec -u``): a user name of the image or ``uid[:gid]``.
+    user: str | None = None
 
     def __attrs_post_init__(self) -> None:
         _text(self.image, "agent.image")
+        if self.user is not None and (
+            not isinstance(self.user, str) or not USER_RE.fullmatch(self.user)
+        ):
+            raise InvalidArgument("agent.user: must be a user name of the image or uid[:gid]")
         _integer(self.cpus, "agent.cpus", AGENT_CPUS)
         _integer(self.mem, "agent.mem", AGENT_MEM)
         check_env(_strings(self.env, "agent.env"), "agent.env", templates=False)
@@ -176,7 +189,7 @@ class Agent:
             split_volume(v, f"agent.volumes[{i}]")
 
     def to_doc(self) -> dict[str, Any]:
-        return {
+        doc: dict[str, Any] = {
             "image": self.image,
             "cpus": self.cpus,
             "mem": self.mem,
@@ -184,6 +197,9 @@ class Agent:
             "workload": list(self.workload),
             "volumes": list(self.volumes),
         }
+        if self.user is not None:
+            doc["user"] = self.user
+        return doc
 
 
 @frozen

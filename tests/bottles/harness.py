@@ -1,8 +1,7 @@
 """An in-process daemon (the tap's real service tree) against the fake smolvm, over AMP.
 
 Everything here runs against ``tests/fakes/smolvm``, a TEST DOUBLE: no real smolvm, no VM.
-The fake's ``exec`` runs commands on the host, so tests never let the alias fallback's
-iptables rules run (``harmless_iptables``).
+The fake's ``exec`` runs commands on the host.
 """
 
 from __future__ import annotations
@@ -18,7 +17,11 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
+from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
+from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests import netguard
@@ -36,6 +39,8 @@ def spec_doc(
     egress: bool = True,
     reload: tuple[str, ...] = ("/bin/true",),
     workload: tuple[str, ...] = (),
+    listen: str | None = None,
+    user: str | None = None,
     services: tuple[tuple[str, int, list[str]], ...] = (
         ("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),
         ("git", 9418, ["GIT_GATE_URL=http://{host}:{port}/", "GIT_GATE_SOCKET={socket}"]),
@@ -46,16 +51,45 @@ def spec_doc(
         "image": SIDECAR_IMAGE,
         "service": [{"name": n, "guest_port": p, "env": env} for n, p, env in services],
     }
+    if listen is not None:
+        sidecar["listen"] = listen
     if egress:
         sidecar["egress"] = {
             "allow_hosts": ["pypi.org", "*.github.com"],
             "policy_path": os.path.join(tmp, "policy.txt"),
             "reload": list(reload),
         }
-    agent: dict[str, Any] = {"image": os.path.join(tmp, "agent.tar"), "env": ["LANG=C.UTF-8"]}
+    image = os.path.join(tmp, "agent.tar")
+    if not os.path.exists(image):  # smolvm reads a local archive at create
+        with open(image, "wb") as f:
+            f.write(b"\0" * 1024)
+    agent: dict[str, Any] = {"image": image, "env": ["LANG=C.UTF-8"]}
     if workload:
         agent["workload"] = list(workload)
+    if user is not None:
+        agent["user"] = user
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
+
+
+def socket_bottle(tmp: str, name: str = "b1", **vms: Any) -> Bottle:
+    """A socket-mode VM bottle value with one endpoint (``vms`` overrides BottleVMs fields)."""
+    fields: dict[str, Any] = {
+        "spec": parse_bottle_spec(name, spec_doc(tmp)),
+        "mode": "socket",
+        "mechanism": "socket: x",
+        "sidecar_vm": f"bn-{name}-sidecar",
+        "agent_vm": f"bn-{name}-agent",
+        "sidecar_pid": 123,
+        "endpoints": (
+            Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
+        ),
+        "env": (("A", "b"),),
+        "policy": ("pypi.org",),
+        "probe_skipped": True,
+        "probe": "skipped",
+    }
+    fields.update(vms)
+    return Bottle(name=name, alias=None, created_at=1.5, vms=BottleVMs(**fields))
 
 
 def in_thread(f: Any, *args: Any) -> Deferred[Any]:
@@ -63,10 +97,6 @@ def in_thread(f: Any, *args: Any) -> Deferred[Any]:
     from twisted.internet.threads import deferToThread
 
     return deferToThread(f, *args)
-
-
-def harmless_iptables(alias: str) -> list[str]:
-    return ["/bin/true"]
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -108,16 +138,15 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
             ]
         )
         root = build_service(options, reactor)
-        vms = root.registry.vms
-        assert vms is not None
-        vms.iptables_argv = harmless_iptables
         root.startService()
         self.root = root
         self.addCleanup(self.stop)
-        for _ in range(200):
-            if not root.registry.recovering and os.path.exists(self.control):
-                break
-            await sleep(0.02)
+        # Wait on the event, not on a poll: recovery (which may tear bottles down and then
+        # writes the state file) is done when its service's ``ready`` fires.
+        recovery = next(svc for svc in root if isinstance(svc, RecoveryService))
+        done: Deferred[None] = Deferred()
+        recovery.ready.addBoth(lambda result: (done.callback(None), result)[1])
+        await done
         client = await connect_control(reactor, self.control, timeout=30)
         self.clients.append(client)
         return client
@@ -139,9 +168,8 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         return json.dumps(spec_doc(self.tmp, **kw))
 
     def state_file(self) -> dict[str, Any]:
-        with open(os.path.join(self.state_dir, "state.json")) as f:
-            data: dict[str, Any] = json.load(f)
-            return data
+        # The stored state as a restarted daemon would see it (snapshot + journal).
+        return StateStore(self.state_dir).load().to_json()
 
     def machines(self) -> dict[str, Any]:
         machines: dict[str, Any] = self.fake.state()["machines"]

@@ -84,7 +84,7 @@ class LimitTests(DaemonCase):
 class RestartTests(DaemonCase):
     async def test_restart_restores_vm_and_forward_only_bottles(self) -> None:
         client = await self.start("--unsafe-skip-isolation-probe")
-        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket"))
+        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket", listen="tcp"))
         plain = await client.create_bottle("plain", alias="127.77.0.5")
         ep = await client.add_forward(
             "plain", "web", f"127.0.0.1:{self.registry.get_bottle('r1').machine().raw_ports[0]}"

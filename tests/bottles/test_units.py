@@ -12,20 +12,15 @@ import pytest
 from twisted.internet.task import Clock
 
 from bottlenet.bottles.agentenv import stamp_env
-from bottlenet.bottles.isolation import (
-    MECH_IPTABLES,
-    MECH_SOCKET,
-    MECH_TSI_ALLOW,
-    choose_isolation,
-    tsi_allow_list_enforced,
-)
-from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint, machine_name
+from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
+from bottlenet.bottles.model import Bottle, Endpoint, machine_name
 from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
-from tests.bottles.harness import spec_doc
+from tests.bottles.harness import socket_bottle, spec_doc
 from vmctl.smolvm import SmolvmVersion
 from vmctl.spec import Volume, validate_name
 
@@ -35,26 +30,18 @@ def v(text: str) -> SmolvmVersion:
 
 
 @pytest.mark.parametrize(
-    ("requested", "version", "fallback", "local", "expected"),
+    ("requested", "local", "expected"),
     [
-        ("socket", "1.9.2", False, True, MECH_SOCKET),
-        ("auto", "1.9.2", False, True, MECH_SOCKET),
-        ("auto", "1.9.2", True, False, MECH_IPTABLES),  # registry image: no socket mode
-        ("alias", "1.9.2", True, True, MECH_IPTABLES),
-        ("alias", "1.1.2", False, True, MECH_TSI_ALLOW),
-        ("auto", "1.1.2", False, True, MECH_TSI_ALLOW),  # no --mount-socket before 1.6.4
-        ("alias", "1.9.2", False, True, None),
-        ("socket", "1.6.3", True, True, None),
-        ("auto", "1.9.2", False, False, None),
+        ("socket", True, MECH_SOCKET),
+        ("auto", True, MECH_SOCKET),
+        ("auto", False, None),  # registry image: no socket mode, and alias cannot be enforced
+        ("alias", True, None),  # fails closed whatever the image
+        ("alias", False, None),
     ],
 )
-def test_choose_isolation(
-    requested: str, version: str, fallback: bool, local: bool, expected: str | None
-) -> None:
+def test_choose_isolation(requested: str, local: bool, expected: str | None) -> None:
     def choose() -> str:
-        return choose_isolation(
-            requested, v(version), "linux", iptables_fallback=fallback, local_agent_image=local
-        ).mechanism
+        return choose_isolation(requested, v("1.32.2"), "linux", local_agent_image=local).mechanism
 
     if expected is None:
         with pytest.raises(IsolationUnavailable):
@@ -63,16 +50,19 @@ def test_choose_isolation(
         assert choose() == expected
 
 
-def test_version_table_and_platform() -> None:
-    assert tsi_allow_list_enforced(v("1.1.2")) and not tsi_allow_list_enforced(v("1.1.3"))
+def test_alias_mode_fails_closed_and_says_why() -> None:
+    with pytest.raises(IsolationUnavailable) as info:
+        choose_isolation("alias", v("1.32.2"), "linux", local_agent_image=True)
+    assert info.value.message == ALIAS_UNAVAILABLE
+    for why in ("TSI", "loopback", "127.0.0.1", "socket"):
+        assert why in info.value.message
+
+
+def test_platform() -> None:
     with pytest.raises(IsolationUnavailable, match="socket mode needs"):
-        choose_isolation(
-            "socket", v("1.9.2"), "freebsd", iptables_fallback=False, local_agent_image=True
-        )
-    plan = choose_isolation(
-        "socket", v("1.9.2"), "darwin", iptables_fallback=False, local_agent_image=True
-    )
-    assert "--mount-socket" in plan.describe(None)
+        choose_isolation("socket", v("1.32.2"), "freebsd", local_agent_image=True)
+    plan = choose_isolation("socket", v("1.32.2"), "darwin", local_agent_image=True)
+    assert "--mount-socket" in plan.describe()
 
 
 def test_machine_names_follow_smolvm_rules() -> None:
@@ -122,31 +112,19 @@ def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
 
 
 def test_vm_record_round_trips(tmp_path: object) -> None:
-    doc = spec_doc(str(tmp_path))
-    bottle = Bottle(
-        name="b1",
-        alias=None,
-        created_at=1.5,
-        vms=BottleVMs(
-            spec=parse_bottle_spec("b1", doc),
-            mode="socket",
-            mechanism="socket: x",
-            sidecar_vm="bn-b1-sidecar",
-            agent_vm="bn-b1-agent",
-            sidecar_pid=123,
-            endpoints=(
-                Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
-            ),
-            env=(("A", "b"),),
-            policy=("pypi.org",),
-            probe_skipped=True,
-            probe="skipped",
-        ),
-    )
+    bottle = socket_bottle(str(tmp_path))
     record = json.loads(json.dumps(bottle.to_state()))
-    assert record["spec"] == doc  # the state file keeps the document the spec was read from
+    assert record["spec"] == spec_doc(str(tmp_path))  # the document the spec was read from
     again = Bottle.from_state("b1", record, unix_root=str(tmp_path))
     assert again == bottle and again.machine().spec == bottle.machine().spec
+    with pytest.raises(StateError, match="bottle b1: probe: missing"):
+        Bottle.from_state("b1", {**record, "probe": None}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="bottle b1: sidecar_pid: must be an integer"):
+        Bottle.from_state("b1", {**record, "sidecar_pid": True}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="stored spec no longer valid"):
+        Bottle.from_state("b1", {**record, "spec": {"mode": "x"}}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="bottle b1: kind: unknown"):
+        Bottle.from_state("b1", {**record, "kind": "other"}, unix_root=str(tmp_path))
 
 
 def test_watch_fallback_timer_fires_once_when_pid_dies() -> None:

@@ -123,8 +123,8 @@ def test_exec_forwards_stdin_env_user_and_workdir(daemon: VMDaemon) -> None:
         'echo "$GREETING" $(id -u) "$PWD"',
     )
     assert (r.returncode, r.stdout) == (0, b"hi there 65534 /tmp\n"), r.stderr
-    argv = [a for a in daemon.fake.argvs() if a[:2] == ["machine", "exec"] and "-u" in a][-1]
-    assert argv[argv.index("-u") + 1] == "65534" and "-i" in argv and "-t" not in argv
+    argv = [a for a in daemon.fake.argvs() if a[:2] == ["machine", "exec"] and "--user" in a][-1]
+    assert argv[argv.index("--user") + 1] == "65534" and "-i" in argv and "-t" not in argv
 
 
 def test_exec_usage_and_typed_errors(daemon: VMDaemon) -> None:
@@ -273,7 +273,14 @@ def test_exec_while_the_bottle_is_created_is_busy() -> None:
         creator = threading.Thread(target=lambda: done.append(d.create_vm_bottle("b2")))
         creator.start()
         with d.client() as c:
-            wait_for(lambda: "machine create" in d.log(), 30, "the create to begin")
+            # (not "machine create" in the log: the daemon's start runs `machine create --help`)
+            wait_for(
+                lambda: any(
+                    a[:2] == ["machine", "create"] and "bn-b2-sidecar" in a for a in d.fake.argvs()
+                ),
+                30,
+                "the create to begin",
+            )
             with pytest.raises(Busy, match="being created"):
                 c.exec("b2", ["true"])
         creator.join(120)

@@ -36,6 +36,7 @@ def full(tmp: str = "/tmp") -> BottleSpec:
             workload=["/usr/local/bin/run-agent", "--flag"],
             volumes=[f"{tmp}:/work"],
             mem=1024,
+            user="1000:1000",
         ),
     )
 
@@ -59,6 +60,10 @@ def test_the_daemon_reads_what_the_builder_writes() -> None:
     assert spec.sidecar.egress.allow_hosts == parsed.sidecar.egress.allow_hosts
     assert (parsed.sidecar.cpus, parsed.agent.mem) == (2, 1024)
     assert parsed.agent.workload == ("/usr/local/bin/run-agent", "--flag")
+    assert (parsed.agent.user, parsed.sidecar.listen) == ("1000:1000", "unix")
+    tcp = Sidecar("img", [Service("a", 1)], listen="tcp")
+    tcp_parsed = parse_bottle_spec("b", {"sidecar": tcp.to_doc(), "agent": {"image": "i"}})
+    assert tcp_parsed.sidecar is not None and tcp_parsed.sidecar.listen == "tcp"
     assert parse_bottle_spec("fwd", json.loads(BottleSpec(mode="none").to_json())).mode == "none"
 
 
@@ -72,6 +77,8 @@ BAD: list[tuple[str, Any]] = [
     ("KEY=VALUE", lambda: Agent("/a.tar", env=["1X=y"])),
     ("HOST:GUEST", lambda: Agent("/a.tar", volumes=["nocolon"])),
     ("agent.cpus", lambda: Agent("/a.tar", cpus=99)),
+    ("agent.user", lambda: Agent("/a.tar", user="root; rm")),
+    ("sidecar.listen", lambda: Sidecar("img", [Service("a", 1)], listen="udp")),
     ("unique", lambda: Sidecar("img", [Service("a", 1), Service("a", 2)])),
     ("1-16 services", lambda: Sidecar("img", [])),
     ("mode", lambda: BottleSpec(mode="magic")),

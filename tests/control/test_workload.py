@@ -1,18 +1,19 @@
 """The workload: running, then exited with its code (the bottle says so and stays up), its
-output through ``bottle logs``, across a daemon restart. Against the fake smolvm (a TEST DOUBLE:
-the "guest" is the host, so the wrapper's files live in the host's /tmp)."""
+output through ``bottle logs``, across a daemon restart. Against the fake smolvm (a TEST DOUBLE)
+with ``exec-netns``: each exec of the agent VM sees that machine's own /tmp (kept across its
+execs, as a VM's filesystem), not the host's, so the test tells its workload to end the way a
+launcher would, by an exec in the bottle that makes the file the workload waits for."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
+import select
 import subprocess
+import time
 from collections.abc import Iterator
 
 import pytest
-
-from bottlenet.bottles.workload import guest_dir
 
 from .vmdaemon import VMDaemon, wait_for
 
@@ -26,8 +27,6 @@ def daemon() -> Iterator[VMDaemon]:
         yield d
     finally:
         assert not d.cleanup()
-        for name in ("b1", "b2"):
-            shutil.rmtree(guest_dir(f"bn-{name}-agent"), ignore_errors=True)
 
 
 def status(d: VMDaemon, name: str) -> dict[str, object]:
@@ -37,14 +36,30 @@ def status(d: VMDaemon, name: str) -> dict[str, object]:
     return bottle
 
 
+def release(d: VMDaemon, name: str, gate: str) -> None:
+    """Make ``gate`` in the bottle's agent VM (the file its workload waits for)."""
+    r = d.ctl("bottle", "exec", name, "--", "/bin/sh", "-c", f': > "{gate}"')
+    assert r.returncode == 0, r.stderr
+
+
+def read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
+    """One line of ``proc``'s stdout, or an AssertionError after ``timeout`` seconds."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    assert ready, f"no line from the watcher in {timeout} s"
+    return proc.stdout.readline()
+
+
 def test_workload_exit_turns_the_bottle_exited_and_keeps_it_up(daemon: VMDaemon) -> None:
-    gate = os.path.join(daemon.dir, "go")
+    gate = "/tmp/bottlenet-test-go"
     script = (
         "echo hello from the agent; echo oops >&2; "
         f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 4"
     )
     watcher = subprocess.Popen(
-        daemon.ctl_argv("events", "--json", "--bottle", "b1"), stdout=subprocess.PIPE
+        daemon.ctl_argv("events", "--json", "--bottle", "b1"),
+        stdout=subprocess.PIPE,
+        bufsize=0,  # unbuffered: select() sees every line not yet read
     )
     try:
         wait_for(lambda: "watches events" in daemon.log(), 30, "the watcher")
@@ -56,12 +71,11 @@ def test_workload_exit_turns_the_bottle_exited_and_keeps_it_up(daemon: VMDaemon)
             30,
             "the workload's output",
         )
-        with open(gate, "w"):
-            pass
-        assert watcher.stdout is not None
+        release(daemon, "b1", gate)
         kinds = []
+        deadline = time.monotonic() + 60
         while not kinds or kinds[-1]["kind"] != "workload_exited":
-            line = watcher.stdout.readline()
+            line = read_line(watcher, max(0.0, deadline - time.monotonic()))
             assert line, kinds
             kinds.append(json.loads(line))
         event = kinds[-1]
@@ -86,15 +100,14 @@ def test_workload_exit_turns_the_bottle_exited_and_keeps_it_up(daemon: VMDaemon)
 
 
 def test_a_restarted_daemon_still_sees_the_workload_end(daemon: VMDaemon) -> None:
-    gate = os.path.join(daemon.dir, "go2")
+    gate = "/tmp/bottlenet-test-go2"
     script = f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 9"
     daemon.create_vm_bottle("b2", workload=["/bin/sh", "-c", script])
     daemon.stop()
     daemon.start()
     wait_for(lambda: "recovery done" in daemon.log().split("Starting reactor")[-1], 60, "recovery")
     assert status(daemon, "b2")["workload"] == "running"
-    with open(gate, "w"):
-        pass
+    release(daemon, "b2", gate)
     wait_for(lambda: status(daemon, "b2")["state"] == "exited", 60, "the exit after a restart")
     assert status(daemon, "b2")["workload_exit_code"] == 9
 

@@ -1,0 +1,381 @@
+"""An in-memory stand-in for ``vmctl.smolvm.Smolvm`` and a rig that drives the bottles layer.
+
+``MemorySmolvm`` is a TEST DOUBLE of vmctl's typed smolvm API (not of the CLI: that is
+``tests/fakes/smolvm``): machines live in a dict, every call answers with an already-fired
+Deferred and is recorded, and a test injects failures per (call, machine). It checks specs
+with vmctl's own ``validate_spec`` so a spec smolvm would refuse still fails here.
+
+``Rig`` builds the real ``VMLifecycle``, ``BottleRegistry``, ``ForwardTable``, ``StateStore``
+and ``Recovery`` on a ``Clock`` reactor (procmon's test style: ``twisted.runner.test.
+test_procmon``): listeners are real sockets bound on loopback aliases and in the state dir, the
+reactor only records readers, and ``rig.run(coro)`` advances the clock until the coroutine is
+done, so every create, rollback and recovery runs synchronously in a few milliseconds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Coroutine, Mapping, Sequence
+from typing import Any, TypeVar, cast
+
+from attrs import define, evolve, field
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
+from twisted.python.failure import Failure
+
+from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.recovery import Recovery
+from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.store import StateStore
+from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.spec import AliasPool
+from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.script import ARGV
+from tests.probe.guests import pass_transcript, witness_own_endpoints
+from vmctl.errors import AlreadyExists, NotFound, VmctlError
+from vmctl.ports import Ownership, PortCheck
+from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion
+from vmctl.spec import MachineSpec, validate_spec
+
+T = TypeVar("T")
+
+POOL = "127.79.0.0/24"
+#: The gate's argv (the script itself comes on stdin).
+PROBE_ARGV = list(ARGV)
+
+
+@define
+class MemMachine:
+    spec: MachineSpec
+    state: str = "stopped"
+    pid: int | None = None
+
+    def record(self) -> Machine:
+        return Machine(self.spec.name, self.state, pid=self.pid, labels=dict(self.spec.labels))
+
+
+ExecHandler = Callable[[str, Sequence[str], bytes | None], ExecResult | None]
+
+
+@define
+class MemorySmolvm:
+    """The subset of :class:`vmctl.smolvm.Smolvm` the bottles layer calls, in memory."""
+
+    version_text: str = "1.32.2"
+    machines: dict[str, MemMachine] = field(factory=dict)
+    #: Every call: (method, machine name or "").
+    calls: list[tuple[str, str]] = field(factory=list)
+    #: (method, machine) -> the VmctlError that call raises (once per entry, or always).
+    faults: dict[tuple[str, str], VmctlError] = field(factory=dict)
+    #: Decides an exec's result (None: the default: the guest answers the gate, else exit 0).
+    on_exec: ExecHandler | None = None
+    #: Answers the gate's script when ``on_exec`` does not (the Rig's honest guest).
+    guest: Callable[[bytes], ExecResult] | None = None
+    #: The pid a started machine gets: a live process (ours), so pid watches hold.
+    pid: int = field(factory=os.getpid)
+    execs: list[tuple[str, list[str]]] = field(factory=list)
+    holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
+
+    @property
+    def known_version(self) -> SmolvmVersion:
+        return SmolvmVersion.parse(f"smolvm {self.version_text}\n".encode())
+
+    def version(self) -> Deferred[SmolvmVersion]:
+        return succeed(self.known_version)
+
+    @property
+    def features(self) -> Features:
+        """Every optional flag of the 1.32 reference (the contract tests pin the real set)."""
+        return Features(
+            error_format_json=True,
+            state_dir=True,
+            expose_socket=True,
+            user=True,
+            exec_timeout=True,
+            exec_user=True,
+            block_private=True,
+        )
+
+    def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
+        self.faults[(method, machine)] = error
+
+    def hold(self, method: str, machine: str) -> Deferred[None]:
+        """Make the next such call wait until the returned Deferred is fired (a slow call)."""
+        gate: Deferred[None] = Deferred()
+        self.holds[(method, machine)] = gate
+        return gate
+
+    def _answer(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
+        """Record the call, then the injected fault, else ``body()`` (its VmctlError fails)."""
+        self.calls.append((method, name))
+        gate = self.holds.pop((method, name), None)
+        if gate is not None:
+            return gate.addCallback(lambda _: self._result(method, name, body))
+        return self._result(method, name, body)
+
+    def _result(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
+        error = self.faults.get((method, name))
+        try:
+            if error is not None:
+                raise error
+            return succeed(body())
+        except VmctlError as e:
+            return fail(e)
+
+    def _machine(self, name: str) -> MemMachine:
+        try:
+            return self.machines[name]
+        except KeyError:
+            raise NotFound(f"machine {name} not found") from None
+
+    def create(self, spec: MachineSpec) -> Deferred[None]:
+        def create() -> None:
+            validate_spec(spec, check_paths=False)
+            if spec.name in self.machines:
+                raise AlreadyExists(f"machine {spec.name} already exists")
+            self.machines[spec.name] = MemMachine(spec)
+
+        return self._answer("create", spec.name, create)
+
+    def start(self, name: str) -> Deferred[int | None]:
+        def start() -> int | None:
+            m = self._machine(name)
+            m.state, m.pid = "running", self.pid
+            return m.pid
+
+        return self._answer("start", name, start)
+
+    def stop(self, name: str) -> Deferred[None]:
+        def stop() -> None:
+            m = self._machine(name)
+            m.state, m.pid = "stopped", None
+
+        return self._answer("stop", name, stop)
+
+    def delete(self, name: str) -> Deferred[None]:
+        def delete() -> None:
+            self._machine(name)
+            del self.machines[name]
+
+        return self._answer("delete", name, delete)
+
+    def remove(self, name: str) -> Deferred[bool]:
+        """Stop, then delete, as :meth:`vmctl.smolvm.Smolvm.remove` does; True if it existed."""
+
+        async def go() -> bool:
+            try:
+                await self.stop(name)
+            except NotFound:
+                return False
+            except VmctlError:
+                pass
+            try:
+                await self.delete(name)
+            except NotFound:
+                return False
+            return True
+
+        return Deferred.fromCoroutine(go())
+
+    def status(self, name: str) -> Deferred[Machine]:
+        return self._answer("status", name, lambda: self._machine(name).record())
+
+    def list(self, labels: Mapping[str, str] | None = None) -> Deferred[list[Machine]]:
+        want = dict(labels or {})
+
+        def listing() -> list[Machine]:
+            return [
+                m.record()
+                for m in self.machines.values()
+                if all(dict(m.spec.labels).get(k) == v for k, v in want.items())
+            ]
+
+        return self._answer("list", "", listing)
+
+    def exec(
+        self,
+        name: str,
+        argv: Sequence[str],
+        *,
+        stdin: bytes | None = None,
+        env: Mapping[str, str] | None = None,
+        detach: bool = False,
+        timeout: float | None = None,
+        user: str | None = None,
+    ) -> Deferred[ExecResult]:
+        def run() -> ExecResult:
+            if self._machine(name).state != "running":
+                raise NotFound(f"machine {name} is not running")
+            self.execs.append((name, list(argv)))
+            result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
+            if result is None:
+                if list(argv) == PROBE_ARGV and self.guest is not None:
+                    return self.guest(stdin or b"")
+                result = ExecResult(0, b"", b"", 0.0)
+            return result
+
+        return self._answer("exec", name, run)
+
+    def names(self) -> list[str]:
+        return sorted(self.machines)
+
+
+def exits(code: int, stdout: bytes = b"") -> ExecResult:
+    return ExecResult(code, stdout, b"", 0.0)
+
+
+#: The gate's outside address as the Rig's lifecycle plans it (never dialled: nothing here is).
+OUTSIDE = "tcp:1.1.1.1:443"
+
+
+def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+    """An ``on_exec`` whose isolation probe finds the outside address reachable."""
+    if list(argv) == PROBE_ARGV:
+        return exits(*pass_transcript(stdin or b"", leaks=(OUTSIDE,)))
+    return None
+
+
+class FDClock(Clock):
+    """A Clock that is also enough of an ``IReactorFDSet`` for real listening ports: it
+    records readers and writers and never polls them (no byte flows in these tests)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.readers: set[Any] = set()
+        self.writers: set[Any] = set()
+
+    def addReader(self, reader: Any) -> None:
+        self.readers.add(reader)
+
+    def removeReader(self, reader: Any) -> None:
+        self.readers.discard(reader)
+
+    def addWriter(self, writer: Any) -> None:
+        self.writers.add(writer)
+
+    def removeWriter(self, writer: Any) -> None:
+        self.writers.discard(writer)
+
+    def removeAll(self) -> list[Any]:
+        gone = list(self.readers | self.writers)
+        self.readers.clear()
+        self.writers.clear()
+        return gone
+
+    def getReaders(self) -> list[Any]:
+        return list(self.readers)
+
+    def getWriters(self) -> list[Any]:
+        return list(self.writers)
+
+
+def owned(port: int, pid: int) -> PortCheck:
+    return PortCheck(port, pid, Ownership.OWNED)
+
+
+class Rig:
+    """The bottles layer, real parts on a clock, with the in-memory smolvm."""
+
+    def __init__(
+        self,
+        state_dir: str,
+        *,
+        smolvm: MemorySmolvm | None = None,
+        options: VMOptions | None = None,
+        instance_id: str = "",
+        max_bottles: int = 256,
+    ) -> None:
+        self.state_dir = state_dir
+        os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        self.clock = FDClock()
+        self.smolvm = smolvm or MemorySmolvm()
+        self.store = StateStore(state_dir)
+        state = self.store.load()
+        if not os.path.exists(self.store.path):
+            self.store.save(state)
+        self.instance_id = instance_id or state.instance_id
+        self.aliases = AliasRegistry(AliasPool.parse(POOL))
+        self.table = ForwardTable(self.clock, self.aliases, state_dir=state_dir, engine="portable")
+        self.options = options or VMOptions(instance_id=self.instance_id)
+        self.options = evolve(self.options, instance_id=self.instance_id)
+        self.vms = VMLifecycle(
+            self.clock,
+            cast(Smolvm, self.smolvm),
+            self.table,
+            self.aliases,
+            state_dir=state_dir,
+            options=self.options,
+            check_port=owned,
+            check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
+        )
+        self.vms.iptables_argv = lambda alias: ["/bin/true"]
+        if self.smolvm.guest is None:
+            self.smolvm.guest = self.honest_guest
+        self.registry = BottleRegistry(
+            self.clock,
+            self.table,
+            self.aliases,
+            state_dir=state_dir,
+            max_bottles=max_bottles,
+            store=self.store,
+            instance_id=self.instance_id,
+            vms=self.vms,
+        )
+
+    def honest_guest(self, script: bytes) -> ExecResult:
+        """A guest that is isolated: it reaches its own endpoints (the host's witness sees
+        the nonce) and nothing else."""
+        witness_own_endpoints(self.table)
+        return exits(*pass_transcript(script))
+
+    def start(self, coro: Coroutine[Any, Any, T]) -> Deferred[T]:
+        """Start ``coro`` and run the clock until it is done or waits on a held call."""
+        d = Deferred.fromCoroutine(coro)
+        self.settle(d)
+        return d
+
+    def settle(self, d: Deferred[Any] | None = None) -> None:
+        """Fire every call that is due now (port closes are ``callLater(0)``), until ``d``
+        has its result or nothing is due."""
+        for _ in range(1000):
+            if d is not None and d.called:
+                return
+            now = self.clock.seconds()
+            if not any(c.getTime() <= now for c in self.clock.getDelayedCalls()):
+                return
+            self.clock.advance(0)
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` to its end on the clock; its exception is raised here."""
+        return self.result(self.start(coro))
+
+    def result(self, d: Deferred[T]) -> T:
+        """The outcome of ``d`` (settling the clock first); its failure is raised here."""
+        self.settle(d)
+        results: list[Any] = []
+        d.addBoth(results.append)
+        assert results, "the operation never finished (it waits on something the rig lacks)"
+        result = results[0]
+        if isinstance(result, Failure):
+            result.raiseException()
+        return cast(T, result)
+
+    def recover(self) -> None:
+        """Run recovery of the state file as it is on disk, with this rig's parts."""
+        self.run(self.recover_later())
+
+    async def recover_later(self) -> None:
+        await Recovery(self.registry, self.vms, self.store.load(), self.state_dir).run()
+
+    def close(self) -> None:
+        """Stop every listener and watch (the sockets are real)."""
+        self.vms.unwatch_all()
+        self.run(_stop(self.table))
+
+    def state(self) -> dict[str, Any]:
+        return dict(StateStore(self.state_dir).load().bottles)
+
+
+async def _stop(table: ForwardTable) -> None:
+    for info in table.list():
+        await table.remove(info.spec.bottle, info.spec.label)
