@@ -34,6 +34,8 @@ from bottlenet.ops import logs, metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import fatal_stop
 from bottlenet.paths import (
     PrivateDirError,
+    StateDirBusy,
+    StateDirLock,
     default_control_endpoint,
     default_state_dir,
     ensure_private_dir,
@@ -203,8 +205,12 @@ class BottlenetService(MultiService):
         self.state_dir = state_dir
         self.smolvm_calls = smolvm_calls or metrics.CallStats()
         self.control_commands = control_commands or metrics.CommandStats()
+        #: The state directory's lock, held from build until the service has stopped.
+        self.state_lock: StateDirLock | None = None
 
     def startService(self) -> None:
+        if self.state_lock is not None:
+            self.state_lock.record_pid()  # twistd may have forked since the lock was taken
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
         super().startService()
@@ -223,6 +229,17 @@ class BottlenetService(MultiService):
             factory.smolvm_available = version.supported
         self.log.info("smolvm {version} at {path}", version=str(version), path=self.smolvm.binary)
 
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        try:
+            await super().stopService()
+        finally:
+            if self.state_lock is not None:
+                self.state_lock.release()
+
 
 def build_service(options: Options, reactor: Any) -> BottlenetService:
     """Check everything that can be checked up front, then build the service tree."""
@@ -238,9 +255,32 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail("--connect-timeout: must be a number of seconds in (0, 600]") from None
     state_dir = options["state-dir"] or default_state_dir(os.environ)
     try:
-        ensure_private_dir(state_dir, too_open="fix")
+        ensure_private_dir(state_dir)
     except PrivateDirError as e:
+        raise _fail(
+            f"--state-dir: {e.message}; it must be a 0700 directory of this user's "
+            "(a new path is created so)"
+        ) from None
+    # One daemon per state directory: locked before anything in it is read or changed.
+    lock = StateDirLock(state_dir)
+    try:
+        lock.acquire()
+    except StateDirBusy as e:
         raise _fail(f"--state-dir: {e.message}") from None
+    except OSError as e:
+        raise _fail(f"--state-dir: cannot lock {lock.path}: {e.strerror or e}") from None
+    try:
+        root = _build(options, reactor, pool, connect_timeout, state_dir)
+    except BaseException:
+        lock.release()
+        raise
+    root.state_lock = lock
+    return root
+
+
+def _build(
+    options: Options, reactor: Any, pool: AliasPool, connect_timeout: float, state_dir: str
+) -> BottlenetService:
     config = DaemonConfig(())
     config_path = options["config"]
     if config_path is not None:

@@ -120,3 +120,55 @@ def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner
     # After a clean stop nothing listens on the forward any more.
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection((host, port), timeout=5).close()
+
+
+def test_second_daemon_on_the_state_dir_exits_before_touching_it(tmp_path, echo_server: int) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 2: the state-dir lock is taken before anything is read or changed.
+
+    The second daemon has its own control socket (so the control lock cannot stop it); it
+    must exit 1 naming the first one's pid, and leave ``state.json`` byte for byte as it was.
+    """
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
+        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
+    )
+    state = tmp_path / "s"
+    first = _start(
+        [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet"]
+        + ["--state-dir", str(state), "--config", config]
+    )
+    try:
+        host, port = _wait_listening(first)
+        before = (state / "state.json").read_bytes()
+        out = _run_fail(
+            ["--state-dir", str(state), "--control", f"unix:{tmp_path / 'c2' / 'c.sock'}"]
+        )
+        assert out.returncode == 1
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith("bottlenet: error: --state-dir: another bottlenet daemon")
+        assert f"(pid {first.pid})" in lines[0]
+        assert (state / "state.json").read_bytes() == before
+        assert not (tmp_path / "c2").exists()  # it stopped before making anything
+        payload = os.urandom(1000)
+        assert roundtrip(host, port, payload) == payload  # the first one is untouched
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+
+
+def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 8: ``--state-dir`` naming a 1777 directory is refused and left as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "other-users-file").write_text("")
+    out = _run_fail(["--state-dir", str(shared), "--control", f"unix:{tmp_path / 'c' / 'c.sock'}"])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"bottlenet: error: --state-dir: {shared} is mode 1777; it must be a 0700 directory "
+        "of this user's (a new path is created so)"
+    ]
+    assert os.stat(shared).st_mode & 0o7777 == 0o1777
+    assert sorted(os.listdir(shared)) == ["other-users-file"]

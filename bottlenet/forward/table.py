@@ -442,7 +442,7 @@ class ForwardTable(Service):
             return None
         bdir = bottle_dir(self.state_dir, spec.bottle)
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
-        made = ensure_private_dir(bdir, too_open="fix", name=f"bottle directory of {spec.bottle}")
+        made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}")
         created = bdir if made else None
         try:
             pst = os.lstat(listen.path)
