@@ -347,6 +347,8 @@ def _build(
         instance_id=state.instance_id,
         vms=vms,
     )
+    control = options["control"] or default_control_endpoint(os.environ, state_dir)
+    registry.protected_dirs = _own_dirs(state_dir, control, options["smolvm-data-dir"])
     factory = ControlServerFactory(
         registry,
         server_version=__version__,
@@ -374,7 +376,6 @@ def _build(
     recovery = RecoveryService(Recovery(registry, vms, state, state_dir), after=config_ready)
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
-    control = options["control"] or default_control_endpoint(os.environ, state_dir)
     ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
     if tls is not None:
         tls_factory = factory.for_tls()
@@ -403,6 +404,17 @@ def _build(
         ready, status=f"{len(config.bottles)} configured bottles"
     ).setServiceParent(root)
     return root
+
+
+def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:
+    """The daemon's own directories: no agent volume may be, hold or lie inside one."""
+    dirs = [os.path.abspath(state_dir)]
+    if control.startswith("unix:"):
+        path = control[len("unix:") :].replace(r"\:", ":").split(":", 1)[0]
+        dirs.append(os.path.dirname(os.path.abspath(path)))
+    if smolvm_data:
+        dirs.append(os.path.abspath(smolvm_data))
+    return tuple(dict.fromkeys(dirs))
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

@@ -96,6 +96,8 @@ class BottleRegistry:
         self._table = table
         self._aliases = aliases
         self._state_dir = state_dir
+        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
+        self.protected_dirs: tuple[str, ...] = (state_dir,)
         self._max_bottles = max_bottles
         self._max_connections = max_connections
         self._store = store
@@ -214,7 +216,9 @@ class BottleRegistry:
         check_bottle_name(name)
         if alias is not None and not isinstance(alias, str):
             raise InvalidArgument("alias must be a string")
-        parsed = parse_bottle_spec(name, dict(spec)) if spec is not None else None
+        parsed = (
+            parse_bottle_spec(name, dict(spec), self.protected_dirs) if spec is not None else None
+        )
 
         async def create() -> BottleInfo:
             if self._exists(name):

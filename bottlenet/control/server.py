@@ -118,14 +118,25 @@ def bottle_record(info: BottleInfo, *, with_env: bool = True) -> BottleRecord:
     )
 
 
+#: No spec field needs a longer integer (memory sizes are MiB, ports 5 digits).
+MAX_SPEC_INT_DIGITS = 20
+
+
 def parse_spec_json(text: str) -> dict[str, Any]:
     """The ``spec`` argument: one JSON object (no NaN/Infinity, bounded nesting)."""
 
     def reject(_: str) -> Any:
         raise InvalidArgument("spec: NaN and Infinity are not allowed")
 
+    def bounded_int(literal: str) -> int:
+        # int() of a 5000-digit literal raises ValueError (CPython's 4300-digit limit), and
+        # no spec field needs more than a few digits.
+        if len(literal.lstrip("-")) > MAX_SPEC_INT_DIGITS:
+            raise InvalidArgument(f"spec: integers have at most {MAX_SPEC_INT_DIGITS} digits")
+        return int(literal)
+
     try:
-        doc = json.loads(text, parse_constant=reject)
+        doc = json.loads(text, parse_constant=reject, parse_int=bounded_int)
     except (json.JSONDecodeError, RecursionError):
         raise InvalidArgument("spec: not valid JSON") from None
     if not isinstance(doc, dict):

@@ -279,3 +279,13 @@ def test_every_handled_command_is_reported_once_with_its_result() -> None:
     ]
     assert c.factory.for_tls().on_command is c.factory.on_command
     c.close()
+
+
+@pytest.mark.parametrize("digits", [21, 4301, 5000])
+def test_huge_spec_integer_is_invalid_argument(conn: Conn, digits: int) -> None:
+    """Issue 13 item 9: a 5000-digit integer used to escape as INTERNAL (a ValueError)."""
+    spec = '{"mode": ' + "9" * digits + "}"
+    with pytest.raises(InvalidArgument) as info:
+        conn.call(C.CreateBottle, name="b1", spec=spec)
+    assert info.value.message == "spec: integers have at most 20 digits"
+    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
