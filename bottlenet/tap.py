@@ -23,11 +23,18 @@ from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
-from bottlenet.control.endpoints import ControlService, tls_control_endpoint
+from bottlenet.control.endpoints import (
+    ControlListenError,
+    ControlService,
+    UNIXDescription,
+    parse_control_description,
+    tls_control_endpoint,
+)
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import logs, metrics, rlimits, sdnotify
@@ -80,6 +87,26 @@ class Options(usage.Options):
         ],
         ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
         ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
+        [
+            "max-bottle-connections",
+            None,
+            str(DEFAULT_PER_BOTTLE),
+            "Most relayed connections one bottle holds at once (all its forwards together).",
+        ],
+        [
+            "max-connections",
+            None,
+            None,
+            "Most relayed connections in the daemon (default: from the open-files limit, "
+            "keeping room for the control socket); each bottle keeps a fair share of it.",
+        ],
+        [
+            "idle-timeout",
+            None,
+            f"{DEFAULT_IDLE_TIMEOUT:g}",
+            "Close a relayed connection after this many seconds without a byte either way "
+            "(0: never).",
+        ],
     ]
     optFlags = [
         [
@@ -316,6 +343,7 @@ def _build(
     vmctl_service, smolvm = make_smolvm(
         reactor, options["smolvm"], options["smolvm-data-dir"], on_call=smolvm_calls.record
     )
+    budgets = _budget_options(options)
     aliases = AliasRegistry(pool)
     try:
         table = ForwardTable(
@@ -324,6 +352,7 @@ def _build(
             state_dir=state_dir,
             connect_timeout=connect_timeout,
             engine=options["relay-engine"],
+            **budgets,
         )
     except ValueError as e:
         raise _fail(f"--relay-engine: {e}") from None
@@ -349,6 +378,11 @@ def _build(
     )
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
     registry.protected_dirs = _own_dirs(state_dir, control, options["smolvm-data-dir"])
+    control_path = _unix_path(control)
+    if control_path is not None:
+        table.own_sockets.add_unix(control_path)
+    if tls is not None:
+        table.own_sockets.add_tcp(tls[1], tls[0])
     factory = ControlServerFactory(
         registry,
         server_version=__version__,
@@ -406,15 +440,45 @@ def _build(
     return root
 
 
+def _budget_options(options: Options) -> dict[str, Any]:
+    """``--max-bottle-connections``, ``--max-connections`` and ``--idle-timeout``, checked."""
+    per_bottle = options["max-bottle-connections"]
+    if not str(per_bottle).isdigit() or not 1 <= int(per_bottle) <= 1 << 20:
+        raise _fail("--max-bottle-connections: must be an integer 1-1048576")
+    total = options["max-connections"]
+    if total is not None and (not str(total).isdigit() or not 1 <= int(total) <= 1 << 20):
+        raise _fail("--max-connections: must be an integer 1-1048576")
+    try:
+        idle = float(options["idle-timeout"])
+        if not 0 <= idle <= 7 * 86400 or idle != idle:
+            raise ValueError
+    except ValueError:
+        raise _fail("--idle-timeout: must be a number of seconds 0-604800 (0: off)") from None
+    return {
+        "per_bottle_connections": int(per_bottle),
+        "max_connections": None if total is None else int(total),
+        "idle_timeout": idle,
+    }
+
+
 def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:
     """The daemon's own directories: no agent volume may be, hold or lie inside one."""
     dirs = [os.path.abspath(state_dir)]
-    if control.startswith("unix:"):
-        path = control[len("unix:") :].replace(r"\:", ":").split(":", 1)[0]
-        dirs.append(os.path.dirname(os.path.abspath(path)))
+    path = _unix_path(control)
+    if path is not None:
+        dirs.append(os.path.dirname(path))
     if smolvm_data:
         dirs.append(os.path.abspath(smolvm_data))
     return tuple(dict.fromkeys(dirs))
+
+
+def _unix_path(control: str) -> str | None:
+    """The control socket's path for ``--control unix:...`` (None for systemd or a bad value)."""
+    try:
+        described = parse_control_description(control)
+    except ControlListenError:
+        return None  # ControlService reports it at start
+    return described.path if isinstance(described, UNIXDescription) else None
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

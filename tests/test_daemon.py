@@ -122,7 +122,9 @@ def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner
         socket.create_connection((host, port), timeout=5).close()
 
 
-def test_second_daemon_on_the_state_dir_exits_before_touching_it(tmp_path, echo_server: int) -> None:  # type: ignore[no-untyped-def]
+def test_second_daemon_on_the_state_dir_exits_before_touching_it(
+    tmp_path, echo_server: int
+) -> None:  # type: ignore[no-untyped-def]
     """Issue 13 item 2: the state-dir lock is taken before anything is read or changed.
 
     The second daemon has its own control socket (so the control lock cannot stop it); it

@@ -21,6 +21,7 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     parse_target,
+    targets_dir,
 )
 
 DEFAULT_MAX_CONNECTIONS = 1024
@@ -124,7 +125,7 @@ class _Reader:
             fwhere = f"{where}.forward[{j}]"
             if not isinstance(fraw, dict):
                 raise self.fail(fwhere, "must be a table")
-            forward = self.read_forward(fraw, fwhere)
+            forward = self.read_forward(fraw, fwhere, name)
             if forward.label in labels:
                 raise self.fail(f"{fwhere}.label", f"label {forward.label} is used twice")
             if forward.port and forward.port in ports:
@@ -134,7 +135,7 @@ class _Reader:
             forwards.append(forward)
         return BottleConfig(name, alias, tuple(forwards))
 
-    def read_forward(self, raw: Mapping[str, Any], where: str) -> ForwardConfig:
+    def read_forward(self, raw: Mapping[str, Any], where: str, bottle: str) -> ForwardConfig:
         self.check_keys(raw, _FORWARD_KEYS, where)
         label = self.validated(f"{where}.label", check_label, self.required(raw, "label", where))
         port = self.validated(f"{where}.port", check_port, raw.get("port", 0), allow_zero=True)
@@ -142,7 +143,7 @@ class _Reader:
             f"{where}.target",
             parse_target,
             self.required(raw, "target", where),
-            unix_root=self.unix_root,
+            unix_root=targets_dir(self.unix_root, bottle),
         )
         max_conn = raw.get("max_connections", DEFAULT_MAX_CONNECTIONS)
         if (

@@ -41,6 +41,7 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     parse_target,
+    targets_dir,
 )
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 
@@ -444,7 +445,7 @@ class BottleRegistry:
             )
         check_label(label)
         check_port(port, allow_zero=True)
-        target_spec = parse_target(target, unix_root=self._state_dir)
+        target_spec = parse_target(target, unix_root=targets_dir(self._state_dir, bottle))
         alias = self._aliases.alias_of(bottle)
         if info.alias is None or alias is None:
             raise InvalidArgument(f"bottle {bottle} has no alias")
@@ -477,7 +478,7 @@ class BottleRegistry:
                 bottle=bottle,
                 label=label,
                 listen=TCPListen(alias, port),
-                target=parse_target(target, unix_root=self._state_dir),
+                target=parse_target(target, unix_root=targets_dir(self._state_dir, bottle)),
                 max_connections=self._max_connections,
             )
         )

@@ -318,9 +318,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     if len(set(names)) != len(names):
         raise InvalidArgument("sidecar.service: service names must be unique")
     egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
-    total = sum(
-        stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env
-    )
+    total = sum(stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env)
     if total > MAX_STAMPED_TOTAL:
         raise InvalidArgument(
             f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"

@@ -44,8 +44,9 @@ from bottlenet.forward.spec import (
     check_port,
     parse_canonical_ipv4,
     parse_target,
+    targets_dir,
 )
-from bottlenet.ops.logs import RateLimitedLogger
+from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:
     from bottlenet.bottles.registry import BottleInfo
@@ -306,7 +307,8 @@ class ControlLocator(SafeCommandLocator):
     ) -> dict[str, Any]:
         check_bottle_name(bottle)
         check_label(label)
-        parse_target(target, unix_root=self.factory.unix_target_root)
+        root = self.factory.unix_target_root
+        parse_target(target, unix_root=None if root is None else targets_dir(root, bottle))
         port = check_port(0 if port is None else port, allow_zero=True)
         info = await self._mutate(
             "AddForward",
