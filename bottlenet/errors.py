@@ -25,6 +25,13 @@ class BottlenetError(Exception):
         return self.message
 
 
+class ListenError(Exception):
+    """A listener of the daemon's own cannot be set up; the message is one clear line.
+
+    Not a wire error: it never reaches a control client, it ends the daemon at start.
+    """
+
+
 class InvalidArgument(BottlenetError):
     code = "INVALID_ARGUMENT"
 

@@ -6,10 +6,15 @@ imports nothing of bottlenet but :mod:`bottlenet.errors`.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
+import socket
 import stat
 from collections.abc import Mapping
+from typing import Literal
+
+from attrs import frozen
 
 from bottlenet.errors import InvalidArgument
 
@@ -141,3 +146,87 @@ def default_control_path(env: Mapping[str, str], state_dir: str) -> str:
 def default_control_endpoint(env: Mapping[str, str], state_dir: str) -> str:
     """The default ``--control`` value, as an endpoint description."""
     return "unix:" + default_control_path(env, state_dir).replace(":", r"\:")
+
+
+#: What is at a UNIX socket path before the daemon binds there.
+UnixPathState = Literal["absent", "symlink", "not-a-socket", "stale", "alive", "unknown"]
+
+
+def unix_path_state(path: str) -> tuple[UnixPathState, OSError | None]:
+    """Look at ``path`` without following a symlink, and probe a socket found there.
+
+    ``stale`` (nothing accepts: its daemon is gone) is the only state a caller may unlink;
+    ``alive`` covers a full backlog too; ``unknown`` (e.g. EACCES) comes with the error and
+    is never replaced. The probe is a non-blocking connect: no data is sent, nothing waits.
+    """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "absent", None
+    if stat.S_ISLNK(st.st_mode):
+        return "symlink", None
+    if not stat.S_ISSOCK(st.st_mode):
+        return "not-a-socket", None
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.setblocking(False)
+        probe.connect(path)
+    except (BlockingIOError, InterruptedError):
+        return "alive", None
+    except OSError as e:
+        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
+            return "stale", None
+        return "unknown", e
+    finally:
+        probe.close()
+    return "alive", None
+
+
+@frozen
+class Description:
+    """An endpoint description (``kind:ARG:key=value...``) split the way Twisted splits one.
+
+    ``positional`` are the arguments without ``=`` (they come first); ``options`` the
+    ``key=value`` ones, each key once. Meaning is the caller's: this only splits.
+    """
+
+    kind: str
+    positional: tuple[str, ...]
+    options: Mapping[str, str]
+
+
+def split_description(text: str) -> Description:
+    """Split on ``:``, honouring ``\\:`` and ``\\\\`` as Twisted's endpoint parser does.
+
+    Raises ValueError (a one-line reason naming no value) for a trailing backslash, a
+    positional argument after a keyword one, or a key given twice.
+    """
+    parts: list[str] = []
+    current: list[str] = []
+    chars = iter(text)
+    for c in chars:
+        if c == "\\":
+            nxt = next(chars, None)
+            if nxt is None:
+                raise ValueError("trailing backslash")
+            current.append(nxt)
+        elif c == ":":
+            parts.append("".join(current))
+            current = []
+        else:
+            current.append(c)
+    parts.append("".join(current))
+    kind, *args = parts
+    positional: list[str] = []
+    options: dict[str, str] = {}
+    for arg in args:
+        key, sep, value = arg.partition("=")
+        if not sep:
+            if options:
+                raise ValueError("a positional argument must come before every key=value")
+            positional.append(arg)
+        elif key in options:
+            raise ValueError(f"{key} given twice")
+        else:
+            options[key] = value
+    return Description(kind, tuple(positional), options)

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from twisted.python import usage
+from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
@@ -25,8 +29,8 @@ from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import (
     ControlListenError,
-    ControlService,
     UNIXDescription,
+    control_endpoint,
     parse_control_description,
     tls_control_endpoint,
 )
@@ -38,7 +42,8 @@ from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import logs, metrics, rlimits, sdnotify
-from bottlenet.ops.fatal import fatal_stop
+from bottlenet.ops.fatal import fatal_stop, fatal_stopper
+from bottlenet.ops.listening import ListeningService
 from bottlenet.paths import (
     PrivateDirError,
     StateDirBusy,
@@ -335,8 +340,7 @@ def _build(
     except OSError as e:
         raise _fail(f"{store.path}: {e.strerror}") from None
 
-    def on_fatal(why: str) -> None:
-        fatal_stop(reactor, why)
+    on_fatal = fatal_stopper(reactor)
 
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -410,16 +414,16 @@ def _build(
     recovery = RecoveryService(Recovery(registry, vms, state, state_dir), after=config_ready)
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
-    ControlService(reactor, control, factory, on_fatal=on_fatal).setServiceParent(root)
+    control_service(reactor, control, factory, on_fatal).setServiceParent(root)
     if tls is not None:
         tls_factory = factory.for_tls()
         root.control_factories.append(tls_factory)
-        ControlService(
-            reactor,
-            tls_control_endpoint(reactor, *tls),
+        ListeningService(
+            "control-tls",
+            f"{tls[1]}:{tls[0]}",
+            partial(tls_control_endpoint, reactor, *tls),
             tls_factory,
-            on_fatal=on_fatal,
-            what="control-tls",
+            on_fatal,
         ).setServiceParent(root)
     if metrics_spec is not None:
         site = metrics.metrics_site(
@@ -428,8 +432,8 @@ def _build(
             smolvm_calls,
             control_commands,
         )
-        listener = metrics.MetricsService(
-            metrics_spec, metrics_spec.endpoint(reactor), site, on_fatal
+        listener = ListeningService(
+            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), site, on_fatal
         )
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
@@ -493,6 +497,24 @@ def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
         results=frozenset({"OK", *control_codes}),
     )
     return calls, commands
+
+
+def control_service(
+    reactor: Any,
+    description: str,
+    factory: IProtocolFactory,
+    on_fatal: Callable[[str], None],
+    *,
+    listen_fds: ListenFDs | None = None,
+) -> ListeningService:
+    """The control socket's listener: ``--control`` parsed at start, a failure fatal."""
+    return ListeningService(
+        "control",
+        description,
+        partial(control_endpoint, reactor, description, listen_fds=listen_fds),
+        factory,
+        on_fatal,
+    )
 
 
 def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:

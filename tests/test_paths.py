@@ -52,3 +52,24 @@ def test_os_errors_become_the_typed_error(tmp_path: Path) -> None:
     (tmp_path / "file").write_text("")
     with pytest.raises(PrivateDirError, match=r"^cannot create .*file/sub: "):
         ensure_private_dir(str(tmp_path / "file" / "sub"))
+
+
+def test_unix_path_state_names_what_is_there(tmp_path: Path) -> None:
+    """The one stale-socket probe: only a socket nobody accepts on is ``stale``."""
+    import socket
+
+    from bottlenet.paths import unix_path_state
+
+    assert unix_path_state(str(tmp_path / "none")) == ("absent", None)
+    (tmp_path / "file").write_text("x")
+    assert unix_path_state(str(tmp_path / "file"))[0] == "not-a-socket"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(tmp_path / "live"))
+    live.listen(1)
+    try:
+        assert unix_path_state(str(tmp_path / "live"))[0] == "alive"
+        os.symlink(tmp_path / "live", tmp_path / "link")
+        assert unix_path_state(str(tmp_path / "link"))[0] == "symlink"  # never followed
+    finally:
+        live.close()
+    assert unix_path_state(str(tmp_path / "live"))[0] == "stale"  # bound, nobody listening

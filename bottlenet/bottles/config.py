@@ -15,6 +15,8 @@ from attrs import frozen
 
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.spec import (
+    DEFAULT_MAX_CONNECTIONS,
+    MAX_CONNECTIONS_LIMIT,
     AliasPool,
     TargetSpec,
     check_bottle_name,
@@ -23,9 +25,6 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
-
-DEFAULT_MAX_CONNECTIONS = 1024
-MAX_CONNECTIONS_LIMIT = 65536
 
 
 class ConfigError(Exception):

@@ -35,6 +35,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
+    DEFAULT_MAX_CONNECTIONS,
     ForwardSpec,
     TCPListen,
     check_bottle_name,
@@ -88,7 +89,7 @@ class BottleRegistry:
         *,
         state_dir: str,
         max_bottles: int = DEFAULT_MAX_BOTTLES,
-        max_connections: int = 1024,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: StateStore | None = None,
         instance_id: str = "",
         vms: VMLifecycle | None = None,

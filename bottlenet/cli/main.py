@@ -21,6 +21,7 @@ from bottlenet.cli.output import (
     EXIT_OK,
     EXIT_USAGE,
     report_control_error,
+    write_table,
 )
 from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
@@ -38,13 +39,6 @@ def default_control(env: os._Environ[str] | dict[str, str]) -> str:
 
 def _socket_path(control: str) -> str:
     return control[len("unix:") :] if control.startswith("unix:") else control
-
-
-def table(headers: Sequence[str], rows: Sequence[Sequence[object]], out: TextIO) -> None:
-    cells = [[_clean(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    for row in [list(headers), *cells]:
-        out.write("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() + "\n")
 
 
 def _json(value: Any, out: TextIO) -> None:
@@ -66,7 +60,7 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
         _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
-    table(
+    write_table(
         ["FIELD", "VALUE"],
         [
             ["daemon", hello.server_version],
@@ -132,7 +126,7 @@ def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: Text
     if a.json:
         _json(b, out)
     elif b.mode:
-        table(["FIELD", "VALUE"], _bottle_rows(b), out)
+        write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
 
@@ -167,7 +161,7 @@ def cmd_bottle_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) 
         _json(bottles, out)
         return
     rows = [[b.name, b.alias or "-", b.source, b.state, b.forwards] for b in bottles]
-    table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
+    write_table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
 
 
 def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -176,10 +170,10 @@ def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: Text
     if a.json:
         _json({"bottle": b, "forwards": forwards}, out)
         return
-    table(["FIELD", "VALUE"], _bottle_rows(b), out)
+    write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     if forwards:
         out.write("\n")
-        table(
+        write_table(
             ["LABEL", "ENDPOINT", "TARGET"],
             [[f.label, f.endpoint, f.target] for f in forwards],
             out,
@@ -208,7 +202,7 @@ def cmd_forward_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO)
         _json(forwards, out)
         return
     rows = [[f.bottle, f.label, f.endpoint, f.target] for f in forwards]
-    table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
+    write_table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
 
 
 def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -221,7 +215,7 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
         for s in stats
     ]
     headers = ["BOTTLE", "LABEL", "ACCEPTED", "ACTIVE", "REFUSED", "FAILED", "IN", "OUT"]
-    table(headers, rows, out)
+    write_table(headers, rows, out)
 
 
 def _port(text: str) -> int:

@@ -3,6 +3,7 @@ refusing daemon (with the exit codes scripts rely on)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from typing import TextIO
 
 from bottlenet.control.blocking import ControlConnectionError
@@ -15,6 +16,22 @@ def clean(value: object) -> str:
     """Printable text only: a daemon-reported value never drives the terminal."""
     text = "" if value is None else str(value)
     return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text)
+
+
+def table_lines(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """The one table renderer: left-aligned columns two spaces apart, every cell cleaned."""
+    cells = [[clean(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    return [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
+        for row in [list(headers), *cells]
+    ]
+
+
+def write_table(headers: Sequence[str], rows: Iterable[Sequence[object]], out: TextIO) -> None:
+    """:func:`table_lines`, written to ``out``."""
+    for line in table_lines(headers, rows):
+        out.write(line + "\n")
 
 
 def report_control_error(e: ControlConnectionError | BottlenetError, path: str, err: TextIO) -> int:

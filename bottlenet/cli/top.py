@@ -18,7 +18,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from datetime import datetime
 from io import StringIO
 from typing import Any, TextIO
@@ -26,7 +26,7 @@ from typing import Any, TextIO
 import attrs
 from attrs import frozen
 
-from bottlenet.cli.output import EXIT_OK, report_control_error
+from bottlenet.cli.output import EXIT_OK, report_control_error, table_lines
 from bottlenet.cli.output import clean as _clean
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
@@ -102,15 +102,6 @@ def _rate(r: tuple[float, float] | None, i: int) -> str:
     return "-" if r is None else human_bytes(r[i], "/s")
 
 
-def _table(headers: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
-    cells = [[_clean(c) for c in row] for row in rows]
-    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    return [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip()
-        for row in [list(headers), *cells]
-    ]
-
-
 def _sum(values: Iterable[tuple[float, float]]) -> tuple[float, float]:
     total_in = total_out = 0.0
     for a, b in values:
@@ -155,7 +146,7 @@ def render(
                 _rate(r, 1),
             ]
         )
-    lines += _table(
+    lines += table_lines(
         ["BOTTLE", "ALIAS", "STATE", "FORWARDS", "ACTIVE", "IN/s", "OUT/s"], bottle_rows
     )
     lines.append("")
@@ -182,7 +173,7 @@ def render(
         )
     headers = ["BOTTLE", "LABEL", "ENDPOINT", "TARGET", "ACTIVE", "ACCEPTED", "REFUSED"]
     headers += ["FAILED", "IN/s", "OUT/s", "IN", "OUT"]
-    lines += _table(headers, forward_rows)
+    lines += table_lines(headers, forward_rows)
     return lines
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import secrets
 import socket
 import stat
@@ -27,7 +26,6 @@ from collections.abc import Callable
 from typing import Any
 
 from attrs import frozen
-from twisted.application.service import Service
 from twisted.internet import tcp, unix
 from twisted.internet.address import UNIXAddress
 from twisted.internet.defer import Deferred, fail, succeed
@@ -40,7 +38,6 @@ from twisted.internet.endpoints import (
 from twisted.internet.interfaces import (
     IListeningPort,
     IProtocolFactory,
-    IReactorCore,
     IReactorTCP,
     IStreamServerEndpoint,
 )
@@ -49,10 +46,17 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
 
-from bottlenet.paths import MAX_SUN_PATH, PrivateDirError, ensure_private_dir
+from bottlenet.errors import ListenError
+from bottlenet.paths import (
+    MAX_SUN_PATH,
+    PrivateDirError,
+    ensure_private_dir,
+    split_description,
+    unix_path_state,
+)
 
 
-class ControlListenError(Exception):
+class ControlListenError(ListenError):
     """The control listener cannot be set up; the message is one clear line for the log."""
 
 
@@ -73,14 +77,12 @@ class SystemdDescription:
 
 def parse_control_description(text: str) -> UNIXDescription | SystemdDescription:
     """Parse ``--control``; anything but a UNIX socket is refused (TLS has its own options)."""
-    kind, _, rest = text.partition(":")
-    parts = [p.replace(r"\:", ":") for p in re.split(r"(?<!\\):", rest)] if rest else []
-    positional = [p for p in parts if "=" not in p]
-    options: dict[str, str] = {}
-    for p in parts:
-        if "=" in p:
-            k, _, v = p.partition("=")
-            options[k] = v
+    try:
+        description = split_description(text)
+    except ValueError as e:
+        raise ControlListenError(f"--control: {e}") from None
+    kind, positional = description.kind, description.positional
+    options = dict(description.options)
     if kind == "unix":
         named = options.pop("path", None)
         if len(positional) > (0 if named is not None else 1):
@@ -116,25 +118,19 @@ def parse_control_description(text: str) -> UNIXDescription | SystemdDescription
 
 def _probe_existing(path: str) -> None:
     """Remove a stale socket at ``path``; refuse anything else that is there."""
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
+    state, error = unix_path_state(path)
+    if state == "absent":
         return
-    if stat.S_ISLNK(st.st_mode):
+    if state == "stale":
+        os.unlink(path)  # its daemon is gone
+        return
+    if state == "symlink":
         raise ControlListenError(f"{path} is a symlink; refusing to use or remove it")
-    if not stat.S_ISSOCK(st.st_mode):
+    if state == "not-a-socket":
         raise ControlListenError(f"{path} exists and is not a socket; refusing to remove it")
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    probe.settimeout(2.0)
-    try:
-        probe.connect(path)
-    except ConnectionRefusedError:
-        os.unlink(path)  # stale: its daemon is gone
-        return
-    except OSError as e:
-        raise ControlListenError(f"cannot check the existing socket {path}: {e.strerror}") from None
-    finally:
-        probe.close()
+    if error is not None:
+        why = error.strerror or type(error).__name__
+        raise ControlListenError(f"cannot check the existing socket {path}: {why}")
     raise ControlListenError(f"another daemon is answering on {path}; not taking it over")
 
 
@@ -420,105 +416,3 @@ def tls_control_endpoint(
     else:
         inner = TCP4ServerEndpoint(reactor, port, interface=interface)
     return wrapServerTLS(options, inner)
-
-
-def exit_reactor(reactor: IReactorCore, code: int = 1) -> Callable[[str], None]:
-    """An ``on_fatal`` that stops the reactor and then exits the process with ``code``.
-
-    ``twist`` exits 0 once the reactor stops, so the exit status is forced after shutdown.
-    """
-
-    def on_fatal(why: str) -> None:
-        def _exit() -> None:
-            import sys
-
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-
-        reactor.addSystemEventTrigger("after", "shutdown", _exit)
-        if reactor.running:
-            reactor.stop()
-        else:
-            reactor.callWhenRunning(reactor.stop)
-
-    return on_fatal
-
-
-class ControlService(Service):
-    """Listens for control connections; if it cannot, the daemon must not run on.
-
-    ``endpoint`` is a ``--control`` description (``unix:...``/``systemd:...``) or an
-    endpoint (e.g. from :func:`tls_control_endpoint`). On failure one clear line is logged
-    and ``on_fatal(why)`` runs (default: stop the reactor, exit status 1).
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        reactor: Any,
-        endpoint: str | IStreamServerEndpoint,
-        factory: IProtocolFactory,
-        on_fatal: Callable[[str], None] | None = None,
-        *,
-        listen_fds: ListenFDs | None = None,
-        what: str = "control",
-    ) -> None:
-        self._reactor = reactor
-        self._endpoint = endpoint
-        self._factory = factory
-        self._on_fatal = on_fatal if on_fatal is not None else exit_reactor(reactor, 1)
-        self._listen_fds = listen_fds
-        self._what = what
-        self.port: IListeningPort | None = None
-        self.failed: str | None = None
-
-    def _where(self) -> str:
-        return self._endpoint if isinstance(self._endpoint, str) else repr(self._endpoint)
-
-    def startService(self) -> None:
-        super().startService()
-        endpoint: IStreamServerEndpoint
-        if isinstance(self._endpoint, str):
-            try:
-                endpoint = control_endpoint(
-                    self._reactor, self._endpoint, listen_fds=self._listen_fds
-                )
-            except ControlListenError:
-                self._failed(Failure())
-                return
-        else:
-            endpoint = self._endpoint
-        endpoint.listen(self._factory).addCallbacks(self._listening, self._failed)
-
-    def _listening(self, port: IListeningPort) -> None:
-        self.port = port
-        host = port.getHost()
-        # A plain string, so the JSON log keeps it (address objects are not serialisable).
-        where = getattr(host, "name", None) or getattr(host, "host", None)
-        if isinstance(where, bytes):
-            where = where.decode("utf-8", "replace")
-        port_number = getattr(host, "port", None)
-        if port_number is not None:
-            where = f"{where}:{port_number}"
-        self.log.info("{what}: listening on {where}", what=self._what, where=str(where))
-
-    def _failed(self, failure: Failure) -> None:
-        exc = failure.value
-        why = str(exc) if isinstance(exc, ControlListenError) else f"{type(exc).__name__}: {exc}"
-        self.failed = why
-        self.log.critical(
-            "{what}: cannot listen on {where}: {why}; exiting",
-            what=self._what,
-            where=self._where(),
-            why=why,
-        )
-        self._on_fatal(why)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
-        port, self.port = self.port, None
-        if port is None:
-            return None
-        return port.stopListening()

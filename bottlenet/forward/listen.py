@@ -20,7 +20,6 @@ from __future__ import annotations
 import errno
 import os
 import socket
-import struct
 from socket import SO_LINGER, SOL_SOCKET
 from typing import TYPE_CHECKING, cast
 
@@ -37,11 +36,12 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from bottlenet.forward.spec import LINGER_RST
+
 BACKOFF_FIRST = 0.1
 BACKOFF_MAX = 1.0
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 _RETRY = frozenset({errno.ECONNABORTED, errno.EPERM, errno.EPROTO, errno.EINTR})
-_LINGER_RST = struct.pack("ii", 1, 0)
 
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ class _BackoffAccept(_PortBase):
             try:
                 protocol = factory.buildProtocol(self._buildAddr(addr))
                 if protocol is None:
-                    skt.setsockopt(SOL_SOCKET, SO_LINGER, _LINGER_RST)
+                    skt.setsockopt(SOL_SOCKET, SO_LINGER, LINGER_RST)
                     skt.close()
                     continue
                 s = self.sessionno

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import re
+import struct
 from typing import TypeAlias
 
 from attrs import frozen
@@ -162,6 +163,14 @@ class UNIXTarget:
 TargetSpec: TypeAlias = TCPTarget | UNIXTarget
 
 
+#: Connections one forward holds at once unless its bottle says otherwise, and the most any may.
+DEFAULT_MAX_CONNECTIONS = 1024
+MAX_CONNECTIONS_LIMIT = 65536
+
+#: ``SO_LINGER`` on, zero seconds: ``close()`` sends RST instead of FIN.
+LINGER_RST = struct.pack("ii", 1, 0)
+
+
 @frozen
 class ForwardSpec:
     """One fixed route: agent endpoint -> target; the target never comes from a client."""
@@ -170,7 +179,7 @@ class ForwardSpec:
     label: str
     listen: ListenSpec
     target: TargetSpec
-    max_connections: int = 1024
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
 
 
 def _check_abs_path(path: object, what: str) -> str:

@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import sys
 from collections.abc import Callable
 from typing import Any, cast
@@ -64,6 +63,7 @@ from bottlenet.forward.relay import (
     RelayEngine,
     TransportRelay,
 )
+from bottlenet.forward.spec import LINGER_RST
 
 try:
     import fcntl
@@ -78,7 +78,6 @@ PIPE_MAX = 1024 * 1024
 #: Idle pipes kept for reuse (each is 2 fds); more are closed.
 POOL_MAX = 16
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
-_LINGER_RST = struct.pack("ii", 1, 0)
 
 ENGINES = ("auto", "splice", "portable")
 
@@ -470,7 +469,7 @@ class SpliceRelay:
             sock = end.sock
             if outcome != OUTCOME_CLOSED:
                 try:
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _LINGER_RST)
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RST)
                 except OSError:
                     pass
             sock.close()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
-import socket
-import stat
 from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
@@ -58,6 +56,7 @@ from bottlenet.forward.relay import (
     TransportRelay,
 )
 from bottlenet.forward.spec import (
+    MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
     TCPListen,
@@ -73,7 +72,7 @@ from bottlenet.forward.spec import (
 )
 from bottlenet.forward.splice import engine_factory
 from bottlenet.forward.targets import CheckedUNIXTarget, OwnSockets, check_target
-from bottlenet.paths import ensure_private_dir
+from bottlenet.paths import ensure_private_dir, unix_path_state
 from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:
@@ -88,7 +87,6 @@ _REFUSAL_WHY = {
     "closing": "the forward is closing",
 }
 _FD_EXHAUSTED = (":EMFILE", ":ENFILE")
-MAX_CONNECTIONS_LIMIT = 65536
 
 
 @frozen
@@ -509,15 +507,13 @@ class ForwardTable(Service):
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
         made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}")
         created = bdir if made else None
-        try:
-            pst = os.lstat(listen.path)
-        except FileNotFoundError:
-            return created
-        if not stat.S_ISSOCK(pst.st_mode):
+        state, _ = unix_path_state(listen.path)
+        if state in ("symlink", "not-a-socket"):
             raise InvalidArgument(f"{listen.describe()} exists and is not a socket")
-        if _unix_socket_alive(listen.path):
+        if state in ("alive", "unknown"):  # unknown (e.g. EACCES): not ours to replace
             raise BindRefused(f"cannot listen on {listen.describe()}: in use by another process")
-        os.unlink(listen.path)  # a stale socket from a previous run
+        if state == "stale":
+            os.unlink(listen.path)  # a stale socket from a previous run
         return created
 
     def _server_endpoint(
@@ -561,23 +557,6 @@ class ForwardTable(Service):
         if isinstance(target.host, ipaddress.IPv6Address):
             return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
         return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
-
-
-def _unix_socket_alive(path: str) -> bool:
-    """True if something accepts connections on ``path`` (non-blocking probe, no data sent)."""
-    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        probe.setblocking(False)
-        probe.connect(path)
-    except (BlockingIOError, InterruptedError):
-        return True  # backlog full: very much alive
-    except OSError as e:
-        if e.errno in (errno.ECONNREFUSED, errno.ENOENT):
-            return False
-        return True  # EACCES and friends: not ours to replace
-    finally:
-        probe.close()
-    return True
 
 
 def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:

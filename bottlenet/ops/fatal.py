@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 from twisted.logger import Logger
@@ -37,3 +38,12 @@ def fatal_stop(reactor: Any, message: str, code: int = 1) -> None:
         reactor.stop()
     else:
         reactor.callWhenRunning(reactor.stop)
+
+
+def fatal_stopper(reactor: Any, code: int = 1) -> Callable[[str], None]:
+    """:func:`fatal_stop` bound to ``reactor``: the ``on_fatal`` every listener is given."""
+
+    def on_fatal(message: str) -> None:
+        fatal_stop(reactor, message, code)
+
+    return on_fatal

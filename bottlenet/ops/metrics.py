@@ -18,14 +18,10 @@ import re
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
-import attrs
 from attrs import define, field, frozen
-from twisted.application.service import Service
-from twisted.internet.defer import Deferred
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
-from twisted.internet.interfaces import IListeningPort, IReactorTime, IStreamServerEndpoint
+from twisted.internet.interfaces import IReactorTime, IStreamServerEndpoint
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.iweb import IRequest
 from twisted.web.pages import notFound
@@ -40,7 +36,7 @@ from bottlenet.forward.spec import (
     AliasPool,
     parse_canonical_ipv4,
 )
-from bottlenet.paths import MAX_SUN_PATH
+from bottlenet.paths import MAX_SUN_PATH, Description, split_description
 
 if TYPE_CHECKING:  # the real records, named for the type checker only
     from bottlenet.bottles.registry import BottleInfo
@@ -84,39 +80,17 @@ class MetricsEndpoint:
         return TCP4ServerEndpoint(reactor, self.port, interface=self.interface)
 
 
-def _split_endpoint(text: str) -> list[str]:
-    """Split on ``:`` as Twisted's endpoint parser does, honouring ``\\:`` and ``\\\\``."""
-    parts: list[str] = []
-    current: list[str] = []
-    chars = iter(text)
-    for c in chars:
-        if c == "\\":
-            nxt = next(chars, None)
-            if nxt is None:
-                raise ValueError("trailing backslash")
-            current.append(nxt)
-        elif c == ":":
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(c)
-    parts.append("".join(current))
-    return parts
-
-
-def _arguments(parts: Sequence[str], positional: str, allowed: set[str]) -> dict[str, str]:
-    args: dict[str, str] = {}
-    for i, part in enumerate(parts):
-        key, sep, value = part.partition("=")
-        if not sep:
-            if i != 0:
-                raise ValueError("only the first argument may be positional")
-            key, value = positional, part
+def _arguments(description: Description, positional: str, allowed: set[str]) -> dict[str, str]:
+    if len(description.positional) > 1:
+        raise ValueError("only the first argument may be positional")
+    args = dict(description.options)
+    if description.positional:
+        if positional in args:
+            raise ValueError(f"{positional} given twice")
+        args[positional] = description.positional[0]
+    for key in args:
         if key not in allowed:
             raise ValueError(f"unknown argument {safe_repr(key)}")
-        if key in args:
-            raise ValueError(f"{key} given twice")
-        args[key] = value
     return args
 
 
@@ -136,11 +110,12 @@ def parse_metrics_endpoint(text: object, alias_pool: AliasPool | None = None) ->
     if not isinstance(text, str) or not text:
         raise InvalidArgument(f"metrics endpoint {safe_repr(text)} must be a non-empty string")
     try:
-        kind, *parts = _split_endpoint(text)
+        description = split_description(text)
+        kind = description.kind
         if kind in ("tcp", "tcp6"):
-            return _parse_tcp(kind, parts, alias_pool)
+            return _parse_tcp(kind, description, alias_pool)
         if kind == "unix":
-            return _parse_unix(parts)
+            return _parse_unix(description)
         raise ValueError(
             "use tcp:PORT:interface=127.0.0.1, tcp6:PORT:interface=\\:\\:1 or unix:PATH"
         )
@@ -148,8 +123,10 @@ def parse_metrics_endpoint(text: object, alias_pool: AliasPool | None = None) ->
         raise InvalidArgument(f"metrics endpoint {safe_repr(text)}: {e}") from None
 
 
-def _parse_tcp(kind: str, parts: Sequence[str], alias_pool: AliasPool | None) -> MetricsEndpoint:
-    args = _arguments(parts, "port", {"port", "interface"})
+def _parse_tcp(
+    kind: str, description: Description, alias_pool: AliasPool | None
+) -> MetricsEndpoint:
+    args = _arguments(description, "port", {"port", "interface"})
     port = _port(args.get("port"))
     interface = args.get("interface")
     if not interface:
@@ -172,8 +149,8 @@ def _parse_tcp(kind: str, parts: Sequence[str], alias_pool: AliasPool | None) ->
     return MetricsEndpoint("tcp", port, str(ipaddress.IPv4Address(addr)))
 
 
-def _parse_unix(parts: Sequence[str]) -> MetricsEndpoint:
-    args = _arguments(parts, "path", {"path", "mode"})
+def _parse_unix(description: Description) -> MetricsEndpoint:
+    args = _arguments(description, "path", {"path", "mode"})
     path = args.get("path", "")
     if not path.startswith("/") or "\x00" in path:
         raise ValueError("the socket path must be absolute")
@@ -474,80 +451,3 @@ def metrics_site(
     root = _Root()
     root.putChild(b"metrics", MetricsResource(lambda: render_metrics(source, smolvm, control)))
     return _QuietSite(root, reactor=reactor)
-
-
-class MetricsService(Service):
-    """Listens on the metrics endpoint while running.
-
-    Unlike ``StreamServerEndpointService``, a failed listen is not only logged: it is handed
-    to ``on_error`` (the daemon passes ``fatal_stop``), so ``--metrics`` never silently fails.
-    """
-
-    log = Logger()
-
-    def __init__(
-        self,
-        spec: MetricsEndpoint,
-        endpoint: IStreamServerEndpoint,
-        site: Site,
-        on_error: Callable[[str], None] | None = None,
-    ) -> None:
-        self._spec = spec
-        self._endpoint = endpoint
-        self._site = site
-        self._on_error = on_error
-        self._port: IListeningPort | None = None
-        self._outcome: IListeningPort | Failure | None = None
-        self._waiters: list[Deferred[IListeningPort]] = []
-
-    def when_listening(self) -> Deferred[IListeningPort]:
-        """Fires with the listening port, or fails with the listen error (each caller its own)."""
-        d: Deferred[IListeningPort] = Deferred()
-        if self._outcome is None:
-            self._waiters.append(d)
-        elif isinstance(self._outcome, Failure):
-            d.errback(self._outcome)
-        else:
-            d.callback(self._outcome)
-        return d
-
-    def _settle(self, outcome: IListeningPort | Failure) -> None:
-        self._outcome = outcome
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            if isinstance(outcome, Failure):
-                d.errback(outcome)
-            else:
-                d.callback(outcome)
-
-    def startService(self) -> None:
-        super().startService()
-        d = self._endpoint.listen(self._site)
-        d.addCallbacks(self._listening, self._failed)
-
-    def _listening(self, port: IListeningPort) -> None:
-        self._port = port
-        self.log.info("metrics on {endpoint}/metrics", endpoint=self.bound())
-        self._settle(port)
-
-    def bound(self) -> str:
-        """Where it listens now: for ``tcp:0`` the port the kernel picked, as clients need."""
-        host = self._port.getHost() if self._port is not None else None
-        number = getattr(host, "port", None)
-        if self._spec.kind != "unix" and isinstance(number, int):
-            return attrs.evolve(self._spec, port=number).describe()
-        return self._spec.describe()
-
-    def _failed(self, failure: Failure) -> None:
-        message = f"--metrics {self._spec.describe()}: cannot listen: {failure.getErrorMessage()}"
-        self.log.error("{message}", message=message)
-        self._settle(failure)
-        if self._on_error is not None:
-            self._on_error(message)
-
-    def stopService(self) -> Deferred[None] | None:
-        super().stopService()
-        port, self._port = self._port, None
-        if port is not None:
-            return port.stopListening()
-        return None

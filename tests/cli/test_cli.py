@@ -16,9 +16,9 @@ from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
 from bottlenet.cli.main import default_control, main
-from bottlenet.control.endpoints import ControlService
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
+from bottlenet.tap import control_service
 from tests.control.fakes import FakeBackend
 
 reactor: Any = _reactor
@@ -87,7 +87,7 @@ class CLITests(unittest.TestCase):
             smolvm_version=None,
             allowed_uids=default_allowed_uids(),
         )
-        svc = ControlService(reactor, f"unix:{self.path}", factory, self.fail)
+        svc = control_service(reactor, f"unix:{self.path}", factory, self.fail)
         svc.startService()
         self.addCleanup(lambda: os.unlink(self.path + ".lock"))
         self.addCleanup(svc.stopService)

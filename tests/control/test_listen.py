@@ -22,7 +22,6 @@ from twisted.python.systemd import ListenFDs
 from bottlenet.control.endpoints import (
     ControlListenError,
     ControlPort,
-    ControlService,
     SystemdDescription,
     UNIXDescription,
     bind_private,
@@ -32,6 +31,7 @@ from bottlenet.control.endpoints import (
 )
 from bottlenet.control.peercred import get_peer_credentials
 from bottlenet.paths import default_control_path
+from bottlenet.tap import control_service
 
 
 @pytest.fixture
@@ -254,7 +254,7 @@ def test_service_failure_is_fatal_with_one_clear_line(tmp: str, logs: list[LogEv
     with open(path, "w") as f:
         f.write("not a socket")
     fatal: list[str] = []
-    svc = ControlService(
+    svc = control_service(
         MemoryReactor(), f"unix:{path}", Factory.forProtocol(Protocol), fatal.append
     )
     svc.startService()
@@ -268,14 +268,14 @@ def test_service_failure_is_fatal_with_one_clear_line(tmp: str, logs: list[LogEv
 
 def test_service_bad_description_is_fatal(logs: list[LogEvent]) -> None:
     fatal: list[str] = []
-    svc = ControlService(MemoryReactor(), "tcp:1234", Factory.forProtocol(Protocol), fatal.append)
+    svc = control_service(MemoryReactor(), "tcp:1234", Factory.forProtocol(Protocol), fatal.append)
     svc.startService()
     assert len(fatal) == 1 and "unix:PATH" in fatal[0]
 
 
 def test_systemd_missing_fd_is_fatal() -> None:
     fatal: list[str] = []
-    svc = ControlService(
+    svc = control_service(
         MemoryReactor(),
         "systemd:domain=UNIX:name=control",
         Factory.forProtocol(Protocol),
@@ -283,7 +283,10 @@ def test_systemd_missing_fd_is_fatal() -> None:
         listen_fds=ListenFDs([], ()),
     )
     svc.startService()
-    assert fatal == ["systemd passed no systemd socket 'control'"]
+    assert fatal == [
+        "control: cannot listen on systemd:domain=UNIX:name=control:"
+        " systemd passed no systemd socket 'control'"
+    ]
 
 
 def test_systemd_rejects_non_unix_fd() -> None:

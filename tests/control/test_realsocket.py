@@ -20,11 +20,12 @@ from twisted.trial import unittest
 
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
-from bottlenet.control.endpoints import ControlService, tls_control_endpoint
+from bottlenet.control.endpoints import tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import NotFound
+from bottlenet.tap import control_service
 
 from . import certs
 from .fakes import FakeBackend, FakeBottle
@@ -60,7 +61,9 @@ class UNIXControlTests(unittest.TestCase):
             allowed_uids=default_allowed_uids(),
         )
         self.fatal: list[str] = []
-        self.service = ControlService(reactor, f"unix:{self.path}", self.factory, self.fatal.append)
+        self.service = control_service(
+            reactor, f"unix:{self.path}", self.factory, self.fatal.append
+        )
         self.service.startService()
         self.addCleanup(self.service.stopService)
         self.assertEqual(self.fatal, [])
@@ -229,7 +232,7 @@ class SystemdTests(unittest.TestCase):
             allowed_uids=default_allowed_uids(),
         )
         fatal: list[str] = []
-        svc = ControlService(
+        svc = control_service(
             reactor,
             "systemd:domain=UNIX:name=control",
             factory,

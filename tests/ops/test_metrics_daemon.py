@@ -22,7 +22,7 @@ from tests.control.daemon_helpers import CLEAN_EXIT, start_daemon, stop, wait_re
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
 from tests.netio import OutputReader, roundtrip
 
-METRICS_ON = re.compile(rb"metrics on 127\.0\.0\.1:(\d+)/metrics")
+METRICS_ON = re.compile(rb"metrics: listening on 127\.0\.0\.1:(\d+)")
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 

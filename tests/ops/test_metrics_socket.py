@@ -18,6 +18,7 @@ from twisted.python.failure import Failure
 from twisted.trial import unittest
 
 from bottlenet.ops import metrics
+from bottlenet.ops.listening import ListeningService
 from tests.ops.test_metrics import Bottle, _fwd
 
 
@@ -61,7 +62,9 @@ class MetricsOverSockets(unittest.TestCase):
         commands.record("Hello", "OK")
         site = metrics.metrics_site(source, reactor, control=commands)
         errors: list[str] = []
-        svc = metrics.MetricsService(spec, spec.endpoint(reactor), site, errors.append)
+        svc = ListeningService(
+            "metrics", spec.describe(), spec.endpoint(reactor), site, errors.append
+        )
         svc.startService()
         self.addCleanup(svc.stopService)
         port = yield svc.when_listening()
@@ -104,8 +107,9 @@ class MetricsOverSockets(unittest.TestCase):
         spec = metrics.parse_metrics_endpoint(f"tcp:{taken.getsockname()[1]}:interface=127.0.0.1")
         source = metrics.SnapshotSource(list)
         errors: list[str] = []
-        svc = metrics.MetricsService(
-            spec, spec.endpoint(reactor), metrics.metrics_site(source, reactor), errors.append
+        site = metrics.metrics_site(source, reactor)
+        svc = ListeningService(
+            "metrics", spec.describe(), spec.endpoint(reactor), site, errors.append
         )
         svc.startService()
         self.addCleanup(svc.stopService)
