@@ -7,6 +7,7 @@ on stderr and a non-zero exit, before anything is bound.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from collections.abc import Callable
@@ -326,7 +327,7 @@ def _build(
             metrics_spec = metrics.parse_metrics_endpoint(options["metrics"], pool)
         except BottlenetError as e:
             raise _fail(f"--metrics: {e.message}") from None
-    tls = _tls_options(options)
+    tls = _tls_options(options, pool)
     max_bottles = options["max-bottles"]
     if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
         raise _fail("--max-bottles: must be an integer 1-65536")
@@ -517,8 +518,13 @@ def control_service(
     )
 
 
-def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:
-    """All five --control-tls-* options, or none of them."""
+def _tls_options(options: Options, pool: AliasPool) -> tuple[int, str, str, str, str] | None:
+    """All five --control-tls-* options, or none of them.
+
+    The interface is one IP address, never a wildcard (it would listen on every address,
+    the bottles' aliases included) nor an address of the alias pool (an alias-mode guest
+    reaches every port of its own alias).
+    """
     names = ["port", "interface", "key", "cert", "ca"]
     values = {n: options[f"control-tls-{n}"] for n in names}
     given = [n for n in names if values[n] is not None]
@@ -530,6 +536,15 @@ def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:
     port = values["port"]
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise _fail("--control-tls-port: must be a port 1-65535")
+    try:
+        interface = ipaddress.ip_address(values["interface"])
+    except ValueError:
+        raise _fail("--control-tls-interface: must be one IP address") from None
+    mapped = getattr(interface, "ipv4_mapped", None) or interface
+    if interface.is_unspecified:
+        raise _fail("--control-tls-interface: a wildcard listens on every address; name one")
+    if isinstance(mapped, ipaddress.IPv4Address) and mapped in pool.network:
+        raise _fail(f"--control-tls-interface: {interface} is inside the alias pool {pool.network}")
     for n in ("key", "cert", "ca"):
         if not os.path.isfile(values[n]):
             raise _fail(f"--control-tls-{n}: {values[n]} is not a readable file")

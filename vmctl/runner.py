@@ -39,12 +39,19 @@ DEFAULT_GRACE = 3.0
 def build_env(source: Mapping[str, str], data_dir: str | None = None) -> dict[str, str]:
     """The whole environment for a smolvm child, built from an allow-list.
 
-    Only PATH, HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are copied from ``source``;
+    Only PATH (its absolute entries), HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are
+    copied from ``source``;
     ``SMOLVM_DATA_DIR`` is set only when ``data_dir`` is configured. Anything else (notably
     ``SMOLVM_PUBLISH_ADDR``, which would widen published ports off loopback) never reaches
     the child.
     """
     env = {k: v for k, v in source.items() if (k in ENV_ALLOW or _LC.match(k)) and "\0" not in v}
+    if "PATH" in env:
+        # Relative entries (".", "", "bin") would make smolvm's own lookups (its helpers,
+        # libkrun) depend on the daemon's cwd: only absolute directories pass.
+        env["PATH"] = os.pathsep.join(
+            e for e in env["PATH"].split(os.pathsep) if e and os.path.isabs(e)
+        )
     if data_dir is not None:
         env["SMOLVM_DATA_DIR"] = data_dir
     for k in ENV_DENY:
@@ -75,7 +82,27 @@ def resolve_smolvm(path_or_none: str | None, env_path: str | None) -> str | None
 
 
 def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
+    return os.path.isfile(path) and os.access(path, os.X_OK) and untrusted_reason(path) is None
+
+
+def untrusted_reason(path: str) -> str | None:
+    """Why the binary at ``path`` must not be run by the daemon, or None.
+
+    The binary (after symlinks) and its directory must belong to root or to the daemon's
+    user and be writable by nobody else: otherwise another user could swap in a "smolvm"
+    that the daemon then runs with its rights.
+    """
+    real = os.path.realpath(path)
+    for what, p in (("binary", real), ("directory", os.path.dirname(real))):
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"cannot inspect its {what}: {e.strerror}"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"its {what} {p} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022:
+            return f"its {what} {p} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+    return None
 
 
 class BoundedBuffer:

@@ -10,7 +10,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorProcess, IReactorTime
 from twisted.logger import Logger
 
-from vmctl.runner import ProcessRunner, resolve_smolvm
+from vmctl.runner import ProcessRunner, resolve_smolvm, untrusted_reason
 from vmctl.smolvm import CallObserver, Smolvm, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
 
@@ -55,7 +55,13 @@ def make_smolvm(
     """
     env = dict(os.environ if environ is None else environ)
     binary = resolve_smolvm(smolvm_option, env.get("PATH"))
-    if binary is None:
+    if binary is None and smolvm_option and os.path.isfile(smolvm_option):
+        VmctlService.log.warn(
+            "--smolvm {path} is not used: {why}; VM calls will fail (SMOLVM_UNAVAILABLE)",
+            path=os.path.abspath(smolvm_option),
+            why=untrusted_reason(os.path.abspath(smolvm_option)) or "it is not executable",
+        )
+    elif binary is None:
         VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
     data_dir = os.path.abspath(data_dir_option) if data_dir_option else None
     runner = ProcessRunner(reactor, clock)
