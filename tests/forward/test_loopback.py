@@ -236,6 +236,20 @@ class TransferTests(Base):
 
 
 class FailureTests(Base):
+    async def test_target_reset_after_small_request_reaches_client_as_reset(self) -> None:
+        """A reset after a small, fully read request is a reset at the client, never a FIN.
+
+        The older reset test leaves unread bytes on the agent-side socket, so the kernel
+        resets it on close whatever the relay does; here nothing is left unread, so only the
+        relay's own abort (SO_LINGER 0 / abortConnection) makes it a reset.
+        """
+        info = await self.forward(self.target(lambda: ResetAfter(5)))
+        c = await self.client(info, Collector(b"hello", fin=False))
+        await c.done
+        assert not c.eof, "the client saw a clean EOF"
+        assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
+        assert not c.reason.check(ConnectionDone), c.reason
+
     async def test_target_refuses(self) -> None:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))

@@ -448,6 +448,8 @@ def test_canary_never_logged(tmp: str, variant: str) -> None:
     assert "forward capped/one refused a connection" in text
     assert "control: closing connection" in text and "framing error" in text
     assert "control: CreateBottle canary done" in text
+    engine = "portable" if "--relay-engine=portable" in plugin_opts else "splice"
+    assert f"relays: {engine} engine" in text  # the engine this variant is about
     if variant.endswith("json-debug"):
         assert "relay canary/echo closed" in text and "relay canary/unix closed" in text
 
