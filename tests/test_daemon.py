@@ -186,7 +186,9 @@ def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: 
         ("localhost", "must be one IP address"),
     ],
 )
-def test_tls_interface_is_never_a_wildcard_or_in_the_pool(tmp_path, interface: str, why: str) -> None:  # type: ignore[no-untyped-def]
+def test_tls_interface_is_never_a_wildcard_or_in_the_pool(
+    tmp_path, interface: str, why: str
+) -> None:  # type: ignore[no-untyped-def]
     """Issue 13 item 9 (TLS): refused at start, before anything is bound."""
     pem = tmp_path / "x.pem"
     pem.write_text("")
