@@ -24,6 +24,7 @@ from twisted.python.systemd import ListenFDs
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.model import SOURCE_CONFIG
 from bottlenet.bottles.recovery import Recovery, RecoveryService
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
@@ -177,7 +178,7 @@ class ConfigBottles(Service):
 
     async def _bind_all(self) -> None:
         for i, bottle in enumerate(self._config.bottles):
-            await self._registry.create_bottle(bottle.name, str(bottle.alias), source="config")
+            await self._registry.create_bottle(bottle.name, bottle.alias, source=SOURCE_CONFIG)
             for j, fwd in enumerate(bottle.forwards):
                 key = f"bottle[{i}].forward[{j}]"
                 try:
@@ -185,7 +186,7 @@ class ConfigBottles(Service):
                     await self._registry.add_forward(
                         bottle.name,
                         fwd.label,
-                        fwd.target.describe(),
+                        fwd.target,
                         fwd.port,
                         max_connections=fwd.max_connections,
                     )

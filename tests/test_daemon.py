@@ -137,8 +137,17 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
     )
     state = tmp_path / "s"
     first = _start(
-        [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet"]
-        + ["--state-dir", str(state), "--config", config]
+        [
+            sys.executable,
+            "-m",
+            "twisted",
+            "--log-format=text",
+            "bottlenet",
+            "--state-dir",
+            str(state),
+            "--config",
+            config,
+        ]
     )
     try:
         host, port = _wait_listening(first)

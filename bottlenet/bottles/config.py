@@ -14,6 +14,7 @@ from typing import Any
 from attrs import frozen
 
 from bottlenet.errors import BottlenetError
+from bottlenet.fields import Fields
 from bottlenet.forward.spec import (
     DEFAULT_MAX_CONNECTIONS,
     MAX_CONNECTIONS_LIMIT,
@@ -64,95 +65,71 @@ class _Reader:
         self.pool = pool
         self.unix_root = unix_root
 
-    def fail(self, key: str, reason: str) -> ConfigError:
-        return ConfigError(f"{self.path}: {key}: {reason}")
+    def error(self, message: str) -> ConfigError:
+        return ConfigError(f"{self.path}: {message}")
 
-    def check_keys(self, table: Mapping[str, Any], allowed: set[str], where: str) -> None:
-        for key in table:
-            if key not in allowed:
-                # The key came from the file: show it only if it is harmless.
-                shown = key if key.isascii() and key.isidentifier() and len(key) <= 40 else "?"
-                prefix = f"{where}." if where else ""
-                raise self.fail(f"{prefix}{shown}", "unknown key")
+    def fields(self, table: object, where: str, allowed: set[str]) -> Fields:
+        return Fields(table, where, allowed=allowed, error=self.error)
 
-    def required(self, table: Mapping[str, Any], key: str, where: str) -> Any:
-        if key not in table:
-            raise self.fail(f"{where}.{key}", "missing")
-        return table[key]
-
-    def validated(self, key: str, check: Any, *args: Any, **kwargs: Any) -> Any:
+    def validated(self, f: Fields, key: str, check: Any, *args: Any, **kwargs: Any) -> Any:
         try:
             return check(*args, **kwargs)
         except BottlenetError as e:
-            raise self.fail(key, e.message) from None
+            raise f.fail(key, e.message) from None
+
+    def tables(self, f: Fields, key: str, what: str, allowed: set[str]) -> list[Fields]:
+        """The array of tables at ``key``, each checked for unknown keys."""
+        raw = f.get(key, [])
+        if not isinstance(raw, list):
+            raise f.fail(key, f"must be an array of tables ({what})")
+        return [self.fields(item, f.path(f"{key}[{i}]"), allowed) for i, item in enumerate(raw)]
 
     def read(self, data: Mapping[str, Any]) -> DaemonConfig:
-        self.check_keys(data, _TOP_KEYS, "")
-        raw_bottles = data.get("bottle", [])
-        if not isinstance(raw_bottles, list):
-            raise self.fail("bottle", "must be an array of tables ([[bottle]])")
+        top = self.fields(data, "", _TOP_KEYS)
         bottles: list[BottleConfig] = []
         names: set[str] = set()
         aliases: set[ipaddress.IPv4Address] = set()
-        for i, raw in enumerate(raw_bottles):
-            where = f"bottle[{i}]"
-            if not isinstance(raw, dict):
-                raise self.fail(where, "must be a table")
-            bottle = self.read_bottle(raw, where)
+        for raw in self.tables(top, "bottle", "[[bottle]]", _BOTTLE_KEYS):
+            bottle = self.read_bottle(raw)
             if bottle.name in names:
-                raise self.fail(f"{where}.name", f"bottle {bottle.name} is declared twice")
+                raise raw.fail("name", f"bottle {bottle.name} is declared twice")
             if bottle.alias in aliases:
-                raise self.fail(f"{where}.alias", f"alias {bottle.alias} belongs to another bottle")
+                raise raw.fail("alias", f"alias {bottle.alias} belongs to another bottle")
             names.add(bottle.name)
             aliases.add(bottle.alias)
             bottles.append(bottle)
         return DaemonConfig(tuple(bottles))
 
-    def read_bottle(self, raw: Mapping[str, Any], where: str) -> BottleConfig:
-        self.check_keys(raw, _BOTTLE_KEYS, where)
-        name = self.validated(f"{where}.name", check_bottle_name, self.required(raw, "name", where))
-        alias = self.validated(
-            f"{where}.alias", self.pool.parse_alias, self.required(raw, "alias", where)
-        )
-        raw_forwards = raw.get("forward", [])
-        if not isinstance(raw_forwards, list):
-            raise self.fail(f"{where}.forward", "must be an array of tables ([[bottle.forward]])")
+    def read_bottle(self, f: Fields) -> BottleConfig:
+        name = self.validated(f, "name", check_bottle_name, f.get("name", required=True))
+        alias = self.validated(f, "alias", self.pool.parse_alias, f.get("alias", required=True))
         forwards: list[ForwardConfig] = []
         labels: set[str] = set()
         ports: set[int] = set()
-        for j, fraw in enumerate(raw_forwards):
-            fwhere = f"{where}.forward[{j}]"
-            if not isinstance(fraw, dict):
-                raise self.fail(fwhere, "must be a table")
-            forward = self.read_forward(fraw, fwhere, name)
+        for raw in self.tables(f, "forward", "[[bottle.forward]]", _FORWARD_KEYS):
+            forward = self.read_forward(raw, name)
             if forward.label in labels:
-                raise self.fail(f"{fwhere}.label", f"label {forward.label} is used twice")
+                raise raw.fail("label", f"label {forward.label} is used twice")
             if forward.port and forward.port in ports:
-                raise self.fail(f"{fwhere}.port", f"port {forward.port} is used twice")
+                raise raw.fail("port", f"port {forward.port} is used twice")
             labels.add(forward.label)
             ports.add(forward.port)
             forwards.append(forward)
         return BottleConfig(name, alias, tuple(forwards))
 
-    def read_forward(self, raw: Mapping[str, Any], where: str, bottle: str) -> ForwardConfig:
-        self.check_keys(raw, _FORWARD_KEYS, where)
-        label = self.validated(f"{where}.label", check_label, self.required(raw, "label", where))
-        port = self.validated(f"{where}.port", check_port, raw.get("port", 0), allow_zero=True)
+    def read_forward(self, f: Fields, bottle: str) -> ForwardConfig:
+        label = self.validated(f, "label", check_label, f.get("label", required=True))
+        port = self.validated(f, "port", check_port, f.get("port", 0), allow_zero=True)
         target = self.validated(
-            f"{where}.target",
+            f,
+            "target",
             parse_target,
-            self.required(raw, "target", where),
+            f.get("target", required=True),
             unix_root=targets_dir(self.unix_root, bottle),
         )
-        max_conn = raw.get("max_connections", DEFAULT_MAX_CONNECTIONS)
-        if (
-            isinstance(max_conn, bool)
-            or not isinstance(max_conn, int)
-            or not 1 <= max_conn <= MAX_CONNECTIONS_LIMIT
-        ):
-            raise self.fail(
-                f"{where}.max_connections", f"must be an integer 1-{MAX_CONNECTIONS_LIMIT}"
-            )
+        max_conn = f.integer(
+            "max_connections", 1, MAX_CONNECTIONS_LIMIT, default=DEFAULT_MAX_CONNECTIONS
+        )
         return ForwardConfig(label, port, target, max_conn)
 
 

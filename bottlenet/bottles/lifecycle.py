@@ -17,7 +17,7 @@ import ipaddress
 import os
 import stat
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from attrs import evolve, field, frozen
@@ -39,13 +39,15 @@ from bottlenet.bottles.model import (
     LABEL_ROLE,
     ROLE_AGENT,
     ROLE_SIDECAR,
+    STATE_DEGRADED,
+    Bottle,
+    BottleVMs,
     Endpoint,
-    VMBottle,
     machine_name,
 )
 from bottlenet.bottles.probe import PROBE_TIMEOUT, ProbeVerdict, judge, plan_probe, probe_script
 from bottlenet.bottles.spec import BottleSpec, image_fields, is_local_image
-from bottlenet.bottles.watch import PidWatcher, Watch
+from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
@@ -67,8 +69,8 @@ from bottlenet.forward.table import ForwardTable
 from vmctl.errors import NotFound as VmNotFound
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import VmctlError
-from vmctl.ports import Checker, check_port_owner, start_with_raw_ports
-from vmctl.smolvm import Smolvm, SmolvmVersion
+from vmctl.ports import Checker, Ownership, check_port_owner, start_with_raw_ports
+from vmctl.smolvm import Machine, Smolvm, SmolvmVersion
 from vmctl.spec import MachineSpec, MountSocket, PortMapping, Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
@@ -175,24 +177,22 @@ class VMLifecycle:
     async def create(
         self,
         spec: BottleSpec,
-        spec_doc: dict[str, Any],
-        alias: str | None,
-        commit: Callable[[VMBottle], None],
-    ) -> VMBottle:
+        alias: ipaddress.IPv4Address | None,
+        commit: Callable[[Bottle], None],
+    ) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
         plan = await self.plan(spec)
         if alias is not None and plan.mode != MODE_ALIAS:
             raise InvalidArgument(f"--alias only applies to alias mode, this bottle is {plan.mode}")
         c = _Creation(spec.name, spec, plan)
-        c.facts["spec_doc"] = spec_doc
         try:
             await self.step_allocate(c, alias)
             await self.step_sidecar(c)
             await self.step_bind(c)
             await self.step_egress(c)
             await self.step_agent(c)
-            vb = self.build(c)
-            await self.step_commit(c, vb, commit)
+            bottle = self.build(c)
+            await self.step_commit(c, bottle, commit)
         except BaseException as e:
             await self._rollback(c, e)
             if isinstance(e, VmctlError):
@@ -200,20 +200,21 @@ class VMLifecycle:
             if isinstance(e, OSError):
                 raise SmolvmFailed(f"creating bottle {c.name} failed: {e.strerror}") from None
             raise
+        vm = bottle.machine()
         self.log.info(
             "bottle {bottle} created: mode={mode} sidecar={sidecar} agent={agent}",
-            bottle=vb.name,
-            mode=vb.mode,
-            sidecar=vb.sidecar_vm,
-            agent=vb.agent_vm,
+            bottle=bottle.name,
+            mode=vm.mode,
+            sidecar=vm.sidecar_vm,
+            agent=vm.agent_vm,
         )
-        if vb.probe_skipped:
+        if vm.probe_skipped:
             self.log.warn(
                 "bottle {bottle} was created WITHOUT the isolation probe "
                 "(--unsafe-skip-isolation-probe): its isolation is unverified",
-                bottle=vb.name,
+                bottle=bottle.name,
             )
-        return vb
+        return bottle
 
     async def _rollback(self, c: _Creation, why: BaseException) -> None:
         code = getattr(why, "code", type(why).__name__)
@@ -234,10 +235,10 @@ class VMLifecycle:
                     err=getattr(e, "message", type(e).__name__),
                 )
 
-    async def step_allocate(self, c: _Creation, alias: str | None) -> None:
+    async def step_allocate(self, c: _Creation, alias: ipaddress.IPv4Address | None) -> None:
         """1. The alias (alias mode) or the bottle's own 0700 socket directory."""
         if c.plan.mode == MODE_ALIAS:
-            addr = self.aliases.claim(c.name, alias)
+            addr = self.aliases.claim(c.name, None if alias is None else str(alias))
             c.facts["alias"] = str(addr)
 
             async def release() -> None:
@@ -306,11 +307,17 @@ class VMLifecycle:
                 listen = TCPListen(ipaddress.IPv4Address(c.facts["alias"]), 0)
             else:
                 listen = unix_listen_for(self.state_dir, c.name, svc.name)
-            info = await self.table.add(
-                ForwardSpec(c.name, svc.name, listen, TCPTarget(LOCALHOST, raw))
+            endpoints.append(
+                await self.bind_endpoint(c.name, svc.name, svc.guest_port, raw, listen)
             )
-            endpoints.append(endpoint_for(svc.name, svc.guest_port, raw, info.bound))
         c.facts["endpoints"] = tuple(endpoints)
+
+    async def bind_endpoint(
+        self, bottle: str, service: str, guest_port: int, raw: int, listen: TCPListen | UNIXListen
+    ) -> Endpoint:
+        """One agent endpoint (``listen``) relaying to the sidecar's raw port 127.0.0.1:RAW."""
+        info = await self.table.add(ForwardSpec(bottle, service, listen, TCPTarget(LOCALHOST, raw)))
+        return endpoint_for(service, guest_port, raw, info.bound)
 
     async def step_egress(self, c: _Creation) -> None:
         """5. The initial egress policy (from the spec), written and reloaded in the sidecar."""
@@ -392,30 +399,31 @@ class VMLifecycle:
         common["allow_cidrs"] = (f"{c.facts['alias']}/32",)
         return MachineSpec(name, net=True, **common)
 
-    def build(self, c: _Creation) -> VMBottle:
-        return VMBottle(
+    def build(self, c: _Creation) -> Bottle:
+        return Bottle(
             name=c.name,
-            spec=c.spec,
-            spec_doc=c.facts["spec_doc"],
-            mode=c.plan.mode,
-            mechanism=c.plan.describe(c.facts.get("alias")),
             alias=c.facts.get("alias"),
-            sidecar_vm=c.facts["sidecar_vm"],
-            agent_vm=c.facts["agent_vm"],
-            sidecar_pid=c.facts["sidecar_pid"],
-            endpoints=c.facts["endpoints"],
-            env=c.facts["env"],
-            policy=c.facts["policy"],
-            probe_skipped=self.options.skip_probe,
-            probe=c.facts["probe"],
             created_at=self.reactor.seconds(),
+            vms=BottleVMs(
+                spec=c.spec,
+                mode=c.plan.mode,
+                mechanism=c.plan.describe(c.facts.get("alias")),
+                sidecar_vm=c.facts["sidecar_vm"],
+                agent_vm=c.facts["agent_vm"],
+                sidecar_pid=c.facts["sidecar_pid"],
+                endpoints=c.facts["endpoints"],
+                env=c.facts["env"],
+                policy=c.facts["policy"],
+                probe_skipped=self.options.skip_probe,
+                probe=c.facts["probe"],
+            ),
         )
 
     async def step_commit(
-        self, c: _Creation, vb: VMBottle, commit: Callable[[VMBottle], None]
+        self, c: _Creation, bottle: Bottle, commit: Callable[[Bottle], None]
     ) -> None:
         """7. Record the bottle (the registry writes the state file)."""
-        commit(vb)
+        commit(bottle)
 
     # -- probe --------------------------------------------------------------------------
 
@@ -452,26 +460,28 @@ class VMLifecycle:
         )
         return verdict
 
-    async def verify(self, vb: VMBottle) -> ProbeVerdict:
+    async def verify(self, bottle: Bottle) -> ProbeVerdict:
+        vm = bottle.machine()
         try:
-            return await self.run_probe(vb.name, vb.agent_vm, vb.endpoints)
+            return await self.run_probe(bottle.name, vm.agent_vm, vm.endpoints)
         except VmctlError as e:
             raise map_vmctl(e) from None
 
     # -- egress -----------------------------------------------------------------------
 
-    async def set_policy(self, vb: VMBottle, hosts: tuple[str, ...]) -> VMBottle:
-        sidecar = vb.spec.sidecar
+    async def set_policy(self, bottle: Bottle, hosts: tuple[str, ...]) -> Bottle:
+        vm = bottle.machine()
+        sidecar = vm.spec.sidecar
         assert sidecar is not None
         if sidecar.egress is None:
-            raise InvalidArgument(f"bottle {vb.name}: its sidecar declares no egress policy")
+            raise InvalidArgument(f"bottle {bottle.name}: its sidecar declares no egress policy")
         try:
             await egress.push_policy(
-                self.smolvm, vb.sidecar_vm, sidecar.egress, hosts, previous=vb.policy
+                self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy
             )
         except VmctlError as e:
             raise map_vmctl(e) from None
-        return evolve(vb, policy=hosts)
+        return evolve(bottle, vms=evolve(vm, policy=hosts))
 
     # -- teardown -----------------------------------------------------------------------
 
@@ -488,28 +498,83 @@ class VMLifecycle:
         except VmNotFound:
             pass
 
-    async def teardown(self, vb: VMBottle) -> None:
+    async def teardown(self, bottle: Bottle) -> None:
         """Listeners and relays, agent VM, sidecar VM, alias or directory; idempotent."""
-        self.unwatch(vb.name)
-        await self.table.remove_bottle(vb.name)
+        vm = bottle.machine()
+        self.unwatch(bottle.name)
+        await self.table.remove_bottle(bottle.name)
         try:
-            await self.remove_machine(vb.agent_vm)
-            await self.remove_machine(vb.sidecar_vm)
+            await self.remove_machine(vm.agent_vm)
+            await self.remove_machine(vm.sidecar_vm)
         except VmctlError as e:
             raise map_vmctl(e) from None
-        self.release(vb)
+        self.release(bottle)
 
-    def release(self, vb: VMBottle) -> None:
-        if vb.mode == MODE_ALIAS:
-            self.aliases.release(vb.name)
+    def release(self, bottle: Bottle) -> None:
+        if bottle.machine().mode == MODE_ALIAS:
+            self.aliases.release(bottle.name)
         else:
-            remove_bottle_dir(bottle_dir(self.state_dir, vb.name))
+            remove_bottle_dir(bottle_dir(self.state_dir, bottle.name))
+
+    # -- after a restart ----------------------------------------------------------------
+
+    async def list_ours(self) -> list[Machine]:
+        """The machines that carry this daemon's owner label (VmctlError when smolvm cannot
+        tell: recovery decides what that means)."""
+        return await self.smolvm.list(labels={LABEL_OWNER: self.options.instance_id})
+
+    def check_alive(self, bottle: Bottle, machines: Mapping[str, Machine] | None) -> str | None:
+        """Why a persisted bottle cannot be kept, or None when its sidecar still runs with
+        the recorded pid holding every raw port. ``machines`` is smolvm's listing by name
+        (None when smolvm could not list: then the pid alone is checked)."""
+        vm = bottle.machine()
+        if bottle.state == STATE_DEGRADED:
+            return "it was degraded"
+        if machines is None:
+            alive = pid_alive(vm.sidecar_pid)
+        else:
+            m = machines.get(vm.sidecar_vm)
+            alive = m is not None and m.running and m.pid == vm.sidecar_pid
+        if not alive:
+            return "its sidecar VM is gone"
+        for port in vm.raw_ports:
+            check = self.check_port(port, vm.sidecar_pid)
+            if not check.owned and not (
+                self.options.allow_unverifiable_ports and check.ownership is Ownership.UNVERIFIABLE
+            ):
+                return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
+        return None
+
+    async def rebind(self, bottle: Bottle) -> None:
+        """Re-bind a persisted bottle's agent endpoints on the same alias, ports and paths.
+
+        On failure every listener it bound is removed again and the typed error raised (the
+        alias stays claimed: :meth:`teardown` releases it).
+        """
+        vm = bottle.machine()
+        try:
+            if vm.mode == MODE_ALIAS:
+                assert bottle.alias is not None
+                self.aliases.claim(bottle.name, bottle.alias)
+            for e in vm.endpoints:
+                listen: TCPListen | UNIXListen
+                if e.host is not None:
+                    alias = self.aliases.alias_of(bottle.name)
+                    assert alias is not None and e.port is not None
+                    listen = TCPListen(alias, e.port)
+                else:
+                    assert e.path is not None
+                    listen = UNIXListen(e.path)
+                await self.bind_endpoint(bottle.name, e.service, e.guest_port, e.raw_port, listen)
+        except BottlenetError:
+            await self.table.remove_bottle(bottle.name)
+            raise
 
     # -- sidecar liveness ---------------------------------------------------------------
 
-    def watch(self, vb: VMBottle, on_exit: Callable[[], None]) -> None:
-        self.unwatch(vb.name)
-        self._watches[vb.name] = self.watcher.watch(vb.sidecar_pid, on_exit)
+    def watch(self, bottle: Bottle, on_exit: Callable[[], None]) -> None:
+        self.unwatch(bottle.name)
+        self._watches[bottle.name] = self.watcher.watch(bottle.machine().sidecar_pid, on_exit)
 
     def unwatch(self, name: str) -> None:
         w = self._watches.pop(name, None)

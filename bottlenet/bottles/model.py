@@ -1,8 +1,11 @@
-"""The VM bottle as the daemon remembers it: one frozen value, and its state-file form.
+"""A bottle as the daemon remembers it: one frozen value for both kinds, and its state form.
 
-Everything recovery needs after a restart is here (machine names, the sidecar pid, raw ports,
-the agent endpoints with their real ports, the stamped env, the policy, the flags), so the
-daemon can re-bind the same endpoints and tell its machines from anyone else's.
+A forward-only bottle is a :class:`Bottle` without VMs (its forwards are listed); a VM bottle
+carries :class:`BottleVMs`: everything recovery needs after a restart (machine names, the
+sidecar pid, raw ports, the agent endpoints with their real ports, the stamped env, the
+policy, the flags), so the daemon can re-bind the same endpoints and tell its machines from
+anyone else's. ``to_state``/``from_state`` are the one state-file form of one bottle, so a
+store can write bottles one at a time.
 """
 
 from __future__ import annotations
@@ -15,6 +18,15 @@ from attrs import field, frozen
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.errors import InvalidArgument
+from bottlenet.fields import Fields
+from bottlenet.forward.spec import (
+    TargetSpec,
+    check_bottle_name,
+    check_label,
+    check_port,
+    parse_target,
+    targets_dir,
+)
 
 ROLE_SIDECAR = "sidecar"
 ROLE_AGENT = "agent"
@@ -24,6 +36,13 @@ LABEL_ROLE = "bottlenet.role"
 
 STATE_READY = "ready"
 STATE_DEGRADED = "degraded"
+SOURCE_CONTROL = "control"
+SOURCE_CONFIG = "config"
+KIND_FORWARD = "forward"
+KIND_VM = "vm"
+PROBE_SKIPPED_WARNING = (
+    "created with --unsafe-skip-isolation-probe: the isolation of this bottle was NOT verified"
+)
 
 
 def machine_name(bottle: str, role: str) -> str:
@@ -75,28 +94,47 @@ class Endpoint:
         }
 
     @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Endpoint:
+    def from_json(cls, d: object, where: str = "endpoint") -> Endpoint:
+        f = _fields(d, where)
         return cls(
-            service=_typed(d, "service", str),
-            guest_port=_typed(d, "guest_port", int),
-            raw_port=_typed(d, "raw_port", int),
-            host=_typed(d, "host", str, optional=True),
-            port=_typed(d, "port", int, optional=True),
-            path=_typed(d, "path", str, optional=True),
-            guest_path=_typed(d, "guest_path", str, optional=True),
+            service=f.value("service", str),
+            guest_port=f.value("guest_port", int),
+            raw_port=f.value("raw_port", int),
+            host=f.value("host", str, optional=True),
+            port=f.value("port", int, optional=True),
+            path=f.value("path", str, optional=True),
+            guest_path=f.value("guest_path", str, optional=True),
         )
 
 
 @frozen
-class VMBottle:
-    """A bottle with a sidecar VM and an agent VM."""
+class Forward:
+    """One forward of a forward-only bottle as it is kept: ``port`` is the port it bound."""
 
-    name: str
+    label: str
+    target: TargetSpec
+    port: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"label": self.label, "target": self.target.describe(), "port": self.port}
+
+    @classmethod
+    def from_json(cls, d: object, where: str, *, unix_root: str) -> Forward:
+        f = _fields(d, where)
+        return cls(
+            label=check_label(f.value("label", str)),
+            target=parse_target(f.value("target", str), unix_root=unix_root),
+            port=check_port(f.value("port", int), allow_zero=True),
+        )
+
+
+@frozen
+class BottleVMs:
+    """The VM half of a bottle: its sidecar and agent machines and what was made for them."""
+
     spec: BottleSpec = field(eq=False)
-    spec_doc: dict[str, Any] = field(eq=False)
     mode: str  # "alias" | "socket"
     mechanism: str
-    alias: str | None
     sidecar_vm: str
     agent_vm: str
     sidecar_pid: int
@@ -105,80 +143,159 @@ class VMBottle:
     policy: tuple[str, ...]
     probe_skipped: bool
     probe: str  # "PASS" | "FAIL" | "skipped"
-    created_at: float
-    state: str = STATE_READY
-    detail: str | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
         return tuple(e.raw_port for e in self.endpoints)
 
+    @property
+    def machines(self) -> tuple[str, str]:
+        return (self.sidecar_vm, self.agent_vm)
+
+
+@frozen
+class Bottle:
+    """One bottle of either kind. Forward-only: ``vms`` is None and ``forwards`` lists its
+    forwards. With VMs: ``vms`` is set and its endpoints are the daemon's own forwards."""
+
+    name: str
+    alias: str | None
+    created_at: float
+    source: str = SOURCE_CONTROL  # "control" (kept in the state file) | "config"
+    state: str = STATE_READY  # "ready" | "degraded"
+    detail: str | None = None
+    forwards: tuple[Forward, ...] = ()
+    vms: BottleVMs | None = None
+
+    @property
+    def has_vms(self) -> bool:
+        return self.vms is not None
+
+    @property
+    def persisted(self) -> bool:
+        """Control-created bottles are kept in the state file; the config's are made again."""
+        return self.source == SOURCE_CONTROL
+
+    @property
+    def isolation(self) -> str | None:
+        """The isolation mechanism and the launch gate's verdict, in one line (VM bottles)."""
+        vm = self.vms
+        if vm is None:
+            return None
+        gate = (
+            "launch gate: SKIPPED (--unsafe-skip-isolation-probe)"
+            if vm.probe_skipped
+            else f"launch gate: isolation probe {vm.probe}"
+        )
+        return f"{vm.mechanism}; {gate}"
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """What a caller must be told about this bottle every time it is shown."""
+        vm = self.vms
+        return (PROBE_SKIPPED_WARNING,) if vm is not None and vm.probe_skipped else ()
+
+    def machine(self) -> BottleVMs:
+        """The VM half (callers have checked :attr:`has_vms`)."""
+        assert self.vms is not None, f"bottle {self.name} has no VMs"
+        return self.vms
+
     def to_state(self) -> dict[str, Any]:
+        """The state-file record of this bottle (the file's format, unchanged)."""
+        vm = self.vms
+        if vm is None:
+            return {
+                "kind": KIND_FORWARD,
+                "alias": self.alias,
+                "created_at": self.created_at,
+                "forwards": [f.to_json() for f in self.forwards],
+            }
         return {
-            "kind": "vm",
-            "spec": self.spec_doc,
-            "mode": self.mode,
-            "mechanism": self.mechanism,
+            "kind": KIND_VM,
+            "spec": vm.spec.doc,
+            "mode": vm.mode,
+            "mechanism": vm.mechanism,
             "alias": self.alias,
-            "sidecar_vm": self.sidecar_vm,
-            "agent_vm": self.agent_vm,
-            "sidecar_pid": self.sidecar_pid,
-            "endpoints": [e.to_json() for e in self.endpoints],
-            "env": [[k, v] for k, v in self.env],
-            "policy": list(self.policy),
-            "flags": {"probe_skipped": self.probe_skipped},
-            "probe": self.probe,
+            "sidecar_vm": vm.sidecar_vm,
+            "agent_vm": vm.agent_vm,
+            "sidecar_pid": vm.sidecar_pid,
+            "endpoints": [e.to_json() for e in vm.endpoints],
+            "env": [[k, v] for k, v in vm.env],
+            "policy": list(vm.policy),
+            "flags": {"probe_skipped": vm.probe_skipped},
+            "probe": vm.probe,
             "created_at": self.created_at,
             "state": self.state,
             "detail": self.detail,
         }
 
     @classmethod
-    def from_state(cls, name: str, d: dict[str, Any]) -> VMBottle:
-        """Rebuild a bottle from its state record (StateError when it is malformed)."""
+    def from_state(cls, name: str, d: object, *, unix_root: str) -> Bottle:
+        """Rebuild a bottle from its state record (StateError when it is malformed).
+
+        ``unix_root`` is the state directory: a stored UNIX target must still lie in the
+        bottle's own target directory under it.
+        """
         try:
-            spec_doc = _typed(d, "spec", dict)
-            flags = _typed(d, "flags", dict)
-            env = _typed(d, "env", list)
+            check_bottle_name(name)
+            f = _fields(d, "")
+            kind = f.value("kind", str)
+            created_at = f.number("created_at")
+            if kind == KIND_FORWARD:
+                return cls(
+                    name=name,
+                    alias=f.value("alias", str),
+                    created_at=created_at,
+                    forwards=tuple(
+                        Forward.from_json(
+                            r, f"forwards[{i}]", unix_root=targets_dir(unix_root, name)
+                        )
+                        for i, r in enumerate(f.items("forwards"))
+                    ),
+                )
+            if kind != KIND_VM:
+                raise StateError("kind: unknown")
+            spec_doc = f.value("spec", dict)
+            flags = f.value("flags", dict)
+            env = f.items("env")
             if not all(
                 isinstance(p, list) and len(p) == 2 and all(isinstance(x, str) for x in p)
                 for p in env
             ):
-                raise StateError(f"bottle {name}: bad env")
-            policy = _typed(d, "policy", list)
-            if not all(isinstance(h, str) for h in policy):
-                raise StateError(f"bottle {name}: bad policy")
+                raise StateError("env: must be a list of [key, value] strings")
+            try:
+                spec = parse_bottle_spec(name, spec_doc)
+            except InvalidArgument as e:
+                raise StateError(f"stored spec no longer valid: {e.message}") from None
+            vms = BottleVMs(
+                spec=spec,
+                mode=f.value("mode", str),
+                mechanism=f.value("mechanism", str),
+                sidecar_vm=f.value("sidecar_vm", str),
+                agent_vm=f.value("agent_vm", str),
+                sidecar_pid=f.value("sidecar_pid", int),
+                endpoints=tuple(
+                    Endpoint.from_json(e, f"endpoints[{i}]")
+                    for i, e in enumerate(f.items("endpoints"))
+                ),
+                env=tuple((k, v) for k, v in env),
+                policy=f.strings("policy") or (),
+                probe_skipped=flags.get("probe_skipped") is True,
+                probe=f.value("probe", str),
+            )
             return cls(
                 name=name,
-                spec=parse_bottle_spec(name, spec_doc),
-                spec_doc=spec_doc,
-                mode=_typed(d, "mode", str),
-                mechanism=_typed(d, "mechanism", str),
-                alias=_typed(d, "alias", str, optional=True),
-                sidecar_vm=_typed(d, "sidecar_vm", str),
-                agent_vm=_typed(d, "agent_vm", str),
-                sidecar_pid=_typed(d, "sidecar_pid", int),
-                endpoints=tuple(Endpoint.from_json(e) for e in _typed(d, "endpoints", list)),
-                env=tuple((k, v) for k, v in env),
-                policy=tuple(policy),
-                probe_skipped=flags.get("probe_skipped") is True,
-                probe=_typed(d, "probe", str),
-                created_at=float(_typed(d, "created_at", (int, float))),
-                state=_typed(d, "state", str),
-                detail=_typed(d, "detail", str, optional=True),
+                alias=f.value("alias", str, optional=True),
+                created_at=created_at,
+                state=f.value("state", str),
+                detail=f.value("detail", str, optional=True),
+                vms=vms,
             )
+        except StateError as e:
+            raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
-            raise StateError(f"bottle {name}: stored spec no longer valid: {e.message}") from None
-        except (TypeError, AttributeError):
-            raise StateError(f"bottle {name}: malformed record") from None
+            raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
 
 
-def _typed(d: object, key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    if not isinstance(d, dict):
-        raise StateError("record is not an object")
-    value = d.get(key)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, kind):
-        raise StateError(f"record field {key} is missing or mistyped")
-    return value
+def _fields(d: object, where: str) -> Fields:
+    return Fields(d, where, error=StateError, what="an object")

@@ -19,27 +19,19 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.isolation import MODE_ALIAS
-from bottlenet.bottles.lifecycle import LOCALHOST, VMLifecycle, remove_bottle_dir
-from bottlenet.bottles.model import LABEL_OWNER, STATE_DEGRADED, VMBottle
+from bottlenet.bottles.lifecycle import VMLifecycle, remove_bottle_dir
+from bottlenet.bottles.model import LABEL_OWNER, STATE_DEGRADED, Bottle
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateError
-from bottlenet.bottles.watch import pid_alive
 from bottlenet.errors import BottlenetError
-from bottlenet.forward.spec import (
-    BOTTLE_NAME_RE,
-    ForwardSpec,
-    TCPListen,
-    TCPTarget,
-    UNIXListen,
-    bottle_dir,
-)
+from bottlenet.forward.spec import BOTTLE_NAME_RE, bottle_dir
 from vmctl.errors import VmctlError
-from vmctl.ports import Ownership
 from vmctl.smolvm import Machine
 
 
 class Recovery:
+    """One reconcile pass: the registry and the lifecycle do the work, this decides."""
+
     log = Logger()
 
     def __init__(
@@ -53,8 +45,9 @@ class Recovery:
     async def run(self) -> None:
         self.registry.recovering = True
         try:
-            await self._forward_only()
-            await self._vm_bottles()
+            bottles = self._load()
+            await self._forward_only([b for b in bottles if not b.has_vms])
+            await self._vm_bottles([b for b in bottles if b.has_vms])
             self._remove_unclaimed_dirs()
         finally:
             self.registry.recovering = False
@@ -67,42 +60,31 @@ class Recovery:
             n=len([r for r in self.state.bottles if self.registry.has_bottle(r)]),
         )
 
-    # -- forward-only -------------------------------------------------------------------
-
-    async def _forward_only(self) -> None:
+    def _load(self) -> list[Bottle]:
+        """Every well-formed persisted bottle not shadowed by the config (the rest logged)."""
+        bottles: list[Bottle] = []
         for name, rec in sorted(self.state.bottles.items()):
-            if rec.get("kind") != "forward":
+            try:
+                bottle = Bottle.from_state(name, rec, unix_root=self.state_dir)
+            except StateError as e:
+                self.log.error("persisted bottle {bottle} dropped: {err}", bottle=name, err=str(e))
                 continue
             if self.registry.has_bottle(name):
                 self.log.warn("persisted bottle {bottle} is shadowed by the config", bottle=name)
                 continue
-            alias, created = rec.get("alias"), rec.get("created_at")
-            forwards = rec.get("forwards")
-            if (
-                not isinstance(alias, str)
-                or not isinstance(created, int | float)
-                or not isinstance(forwards, list)
-            ):
-                self.log.error("persisted bottle {bottle} is malformed; dropped", bottle=name)
-                continue
+            bottles.append(bottle)
+        return bottles
+
+    # -- forward-only -------------------------------------------------------------------
+
+    async def _forward_only(self, bottles: list[Bottle]) -> None:
+        for bottle in bottles:
             try:
-                self.registry.adopt_forward_only(name, alias, float(created))
+                await self.registry.restore_forward_only(bottle)
             except BottlenetError as e:
                 self.log.error(
-                    "persisted bottle {bottle} dropped: {err}", bottle=name, err=e.message
+                    "persisted bottle {bottle} dropped: {err}", bottle=bottle.name, err=e.message
                 )
-                continue
-            for fwd in forwards:
-                try:
-                    await self.registry.restore_forward(
-                        name, str(fwd["label"]), str(fwd["target"]), int(fwd["port"])
-                    )
-                except (BottlenetError, KeyError, TypeError, ValueError) as e:
-                    self.log.error(
-                        "forward of {bottle} not restored: {err}",
-                        bottle=name,
-                        err=getattr(e, "message", type(e).__name__),
-                    )
 
     # -- VM bottles ---------------------------------------------------------------------
 
@@ -111,7 +93,7 @@ class Recovery:
         if self.vms is None:
             return None
         try:
-            return await self.vms.smolvm.list(labels={LABEL_OWNER: self.registry.instance_id})
+            return await self.vms.list_ours()
         except VmctlError as e:
             if not expected and e.code == "SMOLVM_UNAVAILABLE":
                 # A forward-only daemon without smolvm: nothing to reconcile, nothing wrong.
@@ -120,29 +102,18 @@ class Recovery:
                 self.log.error("cannot list smolvm machines: {err}", err=e.message)
             return None
 
-    async def _vm_bottles(self) -> None:
-        bottles: list[VMBottle] = []
-        for name, rec in sorted(self.state.bottles.items()):
-            if rec.get("kind") != "vm":
-                continue
-            try:
-                bottles.append(VMBottle.from_state(name, rec))
-            except StateError as e:
-                self.log.error("persisted bottle {bottle} dropped: {err}", bottle=name, err=str(e))
+    async def _vm_bottles(self, bottles: list[Bottle]) -> None:
         machines = await self._list_ours(expected=bool(bottles))
         by_name = {m.name: m for m in machines or []}
         claimed: set[str] = set()
-        for vb in bottles:
-            if self.registry.has_bottle(vb.name):
-                self.log.warn("persisted bottle {bottle} is shadowed by the config", bottle=vb.name)
-                continue
+        for bottle in bottles:
             if self.vms is None:
-                self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=vb.name)
-                self.registry.adopt_vm(evolve(vb, state=STATE_DEGRADED))
+                self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=bottle.name)
+                self.registry.adopt(evolve(bottle, state=STATE_DEGRADED))
                 continue
-            kept = await self._restore(vb, by_name if machines is not None else None)
+            kept = await self._restore(self.vms, bottle, by_name if machines is not None else None)
             if kept:
-                claimed |= {vb.sidecar_vm, vb.agent_vm}
+                claimed |= set(bottle.machine().machines)
         if machines is None or self.vms is None:
             return
         for m in machines:
@@ -156,72 +127,33 @@ class Recovery:
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
 
-    async def _restore(self, vb: VMBottle, machines: dict[str, Machine] | None) -> bool:
+    async def _restore(
+        self, vms: VMLifecycle, bottle: Bottle, machines: dict[str, Machine] | None
+    ) -> bool:
         """Re-bind a live bottle's endpoints; tear down one that cannot be restored."""
-        assert self.vms is not None
-        why = self._dead_reason(vb, machines)
+        why = vms.check_alive(bottle, machines)
         if why is None:
-            why = await self._rebind(vb)
+            try:
+                await vms.rebind(bottle)
+            except BottlenetError as e:
+                why = f"endpoint not restored: {e.message}"
         if why is None:
-            self.registry.adopt_vm(vb)
-            self.registry.watch(vb)
-            self.log.info("bottle {bottle} restored", bottle=vb.name)
+            self.registry.adopt(bottle)
+            self.registry.watch(bottle)
+            self.log.info("bottle {bottle} restored", bottle=bottle.name)
             return True
-        self.log.warn("bottle {bottle} torn down at recovery: {why}", bottle=vb.name, why=why)
+        self.log.warn("bottle {bottle} torn down at recovery: {why}", bottle=bottle.name, why=why)
         try:
-            await self.vms.teardown(vb)
+            await vms.teardown(bottle)
         except BottlenetError as e:
             self.log.error(
                 "bottle {bottle}: teardown failed ({err}); kept as degraded",
-                bottle=vb.name,
+                bottle=bottle.name,
                 err=e.message,
             )
-            self.registry.adopt_vm(evolve(vb, state=STATE_DEGRADED))
+            self.registry.adopt(evolve(bottle, state=STATE_DEGRADED))
             return True
         return False
-
-    def _dead_reason(self, vb: VMBottle, machines: dict[str, Machine] | None) -> str | None:
-        assert self.vms is not None
-        if vb.state == STATE_DEGRADED:
-            return "it was degraded"
-        if machines is None:
-            alive = pid_alive(vb.sidecar_pid)
-        else:
-            m = machines.get(vb.sidecar_vm)
-            alive = m is not None and m.running and m.pid == vb.sidecar_pid
-        if not alive:
-            return "its sidecar VM is gone"
-        for port in vb.raw_ports:
-            check = self.vms.check_port(port, vb.sidecar_pid)
-            if not check.owned and not (
-                self.vms.options.allow_unverifiable_ports
-                and check.ownership is Ownership.UNVERIFIABLE
-            ):
-                return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
-        return None
-
-    async def _rebind(self, vb: VMBottle) -> str | None:
-        assert self.vms is not None
-        table = self.vms.table
-        try:
-            if vb.mode == MODE_ALIAS:
-                assert vb.alias is not None
-                self.vms.aliases.claim(vb.name, vb.alias)
-            for e in vb.endpoints:
-                listen: TCPListen | UNIXListen
-                if e.host is not None:
-                    alias = self.vms.aliases.alias_of(vb.name)
-                    assert alias is not None and e.port is not None
-                    listen = TCPListen(alias, e.port)
-                else:
-                    assert e.path is not None
-                    listen = UNIXListen(e.path)
-                target = TCPTarget(LOCALHOST, e.raw_port)
-                await table.add(ForwardSpec(vb.name, e.service, listen, target))
-        except BottlenetError as e:
-            await table.remove_bottle(vb.name)
-            return f"endpoint not restored: {e.message}"
-        return None
 
     def _remove_unclaimed_dirs(self) -> None:
         root = os.path.join(self.state_dir, "bottles")

@@ -1,30 +1,40 @@
 """The bottles the daemon knows, and the operations the control plane and the config run.
 
-A bottle is either forward-only (a name, an alias drawn from the pool, and its forwards) or a
-VM bottle (sidecar VM + agent VM, see :mod:`bottlenet.bottles.lifecycle`). The registry adds
-what the lower layers do not know: bottle names (unique across both kinds), one operation at
-a time per bottle (BUSY), a limit on the number of bottles, and persistence: every change to a
-control-created bottle is written to the state file, so a restarted daemon can restore it.
+A bottle is one :class:`~bottlenet.bottles.model.Bottle` value: forward-only (a name, an alias
+drawn from the pool, and its forwards) or with VMs (sidecar VM + agent VM, see
+:mod:`bottlenet.bottles.lifecycle`). The registry keeps them in one table and adds what the
+lower layers do not know: bottle names (unique across both kinds), one operation at a time per
+bottle (BUSY), a limit on the number of bottles, and persistence: every change to a
+control-created bottle is written to the state file (one bottle's record at a time), so a
+restarted daemon can restore it. Arguments arrive validated and typed (the control responder
+and the config reader parse them once); the registry re-checks only what its own table decides.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+import ipaddress
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from attrs import evolve, frozen
+from attrs import evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.bottles.model import STATE_DEGRADED, STATE_READY, Endpoint, VMBottle
+from bottlenet.bottles.model import (
+    SOURCE_CONTROL,
+    STATE_DEGRADED,
+    Bottle,
+    Forward,
+)
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.spec import BottleSpec, check_volumes
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
+    BottlenetError,
     Busy,
     InvalidArgument,
     IsolationFailed,
@@ -34,46 +44,12 @@ from bottlenet.errors import (
     Unavailable,
 )
 from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import (
-    DEFAULT_MAX_CONNECTIONS,
-    ForwardSpec,
-    TCPListen,
-    check_bottle_name,
-    check_label,
-    check_port,
-    parse_target,
-    targets_dir,
-)
+from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 
 T = TypeVar("T")
 
 DEFAULT_MAX_BOTTLES = 256
-PROBE_SKIPPED_WARNING = (
-    "created with --unsafe-skip-isolation-probe: the isolation of this bottle was NOT verified"
-)
-
-
-@frozen
-class BottleInfo:
-    """What the control plane reports about a bottle (VM fields are None/empty otherwise)."""
-
-    name: str
-    alias: str | None
-    source: str  # "config" | "control"
-    state: str  # "ready" | "degraded"
-    created_at: float
-    forwards: tuple[ForwardInfo, ...] = ()
-    mode: str | None = None
-    isolation: str | None = None
-    sidecar_vm: str | None = None
-    agent_vm: str | None = None
-    endpoints: tuple[Endpoint, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    policy: tuple[str, ...] | None = None
-    probe: str | None = None
-    warnings: tuple[str, ...] = ()
-    detail: str | None = None
 
 
 class BottleRegistry:
@@ -105,12 +81,15 @@ class BottleRegistry:
         self._store = store
         self.instance_id = instance_id
         self.vms = vms
-        self._bottles: dict[str, BottleInfo] = {}
-        self._vms: dict[str, VMBottle] = {}
+        self._bottles: dict[str, Bottle] = {}
         self._busy: set[str] = set()
         self._creating: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
+
+    @property
+    def state_dir(self) -> str:
+        return self._state_dir
 
     @property
     def recovering(self) -> bool:
@@ -146,61 +125,55 @@ class BottleRegistry:
         with self._operation(name):
             return await op()
 
-    def _exists(self, name: str) -> bool:
-        return name in self._bottles or name in self._vms
-
-    def _require(self, name: str) -> BottleInfo:
-        check_bottle_name(name)
-        if name in self._vms:
-            return self._vm_info(self._vms[name])
+    def _require(self, name: str) -> Bottle:
         try:
             return self._bottles[name]
         except KeyError:
             raise NotFound(f"bottle {name} does not exist") from None
 
-    def _require_vm(self, name: str) -> VMBottle:
-        self._require(name)
-        vb = self._vms.get(name)
-        if vb is None:
+    def _require_vms(self, name: str) -> tuple[Bottle, VMLifecycle]:
+        bottle = self._require(name)
+        if bottle.vms is None:
             raise InvalidArgument(f"bottle {name} is forward-only: it has no VMs")
-        return vb
+        assert self.vms is not None
+        return bottle, self.vms
 
-    def state_records(self) -> dict[str, dict[str, Any]]:
-        """What the state file holds: control-created bottles of both kinds."""
-        records: dict[str, dict[str, Any]] = {}
-        for name, info in self._bottles.items():
-            if info.source != "control":
-                continue
-            records[name] = {
-                "kind": "forward",
-                "alias": info.alias,
-                "created_at": info.created_at,
-                "forwards": [
-                    {
-                        "label": f.spec.label,
-                        "target": f.spec.target.describe(),
-                        "port": f.bound.port if isinstance(f.bound, TCPListen) else 0,
-                    }
-                    for f in self._table.list(name)
-                ],
-            }
-        for name, vb in self._vms.items():
-            records[name] = vb.to_state()
-        return records
+    def _require_forward_only(self, name: str) -> Bottle:
+        bottle = self._require(name)
+        if bottle.has_vms:
+            raise InvalidArgument(f"bottle {name} has VMs: its forwards are managed by the daemon")
+        return bottle
+
+    def state_records(self) -> dict[str, dict[str, object]]:
+        """What the state file holds: every control-created bottle, by name."""
+        return {n: b.to_state() for n, b in sorted(self._bottles.items()) if b.persisted}
 
     def save(self) -> None:
-        """Write the state file (atomic); an I/O failure is UNAVAILABLE to the caller."""
+        """Write the whole state file (atomic); an I/O failure is UNAVAILABLE to the caller."""
         if self._store is None:
             return
+        self._write(lambda store: store.save(State(self.instance_id, self.state_records())))
+
+    def _persist(self, bottle: Bottle) -> None:
+        """Write one control-created bottle's record (UNAVAILABLE when it cannot be written)."""
+        if self._store is not None and bottle.persisted:
+            self._write(lambda store: store.put(bottle.name, bottle.to_state()))
+
+    def _unpersist(self, bottle: Bottle) -> None:
+        if self._store is not None and bottle.persisted:
+            self._write(lambda store: store.remove(bottle.name))
+
+    def _write(self, change: Callable[[StateStore], None]) -> None:
+        assert self._store is not None
         try:
-            self._store.save(State(self.instance_id, self.state_records()))
+            change(self._store)
         except OSError as e:
             self.log.error("cannot write the state file: {err}", err=e.strerror)
             raise Unavailable(f"cannot write the state file: {e.strerror}") from None
 
-    def _save_quietly(self) -> None:
+    def _persist_quietly(self, bottle: Bottle) -> None:
         try:
-            self.save()
+            self._persist(bottle)
         except Unavailable:
             pass
 
@@ -209,223 +182,196 @@ class BottleRegistry:
     async def create_bottle(
         self,
         name: str,
-        alias: str | None = None,
+        alias: ipaddress.IPv4Address | None = None,
         *,
-        source: str = "control",
-        spec: Mapping[str, Any] | None = None,
-    ) -> BottleInfo:
+        spec: BottleSpec | None = None,
+        source: str = SOURCE_CONTROL,
+    ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
-        check_bottle_name(name)
-        if alias is not None and not isinstance(alias, str):
-            raise InvalidArgument("alias must be a string")
-        parsed = (
-            parse_bottle_spec(name, dict(spec), self.protected_dirs) if spec is not None else None
-        )
+        if spec is not None and spec.name != name:
+            raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
+        if spec is not None and spec.agent is not None:
+            check_volumes(spec.agent.volumes, self.protected_dirs)
 
-        async def create() -> BottleInfo:
-            if self._exists(name):
+        async def create() -> Bottle:
+            if name in self._bottles:
                 raise AlreadyExists(f"bottle {name} already exists")
-            if len(self._bottles) + len(self._vms) + len(self._creating) >= self._max_bottles:
+            if len(self._bottles) + len(self._creating) >= self._max_bottles:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self._max_bottles} bottles"
                 )
-            if parsed is not None and parsed.has_vms:
-                return await self._create_vm(name, alias, parsed, dict(spec or {}))
-            addr = self._aliases.claim(name, alias)
-            info = BottleInfo(
-                name=name,
-                alias=str(addr),
-                source=source,
-                state=STATE_READY,
-                created_at=self._clock.seconds(),
+            if spec is not None and spec.has_vms:
+                return await self._create_vm(name, alias, spec)
+            addr = self._aliases.claim(name, None if alias is None else str(alias))
+            bottle = Bottle(
+                name=name, alias=str(addr), created_at=self._clock.seconds(), source=source
             )
-            self._bottles[name] = info
-            if source == "control":
-                try:
-                    self.save()
-                except Unavailable:
-                    del self._bottles[name]
-                    self._aliases.release(name)
-                    raise
+            self._bottles[name] = bottle
+            try:
+                self._persist(bottle)
+            except Unavailable:
+                del self._bottles[name]
+                self._aliases.release(name)
+                raise
             self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
-            return info
+            return bottle
 
         return await self._locked(name, create)
 
     async def _create_vm(
-        self, name: str, alias: str | None, spec: Any, doc: dict[str, Any]
-    ) -> BottleInfo:
+        self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
+    ) -> Bottle:
         if self.vms is None:
             raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
-        vms = self.vms
 
-        def commit(vb: VMBottle) -> None:
-            self._vms[name] = vb
+        def commit(bottle: Bottle) -> None:
+            self._bottles[name] = bottle
             try:
-                self.save()
+                self._persist(bottle)
             except Unavailable:
-                del self._vms[name]
+                del self._bottles[name]
                 raise
 
         self._creating.add(name)
         try:
-            vb = await vms.create(spec, doc, alias, commit)
+            bottle = await self.vms.create(spec, alias, commit)
         finally:
             self._creating.discard(name)
-        self.watch(vb)
-        return self._vm_info(vb)
+        self.watch(bottle)
+        return bottle
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
-        check_bottle_name(name)
 
         async def destroy() -> None:
-            self._require(name)  # (inside the lock: a bottle being created is BUSY)
-            vb = self._vms.get(name)
-            if vb is not None:
+            bottle = self._require(name)  # (inside the lock: a bottle being created is BUSY)
+            if bottle.vms is not None:
                 assert self.vms is not None
                 try:
-                    await self.vms.teardown(vb)
+                    await self.vms.teardown(bottle)
                 except Exception as e:
                     detail = f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
-                    self._vms[name] = evolve(vb, state=STATE_DEGRADED, detail=detail)
-                    self._save_quietly()
+                    degraded = evolve(bottle, state=STATE_DEGRADED, detail=detail)
+                    self._bottles[name] = degraded
+                    self._persist_quietly(degraded)
                     raise
-                del self._vms[name]
             else:
-                info = self._bottles[name]
                 await self._table.remove_bottle(name)
                 self._aliases.release(name)
-                del self._bottles[name]
-                if info.source != "control":
-                    self.log.info("bottle {bottle} destroyed", bottle=name)
-                    return
-            self.save()
+            del self._bottles[name]
+            self._unpersist(bottle)
             self.log.info("bottle {bottle} destroyed", bottle=name)
 
         await self._locked(name, destroy)
 
-    def list_bottles(self) -> list[BottleInfo]:
-        names = sorted(set(self._bottles) | set(self._vms))
-        return [self.get_bottle(name) for name in names]
+    def list_bottles(self) -> list[Bottle]:
+        return [self._bottles[n] for n in sorted(self._bottles)]
 
-    def get_bottle(self, name: str) -> BottleInfo:
-        info = self._require(name)
-        return evolve(info, forwards=tuple(self._table.list(name)))
+    def get_bottle(self, name: str) -> Bottle:
+        return self._require(name)
 
-    def _vm_info(self, vb: VMBottle) -> BottleInfo:
-        gate = (
-            "launch gate: SKIPPED (--unsafe-skip-isolation-probe)"
-            if vb.probe_skipped
-            else f"launch gate: isolation probe {vb.probe}"
-        )
-        return BottleInfo(
-            name=vb.name,
-            alias=vb.alias,
-            source="control",
-            state=vb.state,
-            created_at=vb.created_at,
-            mode=vb.mode,
-            isolation=f"{vb.mechanism}; {gate}",
-            sidecar_vm=vb.sidecar_vm,
-            agent_vm=vb.agent_vm,
-            endpoints=vb.endpoints,
-            env=vb.env,
-            policy=vb.policy,
-            probe=vb.probe,
-            warnings=(PROBE_SKIPPED_WARNING,) if vb.probe_skipped else (),
-            detail=vb.detail,
-        )
+    def has_bottle(self, name: str) -> bool:
+        return name in self._bottles
 
     # -- VM bottles ---------------------------------------------------------------------
 
-    async def verify_bottle(self, name: str) -> tuple[BottleInfo, ProbeVerdict]:
+    async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
         """Run the isolation probe in the agent VM again; ISOLATION_FAILED names the leak."""
-        vb = self._require_vm(name)
-        assert self.vms is not None
-        vms = self.vms
+        bottle, vms = self._require_vms(name)
 
-        async def verify() -> tuple[BottleInfo, ProbeVerdict]:
-            verdict = await vms.verify(vb)
-            current = self._vms.get(name)
-            if current is not None:
-                updated = evolve(current, probe="PASS" if verdict.passed else "FAIL")
-                self._vms[name] = updated
-                self._save_quietly()
+        async def verify() -> tuple[Bottle, ProbeVerdict]:
+            verdict = await vms.verify(bottle)
+            current = self._bottles.get(name)
+            if current is not None and current.vms is not None:
+                probe = "PASS" if verdict.passed else "FAIL"
+                current = evolve(current, vms=evolve(current.vms, probe=probe))
+                self._bottles[name] = current
+                self._persist_quietly(current)
             if not verdict.passed:
                 raise IsolationFailed(f"bottle {name}: {verdict.describe()}")
-            return self.get_bottle(name), verdict
+            return self._require(name), verdict
 
         return await self._locked(name, verify)
 
-    async def set_egress_policy(self, name: str, hosts: object) -> tuple[str, ...]:
-        """Push a new allow-list; the record changes only after the sidecar reloaded it."""
-        allow = check_allow_hosts(hosts)
-        vb = self._require_vm(name)
-        assert self.vms is not None
-        vms = self.vms
+    async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        """Push a new (validated) allow-list; the record changes only after the sidecar
+        reloaded it."""
+        self._require_vms(name)
 
         async def push() -> tuple[str, ...]:
-            current = self._vms.get(name, vb)
-            updated = await vms.set_policy(current, allow)
-            self._vms[name] = updated
-            self.save()
+            current, vms = self._require_vms(name)
+            updated = await vms.set_policy(current, hosts)
+            self._bottles[name] = updated
+            self._persist(updated)
             self.log.info(
-                "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(allow)
+                "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(hosts)
             )
-            return allow
+            return hosts
 
         return await self._locked(name, push)
 
-    def watch(self, vb: VMBottle) -> None:
+    def watch(self, bottle: Bottle) -> None:
         """Turn the bottle degraded when its sidecar's VM process exits."""
-        if self.vms is None or vb.state == STATE_DEGRADED:
+        if self.vms is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
-        self.vms.watch(vb, lambda: self._sidecar_exited(vb.name))
+        self.vms.watch(bottle, lambda: self._sidecar_exited(bottle.name))
 
     def _sidecar_exited(self, name: str) -> None:
         Deferred.fromCoroutine(self.degrade(name, "sidecar VM process exited"))
 
     async def degrade(self, name: str, why: str) -> None:
         """Reset live relays, refuse new connections (listeners removed), record and log."""
-        vb = self._vms.get(name)
-        if vb is None or vb.state == STATE_DEGRADED:
+        bottle = self._bottles.get(name)
+        if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
-        self._vms[name] = evolve(vb, state=STATE_DEGRADED, detail=why)
+        degraded = evolve(bottle, state=STATE_DEGRADED, detail=why)
+        self._bottles[name] = degraded
         self.log.warn("bottle {bottle} is degraded: {why}", bottle=name, why=why)
         if self.vms is not None:
             self.vms.unwatch(name)
         await self._table.remove_bottle(name)
-        self._save_quietly()
+        self._persist_quietly(degraded)
 
-    # -- recovery hooks -----------------------------------------------------------------
+    # -- recovery -----------------------------------------------------------------------
 
-    def adopt_forward_only(self, name: str, alias: str, created_at: float) -> None:
-        """Re-register a persisted forward-only bottle (its forwards are added after)."""
-        addr = self._aliases.claim(name, alias)
-        self._bottles[name] = BottleInfo(
-            name=name,
-            alias=str(addr),
-            source="control",
-            state=STATE_READY,
-            created_at=created_at,
+    def adopt(self, bottle: Bottle) -> None:
+        """Recovery: take a restored bottle into the table (its listeners are bound)."""
+        self._bottles[bottle.name] = bottle
+
+    async def restore_forward_only(self, bottle: Bottle) -> Bottle:
+        """Recovery: claim the recorded alias and re-bind every recorded forward on its port.
+
+        A forward that cannot be re-bound is logged and left out; the bottle is kept.
+        """
+        addr = self._aliases.claim(bottle.name, bottle.alias)
+        restored: list[Forward] = []
+        for fwd in bottle.forwards:
+            try:
+                info = await self._table.add(self._forward_spec(bottle.name, addr, fwd))
+            except BottlenetError as e:
+                self.log.error(
+                    "forward of {bottle} not restored: {err}", bottle=bottle.name, err=e.message
+                )
+                continue
+            restored.append(_kept(fwd, info))
+        kept = evolve(bottle, alias=str(addr), forwards=tuple(restored))
+        self.adopt(kept)
+        return kept
+
+    def _forward_spec(
+        self,
+        bottle: str,
+        alias: ipaddress.IPv4Address,
+        fwd: Forward,
+        max_connections: int | None = None,
+    ) -> ForwardSpec:
+        return ForwardSpec(
+            bottle=bottle,
+            label=fwd.label,
+            listen=TCPListen(alias, fwd.port),
+            target=fwd.target,
+            max_connections=max_connections or self._max_connections,
         )
-
-    def adopt_vm(self, vb: VMBottle) -> None:
-        self._vms[vb.name] = vb
-
-    def forget_vm(self, name: str) -> None:
-        self._vms.pop(name, None)
-
-    def forget(self, name: str) -> None:
-        self._bottles.pop(name, None)
-        self._aliases.release(name)
-
-    def has_bottle(self, name: str) -> bool:
-        return self._exists(name)
-
-    def vm_bottles(self) -> list[VMBottle]:
-        return [self._vms[n] for n in sorted(self._vms)]
 
     # -- forwards -----------------------------------------------------------------------
 
@@ -433,69 +379,45 @@ class BottleRegistry:
         self,
         bottle: str,
         label: str,
-        target: str,
+        target: TargetSpec,
         port: int = 0,
         *,
         max_connections: int | None = None,
     ) -> ForwardInfo:
         """Bind a new agent endpoint on the bottle's alias that relays to ``target``."""
-        info = self._require(bottle)
-        if bottle in self._vms:
-            raise InvalidArgument(
-                f"bottle {bottle} has VMs: its forwards are managed by the daemon"
-            )
-        check_label(label)
-        check_port(port, allow_zero=True)
-        target_spec = parse_target(target, unix_root=targets_dir(self._state_dir, bottle))
+        self._require_forward_only(bottle)
         alias = self._aliases.alias_of(bottle)
-        if info.alias is None or alias is None:
+        if alias is None:
             raise InvalidArgument(f"bottle {bottle} has no alias")
-        spec = ForwardSpec(
-            bottle=bottle,
-            label=label,
-            listen=TCPListen(alias, port),
-            target=target_spec,
-            max_connections=max_connections or self._max_connections,
-        )
+        fwd = Forward(label, target, port)
+        spec = self._forward_spec(bottle, alias, fwd, max_connections)
 
         async def add() -> ForwardInfo:
-            result = await self._table.add(spec)
-            if info.source == "control":
-                try:
-                    self.save()
-                except Unavailable:
-                    await self._table.remove(bottle, label)
-                    raise
-            return result
+            info = await self._table.add(spec)
+            current = self._require(bottle)
+            updated = evolve(current, forwards=(*current.forwards, _kept(fwd, info)))
+            self._bottles[bottle] = updated
+            try:
+                self._persist(updated)
+            except Unavailable:
+                self._bottles[bottle] = current
+                await self._table.remove(bottle, label)
+                raise
+            return info
 
         return await self._locked(bottle, add)
 
-    async def restore_forward(self, bottle: str, label: str, target: str, port: int) -> None:
-        """Recovery: re-bind a persisted forward on the same alias and port."""
-        alias = self._aliases.alias_of(bottle)
-        assert alias is not None
-        await self._table.add(
-            ForwardSpec(
-                bottle=bottle,
-                label=label,
-                listen=TCPListen(alias, port),
-                target=parse_target(target, unix_root=targets_dir(self._state_dir, bottle)),
-                max_connections=self._max_connections,
-            )
-        )
-
     async def remove_forward(self, bottle: str, label: str) -> None:
-        info = self._require(bottle)
-        if bottle in self._vms:
-            raise InvalidArgument(
-                f"bottle {bottle} has VMs: its forwards are managed by the daemon"
-            )
-        check_label(label)
+        self._require_forward_only(bottle)
 
         async def remove() -> None:
             await self._table.remove(bottle, label)
-            if info.source == "control":
-                self.save()
+            current = self._require(bottle)
+            updated = evolve(
+                current, forwards=tuple(f for f in current.forwards if f.label != label)
+            )
+            self._bottles[bottle] = updated
+            self._persist(updated)
 
         await self._locked(bottle, remove)
 
@@ -503,3 +425,9 @@ class BottleRegistry:
         if bottle is not None:
             self._require(bottle)
         return self._table.list(bottle)
+
+
+def _kept(fwd: Forward, info: ForwardInfo) -> Forward:
+    """The forward as it is kept: with the port it really bound (port 0 resolved)."""
+    bound = info.bound
+    return evolve(fwd, port=bound.port) if isinstance(bound, TCPListen) else fwd

@@ -14,9 +14,10 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import idna
-from attrs import frozen
+from attrs import field, frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.fields import Fields
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
 from bottlenet.paths import MAX_SUN_PATH
 from vmctl.spec import is_local_image as vmctl_is_local_image
@@ -127,69 +128,42 @@ class AgentSpec:
 
 @frozen
 class BottleSpec:
+    """A validated spec; ``doc`` is the document it was read from (kept in the state file)."""
+
     name: str
     mode: str  # auto | alias | socket | none
     sidecar: SidecarSpec | None
     agent: AgentSpec | None
+    doc: dict[str, Any] = field(factory=dict, eq=False, repr=False)
 
     @property
     def has_vms(self) -> bool:
         return self.mode != "none"
 
 
-class _Fields:
-    """Typed access to one table of the spec; every error names the field's dotted path."""
+def _fields(table: object, where: str, allowed: set[str]) -> Fields:
+    return Fields(table, where, allowed=allowed, error=InvalidArgument)
 
-    def __init__(self, table: object, where: str, allowed: set[str]) -> None:
-        if not isinstance(table, Mapping):
-            raise InvalidArgument(f"{where or 'spec'}: must be a table")
-        for key in table:
-            if key not in allowed:
-                shown = (
-                    key if isinstance(key, str) and key.isidentifier() and len(key) < 40 else "?"
-                )
-                raise InvalidArgument(f"{self._path(where, shown)}: unknown key")
-        self.table: Mapping[str, Any] = table
-        self.where = where
 
-    @staticmethod
-    def _path(where: str, key: str) -> str:
-        return f"{where}.{key}" if where else key
+def _string(f: Fields, key: str, *, required: bool = True, default: str | None = None) -> str:
+    """A non-empty string of at most MAX_STRING characters, without control characters."""
+    value = f.get(key, default, required=required)
+    if not isinstance(value, str) or not value or len(value) > MAX_STRING:
+        raise f.fail(key, "must be a non-empty string")
+    if any(ord(c) < 32 or ord(c) == 127 for c in value):
+        raise f.fail(key, "must not contain control characters")
+    return value
 
-    def path(self, key: str) -> str:
-        return self._path(self.where, key)
 
-    def get(self, key: str, default: Any = None, *, required: bool = False) -> Any:
-        if key not in self.table:
-            if required:
-                raise InvalidArgument(f"{self.path(key)}: missing")
-            return default
-        return self.table[key]
-
-    def string(self, key: str, *, required: bool = True, default: str | None = None) -> str:
-        value = self.get(key, default, required=required)
-        if not isinstance(value, str) or not value or len(value) > MAX_STRING:
-            raise InvalidArgument(f"{self.path(key)}: must be a non-empty string")
-        if any(ord(c) < 32 or ord(c) == 127 for c in value):
-            raise InvalidArgument(f"{self.path(key)}: must not contain control characters")
-        return value
-
-    def integer(self, key: str, low: int, high: int, default: int | None = None) -> int:
-        value = self.get(key, default, required=default is None)
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            raise InvalidArgument(f"{self.path(key)}: must be an integer {low}-{high}")
-        return value
-
-    def strings(self, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
-        value = self.get(key, [])
-        if not isinstance(value, list) or len(value) > limit:
-            raise InvalidArgument(f"{self.path(key)}: must be a list of at most {limit} strings")
-        out = []
-        for i, item in enumerate(value):
-            if not isinstance(item, str) or len(item) > MAX_STRING or "\x00" in item:
-                raise InvalidArgument(f"{self.path(key)}[{i}]: must be a string without NUL")
-            out.append(item)
-        return tuple(out)
+def _strings(f: Fields, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
+    """A list of at most ``limit`` strings without NUL (empty when missing)."""
+    value = f.get(key, [])
+    if not isinstance(value, list) or len(value) > limit:
+        raise f.fail(key, f"must be a list of at most {limit} strings")
+    for i, item in enumerate(value):
+        if not isinstance(item, str) or len(item) > MAX_STRING or "\x00" in item:
+            raise f.fail(f"{key}[{i}]", "must be a string without NUL")
+    return tuple(value)
 
 
 def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tuple[str, ...]:
@@ -272,6 +246,11 @@ def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
     _check_abs(guest, where)
     if not os.path.isdir(host) or os.path.islink(host):
         raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
+    _check_protected(host, where, protected)
+    return f"{host}:{guest}:{access}"
+
+
+def _check_protected(host: str, where: str, protected: Sequence[str]) -> None:
     real = os.path.realpath(host)
     for own in protected:
         if _overlaps(real, os.path.realpath(own)):
@@ -279,35 +258,42 @@ def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
                 f"{where}: host path {safe_repr(host)} overlaps the daemon's own directory "
                 f"{safe_repr(own)}"
             )
-    return f"{host}:{guest}:{access}"
+
+
+def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
+    """Re-check parsed ``agent.volumes`` against the daemon's own directories (the registry
+    does, whoever parsed the spec): none may be, hold or lie inside one."""
+    for i, volume in enumerate(volumes):
+        host = volume.rsplit(":", 2)[0]
+        _check_protected(host, f"agent.volumes[{i}]", protected)
 
 
 def _service(raw: object, where: str) -> ServiceSpec:
-    f = _Fields(raw, where, {"name", "guest_port", "env"})
-    name = f.string("name")
+    f = _fields(raw, where, {"name", "guest_port", "env"})
+    name = _string(f, "name")
     if not LABEL_RE.fullmatch(name):
         raise InvalidArgument(f"{f.path('name')}: must match [a-z0-9][a-z0-9_-]{{0,31}}")
     port = f.integer("guest_port", 1, 65535)
-    env = _check_env(f.strings("env"), f.path("env"), templates=True)
+    env = _check_env(_strings(f, "env"), f.path("env"), templates=True)
     return ServiceSpec(name, port, env)
 
 
 def _egress(raw: object, where: str) -> EgressSpec:
-    f = _Fields(raw, where, {"allow_hosts", "policy_path", "reload"})
+    f = _fields(raw, where, {"allow_hosts", "policy_path", "reload"})
     try:
         hosts = check_allow_hosts(f.get("allow_hosts", []))
     except InvalidArgument as e:
         raise InvalidArgument(f"{f.path('allow_hosts')}: {e.message}") from None
-    policy_path = _check_abs(f.string("policy_path"), f.path("policy_path"))
-    reload = f.strings("reload", limit=64)
+    policy_path = _check_abs(_string(f, "policy_path"), f.path("policy_path"))
+    reload = _strings(f, "reload", limit=64)
     if not reload or not reload[0].startswith("/"):
         raise InvalidArgument(f"{f.path('reload')}: must be an argv whose first item is absolute")
     return EgressSpec(hosts, policy_path, reload)
 
 
 def _sidecar(raw: object) -> SidecarSpec:
-    f = _Fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
-    image = f.string("image")
+    f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
+    image = _string(f, "image")
     cpus = f.integer("cpus", 1, 16, default=1)
     mem = f.integer("mem", 64, 1 << 20, default=512)
     raw_services = f.get("service", [])
@@ -327,15 +313,15 @@ def _sidecar(raw: object) -> SidecarSpec:
 
 
 def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
-    f = _Fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
-    image = f.string("image")
+    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
+    image = _string(f, "image")
     cpus = f.integer("cpus", 1, 16, default=2)
     mem = f.integer("mem", 64, 1 << 20, default=2048)
-    env = _check_env(f.strings("env"), "agent.env", templates=False)
-    workload = f.strings("workload", limit=256)
+    env = _check_env(_strings(f, "env"), "agent.env", templates=False)
+    workload = _strings(f, "workload", limit=256)
     volumes = tuple(
         _check_volume(v, f"agent.volumes[{i}]", protected)
-        for i, v in enumerate(f.strings("volumes"))
+        for i, v in enumerate(_strings(f, "volumes"))
     )
     return AgentSpec(image, cpus, mem, env, workload, volumes)
 
@@ -347,14 +333,16 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
     agent volume may be one of them, inside one, or contain one (``/``).
     """
     check_bottle_name(name)
-    f = _Fields(data, "", {"mode", "sidecar", "agent"})
+    if not isinstance(data, Mapping):
+        raise InvalidArgument("spec: must be a table")
+    f = _fields(data, "", {"mode", "sidecar", "agent"})
     mode = f.get("mode", "auto")
     if mode not in MODES:
         raise InvalidArgument(f"mode: must be one of {', '.join(MODES)}")
     if mode == "none":
         if "sidecar" in f.table or "agent" in f.table:
             raise InvalidArgument("mode: 'none' is a forward-only bottle: no sidecar or agent")
-        return BottleSpec(name, mode, None, None)
+        return BottleSpec(name, mode, None, None, dict(f.table))
     sidecar = _sidecar(f.get("sidecar", required=True))
     agent = _agent(f.get("agent", required=True), protected)
     if mode == "socket" and not is_local_image(agent.image):
@@ -362,4 +350,4 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
             "agent.image: socket mode gives the agent VM no network, so smolvm cannot pull a "
             "registry image: use a local image (an archive, a directory or a packed machine)"
         )
-    return BottleSpec(name, mode, sidecar, agent)
+    return BottleSpec(name, mode, sidecar, agent, dict(f.table))

@@ -51,18 +51,41 @@ def new_instance_id() -> str:
 
 
 class StateStore:
-    """Loads and atomically saves :class:`State` under the (0700) state directory."""
+    """Loads and atomically saves :class:`State` under the (0700) state directory.
+
+    The registry changes one bottle at a time through :meth:`put` and :meth:`remove` (each
+    durable when it returns; on an error the document is left as it was); :meth:`save`
+    replaces the whole document (recovery's end, the first start).
+    """
 
     def __init__(self, state_dir: str) -> None:
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, STATE_FILE)
+        self._current: State | None = None
+
+    def current(self) -> State:
+        """The document as last loaded or written (loaded on first use)."""
+        if self._current is None:
+            self._current = self.load()
+        return self._current
+
+    def put(self, name: str, record: dict[str, Any]) -> None:
+        """Add or replace one bottle's record, durably."""
+        state = self.current()
+        self.save(State(state.instance_id, {**state.bottles, name: record}))
+
+    def remove(self, name: str) -> None:
+        """Drop one bottle's record, durably (a no-op write when it has none)."""
+        state = self.current()
+        self.save(State(state.instance_id, {k: v for k, v in state.bottles.items() if k != name}))
 
     def load(self) -> State:
         """Read the state, or start a fresh one (with a new instance id) if there is none."""
         try:
             fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            return State(new_instance_id())
+            self._current = State(new_instance_id())
+            return self._current
         except OSError as e:
             raise StateError(f"{self.path}: cannot open: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
@@ -86,7 +109,9 @@ class StateStore:
             raise StateError(f"{self.path}: bad instance_id")
         if not isinstance(bottles, dict) or not all(isinstance(v, dict) for v in bottles.values()):
             raise StateError(f"{self.path}: bad bottles table")
-        return State(instance_id, dict(bottles))
+        state = State(instance_id, dict(bottles))
+        self._current = state
+        return state
 
     def save(self, state: State) -> None:
         """Write ``state`` atomically: temp file (0600) + fsync + rename + fsync(dir)."""
@@ -105,6 +130,7 @@ class StateStore:
             except FileNotFoundError:
                 pass
             raise
+        self._current = state
         dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)

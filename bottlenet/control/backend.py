@@ -1,19 +1,25 @@
-"""What the control server needs from the service layer.
+"""What the control server needs from the bottles layer: typed values in, bottles out.
 
 ``bottlenet.bottles.registry.BottleRegistry`` satisfies this structurally; unit tests use an
-in-memory fake with the same attributes. The values are the registry's own attrs types,
-named only for the type checker (no import cycle at run time). New capabilities (VMs, egress
-policy) get new methods here and new commands, so adding them never changes an existing one.
+in-memory fake with the same methods. Every argument has been parsed and validated once by
+the responder (with the validators the config file uses): names, addresses, specs, targets
+and allow-lists arrive as their values, never as raw text or dicts. The types are named only
+for the type checker (no import cycle at run time). New capabilities get new methods here and
+new commands, so adding them never changes an existing one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import ipaddress
+
+    from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
-    from bottlenet.bottles.registry import BottleInfo
+    from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
 
@@ -21,21 +27,25 @@ class ControlBackend(Protocol):
     """The registry operations the control plane exposes."""
 
     async def create_bottle(
-        self, name: str, alias: str | None = None, *, spec: Mapping[str, Any] | None = None
-    ) -> BottleInfo: ...
+        self,
+        name: str,
+        alias: ipaddress.IPv4Address | None = None,
+        *,
+        spec: BottleSpec | None = None,
+    ) -> Bottle: ...
 
-    async def verify_bottle(self, name: str) -> tuple[BottleInfo, ProbeVerdict]: ...
+    async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
 
-    async def set_egress_policy(self, name: str, hosts: object) -> tuple[str, ...]: ...
+    async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]: ...
 
     async def destroy_bottle(self, name: str) -> None: ...
 
-    def list_bottles(self) -> Sequence[BottleInfo]: ...
+    def list_bottles(self) -> Sequence[Bottle]: ...
 
-    def get_bottle(self, name: str) -> BottleInfo: ...
+    def get_bottle(self, name: str) -> Bottle: ...
 
     async def add_forward(
-        self, bottle: str, label: str, target: str, port: int = 0
+        self, bottle: str, label: str, target: TargetSpec, port: int = 0
     ) -> ForwardInfo: ...
 
     async def remove_forward(self, bottle: str, label: str) -> None: ...

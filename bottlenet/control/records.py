@@ -1,53 +1,37 @@
-"""Wire records of the control protocol and the AMP argument that carries lists of them.
+"""Wire records of the control protocol, the one conversion from the bottles' values to them,
+and the AMP argument that carries lists of them.
 
 These are the control plane's own value types (not the registry's), so the wire format
-does not change when the service layer's internals do. Records evolve like commands: add
-fields with defaults only; decoders ignore keys they do not know.
+does not change when the service layer's internals do: :func:`bottle_record`,
+:func:`forward_record` and :func:`stats_record` are the only places that read a bottle or a
+forward to build one. Records evolve like commands: add fields with defaults only; decoders
+ignore keys they do not know. (The client side imports this module: the bottles' types are
+named for the type checker only.)
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
 
 import attrs
 from attrs import field, frozen
 from twisted.protocols import amp
 
 from bottlenet.control.framing import MAX_VALUE_LENGTH
+from bottlenet.fields import FieldError, Fields
+
+if TYPE_CHECKING:
+    from bottlenet.bottles.model import Bottle
+    from bottlenet.forward.table import ForwardInfo
 
 
-class RecordError(ValueError):
+class RecordError(FieldError):
     """A JSON record did not have the expected shape (message names no peer value)."""
 
 
-def _get(d: dict[str, Any], key: str, kind: type | tuple[type, ...], optional: bool = False) -> Any:
-    if key not in d or d[key] is None:
-        if optional:
-            return None
-        raise RecordError(f"record field {key!r} is missing")
-    value = d[key]
-    if isinstance(value, bool) and kind is not bool:
-        raise RecordError(f"record field {key!r} has the wrong type")
-    if not isinstance(value, kind):
-        raise RecordError(f"record field {key!r} has the wrong type")
-    return value
-
-
-def _str_map(d: dict[str, Any], key: str) -> dict[str, str]:
-    value = _get(d, key, dict, optional=True) or {}
-    if not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
-        raise RecordError(f"record field {key!r} has the wrong type")
-    return dict(value)
-
-
-def _str_list(d: dict[str, Any], key: str) -> tuple[str, ...] | None:
-    value = _get(d, key, list, optional=True)
-    if value is None:
-        return None
-    if not all(isinstance(v, str) for v in value):
-        raise RecordError(f"record field {key!r} has the wrong type")
-    return tuple(value)
+def _fields(d: object, what: str) -> Fields:
+    return Fields(d, what, error=RecordError, what="an object")
 
 
 @frozen
@@ -60,12 +44,11 @@ class EndpointRecord:
 
     @classmethod
     def from_json(cls, d: object) -> EndpointRecord:
-        if not isinstance(d, dict):
-            raise RecordError("endpoint record must be an object")
+        f = _fields(d, "endpoint")
         return cls(
-            service=_get(d, "service", str),
-            endpoint=_get(d, "endpoint", str),
-            host_path=_get(d, "host_path", str, optional=True),
+            service=f.value("service", str),
+            endpoint=f.value("endpoint", str),
+            host_path=f.value("host_path", str, optional=True),
         )
 
 
@@ -93,24 +76,26 @@ class BottleRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
-        endpoints = _get(d, "endpoints", list, optional=True) or []
+        f = _fields(d, "bottle")
         return cls(
-            name=_get(d, "name", str),
-            alias=_get(d, "alias", str, optional=True),
-            source=_get(d, "source", str),
-            state=_get(d, "state", str),
-            created_at=float(_get(d, "created_at", (int, float))),
-            forwards=_get(d, "forwards", int),
-            mode=_get(d, "mode", str, optional=True),
-            isolation=_get(d, "isolation", str, optional=True),
-            sidecar_vm=_get(d, "sidecar_vm", str, optional=True),
-            agent_vm=_get(d, "agent_vm", str, optional=True),
-            endpoints=tuple(EndpointRecord.from_json(e) for e in endpoints),
-            env=_str_map(d, "env"),
-            policy=_str_list(d, "policy"),
-            probe=_get(d, "probe", str, optional=True),
-            warnings=_str_list(d, "warnings") or (),
-            detail=_get(d, "detail", str, optional=True),
+            name=f.value("name", str),
+            alias=f.value("alias", str, optional=True),
+            source=f.value("source", str),
+            state=f.value("state", str),
+            created_at=f.number("created_at"),
+            forwards=f.value("forwards", int),
+            mode=f.value("mode", str, optional=True),
+            isolation=f.value("isolation", str, optional=True),
+            sidecar_vm=f.value("sidecar_vm", str, optional=True),
+            agent_vm=f.value("agent_vm", str, optional=True),
+            endpoints=tuple(
+                EndpointRecord.from_json(e) for e in f.items("endpoints", optional=True)
+            ),
+            env=f.str_map("env"),
+            policy=f.strings("policy", optional=True),
+            probe=f.value("probe", str, optional=True),
+            warnings=f.strings("warnings", optional=True) or (),
+            detail=f.value("detail", str, optional=True),
         )
 
 
@@ -123,11 +108,12 @@ class ForwardRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ForwardRecord:
+        f = _fields(d, "forward")
         return cls(
-            bottle=_get(d, "bottle", str),
-            label=_get(d, "label", str),
-            target=_get(d, "target", str),
-            endpoint=_get(d, "endpoint", str),
+            bottle=f.value("bottle", str),
+            label=f.value("label", str),
+            target=f.value("target", str),
+            endpoint=f.value("endpoint", str),
         )
 
 
@@ -154,17 +140,69 @@ class StatsRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> StatsRecord:
+        f = _fields(d, "stats")
         return cls(
-            bottle=_get(d, "bottle", str),
-            label=_get(d, "label", str),
-            endpoint=_get(d, "endpoint", str),
-            accepted=_get(d, "accepted", int),
-            active=_get(d, "active", int),
-            refused=_get(d, "refused", int),
-            failed=_get(d, "failed", int),
-            bytes_in=_get(d, "bytes_in", int),
-            bytes_out=_get(d, "bytes_out", int),
+            bottle=f.value("bottle", str),
+            label=f.value("label", str),
+            endpoint=f.value("endpoint", str),
+            accepted=f.value("accepted", int),
+            active=f.value("active", int),
+            refused=f.value("refused", int),
+            failed=f.value("failed", int),
+            bytes_in=f.value("bytes_in", int),
+            bytes_out=f.value("bytes_out", int),
         )
+
+
+def bottle_record(bottle: Bottle, forwards: int, *, with_env: bool = True) -> BottleRecord:
+    """The wire view of a bottle with ``forwards`` live forwards; listings leave the
+    (possibly large) stamped env out. The raw ports are never part of it."""
+    vm = bottle.vms
+    return BottleRecord(
+        name=bottle.name,
+        alias=bottle.alias,
+        source=bottle.source,
+        state=bottle.state,
+        created_at=float(bottle.created_at),
+        forwards=forwards,
+        mode=vm.mode if vm else None,
+        isolation=bottle.isolation,
+        sidecar_vm=vm.sidecar_vm if vm else None,
+        agent_vm=vm.agent_vm if vm else None,
+        endpoints=tuple(
+            EndpointRecord(e.service, e.agent_address(), e.path)
+            for e in (vm.endpoints if vm else ())
+        ),
+        env=dict(vm.env) if vm and with_env else {},
+        policy=vm.policy if vm else None,
+        probe=vm.probe if vm else None,
+        warnings=bottle.warnings,
+        detail=bottle.detail,
+    )
+
+
+def forward_record(info: ForwardInfo) -> ForwardRecord:
+    return ForwardRecord(
+        bottle=info.spec.bottle,
+        label=info.spec.label,
+        target=info.spec.target.describe(),
+        endpoint=info.bound.describe(),
+    )
+
+
+def stats_record(info: ForwardInfo) -> StatsRecord:
+    c = info.counters
+    return StatsRecord(
+        bottle=info.spec.bottle,
+        label=info.spec.label,
+        endpoint=info.bound.describe(),
+        accepted=c.accepted,
+        active=c.active,
+        refused=c.refused,
+        failed=c.failed,
+        bytes_in=c.bytes_in,
+        bytes_out=c.bytes_out,
+    )
 
 
 class _Record(Protocol):

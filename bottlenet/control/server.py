@@ -12,6 +12,7 @@ import json
 import re
 import socket
 import time
+from collections import Counter
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -31,10 +32,10 @@ from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
     BottleRecord,
-    EndpointRecord,
-    ForwardRecord,
-    StatsRecord,
+    bottle_record,
     encode_records,
+    forward_record,
+    stats_record,
 )
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import (
@@ -49,7 +50,7 @@ from bottlenet.forward.spec import (
 from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:
-    from bottlenet.bottles.registry import BottleInfo
+    from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
 
 T = TypeVar("T")
@@ -95,30 +96,6 @@ class PeerIdentity:
         return f"tls subject={self.subject}"
 
 
-def bottle_record(info: BottleInfo, *, with_env: bool = True) -> BottleRecord:
-    """The wire record; listings leave the (possibly large) stamped env out."""
-    return BottleRecord(
-        name=info.name,
-        alias=info.alias,
-        source=info.source,
-        state=info.state,
-        created_at=float(info.created_at),
-        forwards=len(info.forwards),
-        mode=info.mode,
-        isolation=info.isolation,
-        sidecar_vm=info.sidecar_vm,
-        agent_vm=info.agent_vm,
-        endpoints=tuple(
-            EndpointRecord(e.service, e.agent_address(), e.path) for e in info.endpoints
-        ),
-        env=dict(info.env) if with_env else {},
-        policy=info.policy,
-        probe=info.probe,
-        warnings=tuple(info.warnings),
-        detail=info.detail,
-    )
-
-
 #: No spec field needs a longer integer (memory sizes are MiB, ports 5 digits).
 MAX_SPEC_INT_DIGITS = 20
 
@@ -143,30 +120,6 @@ def parse_spec_json(text: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise InvalidArgument("spec: must be a JSON object")
     return doc
-
-
-def forward_record(info: ForwardInfo) -> ForwardRecord:
-    return ForwardRecord(
-        bottle=info.spec.bottle,
-        label=info.spec.label,
-        target=info.spec.target.describe(),
-        endpoint=info.bound.describe(),
-    )
-
-
-def stats_record(info: ForwardInfo) -> StatsRecord:
-    c = info.counters
-    return StatsRecord(
-        bottle=info.spec.bottle,
-        label=info.spec.label,
-        endpoint=info.bound.describe(),
-        accepted=c.accepted,
-        active=c.active,
-        refused=c.refused,
-        failed=c.failed,
-        bytes_in=c.bytes_in,
-        bytes_out=c.bytes_out,
-    )
 
 
 def paginate(
@@ -251,44 +204,47 @@ class ControlLocator(SafeCommandLocator):
     def ping(self) -> dict[str, Any]:
         return {}
 
+    def _record(self, bottle: Bottle) -> BottleRecord:
+        return bottle_record(bottle, len(self.backend.list_forwards(bottle.name)))
+
     @C.CreateBottle.responder
     async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:
-        check_bottle_name(name)
-        if alias is not None:
-            alias = str(parse_canonical_ipv4(alias, "alias"))
-        if spec is None:
-            action = self.backend.create_bottle(name, alias=alias)
-        else:
-            doc = parse_spec_json(spec)
-            parse_bottle_spec(name, doc)  # INVALID_ARGUMENT before anything changes
-            action = self.backend.create_bottle(name, alias=alias, spec=doc)
-        info = await self._mutate("CreateBottle", name, action)
-        return {"bottle": bottle_record(info)}
+        name = check_bottle_name(name)
+        addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
+        # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
+        parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
+        bottle = await self._mutate(
+            "CreateBottle", name, self.backend.create_bottle(name, addr, spec=parsed)
+        )
+        return {"bottle": self._record(bottle)}
 
     @C.VerifyBottle.responder
     async def verify_bottle(self, name: str) -> dict[str, Any]:
-        check_bottle_name(name)
-        info, verdict = await self._mutate("VerifyBottle", name, self.backend.verify_bottle(name))
-        return {"bottle": bottle_record(info), "result": "PASS" if verdict.passed else "FAIL"}
+        name = check_bottle_name(name)
+        bottle, verdict = await self._mutate("VerifyBottle", name, self.backend.verify_bottle(name))
+        return {"bottle": self._record(bottle), "result": "PASS" if verdict.passed else "FAIL"}
 
     @C.SetEgressPolicy.responder
     async def set_egress_policy(self, bottle: str, allow_hosts: list[str]) -> dict[str, Any]:
-        check_bottle_name(bottle)
+        bottle = check_bottle_name(bottle)
         hosts = check_allow_hosts(allow_hosts)
         result = await self._mutate(
-            "SetEgressPolicy", bottle, self.backend.set_egress_policy(bottle, list(hosts))
+            "SetEgressPolicy", bottle, self.backend.set_egress_policy(bottle, hosts)
         )
         return {"allow_hosts": list(result)}
 
     @C.DestroyBottle.responder
     async def destroy_bottle(self, name: str) -> dict[str, Any]:
-        check_bottle_name(name)
+        name = check_bottle_name(name)
         await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
         return {}
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records = [bottle_record(b, with_env=False) for b in self.backend.list_bottles()]
+        counts = Counter(f.spec.bottle for f in self.backend.list_forwards())
+        records = [
+            bottle_record(b, counts[b.name], with_env=False) for b in self.backend.list_bottles()
+        ]
         page = paginate(records, offset, limit)
         return {
             "bottles": page["items"],
@@ -298,22 +254,24 @@ class ControlLocator(SafeCommandLocator):
 
     @C.BottleStatus.responder
     def bottle_status(self, name: str) -> dict[str, Any]:
-        check_bottle_name(name)
-        return {"bottle": bottle_record(self.backend.get_bottle(name))}
+        name = check_bottle_name(name)
+        return {"bottle": self._record(self.backend.get_bottle(name))}
 
     @C.AddForward.responder
     async def add_forward(
         self, bottle: str, label: str, target: str, port: int | None
     ) -> dict[str, Any]:
-        check_bottle_name(bottle)
-        check_label(label)
+        bottle = check_bottle_name(bottle)
+        label = check_label(label)
         root = self.factory.unix_target_root
-        parse_target(target, unix_root=None if root is None else targets_dir(root, bottle))
+        target_spec = parse_target(
+            target, unix_root=None if root is None else targets_dir(root, bottle)
+        )
         port = check_port(0 if port is None else port, allow_zero=True)
         info = await self._mutate(
             "AddForward",
             f"{bottle}/{label}",
-            self.backend.add_forward(bottle, label, target, port=port),
+            self.backend.add_forward(bottle, label, target_spec, port=port),
         )
         bound = info.bound
         result: dict[str, Any] = {"forward": forward_record(info)}
@@ -326,8 +284,8 @@ class ControlLocator(SafeCommandLocator):
 
     @C.RemoveForward.responder
     async def remove_forward(self, bottle: str, label: str) -> dict[str, Any]:
-        check_bottle_name(bottle)
-        check_label(label)
+        bottle = check_bottle_name(bottle)
+        label = check_label(label)
         await self._mutate(
             "RemoveForward", f"{bottle}/{label}", self.backend.remove_forward(bottle, label)
         )

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 from typing import Protocol as TypingProtocol
 
+from attrs import frozen
 from twisted.internet import error as ierror
 from twisted.internet import tcp
 from twisted.internet.defer import CancelledError, Deferred
@@ -397,10 +398,39 @@ class TransportRelay:
                 on_end(OUTCOME_RESET if self._failed else OUTCOME_CLOSED)
 
 
+@frozen
+class RelayFailure:
+    """Why a relay failed, as a value: the exception's class name and its errno (if any).
+
+    Never a message or a traceback; the owner acts on ``errno`` (EMFILE: back off) and logs
+    :meth:`describe`.
+    """
+
+    error: str
+    errno: int | None = None
+
+    @classmethod
+    def of(cls, failure: Failure) -> RelayFailure:
+        value = failure.value
+        # Twisted's ConnectError keeps the errno as ``osError`` (an int from
+        # getConnectError, or an OSError); a plain OSError carries it itself.
+        os_error = getattr(value, "osError", None) or value
+        code = os_error.errno if isinstance(os_error, OSError) else os_error
+        return cls(type(value).__name__, code if type(code) is int else None)
+
+    def describe(self) -> str:
+        """``Class`` or ``Class:ERRNO_NAME`` (e.g. ``ConnectError:EMFILE``)."""
+        if self.errno is None:
+            return self.error
+        return f"{self.error}:{errno.errorcode.get(self.errno, self.errno)}"
+
+
 class RelayOwner(TypingProtocol):
     """Told once when a session is over (all its sockets closed)."""
 
-    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None: ...
+    def relay_ended(
+        self, session: RelaySession, outcome: str, reason: RelayFailure | None
+    ) -> None: ...
 
 
 class _OutboundFactory(Factory):
@@ -414,16 +444,6 @@ class _OutboundFactory(Factory):
     def buildProtocol(self, addr: IAddress | None) -> Leg | None:
         leg, self._leg = self._leg, None
         return leg
-
-
-def _describe_failure(failure: Failure) -> str:
-    """A short, safe reason (exception class, errno name): never a message or traceback."""
-    value = failure.value
-    name = type(value).__name__
-    os_error = getattr(value, "osError", None) or (value if isinstance(value, OSError) else None)
-    if isinstance(os_error, OSError) and os_error.errno is not None:
-        return f"{name}:{errno.errorcode.get(os_error.errno, os_error.errno)}"
-    return name
 
 
 @implementer(IPushProducer)
@@ -454,7 +474,8 @@ class RelaySession:
         self.engine: RelayEngine | None = None
         self._in_gone = False
         self._aborted = False
-        self._failure: tuple[str, str] | None = None  # (outcome, reason) decided before the end
+        # (outcome, reason) decided before the end
+        self._failure: tuple[str, RelayFailure] | None = None
         self._ended = False
         self._paused = False
         self._waiters: list[Deferred[None]] = []
@@ -550,7 +571,7 @@ class RelaySession:
         self._connecting = None
         if failure.check(CancelledError, ierror.ConnectingCancelledError):
             return
-        self._failure = (OUTCOME_CONNECT_FAILED, _describe_failure(failure))
+        self._failure = (OUTCOME_CONNECT_FAILED, RelayFailure.of(failure))
         if not self._in_gone:
             self.inbound.transport.abortConnection()
 
@@ -562,7 +583,7 @@ class RelaySession:
         if self._ended:
             return
         self._ended = True
-        reason = None
+        reason: RelayFailure | None = None
         if self._failure is not None:
             outcome, reason = self._failure
         self._owner.relay_ended(self, outcome, reason)
@@ -582,6 +603,7 @@ __all__ = [
     "Leg",
     "LegSink",
     "RelayEngine",
+    "RelayFailure",
     "RelayOwner",
     "RelaySession",
     "TransportRelay",

@@ -52,6 +52,7 @@ from bottlenet.forward.relay import (
     OUTCOME_CLOSED,
     EngineFactory,
     Leg,
+    RelayFailure,
     RelaySession,
     TransportRelay,
 )
@@ -86,7 +87,7 @@ _REFUSAL_WHY = {
     "global": "the daemon's connection budget (or this bottle's fair share) is used up",
     "closing": "the forward is closing",
 }
-_FD_EXHAUSTED = (":EMFILE", ":ENFILE")
+_FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
 
 @frozen
@@ -189,7 +190,7 @@ class _Forward(Factory):
         )
 
     # RelayOwner
-    def relay_ended(self, session: RelaySession, outcome: str, reason: str | None) -> None:
+    def relay_ended(self, session: RelaySession, outcome: str, reason: RelayFailure | None) -> None:
         if session in self.sessions:
             self.sessions.discard(session)
             self.table.budget.release(self.spec.bottle)
@@ -200,13 +201,13 @@ class _Forward(Factory):
         clean = outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED)
         if not clean:
             self.failed += 1
-            if reason is not None and reason.endswith(_FD_EXHAUSTED):
+            if reason is not None and reason.errno in _FD_EXHAUSTED:
                 # The connect could not get a socket: stop accepting for a while (the
                 # listener's EMFILE backoff) so further clients wait in the backlog instead of
                 # being accepted only to be reset.
                 exhausted = getattr(self.port, "exhausted", None)
                 if exhausted is not None:
-                    exhausted(errno.EMFILE if reason.endswith("EMFILE") else errno.ENFILE)
+                    exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
             return
         # Metadata only: never payload bytes, never client-controlled values. An agent
@@ -219,7 +220,7 @@ class _Forward(Factory):
             bottle=self.spec.bottle,
             label=self.spec.label,
             outcome=outcome,
-            reason=reason,
+            reason=None if reason is None else reason.describe(),
             bytes_in=bytes_in,
             bytes_out=bytes_out,
             duration=self._clock.seconds() - session.started,

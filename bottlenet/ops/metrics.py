@@ -39,7 +39,7 @@ from bottlenet.forward.spec import (
 from bottlenet.paths import MAX_SUN_PATH, Description, split_description
 
 if TYPE_CHECKING:  # the real records, named for the type checker only
-    from bottlenet.bottles.registry import BottleInfo
+    from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
@@ -172,7 +172,7 @@ class MetricsSource(Protocol):
     """A snapshot read at each scrape; both calls must be cheap and synchronous."""
 
     def forwards(self) -> Iterable[ForwardInfo]: ...
-    def bottles(self) -> Iterable[BottleInfo]: ...
+    def bottles(self) -> Iterable[Bottle]: ...
 
 
 @frozen
@@ -181,12 +181,12 @@ class SnapshotSource:
     ``registry.list_bottles``."""
 
     list_forwards: Callable[[], Iterable[ForwardInfo]]
-    list_bottles: Callable[[], Iterable[BottleInfo]] = tuple
+    list_bottles: Callable[[], Iterable[Bottle]] = tuple
 
     def forwards(self) -> Iterable[ForwardInfo]:
         return self.list_forwards()
 
-    def bottles(self) -> Iterable[BottleInfo]:
+    def bottles(self) -> Iterable[Bottle]:
         return self.list_bottles()
 
 

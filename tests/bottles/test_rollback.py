@@ -1,173 +1,184 @@
-"""A failure at every step of create rolls back everything done so far (fake smolvm).
+"""A failure at every step of create rolls back everything done so far (unit seam).
 
-Each step is failed twice over: by a fault the fake smolvm (a test double) can inject where
-it can, and by wrapping the lifecycle's own step function so it fails right *after* doing its
-work (so that step's own undo is exercised too).
+The real ``VMLifecycle``, ``BottleRegistry``, ``ForwardTable`` (real listening sockets) and
+``StateStore`` run on a clock with the in-memory smolvm API (``tests/bottles/memsmolvm.py``,
+a test double), so each case takes milliseconds. Each step is failed twice over: by a fault
+the smolvm double injects where it can, and by wrapping the lifecycle's own step function so
+it fails right *after* doing its work (so that step's own undo is exercised too). The same
+path through the fake smolvm executable is kept end to end in ``test_vm_e2e.py``.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import pytest
 from twisted.internet.defer import Deferred, fail
 
-from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.control.client import ControlClient
+from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
-from tests.bottles.harness import DaemonCase
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import PROBE_ARGV, Rig, exits
+from vmctl.errors import KvmUnavailable
 from vmctl.ports import Ownership, PortCheck
+from vmctl.smolvm import ExecResult
 
 STEPS = ("step_allocate", "step_sidecar", "step_bind", "step_egress", "step_agent")
+ALIAS_MODE = VMOptions(instance_id="", iptables_fallback=True, skip_probe=True)
 
 
-def _after(step: str, mode: str) -> Callable[[RollbackTests], Awaitable[None]]:
-    async def test(self: RollbackTests) -> None:
-        await self._after_step(step, mode)
-
-    test.__doc__ = f"A failure right after {step} ({mode} mode) leaves nothing behind."
-    return test
+def spec(tmp: str, name: str = "rb", **kw: Any) -> BottleSpec:
+    kw.setdefault("mode", "socket")
+    return parse_bottle_spec(name, spec_doc(tmp, **kw))
 
 
-class RollbackTests(DaemonCase):
-    async def _create_fails(
-        self, client: ControlClient, code: str, mode: str = "socket", **spec: Any
-    ) -> None:
-        try:
-            await client.create_bottle("rb", spec=self.spec_json(mode=mode, **spec))
-        except BottlenetError as e:
-            self.assertEqual(e.code, code, str(e))
-        else:
-            self.fail("create succeeded")
-        await self.assertNothingLeft(client)
+def create_fails(rig: Rig, code: str, bottle_spec: BottleSpec) -> BottlenetError:
+    with pytest.raises(BottlenetError) as info:
+        rig.run(rig.registry.create_bottle("rb", spec=bottle_spec))
+    assert info.value.code == code, str(info.value)
+    assert_nothing_left(rig)
+    return info.value
 
-    async def assertNothingLeft(self, client: ControlClient) -> None:
-        self.assertEqual(self.machines(), {})
-        self.assertEqual(self.fake.live_pids(), [])
-        assert self.root is not None
-        self.assertEqual(self.root.table.list(), [])
-        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "rb")))
-        self.assertEqual(self.state_file()["bottles"], {})
-        self.assertEqual((await client.list_bottles()).total, 0)
-        self.assertIsNone(self.registry._aliases.alias_of("rb"))
-        self.assertNotIn("rb", self.registry._busy)
 
-    def fail_after(self, step: str) -> None:
-        vms = self.registry.vms
-        assert vms is not None
-        original: Callable[..., Awaitable[None]] = getattr(vms, step)
+def assert_nothing_left(rig: Rig) -> None:
+    assert rig.smolvm.machines == {}
+    assert rig.table.list() == []
+    assert rig.clock.readers == set()  # no listener left polling
+    assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "rb"))
+    assert rig.state() == {}
+    assert rig.registry.list_bottles() == []
+    assert rig.aliases.alias_of("rb") is None
+    assert "rb" not in rig.registry._busy
+    assert rig.vms._watches == {}
 
-        async def wrapped(*args: Any) -> None:
-            await original(*args)
-            raise SmolvmFailed(f"injected after {step}")
 
-        setattr(vms, step, wrapped)
+def fail_after(vms: VMLifecycle, step: str) -> None:
+    original: Callable[..., Awaitable[None]] = getattr(vms, step)
 
-    async def _after_step(self, step: str, mode: str) -> None:
-        self.fake.set_faults("exec-netns")
-        extra = ("--alias-iptables-fallback", "--unsafe-skip-isolation-probe")
-        client = await self.start(*(extra if mode == "alias" else ()))
-        self.fail_after(step)
-        await self._create_fails(client, "SMOLVM_FAILED", mode=mode)
-        # and the same name can be created again afterwards
-        vms = self.registry.vms
-        assert vms is not None
-        setattr(vms, step, getattr(VMLifecycle, step).__get__(vms))
-        b = await client.create_bottle("rb", spec=self.spec_json(mode=mode))
-        self.assertEqual(b.state, "ready")
-        await client.destroy_bottle("rb")
+    async def wrapped(*args: Any) -> None:
+        await original(*args)
+        raise SmolvmFailed(f"injected after {step}")
 
-    # One test per step and mode (each well inside the timeout on a loaded machine): the
-    # steps used to run in one test whose total went past trial's 60 s under load.
-    for _step in STEPS:
-        locals()[f"test_after_{_step}_socket_mode"] = _after(_step, "socket")
-    for _step in ("step_allocate", "step_bind", "step_agent"):
-        locals()[f"test_after_{_step}_alias_mode"] = _after(_step, "alias")
-    del _step
+    setattr(vms, step, wrapped)
 
-    async def test_sidecar_start_fails(self) -> None:
-        self.fake.set_faults("exec-netns", fail_start=["bn-rb-sidecar"])
-        await self._create_fails(await self.start(), "SMOLVM_FAILED")
 
-    async def test_raw_port_not_owned(self) -> None:
-        self.fake.set_faults("exec-netns")
-        client = await self.start()
-        vms = self.registry.vms
-        assert vms is not None
-        vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected")
-        await self._create_fails(client, "SMOLVM_FAILED")
+def create_again(rig: Rig, bottle_spec: BottleSpec) -> None:
+    """After a rollback the same name can be created (and destroyed) again."""
+    b = rig.run(rig.registry.create_bottle("rb", spec=bottle_spec))
+    assert b.state == "ready" and rig.state()["rb"]["kind"] == "vm"
+    rig.run(rig.registry.destroy_bottle("rb"))
+    assert_nothing_left(rig)
 
-    async def test_directory_taken(self) -> None:
-        self.fake.set_faults("exec-netns")
-        client = await self.start()
-        # a leftover socket directory (recovery removes those; create never reuses one)
-        os.makedirs(os.path.join(self.state_dir, "bottles", "rb"), mode=0o700)
-        with open(os.path.join(self.state_dir, "bottles", "rb", "keep"), "w"):
-            pass
-        try:
-            await client.create_bottle("rb", spec=self.spec_json())
-        except BottlenetError as e:
-            self.assertEqual(e.code, "SMOLVM_FAILED")
-        else:
-            self.fail("create succeeded")
-        self.assertEqual(self.machines(), {})
-        self.assertTrue(os.path.exists(os.path.join(self.state_dir, "bottles", "rb", "keep")))
 
-    async def test_second_bind_refused(self) -> None:
-        self.fake.set_faults("exec-netns")
-        client = await self.start()
-        assert self.root is not None
-        table = self.root.table
-        original = table.add
-        calls = []
+@pytest.mark.parametrize("step", STEPS)
+def test_failure_after_each_step_socket_mode(rigs: Callable[..., Rig], tmp: str, step: str) -> None:
+    rig = rigs()
+    fail_after(rig.vms, step)
+    create_fails(rig, "SMOLVM_FAILED", spec(tmp))
+    setattr(rig.vms, step, getattr(VMLifecycle, step).__get__(rig.vms))
+    create_again(rig, spec(tmp))
 
-        def add(spec: Any) -> Deferred[Any]:
-            calls.append(spec)
-            if len(calls) == 2:
-                return fail(BindRefused("cannot listen: injected"))
-            return original(spec)
 
-        table.add = add  # type: ignore[method-assign]
-        await self._create_fails(client, "BIND_REFUSED")
-        self.assertEqual(len(calls), 2)
+@pytest.mark.parametrize("step", ["step_allocate", "step_bind", "step_agent"])
+def test_failure_after_mode_specific_steps_alias_mode(
+    rigs: Callable[..., Rig], tmp: str, step: str
+) -> None:
+    rig = rigs(options=ALIAS_MODE)
+    fail_after(rig.vms, step)
+    create_fails(rig, "SMOLVM_FAILED", spec(tmp, mode="alias"))
+    setattr(rig.vms, step, getattr(VMLifecycle, step).__get__(rig.vms))
+    create_again(rig, spec(tmp, mode="alias"))
 
-    async def test_egress_reload_fails(self) -> None:
-        self.fake.set_faults("exec-netns")
-        await self._create_fails(await self.start(), "SMOLVM_FAILED", reload=("/bin/false",))
 
-    async def test_agent_start_fails(self) -> None:
-        self.fake.set_faults("exec-netns", fail_start=["bn-rb-agent"])
-        await self._create_fails(await self.start(), "SMOLVM_FAILED")
+def test_sidecar_start_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    rig.smolvm.fail_on("start", "bn-rb-sidecar", KvmUnavailable("injected: no KVM"))
+    create_fails(rig, "SMOLVM_FAILED", spec(tmp))
+    assert ("delete", "bn-rb-sidecar") in rig.smolvm.calls
 
-    async def test_probe_fails(self) -> None:
-        await self._create_fails(await self.start(), "ISOLATION_FAILED")
 
-    async def test_workload_fails(self) -> None:
-        # (no exec-netns: the fake wraps a netns exec in a shell that always starts)
-        await self._create_fails(
-            await self.start("--unsafe-skip-isolation-probe"),
-            "SMOLVM_FAILED",
-            workload=("/nonexistent/agent",),
-        )
+def test_raw_port_not_owned(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected")
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp))
+    assert "not held by its VM process" in error.message
 
-    async def test_state_write_fails(self) -> None:
-        self.fake.set_faults("exec-netns")
-        client = await self.start()
-        store = self.registry._store
-        assert store is not None
 
-        def broken(state: object) -> None:
-            raise OSError(28, "No space left on device")
+def test_directory_taken(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    # a leftover socket directory (recovery removes those; create never reuses one)
+    keep = os.path.join(rig.state_dir, "bottles", "rb", "keep")
+    os.makedirs(os.path.dirname(keep), mode=0o700)
+    open(keep, "w").close()
+    with pytest.raises(BottlenetError) as info:
+        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
+    assert info.value.code == "SMOLVM_FAILED"
+    assert rig.smolvm.machines == {} and rig.smolvm.calls == []
+    assert os.path.exists(keep)
 
-        store.save = broken  # type: ignore[method-assign]
-        try:
-            await client.create_bottle("rb", spec=self.spec_json())
-        except BottlenetError as e:
-            self.assertEqual(e.code, "UNAVAILABLE")
-        else:
-            self.fail("create succeeded")
-        self.assertEqual(self.machines(), {})
-        self.assertEqual(self.fake.live_pids(), [])
-        self.assertEqual(self.root.table.list() if self.root else None, [])
-        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "rb")))
+
+def test_second_bind_refused(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    original = rig.table.add
+    calls = []
+
+    def add(forward: Any) -> Deferred[Any]:
+        calls.append(forward)
+        if len(calls) == 2:
+            return fail(BindRefused("cannot listen: injected"))
+        return original(forward)
+
+    rig.table.add = add  # type: ignore[method-assign]
+    create_fails(rig, "BIND_REFUSED", spec(tmp))
+    assert len(calls) == 2
+
+
+def test_egress_reload_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    rig.smolvm.on_exec = lambda name, argv, stdin: exits(1) if argv[0] == "/bin/false" else None
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, reload=("/bin/false",)))
+    assert "reload" in error.message
+
+
+def test_agent_start_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    rig.smolvm.fail_on("start", "bn-rb-agent", KvmUnavailable("injected: no KVM"))
+    create_fails(rig, "SMOLVM_FAILED", spec(tmp))
+    assert ("delete", "bn-rb-agent") in rig.smolvm.calls
+
+
+def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+    if list(argv[:3]) == PROBE_ARGV:
+        return exits(1, b"LEAK tcp:1.1.1.1:443 is reachable\nRESULT FAIL\n")
+    return None
+
+
+def test_probe_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+    rig.smolvm.on_exec = leak
+    error = create_fails(rig, "ISOLATION_FAILED", spec(tmp))
+    assert "tcp:1.1.1.1:443 is reachable" in error.message
+
+
+def test_workload_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs(options=VMOptions(instance_id="", skip_probe=True))
+
+    def workload(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+        return exits(127) if argv[0] == "/nonexistent/agent" else None
+
+    rig.smolvm.on_exec = workload
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, workload=("/nonexistent/agent",)))
+    assert "workload" in error.message
+
+
+def test_state_write_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs()
+
+    def broken(state: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    rig.store.save = broken  # type: ignore[method-assign]
+    create_fails(rig, "UNAVAILABLE", spec(tmp))

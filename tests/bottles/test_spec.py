@@ -152,7 +152,7 @@ def test_good_hosts(host: str, canonical: str) -> None:
         "a.com:443",
         None,
         # Issue 13 item 9: no silent folding, no invalid punycode.
-        "ｅｘａｍｐｌｅ.com",
+        "\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.com",  # fullwidth "example"
         "example。com",
         "xn--zz.com",
         "xn--a.com",

@@ -19,7 +19,7 @@ from bottlenet.bottles.isolation import (
     choose_isolation,
     tsi_allow_list_enforced,
 )
-from bottlenet.bottles.model import Endpoint, VMBottle, machine_name
+from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint, machine_name
 from bottlenet.bottles.probe import ProbePlan, judge, plan_probe
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.watch import PidWatcher, pid_alive
@@ -160,27 +160,30 @@ def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
 
 def test_vm_record_round_trips(tmp_path: object) -> None:
     doc = spec_doc(str(tmp_path))
-    vb = VMBottle(
+    bottle = Bottle(
         name="b1",
-        spec=parse_bottle_spec("b1", doc),
-        spec_doc=doc,
-        mode="socket",
-        mechanism="socket: x",
         alias=None,
-        sidecar_vm="bn-b1-sidecar",
-        agent_vm="bn-b1-agent",
-        sidecar_pid=123,
-        endpoints=(
-            Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
-        ),
-        env=(("A", "b"),),
-        policy=("pypi.org",),
-        probe_skipped=True,
-        probe="skipped",
         created_at=1.5,
+        vms=BottleVMs(
+            spec=parse_bottle_spec("b1", doc),
+            mode="socket",
+            mechanism="socket: x",
+            sidecar_vm="bn-b1-sidecar",
+            agent_vm="bn-b1-agent",
+            sidecar_pid=123,
+            endpoints=(
+                Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
+            ),
+            env=(("A", "b"),),
+            policy=("pypi.org",),
+            probe_skipped=True,
+            probe="skipped",
+        ),
     )
-    again = VMBottle.from_state("b1", json.loads(json.dumps(vb.to_state())))
-    assert again == vb and again.spec == vb.spec
+    record = json.loads(json.dumps(bottle.to_state()))
+    assert record["spec"] == doc  # the state file keeps the document the spec was read from
+    again = Bottle.from_state("b1", record, unix_root=str(tmp_path))
+    assert again == bottle and again.machine().spec == bottle.machine().spec
 
 
 def test_watch_fallback_timer_fires_once_when_pid_dies() -> None:

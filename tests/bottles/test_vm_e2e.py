@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-from bottlenet.errors import IsolationFailed, NotFound
+from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
 from tests.bottles.harness import DaemonCase, in_thread
 from tests.fakes import process_alive
 from tests.netio import ping_tcp, ping_unix
@@ -24,7 +24,7 @@ class SocketModeTests(DaemonCase):
         self.assertIn("--mount-socket", b.isolation or "")
         self.assertEqual(b.warnings, ())
         self.assertEqual(b.agent_vm, "bn-b1-agent")
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         # bytes through each agent endpoint reach the sidecar's guest service (the fake echoes)
         for ep in b.endpoints:
             assert ep.host_path is not None
@@ -94,7 +94,7 @@ class AliasModeTests(DaemonCase):
         self.assertIn("iptables", b.isolation or "")
         self.assertIn("SKIPPED", b.isolation or "")
         self.assertTrue(any("NOT verified" in w for w in b.warnings))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         for ep in b.endpoints:
             host, _, port = ep.endpoint.rpartition(":")
             self.assertEqual(host, "127.77.0.9")
@@ -130,7 +130,7 @@ class DegradedTests(DaemonCase):
 
         client = await self.start("--unsafe-skip-isolation-probe")
         b = await client.create_bottle("d1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.vm_bottles()[0]
+        vb = self.registry.list_bottles()[0].machine()
         ep = b.endpoints[0].host_path
         assert ep is not None
         held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -140,7 +140,7 @@ class DegradedTests(DaemonCase):
         self.assertEqual(await in_thread(held.recv, 1), b"x")  # the relay is live
         os.kill(vb.sidecar_pid, 9)
         for _ in range(250):
-            if self.registry.vm_bottles()[0].state == "degraded":
+            if self.registry.list_bottles()[0].state == "degraded":
                 break
             await sleep(0.02)
         status = await client.bottle_status("d1")
@@ -153,3 +153,23 @@ class DegradedTests(DaemonCase):
         self.assertFalse(process_alive(vb.sidecar_pid))
         await client.destroy_bottle("d1")  # teardown copes with the dead sidecar
         self.assertEqual(self.machines(), {})
+
+
+class RollbackThroughTheFakeTests(DaemonCase):
+    """One rollback end to end (every step's rollback is unit-tested in test_rollback.py)."""
+
+    async def test_agent_start_failure_leaves_nothing(self) -> None:
+        self.fake.set_faults("exec-netns", fail_start=["bn-rb-agent"])
+        client = await self.start()
+        with self.assertRaises(BottlenetError) as cm:
+            await client.create_bottle("rb", spec=self.spec_json(mode="socket"))
+        self.assertEqual(cm.exception.code, "SMOLVM_FAILED")
+        self.assertEqual(self.machines(), {})
+        self.assertEqual(self.fake.live_pids(), [])
+        assert self.root is not None
+        self.assertEqual(self.root.table.list(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "rb")))
+        self.assertEqual(self.state_file()["bottles"], {})
+        self.assertEqual((await client.list_bottles()).total, 0)
+        b = await client.create_bottle("ok", spec=self.spec_json(mode="socket"))
+        self.assertEqual(b.state, "ready")

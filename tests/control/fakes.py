@@ -6,64 +6,30 @@ import ipaddress
 import socket
 from typing import Any
 
-from attrs import field, frozen
 from twisted.internet.address import UNIXAddress
 from twisted.internet.testing import StringTransport
 from twisted.protocols import amp
 
+from bottlenet.bottles.model import Bottle
+from bottlenet.bottles.spec import BottleSpec
 from bottlenet.control import codec
 from bottlenet.control.framing import BoxParser
 from bottlenet.control.peercred import PeerCred
 from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
 from bottlenet.errors import AlreadyExists, NotFound
-from bottlenet.forward.spec import ForwardSpec, TCPListen, parse_target
+from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
+from bottlenet.forward.table import ForwardCounters, ForwardInfo
 
 OWN_UID = 1000
 
 
-@frozen
-class Counters:
-    accepted: int = 0
-    active: int = 0
-    refused: int = 0
-    failed: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
-
-
-@frozen
-class FakeForward:
-    spec: ForwardSpec
-    bound: TCPListen
-    counters: Counters = field(factory=Counters)
-
-
-@frozen
-class FakeBottle:
-    name: str
-    alias: str | None
-    source: str
-    state: str
-    created_at: float
-    forwards: tuple[FakeForward, ...]
-    mode: str | None = None
-    isolation: str | None = None
-    sidecar_vm: str | None = None
-    agent_vm: str | None = None
-    endpoints: tuple[Any, ...] = ()
-    env: tuple[tuple[str, str], ...] = ()
-    policy: tuple[str, ...] | None = None
-    probe: str | None = None
-    warnings: tuple[str, ...] = ()
-    detail: str | None = None
-
-
 class FakeBackend:
-    """Implements ControlBackend in memory and records every call."""
+    """Implements ControlBackend in memory with the real value types; records every call."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, tuple[Any, ...]]] = []
-        self.bottles: dict[str, FakeBottle] = {}
+        self.bottles: dict[str, Bottle] = {}
+        self.forwards: dict[str, tuple[ForwardInfo, ...]] = {}
         self.next_alias = 2
         self.next_port = 43000
         self.fail_with: Exception | None = None
@@ -73,17 +39,22 @@ class FakeBackend:
             raise self.fail_with
 
     async def create_bottle(
-        self, name: str, alias: str | None = None, *, spec: Any = None
-    ) -> FakeBottle:
+        self,
+        name: str,
+        alias: ipaddress.IPv4Address | None = None,
+        *,
+        spec: BottleSpec | None = None,
+    ) -> Bottle:
         self.calls.append(("create_bottle", (name, alias) if spec is None else (name, alias, spec)))
         self._check()
         if name in self.bottles:
             raise AlreadyExists(f"bottle {name!r} exists")
         if alias is None:
-            alias = f"127.77.0.{self.next_alias}"
+            alias = ipaddress.IPv4Address(f"127.77.0.{self.next_alias}")
             self.next_alias += 1
-        b = FakeBottle(name, alias, "control", "ready", 1700000000.5, ())
+        b = Bottle(name, str(alias), 1700000000.5)
         self.bottles[name] = b
+        self.forwards[name] = ()
         return b
 
     async def destroy_bottle(self, name: str) -> None:
@@ -91,54 +62,63 @@ class FakeBackend:
         self._check()
         self.get_bottle(name)
         del self.bottles[name]
+        del self.forwards[name]
 
-    def list_bottles(self) -> list[FakeBottle]:
+    def list_bottles(self) -> list[Bottle]:
         self.calls.append(("list_bottles", ()))
         self._check()
         return [self.bottles[k] for k in sorted(self.bottles)]
 
-    def get_bottle(self, name: str) -> FakeBottle:
+    def get_bottle(self, name: str) -> Bottle:
         self._check()
         try:
             return self.bottles[name]
         except KeyError:
             raise NotFound(f"no bottle {name!r}") from None
 
-    async def add_forward(self, bottle: str, label: str, target: str, port: int = 0) -> FakeForward:
+    async def add_forward(
+        self, bottle: str, label: str, target: TargetSpec, port: int = 0
+    ) -> ForwardInfo:
         self.calls.append(("add_forward", (bottle, label, target, port)))
         self._check()
         b = self.get_bottle(bottle)
-        if any(f.spec.label == label for f in b.forwards):
+        if any(f.spec.label == label for f in self.forwards[bottle]):
             raise AlreadyExists(f"forward {label!r} exists")
         assert b.alias is not None
         alias = ipaddress.IPv4Address(b.alias)
         real = port or self.next_port
         self.next_port += 1
-        spec = ForwardSpec(bottle, label, TCPListen(alias, port), parse_target(target))
-        fwd = FakeForward(spec, TCPListen(alias, real), Counters(accepted=1, bytes_in=5))
-        self.bottles[bottle] = FakeBottle(
-            b.name, b.alias, b.source, b.state, b.created_at, (*b.forwards, fwd)
-        )
+        spec = ForwardSpec(bottle, label, TCPListen(alias, port), target)
+        fwd = ForwardInfo(spec, TCPListen(alias, real), counters(accepted=1, bytes_in=5))
+        self.forwards[bottle] = (*self.forwards[bottle], fwd)
         return fwd
 
     async def remove_forward(self, bottle: str, label: str) -> None:
         self.calls.append(("remove_forward", (bottle, label)))
         self._check()
-        b = self.get_bottle(bottle)
-        kept = tuple(f for f in b.forwards if f.spec.label != label)
-        if len(kept) == len(b.forwards):
+        self.get_bottle(bottle)
+        kept = tuple(f for f in self.forwards[bottle] if f.spec.label != label)
+        if len(kept) == len(self.forwards[bottle]):
             raise NotFound(f"no forward {label!r}")
-        self.bottles[bottle] = FakeBottle(b.name, b.alias, b.source, b.state, b.created_at, kept)
+        self.forwards[bottle] = kept
 
-    def list_forwards(self, bottle: str | None = None) -> list[FakeForward]:
+    def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
         self.calls.append(("list_forwards", (bottle,)))
         self._check()
         names = [bottle] if bottle is not None else sorted(self.bottles)
-        return [f for n in names for f in self.get_bottle(n).forwards]
+        for n in names:
+            self.get_bottle(n)
+        return [f for n in names for f in self.forwards[n]]
 
     @property
     def mutations(self) -> list[tuple[str, tuple[Any, ...]]]:
         return [c for c in self.calls if not c[0].startswith("list")]
+
+
+def counters(**values: int) -> ForwardCounters:
+    fields = dict.fromkeys(("accepted", "active", "refused", "failed", "bytes_in", "bytes_out"), 0)
+    fields.update(values)
+    return ForwardCounters(**fields)
 
 
 def make_factory(

@@ -18,6 +18,7 @@ from twisted.internet.threads import deferToThread
 from twisted.python.systemd import ListenFDs
 from twisted.trial import unittest
 
+from bottlenet.bottles.model import Bottle
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.control.endpoints import tls_control_endpoint
@@ -28,7 +29,7 @@ from bottlenet.errors import NotFound
 from bottlenet.tap import control_service
 
 from . import certs
-from .fakes import FakeBackend, FakeBottle
+from .fakes import FakeBackend
 
 reactor: Any = _reactor
 
@@ -155,9 +156,8 @@ class UNIXControlTests(unittest.TestCase):
     def test_flood_never_read_pauses_reading(self) -> Any:
         """10k pipelined ListBottles (~10 KB answers each) never read: output stays bounded."""
         for i in range(100):
-            self.backend.bottles[f"b{i:03d}"] = FakeBottle(
-                f"b{i:03d}", "127.77.0.9", "control", "ready", 1.0, ()
-            )
+            self.backend.bottles[f"b{i:03d}"] = Bottle(f"b{i:03d}", "127.77.0.9", 1.0)
+            self.backend.forwards[f"b{i:03d}"] = ()
         protos: list[Any] = []
         build = self.factory.buildProtocol
 

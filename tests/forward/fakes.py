@@ -168,5 +168,5 @@ class RecordingOwner:
     def __init__(self) -> None:
         self.ends: list[tuple[Any, str, str | None]] = []
 
-    def relay_ended(self, session: Any, outcome: str, reason: str | None) -> None:
+    def relay_ended(self, session: Any, outcome: str, reason: Any) -> None:
         self.ends.append((session, outcome, reason))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import errno
+
 from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -11,7 +13,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from twisted.internet.error import ConnectionRefusedError, TimeoutError
+from twisted.internet.error import ConnectionRefusedError, TimeoutError, getConnectError
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
@@ -20,6 +22,7 @@ from bottlenet.forward.relay import (
     OUTCOME_CLOSED,
     OUTCOME_CONNECT_FAILED,
     OUTCOME_RESET,
+    RelayFailure,
     RelaySession,
 )
 from tests.forward.fakes import FakeEndpoint, FakeTransport, RecordingOwner
@@ -134,7 +137,7 @@ def test_connect_failure_resets_client() -> None:
     assert rig.A.close_how == "abort"
     ((_, outcome, reason),) = rig.owner.ends
     assert outcome == OUTCOME_CONNECT_FAILED
-    assert reason is not None and "ConnectionRefused" in reason
+    assert reason is not None and "ConnectionRefused" in reason.describe()
 
 
 def test_connect_timeout_is_a_connect_failure() -> None:
@@ -142,7 +145,23 @@ def test_connect_timeout_is_a_connect_failure() -> None:
     _, d = rig.endpoint.attempts[0]
     d.errback(Failure(TimeoutError()))
     rig.tick()
-    assert [(e[1], e[2]) for e in rig.owner.ends] == [(OUTCOME_CONNECT_FAILED, "TimeoutError")]
+    assert [(e[1], e[2]) for e in rig.owner.ends] == [
+        (OUTCOME_CONNECT_FAILED, RelayFailure("TimeoutError"))
+    ]
+
+
+def test_connect_failure_carries_the_errno_as_a_value() -> None:
+    """EMFILE reaches the owner as errno.EMFILE (the listener backs off on it), not a string."""
+    rig = Rig()
+    _, d = rig.endpoint.attempts[0]
+    # (what FastClientEndpoint and Twisted's endpoints fail with when socket() hits EMFILE)
+    d.errback(Failure(getConnectError((errno.EMFILE, "Too many open files"))))
+    rig.tick()
+    ((_, outcome, reason),) = rig.owner.ends
+    assert outcome == OUTCOME_CONNECT_FAILED
+    assert reason == RelayFailure("ConnectError", errno.EMFILE)
+    assert reason.describe() == "ConnectError:EMFILE"
+    assert RelayFailure.of(Failure(OSError(errno.ENFILE, "x"))).errno == errno.ENFILE
 
 
 def test_abort_while_connecting_cancels_the_connect() -> None:

@@ -8,10 +8,12 @@ import pytest
 from attrs import frozen
 from prometheus_client.parser import text_string_to_metric_families
 
+from bottlenet.bottles.model import Bottle
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.spec import AliasPool
+from bottlenet.forward.table import ForwardCounters
 from bottlenet.ops import metrics
-from tests.control.fakes import Counters
+from tests.control.fakes import counters as make_counters
 
 
 # Stand-ins with the shapes the forward table and the bottle registry expose:
@@ -26,17 +28,11 @@ class Spec:
 class Info:
     spec: Spec
     bound: object
-    counters: Counters
-
-
-@frozen
-class Bottle:
-    name: str
-    state: str
+    counters: ForwardCounters
 
 
 def _fwd(bottle: str, label: str, **counters: int) -> Info:
-    return Info(Spec(bottle, label), None, Counters(**counters))
+    return Info(Spec(bottle, label), None, make_counters(**counters))
 
 
 # -- endpoint validation ------------------------------------------------------------------
@@ -129,7 +125,11 @@ def test_forward_and_bottle_metrics_parse() -> None:
             _fwd("demo", "egress", accepted=1, bytes_out=7),
             _fwd("other-1", "git"),
         ],
-        lambda: [Bottle("demo", "ready"), Bottle("other-1", "ready"), Bottle("x", "starting")],
+        lambda: [
+            Bottle("demo", None, 1.0, state="ready"),
+            Bottle("other-1", None, 1.0, state="ready"),
+            Bottle("x", None, 1.0, state="starting"),
+        ],
     )
     text = metrics.render_metrics(source)
     assert text.endswith("\n")
@@ -154,7 +154,7 @@ def test_invalid_labels_are_dropped_and_counted() -> None:
     hostile = 'x"} 1\nbottlenet_relays_active{bottle="forged'
     source = metrics.SnapshotSource(
         lambda: [_fwd(hostile, "git", active=9), _fwd("demo", "GIT", active=9), _fwd("ok", "a")],
-        lambda: [Bottle("b", "Bad State\n")],
+        lambda: [Bottle("b", None, 1.0, state="Bad State\n")],
     )
     text = metrics.render_metrics(source)
     assert "forged" not in text and "GIT" not in text

@@ -17,9 +17,10 @@ from twisted.internet.protocol import Factory, Protocol
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
+from bottlenet.bottles.model import Bottle
 from bottlenet.ops import metrics
 from bottlenet.ops.listening import ListeningService
-from tests.ops.test_metrics import Bottle, _fwd
+from tests.ops.test_metrics import _fwd
 
 
 class RawGet(Protocol):
@@ -56,7 +57,7 @@ class MetricsOverSockets(unittest.TestCase):
     def _start(self, text: str):  # type: ignore[no-untyped-def]
         spec = metrics.parse_metrics_endpoint(text)
         source = metrics.SnapshotSource(
-            lambda: [_fwd("demo", "git", accepted=3, active=1)], lambda: [Bottle("demo", "ready")]
+            lambda: [_fwd("demo", "git", accepted=3, active=1)], lambda: [Bottle("demo", None, 1.0)]
         )
         commands = metrics.CommandStats()
         commands.record("Hello", "OK")

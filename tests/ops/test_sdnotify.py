@@ -127,8 +127,16 @@ def test_the_daemon_itself_sends_ready_then_stopping(
     child_env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
     child_env.update(env, PYTHONPATH=root)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "twisted", "bottlenet", "--state-dir", state]
-        + ["--control", f"unix:{control}"],
+        [
+            sys.executable,
+            "-m",
+            "twisted",
+            "bottlenet",
+            "--state-dir",
+            state,
+            "--control",
+            "unix:" + control,
+        ],
         env=child_env,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

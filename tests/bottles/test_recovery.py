@@ -1,0 +1,307 @@
+"""Recovery and the registry's VM operations, driven directly (unit seam, no daemon).
+
+A restart is two rigs on one state directory sharing one in-memory smolvm (test double):
+the machines survive, the first rig's listeners are closed, the second rig recovers. The
+same restart through the daemon and the fake smolvm executable stays in
+``test_policy_and_limits.py`` and ``test_daemon_restart.py``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from twisted.internet.defer import Deferred, fail
+
+from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
+from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.errors import (
+    AlreadyExists,
+    BindRefused,
+    BottlenetError,
+    InvalidArgument,
+    IsolationFailed,
+    ResourceExhausted,
+)
+from bottlenet.forward.spec import TCPListen, UNIXListen, parse_target
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import MemMachine, Rig, exits
+from tests.bottles.test_rollback import leak
+from vmctl.errors import SmolvmFailed as VmSmolvmFailed
+from vmctl.errors import Unavailable as VmUnavailable
+from vmctl.ports import Ownership, PortCheck
+from vmctl.spec import MachineSpec
+
+Rigs = Callable[..., Rig]
+
+
+def spec(tmp: str, name: str = "r1", **kw: Any) -> BottleSpec:
+    kw.setdefault("mode", "socket")
+    return parse_bottle_spec(name, spec_doc(tmp, **kw))
+
+
+def restart(rigs: Rigs, before: Rig, **kw: Any) -> Rig:
+    """The daemon stops (listeners and watches go, machines stay) and starts again."""
+    before.close()
+    return rigs(smolvm=before.smolvm, **kw)
+
+
+def endpoints(rig: Rig, bottle: str) -> list[str]:
+    return [f.bound.describe() for f in rig.table.list(bottle)]
+
+
+def vm_with_plain(rigs: Rigs, tmp: str) -> Rig:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    rig.run(rig.registry.create_bottle("plain", ipaddress.IPv4Address("127.79.0.5")))
+    raw = rig.registry.get_bottle("r1").machine().raw_ports[0]
+    rig.run(rig.registry.add_forward("plain", "web", parse_target(f"127.0.0.1:{raw}")))
+    return rig
+
+
+def test_restart_restores_vm_and_forward_only_bottles(rigs: Rigs, tmp: str) -> None:
+    first = vm_with_plain(rigs, tmp)
+    before = {n: endpoints(first, n) for n in ("r1", "plain")}
+    bottle = first.registry.get_bottle("r1")
+    owner = (LABEL_OWNER, first.instance_id)
+    for name, labels in (
+        ("orphan", (owner,)),
+        ("foreign", ((LABEL_OWNER, "someoneelse"),)),
+        ("unlabelled", ()),
+    ):
+        first.smolvm.machines[name] = MemMachine(MachineSpec(name, labels=labels))
+
+    rig = restart(rigs, first)
+    rig.recover()
+    assert {n: endpoints(rig, n) for n in ("r1", "plain")} == before
+    assert all(isinstance(f.bound, UNIXListen) for f in rig.table.list("r1"))
+    again = rig.registry.get_bottle("r1")
+    assert again == bottle and again.machine().env == bottle.machine().env
+    assert rig.registry.get_bottle("plain").alias == "127.79.0.5"
+    assert rig.smolvm.names() == ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
+    assert sorted(rig.state()) == ["plain", "r1"]
+    assert not rig.registry.recovering
+    assert "r1" in rig.vms._watches  # the sidecar is watched again
+
+
+def test_state_records_round_trip_through_recovery(rigs: Rigs, tmp: str) -> None:
+    first = vm_with_plain(rigs, tmp)
+    records = first.state()
+    rig = restart(rigs, first)
+    rig.recover()
+    assert rig.state() == records  # nothing lost, nothing changed: same ports, same paths
+
+
+def test_sidecar_gone_is_torn_down(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
+    rig = restart(rigs, first)
+    rig.recover()
+    assert rig.registry.list_bottles() == []
+    assert rig.smolvm.machines == {} and rig.table.list() == [] and rig.state() == {}
+    assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "r1"))
+
+
+def test_raw_port_taken_over_is_torn_down(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    rig = restart(rigs, first)
+    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "x")
+    rig.recover()
+    assert rig.registry.list_bottles() == [] and rig.smolvm.machines == {}
+
+
+def test_unverifiable_ports_are_kept_only_when_allowed(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    rig = restart(rigs, first, options=VMOptions(instance_id="", allow_unverifiable_ports=True))
+    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.UNVERIFIABLE, "x")
+    rig.recover()
+    assert [b.name for b in rig.registry.list_bottles()] == ["r1"]
+
+
+def test_endpoint_that_cannot_be_rebound_tears_the_bottle_down(rigs: Rigs, tmp: str) -> None:
+    first = rigs(options=VMOptions(instance_id="", iptables_fallback=True, skip_probe=True))
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp, mode="alias")))
+    rig = restart(rigs, first)
+    original = rig.table.add
+    calls: list[Any] = []
+
+    def add(forward: Any) -> Deferred[Any]:
+        calls.append(forward)
+        return fail(BindRefused("in use")) if len(calls) == 2 else original(forward)
+
+    rig.table.add = add  # type: ignore[method-assign]
+    rig.recover()
+    assert len(calls) == 2 and isinstance(calls[0].listen, TCPListen)
+    assert rig.registry.list_bottles() == [] and rig.table.list() == []
+    assert rig.smolvm.machines == {} and rig.aliases.alias_of("r1") is None
+
+
+def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
+    rig = restart(rigs, first)
+    rig.smolvm.fail_on("stop", "bn-r1-agent", VmUnavailable("injected"))
+    rig.smolvm.fail_on("delete", "bn-r1-agent", VmUnavailable("injected"))
+    rig.recover()
+    (kept,) = rig.registry.list_bottles()
+    assert kept.state == "degraded" and rig.state()["r1"]["state"] == "degraded"
+    assert rig.table.list() == [] and "r1" not in rig.vms._watches
+
+
+def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    rig = restart(rigs, first)
+    rig.smolvm.fail_on("list", "", VmSmolvmFailed("injected"))
+    rig.recover()  # our own pid stands in for the VMM: alive
+    assert [b.name for b in rig.registry.list_bottles()] == ["r1"]
+    assert len(rig.table.list("r1")) == 2
+
+
+def test_malformed_and_shadowed_records(rigs: Rigs, tmp: str) -> None:
+    first = vm_with_plain(rigs, tmp)
+    first.close()
+    path = first.store.path
+    with open(path) as f:
+        doc = json.load(f)
+    doc["bottles"]["bad"] = {"kind": "forward", "alias": 7, "created_at": 1, "forwards": []}
+    doc["bottles"]["Bad Name"] = dict(doc["bottles"]["plain"])
+    with open(path, "w") as f:
+        json.dump(doc, f)
+    rig = rigs(smolvm=first.smolvm)
+    rig.run(
+        rig.registry.create_bottle(
+            "plain", ipaddress.IPv4Address("127.79.0.9"), source=SOURCE_CONFIG
+        )
+    )
+    rig.recover()
+    assert [b.name for b in rig.registry.list_bottles()] == ["plain", "r1"]
+    assert rig.registry.get_bottle("plain").source == SOURCE_CONFIG  # the config's wins
+    assert sorted(rig.state()) == ["r1"]  # dropped and shadowed records are not kept
+
+
+def test_forward_that_cannot_be_rebound_is_left_out(rigs: Rigs, tmp: str) -> None:
+    first = vm_with_plain(rigs, tmp)
+    rig = restart(rigs, first)
+    original = rig.table.add
+
+    def add(forward: Any) -> Deferred[Any]:
+        if forward.label == "web":
+            return fail(BindRefused("in use"))
+        return original(forward)
+
+    rig.table.add = add  # type: ignore[method-assign]
+    rig.recover()
+    assert rig.registry.get_bottle("plain").forwards == ()
+    assert rig.state()["plain"]["forwards"] == []
+    assert rig.table.list("plain") == []
+
+
+# -- the registry's operations on VM bottles ----------------------------------------------
+
+
+def test_sidecar_exit_degrades_the_bottle(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    rig.registry._sidecar_exited("r1")
+    rig.clock.advance(0)
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
+    assert rig.table.list("r1") == [] and "r1" not in rig.vms._watches
+    assert rig.state()["r1"]["state"] == "degraded"
+    rig.run(rig.registry.destroy_bottle("r1"))
+    assert rig.smolvm.machines == {} and rig.state() == {}
+
+
+def test_verify_records_the_verdict(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    b, verdict = rig.run(rig.registry.verify_bottle("r1"))
+    assert verdict.passed and b.machine().probe == "PASS"
+    rig.smolvm.on_exec = leak
+    with pytest.raises(IsolationFailed, match="reachable"):
+        rig.run(rig.registry.verify_bottle("r1"))
+    assert rig.registry.get_bottle("r1").machine().probe == "FAIL"
+    assert rig.state()["r1"]["probe"] == "FAIL"
+
+
+def test_failed_reload_keeps_the_previous_policy(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    hosts = ("example.org", "*.pypi.org")
+    assert rig.run(rig.registry.set_egress_policy("r1", hosts)) == hosts
+    assert rig.state()["r1"]["policy"] == list(hosts)
+    reloads: list[int] = []
+
+    def reload_fails_once(name: str, argv: Any, stdin: bytes | None) -> Any:
+        if argv[0] == "/bin/true" and not reloads:
+            reloads.append(1)
+            return exits(1)
+        return None
+
+    rig.smolvm.on_exec = reload_fails_once
+    with pytest.raises(BottlenetError, match="reload") as info:
+        rig.run(rig.registry.set_egress_policy("r1", ("evil.example",)))
+    assert info.value.code == "SMOLVM_FAILED"
+    assert rig.registry.get_bottle("r1").machine().policy == hosts
+    assert rig.state()["r1"]["policy"] == list(hosts)
+    writes = [argv for name, argv in rig.smolvm.execs if argv[0] == "/bin/sh" and "-c" in argv]
+    assert len(writes) == 4  # create, first policy, the failed one, the previous put back
+
+
+def test_failed_teardown_leaves_a_degraded_bottle_to_destroy_again(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    rig.smolvm.fail_on("delete", "bn-r1-sidecar", VmUnavailable("injected"))
+    with pytest.raises(BottlenetError) as info:
+        rig.run(rig.registry.destroy_bottle("r1"))
+    assert info.value.code == "UNAVAILABLE"
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.detail) == ("degraded", "teardown incomplete: UNAVAILABLE")
+    assert rig.state()["r1"]["detail"] == "teardown incomplete: UNAVAILABLE"
+    del rig.smolvm.faults[("delete", "bn-r1-sidecar")]
+    rig.run(rig.registry.destroy_bottle("r1"))
+    assert rig.smolvm.machines == {} and rig.state() == {} and rig.registry.list_bottles() == []
+
+
+def test_names_limits_and_kinds(rigs: Rigs, tmp: str) -> None:
+    rig = rigs(max_bottles=2)
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    with pytest.raises(AlreadyExists):
+        rig.run(rig.registry.create_bottle("r1"))
+    with pytest.raises(InvalidArgument, match="has VMs"):
+        rig.run(rig.registry.add_forward("r1", "x", parse_target("127.0.0.1:1")))
+    with pytest.raises(InvalidArgument, match="not r2"):
+        rig.run(rig.registry.create_bottle("r2", spec=spec(tmp, name="r1")))
+    rig.run(rig.registry.create_bottle("p1"))
+    with pytest.raises(InvalidArgument, match="forward-only"):
+        rig.run(rig.registry.verify_bottle("p1"))
+    with pytest.raises(ResourceExhausted):
+        rig.run(rig.registry.create_bottle("p2"))
+    assert sorted(rig.state()) == ["p1", "r1"]
+
+
+def test_forward_only_bottle_keeps_its_forwards_with_real_ports(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("p1"))
+    info = rig.run(rig.registry.add_forward("p1", "web", parse_target("127.0.0.1:9")))
+    assert isinstance(info.bound, TCPListen) and info.bound.port != 0
+    record = rig.state()["p1"]
+    assert record["forwards"] == [
+        {"label": "web", "target": "127.0.0.1:9", "port": info.bound.port}
+    ]
+    again = Bottle.from_state("p1", record, unix_root=rig.state_dir)
+    assert again == rig.registry.get_bottle("p1")
+    rig.run(rig.registry.remove_forward("p1", "web"))
+    assert rig.state()["p1"]["forwards"] == [] and rig.table.list() == []
+    rig.run(rig.registry.create_bottle("c1", source=SOURCE_CONFIG))
+    assert sorted(rig.state()) == ["p1"]  # config bottles are made again at start, not kept
