@@ -25,7 +25,7 @@ from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.model import SOURCE_CONFIG
-from bottlenet.bottles.recovery import Recovery, RecoveryService
+from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
@@ -341,6 +341,12 @@ def _build(
         raise _fail(e.message) from None
     except OSError as e:
         raise _fail(f"{store.path}: {e.strerror}") from None
+    outside = aliases_outside(state, pool)
+    if outside:
+        raise _fail(
+            f"--alias-pool {pool.network}: persisted bottle(s) {', '.join(outside[:5])} have "
+            "aliases outside it; start with the pool they were made in (nothing is torn down)"
+        )
 
     on_fatal = fatal_stopper(reactor)
 
@@ -413,7 +419,9 @@ def _build(
         bottles.setServiceParent(root)
         waits.append(bottles.ready)
         config_ready = bottles.ready
-    recovery = RecoveryService(Recovery(registry, vms, state, state_dir), after=config_ready)
+    recovery = RecoveryService(
+        Recovery(registry, vms, state, state_dir), after=config_ready, on_fatal=on_fatal
+    )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
     control_service(reactor, control, factory, on_fatal).setServiceParent(root)

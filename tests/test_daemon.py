@@ -208,3 +208,29 @@ def test_tls_interface_is_never_a_wildcard_or_in_the_pool(
     assert out.returncode == 1
     (line,) = out.stderr.strip().splitlines()
     assert line.startswith("bottlenet: error: --control-tls-interface:") and why in line
+
+
+def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 9: recovery would tear down (or drop) every bottle outside the new pool."""
+    import json
+
+    from bottlenet.bottles.store import SCHEMA_VERSION
+
+    state = tmp_path / "s"
+    state.mkdir(mode=0o700)
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "instance_id": "0123456789abcdef",
+        "bottles": {
+            "kept": {"kind": "forward", "alias": "127.77.0.9", "created_at": 1.0, "forwards": []}
+        },
+    }
+    (state / "state.json").write_text(json.dumps(doc))
+    os.chmod(state / "state.json", 0o600)
+    before = (state / "state.json").read_bytes()
+    out = _run_fail(["--state-dir", str(state), "--alias-pool", "127.88.0.0/16"])
+    assert out.returncode == 1, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("bottlenet: error: --alias-pool 127.88.0.0/16: persisted bottle(s)")
+    assert "'kept' ('127.77.0.9')" in line
+    assert (state / "state.json").read_bytes() == before
