@@ -16,7 +16,7 @@ from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
-from twisted.internet.interfaces import IProtocolFactory
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger
 from twisted.python import usage
 from twisted.python.systemd import ListenFDs
@@ -47,6 +47,7 @@ from bottlenet.ops import logs, metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import fatal_stop, fatal_stopper
 from bottlenet.ops.listening import ListeningService
 from bottlenet.paths import (
+    MAX_SUN_PATH,
     PrivateDirError,
     StateDirBusy,
     StateDirLock,
@@ -92,7 +93,19 @@ class Options(usage.Options):
             "auto",
             "How relays move bytes: auto (splice where supported), splice or portable.",
         ],
-        ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
+        [
+            "metrics",
+            None,
+            None,
+            "Where Prometheus /metrics is served: unix:PATH, or tcp:PORT:interface=127.x.y.z "
+            "(any local user can read a TCP port), or none (default: unix:STATE-DIR/metrics.sock).",
+        ],
+        [
+            "metrics-max-connections",
+            None,
+            str(metrics.DEFAULT_MAX_METRICS_CONNECTIONS),
+            "Most /metrics connections open at once.",
+        ],
         ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
         [
             "max-bottle-connections",
@@ -322,12 +335,10 @@ def _build(
             config = load_config(config_path, pool, state_dir)
         except ConfigError as e:
             raise _fail(str(e)) from None
-    metrics_spec = None
-    if options["metrics"] is not None:
-        try:
-            metrics_spec = metrics.parse_metrics_endpoint(options["metrics"], pool)
-        except BottlenetError as e:
-            raise _fail(f"--metrics: {e.message}") from None
+    metrics_spec = _metrics_option(options, pool, state_dir)
+    metrics_cap = options["metrics-max-connections"]
+    if not str(metrics_cap).isdigit() or not 1 <= int(metrics_cap) <= 1024:
+        raise _fail("--metrics-max-connections: must be an integer 1-1024")
     tls = _tls_options(options, pool)
     max_bottles = options["max-bottles"]
     if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
@@ -436,22 +447,64 @@ def _build(
             on_fatal,
         ).setServiceParent(root)
     if metrics_spec is not None:
+        capped: list[metrics.CappedFactory] = []
+
+        def refusals() -> list[tuple[str, str, int]]:
+            rows = [("forward", r, n) for r, n in table.budget.refused.items()]
+            rows += [(f.transport_kind, "cap", f.refused) for f in root.control_factories]
+            rows += [("metrics", "cap", c.refused) for c in capped]
+            return rows
+
         site = metrics.metrics_site(
             metrics.SnapshotSource(table.list, registry.list_bottles),
             reactor,
             smolvm_calls,
             control_commands,
+            refusals,
         )
+        capped.append(metrics.CappedFactory(site, int(metrics_cap), reactor))
         listener = ListeningService(
-            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), site, on_fatal
+            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), capped[0], on_fatal
         )
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
+        if metrics_spec.kind == "unix":
+            table.own_sockets.add_unix(metrics_spec.path)
+        else:
+            interface = metrics_spec.interface
+
+            def listening(port: IListeningPort) -> None:
+                # The bound port (0 resolves now): no forward may target it.
+                table.own_sockets.add_tcp(interface, int(getattr(port.getHost(), "port", 0)))
+
+            listener.when_listening().addCallback(listening)
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
     sdnotify.SystemdNotifier(
         ready, status=f"{len(config.bottles)} configured bottles"
     ).setServiceParent(root)
     return root
+
+
+def _metrics_option(
+    options: Options, pool: AliasPool, state_dir: str
+) -> metrics.MetricsEndpoint | None:
+    """``--metrics``: by default a 0600 UNIX socket in the private state dir; TCP only when
+    asked for (it is open to every local user); ``none`` serves nothing."""
+    text = options["metrics"]
+    if text == "none":
+        return None
+    if text is None:
+        path = os.path.join(os.path.abspath(state_dir), "metrics.sock")
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_SUN_PATH:
+            BottlenetService.log.warn(
+                "no /metrics: {path} is too long for a UNIX socket; use --metrics", path=path
+            )
+            return None
+        return metrics.MetricsEndpoint("unix", path=path, mode=0o600)
+    try:
+        return metrics.parse_metrics_endpoint(text, pool)
+    except BottlenetError as e:
+        raise _fail(f"--metrics: {e.message}") from None
 
 
 def _budget_options(options: Options) -> dict[str, Any]:

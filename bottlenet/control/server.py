@@ -20,9 +20,10 @@ from attrs import frozen
 from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
-from twisted.internet.protocol import Factory
+from twisted.internet.protocol import Factory, connectionDone
 from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
@@ -72,6 +73,8 @@ def describe_client_version(value: str) -> str:
 
 #: At most one "refused peer" line per uid per this many seconds (a peer can retry at will).
 REFUSED_PEER_LOG_INTERVAL = 10.0
+#: Default cap on concurrent control connections (per listener): 64 x 256 KiB of boxes.
+DEFAULT_MAX_CONTROL_CONNECTIONS = 64
 
 
 class _MonotonicClock:
@@ -326,6 +329,17 @@ class ControlServerProtocol(HardenedAMP):
         self.control = ControlLocator(factory)
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
         self.factory = factory
+        self._holds_slot = True
+
+    def release_slot(self) -> None:
+        """Give the connection's slot back (once) to the factory's connection cap."""
+        if self._holds_slot:
+            self._holds_slot = False
+            self.factory.open_connections -= 1
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.release_slot()
+        super().connectionLost(reason)
 
     @property
     def peer(self) -> PeerIdentity | None:
@@ -359,6 +373,7 @@ class ControlServerProtocol(HardenedAMP):
             return
         if cred.uid not in self.factory.allowed_uids:
             self._closing = True
+            self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
                 "control: refused peer uid={uid} pid={pid}",
@@ -410,8 +425,14 @@ class ControlServerFactory(Factory):
         clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
         on_command: CommandObserver | None = None,
+        max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
     ) -> None:
         self.backend = backend
+        #: Concurrent connections at most (their boxes are capped at 256 KiB each).
+        self.max_connections = max_connections
+        self.open_connections = 0
+        #: Connections refused by the cap (metrics).
+        self.refused = 0
         self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
@@ -457,7 +478,19 @@ class ControlServerFactory(Factory):
             clock=self._clock,
             refused_log=self.refused_log,
             on_command=self.on_command,
+            max_connections=self.max_connections,
         )
 
-    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+        if self.open_connections >= self.max_connections:
+            # Each connection may buffer up to a 256 KiB box: the cap bounds that memory (and
+            # the fds) whoever connects. Twisted closes the socket when we return None.
+            self.refused += 1
+            self.refused_log.warn(
+                ("control-cap", self.transport_kind),
+                "control: refused a connection: {max_connections} connections are open",
+                max_connections=self.max_connections,
+            )
+            return None
+        self.open_connections += 1
         return ControlServerProtocol(self)
