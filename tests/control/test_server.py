@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from twisted.internet.error import ConnectionDone
 from twisted.logger import LogEvent
-from twisted.python.failure import Failure
 from twisted.protocols import amp
+from twisted.python.failure import Failure
 
 from bottlenet.control import commands as C
 from bottlenet.control.codec import RemoteError
