@@ -15,10 +15,10 @@ from typing import Any
 
 from attrs import field, frozen
 
+from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.errors import InvalidArgument
-from bottlenet.fields import Fields
 from bottlenet.forward.spec import (
     TargetSpec,
     check_bottle_name,

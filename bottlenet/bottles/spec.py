@@ -16,8 +16,8 @@ from typing import Any
 import idna
 from attrs import field, frozen
 
+from bottlenet.bottles.fields import Fields
 from bottlenet.errors import InvalidArgument, safe_repr
-from bottlenet.fields import Fields
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
 from bottlenet.paths import MAX_SUN_PATH
 from vmctl.spec import is_local_image as vmctl_is_local_image

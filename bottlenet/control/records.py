@@ -18,8 +18,8 @@ import attrs
 from attrs import field, frozen
 from twisted.protocols import amp
 
+from bottlenet.bottles.fields import FieldError, Fields
 from bottlenet.control.framing import MAX_VALUE_LENGTH
-from bottlenet.fields import FieldError, Fields
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle

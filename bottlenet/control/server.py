@@ -39,6 +39,7 @@ from bottlenet.control.records import (
     stats_record,
 )
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
     check_bottle_name,
@@ -48,7 +49,6 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
-from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle

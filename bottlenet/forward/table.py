@@ -47,6 +47,7 @@ from bottlenet.forward.budget import (
 )
 from bottlenet.forward.connect import FastClientEndpoint
 from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
@@ -74,7 +75,6 @@ from bottlenet.forward.spec import (
 from bottlenet.forward.splice import engine_factory
 from bottlenet.forward.targets import CheckedUNIXTarget, OwnSockets, check_target
 from bottlenet.paths import ensure_private_dir, unix_path_state
-from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress

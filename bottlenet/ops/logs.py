@@ -35,9 +35,9 @@ from twisted.logger import (
 from twisted.python.usage import UsageError
 from zope.interface import provider
 
-# Their old home: RateLimiter and RateLimitedLogger live on the ground floor now.
-from bottlenet.ratelimit import RateLimitedLogger as RateLimitedLogger
-from bottlenet.ratelimit import RateLimiter as RateLimiter
+# Their old home: RateLimiter and RateLimitedLogger live in forward/ratelimit.py now.
+from bottlenet.forward.ratelimit import RateLimitedLogger as RateLimitedLogger
+from bottlenet.forward.ratelimit import RateLimiter as RateLimiter
 
 LOG_FORMATS = ("json", "text")
 

@@ -31,6 +31,7 @@ from twisted.web.server import Request, Site
 
 from bottlenet import __version__
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     BOTTLE_NAME_RE,
     LABEL_RE,
@@ -38,7 +39,6 @@ from bottlenet.forward.spec import (
     parse_canonical_ipv4,
 )
 from bottlenet.paths import MAX_SUN_PATH, Description, split_description
-from bottlenet.ratelimit import RateLimitedLogger
 
 if TYPE_CHECKING:  # the real records, named for the type checker only
     from bottlenet.bottles.model import Bottle

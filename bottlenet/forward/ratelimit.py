@@ -1,7 +1,8 @@
 """Rate limiting for log lines an outsider can cause: one per key per interval, counted.
 
-On the ground floor so the data plane (refused connections, failed relays), the control plane
-(refused peers) and the daemon plumbing share one implementation.
+It lives in the data plane, where most such lines come from (refused connections, failed
+relays), and it imports only Twisted: the control plane (refused peers) and the daemon's
+plumbing (``ops.logs`` re-exports it, metrics) use this one implementation.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from attrs import define, field
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger, LogLevel
 
-_OVERFLOW: Hashable = ("bottlenet.ratelimit", "overflow")
+_OVERFLOW: Hashable = ("bottlenet.forward.ratelimit", "overflow")
 
 
 @define
