@@ -54,6 +54,7 @@ from bottlenet.paths import (
     default_control_endpoint,
     default_state_dir,
     ensure_private_dir,
+    unix_path_state,
 )
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
@@ -470,6 +471,10 @@ def _build(
         waits.append(listener.when_listening())
         if metrics_spec.kind == "unix":
             table.own_sockets.add_unix(metrics_spec.path)
+            # A socket nothing answers on is a crashed daemon's (kill -9): replace it, as the
+            # control socket's is; a live one, a symlink or a file makes the listen fail.
+            if unix_path_state(metrics_spec.path)[0] == "stale":
+                os.unlink(metrics_spec.path)
         else:
             interface = metrics_spec.interface
 
