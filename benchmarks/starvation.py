@@ -84,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
 
     sys.path.insert(0, ROOT)
-    from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 
     work = tempfile.mkdtemp(prefix="bn-starve-")
     echo = socket.create_server(("127.0.0.1", 0), backlog=1024)
@@ -99,12 +99,12 @@ def main() -> None:
     held: list[socket.socket] = []
     result: dict[str, Any] = {"budget": args.budget, "loadavg": os.getloadavg()}
     try:
-        for _ in range(600):
+        for _ in range(1200):
             try:
                 with BlockingControlClient(control, timeout=2) as c:
                     c.ping()
                 break
-            except OSError:
+            except (OSError, ControlConnectionError):
                 time.sleep(0.05)
         with BlockingControlClient(control, timeout=30) as c:
             c.create_bottle("aa")
