@@ -2,7 +2,8 @@
 
 - :mod:`~bottlenet.bottles.spec`: the bottle spec a launcher sends, validated field by field.
 - :mod:`~bottlenet.bottles.config`: the daemon's TOML file of forward-only bottles.
-- :mod:`~bottlenet.bottles.model`: the bottle as the daemon remembers it.
+- :mod:`~bottlenet.bottles.model`: the one ``Bottle`` value (forward-only = no VMs) and its
+  state-file record.
 - :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).
 - :mod:`~bottlenet.bottles.fields`: the one typed-field reader (state, spec, config, records).
 - :mod:`~bottlenet.bottles.registry`: the bottles the daemon knows; one operation per bottle.
@@ -16,5 +17,6 @@
 
 The rule of this room: bottles composes the data plane (:mod:`bottlenet.forward`) and the
 smolvm driver (:mod:`vmctl`) with the ground floor; it knows nothing of AMP, the CLI or
-daemon plumbing.
+daemon plumbing. It takes typed values (names, addresses, specs, targets), parsed once by its
+callers.
 """

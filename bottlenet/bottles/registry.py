@@ -88,10 +88,6 @@ class BottleRegistry:
         self._recovery_waiters: list[Deferred[None]] = []
 
     @property
-    def state_dir(self) -> str:
-        return self._state_dir
-
-    @property
     def recovering(self) -> bool:
         """True while the daemon restores its state; changes wait until it is done."""
         return self._recovering

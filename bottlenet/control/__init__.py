@@ -5,10 +5,13 @@
   parser and the hardened AMP protocol.
 - :mod:`~bottlenet.control.peercred`: who is on the other end of a UNIX connection.
 - :mod:`~bottlenet.control.endpoints`: the private UNIX socket, systemd adoption, TLS.
-- :mod:`~bottlenet.control.server`: the peer check and the responders.
-- :mod:`~bottlenet.control.backend`: what the server needs from the bottles wing.
-- :mod:`~bottlenet.control.records`, :mod:`~bottlenet.control.results`,
-  :mod:`~bottlenet.control.codec`: wire records, typed results, reactor-free boxes.
+- :mod:`~bottlenet.control.server`: the peer check and the responders (each argument parsed
+  once, into the values the bottles wing takes).
+- :mod:`~bottlenet.control.backend`: what the server needs from the bottles wing (typed).
+- :mod:`~bottlenet.control.records`: the wire records and the one conversion from a bottle
+  or a forward to its record.
+- :mod:`~bottlenet.control.results`, :mod:`~bottlenet.control.codec`: typed results,
+  reactor-free boxes.
 - :mod:`~bottlenet.control.client` / :mod:`~bottlenet.control.blocking`: the async and the
   blocking client (the client side: imports no daemon module).
 

@@ -18,7 +18,9 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
+from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
 from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
@@ -53,6 +55,27 @@ def spec_doc(
     if workload:
         agent["workload"] = list(workload)
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
+
+
+def socket_bottle(tmp: str, name: str = "b1", **vms: Any) -> Bottle:
+    """A socket-mode VM bottle value with one endpoint (``vms`` overrides BottleVMs fields)."""
+    fields: dict[str, Any] = {
+        "spec": parse_bottle_spec(name, spec_doc(tmp)),
+        "mode": "socket",
+        "mechanism": "socket: x",
+        "sidecar_vm": f"bn-{name}-sidecar",
+        "agent_vm": f"bn-{name}-agent",
+        "sidecar_pid": 123,
+        "endpoints": (
+            Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
+        ),
+        "env": (("A", "b"),),
+        "policy": ("pypi.org",),
+        "probe_skipped": True,
+        "probe": "skipped",
+    }
+    fields.update(vms)
+    return Bottle(name=name, alias=None, created_at=1.5, vms=BottleVMs(**fields))
 
 
 def in_thread(f: Any, *args: Any) -> Deferred[Any]:

@@ -71,6 +71,7 @@ class MemorySmolvm:
     #: The pid a started machine gets: a live process (ours), so pid watches hold.
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
+    holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
 
     @property
     def known_version(self) -> SmolvmVersion:
@@ -82,23 +83,28 @@ class MemorySmolvm:
     def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
         self.faults[(method, machine)] = error
 
-    def _call(self, method: str, name: str) -> Failure | None:
-        self.calls.append((method, name))
-        error = self.faults.get((method, name))
-        return Failure(error) if error is not None else None
+    def hold(self, method: str, machine: str) -> Deferred[None]:
+        """Make the next such call wait until the returned Deferred is fired (a slow call)."""
+        gate: Deferred[None] = Deferred()
+        self.holds[(method, machine)] = gate
+        return gate
 
-    def create(self, spec: MachineSpec) -> Deferred[None]:
-        failure = self._call("create", spec.name)
-        if failure is not None:
-            return fail(failure)
+    def _answer(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
+        """Record the call, then the injected fault, else ``body()`` (its VmctlError fails)."""
+        self.calls.append((method, name))
+        gate = self.holds.pop((method, name), None)
+        if gate is not None:
+            return gate.addCallback(lambda _: self._result(method, name, body))
+        return self._result(method, name, body)
+
+    def _result(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
+        error = self.faults.get((method, name))
         try:
-            validate_spec(spec, check_paths=False)
+            if error is not None:
+                raise error
+            return succeed(body())
         except VmctlError as e:
             return fail(e)
-        if spec.name in self.machines:
-            return fail(AlreadyExists(f"machine {spec.name} already exists"))
-        self.machines[spec.name] = MemMachine(spec)
-        return succeed(None)
 
     def _machine(self, name: str) -> MemMachine:
         try:
@@ -106,56 +112,51 @@ class MemorySmolvm:
         except KeyError:
             raise NotFound(f"machine {name} not found") from None
 
+    def create(self, spec: MachineSpec) -> Deferred[None]:
+        def create() -> None:
+            validate_spec(spec, check_paths=False)
+            if spec.name in self.machines:
+                raise AlreadyExists(f"machine {spec.name} already exists")
+            self.machines[spec.name] = MemMachine(spec)
+
+        return self._answer("create", spec.name, create)
+
     def start(self, name: str) -> Deferred[int | None]:
-        failure = self._call("start", name)
-        if failure is not None:
-            return fail(failure)
-        try:
+        def start() -> int | None:
             m = self._machine(name)
-        except VmctlError as e:
-            return fail(e)
-        m.state, m.pid = "running", self.pid
-        return succeed(m.pid)
+            m.state, m.pid = "running", self.pid
+            return m.pid
+
+        return self._answer("start", name, start)
 
     def stop(self, name: str) -> Deferred[None]:
-        failure = self._call("stop", name)
-        if failure is not None:
-            return fail(failure)
-        try:
+        def stop() -> None:
             m = self._machine(name)
-        except VmctlError as e:
-            return fail(e)
-        m.state, m.pid = "stopped", None
-        return succeed(None)
+            m.state, m.pid = "stopped", None
+
+        return self._answer("stop", name, stop)
 
     def delete(self, name: str) -> Deferred[None]:
-        failure = self._call("delete", name)
-        if failure is not None:
-            return fail(failure)
-        if self.machines.pop(name, None) is None:
-            return fail(NotFound(f"machine {name} not found"))
-        return succeed(None)
+        def delete() -> None:
+            self._machine(name)
+            del self.machines[name]
+
+        return self._answer("delete", name, delete)
 
     def status(self, name: str) -> Deferred[Machine]:
-        failure = self._call("status", name)
-        if failure is not None:
-            return fail(failure)
-        try:
-            return succeed(self._machine(name).record())
-        except VmctlError as e:
-            return fail(e)
+        return self._answer("status", name, lambda: self._machine(name).record())
 
     def list(self, labels: Mapping[str, str] | None = None) -> Deferred[list[Machine]]:
-        failure = self._call("list", "")
-        if failure is not None:
-            return fail(failure)
         want = dict(labels or {})
-        found = [
-            m.record()
-            for m in self.machines.values()
-            if all(dict(m.spec.labels).get(k) == v for k, v in want.items())
-        ]
-        return succeed(found)
+
+        def listing() -> list[Machine]:
+            return [
+                m.record()
+                for m in self.machines.values()
+                if all(dict(m.spec.labels).get(k) == v for k, v in want.items())
+            ]
+
+        return self._answer("list", "", listing)
 
     def exec(
         self,
@@ -167,21 +168,17 @@ class MemorySmolvm:
         detach: bool = False,
         timeout: float | None = None,
     ) -> Deferred[ExecResult]:
-        failure = self._call("exec", name)
-        if failure is not None:
-            return fail(failure)
-        try:
-            m = self._machine(name)
-        except VmctlError as e:
-            return fail(e)
-        if m.state != "running":
-            return fail(NotFound(f"machine {name} is not running"))
-        self.execs.append((name, list(argv)))
-        result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
-        if result is None:
-            out = PROBE_PASS if list(argv[:3]) == PROBE_ARGV else b""
-            result = ExecResult(0, out, b"", 0.0)
-        return succeed(result)
+        def run() -> ExecResult:
+            if self._machine(name).state != "running":
+                raise NotFound(f"machine {name} is not running")
+            self.execs.append((name, list(argv)))
+            result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
+            if result is None:
+                out = PROBE_PASS if list(argv[:3]) == PROBE_ARGV else b""
+                result = ExecResult(0, out, b"", 0.0)
+            return result
+
+        return self._answer("exec", name, run)
 
     def names(self) -> list[str]:
         return sorted(self.machines)
@@ -189,6 +186,13 @@ class MemorySmolvm:
 
 def exits(code: int, stdout: bytes = b"") -> ExecResult:
     return ExecResult(code, stdout, b"", 0.0)
+
+
+def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+    """An ``on_exec`` whose isolation probe finds the internet reachable."""
+    if list(argv[:3]) == PROBE_ARGV:
+        return exits(1, b"LEAK tcp:1.1.1.1:443 is reachable\nRESULT FAIL\n")
+    return None
 
 
 class FDClock(Clock):
@@ -275,13 +279,30 @@ class Rig:
             vms=self.vms,
         )
 
+    def start(self, coro: Coroutine[Any, Any, T]) -> Deferred[T]:
+        """Start ``coro`` and run the clock until it is done or waits on a held call."""
+        d = Deferred.fromCoroutine(coro)
+        self.settle(d)
+        return d
+
+    def settle(self, d: Deferred[Any] | None = None) -> None:
+        """Fire every call that is due now (port closes are ``callLater(0)``), until ``d``
+        has its result or nothing is due."""
+        for _ in range(1000):
+            if d is not None and d.called:
+                return
+            now = self.clock.seconds()
+            if not any(c.getTime() <= now for c in self.clock.getDelayedCalls()):
+                return
+            self.clock.advance(0)
+
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` to its end on the clock; its exception is raised here."""
-        d = Deferred.fromCoroutine(coro)
-        for _ in range(1000):
-            if d.called:
-                break
-            self.clock.advance(0)
+        return self.result(self.start(coro))
+
+    def result(self, d: Deferred[T]) -> T:
+        """The outcome of ``d`` (settling the clock first); its failure is raised here."""
+        self.settle(d)
         results: list[Any] = []
         d.addBoth(results.append)
         assert results, "the operation never finished (it waits on something the rig lacks)"
@@ -290,11 +311,12 @@ class Rig:
             result.raiseException()
         return cast(T, result)
 
-    def recover(self) -> Recovery:
-        """Recovery of the state file as it is on disk, with this rig's parts."""
-        recovery = Recovery(self.registry, self.vms, self.store.load(), self.state_dir)
-        self.run(recovery.run())
-        return recovery
+    def recover(self) -> None:
+        """Run recovery of the state file as it is on disk, with this rig's parts."""
+        self.run(self.recover_later())
+
+    async def recover_later(self) -> None:
+        await Recovery(self.registry, self.vms, self.store.load(), self.state_dir).run()
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""

@@ -32,8 +32,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.spec import TCPListen, UNIXListen, parse_target
 from tests.bottles.harness import spec_doc
-from tests.bottles.memsmolvm import MemMachine, Rig, exits
-from tests.bottles.test_rollback import leak
+from tests.bottles.memsmolvm import MemMachine, Rig, exits, leak
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import Unavailable as VmUnavailable
 from vmctl.ports import Ownership, PortCheck

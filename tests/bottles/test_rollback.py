@@ -21,7 +21,7 @@ from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
 from tests.bottles.harness import spec_doc
-from tests.bottles.memsmolvm import PROBE_ARGV, Rig, exits
+from tests.bottles.memsmolvm import Rig, exits, leak
 from vmctl.errors import KvmUnavailable
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult
@@ -148,12 +148,6 @@ def test_agent_start_fails(rigs: Callable[..., Rig], tmp: str) -> None:
     rig.smolvm.fail_on("start", "bn-rb-agent", KvmUnavailable("injected: no KVM"))
     create_fails(rig, "SMOLVM_FAILED", spec(tmp))
     assert ("delete", "bn-rb-agent") in rig.smolvm.calls
-
-
-def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
-    if list(argv[:3]) == PROBE_ARGV:
-        return exits(1, b"LEAK tcp:1.1.1.1:443 is reachable\nRESULT FAIL\n")
-    return None
 
 
 def test_probe_fails(rigs: Callable[..., Rig], tmp: str) -> None:

@@ -19,13 +19,14 @@ from bottlenet.bottles.isolation import (
     choose_isolation,
     tsi_allow_list_enforced,
 )
-from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint, machine_name
+from bottlenet.bottles.model import Bottle, Endpoint, machine_name
 from bottlenet.bottles.probe import ProbePlan, judge, plan_probe
 from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
-from tests.bottles.harness import spec_doc
+from tests.bottles.harness import socket_bottle, spec_doc
 from vmctl.smolvm import SmolvmVersion
 from vmctl.spec import validate_name
 
@@ -159,31 +160,19 @@ def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
 
 
 def test_vm_record_round_trips(tmp_path: object) -> None:
-    doc = spec_doc(str(tmp_path))
-    bottle = Bottle(
-        name="b1",
-        alias=None,
-        created_at=1.5,
-        vms=BottleVMs(
-            spec=parse_bottle_spec("b1", doc),
-            mode="socket",
-            mechanism="socket: x",
-            sidecar_vm="bn-b1-sidecar",
-            agent_vm="bn-b1-agent",
-            sidecar_pid=123,
-            endpoints=(
-                Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
-            ),
-            env=(("A", "b"),),
-            policy=("pypi.org",),
-            probe_skipped=True,
-            probe="skipped",
-        ),
-    )
+    bottle = socket_bottle(str(tmp_path))
     record = json.loads(json.dumps(bottle.to_state()))
-    assert record["spec"] == doc  # the state file keeps the document the spec was read from
+    assert record["spec"] == spec_doc(str(tmp_path))  # the document the spec was read from
     again = Bottle.from_state("b1", record, unix_root=str(tmp_path))
     assert again == bottle and again.machine().spec == bottle.machine().spec
+    with pytest.raises(StateError, match="bottle b1: probe: missing"):
+        Bottle.from_state("b1", {**record, "probe": None}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="bottle b1: sidecar_pid: must be an integer"):
+        Bottle.from_state("b1", {**record, "sidecar_pid": True}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="stored spec no longer valid"):
+        Bottle.from_state("b1", {**record, "spec": {"mode": "x"}}, unix_root=str(tmp_path))
+    with pytest.raises(StateError, match="bottle b1: kind: unknown"):
+        Bottle.from_state("b1", {**record, "kind": "other"}, unix_root=str(tmp_path))
 
 
 def test_watch_fallback_timer_fires_once_when_pid_dies() -> None:

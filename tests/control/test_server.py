@@ -2,15 +2,26 @@
 
 from __future__ import annotations
 
+import ipaddress
+from typing import Any
+
 import pytest
 from twisted.internet.error import ConnectionDone
 from twisted.logger import LogEvent
 from twisted.protocols import amp
 from twisted.python.failure import Failure
 
+from bottlenet.bottles.model import Bottle, Endpoint
+from bottlenet.bottles.spec import BottleSpec
 from bottlenet.control import commands as C
 from bottlenet.control.codec import RemoteError
-from bottlenet.control.records import BottleRecord, ForwardRecord
+from bottlenet.control.records import (
+    BottleRecord,
+    EndpointRecord,
+    ForwardRecord,
+    bottle_record,
+    encode_records,
+)
 from bottlenet.errors import (
     ALL_ERRORS,
     AlreadyExists,
@@ -19,7 +30,9 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
 )
+from bottlenet.forward.spec import parse_target
 from bottlenet.paths import PrivateDirError
+from tests.bottles.harness import socket_bottle
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
 
@@ -314,3 +327,46 @@ def test_concurrent_control_connections_are_capped() -> None:
     for _ in range(10):
         Conn(refused)
     assert refused.open_connections == 0 and refused.refused == 0
+
+
+def test_backend_gets_values_parsed_once(conn: Conn) -> None:
+    """The responder hands the bottles layer parsed values, never raw text or dicts."""
+    backend = conn.factory.backend
+    assert isinstance(backend, FakeBackend)
+    conn.call(C.CreateBottle, name="b1", alias="127.77.0.9", spec='{"mode": "none"}')
+    op, (name, alias, spec) = backend.mutations[-1]
+    assert (op, name, alias) == ("create_bottle", "b1", ipaddress.IPv4Address("127.77.0.9"))
+    assert isinstance(spec, BottleSpec) and spec.name == "b1" and not spec.has_vms
+    assert spec.doc == {"mode": "none"}  # the document it was read from, for the state file
+    conn.call(C.AddForward, bottle="b1", label="web", target="[::1]:8080", port=0)
+    assert backend.mutations[-1] == ("add_forward", ("b1", "web", parse_target("[::1]:8080"), 0))
+    with pytest.raises(InvalidArgument, match="sidecar"):
+        conn.call(C.CreateBottle, name="b2", spec='{"mode": "socket"}')
+    assert [c for c in backend.calls if c[1][0] == "b2"] == []
+
+
+def test_vm_bottle_record_is_a_view_without_raw_ports(tmp_path: Any) -> None:
+    bottle = socket_bottle(
+        str(tmp_path),
+        mechanism="socket: --mount-socket",
+        endpoints=(
+            Endpoint("git", 9418, 40999, path="/s/git.sock", guest_path="/run/bottle/git.sock"),
+        ),
+        env=(("GIT_GATE_SOCKET", "/run/bottle/git.sock"),),
+    )
+    record = bottle_record(bottle, 1)
+    assert record.endpoints == (EndpointRecord("git", "unix:/run/bottle/git.sock", "/s/git.sock"),)
+    assert (record.mode, record.forwards, record.probe) == ("socket", 1, "skipped")
+    assert (
+        record.isolation
+        == "socket: --mount-socket; launch gate: SKIPPED (--unsafe-skip-isolation-probe)"
+    )
+    assert record.warnings and "NOT verified" in record.warnings[0]
+    assert record.env == {"GIT_GATE_SOCKET": "/run/bottle/git.sock"}
+    assert bottle_record(bottle, 1, with_env=False).env == {}
+    assert b"40999" not in encode_records([record])
+    plain = bottle_record(Bottle("p", "127.77.0.2", 1.0), 0)
+    assert encode_records([plain]) == (
+        b'[{"name":"p","alias":"127.77.0.2","source":"control","state":"ready",'
+        b'"created_at":1.0,"forwards":0}]'
+    )

@@ -1,0 +1,115 @@
+"""VMLifecycle's create steps and the registry's one-operation-per-bottle rule (unit seam).
+
+The machine specs the lifecycle hands to smolvm are checked on the in-memory double
+(``tests/bottles/memsmolvm.py``); the same create through the fake smolvm executable, with
+real bytes through the endpoints, is ``test_vm_e2e.py``.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.model import LABEL_BOTTLE, LABEL_OWNER, LABEL_ROLE
+from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.errors import Busy, ResourceExhausted
+from bottlenet.forward.spec import TCPListen, UNIXListen
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import Rig
+
+Rigs = Callable[..., Rig]
+
+
+def spec(tmp: str, name: str = "b1", **kw: Any) -> BottleSpec:
+    kw.setdefault("mode", "socket")
+    return parse_bottle_spec(name, spec_doc(tmp, **kw))
+
+
+def test_socket_mode_create(rigs: Rigs, tmp: str) -> None:
+    rig = rigs()
+    b = rig.run(rig.registry.create_bottle("b1", spec=spec(tmp, workload=("/agent", "run"))))
+    vm = b.machine()
+    sidecar = rig.smolvm.machines["bn-b1-sidecar"].spec
+    agent = rig.smolvm.machines["bn-b1-agent"].spec
+    assert dict(sidecar.labels) == {
+        LABEL_OWNER: rig.instance_id,
+        LABEL_BOTTLE: "b1",
+        LABEL_ROLE: "sidecar",
+    }
+    assert dict(agent.labels)[LABEL_ROLE] == "agent"
+    # the sidecar publishes each guest port on a raw port; the agent never sees those
+    assert [(p.host, p.guest) for p in sidecar.ports] == list(
+        zip(vm.raw_ports, (3128, 9418), strict=True)
+    )
+    assert agent.net is False and agent.ports == ()
+    assert [(m.host, m.guest) for m in agent.mount_sockets] == [
+        (e.path, e.guest_path) for e in vm.endpoints
+    ]
+    assert not any(str(raw) in v for raw in vm.raw_ports for _, v in agent.env)
+    # each endpoint is a real socket in the bottle's own 0700 directory, relaying to its raw port
+    bdir = os.path.join(rig.state_dir, "bottles", "b1")
+    assert stat.S_IMODE(os.stat(bdir).st_mode) == 0o700
+    for info, e in zip(rig.table.list("b1"), vm.endpoints, strict=True):
+        assert isinstance(info.bound, UNIXListen) and info.bound.path == e.path
+        assert stat.S_ISSOCK(os.stat(e.path).st_mode)
+        assert info.spec.target.describe() == f"127.0.0.1:{e.raw_port}"
+    # the gate ran before the workload, which runs detached with the stamped env
+    probe, workload = [argv for name, argv in rig.smolvm.execs if name == "bn-b1-agent"]
+    assert probe[:3] == ["/bin/sh", "-s", "--"] and workload == ["/agent", "run"]
+    assert vm.probe == "PASS" and b.warnings == ()
+    assert rig.state()["b1"] == b.to_state()
+
+
+def test_alias_mode_create_with_the_iptables_fallback(rigs: Rigs, tmp: str) -> None:
+    rig = rigs(options=VMOptions(instance_id="", iptables_fallback=True, skip_probe=True))
+    b = rig.run(rig.registry.create_bottle("b1", spec=spec(tmp, mode="alias")))
+    vm = b.machine()
+    assert b.alias == "127.79.0.1" and vm.mode == "alias"
+    assert all(isinstance(f.bound, TCPListen) for f in rig.table.list("b1"))
+    assert [e.agent_address() for e in vm.endpoints] == [
+        f.bound.describe() for f in rig.table.list("b1")
+    ]
+    agent = rig.smolvm.machines["bn-b1-agent"].spec
+    assert agent.net is True and agent.net_backend == "tsi"
+    assert ("bn-b1-agent", ["/bin/true"]) in rig.smolvm.execs  # the (stand-in) guest rules
+    assert vm.probe == "skipped" and "NOT verified" in b.warnings[0]
+
+
+def test_one_operation_per_bottle_and_creates_count_against_the_limit(rigs: Rigs, tmp: str) -> None:
+    rig = rigs(max_bottles=2)
+    gate = rig.smolvm.hold("start", "bn-m1-agent")
+    first = rig.start(rig.registry.create_bottle("m1", spec=spec(tmp, name="m1")))
+    assert not first.called and "m1" in rig.registry._busy
+    with pytest.raises(Busy):
+        rig.run(rig.registry.destroy_bottle("m1"))
+    with pytest.raises(Busy):
+        rig.run(rig.registry.create_bottle("m1"))
+    rig.run(rig.registry.create_bottle("m2"))  # forward-only counts too
+    with pytest.raises(ResourceExhausted):
+        rig.run(rig.registry.create_bottle("m3"))
+    gate.callback(None)
+    assert rig.result(first).state == "ready"
+    assert "m1" not in rig.registry._busy
+    rig.run(rig.registry.destroy_bottle("m1"))
+    rig.run(rig.registry.create_bottle("m3"))
+
+
+def test_changes_wait_for_recovery(rigs: Rigs, tmp: str) -> None:
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp, name="r1")))
+    first.close()
+    rig = rigs(smolvm=first.smolvm)
+    gate = rig.smolvm.hold("list", "")
+    recovery = rig.start(rig.recover_later())
+    assert rig.registry.recovering
+    create = rig.start(rig.registry.create_bottle("p1"))
+    assert not create.called and not rig.registry.has_bottle("p1")
+    gate.callback(None)
+    rig.result(recovery)
+    assert rig.result(create).name == "p1"
+    assert sorted(rig.state()) == ["p1", "r1"]
