@@ -19,9 +19,11 @@ from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
 from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
+from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.ops.listening import ListeningService
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
 
@@ -129,10 +131,13 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         root.startService()
         self.root = root
         self.addCleanup(self.stop)
-        for _ in range(200):
-            if not root.registry.recovering and os.path.exists(self.control):
-                break
-            await sleep(0.02)
+        # Wait for the events (recovery done, its state saved; the control socket
+        # listening), not for a guessed time: a 4 s poll ran out on a loaded machine.
+        for svc in root:
+            if isinstance(svc, RecoveryService):
+                await svc.ready
+            elif isinstance(svc, ListeningService):
+                await svc.when_listening()
         client = await connect_control(reactor, self.control, timeout=30)
         self.clients.append(client)
         return client
