@@ -25,6 +25,7 @@ from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.model import SOURCE_CONFIG
+from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
@@ -56,6 +57,7 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
+from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import make_smolvm
@@ -127,6 +129,19 @@ class Options(usage.Options):
             f"{DEFAULT_IDLE_TIMEOUT:g}",
             "Close a relayed connection after this many seconds without a byte either way "
             "(0: never).",
+        ],
+        [
+            "gate-outside",
+            None,
+            DEFAULT_OUTSIDE,
+            "An IP:PORT outside the host that the launch gate requires unreachable from a "
+            "guest (by TCP and ICMP).",
+        ],
+        [
+            "gate-dns-name",
+            None,
+            DEFAULT_DNS_NAME,
+            "A DNS name the launch gate requires not to resolve inside a guest.",
         ],
     ]
     optFlags = [
@@ -341,6 +356,7 @@ def _build(
     if not str(metrics_cap).isdigit() or not 1 <= int(metrics_cap) <= 1024:
         raise _fail("--metrics-max-connections: must be an integer 1-1024")
     tls = _tls_options(options, pool)
+    gate = _gate_settings(options, tls, metrics_spec)
     max_bottles = options["max-bottles"]
     if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
         raise _fail("--max-bottles: must be an integer 1-65536")
@@ -382,6 +398,7 @@ def _build(
         raise _fail(f"--relay-engine: {e}") from None
     vm_options = VMOptions(
         instance_id=state.instance_id,
+        gate=gate,
         iptables_fallback=options["alias-iptables-fallback"],
         skip_probe=options["unsafe-skip-isolation-probe"],
     )
@@ -565,6 +582,23 @@ def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:
         results=frozenset({"OK", *control_codes}),
     )
     return calls, commands
+
+
+def _gate_settings(
+    options: Options, tls: tuple[int, str, str, str, str] | None, metrics_spec: Any
+) -> GateSettings:
+    """The gate's stand-in-able targets, plus the daemon's own TCP services to find closed."""
+    try:
+        outside = Target.parse(f"tcp:{options['gate-outside']}")
+        dns_name = check_dns_name(options["gate-dns-name"])
+    except BottlenetError as e:
+        raise _fail(f"--gate-outside/--gate-dns-name: {e.message}") from None
+    ports = []
+    if tls is not None:
+        ports.append(tls[0])
+    if metrics_spec is not None and metrics_spec.kind != "unix" and metrics_spec.port:
+        ports.append(metrics_spec.port)
+    return GateSettings(outside=str(outside)[4:], dns_name=dns_name, host_ports=tuple(ports))
 
 
 def control_service(

@@ -11,6 +11,9 @@ from hypothesis import HealthCheck, settings
 
 from tests.netio import echo_server as _echo_server
 
+#: No packet leaves the machine while the suite runs (see tests/netguard.py).
+pytest_plugins = ["tests.netguard"]
+
 settings.register_profile(
     "ci",
     deadline=None,

@@ -27,6 +27,7 @@ import pytest
 
 from bottlenet.cli.main import build_parser
 from bottlenet.control.blocking import BlockingControlClient
+from tests import netguard
 from tests.fakes import FakeSmolvm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,6 +150,7 @@ def _netns_works() -> bool:
 
 
 @pytest.mark.skipif(not _netns_works(), reason="the fake's exec-netns stand-in needs root")
+@pytest.mark.skipif(not netguard.active(), reason="the gate with the fake needs the netguard")
 def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Section 5 against a real daemon and the fake smolvm (a test double); nothing survives."""
     blocks = shell_blocks(QUICKSTART)
@@ -163,6 +165,11 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
     def fill(text: str) -> str:
         text = text.replace("/tmp/bn-quick", base)
+        # The fake runs the gate's probe on the host: its outside and DNS checks go to
+        # stand-ins in the suite's own namespace (tests/netguard.py), never off the machine.
+        text = text.replace(
+            "twist bottlenet ", "twist bottlenet " + " ".join(netguard.GATE_STAND_INS) + " "
+        )
         return text.replace("examples/bottle-socket.toml", str(spec))
 
     fake = FakeSmolvm(os.path.join(base, "smolvm"))

@@ -10,7 +10,8 @@
 - :mod:`~bottlenet.bottles.lifecycle`: VM create steps with their undos, verify, teardown.
 - :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start.
 - :mod:`~bottlenet.bottles.isolation`: which isolation mode, which mechanism, which VM flags.
-- :mod:`~bottlenet.bottles.probe` (+ ``probe.sh``): the launch gate.
+- :mod:`~bottlenet.bottles.probe`: the launch gate step (markers, witness, exec, verdict) around
+  :mod:`bottlenet.probe`.
 - :mod:`~bottlenet.bottles.egress`: the sidecar's egress allow-list, pushed and reloaded.
 - :mod:`~bottlenet.bottles.agentenv`: the agent's stamped environment.
 - :mod:`~bottlenet.bottles.watch`: notice a VM process exit without polling smolvm.

@@ -45,8 +45,8 @@ from bottlenet.bottles.model import (
     Endpoint,
     machine_name,
 )
-from bottlenet.bottles.probe import PROBE_TIMEOUT, ProbeVerdict, judge, plan_probe, probe_script
-from bottlenet.bottles.spec import BottleSpec, image_fields, is_local_image
+from bottlenet.bottles.probe import Gate, GateSettings
+from bottlenet.bottles.spec import BottleSpec, EgressSpec, image_fields, is_local_image
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
@@ -66,6 +66,7 @@ from bottlenet.forward.spec import (
     unix_listen_for,
 )
 from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.judge import Verdict
 from vmctl.errors import NotFound as VmNotFound
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import VmctlError
@@ -99,8 +100,8 @@ class VMOptions:
     iptables_fallback: bool = False
     skip_probe: bool = False
     platform: str = sys.platform
-    #: Other ports of host services on 127.0.0.1 the probe must find closed.
-    host_services: tuple[int, ...] = ()
+    #: The launch gate's outside address, DNS name and the daemon's own service ports.
+    gate: GateSettings = field(factory=GateSettings)
     allow_unverifiable_ports: bool = False
 
 
@@ -145,6 +146,7 @@ class VMLifecycle:
         #: The alias fallback's guest rules (tests swap it: the fake smolvm execs on the host).
         self.iptables_argv: Callable[[str], list[str]] = iptables_argv
         self._watches: dict[str, Watch] = {}
+        self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -360,7 +362,16 @@ class VMLifecycle:
         if self.options.skip_probe:
             c.facts["probe"] = "skipped"
         else:
-            verdict = await self.run_probe(c.name, name, endpoints)
+            verdict = await self.run_probe(
+                c.name,
+                name,
+                c.plan.mode,
+                endpoints,
+                volumes=agent.volumes,
+                witness=True,
+                egress=c.spec.sidecar.egress if c.spec.sidecar is not None else None,
+                policy=c.facts["policy"],
+            )
             if not verdict.passed:
                 raise IsolationFailed(
                     f"isolation probe failed in {name}: {verdict.describe()}; bottle torn down"
@@ -440,30 +451,57 @@ class VMLifecycle:
         return f"127.0.0.2:{port}"
 
     async def run_probe(
-        self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]
-    ) -> ProbeVerdict:
-        plan = plan_probe(
+        self,
+        bottle: str,
+        agent_vm: str,
+        mode: str,
+        endpoints: Sequence[Endpoint],
+        *,
+        volumes: Sequence[str] = (),
+        witness: bool,
+        egress: EgressSpec | None = None,
+        policy: Sequence[str] = (),
+    ) -> Verdict:
+        """The launch gate (``witness``: before any workload, own endpoints diverted)."""
+        plan, verdict = await self.gate.run(
+            bottle,
+            agent_vm,
+            mode,
             endpoints,
             other_bottle=self.other_bottle_target(bottle, endpoints),
-            host_services=self.options.host_services,
+            volumes=[Volume.parse(v) for v in volumes],
+            witness=witness,
+            proxy=next(
+                (e for e in endpoints if egress is not None and e.service == egress.connect_proxy),
+                None,
+            ),
+            allow_hosts=policy,
         )
-        result = await self.smolvm.exec(
-            agent_vm, plan.argv(), stdin=probe_script(), timeout=PROBE_TIMEOUT
-        )
-        verdict = judge(plan, result.exit_code, result.stdout)
         self.log.info(
-            "bottle {bottle}: isolation probe {result} ({n} checks): {detail}",
+            "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
+            " path): {detail}",
             bottle=bottle,
             result="PASS" if verdict.passed else "FAIL",
-            n=plan.count,
+            n=len(plan.own),
+            ports=len(plan.host_ports),
             detail=verdict.describe(),
         )
         return verdict
 
-    async def verify(self, bottle: Bottle) -> ProbeVerdict:
+    async def verify(self, bottle: Bottle) -> Verdict:
+        """The gate again while the workload runs: endpoints are not diverted then."""
         vm = bottle.machine()
         try:
-            return await self.run_probe(bottle.name, vm.agent_vm, vm.endpoints)
+            return await self.run_probe(
+                bottle.name,
+                vm.agent_vm,
+                vm.mode,
+                vm.endpoints,
+                volumes=vm.spec.agent.volumes if vm.spec.agent is not None else (),
+                witness=False,
+                egress=vm.spec.sidecar.egress if vm.spec.sidecar is not None else None,
+                policy=vm.policy,
+            )
         except VmctlError as e:
             raise map_vmctl(e) from None
 

@@ -1,121 +1,261 @@
-"""The isolation probe (launch gate): what to check from inside the agent VM, and the verdict.
+"""The launch gate as the daemon runs it, around ``bottlenet.probe`` (plan, script, judge).
 
-``probe.sh`` runs in the agent VM through ``smolvm machine exec`` (stdin = the script). Its
-output is guest-controlled (at ``VerifyBottle`` time the agent's workload is running), so the
-verdict never echoes it: a ``LEAK`` line is only reported when it names one of the endpoints
-this module asked about.
+One run: choose a nonce; plant per-run marker files in the state directory and the daemon
+user's home; divert each own endpoint's real listener to a witness (it must see the probe's
+nonce, once, during the window; nothing is relayed meanwhile, and no workload runs yet);
+send the script on the agent VM's stdin; then restore the relays, remove the markers, look
+for the files the guest wrote into read-write volumes, and judge. At ``bottle verify`` time
+the agent's workload is running, so the endpoints are not diverted: the guest's word for its
+own endpoints is all there is then, and the verdict says so.
 """
 
 from __future__ import annotations
 
-import re
+import contextlib
+import os
 from collections.abc import Sequence
-from importlib import resources
+from typing import Any
 
 from attrs import frozen
+from twisted.logger import Logger
 
 from bottlenet.bottles.model import Endpoint
+from bottlenet.errors import InvalidArgument
+from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.judge import Verdict, judge
+from bottlenet.probe.plan import (
+    DEFAULT_DNS_NAME,
+    DEFAULT_OUTSIDE,
+    MODE_ALIAS,
+    WELL_KNOWN_PORTS,
+    ProbePlan,
+    Target,
+    check_guest_path,
+    host_id_hash,
+    new_nonce,
+)
+from bottlenet.probe.script import ARGV, render
+from bottlenet.probe.witness import Witness, WitnessFactory
+from vmctl.smolvm import Smolvm
+from vmctl.spec import Volume
 
-#: Outside the host: must be unreachable from any agent VM.
-EXTERNAL_TARGET = "1.1.1.1:443"
-#: A public name that must not resolve inside an agent VM.
-DNS_NAME = "example.com"
 PROBE_TIMEOUT = 60.0
-_LEAK = re.compile(r"^LEAK (?:dns (\S+) resolves|(\S+) is reachable)$")
-_OWN_FAIL = re.compile(r"^FAIL own (\S+) does not connect$")
-
-
-def probe_script() -> bytes:
-    return resources.files("bottlenet.bottles").joinpath("probe.sh").read_bytes()
+MARKER_PREFIX = ".bottlenet-gate-marker-"
+HOST_ID_FILES = ("/etc/machine-id", "/proc/sys/kernel/hostname")
+#: The verdict type under the name the registry and the control plane know.
+ProbeVerdict = Verdict
 
 
 @frozen
-class ProbePlan:
-    """The checks: ``own`` must connect, ``deny`` must not, ``dns`` names must not resolve."""
+class GateSettings:
+    """Daemon-wide gate settings. Tests point ``outside``/``dns_name`` at stand-ins."""
 
-    own: tuple[str, ...]
-    deny: tuple[str, ...]
-    dns: tuple[str, ...]
-
-    def args(self) -> list[str]:
-        return (
-            [f"own:{e}" for e in self.own]
-            + [f"deny:{e}" for e in self.deny]
-            + [f"dns:{n}" for n in self.dns]
-        )
-
-    def argv(self) -> list[str]:
-        return ["/bin/sh", "-s", "--", *self.args()]
-
-    @property
-    def count(self) -> int:
-        return len(self.own) + len(self.deny) + len(self.dns)
+    outside: str = DEFAULT_OUTSIDE
+    dns_name: str = DEFAULT_DNS_NAME
+    #: Ports of the daemon's own host services (TLS control, metrics) and any others.
+    host_ports: tuple[int, ...] = ()
+    #: Where the home-directory marker goes (None: the daemon user's home).
+    home: str | None = None
 
 
-def plan_probe(
+def own_target(e: Endpoint) -> Target:
+    if e.host is not None:
+        return Target.parse(f"tcp:{e.host}:{e.port}")
+    return Target.parse(f"unix:{e.guest_path}")
+
+
+def host_ids(nonce: str) -> tuple[str, ...]:
+    out = []
+    for path in HOST_ID_FILES:
+        try:
+            with open(path) as fh:
+                value = fh.read().strip()
+        except OSError:
+            continue
+        if value:
+            out.append(host_id_hash(nonce, value))
+    return tuple(out)
+
+
+def plan_gate(
     endpoints: Sequence[Endpoint],
     *,
+    mode: str,
+    nonce: str,
     other_bottle: str | None,
-    host_services: Sequence[int] = (),
-    external: str = EXTERNAL_TARGET,
-    dns_name: str = DNS_NAME,
+    settings: GateSettings = GateSettings(),
+    absent: Sequence[str] = (),
+    volumes: Sequence[Volume] = (),
+    witness: bool = True,
+    proxy: Endpoint | None = None,
+    allow_hosts: Sequence[str] = (),
 ) -> ProbePlan:
-    """Own endpoints, plus: every raw port, another bottle, host services, internet, DNS.
+    """Own endpoints; raw ports, the daemon's services and well-known ports on every path to
+    the host; another bottle's endpoint; the outside address and DNS; markers; volumes."""
+    ports = [e.raw_port for e in endpoints] + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
+    deny = [Target.parse(f"tcp:{other_bottle}")] if other_bottle is not None else []
+    connect_ok: list[str] = []
+    connect_no: list[str] = []
+    if proxy is not None:
+        literal = [h for h in allow_hosts if not h.startswith("*.")]
+        connect_ok = [f"{literal[0]}:443"] if literal else []
+        denied = settings.dns_name
+        if any(
+            denied == h or denied.endswith(h[1:]) for h in allow_hosts if h.startswith("*.")
+        ) or (denied in allow_hosts):
+            denied = "bottlenet-gate.invalid"
+        connect_no = [f"{denied}:443"]
+    return ProbePlan(
+        mode=MODE_ALIAS if mode == MODE_ALIAS else "socket",
+        nonce=nonce,
+        own=tuple(own_target(e) for e in endpoints),
+        deny=tuple(deny),
+        host_ports=tuple(ports),
+        outside=settings.outside,
+        dns=(settings.dns_name,),
+        absent=tuple(absent),
+        host_ids=host_ids(nonce),
+        ro=tuple(v.guest for v in volumes if v.read_only),
+        rw=tuple(v.guest for v in volumes if not v.read_only),
+        witness=witness,
+        connect_via=None if proxy is None else own_target(proxy),
+        connect_ok=tuple(connect_ok),
+        connect_no=tuple(connect_no),
+    )
 
-    ``other_bottle`` is ``alias:port`` of another bottle's live endpoint (or an alias of the
-    pool that is not ours); ``host_services`` are other ports listening on host 127.0.0.1.
-    """
-    own = []
-    for e in endpoints:
-        if e.host is not None:
-            own.append(f"tcp:{e.host}:{e.port}")
-        else:
-            own.append(f"unix:{e.guest_path}")
-    deny = [f"tcp:127.0.0.1:{e.raw_port}" for e in endpoints]
-    deny += [
-        f"tcp:127.0.0.1:{p}" for p in host_services if p not in {e.raw_port for e in endpoints}
-    ]
-    if other_bottle is not None:
-        deny.append(f"tcp:{other_bottle}")
-    deny.append(f"tcp:{external}")
-    return ProbePlan(tuple(own), tuple(dict.fromkeys(deny)), (dns_name,))
+
+class Markers:
+    """Per-run marker files at host paths the guest must not see (removed on exit)."""
+
+    log = Logger()
+
+    def __init__(self, nonce: str, dirs: Sequence[str]) -> None:
+        self.paths: list[str] = []
+        for d in dirs:
+            path = os.path.join(d, MARKER_PREFIX + nonce)
+            try:
+                check_guest_path(path)
+            except InvalidArgument:
+                self.log.warn("no gate marker in {dir}: its path has unusual characters", dir=d)
+                continue
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            except OSError as e:
+                self.log.warn("no gate marker in {dir}: {err}", dir=d, err=e.strerror)
+                continue
+            os.close(fd)
+            self.paths.append(path)
+
+    def remove(self) -> None:
+        for path in self.paths:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
 
 
-@frozen
-class ProbeVerdict:
-    passed: bool
-    problems: tuple[str, ...]
-
-    def describe(self) -> str:
-        return "; ".join(self.problems) if self.problems else "all checks passed"
-
-
-def judge(plan: ProbePlan, exit_code: int, stdout: bytes) -> ProbeVerdict:
-    """PASS only with exit 0, a last line ``RESULT PASS`` and no leak or failure line."""
-    lines = [ln.strip() for ln in stdout.decode("utf-8", "replace").splitlines() if ln.strip()]
-    known_tcp = {e for e in plan.deny} | {e for e in plan.own}
-    problems: list[str] = []
-    for line in lines:
-        m = _LEAK.match(line)
-        if m:
-            name, endpoint = m.group(1), m.group(2)
-            if name is not None:
-                problems.append(f"leak: DNS name {name} resolves" if name in plan.dns else "leak")
-            else:
-                problems.append(
-                    f"leak: {endpoint} is reachable" if endpoint in known_tcp else "leak"
-                )
+def collect_rw(nonce: str, volumes: Sequence[Volume]) -> set[str]:
+    """The rw volumes whose host side holds the guest's file (each file is removed)."""
+    seen = set()
+    name = f".bottlenet-gate-{nonce}"
+    for v in volumes:
+        if v.read_only:
             continue
-        m = _OWN_FAIL.match(line)
-        if m:
-            ep = m.group(1)
-            problems.append(
-                f"own endpoint {ep} does not connect" if ep in plan.own else "own endpoint fails"
+        path = os.path.join(v.host, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            continue
+        try:
+            if os.read(fd, 128) == f"{nonce}\n".encode():
+                seen.add(v.guest)
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    return seen
+
+
+class Gate:
+    """Runs the gate in one agent VM and judges it."""
+
+    log = Logger()
+
+    def __init__(
+        self,
+        reactor: Any,
+        smolvm: Smolvm,
+        table: ForwardTable,
+        *,
+        state_dir: str,
+        settings: GateSettings,
+    ) -> None:
+        self.reactor = reactor
+        self.smolvm = smolvm
+        self.table = table
+        self.state_dir = state_dir
+        self.settings = settings
+
+    def marker_dirs(self) -> list[str]:
+        home = self.settings.home or os.path.expanduser("~")
+        return [d for d in dict.fromkeys((self.state_dir, home)) if os.path.isdir(d)]
+
+    async def run(
+        self,
+        bottle: str,
+        agent_vm: str,
+        mode: str,
+        endpoints: Sequence[Endpoint],
+        *,
+        other_bottle: str | None,
+        volumes: Sequence[Volume] = (),
+        witness: bool = True,
+        proxy: Endpoint | None = None,
+        allow_hosts: Sequence[str] = (),
+    ) -> tuple[ProbePlan, Verdict]:
+        nonce = new_nonce()
+        markers = Markers(nonce, self.marker_dirs())
+        seen: Witness | None = None
+        diverted: list[str] = []
+        try:
+            plan = plan_gate(
+                endpoints,
+                mode=mode,
+                nonce=nonce,
+                other_bottle=other_bottle,
+                settings=self.settings,
+                absent=markers.paths,
+                volumes=volumes,
+                witness=witness,
+                proxy=proxy,
+                allow_hosts=allow_hosts,
             )
-    if exit_code == 3:
-        problems.append("the probe found no python3, nc or curl in the agent image")
-    last = lines[-1] if lines else ""
-    passed = exit_code == 0 and last == "RESULT PASS" and not problems
-    if not passed and not problems:
-        problems.append(f"probe did not pass (exit {exit_code})")
-    return ProbeVerdict(passed, tuple(dict.fromkeys(problems)))
+            if witness:
+                seen = Witness(nonce)
+                for e, target in zip(endpoints, plan.own, strict=True):
+                    self._divert(bottle, e.service, seen, str(target))
+                    diverted.append(e.service)
+            result = await self.smolvm.exec(
+                agent_vm, list(ARGV), stdin=render(plan), timeout=PROBE_TIMEOUT
+            )
+        finally:
+            if seen is not None:
+                seen.close()
+            for label in diverted:
+                with contextlib.suppress(Exception):
+                    self.table.divert(bottle, label, None)
+            markers.remove()
+        verdict = judge(
+            plan,
+            result.stdout,
+            exit_code=result.exit_code,
+            witnessed=None if seen is None else seen.seen,
+            rw_seen=collect_rw(nonce, volumes),
+        )
+        return plan, verdict
+
+    def _divert(self, bottle: str, label: str, witness: Witness, target: str) -> None:
+        def used() -> None:
+            with contextlib.suppress(Exception):
+                self.table.divert(bottle, label, None)
+
+        factory = WitnessFactory(self.reactor, witness, target, on_used=used)
+        self.table.divert(bottle, label, factory)

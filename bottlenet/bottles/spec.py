@@ -105,6 +105,9 @@ class EgressSpec:
     allow_hosts: tuple[str, ...]
     policy_path: str
     reload: tuple[str, ...]
+    #: The sidecar service whose agent endpoint is an HTTP CONNECT proxy enforcing
+    #: ``allow_hosts`` (the launch gate then checks it answers and refuses accordingly).
+    connect_proxy: str | None = None
 
 
 @frozen
@@ -279,7 +282,7 @@ def _service(raw: object, where: str) -> ServiceSpec:
 
 
 def _egress(raw: object, where: str) -> EgressSpec:
-    f = _fields(raw, where, {"allow_hosts", "policy_path", "reload"})
+    f = _fields(raw, where, {"allow_hosts", "policy_path", "reload", "connect_proxy"})
     try:
         hosts = check_allow_hosts(f.get("allow_hosts", []))
     except InvalidArgument as e:
@@ -288,7 +291,8 @@ def _egress(raw: object, where: str) -> EgressSpec:
     reload = _strings(f, "reload", limit=64)
     if not reload or not reload[0].startswith("/"):
         raise InvalidArgument(f"{f.path('reload')}: must be an argv whose first item is absolute")
-    return EgressSpec(hosts, policy_path, reload)
+    proxy = _string(f, "connect_proxy") if "connect_proxy" in f.table else None
+    return EgressSpec(hosts, policy_path, reload, proxy)
 
 
 def _sidecar(raw: object) -> SidecarSpec:
@@ -309,6 +313,12 @@ def _sidecar(raw: object) -> SidecarSpec:
         raise InvalidArgument(
             f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
         )
+    if (
+        egress is not None
+        and egress.connect_proxy is not None
+        and egress.connect_proxy not in names
+    ):
+        raise InvalidArgument("sidecar.egress.connect_proxy: must name one of sidecar.service")
     return SidecarSpec(image, cpus, mem, services, egress)
 
 

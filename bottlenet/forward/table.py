@@ -52,7 +52,6 @@ from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
     EngineFactory,
-    Leg,
     RelayFailure,
     RelaySession,
     TransportRelay,
@@ -151,8 +150,12 @@ class _Forward(Factory):
         self.done_out = 0
         self.closing = False
         self._closed_waiters: list[defer.Deferred[None]] | None = None
+        #: While set, accepted connections go to this factory instead of a relay.
+        self.diverted: Factory | None = None
 
-    def buildProtocol(self, addr: IAddress | None) -> Leg | None:
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        if self.diverted is not None and not self.closing:
+            return self.diverted.buildProtocol(addr)
         budget = self.table.budget
         if self.closing:
             reason: str | None = "closing"
@@ -370,6 +373,18 @@ class ForwardTable(Service):
     def list(self, bottle: str | None = None) -> list[ForwardInfo]:
         keys = sorted(k for k in self._forwards if bottle is None or k[0] == bottle)
         return [self._forwards[k].info() for k in keys]
+
+    def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
+        """Hand the forward's new connections to ``factory`` (None: back to the relay).
+
+        For a check that must see connections on the real listener before it carries any
+        traffic (the launch gate's host-side witness); live relays are not touched, and the
+        relay path itself never looks at a diverted forward.
+        """
+        fwd = self._forwards.get((bottle, label))
+        if fwd is None:
+            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
+        fwd.diverted = factory
 
     # Changes
     def add(self, spec: ForwardSpec) -> defer.Deferred[ForwardInfo]:

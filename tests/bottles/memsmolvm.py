@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
 from attrs import define, evolve, field
@@ -30,6 +31,7 @@ from bottlenet.bottles.store import StateStore
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import AliasPool
 from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.judge import Verdict
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult, Machine, Smolvm, SmolvmVersion
@@ -195,6 +197,30 @@ def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | No
     return None
 
 
+class MemoryGate:
+    """The launch gate as this double answers it: the probe is one recorded exec whose result
+    ``on_exec`` decides (exit 0 with ``RESULT PASS``: PASS; else FAIL naming its LEAK lines).
+
+    The real gate (plan, nonce, script, host witness, judge) needs a guest and real polling;
+    it is tested in its own tests and end to end against the fake smolvm executable. This
+    stands in for it so the bottles layer's steps, rollbacks and recovery run on the Clock.
+    """
+
+    def __init__(self, smolvm: MemorySmolvm) -> None:
+        self.smolvm = smolvm
+
+    async def run(
+        self, bottle: str, agent_vm: str, mode: str, endpoints: Sequence[Any], **kw: Any
+    ) -> tuple[Any, Verdict]:
+        result = await self.smolvm.exec(agent_vm, list(PROBE_ARGV))
+        lines = result.stdout.decode().splitlines()
+        plan = SimpleNamespace(own=tuple(endpoints), host_ports=())
+        if result.exit_code == 0 and lines[-1:] == ["RESULT PASS"]:
+            return plan, Verdict(True, ())
+        problems = tuple(ln for ln in lines if ln.startswith("LEAK")) or ("the probe failed",)
+        return plan, Verdict(False, problems)
+
+
 class FDClock(Clock):
     """A Clock that is also enough of an ``IReactorFDSet`` for real listening ports: it
     records readers and writers and never polls them (no byte flows in these tests)."""
@@ -268,6 +294,7 @@ class Rig:
             check_port=owned,
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
+        self.vms.gate = MemoryGate(self.smolvm)  # type: ignore[assignment]
         self.registry = BottleRegistry(
             self.clock,
             self.table,

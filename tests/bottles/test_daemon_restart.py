@@ -24,6 +24,7 @@ import pytest
 from bottlenet.control.blocking import BlockingControlClient
 from tests.bottles.harness import spec_doc
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
+from tests.netguard import GATE_STAND_INS
 from tests.netio import ping_tcp, ping_unix
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +45,7 @@ class Daemon:
         env = {**os.environ, "PYTHONPATH": REPO}
         env.pop("XDG_RUNTIME_DIR", None)
         argv = [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet"]
-        argv += ["--state-dir", self.state, "--control", f"unix:{self.control}"]
+        argv += ["--state-dir", self.state, "--control", f"unix:{self.control}", *GATE_STAND_INS]
         argv += ["--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path, *extra]
         self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         log.close()

@@ -54,6 +54,10 @@ def test_issue_example_parses() -> None:
     assert spec.sidecar.egress is not None
     assert spec.sidecar.egress.allow_hosts == ("api.anthropic.com", "*.github.com")
     assert spec.agent.volumes == ()
+    assert spec.sidecar.egress.connect_proxy is None
+    proxied = parse_bottle_spec("b1", doc(sidecar__egress__connect_proxy="egress"))
+    assert proxied.sidecar is not None and proxied.sidecar.egress is not None
+    assert proxied.sidecar.egress.connect_proxy == "egress"
 
 
 def test_forward_only_mode() -> None:
@@ -95,6 +99,8 @@ def test_forward_only_mode() -> None:
         ({"sidecar__egress__policy_path": "etc/x"}, "sidecar.egress.policy_path"),
         ({"sidecar__egress__reload": []}, "sidecar.egress.reload"),
         ({"sidecar__egress__reload": ["reload"]}, "sidecar.egress.reload"),
+        ({"sidecar__egress__connect_proxy": "git"}, "sidecar.egress.connect_proxy"),
+        ({"sidecar__egress__connect_proxy": 3128}, "sidecar.egress.connect_proxy"),
     ],
 )
 def test_bad_fields_are_named(changes: dict[str, Any], field: str) -> None:

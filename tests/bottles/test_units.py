@@ -20,7 +20,7 @@ from bottlenet.bottles.isolation import (
     tsi_allow_list_enforced,
 )
 from bottlenet.bottles.model import Bottle, Endpoint, machine_name
-from bottlenet.bottles.probe import ProbePlan, judge, plan_probe
+from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
@@ -28,7 +28,7 @@ from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
 from tests.bottles.harness import socket_bottle, spec_doc
 from vmctl.smolvm import SmolvmVersion
-from vmctl.spec import validate_name
+from vmctl.spec import Volume, validate_name
 
 
 def v(text: str) -> SmolvmVersion:
@@ -92,61 +92,24 @@ ENDPOINTS = (
 )
 
 
-def test_probe_plan_covers_every_required_check() -> None:
-    plan = plan_probe(ENDPOINTS, other_bottle="127.77.0.4:43001", host_services=(9100, 40001))
-    assert plan.own == ("tcp:127.77.0.3:43001", "tcp:127.77.0.3:43002")
-    assert plan.deny == (
-        "tcp:127.0.0.1:40001",
-        "tcp:127.0.0.1:40002",
-        "tcp:127.0.0.1:9100",
-        "tcp:127.77.0.4:43001",
-        "tcp:1.1.1.1:443",
+def test_gate_plan_covers_every_required_check() -> None:
+    plan = plan_gate(
+        ENDPOINTS,
+        mode="alias",
+        nonce="ab" * 16,
+        other_bottle="127.77.0.4:43001",
+        settings=GateSettings(outside="198.18.0.1:9", dns_name="gate.invalid", host_ports=(9100,)),
+        absent=("/s/.bottlenet-gate-marker-x",),
+        volumes=[Volume("/h/ro", "/work/ro", True), Volume("/h/rw", "/work/rw")],
     )
-    assert plan.dns == ("example.com",)
-    assert plan.argv()[:3] == ["/bin/sh", "-s", "--"]
-
-
-def test_probe_verdicts_name_only_known_leaks() -> None:
-    plan = ProbePlan(("unix:/run/bottle/egress.sock",), ("tcp:127.0.0.1:40001",), ("example.com",))
-    ok = (
-        b"ok own unix:/run/bottle/egress.sock connects\n"
-        b"ok blocked tcp:127.0.0.1:40001\nRESULT PASS\n"
-    )
-    assert judge(plan, 0, ok).passed
-    leak = b"LEAK tcp:127.0.0.1:40001 is reachable\nLEAK dns example.com resolves\nRESULT FAIL\n"
-    verdict = judge(plan, 1, leak)
-    assert not verdict.passed
-    assert verdict.problems == (
-        "leak: tcp:127.0.0.1:40001 is reachable",
-        "leak: DNS name example.com resolves",
-    )
-    hostile = (
-        b"LEAK \x1b[2J$(reboot) is reachable\nLEAK tcp:6.6.6.6:1;rm is reachable\nRESULT FAIL\n"
-    )
-    assert judge(plan, 1, hostile).problems == ("leak",)
-    assert not judge(plan, 1, b"RESULT PASS\n").passed  # exit code counts too
-    assert not judge(plan, 0, b"").passed
-    assert "no python3" in judge(plan, 3, b"RESULT FAIL\n").describe()
-
-
-def test_probe_script_against_real_sockets(tmp_path: object) -> None:
-    """probe.sh itself (python3 path): a listening own socket passes, a closed deny port too."""
-    import socket
-
-    from bottlenet.bottles.probe import probe_script
-
-    path = os.path.join(str(tmp_path), "own.sock")
-    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    srv.bind(path)
-    srv.listen(4)
-    free = socket.socket()
-    free.bind(("127.0.0.1", 0))
-    port = free.getsockname()[1]
-    free.close()
-    plan = ProbePlan((f"unix:{path}",), (f"tcp:127.0.0.1:{port}",), ())
-    r = subprocess.run(plan.argv(), input=probe_script(), capture_output=True, timeout=30)
-    srv.close()
-    assert judge(plan, r.returncode, r.stdout).passed, r.stdout
+    assert [str(t) for t in plan.own] == ["tcp:127.77.0.3:43001", "tcp:127.77.0.3:43002"]
+    assert [str(t) for t in plan.deny] == ["tcp:127.77.0.4:43001"]
+    # raw ports, the daemon's own services, then the well-known host ports
+    assert plan.host_ports[:3] == (40001, 40002, 9100) and 22 in plan.host_ports
+    assert str(plan.outside) == "tcp:198.18.0.1:9" and plan.dns == ("gate.invalid",)
+    assert plan.absent == ("/s/.bottlenet-gate-marker-x",)
+    assert (plan.ro, plan.rw) == (("/work/ro",), ("/work/rw",))
+    assert plan.mode == "alias" and plan.witness
 
 
 def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
@@ -216,3 +179,29 @@ def test_map_vmctl_tells_precheck_from_smolvm_failure() -> None:
     assert isinstance(map_vmctl(v.DeviceBudgetExceeded("5 devices > 4")), InvalidArgument)
     assert isinstance(map_vmctl(v.DeviceBudget("krun_start_enter returned: -22")), SmolvmFailed)
     assert isinstance(map_vmctl(v.SmolvmUnavailable("no smolvm")), SmolvmUnavailable)
+
+
+def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
+    sock = Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/egress.sock")
+    plan = plan_gate(
+        [sock],
+        mode="socket",
+        nonce="ab" * 16,
+        other_bottle=None,
+        settings=GateSettings(dns_name="gate.invalid"),
+        proxy=sock,
+        allow_hosts=("*.github.com", "pypi.org"),
+    )
+    assert str(plan.connect_via) == "unix:/run/bottle/egress.sock"
+    assert (plan.connect_ok, plan.connect_no) == (("pypi.org:443",), ("gate.invalid:443",))
+    # a gate name the allow-list admits is not a refusal check: a reserved name is used instead
+    allowed = plan_gate(
+        [sock],
+        mode="socket",
+        nonce="ab" * 16,
+        other_bottle=None,
+        settings=GateSettings(dns_name="x.github.com"),
+        proxy=sock,
+        allow_hosts=("*.github.com",),
+    )
+    assert (allowed.connect_ok, allowed.connect_no) == ((), ("bottlenet-gate.invalid:443",))

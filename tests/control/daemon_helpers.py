@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 
 from bottlenet.control.blocking import BlockingControlClient
+from tests.netguard import GATE_STAND_INS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -39,12 +40,13 @@ _SYSTEMD_WRAPPER = (
 def daemon_argv(
     state: str, control: str, *extra: str, log_format: str = "text", log_level: str | None = None
 ) -> list[str]:
-    """``python -m twisted [--log-level=L] bottlenet --log-format=F --state-dir S --control C``."""
+    """``python -m twisted [--log-level=L] bottlenet --log-format=F --state-dir S --control C``
+    (plus the gate's stand-ins for its outside address and DNS name)."""
     argv = [sys.executable, "-m", "twisted"]
     if log_level is not None:
         argv.append(f"--log-level={log_level}")
     argv += ["bottlenet", f"--log-format={log_format}", "--state-dir", state]
-    return [*argv, "--control", control, *extra]
+    return [*argv, "--control", control, *GATE_STAND_INS, *extra]
 
 
 def start_daemon(

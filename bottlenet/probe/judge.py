@@ -1,0 +1,312 @@
+"""The verdict on one gate run: a guest transcript, plus what the host saw, against the plan.
+
+Nothing the guest prints is trusted or repeated: every line must carry this run's nonce and
+have a known form, every planned check must have exactly one result, the own endpoints must
+have been witnessed on the host, and messages name only endpoints, paths and names from the
+plan, the guest's interface names and route addresses after they were validated (an IP
+literal re-rendered by ``ipaddress``, an interface name of ``[A-Za-z0-9_.-]``).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterable
+
+from attrs import frozen
+
+from bottlenet.probe.plan import MODE_SOCKET, ProbePlan
+
+_IFACE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
+_HASH = re.compile(r"[0-9a-f]{64}|none")
+_CONTROLS = ("tcp", "unix", "icmp")
+
+
+@frozen
+class Verdict:
+    passed: bool
+    problems: tuple[str, ...]
+    notes: tuple[str, ...] = ()
+
+    def describe(self) -> str:
+        """One line for logs and errors (the verdict word is the caller's)."""
+        if self.passed:
+            return "all checks passed" + "".join(f" ({n})" for n in self.notes)
+        return "; ".join(self.problems)
+
+    def lines(self) -> list[str]:
+        """The verdict for people: ``PASS`` or ``FAIL``, then one line per problem."""
+        head = "PASS" if self.passed else "FAIL"
+        return [head] + [f"  - {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+
+
+def _route_addr(text: str) -> str | None:
+    """A guest-reported gateway or nameserver, re-rendered, or None when it is not an IP."""
+    ip, sep, dev = text.partition("%")
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return None
+    if sep:
+        if addr.version != 6 or not _IFACE.fullmatch(dev):
+            return None
+        return f"{addr}%{dev}"
+    return str(addr)
+
+
+def _tcp(host: str, port: int) -> str:
+    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+
+
+class _Transcript:
+    """The parsed lines of one run; ``unexpected`` counts everything that does not fit."""
+
+    def __init__(self, plan: ProbePlan, data: bytes) -> None:
+        self.unexpected = 0
+        self.duplicates = 0
+        self.begun = False
+        self.end: str | None = None
+        self.tool: str | None = None
+        self.ifaces: list[str] = []
+        self.bad_iface = 0
+        self.controls: dict[str, str] = {}
+        self.paths: list[tuple[str, str]] = []
+        self.results: dict[tuple[str, str], str] = {}
+        prefix = f"BNP {plan.nonce} "
+        for raw in data.split(b"\n"):
+            line = raw.rstrip(b"\r")
+            if not line.strip():
+                continue
+            try:
+                text = line.decode("ascii")
+            except UnicodeDecodeError:
+                self.unexpected += 1
+                continue
+            if not text.startswith(prefix) or self.end is not None:
+                self.unexpected += 1
+                continue
+            self._take(text[len(prefix) :].split(" "))
+
+    def _result(self, key: tuple[str, str], value: str, allowed: Iterable[str]) -> None:
+        if value not in allowed:
+            self.unexpected += 1
+        elif key in self.results:
+            self.duplicates += 1
+        else:
+            self.results[key] = value
+
+    def _take(self, w: list[str]) -> None:
+        verb, n = w[0], len(w)
+        if verb == "begin" and n == 2 and w[1] == "1" and not self.begun:
+            self.begun = True
+        elif not self.begun:
+            self.unexpected += 1
+        elif verb == "iface" and n == 2:
+            if _IFACE.fullmatch(w[1]):
+                self.ifaces.append(w[1])
+            else:
+                self.bad_iface += 1
+        elif verb == "tool" and n == 2 and w[1] in ("kit", "image"):
+            self.tool = w[1]
+        elif verb == "control" and n == 3 and w[1] in _CONTROLS and w[2] in ("ok", "fail"):
+            self.controls.setdefault(w[1], w[2])
+        elif verb == "path" and n == 3 and w[1] in ("gw", "ns"):
+            addr = _route_addr(w[2])
+            if addr is None:
+                self.unexpected += 1
+            elif (w[1], addr) not in self.paths:
+                self.paths.append((w[1], addr))
+        elif verb == "own" and n == 3:
+            self._result(("own", w[1]), w[2], ("ok", "fail"))
+        elif verb == "deny" and n == 3:
+            self._result(("deny", w[1]), w[2], ("blocked", "reachable"))
+        elif verb == "icmp" and n == 3:
+            self._result(("icmp", w[1]), w[2], ("blocked", "answers"))
+        elif verb == "dns" and n == 3:
+            self._result(("dns", w[1]), w[2], ("blocked", "resolves"))
+        elif verb == "absent" and n == 3:
+            self._result(("absent", w[1]), w[2], ("ok", "present"))
+        elif verb == "id" and n == 3 and w[1] in ("machine-id", "hostname"):
+            if _HASH.fullmatch(w[2]):
+                self._result(("id", w[1]), w[2], (w[2],))
+            else:
+                self.unexpected += 1
+        elif verb == "connect" and n == 3:
+            self._result(("connect", w[1]), w[2], ("answered", "refused", "unreachable"))
+        elif verb == "ro" and n == 3:
+            self._result(("ro", w[1]), w[2], ("ok", "writable"))
+        elif verb == "rw" and n == 3:
+            self._result(("rw", w[1]), w[2], ("ok", "fail"))
+        elif verb == "end" and n == 2 and w[1] in ("pass", "fail", "blind", "notool"):
+            self.end = w[1]
+        else:
+            self.unexpected += 1
+
+
+def expected_deny(plan: ProbePlan, paths: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Every TCP target the guest had to find closed, with what it stands for."""
+    out: dict[str, str] = {str(t): "a denied endpoint" for t in plan.deny}
+    hosts = [("loopback", "127.0.0.1")] + [
+        ("default gateway" if k == "gw" else "nameserver", a) for k, a in paths
+    ]
+    for what, host in hosts:
+        for port in plan.host_ports:
+            out.setdefault(_tcp(host, port), f"host port {port} via the {what} {host}")
+    out.setdefault(str(plan.outside), "the outside address")
+    return out
+
+
+def expected_icmp(plan: ProbePlan, paths: Iterable[tuple[str, str]]) -> dict[str, str]:
+    out = {a: f"the default gateway {a}" for k, a in paths if k == "gw" and ":" not in a}
+    assert plan.outside.host is not None
+    if ":" not in plan.outside.host:
+        out.setdefault(plan.outside.host, "the outside address")
+    return out
+
+
+def judge(
+    plan: ProbePlan,
+    transcript: bytes,
+    *,
+    exit_code: int | None = None,
+    witnessed: Iterable[str] | None = None,
+    rw_seen: Iterable[str] | None = None,
+) -> Verdict:
+    """PASS only when every planned check ran, in this run, and found nothing.
+
+    ``witnessed``: the own endpoints (as in the plan) whose host listener saw a connection
+    carrying this run's nonce during the probe window; None when no host side watched (a
+    hand check with ``--no-witness`` only). ``rw_seen``: the read-write volumes whose host
+    directory held the file the guest wrote; None when the host did not look.
+    """
+    t = _Transcript(plan, transcript)
+    problems: list[str] = []
+    notes: list[str] = []
+    if not t.begun:
+        problems.append("the transcript does not start with this run's begin line")
+    if t.unexpected:
+        problems.append(
+            f"{t.unexpected} transcript line(s) not bound to this run or of no known form"
+        )
+    if t.duplicates:
+        problems.append(f"{t.duplicates} check(s) reported more than once")
+    if t.end is None:
+        problems.append("the probe did not finish (no end line)")
+    elif t.end == "notool":
+        problems.append("the probe found no python3 in the guest (and no probe kit)")
+    failed_controls = [c for c in _CONTROLS if t.controls.get(c) != "ok"]
+    if t.end == "blind" or (t.end is not None and t.end != "notool" and failed_controls):
+        which = ", ".join(failed_controls) or "unknown"
+        problems.append(f"probe tool cannot detect connections (control {which} failed)")
+        return Verdict(False, tuple(problems))
+    if t.end in (None, "notool"):
+        return Verdict(False, tuple(problems))
+
+    # 1. structure
+    if t.bad_iface:
+        problems.append(f"{t.bad_iface} network interface(s) with an invalid name")
+    if not t.ifaces:
+        problems.append("the guest listed no network interfaces")
+    if plan.mode == MODE_SOCKET:
+        for name in t.ifaces:
+            if name != "lo":
+                problems.append(
+                    f"network interface {name} in a socket-mode guest (only lo is allowed)"
+                )
+
+    # 2. own endpoints, witnessed on the host
+    seen = None if witnessed is None else set(witnessed)
+    for target in map(str, plan.own):
+        r = t.results.get(("own", target))
+        if r is None:
+            problems.append(f"check missing: own endpoint {target}")
+        elif r != "ok":
+            problems.append(f"own endpoint {target} does not connect")
+        if plan.witness:
+            if seen is None:
+                problems.append(f"own endpoint {target}: no host-side witness for this run")
+            elif target not in seen:
+                problems.append(
+                    f"own endpoint {target} was not witnessed on the host "
+                    "(no connection carrying this run's nonce)"
+                )
+    if not plan.witness and plan.own:
+        notes.append("own endpoints not witnessed on the host")
+
+    # 3. every path to the host, the outside address, ICMP, DNS
+    deny = expected_deny(plan, t.paths)
+    icmp = expected_icmp(plan, t.paths)
+    checks: list[tuple[str, str, str, str]] = [
+        ("deny", target, "reachable", f"leak: {target} ({what}) is reachable")
+        for target, what in deny.items()
+    ]
+    checks += [
+        ("icmp", addr, "answers", f"leak: {what} answers ICMP echo") for addr, what in icmp.items()
+    ]
+    checks += [("dns", n, "resolves", f"leak: DNS name {n} resolves") for n in plan.dns]
+    checks += [
+        ("absent", p, "present", f"leak: host file {p} is visible in the guest")
+        for p in plan.absent
+    ]
+    checks += [("ro", p, "writable", f"read-only volume {p} accepts writes") for p in plan.ro]
+    checks += [
+        ("rw", p, "fail", f"read-write volume {p} does not round-trip a file") for p in plan.rw
+    ]
+    if plan.connect_via is not None:
+        via = str(plan.connect_via)
+        for target in plan.connect_no:
+            checks.append(
+                (
+                    "connect",
+                    target,
+                    "answered",
+                    f"leak: the egress proxy {via} lets CONNECT {target} through"
+                    " (not on the allow-list)",
+                )
+            )
+    wanted = {(kind, key) for kind, key, _, _ in checks} | {("own", str(o)) for o in plan.own}
+    for kind, key, bad, message in checks:
+        r = t.results.get((kind, key))
+        if r is None:
+            problems.append(f"check missing: {kind} {key}")
+        elif r == bad:
+            problems.append(message)
+    wanted |= {("connect", c) for c in plan.connect_ok} if plan.connect_via is not None else set()
+    for kind, key in t.results:
+        if kind != "id" and (kind, key) not in wanted:
+            problems.append(
+                f"{sum(1 for k in t.results if k[0] != 'id' and k not in wanted)} "
+                "result(s) for checks that were not planned"
+            )
+            break
+
+    if plan.connect_via is not None:
+        for target in plan.connect_ok:
+            r = t.results.get(("connect", target))
+            if r is None:
+                problems.append(f"check missing: connect {target}")
+            elif r != "answered":
+                problems.append(
+                    f"the egress proxy {plan.connect_via} did not answer CONNECT {target}"
+                    f" (on the allow-list): {r}"
+                )
+
+    # 4. identity and volumes
+    for which in ("machine-id", "hostname"):
+        r = t.results.get(("id", which))
+        if r is None:
+            problems.append(f"check missing: the guest's {which}")
+        elif r in plan.host_ids:
+            problems.append(f"the guest's {which} is the host's")
+    if rw_seen is not None:
+        got = set(rw_seen)
+        for p in plan.rw:
+            if t.results.get(("rw", p)) == "ok" and p not in got:
+                problems.append(f"read-write volume {p}: the guest's file did not reach the host")
+
+    # 5. the guest's own summary and exit status must agree with the above
+    if not problems and t.end != "pass":
+        problems.append("the probe reported a failure its transcript does not show")
+    if exit_code is not None and (exit_code == 0) != (t.end == "pass"):
+        problems.append(f"the probe's exit status {exit_code} does not match its transcript")
+    return Verdict(not problems, tuple(dict.fromkeys(problems)), tuple(notes))

@@ -1,0 +1,82 @@
+"""The exact POSIX sh script the gate runs in a guest for one plan.
+
+The script is sent on the guest's stdin (``/bin/sh -s``), so no file of the image is run but
+its ``/bin/sh`` and a ``python3``: a trusted probe kit mounted read-only at ``KIT_DIR`` is
+preferred when it has one. The sh part lists the network interfaces (which needs no tool, so
+a python-less guest still reports them); the checks are ``guest.py`` with the plan filled in.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+
+from bottlenet.probe.plan import ProbePlan
+
+#: Where a trusted probe kit (a directory with ``bin/python3``) is mounted read-only, if any.
+KIT_DIR = "/run/bottlenet-probe"
+EXIT_NO_TOOL = 4
+_HEREDOC = "BOTTLENET_PROBE_PY"
+
+_SH = """\
+#!/bin/sh
+# bottlenet launch gate: generated for one run (python -m bottlenet.probe script ...).
+# Every line it prints is "BNP <nonce> ..."; the host judges them. Exit 0 pass, 1 fail,
+# 3 the probe tool cannot detect connections, 4 no python3.
+N={nonce}
+say() {{ echo "BNP $N $*"; }}
+say begin 1
+# /proc/net/dev is this process's network namespace; /sys/class/net is the one sysfs was
+# mounted in, so it is only the fallback.
+if [ -r /proc/net/dev ]; then
+    {{ read -r _; read -r _; while read -r l; do say iface "${{l%%:*}}"; done; }} < /proc/net/dev
+elif [ -d /sys/class/net ]; then
+    for i in /sys/class/net/*; do
+        [ -e "$i" ] && say iface "${{i##*/}}"
+    done
+fi
+if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3; say tool kit
+elif command -v python3 >/dev/null 2>&1; then PY=python3; say tool image
+else say end notool; exit {no_tool}
+fi
+"$PY" -I -S - <<'{heredoc}'
+{program}
+{heredoc}
+"""
+
+
+def guest_program(plan: ProbePlan) -> str:
+    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
+    source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
+    literal = {
+        "nonce": plan.nonce,
+        "mode": plan.mode,
+        "own": [str(t) for t in plan.own],
+        "deny": [str(t) for t in plan.deny],
+        "ports": list(plan.host_ports),
+        "outside": str(plan.outside),
+        "dns": list(plan.dns),
+        "absent": list(plan.absent),
+        "ro": list(plan.ro),
+        "rw": list(plan.rw),
+        "connect_via": None if plan.connect_via is None else str(plan.connect_via),
+        "connect_ok": list(plan.connect_ok),
+        "connect_no": list(plan.connect_no),
+        "witness": plan.witness,
+        "timeout": plan.timeout,
+    }
+    marker = "PLAN = {}  # type: dict  # filled in by script.render\n"
+    assert marker in source
+    return source.replace(marker, f"PLAN = {literal!r}\n", 1)
+
+
+def render(plan: ProbePlan) -> bytes:
+    """The script (every plan value was validated to a shell- and heredoc-safe alphabet)."""
+    program = guest_program(plan)
+    assert _HEREDOC not in program
+    return _SH.format(
+        nonce=plan.nonce, kit=KIT_DIR, no_tool=EXIT_NO_TOOL, heredoc=_HEREDOC, program=program
+    ).encode()
+
+
+#: The guest command: the script comes on stdin.
+ARGV = ("/bin/sh", "-s")

@@ -1,0 +1,106 @@
+"""The daemon's gate step (bottlenet/bottles/probe.py) against guests that lie.
+
+The "guest" here is a stand-in for ``smolvm machine exec``: it reads the script the gate sends
+and answers with whatever a hostile ``/bin/sh`` could print. The gate must refuse it because
+the host-side witness never saw the nonce, whatever the transcript says.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+from typing import Any
+
+from twisted.internet import defer
+from twisted.internet.task import Clock
+
+from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.probe import MARKER_PREFIX, Gate, GateSettings
+from bottlenet.probe.judge import expected_deny, expected_icmp
+from bottlenet.probe.plan import ProbePlan
+from bottlenet.probe.witness import WitnessFactory
+from vmctl.smolvm import ExecResult
+
+ENDPOINT = Endpoint(
+    "egress", 3128, 40001, path="/s/egress.sock", guest_path="/run/bottle/egress.sock"
+)
+
+
+class Table:
+    """Records ``divert`` calls like ForwardTable (the one method the gate uses)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, str, Any]] = []
+
+    def divert(self, bottle: str, label: str, factory: Any) -> None:
+        self.calls.append((bottle, label, factory))
+
+
+class LyingGuest:
+    """``exec`` that forges a perfect transcript from the nonce in the script it was sent."""
+
+    def __init__(self, state_dir: str) -> None:
+        self.state_dir = state_dir
+        self.saw_markers: list[str] = []
+
+    def exec(self, name: str, argv: list[str], stdin: bytes, timeout: float) -> Any:
+        """The strongest liar: it reads the whole plan out of the script it was sent."""
+        script = stdin.decode()
+        literal = re.search(r"^PLAN = (\{.*\})$", script, re.M).group(1)  # type: ignore[union-attr]
+        p = ast.literal_eval(literal)
+        self.saw_markers = [n for n in os.listdir(self.state_dir) if n.startswith(MARKER_PREFIX)]
+        plan = ProbePlan(
+            mode=p["mode"],
+            nonce=p["nonce"],
+            own=p["own"],
+            deny=p["deny"],
+            host_ports=p["ports"],
+            outside=p["outside"],
+            dns=p["dns"],
+            absent=p["absent"],
+            ro=p["ro"],
+            rw=p["rw"],
+        )
+        body = [
+            "begin 1",
+            "iface lo",
+            "tool image",
+            "control tcp ok",
+            "control unix ok",
+            "control icmp ok",
+        ]
+        body += [f"own {t} ok" for t in p["own"]]
+        body += [f"deny {t} blocked" for t in expected_deny(plan, [])]
+        body += [f"icmp {a} blocked" for a in expected_icmp(plan, [])]
+        body += [f"dns {n} blocked" for n in p["dns"]] + [f"absent {a} ok" for a in p["absent"]]
+        body += ["id machine-id none", "id hostname none", "end pass"]
+        out = "".join(f"BNP {p['nonce']} {ln}\n" for ln in body).encode()
+        return defer.succeed(ExecResult(0, out, b"", 0.1))
+
+
+def test_a_forged_transcript_fails_and_the_endpoint_is_restored(tmp_path: Any) -> None:
+    state = str(tmp_path)
+    guest, table = LyingGuest(state), Table()
+    gate = Gate(
+        Clock(),
+        guest,
+        table,
+        state_dir=state,  # type: ignore[arg-type]
+        settings=GateSettings(outside="198.18.0.1:9", dns_name="gate.invalid", home=state),
+    )
+    d = defer.Deferred.fromCoroutine(
+        gate.run("b1", "bn-b1-agent", "socket", [ENDPOINT], other_bottle=None)
+    )
+    _plan, verdict = d.result  # type: ignore[attr-defined]
+    # everything but the witness is perfect: that alone refuses it
+    assert verdict.problems == (
+        "own endpoint unix:/run/bottle/egress.sock was not witnessed on the host "
+        "(no connection carrying this run's nonce)",
+    )
+    # the endpoint was diverted to a witness for the window, then handed back to the relay
+    assert [(b, lbl) for b, lbl, _ in table.calls] == [("b1", "egress"), ("b1", "egress")]
+    assert isinstance(table.calls[0][2], WitnessFactory) and table.calls[1][2] is None
+    # the marker existed while the guest ran and is gone afterwards
+    assert len(guest.saw_markers) == 1
+    assert not [n for n in os.listdir(state) if n.startswith(MARKER_PREFIX)]

@@ -1,0 +1,227 @@
+"""Build what the real-VM tier boots: Debian's stock kernel and a busybox + python3 initramfs.
+
+Everything comes from Debian packages by name (``.ci/run`` installs ``qemu-system-x86``,
+``busybox-static``, ``cpio`` and ``python3``): the kernel is ``apt-get download``-ed (the
+package ``linux-image-amd64`` depends on) and unpacked here, never installed. The uncompressed
+``vmlinux`` is carved out of ``vmlinuz`` (an XZ stream inside the bzImage), because QEMU boots
+it through PVH, several seconds faster under software emulation than decompressing a bzImage.
+
+The result is cached in ``$BOTTLENET_REALVM_CACHE`` (default ``/var/tmp/bottlenet-realvm``),
+keyed by kernel version and a hash of the guest's files and of ``LAYOUT``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import lzma
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.environ.get("BOTTLENET_REALVM_CACHE", "/var/tmp/bottlenet-realvm")
+GUEST_PYTHON = "/usr/bin/python3"
+BUSYBOX = "/bin/busybox"
+#: Loaded in this order by init.sh (each after what it depends on); built-ins are skipped.
+MODULES = (
+    "drivers/virtio/virtio_ring.ko",
+    "drivers/virtio/virtio.ko",
+    "drivers/virtio/virtio_pci_legacy_dev.ko",
+    "drivers/virtio/virtio_pci_modern_dev.ko",
+    "drivers/virtio/virtio_pci.ko",
+    "drivers/char/virtio_console.ko",
+    "net/core/failover.ko",
+    "drivers/net/net_failover.ko",
+    "drivers/net/virtio_net.ko",
+    "fs/netfs/netfs.ko",
+    "fs/fscache/fscache.ko",
+    "net/9p/9pnet.ko",
+    "net/9p/9pnet_virtio.ko",
+    "fs/9p/9p.ko",
+)
+#: What the guest's python3 must import: the probe (bottlenet/probe/guest.py) and the relay.
+PY_IMPORTS = "hashlib os socket struct sys tempfile threading time select"
+
+
+class Kit(NamedTuple):
+    vmlinux: str
+    initrd: str  # an uncompressed newc cpio; a per-run cpio is appended to it
+    kernel_version: str
+
+
+def missing_tools() -> list[str]:
+    need = ["qemu-system-x86_64", "cpio", "apt-get", "dpkg-deb", "unshare", "ip"]
+    out = [t for t in need if shutil.which(t) is None]
+    out += [p for p in (BUSYBOX, GUEST_PYTHON) if not os.path.exists(p)]
+    return out
+
+
+def _run(*argv: str, cwd: str | None = None) -> str:
+    return subprocess.run(argv, check=True, capture_output=True, text=True, cwd=cwd).stdout
+
+
+def kernel_package() -> str:
+    out = _run("apt-cache", "depends", "linux-image-amd64")
+    m = re.search(r"Depends: (linux-image-[0-9][^\s]*-amd64)", out)
+    if m is None:
+        raise RuntimeError("apt-cache knows no linux-image-amd64 (run apt-get update)")
+    return m.group(1)
+
+
+def carve_vmlinux(vmlinuz: str, out: str) -> None:
+    """The ELF kernel inside a bzImage: decompress the XZ stream that starts at its magic."""
+    with open(vmlinuz, "rb") as fh:
+        data = fh.read()
+    at = data.find(b"\xfd7zXZ\x00")
+    if at < 0:
+        raise RuntimeError(f"{vmlinuz}: no XZ stream in the bzImage")
+    d = lzma.LZMADecompressor(format=lzma.FORMAT_XZ)
+    elf = d.decompress(data[at:])
+    if elf[:4] != b"\x7fELF":
+        raise RuntimeError(f"{vmlinuz}: the XZ stream is not an ELF kernel")
+    with open(out, "wb") as fh:
+        fh.write(elf)
+
+
+def _python_files() -> list[str]:
+    """The files the guest python3 opens for PY_IMPORTS (stdlib modules, extension modules)."""
+    code = (
+        f"import {', '.join(PY_IMPORTS.split())}, sys\n"
+        "for m in list(sys.modules.values()):\n"
+        "    f = getattr(m, '__file__', None)\n"
+        "    if f: print(f)\n"
+    )
+    return sorted(set(_run(GUEST_PYTHON, "-I", "-S", "-c", code).split()))
+
+
+def _libs(binaries: list[str]) -> list[str]:
+    libs: set[str] = set()
+    for b in binaries:
+        try:
+            out = _run("ldd", b)
+        except subprocess.CalledProcessError:
+            continue  # static
+        for line in out.splitlines():
+            m = re.search(r"(/\S+)", line.split("=>")[-1])
+            if m:
+                libs.add(m.group(1))
+    return sorted(libs)
+
+
+def _copy(src: str, root: str, dest: str | None = None) -> None:
+    target = os.path.join(root, (dest or src).lstrip("/"))
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    shutil.copy2(os.path.realpath(src), target)
+
+
+def build_initrd(root: str, modules_dir: str, out: str) -> None:
+    for d in ("bin", "sbin", "dev", "proc", "sys", "run", "tmp", "etc", "mnt", "lib/modules"):
+        os.makedirs(os.path.join(root, d), exist_ok=True)
+    _copy(BUSYBOX, root, "/bin/busybox")
+    os.symlink("busybox", os.path.join(root, "bin", "sh"))
+    _copy(GUEST_PYTHON, root, "/usr/bin/python3")
+    files = _python_files()
+    for f in files:
+        _copy(f, root)
+    # libgcc_s: a guest python3 that exits with threads still running aborts without it
+    extra = [p for p in ("/lib/x86_64-linux-gnu/libgcc_s.so.1",) if os.path.exists(p)]
+    for lib in _libs([GUEST_PYTHON, *[f for f in files if f.endswith(".so")]]) + extra:
+        _copy(lib, root)
+    order = []
+    for m in MODULES:
+        src = os.path.join(modules_dir, m)
+        if os.path.exists(src):
+            shutil.copy2(src, os.path.join(root, "lib", "modules", os.path.basename(m)))
+            order.append(os.path.basename(m))
+    with open(os.path.join(root, "lib", "modules", "order"), "w") as fh:
+        fh.write("\n".join(order) + "\n")
+    for name in ("init.sh", "relay.py", "blind-python3"):
+        _copy(os.path.join(HERE, name), root, f"/{name}")
+    os.rename(os.path.join(root, "init.sh"), os.path.join(root, "init"))
+    os.chmod(os.path.join(root, "init"), 0o755)
+    os.chmod(os.path.join(root, "blind-python3"), 0o755)
+    names = _run("find", ".", cwd=root).split("\n")
+    with open(out, "wb") as fh:
+        subprocess.run(
+            ["cpio", "-o", "-H", "newc", "--quiet"],
+            input="\n".join(n for n in names if n).encode(),
+            stdout=fh,
+            cwd=root,
+            check=True,
+        )
+
+
+#: Bump when build_initrd changes what goes into the initramfs.
+LAYOUT = 1
+
+
+def _source_hash() -> str:
+    h = hashlib.sha256(f"{LAYOUT} {MODULES} {PY_IMPORTS}".encode())
+    for name in ("init.sh", "relay.py", "blind-python3"):
+        with open(os.path.join(HERE, name), "rb") as fh:
+            h.update(fh.read())
+    return h.hexdigest()[:12]
+
+
+def _cached(package: str) -> tuple[str, Kit]:
+    version = package.removeprefix("linux-image-")
+    dest = os.path.join(CACHE, f"{version}-{_source_hash()}")
+    return dest, Kit(os.path.join(dest, "vmlinux"), os.path.join(dest, "initrd.cpio"), version)
+
+
+def find_kit() -> Kit | None:
+    """The kit if it was built already (no network needed: tests run in a namespace)."""
+    try:
+        _, kit = _cached(kernel_package())
+    except (RuntimeError, OSError, subprocess.CalledProcessError):
+        return None
+    return kit if os.path.exists(kit.initrd) else None
+
+
+def ensure_kit() -> Kit:
+    """The cached kernel + initramfs, built on first use (about 15 s; downloads the kernel)."""
+    package = kernel_package()
+    dest, kit = _cached(package)
+    version = kit.kernel_version
+    if os.path.exists(kit.initrd):
+        return kit
+    os.makedirs(CACHE, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="build-", dir=CACHE)
+    try:
+        _run("apt-get", "download", package, cwd=work)
+        deb = next(os.path.join(work, n) for n in os.listdir(work) if n.endswith(".deb"))
+        members = [f"./boot/vmlinuz-{version}"] + [
+            f"./lib/modules/{version}/kernel/{m}" for m in MODULES
+        ]
+        tar = subprocess.Popen(["dpkg-deb", "--fsys-tarfile", deb], stdout=subprocess.PIPE)
+        subprocess.run(["tar", "-x", "-C", work, *members], stdin=tar.stdout, check=True)
+        if tar.wait() != 0:
+            raise RuntimeError(f"dpkg-deb could not read {deb}")
+        stage = os.path.join(work, "stage")
+        os.makedirs(stage)
+        carve_vmlinux(
+            os.path.join(work, "boot", f"vmlinuz-{version}"), os.path.join(stage, "vmlinux")
+        )
+        root = os.path.join(work, "root")
+        build_initrd(
+            root,
+            os.path.join(work, "lib", "modules", version, "kernel"),
+            os.path.join(stage, "initrd.cpio"),
+        )
+        for old in os.listdir(CACHE):  # kits of older sources for this kernel
+            if old.startswith(f"{version}-"):
+                shutil.rmtree(os.path.join(CACHE, old), ignore_errors=True)
+        os.rename(stage, dest)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return kit
+
+
+if __name__ == "__main__":
+    k = ensure_kit()
+    print(k.vmlinux, k.initrd, k.kernel_version)
+    sys.exit(0)

@@ -1,0 +1,153 @@
+"""The launch gate in real guest kernels (QEMU, software emulation): the real-VM tier.
+
+Each variant boots once (two at a time), inside ``unshare -n`` (only ``lo``), with the
+daemon's real forward listener witnessing the own-endpoint check; every check below reads the
+result of that one boot. The verdict lines of each run are written to
+``$BOTTLENET_REALVM_REPORT`` (if set) for the CI log. See tests/realvm/host.py for the guests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+
+from tests.realvm.build import find_kit, missing_tools
+from tests.realvm.host import CONTROL_PORT, METRICS_PORT, OUTSIDE, VARIANTS
+
+pytestmark = pytest.mark.realvm
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _why_not() -> str | None:
+    missing = missing_tools()
+    if missing:
+        return f"QEMU tier needs {', '.join(missing)} (Debian: qemu-system-x86 busybox-static cpio)"
+    if os.geteuid() != 0:
+        return "the real-VM tier needs root for unshare -n"
+    if find_kit() is None:
+        why = "no real-VM kit: run python -m tests.realvm.build first (.ci/run does)"
+        if os.environ.get("CI"):
+            pytest.fail(why)  # CI installs everything: a missing kit is a broken CI, not a skip
+        return why
+    return None
+
+
+def _boot(name: str) -> dict[str, Any]:
+    out = tempfile.NamedTemporaryFile(suffix=f"-{name}.json", delete=False)
+    out.close()
+    argv = [
+        "unshare",
+        "--net",
+        "--mount",
+        "--propagation",
+        "private",
+        sys.executable,
+        "-m",
+        "tests.realvm.host",
+        name,
+        out.name,
+    ]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    p = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    if p.returncode != 0:
+        raise AssertionError(
+            f"real-VM run {name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}"
+        )
+    with open(out.name) as fh:
+        result: dict[str, Any] = json.load(fh)
+    os.unlink(out.name)
+    return result
+
+
+@pytest.fixture(scope="module")
+def runs() -> Iterator[dict[str, dict[str, Any]]]:
+    why = _why_not()
+    if why is not None:
+        pytest.skip(why)
+    started = time.monotonic()
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = dict(zip(VARIANTS, pool.map(_boot, VARIANTS), strict=True))
+    wall = time.monotonic() - started
+    report = os.environ.get("BOTTLENET_REALVM_REPORT")
+    if report:
+        with open(report, "w") as fh:
+            fh.write(
+                f"real-VM tier: {len(results)} boots in {wall:.1f} s wall "
+                f"(kernel {next(iter(results.values()))['kernel']})\n"
+            )
+            for name, r in results.items():
+                fh.write(
+                    f"== {name}: {r['wall']} s, probe exit {r['probe_exit']}, "
+                    f"witnessed {r['witnessed']}\n"
+                )
+                fh.write("\n".join(r["lines"]) + "\n")
+    yield results
+
+
+def test_isolated_vm_passes_with_the_own_endpoint_witnessed_on_the_host(runs: Any) -> None:
+    r = runs["isolated"]
+    assert r["lines"] == ["PASS"], r
+    assert r["probe_exit"] == 0
+    assert r["witnessed"] == ["unix:/run/bottle/egress.sock"]  # the daemon's real listener
+    # nothing but the bottle's own relay reached a host service
+    for key in (f"127.0.0.1:{CONTROL_PORT}", f"127.0.0.1:{METRICS_PORT}", f"{OUTSIDE}:443"):
+        assert r["host_accepts"][key] == 0, key
+    assert r["console"][0] == "RVM-IFACES lo"
+
+
+def test_leaky_vm_fails_naming_every_leak(runs: Any) -> None:
+    r = runs["leaky"]
+    assert not r["passed"] and r["probe_exit"] == 1
+    problems = r["problems"]
+    assert "network interface eth0 in a socket-mode guest (only lo is allowed)" in problems
+    assert (
+        "leak: tcp:10.0.2.2:18080 (host port 18080 via the default gateway 10.0.2.2) is reachable"
+        in problems
+    )
+    assert (
+        f"leak: tcp:10.0.2.2:{CONTROL_PORT} (host port {CONTROL_PORT} via the default gateway"
+        " 10.0.2.2) is reachable" in problems
+    )
+    assert f"leak: tcp:{OUTSIDE}:443 (the outside address) is reachable" in problems
+    assert "leak: the default gateway 10.0.2.2 answers ICMP echo" in problems  # it can ping
+    # the host side saw the guest on the daemon's control port stand-in: a real leak
+    assert r["host_accepts"][f"127.0.0.1:{CONTROL_PORT}"] >= 1
+
+
+def test_a_leak_through_a_nameserver_address_only_is_found(runs: Any) -> None:
+    r = runs["nsonly"]
+    assert not r["passed"]
+    assert (
+        "leak: tcp:10.0.2.2:18080 (host port 18080 via the nameserver 10.0.2.2) is reachable"
+        in r["problems"]
+    )
+    assert not any("default gateway" in p for p in r["problems"])  # no gateway: only the nameserver
+
+
+def test_a_second_interface_and_a_host_marker_seen_through_a_mount_fail(runs: Any) -> None:
+    r = runs["nic-and-mount"]
+    assert not r["passed"]
+    assert "network interface eth0 in a socket-mode guest (only lo is allowed)" in r["problems"]
+    assert any(
+        p.startswith("leak: host file ")
+        and "/state/.bottlenet-gate-marker-" in p
+        and p.endswith(" is visible in the guest")
+        for p in r["problems"]
+    )
+    assert not any(" is reachable" in p for p in r["problems"])  # restrict=on: no path to the host
+
+
+def test_a_connect_tool_that_cannot_detect_connections_fails_the_gate(runs: Any) -> None:
+    r = runs["blind"]  # the leaky NIC again, but python3's connect() always fails
+    assert not r["passed"] and r["probe_exit"] == 3
+    assert r["problems"] == ["probe tool cannot detect connections (control tcp, unix failed)"]
+    assert r["witnessed"] == []
