@@ -373,8 +373,10 @@ def drive_relays(c: bytes, client: BlockingControlClient, state: str, servers: S
                     _recv_all(s)
             except OSError:
                 pass  # reset at once: that is the refusal
-    # wait until every relay has ended, so its end is logged before we stop
-    for _ in range(200):
+    # wait until every relay has ended, so its end is logged before we stop (an event: a
+    # 4 s poll ran out under load and the reset relay then ended "aborted" at shutdown)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
         if all(st.active == 0 for st in client.all_stats()):
             break
         time.sleep(0.02)
