@@ -5,8 +5,6 @@ The ground floor and the composition root:
 - :mod:`~bottlenet.errors`: typed errors with their wire codes.
 - :mod:`~bottlenet.paths`: where the daemon keeps things (state dir, control socket path,
   private directories).
-- :mod:`~bottlenet.fields`: the one typed-field reader of JSON/TOML documents (state file,
-  specs, config, wire records).
 - :mod:`~bottlenet.tap`: the ``twist``/``twistd`` options and the one place that composes
   the service tree.
 

@@ -68,6 +68,12 @@ class SmolvmFailed(BottlenetError):
     code = "SMOLVM_FAILED"
 
 
+class KvmUnavailable(SmolvmFailed):
+    """The host cannot boot VMs: /dev/kvm is missing or not usable by smolvm's VM process."""
+
+    code = "KVM_UNAVAILABLE"
+
+
 class IsolationUnavailable(BottlenetError):
     code = "ISOLATION_UNAVAILABLE"
 
@@ -91,6 +97,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     ResourceExhausted,
     SmolvmUnavailable,
     SmolvmFailed,
+    KvmUnavailable,
     IsolationUnavailable,
     IsolationFailed,
     Unavailable,

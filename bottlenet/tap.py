@@ -17,7 +17,7 @@ from typing import Any
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
 from twisted.internet.interfaces import IListeningPort, IProtocolFactory
-from twisted.logger import Logger
+from twisted.logger import Logger, LogLevel
 from twisted.python import usage
 from twisted.python.systemd import ListenFDs
 
@@ -40,6 +40,7 @@ from bottlenet.control.endpoints import (
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
+from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
@@ -87,8 +88,20 @@ class Options(usage.Options):
         ["control-tls-key", None, None, "PEM private key of the TLS control listener."],
         ["control-tls-cert", None, None, "PEM certificate of the TLS control listener."],
         ["control-tls-ca", None, None, "PEM CA that signs accepted client certificates."],
-        ["smolvm", None, None, "Path to the smolvm binary (default: smolvm on PATH)."],
-        ["smolvm-data-dir", None, None, "Passed to smolvm as SMOLVM_DATA_DIR."],
+        [
+            "smolvm",
+            None,
+            None,
+            "Path to the smolvm binary (default: smolvm on PATH, else the one of the "
+            "bottlenet[vm] extra).",
+        ],
+        [
+            "smolvm-data-dir",
+            None,
+            None,
+            "smolvm's own state directory (default: <state-dir>/smolvm), passed as "
+            "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
+        ],
         ["log-format", None, None, "json (one object per line) or text (default: the runner's)."],
         [
             "relay-engine",
@@ -146,12 +159,6 @@ class Options(usage.Options):
     ]
     optFlags = [
         [
-            "alias-iptables-fallback",
-            None,
-            "Allow alias-mode bottles on smolvm that refuses TSI with an allow-list, by "
-            "installing guest iptables rules through exec (the agent must run as non-root).",
-        ],
-        [
             "unsafe-skip-isolation-probe",
             None,
             "Do not run the isolation probe before an agent's workload starts (UNSAFE; "
@@ -170,6 +177,11 @@ class Options(usage.Options):
         self["allow-uid"].append(int(value))
 
     def postOptions(self) -> None:
+        if self.parent is not None:
+            # Under twist/twistd: unless --reactor chose one, run on the epoll reactor without
+            # a log context per event (the relays' fast path; docs/performance.md). The runner
+            # installs its default reactor only after this, so the fast one is the default.
+            fastreactor.install_unless_chosen()
         # twist/twistd read their log settings after the plugin's options: choose ours now.
         logs.install_log_format(self.parent, self["log-format"])
 
@@ -276,7 +288,14 @@ class BottlenetService(MultiService):
             self.state_lock.record_pid()  # twistd may have forked since the lock was taken
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        self.log.info(
+            "relay engine {engine}, reactor {reactor}",
+            engine=self.table.engine,
+            reactor=type(self.reactor).__qualname__,
+        )
         super().startService()
+        for factory in self.control_factories:
+            factory.smolvm_source = self.smolvm.describe()
         if self.smolvm.binary is not None:
             Deferred.fromCoroutine(self._probe_smolvm())
 
@@ -290,7 +309,8 @@ class BottlenetService(MultiService):
         for factory in self.control_factories:
             factory.smolvm_version = str(version)
             factory.smolvm_available = version.supported
-        self.log.info("smolvm {version} at {path}", version=str(version), path=self.smolvm.binary)
+            factory.smolvm_source = self.smolvm.describe()
+        self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
     def stopService(self) -> Deferred[None]:
         d: Deferred[None] = Deferred.fromCoroutine(self._stop())
@@ -381,7 +401,11 @@ def _build(
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
     vmctl_service, smolvm = make_smolvm(
-        reactor, options["smolvm"], options["smolvm-data-dir"], on_call=smolvm_calls.record
+        reactor,
+        options["smolvm"],
+        options["smolvm-data-dir"],
+        on_call=smolvm_calls.record,
+        default_data_dir=os.path.join(state_dir, "smolvm"),
     )
     budgets = _budget_options(options)
     aliases = AliasRegistry(pool)
@@ -396,10 +420,10 @@ def _build(
         )
     except ValueError as e:
         raise _fail(f"--relay-engine: {e}") from None
+    table.log_clean_relay_ends = logs_relay_ends(options.parent)
     vm_options = VMOptions(
         instance_id=state.instance_id,
         gate=gate,
-        iptables_fallback=options["alias-iptables-fallback"],
         skip_probe=options["unsafe-skip-isolation-probe"],
     )
     if vm_options.skip_probe:
@@ -568,6 +592,18 @@ def _unix_path(control: str) -> str | None:
     except ControlListenError:
         return None  # ControlService reports it at start
     return described.path if isinstance(described, UNIXDescription) else None
+
+
+def logs_relay_ends(runner_options: Any) -> bool:
+    """Whether the daemon logs a line (debug) for every cleanly ended relay.
+
+    Only under ``twist --log-level debug``: at any other level the event would be built and
+    dropped for every connection (a measurable share of a short connection's cost, see
+    docs/performance.md). Failed relays are always logged; counters count every relay.
+    """
+    if runner_options is None or "fileLogObserverFactory" not in runner_options:
+        return False
+    return runner_options.get("logLevel") is LogLevel.debug
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

@@ -95,22 +95,47 @@ def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple
     return m.group(3).decode(), int(m.group(4))
 
 
-@pytest.mark.parametrize("runner", ["twist", "twistd"])
-def test_daemon_serves_the_configured_forward(tmp_path, echo_server: int, runner: str) -> None:  # type: ignore[no-untyped-def]
+REACTOR = re.compile(rb"relay engine (\S+), reactor (\w+)")
+
+
+@pytest.mark.parametrize(
+    ("runner", "reactor"),
+    [
+        # Started the README's way or as the units do, the daemon runs on the fast reactor
+        # and the splice engine without any flag; --reactor still chooses another reactor.
+        ("twist", "QuietEPollReactor"),
+        ("twistd", "QuietEPollReactor"),
+        ("twist --reactor epoll", "EPollReactor"),
+    ],
+)
+def test_daemon_serves_the_configured_forward(
+    tmp_path, echo_server: int, runner: str, reactor: str
+) -> None:  # type: ignore[no-untyped-def]
     config = _write_config(
         tmp_path,
         "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
         f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
     )
     args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
-    if runner == "twist":
+    if runner.startswith("twist "):
+        cmd = [sys.executable, "-m", "twisted", *runner.split()[1:], "--log-format=text", *args]
+    elif runner == "twist":
         cmd = [sys.executable, "-m", "twisted", "--log-format=text", *args]
     else:
         twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
         cmd = [twistd, "-n", "--pidfile=", "--logfile=-", *args]
     proc = _start(cmd)
     try:
-        host, port = _wait_listening(proc)
+        assert proc.stdout is not None
+        reader = OutputReader(proc.stdout.fileno())
+        try:
+            started = reader.wait_for(REACTOR, 90)
+            m = reader.wait_for(LISTENING, 90)
+        except AssertionError:
+            proc.kill()
+            raise
+        assert started.groups() == (b"splice", reactor.encode())
+        host, port = m.group(3).decode(), int(m.group(4))
         assert host == "127.77.0.2" and port != 0
         payload = os.urandom(300_000)
         assert roundtrip(host, port, payload) == payload
@@ -151,7 +176,9 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
     )
     try:
         host, port = _wait_listening(first)
+        journal = state / "state.journal"
         before = (state / "state.json").read_bytes()
+        before_journal = journal.read_bytes() if journal.exists() else None
         out = _run_fail(
             ["--state-dir", str(state), "--control", f"unix:{tmp_path / 'c2' / 'c.sock'}"]
         )
@@ -161,6 +188,7 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
         assert lines[0].startswith("bottlenet: error: --state-dir: another bottlenet daemon")
         assert f"(pid {first.pid})" in lines[0]
         assert (state / "state.json").read_bytes() == before
+        assert (journal.read_bytes() if journal.exists() else None) == before_journal
         assert not (tmp_path / "c2").exists()  # it stopped before making anything
         payload = os.urandom(1000)
         assert roundtrip(host, port, payload) == payload  # the first one is untouched
@@ -234,3 +262,14 @@ def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) ->
     assert line.startswith("bottlenet: error: --alias-pool 127.88.0.0/16: persisted bottle(s)")
     assert "'kept' ('127.77.0.9')" in line
     assert (state / "state.json").read_bytes() == before
+
+
+def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
+    from twisted.logger import LogLevel
+
+    from bottlenet.tap import logs_relay_ends
+
+    assert logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.debug})
+    assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})
+    assert not logs_relay_ends({"logger": None, "nodaemon": True})  # twistd
+    assert not logs_relay_ends(None)

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -158,7 +159,8 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     steps = [body for marker, body in blocks if marker == "test: vm"]
     assert len(daemon) == 1 and len(steps) >= 6
 
-    base = str(tmp_path / "bn-quick")
+    # short: smolvm binds sockets below its state dir (vmctl.smolvm.MAX_STATE_DIR)
+    base = tempfile.mkdtemp(prefix="bnq-", dir="/tmp")
     spec = tmp_path / "bottle-socket.toml"
     with open(os.path.join(ROOT, "examples", "bottle-socket.toml")) as f:
         spec.write_text(f.read().replace("/tmp/bn-quick", base))
@@ -181,6 +183,7 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
         live = fake.live_pids()
     finally:
         survivors = fake.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert not survivors and not live and machines == {}
     # The outputs the quickstart promises in its comments.

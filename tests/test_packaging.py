@@ -40,7 +40,7 @@ def test_plugin_found_after_normal_install(tmp_path) -> None:  # type: ignore[no
     for key in ("plugin", "tap"):
         assert "site-packages" in result[key] and not result[key].startswith(checkout_sources), (
             f"{key} was imported from the checkout, not from a normal install: "
-            "run the README's test command (pip install '.[dev]'), not an editable install"
+            "run the README's test command (pip install '.[dev,vm]'), not an editable install"
         )
 
 

@@ -7,6 +7,7 @@ useful smolvm line, sanitised (control characters replaced, length bounded), nev
 
 from __future__ import annotations
 
+import json
 import re
 
 #: Longest message text kept from smolvm's stderr.
@@ -98,6 +99,8 @@ class SmolvmFailed(VmctlError):
         super().__init__(message)
         self.stderr_tail = stderr_tail
         self.exit_code = exit_code
+        #: The ``--error-format json`` code smolvm gave, when it gave one.
+        self.smolvm_code: str | None = None
 
 
 class UsageError(SmolvmFailed):
@@ -134,7 +137,7 @@ class PortInUse(SmolvmFailed):
 
 
 class KvmUnavailable(SmolvmFailed):
-    """/dev/kvm is missing or not accessible (smolvm only checks at start)."""
+    """/dev/kvm is missing or not usable by the VM process (smolvm only finds out at start)."""
 
     code = "KVM_UNAVAILABLE"
 
@@ -182,14 +185,55 @@ ALL_ERRORS: tuple[type[VmctlError], ...] = (
 
 _PORT_BY_MACHINE = re.compile(r"host port (\d+) is already in use by running machine '([^']*)'")
 _FOREIGN_PORT = re.compile(r"Address already in use|EADDRINUSE|os error 98")
+#: What smolvm says when the VM process cannot use KVM (1.9 texts, and 1.32.2 as root, where
+#: the VM process drops to its own uid and cannot open the 0600 /dev/kvm).
+_KVM = re.compile(
+    r"kvm not available|kvm permission denied|/dev/kvm|kvmopen|kvmcontext|kvm inaccessible",
+    re.IGNORECASE,
+)
+_JSON_CODE = re.compile(r"[A-Z][A-Z0-9_]{0,39}\Z")
+#: Wheel builds of smolvm print this on every call when the file is not named ``smolvm``.
+_WHEEL_NOTE = re.compile(rb"^note: no packed assets found for [^\n]*\n?", re.MULTILINE)
+
+
+def strip_notes(stderr: bytes) -> bytes:
+    """Drop smolvm's informational lines that are not part of any error (the wheel note)."""
+    return _WHEEL_NOTE.sub(b"", stderr)
+
+
+def json_error(stderr: bytes) -> tuple[str, str] | None:
+    """smolvm's ``--error-format json`` failure, ``(code, message)``, or None.
+
+    The object is the last ``{"error": ...}`` line on stderr (log lines may come before it).
+    """
+    for line in reversed(stderr.decode("utf-8", "replace").splitlines()):
+        line = line.strip()
+        if not line.startswith('{"error"'):
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return None
+        inner = obj.get("error") if isinstance(obj, dict) else None
+        if not isinstance(inner, dict):
+            return None
+        code, message = inner.get("code"), inner.get("message")
+        if not isinstance(code, str) or not _JSON_CODE.match(code):
+            return None
+        return code, message if isinstance(message, str) else ""
+    return None
 
 
 def error_text(stderr: bytes) -> str:
-    """Return smolvm's ``Error: ...`` text (that line and any following lines), or ''.
+    """Return smolvm's error text: the ``--error-format json`` message, else the
+    ``Error: ...`` line and any following lines, else ''.
 
     stderr may also hold WARN log lines and progress bars before the error; only the error
     itself (which may span lines, as the KVM hints do) is kept.
     """
+    found = json_error(stderr)
+    if found is not None:
+        return "Error: " + found[1]
     text = stderr.decode("utf-8", "replace")
     lines = text.replace("\r", "\n").split("\n")
     for i, line in enumerate(lines):
@@ -204,18 +248,40 @@ def stderr_tail(stderr: bytes, limit: int = MESSAGE_LIMIT) -> str:
     return sanitize(tail, 10 * limit)[-limit:]
 
 
+def kvm_message(what: str, err: str) -> str:
+    """Plain words for a KVM failure: no rootfs, usage or libkrun noise."""
+    lowered = err.lower()
+    if "permission denied" in lowered or "error(13)" in lowered:
+        why = (
+            "the VM process is not allowed to open /dev/kvm (permission denied; as root, "
+            "smolvm runs each VM under its own uid, which needs access to /dev/kvm too)"
+        )
+    elif "not available" in lowered or "no such file" in lowered or "error(2)" in lowered:
+        why = "/dev/kvm is missing (load kvm_intel or kvm_amd; needs hardware virtualization)"
+    else:
+        why = "the VM process cannot use /dev/kvm"
+    return (
+        f"smolvm {what}: KVM is not usable on this host: {why}. VM bottles need a Linux host "
+        "with working KVM that smolvm's VM process can open"
+    )
+
+
 def classify(
     stderr: bytes, exit_code: int | None, what: str, signal: int | None = None
 ) -> SmolvmFailed:
     """Map a failed smolvm call (non-zero exit) to the closest typed error.
 
-    ``what`` names the call for the message (``"machine start"``). The checks are ordered from
-    the most to the least specific, since one smolvm chain can mention several things (a
-    foreign port clash ends with "boot process exited ... before the agent was ready").
+    ``what`` names the call for the message (``"machine start"``). A ``--error-format json``
+    code decides where it is specific; otherwise (and for a smolvm without json errors) the
+    message is matched, from the most to the least specific check, since one smolvm chain can
+    mention several things (a foreign port clash ends with "boot process exited ... before
+    the agent was ready"; a KVM failure as root also says "krun_start_enter returned: -22").
     """
+    stderr = strip_notes(stderr)
     tail = stderr_tail(stderr)
+    found = json_error(stderr)
     err = error_text(stderr)
-    if exit_code == 2 and not err:
+    if exit_code == 2 and found is None and not err:
         first = next(
             (
                 ln
@@ -233,19 +299,29 @@ def classify(
             tail,
             exit_code,
         )
+    code = found[0] if found is not None else None
     line = sanitize(err)
     msg = f"smolvm {what}: {line}"
-    lowered = err.lower()
+    error = _classify(err, code, msg, tail, exit_code, what)
+    error.smolvm_code = code
+    return error
+
+
+def _classify(
+    err: str, code: str | None, msg: str, tail: str, exit_code: int | None, what: str
+) -> SmolvmFailed:
+    if code in ("KVM_UNAVAILABLE", "HYPERVISOR_UNAVAILABLE") or _KVM.search(err):
+        return KvmUnavailable(kvm_message(what, err), tail, exit_code)
+    if code == "NOT_FOUND":
+        return NotFound(msg, tail, exit_code)
     m = _PORT_BY_MACHINE.search(err)
     if m:
         return PortInUse(msg, tail, exit_code, port=int(m.group(1)), holder=m.group(2))
     if _FOREIGN_PORT.search(err):
         return PortInUse(msg, tail, exit_code)
-    if "kvm not available" in lowered or "kvm permission denied" in lowered or "/dev/kvm" in err:
-        return KvmUnavailable(msg, tail, exit_code)
     if "krun_start_enter returned: -22" in err or "krun_start_enter returned -22" in err:
         return DeviceBudget(msg, tail, exit_code)
-    if "already exists or is being created" in err:
+    if code == "CONFLICT" or "already exists or is being created" in err:
         return AlreadyExists(msg, tail, exit_code)
     if "vm not found:" in err or re.search(r"machine '[^']*' not found", err):
         return NotFound(msg, tail, exit_code)

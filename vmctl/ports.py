@@ -1,8 +1,13 @@
-"""Raw published ports: allocate them, retry on collisions, and verify who owns them.
+"""What a started machine publishes on the host, and who really holds it.
 
-A raw port is only trusted once the machine's own VM process is seen holding its listening
-socket (design invariant 5). On Linux that is read from ``/proc/net/tcp{,6}`` and
-``/proc/<pid>/fd``; elsewhere the check reports that it could not verify.
+Raw published ports (the opt-in for sidecars that can only serve TCP): allocate them, retry
+on collisions, verify who owns them. Exposed UNIX sockets (the default): verify that the
+machine's VM process holds each one. Either is only trusted once the machine's own VM process
+is seen holding the listening socket (design invariant 5). On Linux that is read from
+``/proc/net/{tcp,tcp6,unix}`` and ``/proc/<pid>/fd``; elsewhere the check reports that it
+could not verify. Every undo here stops the machine before deleting it: a start that failed
+or was cut short can leave a VMM whose record is not ``running``, and ``delete`` alone would
+leave it running, invisible to ``ls``.
 """
 
 from __future__ import annotations
@@ -18,14 +23,41 @@ from attrs import frozen
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 
-from vmctl.errors import PortInUse, PortNotOwned, SmolvmFailed, VmctlError
-from vmctl.smolvm import Smolvm
+from vmctl.errors import PortInUse, PortNotOwned, SmolvmFailed, VmctlError, sanitize
+from vmctl.smolvm import Machine, Smolvm
 from vmctl.spec import MachineSpec
 
 _LISTEN = "0A"
 _LOOPBACK_V4 = {"127.0.0.1", "0.0.0.0"}
 _LOOPBACK_V6 = {"::1", "::", "::ffff:127.0.0.1", "::ffff:0.0.0.0"}
 log = Logger()
+
+
+def pid_alive(pid: int) -> bool:
+    """A live, non-zombie process (a VMM is not our child, but it can sit as a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rpartition(")")[2].split()
+        return bool(fields) and fields[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def vmm_alive(machine: Machine) -> bool:
+    """Is the machine's VM process alive? ``running`` or ``unreachable`` (a live VMM whose
+    agent was slow to answer smolvm's 250 ms ping) with a pid that is still there."""
+    return (machine.running or machine.unreachable) and (
+        machine.pid is not None and pid_alive(machine.pid)
+    )
 
 
 def allocate_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -147,6 +179,48 @@ def check_port_owner(port: int, pid: int, proc: str = "/proc") -> PortCheck:
     return PortCheck(port, pid, Ownership.OWNED)
 
 
+def unix_listener_inodes(path: str, proc: str = "/proc") -> set[int]:
+    """Inodes of listening UNIX sockets bound at ``path`` (raises OSError without /proc)."""
+    found: set[int] = set()
+    with open(os.path.join(proc, "net", "unix")) as f:
+        lines = f.read().splitlines()[1:]
+    for line in lines:
+        fields = line.split(None, 7)
+        # Num RefCount Protocol Flags Type St Inode Path; flag 00010000 = __SO_ACCEPTCON
+        if len(fields) < 8 or fields[7] != path:
+            continue
+        try:
+            listening = int(fields[3], 16) & 0x10000
+            inode = int(fields[6])
+        except ValueError:
+            continue
+        if listening and inode:
+            found.add(inode)
+    return found
+
+
+def check_socket_owner(path: str, pid: int, proc: str = "/proc") -> PortCheck:
+    """Is the UNIX socket listening at ``path`` held by ``pid`` (and by nobody else)?
+
+    The result's ``port`` is 0: a socket has a path, not a port.
+    """
+    try:
+        listeners = unix_listener_inodes(path, proc)
+    except OSError as e:
+        return PortCheck(0, pid, Ownership.UNVERIFIABLE, f"cannot read socket table: {e}")
+    if not listeners:
+        return PortCheck(0, pid, Ownership.NOT_LISTENING, "no listener at the path")
+    try:
+        mine = socket_inodes(pid, proc)
+    except OSError as e:
+        if e.errno == errno.ENOENT:
+            return PortCheck(0, pid, Ownership.FOREIGN, "the VM process is gone")
+        return PortCheck(0, pid, Ownership.UNVERIFIABLE, f"cannot read its fds: {e}")
+    if listeners - mine:
+        return PortCheck(0, pid, Ownership.FOREIGN, "held by another process")
+    return PortCheck(0, pid, Ownership.OWNED)
+
+
 @frozen
 class RawPortsResult:
     """A machine created and started with raw ports its VM process was seen to own."""
@@ -202,7 +276,7 @@ def start_with_raw_ports(
                     n=attempt,
                     err=e.message,
                 )
-                await smolvm.delete(spec.name)
+                await _undo(smolvm, spec.name)
                 continue
             except BaseException:
                 await _undo(smolvm, spec.name)
@@ -232,10 +306,8 @@ async def _verify(
     check: Checker,
     allow_unverifiable: bool,
 ) -> RawPortsResult:
-    machine = await smolvm.status(spec.name)
-    if machine.pid is None or not machine.running:
-        raise SmolvmFailed(f"machine {spec.name} is {machine.state} right after start")
-    checks = tuple(check(p, machine.pid) for p in ports)
+    pid = await started_pid(smolvm, spec.name)
+    checks = tuple(check(p, pid) for p in ports)
     for c in checks:
         if c.owned or (allow_unverifiable and c.ownership is Ownership.UNVERIFIABLE):
             continue
@@ -243,12 +315,76 @@ async def _verify(
             f"raw port {c.port} of machine {spec.name} is not held by its VM process "
             f"(pid {c.pid}): {c.ownership.value}, {c.detail}"
         )
-    return RawPortsResult(spec, machine.pid, tuple(ports), checks, attempt)
+    return RawPortsResult(spec, pid, tuple(ports), checks, attempt)
+
+
+async def started_pid(smolvm: Smolvm, name: str) -> int:
+    """The VM pid of a machine that was just started; ``unreachable`` with a live pid counts
+    as started (smolvm's agent ping has a 250 ms budget that a busy host misses)."""
+    machine = await smolvm.status(name)
+    if machine.pid is None or not vmm_alive(machine):
+        why = f" ({sanitize(machine.state_reason, 120)})" if machine.state_reason else ""
+        raise SmolvmFailed(f"machine {name} is {machine.state} right after start{why}")
+    return machine.pid
+
+
+@frozen
+class SocketsResult:
+    """A machine created and started whose exposed sockets its VM process was seen to hold."""
+
+    spec: MachineSpec
+    pid: int
+    checks: tuple[PortCheck, ...]
+
+    @property
+    def verified(self) -> bool:
+        return all(c.owned for c in self.checks)
+
+
+SocketChecker = Callable[[str, int], PortCheck]
+
+
+def start_with_sockets(
+    smolvm: Smolvm,
+    spec: MachineSpec,
+    *,
+    check: SocketChecker = check_socket_owner,
+    allow_unverifiable: bool = False,
+) -> Deferred[SocketsResult]:
+    """Create and start a machine with ``--expose-socket``s, then verify who holds them.
+
+    No ports, so no collisions and no retries. On any failure (including a cancelled or
+    timed-out start) the machine is stopped, then deleted, and the error raised.
+    """
+
+    async def go() -> SocketsResult:
+        await smolvm.create(spec)
+        try:
+            await smolvm.start(spec.name)
+            pid = await started_pid(smolvm, spec.name)
+            checks = tuple(check(e.host, pid) for e in spec.expose_sockets)
+            for c, e in zip(checks, spec.expose_sockets, strict=True):
+                if c.owned or (allow_unverifiable and c.ownership is Ownership.UNVERIFIABLE):
+                    continue
+                raise PortNotOwned(
+                    f"exposed socket {e.guest} of machine {spec.name} is not held by its VM "
+                    f"process (pid {pid}) on the host: {c.ownership.value}, {c.detail}"
+                )
+            return SocketsResult(spec, pid, checks)
+        except BaseException:
+            await _undo(smolvm, spec.name)
+            raise
+
+    return Deferred.fromCoroutine(go())
 
 
 async def _undo(smolvm: Smolvm, name: str) -> None:
-    """Best-effort delete of a machine this call created; the original error wins."""
+    """Best-effort stop-then-delete of a machine this call created; the original error wins.
+
+    ``stop`` first: after a failed, timed-out or cancelled start the VMM may still run with
+    the record not ``running``, and ``delete`` alone would leave it behind.
+    """
     try:
-        await smolvm.delete(name)
+        await smolvm.remove(name)
     except VmctlError as e:
-        log.warn("could not delete {name} during rollback: {err}", name=name, err=e.message)
+        log.warn("could not remove {name} during rollback: {err}", name=name, err=e.message)

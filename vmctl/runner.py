@@ -25,25 +25,35 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from vmctl.errors import CallTimeout, SmolvmUnavailable, Unavailable
+from vmctl.install import discover, is_executable
+from vmctl.install import untrusted_reason as untrusted_reason
 
 #: Environment variables passed on to smolvm when present in the source environment.
 ENV_ALLOW = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR")
 _LC = re.compile(r"LC_[A-Z_]+\Z")
 #: Never passed on, whatever the source environment says (design invariant 8).
 ENV_DENY = ("SMOLVM_PUBLISH_ADDR", "SMOLVM_EGRESS_FLOOR", "SMOLVM_EGRESS_ALLOW_PRIVATE")
+#: Set by vmctl from what it found next to the binary (never copied from the daemon's env).
+ENV_ASSETS = ("SMOLVM_LIB_DIR", "SMOLVM_AGENT_ROOTFS")
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_GRACE = 3.0
 
 
-def build_env(source: Mapping[str, str], data_dir: str | None = None) -> dict[str, str]:
+def build_env(
+    source: Mapping[str, str],
+    data_dir: str | None = None,
+    assets: Mapping[str, str] | None = None,
+) -> dict[str, str]:
     """The whole environment for a smolvm child, built from an allow-list.
 
-    Only PATH (its absolute entries), HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are
-    copied from ``source``;
-    ``SMOLVM_DATA_DIR`` is set only when ``data_dir`` is configured. Anything else (notably
-    ``SMOLVM_PUBLISH_ADDR``, which would widen published ports off loopback) never reaches
-    the child.
+    Only PATH (its absolute entries), HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are copied
+    from ``source``;
+    ``SMOLVM_DATA_DIR`` is set only when ``data_dir`` is given (a smolvm without
+    ``--state-dir``), and ``assets`` (``SMOLVM_LIB_DIR``, ``SMOLVM_AGENT_ROOTFS`` found by
+    :mod:`vmctl.install`) are set by vmctl itself. Anything else (notably
+    ``SMOLVM_PUBLISH_ADDR``, which would widen published ports off loopback, or a
+    ``SMOLVM_AGENT_ROOTFS`` of the daemon's own environment) never reaches the child.
     """
     env = {k: v for k, v in source.items() if (k in ENV_ALLOW or _LC.match(k)) and "\0" not in v}
     if "PATH" in env:
@@ -54,55 +64,19 @@ def build_env(source: Mapping[str, str], data_dir: str | None = None) -> dict[st
         )
     if data_dir is not None:
         env["SMOLVM_DATA_DIR"] = data_dir
+    for k, v in (assets or {}).items():
+        if k in ENV_ASSETS and "\0" not in v:
+            env[k] = v
     for k in ENV_DENY:
         env.pop(k, None)
     return env
 
 
 def resolve_smolvm(path_or_none: str | None, env_path: str | None) -> str | None:
-    """Resolve the smolvm binary once, at daemon start, to an absolute path.
-
-    ``path_or_none`` is the ``--smolvm`` option: a path with a slash is made absolute, a bare
-    name is searched on ``env_path``. With no option, ``smolvm`` is searched on ``env_path``.
-    Returns None when nothing executable is found (the daemon still runs; VM calls then fail
-    with ``SMOLVM_UNAVAILABLE``). Relative PATH entries are ignored, since the daemon's cwd
-    is not a trusted place to find binaries.
-    """
-    name = path_or_none if path_or_none else "smolvm"
-    if os.sep in name:
-        candidate = os.path.abspath(name)
-        return candidate if _is_executable(candidate) else None
-    for entry in (env_path or "").split(os.pathsep):
-        if not entry or not os.path.isabs(entry):
-            continue
-        candidate = os.path.join(entry, name)
-        if _is_executable(candidate):
-            return candidate
-    return None
-
-
-def _is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK) and untrusted_reason(path) is None
-
-
-def untrusted_reason(path: str) -> str | None:
-    """Why the binary at ``path`` must not be run by the daemon, or None.
-
-    The binary (after symlinks) and its directory must belong to root or to the daemon's
-    user and be writable by nobody else: otherwise another user could swap in a "smolvm"
-    that the daemon then runs with its rights.
-    """
-    real = os.path.realpath(path)
-    for what, p in (("binary", real), ("directory", os.path.dirname(real))):
-        try:
-            st = os.stat(p)
-        except OSError as e:
-            return f"cannot inspect its {what}: {e.strerror}"
-        if st.st_uid not in (0, os.geteuid()):
-            return f"its {what} {p} is owned by uid {st.st_uid}"
-        if st.st_mode & 0o022:
-            return f"its {what} {p} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
-    return None
+    """The binary :func:`vmctl.install.discover` would pick from the option and PATH alone
+    (no wheel): an absolute path, or None when nothing executable is found."""
+    install = discover(path_or_none, env_path, wheel=lambda: None)
+    return install.binary if install is not None else None
 
 
 class BoundedBuffer:
@@ -346,7 +320,7 @@ class ProcessRunner:
             raise ValueError("argv[0] must be an absolute path")
         if timeout <= 0:
             raise ValueError("timeout must be positive")
-        if not _is_executable(argv_t[0]):
+        if not is_executable(argv_t[0]):
             return _fail(SmolvmUnavailable(f"cannot run {argv_t[0]}: not an executable file"))
         call = _Call(
             argv_t,
@@ -406,6 +380,7 @@ def _fail(exc: Exception) -> Deferred[ProcResult]:
 
 __all__ = [
     "ENV_ALLOW",
+    "ENV_ASSETS",
     "ENV_DENY",
     "BoundedBuffer",
     "ProcResult",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorProcess, IReactorTime
 from twisted.logger import Logger
 
-from vmctl.runner import ProcessRunner, resolve_smolvm, untrusted_reason
+from vmctl.install import SmolvmInstall, discover, find_wheel, untrusted_reason
+from vmctl.runner import ProcessRunner
 from vmctl.smolvm import CallObserver, Smolvm, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
 
@@ -46,28 +47,36 @@ def make_smolvm(
     device_budget: int = DEFAULT_DEVICE_BUDGET,
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
     on_call: CallObserver | None = None,
+    default_data_dir: str | None = None,
+    wheel: Callable[[], SmolvmInstall | None] = find_wheel,
 ) -> tuple[VmctlService, Smolvm]:
     """Wire the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options into a Smolvm.
 
-    The binary is resolved once, here, on the daemon's PATH. When none is found the daemon
-    still runs and every VM call fails with SMOLVM_UNAVAILABLE. ``on_call`` is passed on to
-    :class:`Smolvm` (the daemon's metrics hear every call through it).
+    The binary is found once, here (:func:`vmctl.install.discover`: the option, then PATH,
+    then the ``bottlenet[vm]`` wheel). When none is found the daemon still runs and every VM
+    call fails with SMOLVM_UNAVAILABLE. smolvm's state goes to ``--smolvm-data-dir`` or else
+    ``default_data_dir`` (the daemon passes ``<state-dir>/smolvm``), so bottlenet's machines
+    never mix with a user's own. ``on_call`` is passed on to :class:`Smolvm` (the daemon's
+    metrics hear every call through it).
     """
     env = dict(os.environ if environ is None else environ)
-    binary = resolve_smolvm(smolvm_option, env.get("PATH"))
-    if binary is None and smolvm_option and os.path.isfile(smolvm_option):
+    install = discover(smolvm_option, env.get("PATH"), wheel=wheel)
+    if install is None and smolvm_option and os.path.isfile(smolvm_option):
         VmctlService.log.warn(
             "--smolvm {path} is not used: {why}; VM calls will fail (SMOLVM_UNAVAILABLE)",
             path=os.path.abspath(smolvm_option),
             why=untrusted_reason(os.path.abspath(smolvm_option)) or "it is not executable",
         )
-    elif binary is None:
+    elif install is None:
         VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
-    data_dir = os.path.abspath(data_dir_option) if data_dir_option else None
+    else:
+        VmctlService.log.info("smolvm: {where}", where=install.describe())
+    chosen = data_dir_option or default_data_dir
+    data_dir = os.path.abspath(chosen) if chosen else None
     runner = ProcessRunner(reactor, clock)
     smolvm = Smolvm(
         runner,
-        binary,
+        install,
         data_dir,
         environ=env,
         timeouts=timeouts,

@@ -7,26 +7,31 @@ command's own exit code from ``exec`` is a result, not an error.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
-from attrs import field, frozen
+from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.logger import Logger
 
 from vmctl.errors import (
     InvalidArgument,
+    NotFound,
     SmolvmFailed,
     SmolvmUnavailable,
     UnsupportedVersion,
     VmctlError,
     classify,
     error_text,
+    json_error,
     sanitize,
     stderr_tail,
+    strip_notes,
 )
+from vmctl.install import SOURCE_OPTION, SmolvmInstall, assets_beside
 from vmctl.runner import ProcessRunner, ProcResult, build_env
 from vmctl.spec import (
     DEFAULT_DEVICE_BUDGET,
@@ -39,15 +44,25 @@ from vmctl.spec import (
 
 T = TypeVar("T")
 
-#: The oldest smolvm vmctl drives: 1.x CLI forms (``--name``) plus ``--mount-socket``.
-MIN_VERSION = (1, 6, 4)
+#: The oldest smolvm vmctl drives. 1.8.0 is the first with ``machine create --label`` and
+#: ``labels`` in ``ls --json`` (every create sends labels, recovery finds our machines by
+#: them), and the first whose ``--mount-socket`` sockets are visible inside image containers.
+MIN_VERSION = (1, 8, 0)
+#: The newest minor line tested against the real CLI (the ``bottlenet[vm]`` pin).
+TESTED_VERSION = (1, 32, 2)
 _VERSION = re.compile(r"^smolvm (\d+)\.(\d+)\.(\d+)(\S*)\s*$", re.MULTILINE)
 _PID = re.compile(r"running \(PID: (\d+)\)")
+#: Longest ``--state-dir`` smolvm can use: it binds per-machine sockets 46 bytes below it
+#: (``/.cache/smolvm/vms/<16 hex>/agent.sock``) and a UNIX socket path has 107 bytes.
+MAX_STATE_DIR = 107 - 46
+#: Seconds vmctl waits past smolvm's own ``exec --timeout`` before killing the CLI.
+EXEC_TIMEOUT_MARGIN = 5.0
 
 #: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
 SUBCOMMANDS = frozenset(
-    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "other"}
-)
+    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "help",
+     "other"}
+)  # fmt: skip
 #: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
 CANCELLED = "CANCELLED"
 INTERNAL = "INTERNAL"
@@ -60,6 +75,8 @@ def subcommand_of(args: Sequence[str]) -> str:
     """The :data:`SUBCOMMANDS` name of a smolvm argv (without the binary)."""
     if list(args[:1]) == ["--version"]:
         return "version"
+    if list(args[-1:]) == ["--help"]:
+        return "help"
     if len(args) >= 2 and args[0] == "machine" and args[1] in SUBCOMMANDS:
         return args[1]
     return "other"
@@ -92,20 +109,46 @@ class SmolvmVersion:
     def supported(self) -> bool:
         return self.triple >= MIN_VERSION
 
-    @property
-    def supports_mount_socket(self) -> bool:
-        """``--mount-socket HOST:GUEST`` (socket-mode bottles)."""
-        return self.triple >= (1, 6, 4)
 
-    @property
-    def ports_force_virtio_net(self) -> bool:
-        """Published ports select virtio-net (loopback-only publishing) since 1.0.4."""
-        return self.triple >= (1, 0, 4)
+_FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
-    @property
-    def egress_forces_virtio_net(self) -> bool:
-        """An egress policy selects virtio-net (TSI + allow-list refused) since 1.1.3."""
-        return self.triple >= (1, 1, 3)
+
+@frozen
+class Features:
+    """What this smolvm's CLI offers beyond the 1.8.0 floor, read from its own ``--help``.
+
+    Detected, not inferred from the version number: a build may lack a flag its version
+    would suggest, and the contract tests check these against the real binary.
+    """
+
+    error_format_json: bool = False
+    state_dir: bool = False
+    expose_socket: bool = False
+    user: bool = False
+    exec_timeout: bool = False
+    exec_user: bool = False
+    block_private: bool = False
+
+    @classmethod
+    def from_help(cls, create_help: bytes, exec_help: bytes) -> Features:
+        create = set(_FLAG.findall(create_help.decode("utf-8", "replace")))
+        exec_ = set(_FLAG.findall(exec_help.decode("utf-8", "replace")))
+        if "--label" not in create or "--name" not in create:
+            raise UnsupportedVersion(
+                "smolvm machine create has no --label: vmctl needs smolvm 1.8.0 or newer"
+            )
+        return cls(
+            error_format_json="--error-format" in create and "--error-format" in exec_,
+            state_dir="--state-dir" in create and "--state-dir" in exec_,
+            expose_socket="--expose-socket" in create,
+            user="--user" in create,
+            exec_timeout="--timeout" in exec_,
+            exec_user="--user" in exec_,
+            block_private="--block-private" in create,
+        )
+
+    def names(self) -> list[str]:
+        return [k for k, v in sorted(asdict(self).items()) if v is True]
 
 
 @frozen
@@ -137,10 +180,18 @@ class Machine:
     cpus: int | None = None
     memory_mib: int | None = None
     created_at: int | None = None
+    state_reason: str | None = None
+    cmd: tuple[str, ...] = ()
 
     @property
     def running(self) -> bool:
         return self.state == "running"
+
+    @property
+    def unreachable(self) -> bool:
+        """smolvm's ``unreachable``: the VMM pid is alive but its agent did not answer a
+        250 ms ping (a busy host). Not a death: the caller checks the pid itself."""
+        return self.state == "unreachable"
 
     @classmethod
     def from_json(cls, obj: object) -> Machine | None:
@@ -158,6 +209,9 @@ class Machine:
             else {}
         )
         image = obj.get("image")
+        reason = obj.get("state_reason")
+        raw_cmd = obj.get("cmd")
+        cmd = tuple(w for w in raw_cmd if isinstance(w, str)) if isinstance(raw_cmd, list) else ()
         return cls(
             name=name,
             state=state if isinstance(state, str) else "unknown",
@@ -171,6 +225,8 @@ class Machine:
             cpus=_int(obj.get("cpus")),
             memory_mib=_int(obj.get("memory_mib")),
             created_at=_int(obj.get("created_at")),
+            state_reason=reason if isinstance(reason, str) else None,
+            cmd=cmd,
         )
 
 
@@ -190,6 +246,19 @@ class ExecResult:
     stderr_truncated: bool = False
 
 
+def machine_argv(
+    features: Features, state_dir: str | None, sub: str, rest: Sequence[str]
+) -> list[str]:
+    """The argv (after the binary) of one ``machine SUB`` call: json errors and smolvm's own
+    state directory wherever this CLI has them, then the subcommand's own ``rest``."""
+    args = ["machine", sub]
+    if features.error_format_json:
+        args += ["--error-format", "json"]
+    if features.state_dir and state_dir is not None:
+        args += ["--state-dir", state_dir]
+    return [*args, *rest]
+
+
 def _coro(c: Coroutine[Deferred[Any], Any, T]) -> Deferred[T]:
     return Deferred.fromCoroutine(c)
 
@@ -197,12 +266,14 @@ def _coro(c: Coroutine[Deferred[Any], Any, T]) -> Deferred[T]:
 class Smolvm:
     """Drives one smolvm binary against one state directory.
 
-    ``binary`` is the absolute path from :func:`vmctl.runner.resolve_smolvm`; when it is None
-    every call fails with SmolvmUnavailable. ``environ`` is the source the child environment
-    is built from (allow-list only, see :func:`vmctl.runner.build_env`); it defaults to a
-    snapshot of ``os.environ`` taken here. ``on_call`` (e.g. the daemon's metrics) is told
-    about every CLI call made: its :func:`subcommand_of` name, ``"ok"`` or the error code,
-    and its wall time; vmctl itself stays free of any metrics library.
+    ``binary`` is a :class:`vmctl.install.SmolvmInstall` (from :func:`vmctl.install.discover`)
+    or an absolute path (its neighbouring assets are used if present); when it is None every
+    call fails with SmolvmUnavailable. ``data_dir`` is smolvm's own state directory: passed as
+    ``--state-dir`` where the CLI has it, else as ``SMOLVM_DATA_DIR``. ``environ`` is the source
+    the child environment is built from (allow-list only, see :func:`vmctl.runner.build_env`);
+    it defaults to a snapshot of ``os.environ`` taken here. ``on_call`` (e.g. the daemon's
+    metrics) is told about every CLI call made: its :func:`subcommand_of` name, ``"ok"`` or the
+    error code, and its wall time; vmctl itself stays free of any metrics library.
     """
 
     log = Logger()
@@ -210,7 +281,7 @@ class Smolvm:
     def __init__(
         self,
         runner: ProcessRunner,
-        binary: str | None,
+        binary: str | SmolvmInstall | None,
         data_dir: str | None = None,
         *,
         environ: Mapping[str, str] | None = None,
@@ -219,19 +290,47 @@ class Smolvm:
         check_version: bool = True,
         on_call: CallObserver | None = None,
     ) -> None:
-        if binary is not None and not os.path.isabs(binary):
-            raise ValueError("binary must be an absolute path (see resolve_smolvm)")
+        if isinstance(binary, str):
+            if not os.path.isabs(binary):
+                raise ValueError("binary must be an absolute path (see vmctl.install.discover)")
+            binary = SmolvmInstall(binary, SOURCE_OPTION, *assets_beside(binary))
+        self.install = binary
+        self.binary = binary.binary if binary is not None else None
         self.runner = runner
-        self.binary = binary
         self.data_dir_root = data_dir
-        self.env = build_env(os.environ if environ is None else environ, data_dir)
+        self._environ = dict(os.environ if environ is None else environ)
         self.timeouts = timeouts
         self.device_budget = device_budget
         self.check_version = check_version
         self.on_call = on_call
         self._version: SmolvmVersion | None = None
+        self._features: Features | None = None
+        #: The version+features run in flight; it fires with None or the exception it met (a
+        #: value, so it never fails and every waiter sees the same outcome).
+        self._learning: Deferred[Exception | None] | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The child environment: ``SMOLVM_DATA_DIR`` only for a smolvm without --state-dir."""
+        # Once the CLI is known to have --state-dir, the state dir goes there and nowhere
+        # else; before that (--version, --help) and on older CLIs it is SMOLVM_DATA_DIR.
+        features = self._features
+        data_dir = None if features is not None and features.state_dir else self.data_dir_root
+        assets = self.install.env() if self.install is not None else {}
+        return build_env(self._environ, data_dir, assets)
+
+    def describe(self) -> str:
+        """Which smolvm this is and where it came from (for status and the start log)."""
+        if self.install is None:
+            return "no smolvm (none given with --smolvm, none on PATH, no bottlenet[vm] wheel)"
+        version = f"smolvm {self._version} " if self._version is not None else ""
+        return version + self.install.describe()
 
     # -- plumbing ---------------------------------------------------------------------
+
+    def machine_args(self, sub: str, *rest: str) -> list[str]:
+        """``machine SUB`` plus the options every call gets, then ``rest``."""
+        return machine_argv(self._features or Features(), self.data_dir_root, sub, rest)
 
     async def _run(
         self,
@@ -248,8 +347,12 @@ class Smolvm:
         outcome = "ok"
         try:
             if self.binary is None:
-                raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
+                raise SmolvmUnavailable(
+                    "no smolvm found: give --smolvm, put smolvm on PATH, or install "
+                    "bottlenet[vm] (the smolmachines wheel)"
+                )
             result = await self.runner.run([self.binary, *args], self.env, timeout, stdin=stdin)
+            result = evolve(result, stderr=strip_notes(result.stderr))
             self.log.info(
                 "smolvm {sub} exited {code} signal={sig} in {dur:.3f}s",
                 sub=" ".join(args[:2]),
@@ -280,18 +383,51 @@ class Smolvm:
         except Exception:
             self.log.failure("smolvm call observer failed")
 
-    async def _call(self, args: Sequence[str], timeout: float, what: str) -> ProcResult:
+    async def _call(self, sub: str, rest: Sequence[str], timeout: float) -> ProcResult:
         await self._gate()
 
         def check(result: ProcResult) -> None:
             if result.exit_code != 0:
-                raise classify(result.stderr, result.exit_code, what, result.signal)
+                raise classify(result.stderr, result.exit_code, f"machine {sub}", result.signal)
 
-        return await self._run(args, timeout, check=check)
+        return await self._run(self.machine_args(sub, *rest), timeout, check=check)
 
     async def _gate(self) -> None:
-        if self.check_version and self._version is None:
-            await self._version_call()
+        if self.check_version and (self._version is None or self._features is None):
+            # One learning run at a time; concurrent callers wait for it.
+            if self._learning is None:
+                self._learning = Deferred.fromCoroutine(self._learn())
+            learning = self._learning
+            waiter: Deferred[Exception | None] = Deferred()
+
+            def relay(outcome: Exception | None) -> Exception | None:
+                waiter.callback(outcome)
+                return outcome  # for the next waiter
+
+            learning.addCallback(relay)
+            outcome = await waiter
+            if self._learning is learning:
+                self._learning = None
+            if outcome is not None:
+                raise outcome
+        root = self.data_dir_root
+        if root is not None and len(os.fsencode(root)) > MAX_STATE_DIR:
+            raise SmolvmUnavailable(
+                f"smolvm's state directory {sanitize(root, 120)} is too long "
+                f"({len(os.fsencode(root))} bytes, at most {MAX_STATE_DIR}): smolvm binds "
+                "per-machine UNIX sockets below it; choose a shorter --smolvm-data-dir "
+                "or --state-dir"
+            )
+
+    async def _learn(self) -> Exception | None:
+        try:
+            if self._version is None:
+                await self._version_call()
+            if self._features is None:
+                await self._feature_call()
+        except Exception as e:
+            return e
+        return None
 
     async def _version_call(self) -> SmolvmVersion:
         parsed: list[SmolvmVersion] = []
@@ -303,7 +439,8 @@ class Smolvm:
             if not version.supported:
                 oldest = ".".join(map(str, MIN_VERSION))
                 raise UnsupportedVersion(
-                    f"smolvm {version} is too old: vmctl needs smolvm {oldest} or newer"
+                    f"smolvm {version} is too old: vmctl needs smolvm {oldest} or newer "
+                    "(--label and labels in ls --json first came in 1.8.0)"
                 )
             parsed.append(version)
 
@@ -311,62 +448,126 @@ class Smolvm:
         self._version = parsed[0]
         return parsed[0]
 
+    async def _feature_call(self) -> Features:
+        helps: list[bytes] = []
+
+        def check(result: ProcResult) -> None:
+            if result.exit_code != 0:
+                raise classify(result.stderr, result.exit_code, "--help", result.signal)
+            helps.append(result.stdout)
+
+        await self._run(["machine", "create", "--help"], self.timeouts.version, check=check)
+        await self._run(["machine", "exec", "--help"], self.timeouts.version, check=check)
+        features = Features.from_help(helps[0], helps[1])
+        self._features = features
+        self.log.info(
+            "smolvm {version} features: {names}",
+            version=str(self._version),
+            names=",".join(features.names()) or "none beyond 1.8.0",
+        )
+        return features
+
     # -- API --------------------------------------------------------------------------
 
     def version(self) -> Deferred[SmolvmVersion]:
-        """Run ``smolvm --version``; fails with UnsupportedVersion below MIN_VERSION."""
-        return _coro(self._version_call())
+        """Run ``smolvm --version`` (and learn its features); UnsupportedVersion below
+        MIN_VERSION."""
+
+        async def go() -> SmolvmVersion:
+            version = await self._version_call()
+            if self.check_version and self._features is None:
+                await self._feature_call()
+            return version
+
+        return _coro(go())
 
     @property
     def known_version(self) -> SmolvmVersion | None:
         """The version seen by the last successful :meth:`version` (or gate) call."""
         return self._version
 
+    @property
+    def features(self) -> Features | None:
+        """What the CLI offers, once the gate has run."""
+        return self._features
+
     def create(self, spec: MachineSpec) -> Deferred[None]:
         """``machine create``: validates ``spec`` (including the device budget) first."""
 
         async def go() -> None:
             validate_spec(spec, self.device_budget)
-            if spec.mount_sockets:
-                await self._gate()
-                if self._version is not None and not self._version.supports_mount_socket:
-                    raise UnsupportedVersion(f"smolvm {self._version} has no --mount-socket")
-            await self._call(create_args(spec), self.timeouts.create, "machine create")
+            await self._gate()
+            features = self._features
+            if features is not None:
+                if spec.expose_sockets and not features.expose_socket:
+                    raise UnsupportedVersion(f"smolvm {self._version} has no --expose-socket")
+                if spec.user is not None and not features.user:
+                    raise UnsupportedVersion(f"smolvm {self._version} has no create --user")
+                if spec.block_private and not features.block_private:
+                    raise UnsupportedVersion(f"smolvm {self._version} has no --block-private")
+            await self._call("create", create_args(spec)[2:], self.timeouts.create)
 
         return _coro(go())
 
     def start(self, name: str) -> Deferred[int | None]:
-        """``machine start``: fires with the VM process pid once smolvm reports it ready."""
+        """``machine start``: fires with the VM process pid once smolvm reports it ready.
+
+        A start that fails, times out or is cancelled may leave a VMM behind whose record is
+        not ``running``; only ``stop`` kills it, so undo with :meth:`remove`, never a bare
+        :meth:`delete`.
+        """
 
         async def go() -> int | None:
             validate_name(name)
-            result = await self._call(
-                ["machine", "start", "--name", name], self.timeouts.start, "machine start"
-            )
+            result = await self._call("start", ["--name", name], self.timeouts.start)
             m = _PID.search(result.stdout.decode("utf-8", "replace"))
             return int(m.group(1)) if m else None
 
         return _coro(go())
 
     def stop(self, name: str) -> Deferred[None]:
-        """``machine stop``: succeeds too when the machine was not running."""
+        """``machine stop``: succeeds too when the machine was not running, and kills a VMM
+        left behind by a start that never finished."""
 
         async def go() -> None:
             validate_name(name)
-            await self._call(
-                ["machine", "stop", "--name", name], self.timeouts.stop, "machine stop"
-            )
+            await self._call("stop", ["--name", name], self.timeouts.stop)
 
         return _coro(go())
 
     def delete(self, name: str) -> Deferred[None]:
-        """``machine delete -f`` (always forced: without it smolvm stops, then prompts)."""
+        """``machine delete -f`` (always forced: without it smolvm stops, then prompts).
+
+        It kills nothing when the record is not ``running``: use :meth:`remove`.
+        """
 
         async def go() -> None:
             validate_name(name)
-            await self._call(
-                ["machine", "delete", "--name", name, "-f"], self.timeouts.delete, "machine delete"
-            )
+            await self._call("delete", ["--name", name, "-f"], self.timeouts.delete)
+
+        return _coro(go())
+
+    def remove(self, name: str) -> Deferred[bool]:
+        """Stop, then ``delete -f``: no VMM outlives its record. Fires True if it existed.
+
+        A failed stop does not prevent the delete (the machine must not stay listed), but it
+        is logged; NotFound at either step means the machine is already gone.
+        """
+
+        async def go() -> bool:
+            try:
+                await self.stop(name)
+            except NotFound:
+                return False
+            except VmctlError as e:
+                self.log.warn(
+                    "stop of {name} failed: {err}; deleting anyway", name=name, err=e.message
+                )
+            try:
+                await self.delete(name)
+            except NotFound:
+                return False
+            return True
 
         return _coro(go())
 
@@ -379,19 +580,41 @@ class Smolvm:
         timeout: float | None = None,
         workdir: str | None = None,
         detach: bool = False,
+        user: str | None = None,
     ) -> Deferred[ExecResult]:
         """``machine exec``: the guest's exit code is returned, smolvm's failures raised.
 
         With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
-        returns: the result's stdout holds that pid and the command keeps running.
+        returns: the result's stdout holds that pid and the command keeps running. ``user``
+        (``-u``) runs it as that user. Where smolvm has ``exec --timeout`` it gets the same
+        timeout, so the guest command dies with the call (exit 124) instead of running on.
 
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
-        line: ``Error: `` plus a known smolvm phrase (or a clap usage error, exit 2).
+        line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
+        (or a clap usage error, exit 2).
         """
 
         async def go() -> ExecResult:
-            args = exec_args(name, argv, env, workdir, interactive=stdin is not None, detach=detach)
+            # Refuse bad values before anything is spawned (the gate included).
+            exec_args(name, argv, env, workdir, stdin is not None, detach, user)
             await self._gate()
+            features = self._features or Features()
+            if user is not None and not features.exec_user:
+                raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+            seconds = timeout or self.timeouts.exec
+            guest_timeout = (
+                max(1, math.ceil(seconds)) if features.exec_timeout and not detach else None
+            )
+            rest = exec_args(
+                name,
+                argv,
+                env,
+                workdir,
+                interactive=stdin is not None,
+                detach=detach,
+                user=user,
+                guest_timeout=guest_timeout,
+            )[2:]
 
             def check(result: ProcResult) -> None:
                 # A guest's non-zero exit is a result ("ok"); only smolvm's own failure raises.
@@ -400,7 +623,12 @@ class Smolvm:
                 if _exec_smolvm_failure(result, name):
                     raise _exec_error(result, name)
 
-            result = await self._run(args, timeout or self.timeouts.exec, stdin=stdin, check=check)
+            # vmctl's own timeout only backs up smolvm's: a little later, so the guest's 124
+            # is seen rather than a killed CLI.
+            budget = seconds + (EXEC_TIMEOUT_MARGIN if guest_timeout is not None else 0.0)
+            result = await self._run(
+                self.machine_args("exec", *rest), budget, stdin=stdin, check=check
+            )
             assert result.exit_code is not None
             self.log.info(
                 "exec in {name}: guest exit {code}, out={nout}B err={nerr}B",
@@ -426,7 +654,7 @@ class Smolvm:
         """``machine ls --json``, keeping machines that carry every ``labels`` pair."""
 
         async def go() -> list[Machine]:
-            result = await self._call(["machine", "ls", "--json"], self.timeouts.query, "ls")
+            result = await self._call("ls", ["--json"], self.timeouts.query)
             data = _json(result, "machine ls")
             if not isinstance(data, list):
                 raise SmolvmFailed("smolvm machine ls --json did not print a JSON array")
@@ -448,11 +676,7 @@ class Smolvm:
 
         async def go() -> Machine:
             validate_name(name)
-            result = await self._call(
-                ["machine", "status", "--name", name, "--json"],
-                self.timeouts.query,
-                "machine status",
-            )
+            result = await self._call("status", ["--name", name, "--json"], self.timeouts.query)
             machine = Machine.from_json(_json(result, "machine status"))
             if machine is None or machine.name != name:
                 raise SmolvmFailed(f"smolvm machine status --json gave no record for {name}")
@@ -465,9 +689,7 @@ class Smolvm:
 
         async def go() -> str:
             validate_name(name)
-            result = await self._call(
-                ["machine", "data-dir", "--name", name], self.timeouts.query, "machine data-dir"
-            )
+            result = await self._call("data-dir", ["--name", name], self.timeouts.query)
             path = result.stdout.decode("utf-8", "replace").strip()
             if not path or "\n" in path or not os.path.isabs(path):
                 raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
@@ -479,6 +701,11 @@ class Smolvm:
 _EXEC_FAILURES = re.compile(
     r"^Error: (vm not found: |agent operation failed: |config operation failed: )"
 )
+#: With --error-format json smolvm reports its own failures with one of these codes.
+_EXEC_JSON_CODES = frozenset(
+    {"NOT_FOUND", "CONFLICT", "INTERRUPTED", "CONFIG_ERROR", "INVALID_STATE", "STORAGE_ERROR",
+     "MOUNT_ERROR", "KVM_UNAVAILABLE", "HYPERVISOR_UNAVAILABLE", "SMOLVM_ERROR"}
+)  # fmt: skip
 
 
 def _exec_smolvm_failure(result: ProcResult, name: str) -> bool:
@@ -491,6 +718,10 @@ def _exec_smolvm_failure(result: ProcResult, name: str) -> bool:
         return "Usage: smolvm" in text or "For more information, try" in text
     if result.exit_code != 1:
         return False
+    found = json_error(result.stderr)
+    if found is not None:
+        # COMMAND_FAILED is the guest command's own failure, reported as a result.
+        return found[0] in _EXEC_JSON_CODES
     # smolvm prints its error last. A guest can still forge such a line; that only turns its
     # own result into an error (documented in docs/smolvm.md).
     return bool(_EXEC_FAILURES.match(error_text(result.stderr)))
@@ -525,7 +756,9 @@ def _json(result: ProcResult, what: str) -> object:
 
 __all__ = [
     "MIN_VERSION",
+    "TESTED_VERSION",
     "ExecResult",
+    "Features",
     "InvalidArgument",
     "Machine",
     "Smolvm",

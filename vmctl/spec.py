@@ -1,8 +1,9 @@
 """Machine specs: validated values and the ``machine create`` argv built from them.
 
 Every check runs before smolvm is called, so a bad value is refused with InvalidArgument and
-nothing is spawned. Rules follow smolvm 1.9.2 (``docs/smolvm.md``); some are stricter on
-purpose (no value may start with ``-`` so it can never be read as a flag).
+nothing is spawned. Rules follow the real smolvm 1.32.2 CLI (checked by the contract tests,
+``docs/smolvm.md``); some are stricter on purpose (no value may start with ``-`` so it can
+never be read as a flag; host socket paths must be absolute and unique).
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from vmctl.errors import DeviceBudgetExceeded, InvalidArgument, sanitize
 #: Default virtio-mmio slots left for user devices on x86_64 libkrun builds (smolvm-cli.md 4.5).
 DEFAULT_DEVICE_BUDGET = 4
 MAX_MOUNT_SOCKETS = 64
+#: Host sources smolvm 1.32.2 refuses for ``--volume`` (tried one by one): these trees, and
+#: ``/`` and ``/var`` themselves (``/var/lib`` is allowed). Symlinks are resolved first.
+PROTECTED_VOLUME_TREES = (
+    "/etc", "/run", "/proc", "/sys", "/dev", "/boot", "/usr", "/bin", "/lib", "/lib64", "/sbin",
+    "/var/log", "/var/run",
+)  # fmt: skip
+PROTECTED_VOLUME_EXACT = ("/", "/var")
+_USER = re.compile(r"([a-z_][a-z0-9_-]{0,31}|\d{1,10})(:\d{1,10})?\Z")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}\Z")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")
@@ -117,18 +126,23 @@ class Volume:
         return f"{self.host}:{self.guest}" + (":ro" if self.read_only else "")
 
 
+def _check_socket_paths(flag: str, host: str, guest: str) -> None:
+    """Both ends absolute, and no ``;``/``|`` in the guest path (smolvm's separators)."""
+    _check_path(host, f"{flag} host path")
+    _check_path(guest, f"{flag} guest path")
+    if any(c in guest for c in ";|"):
+        raise _bad(f"{flag} guest path", guest, "must not contain ';' or '|'")
+
+
 @frozen
 class MountSocket:
-    """``--mount-socket HOST:GUEST``: a host UNIX socket made visible in the guest (>=1.6.4)."""
+    """``--mount-socket HOST:GUEST``: a host UNIX socket made visible in the guest."""
 
     host: str
     guest: str
 
     def __attrs_post_init__(self) -> None:
-        _check_path(self.host, "mount-socket host path")
-        _check_path(self.guest, "mount-socket guest path")
-        if any(c in self.guest for c in ";|"):
-            raise _bad("mount-socket guest path", self.guest, "must not contain ';' or '|'")
+        _check_socket_paths("mount-socket", self.host, self.guest)
 
     @classmethod
     def parse(cls, spec: str) -> MountSocket:
@@ -139,6 +153,36 @@ class MountSocket:
 
     def arg(self) -> str:
         return f"{self.host}:{self.guest}"
+
+
+def is_protected_source(path: str) -> bool:
+    """A ``--volume`` host path smolvm refuses as a protected system path."""
+    real = os.path.realpath(path)
+    if real in PROTECTED_VOLUME_EXACT:
+        return True
+    return any(real == p or real.startswith(p + "/") for p in PROTECTED_VOLUME_TREES)
+
+
+@frozen
+class ExposeSocket:
+    """``--expose-socket GUEST:HOST``: a UNIX socket a guest process listens on, reachable on
+    the host at HOST (a path vmctl chooses, in a directory only the daemon can enter)."""
+
+    guest: str
+    host: str
+
+    def __attrs_post_init__(self) -> None:
+        _check_socket_paths("expose-socket", self.host, self.guest)
+
+    def arg(self) -> str:
+        return f"{self.guest}:{self.host}"
+
+
+def check_user(user: str) -> str:
+    """``-u/--user``: a user name or ``uid[:gid]`` (the image resolves names)."""
+    if not isinstance(user, str) or not _USER.match(user):
+        raise _bad("user", user, "must be a user name or uid[:gid]")
+    return user
 
 
 def _check_label(key: str, value: str) -> None:
@@ -223,11 +267,19 @@ class MachineSpec:
     allow_hosts: tuple[str, ...] = field(default=(), converter=tuple)
     outbound_localhost_only: bool = False
     mount_sockets: tuple[MountSocket, ...] = field(default=(), converter=tuple)
+    expose_sockets: tuple[ExposeSocket, ...] = field(default=(), converter=tuple)
+    block_private: bool = False
+    user: str | None = None
     workload: tuple[str, ...] = field(default=(), converter=tuple)
 
     @property
     def has_egress_policy(self) -> bool:
-        return bool(self.allow_cidrs or self.allow_hosts or self.outbound_localhost_only)
+        return bool(
+            self.allow_cidrs
+            or self.allow_hosts
+            or self.outbound_localhost_only
+            or self.block_private
+        )
 
     @property
     def needs_nic(self) -> bool:
@@ -247,6 +299,11 @@ def device_count(spec: MachineSpec) -> int:
     assumed to ride on the fixed vsock device); see docs/smolvm.md.
     """
     return len(spec.volumes) + int(spec.needs_nic) + int(spec.packed_image)
+
+
+def _unique(values: Sequence[object], what: str) -> None:
+    if len(set(values)) != len(values):
+        raise InvalidArgument(f"invalid {what} is repeated")
 
 
 def validate_spec(
@@ -275,17 +332,15 @@ def validate_spec(
     for vol in spec.volumes:
         if not isinstance(vol, Volume):
             raise _bad("volume", vol, "must be a Volume")
+        if is_protected_source(vol.host):
+            raise _bad("volume host path", vol.host, "smolvm refuses protected system paths")
         if check_paths:
             vol.check_host()
-    guests = [v.guest for v in spec.volumes]
-    if len(set(guests)) != len(guests):
-        raise InvalidArgument("invalid volumes: a guest path is repeated")
+    _unique([v.guest for v in spec.volumes], "volumes: a guest path")
     for p in spec.ports:
         if not isinstance(p, PortMapping):
             raise _bad("port", p, "must be a PortMapping")
-    hosts = [p.host for p in spec.ports]
-    if len(set(hosts)) != len(hosts):
-        raise InvalidArgument("invalid ports: a host port is repeated")
+    _unique([p.host for p in spec.ports], "ports: a host port")
     for k, v in spec.env:
         _check_env(k, v)
     if spec.workdir is not None:
@@ -296,11 +351,23 @@ def validate_spec(
         _check_cidr(c)
     for h in spec.allow_hosts:
         _check_host(h)
-    for ms in spec.mount_sockets:
-        if not isinstance(ms, MountSocket):
-            raise _bad("mount-socket", ms, "must be a MountSocket")
-    if len(spec.mount_sockets) > MAX_MOUNT_SOCKETS:
-        raise InvalidArgument(f"invalid mount-sockets: at most {MAX_MOUNT_SOCKETS}")
+    for sockets, kind in ((spec.mount_sockets, MountSocket), (spec.expose_sockets, ExposeSocket)):
+        flag = "mount-sockets" if kind is MountSocket else "expose-sockets"
+        for one in sockets:
+            if not isinstance(one, kind):
+                raise _bad(flag, one, f"must be a {kind.__name__}")
+        if len(sockets) > MAX_MOUNT_SOCKETS:
+            raise InvalidArgument(f"invalid {flag}: at most {MAX_MOUNT_SOCKETS}")
+        _unique([m.guest for m in sockets], f"{flag}: a guest path")
+    _unique([e.host for e in spec.expose_sockets], "expose-sockets: a host path")
+    if spec.user is not None:
+        check_user(spec.user)
+    if spec.net_backend == "tsi" and (spec.ports or spec.has_egress_policy):
+        raise InvalidArgument(
+            "invalid net backend 'tsi': published ports and egress policies need virtio-net"
+        )
+    if spec.net_backend == "virtio-net" and not (spec.net or spec.ports or spec.has_egress_policy):
+        raise InvalidArgument("invalid net backend 'virtio-net': it needs --net")
     for word in spec.workload:
         if not isinstance(word, str) or "\0" in word:
             raise _bad("workload word", word, "must be a string without NUL")
@@ -346,8 +413,14 @@ def create_args(spec: MachineSpec) -> list[str]:
         args += ["--allow-host", h]
     if spec.outbound_localhost_only:
         args.append("--outbound-localhost-only")
+    if spec.block_private:
+        args.append("--block-private")
     for ms in spec.mount_sockets:
         args += ["--mount-socket", ms.arg()]
+    for es in spec.expose_sockets:
+        args += ["--expose-socket", es.arg()]
+    if spec.user is not None:
+        args += ["--user", spec.user]
     if spec.workload:
         args.append("--")
         args += list(spec.workload)
@@ -361,10 +434,14 @@ def exec_args(
     workdir: str | None = None,
     interactive: bool = False,
     detach: bool = False,
+    user: str | None = None,
+    guest_timeout: int | None = None,
 ) -> list[str]:
     """The arguments after ``smolvm`` for ``machine exec`` (``--name`` is long-only there).
 
     ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i``.
+    ``user`` is ``-u`` (smolvm >= 1.32), ``guest_timeout`` is smolvm's own ``--timeout``
+    in whole seconds (the guest command is killed, exit 124).
     """
     if detach and interactive:
         raise InvalidArgument("exec -d cannot feed stdin (-i)")
@@ -381,6 +458,14 @@ def exec_args(
     if workdir is not None:
         _check_path(workdir, "workdir")
         args += ["-w", workdir]
+    if user is not None:
+        args += ["--user", check_user(user)]
+    if guest_timeout is not None:
+        if detach:
+            raise InvalidArgument("exec -d cannot have a --timeout (it would kill the command)")
+        if type(guest_timeout) is not int or guest_timeout < 1:
+            raise _bad("exec timeout", guest_timeout, "must be a whole number of seconds >= 1")
+        args += ["--timeout", f"{guest_timeout}s"]
     if interactive:
         args.append("-i")
     if detach:

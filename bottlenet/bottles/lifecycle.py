@@ -1,11 +1,14 @@
 """Create, verify, re-policy and tear down VM bottles, step by step, each step with its undo.
 
-Create runs, in order: allocate the alias (or the 0700 socket directory); create and start the
-sidecar with raw published ports and verify that its VM process owns them; bind one agent
-endpoint per service; push the egress policy; create and start the agent VM (no workload yet)
-with the stamped env and the isolation flags of its mode; run the isolation probe inside it;
-launch the workload (``exec -d``); record the state. Any failure runs the undos of the steps
-done so far, in reverse, and surfaces as one typed error (design invariant 6).
+Create runs, in order: make the bottle's 0700 socket directory; create and start the sidecar
+with its services exposed as UNIX sockets in that directory (or, opted in, raw published
+ports) and verify that its VM process holds them; bind one agent endpoint per service; push
+the egress policy; create the agent VM with bottlenet's wait command as its workload (so the
+image's own ENTRYPOINT never starts), with the stamped env and no network device; refuse a
+packed image that turned the network on; start it; run the launch gate inside it; only then
+start the workload (``exec -d``, as the spec's user); record the state. Any failure runs the
+undos of the steps done so far, in reverse (every machine is stopped before it is deleted, so
+no VMM outlives its record), and surfaces as one typed error (design invariant 6).
 
 The registry (bottle names, one operation at a time, persistence) calls in here; this module
 owns no bottle table of its own except the sidecar pid watches.
@@ -26,12 +29,11 @@ from twisted.logger import Logger
 from bottlenet.bottles import egress
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
+    AGENT_WAIT_COMMAND,
     MODE_ALIAS,
-    MODE_SOCKET,
     IsolationPlan,
     choose_isolation,
     guest_socket_path,
-    iptables_argv,
 )
 from bottlenet.bottles.model import (
     LABEL_BOTTLE,
@@ -46,12 +48,21 @@ from bottlenet.bottles.model import (
     machine_name,
 )
 from bottlenet.bottles.probe import Gate, GateSettings
-from bottlenet.bottles.spec import BottleSpec, EgressSpec, image_fields, is_local_image
+from bottlenet.bottles.spec import (
+    LISTEN_TCP,
+    AgentSpec,
+    BottleSpec,
+    EgressSpec,
+    SidecarSpec,
+    image_fields,
+    is_local_image,
+)
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
     IsolationFailed,
+    KvmUnavailable,
     SmolvmFailed,
     SmolvmUnavailable,
     Unavailable,
@@ -62,21 +73,35 @@ from bottlenet.forward.spec import (
     TCPListen,
     TCPTarget,
     UNIXListen,
+    UNIXTarget,
     bottle_dir,
+    sidecar_socket_path,
     unix_listen_for,
 )
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import Verdict
-from vmctl.errors import NotFound as VmNotFound
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import VmctlError
-from vmctl.ports import Checker, Ownership, check_port_owner, start_with_raw_ports
-from vmctl.smolvm import Machine, Smolvm, SmolvmVersion
-from vmctl.spec import MachineSpec, MountSocket, PortMapping, Volume
+from vmctl.ports import (
+    Checker,
+    Ownership,
+    SocketChecker,
+    check_port_owner,
+    check_socket_owner,
+    start_with_raw_ports,
+    start_with_sockets,
+)
+from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion
+from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 WORKLOAD_TIMEOUT = 60.0
-SETUP_TIMEOUT = 60.0
+#: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
+SIDECAR_SOCKET_DIR = "/run/bottlenet"
+RAW_PORTS_NOTE = (
+    '; sidecar services on raw TCP ports of host 127.0.0.1 (sidecar.listen = "tcp"): '
+    "every local user can connect to them"
+)
 
 
 def map_vmctl(e: VmctlError) -> BottlenetError:
@@ -89,7 +114,69 @@ def map_vmctl(e: VmctlError) -> BottlenetError:
         return InvalidArgument(e.message)
     if e.code == "UNAVAILABLE":
         return Unavailable(e.message)
+    if e.code == "KVM_UNAVAILABLE":
+        return KvmUnavailable(e.message)
+    # The wire code is SMOLVM_FAILED; vmctl's finer code leads the message unless it is the
+    # same word (which once printed "SMOLVM_FAILED: SMOLVM_FAILED: ...").
+    if e.code == SmolvmFailed.code:
+        return SmolvmFailed(e.message)
     return SmolvmFailed(f"{e.code}: {e.message}")
+
+
+def sidecar_guest_socket(service: str) -> str:
+    """Where the sidecar image must listen for ``service`` (docs/sidecar.md)."""
+    return f"{SIDECAR_SOCKET_DIR}/{service}.sock"
+
+
+def sidecar_machine_spec(
+    name: str,
+    sidecar: SidecarSpec,
+    labels: tuple[tuple[str, str], ...],
+    features: Features,
+    *,
+    sockets: Sequence[ExposeSocket] = (),
+    ports: Sequence[PortMapping] = (),
+) -> MachineSpec:
+    """The sidecar's ``machine create``: outbound network for its egress proxy, with smolvm's
+    private-range floor (``--block-private``: no host loopback, LAN or metadata) where the CLI
+    has it, and its services as exposed sockets or (opt-in) published ports."""
+    fields: dict[str, Any] = {
+        **image_fields(sidecar.image),
+        "labels": labels,
+        "cpus": sidecar.cpus,
+        "mem": sidecar.mem,
+        "net": True,
+        "block_private": features.block_private,
+        "expose_sockets": tuple(sockets),
+        "ports": tuple(ports),
+    }
+    return MachineSpec(name, **fields)
+
+
+def agent_machine_spec(
+    name: str,
+    agent: AgentSpec,
+    labels: tuple[tuple[str, str], ...],
+    env: tuple[tuple[str, str], ...],
+    endpoints: Sequence[Endpoint],
+) -> MachineSpec:
+    """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
+    and bottlenet's wait command as the workload (it replaces the image's ENTRYPOINT+CMD)."""
+    mounts: list[MountSocket] = []
+    for e in endpoints:
+        assert e.path is not None and e.guest_path is not None
+        mounts.append(MountSocket(e.path, e.guest_path))
+    fields: dict[str, Any] = {
+        **image_fields(agent.image),
+        "labels": labels,
+        "cpus": agent.cpus,
+        "mem": agent.mem,
+        "volumes": tuple(Volume.parse(v) for v in agent.volumes),
+        "env": env,
+        "mount_sockets": tuple(mounts),
+        "workload": AGENT_WAIT_COMMAND,
+    }
+    return MachineSpec(name, net=False, **fields)
 
 
 @frozen
@@ -97,7 +184,6 @@ class VMOptions:
     """Daemon-wide settings for VM bottles."""
 
     instance_id: str
-    iptables_fallback: bool = False
     skip_probe: bool = False
     platform: str = sys.platform
     #: The launch gate's outside address, DNS name and the daemon's own service ports.
@@ -134,6 +220,7 @@ class VMLifecycle:
         state_dir: str,
         options: VMOptions,
         check_port: Checker = check_port_owner,
+        check_socket: SocketChecker = check_socket_owner,
     ) -> None:
         self.reactor = reactor
         self.smolvm = smolvm
@@ -142,9 +229,8 @@ class VMLifecycle:
         self.state_dir = state_dir
         self.options = options
         self.check_port = check_port
+        self.check_socket = check_socket
         self.watcher = PidWatcher(reactor)
-        #: The alias fallback's guest rules (tests swap it: the fake smolvm execs on the host).
-        self.iptables_argv: Callable[[str], list[str]] = iptables_argv
         self._watches: dict[str, Watch] = {}
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
 
@@ -170,7 +256,6 @@ class VMLifecycle:
             spec.mode,
             version,
             self.options.platform,
-            iptables_fallback=self.options.iptables_fallback,
             local_agent_image=is_local_image(spec.agent.image),
         )
 
@@ -184,7 +269,7 @@ class VMLifecycle:
     ) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
         plan = await self.plan(spec)
-        if alias is not None and plan.mode != MODE_ALIAS:
+        if alias is not None:
             raise InvalidArgument(f"--alias only applies to alias mode, this bottle is {plan.mode}")
         c = _Creation(spec.name, spec, plan)
         try:
@@ -238,16 +323,7 @@ class VMLifecycle:
                 )
 
     async def step_allocate(self, c: _Creation, alias: ipaddress.IPv4Address | None) -> None:
-        """1. The alias (alias mode) or the bottle's own 0700 socket directory."""
-        if c.plan.mode == MODE_ALIAS:
-            addr = self.aliases.claim(c.name, None if alias is None else str(alias))
-            c.facts["alias"] = str(addr)
-
-            async def release() -> None:
-                self.aliases.release(c.name)
-
-            c.undo.append(("alias", release))
-            return
+        """1. The bottle's own 0700 socket directory (endpoints and sidecar sockets)."""
         path = bottle_dir(self.state_dir, c.name)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         os.mkdir(path, 0o700)  # FileExistsError: a leftover; recovery removes those
@@ -258,43 +334,64 @@ class VMLifecycle:
         c.undo.append(("directory", remove))
 
     async def step_sidecar(self, c: _Creation) -> None:
-        """2 + 3. Sidecar with raw ports (retried on collisions), ownership verified."""
+        """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
+        (opt-in, retried on collisions); either way held by its VM process, verified."""
         sidecar = c.spec.sidecar
         assert sidecar is not None
         name = machine_name(c.name, ROLE_SIDECAR)
-
-        def make_spec(ports: Sequence[int]) -> MachineSpec:
-            # (a plain dict: mypy's attrs plugin mistypes converter=tuple fields)
-            fields: dict[str, Any] = {
-                **image_fields(sidecar.image),
-                "labels": self.labels(c.name, ROLE_SIDECAR),
-                "cpus": sidecar.cpus,
-                "mem": sidecar.mem,
-                "ports": tuple(
-                    PortMapping(raw, svc.guest_port)
-                    for raw, svc in zip(ports, sidecar.services, strict=True)
-                ),
-            }
-            return MachineSpec(name, **fields)
-
-        result = await start_with_raw_ports(
-            self.smolvm,
-            make_spec,
-            len(sidecar.services),
-            check=self.check_port,
-            allow_unverifiable=self.options.allow_unverifiable_ports,
-        )
+        labels = self.labels(c.name, ROLE_SIDECAR)
+        await self.version()
+        features = self.smolvm.features or Features()
+        c.facts["sidecar_vm"] = name
 
         async def remove() -> None:
             await self.remove_machine(name)
 
+        if sidecar.listen == LISTEN_TCP:
+
+            def make_spec(ports: Sequence[int]) -> MachineSpec:
+                mapped = [
+                    PortMapping(raw, svc.guest_port)
+                    for raw, svc in zip(ports, sidecar.services, strict=True)
+                ]
+                return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+
+            raw = await start_with_raw_ports(
+                self.smolvm,
+                make_spec,
+                len(sidecar.services),
+                check=self.check_port,
+                allow_unverifiable=self.options.allow_unverifiable_ports,
+            )
+            c.undo.append(("sidecar", remove))
+            c.facts["sidecar_pid"] = raw.pid
+            c.facts["raw_ports"] = raw.ports
+            c.facts["sidecar_sockets"] = (None,) * len(raw.ports)
+            return
+        if not features.expose_socket:
+            raise SmolvmUnavailable(
+                f"smolvm {self.smolvm.known_version} has no --expose-socket, so sidecar "
+                'services cannot be UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
+            )
+        paths = [sidecar_socket_path(self.state_dir, c.name, s.name) for s in sidecar.services]
+        sockets = [
+            ExposeSocket(sidecar_guest_socket(s.name), p)
+            for s, p in zip(sidecar.services, paths, strict=True)
+        ]
+        spec = sidecar_machine_spec(name, sidecar, labels, features, sockets=sockets)
+        started = await start_with_sockets(
+            self.smolvm,
+            spec,
+            check=self.check_socket,
+            allow_unverifiable=self.options.allow_unverifiable_ports,
+        )
         c.undo.append(("sidecar", remove))
-        c.facts["sidecar_vm"] = name
-        c.facts["sidecar_pid"] = result.pid
-        c.facts["raw_ports"] = result.ports
+        c.facts["sidecar_pid"] = started.pid
+        c.facts["raw_ports"] = (0,) * len(paths)
+        c.facts["sidecar_sockets"] = tuple(paths)
 
     async def step_bind(self, c: _Creation) -> None:
-        """4. One agent endpoint per service, targeting 127.0.0.1:RAW."""
+        """4. One agent endpoint per service, relaying to the sidecar's socket (or raw port)."""
         sidecar = c.spec.sidecar
         assert sidecar is not None
 
@@ -303,23 +400,32 @@ class VMLifecycle:
 
         c.undo.append(("endpoints", unbind))
         endpoints = []
-        for svc, raw in zip(sidecar.services, c.facts["raw_ports"], strict=True):
-            listen: TCPListen | UNIXListen
-            if c.plan.mode == MODE_ALIAS:
-                listen = TCPListen(ipaddress.IPv4Address(c.facts["alias"]), 0)
-            else:
-                listen = unix_listen_for(self.state_dir, c.name, svc.name)
+        behind = zip(
+            sidecar.services, c.facts["raw_ports"], c.facts["sidecar_sockets"], strict=True
+        )
+        for svc, raw, sock in behind:
+            listen = unix_listen_for(self.state_dir, c.name, svc.name)
             endpoints.append(
-                await self.bind_endpoint(c.name, svc.name, svc.guest_port, raw, listen)
+                await self.bind_endpoint(c.name, svc.name, svc.guest_port, raw, listen, sock)
             )
         c.facts["endpoints"] = tuple(endpoints)
 
     async def bind_endpoint(
-        self, bottle: str, service: str, guest_port: int, raw: int, listen: TCPListen | UNIXListen
+        self,
+        bottle: str,
+        service: str,
+        guest_port: int,
+        raw: int,
+        listen: TCPListen | UNIXListen,
+        sidecar_path: str | None = None,
     ) -> Endpoint:
-        """One agent endpoint (``listen``) relaying to the sidecar's raw port 127.0.0.1:RAW."""
-        info = await self.table.add(ForwardSpec(bottle, service, listen, TCPTarget(LOCALHOST, raw)))
-        return endpoint_for(service, guest_port, raw, info.bound)
+        """One agent endpoint (``listen``) relaying to the sidecar service: its exposed socket
+        ``sidecar_path`` in the bottle's directory, else its raw port 127.0.0.1:RAW."""
+        target: TCPTarget | UNIXTarget = (
+            UNIXTarget(sidecar_path) if sidecar_path is not None else TCPTarget(LOCALHOST, raw)
+        )
+        info = await self.table.add(ForwardSpec(bottle, service, listen, target))
+        return endpoint_for(service, guest_port, raw, info.bound, sidecar_path)
 
     async def step_egress(self, c: _Creation) -> None:
         """5. The initial egress policy (from the spec), written and reloaded in the sidecar."""
@@ -334,7 +440,11 @@ class VMLifecycle:
         c.facts["policy"] = policy
 
     async def step_agent(self, c: _Creation) -> None:
-        """6. Agent VM: create (no workload), start, fallback rules, probe, then the workload."""
+        """6. Agent VM: create (bottlenet's wait command), start, gate, then the workload.
+
+        The order is the point: the image's ENTRYPOINT+CMD is replaced by the wait command
+        at create, so nothing of the agent's runs before the gate has passed.
+        """
         agent = c.spec.agent
         assert agent is not None
         name = machine_name(c.name, ROLE_AGENT)
@@ -342,6 +452,14 @@ class VMLifecycle:
         env = stamp_env(c.spec, c.plan.mode, endpoints)
         c.facts["env"] = env
         spec = self.agent_spec(c, name, env)
+        if agent.user is not None:
+            await self.version()
+            features = self.smolvm.features or Features()
+            if not features.exec_user:
+                raise SmolvmUnavailable(
+                    f"smolvm {self.smolvm.known_version} has no exec --user, so agent.user "
+                    "cannot be honoured; upgrade smolvm (1.32 has it) or drop agent.user"
+                )
         await self.smolvm.create(spec)
 
         async def remove() -> None:
@@ -349,66 +467,59 @@ class VMLifecycle:
 
         c.undo.append(("agent", remove))
         c.facts["agent_vm"] = name
+        if spec.from_file is not None:
+            # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
+            created = await self.smolvm.status(name)
+            if created.network:
+                raise IsolationFailed(
+                    f"the packed agent image of {c.name} turns on networking (smolvm reports "
+                    "network: true for the created machine): socket mode needs an agent VM "
+                    "with no network device; rebuild the pack without networking"
+                )
         await self.smolvm.start(name)
-        if c.plan.uses_iptables:
-            result = await self.smolvm.exec(
-                name, self.iptables_argv(c.facts["alias"]), timeout=SETUP_TIMEOUT
-            )
-            if result.exit_code != 0:
-                raise IsolationFailed(
-                    f"installing the guest iptables rules in {name} failed "
-                    f"(exit {result.exit_code})"
-                )
-        if self.options.skip_probe:
-            c.facts["probe"] = "skipped"
-        else:
-            verdict = await self.run_probe(
-                c.name,
-                name,
-                c.plan.mode,
-                endpoints,
-                volumes=agent.volumes,
-                witness=True,
-                egress=c.spec.sidecar.egress if c.spec.sidecar is not None else None,
-                policy=c.facts["policy"],
-            )
-            if not verdict.passed:
-                raise IsolationFailed(
-                    f"isolation probe failed in {name}: {verdict.describe()}; bottle torn down"
-                )
-            c.facts["probe"] = "PASS"
+        await self.step_gate(c, name, endpoints)
         if agent.workload:
             result = await self.smolvm.exec(
-                name, list(agent.workload), env=dict(env), detach=True, timeout=WORKLOAD_TIMEOUT
+                name,
+                list(agent.workload),
+                env=dict(env),
+                detach=True,
+                timeout=WORKLOAD_TIMEOUT,
+                user=agent.user,
             )
             if result.exit_code != 0:
                 raise SmolvmFailed(
                     f"starting the workload in {name} failed (exit {result.exit_code})"
                 )
 
+    async def step_gate(self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """6b. The launch gate, between the agent VM's start and its workload."""
+        if self.options.skip_probe:
+            c.facts["probe"] = "skipped"
+            return
+        agent = c.spec.agent
+        assert agent is not None
+        verdict = await self.run_probe(
+            c.name,
+            agent_vm,
+            c.plan.mode,
+            endpoints,
+            volumes=agent.volumes,
+            witness=True,
+            egress=c.spec.sidecar.egress if c.spec.sidecar is not None else None,
+            policy=c.facts["policy"],
+        )
+        if not verdict.passed:
+            raise IsolationFailed(
+                f"isolation probe failed in {agent_vm}: {verdict.describe()}; bottle torn down"
+            )
+        c.facts["probe"] = "PASS"
+
     def agent_spec(self, c: _Creation, name: str, env: tuple[tuple[str, str], ...]) -> MachineSpec:
         agent = c.spec.agent
         assert agent is not None
-        endpoints: tuple[Endpoint, ...] = c.facts["endpoints"]
-        common: dict[str, Any] = {
-            **image_fields(agent.image),
-            "labels": self.labels(c.name, ROLE_AGENT),
-            "cpus": agent.cpus,
-            "mem": agent.mem,
-            "volumes": [Volume.parse(v) for v in agent.volumes],
-            "env": env,
-        }
-        if c.plan.mode == MODE_SOCKET:
-            mounts: list[MountSocket] = []
-            for e in endpoints:
-                assert e.path is not None and e.guest_path is not None
-                mounts.append(MountSocket(e.path, e.guest_path))
-            common["mount_sockets"] = tuple(mounts)
-            return MachineSpec(name, net=False, **common)
-        if c.plan.uses_iptables:
-            return MachineSpec(name, net=True, net_backend="tsi", **common)
-        common["allow_cidrs"] = (f"{c.facts['alias']}/32",)
-        return MachineSpec(name, net=True, **common)
+        labels = self.labels(c.name, ROLE_AGENT)
+        return agent_machine_spec(name, agent, labels, env, c.facts["endpoints"])
 
     def build(self, c: _Creation) -> Bottle:
         return Bottle(
@@ -418,7 +529,7 @@ class VMLifecycle:
             vms=BottleVMs(
                 spec=c.spec,
                 mode=c.plan.mode,
-                mechanism=c.plan.describe(c.facts.get("alias")),
+                mechanism=c.plan.describe() + (RAW_PORTS_NOTE if any(c.facts["raw_ports"]) else ""),
                 sidecar_vm=c.facts["sidecar_vm"],
                 agent_vm=c.facts["agent_vm"],
                 sidecar_pid=c.facts["sidecar_pid"],
@@ -524,17 +635,8 @@ class VMLifecycle:
     # -- teardown -----------------------------------------------------------------------
 
     async def remove_machine(self, name: str) -> None:
-        """Stop, then ``delete -f``; a machine smolvm does not know is already gone."""
-        try:
-            await self.smolvm.stop(name)
-        except VmNotFound:
-            return
-        except VmctlError as e:
-            self.log.warn("stop of {name} failed: {err}; deleting anyway", name=name, err=e.message)
-        try:
-            await self.smolvm.delete(name)
-        except VmNotFound:
-            pass
+        """Stop, then ``delete -f`` (no VMM outlives its record); gone already is fine."""
+        await self.smolvm.remove(name)
 
     async def teardown(
         self, bottle: Bottle, *, listed: Mapping[str, Machine] | None = None
@@ -585,8 +687,10 @@ class VMLifecycle:
 
     def check_alive(self, bottle: Bottle, machines: Mapping[str, Machine] | None) -> str | None:
         """Why a persisted bottle cannot be kept, or None when its sidecar still runs with
-        the recorded pid holding every raw port. ``machines`` is smolvm's listing by name
-        (None when smolvm could not list: then the pid alone is checked)."""
+        the recorded pid holding every exposed socket and raw port. ``machines`` is smolvm's
+        listing by name (None when smolvm could not list: then the pid alone is checked).
+        ``unreachable`` (a live VMM whose agent missed smolvm's 250 ms ping, a busy host)
+        with the recorded pid alive is not death."""
         vm = bottle.machine()
         if bottle.state == STATE_DEGRADED:
             return "it was degraded"
@@ -594,9 +698,20 @@ class VMLifecycle:
             alive = pid_alive(vm.sidecar_pid)
         else:
             m = machines.get(vm.sidecar_vm)
-            alive = m is not None and m.running and m.pid == vm.sidecar_pid
+            alive = (
+                m is not None
+                and (m.running or m.unreachable)
+                and m.pid == vm.sidecar_pid
+                and pid_alive(vm.sidecar_pid)
+            )
         if not alive:
             return "its sidecar VM is gone"
+        for path in vm.sidecar_sockets:
+            sock = self.check_socket(path, vm.sidecar_pid)
+            if not sock.owned and not (
+                self.options.allow_unverifiable_ports and sock.ownership is Ownership.UNVERIFIABLE
+            ):
+                return f"a sidecar socket is no longer held by its VM ({sock.ownership.value})"
         for port in vm.raw_ports:
             check = self.check_port(port, vm.sidecar_pid)
             if not check.owned and not (
@@ -625,7 +740,9 @@ class VMLifecycle:
                 else:
                     assert e.path is not None
                     listen = UNIXListen(e.path)
-                await self.bind_endpoint(bottle.name, e.service, e.guest_port, e.raw_port, listen)
+                await self.bind_endpoint(
+                    bottle.name, e.service, e.guest_port, e.raw_port, listen, e.sidecar_path
+                )
         except BottlenetError:
             await self.table.remove_bottle(bottle.name)
             raise
@@ -647,12 +764,24 @@ class VMLifecycle:
 
 
 def endpoint_for(
-    service: str, guest_port: int, raw: int, bound: TCPListen | UNIXListen
+    service: str,
+    guest_port: int,
+    raw: int,
+    bound: TCPListen | UNIXListen,
+    sidecar_path: str | None = None,
 ) -> Endpoint:
     if isinstance(bound, TCPListen):
-        return Endpoint(service, guest_port, raw, host=str(bound.alias), port=bound.port)
+        return Endpoint(
+            service, guest_port, raw, host=str(bound.alias), port=bound.port,
+            sidecar_path=sidecar_path,
+        )  # fmt: skip
     return Endpoint(
-        service, guest_port, raw, path=bound.path, guest_path=guest_socket_path(service)
+        service,
+        guest_port,
+        raw,
+        path=bound.path,
+        guest_path=guest_socket_path(service),
+        sidecar_path=sidecar_path,
     )
 
 

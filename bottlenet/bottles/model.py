@@ -60,12 +60,14 @@ def machine_name(bottle: str, role: str) -> str:
 
 @frozen
 class Endpoint:
-    """One service of a VM bottle: where the agent connects, and the raw port behind it.
+    """One service of a VM bottle: where the agent connects, and the sidecar end behind it.
 
     Alias mode: ``host``/``port`` is the agent endpoint on the bottle's alias. Socket mode:
     ``path`` is the host UNIX socket (bottlenet's listener) and ``guest_path`` where it is
-    mounted in the agent VM. ``raw_port`` is the sidecar's published port on 127.0.0.1; it is
-    never given to the agent.
+    mounted in the agent VM. Behind it is either ``sidecar_path``, the sidecar service's
+    socket exposed into the bottle's own directory (``raw_port`` 0), or ``raw_port``, the
+    sidecar's published port on 127.0.0.1 (the ``sidecar.listen = "tcp"`` opt-in). Neither
+    is ever given to the agent.
     """
 
     service: str
@@ -75,6 +77,7 @@ class Endpoint:
     port: int | None = None
     path: str | None = None
     guest_path: str | None = None
+    sidecar_path: str | None = None
 
     def agent_address(self) -> str:
         """What the agent dials: ``alias:port`` or the socket path inside the guest."""
@@ -91,6 +94,7 @@ class Endpoint:
             "port": self.port,
             "path": self.path,
             "guest_path": self.guest_path,
+            "sidecar_path": self.sidecar_path,
         }
 
     @classmethod
@@ -104,6 +108,7 @@ class Endpoint:
             port=f.value("port", int, optional=True),
             path=f.value("path", str, optional=True),
             guest_path=f.value("guest_path", str, optional=True),
+            sidecar_path=f.value("sidecar_path", str, optional=True),
         )
 
 
@@ -146,7 +151,11 @@ class BottleVMs:
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
-        return tuple(e.raw_port for e in self.endpoints)
+        return tuple(e.raw_port for e in self.endpoints if e.sidecar_path is None)
+
+    @property
+    def sidecar_sockets(self) -> tuple[str, ...]:
+        return tuple(e.sidecar_path for e in self.endpoints if e.sidecar_path is not None)
 
     @property
     def machines(self) -> tuple[str, str]:

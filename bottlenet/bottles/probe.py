@@ -92,7 +92,9 @@ def plan_gate(
 ) -> ProbePlan:
     """Own endpoints; raw ports, the daemon's services and well-known ports on every path to
     the host; another bottle's endpoint; the outside address and DNS; markers; volumes."""
-    ports = [e.raw_port for e in endpoints] + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
+    # A sidecar on exposed UNIX sockets has no raw port (raw_port 0); only the opt-in has one.
+    raw = [e.raw_port for e in endpoints if e.sidecar_path is None and e.raw_port > 0]
+    ports = raw + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
     deny = [Target.parse(f"tcp:{other_bottle}")] if other_bottle is not None else []
     connect_ok: list[str] = []
     connect_no: list[str] = []

@@ -1,11 +1,14 @@
 """Reconcile the state file with reality when the daemon starts.
 
-VMs survive a daemon restart; listeners do not. So on start the daemon: re-binds the agent
-endpoints of every live bottle on the same addresses and ports; tears down bottles whose
-sidecar is gone (or whose raw ports are no longer its VM's, or whose endpoint cannot be
-re-bound: fail closed); deletes machines that carry our owner label but that no bottle
-claims (a create cut short by a crash); removes unclaimed socket directories. It never
-touches a machine without our owner label.
+VMs survive a daemon restart; listeners do not. So on start the daemon: stops the VMMs of
+our machines whose record is not running (a start cut short by a crash leaves one that only
+``stop`` kills); re-binds the agent endpoints of every live bottle on the same addresses and
+ports; tears down bottles whose sidecar is gone (or whose sockets or raw ports are no longer
+its VM's, or whose endpoint cannot be re-bound: fail closed); deletes machines that carry our
+owner label but that no bottle claims (a create cut short by a crash); removes unclaimed
+socket directories. A sidecar smolvm calls ``unreachable`` (its agent missed a 250 ms ping)
+whose recorded VMM pid is alive is not dead. It never touches a machine without our owner
+label.
 """
 
 from __future__ import annotations
@@ -105,6 +108,7 @@ class Recovery:
 
     async def _vm_bottles(self, bottles: list[Bottle]) -> None:
         machines = await self._list_ours(expected=bool(bottles))
+        await self._stop_unfinished(machines or [])
         by_name = {m.name: m for m in machines or []}
         claimed: set[str] = set()
         for bottle in bottles:
@@ -112,9 +116,9 @@ class Recovery:
                 self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=bottle.name)
                 self.registry.adopt(evolve(bottle, state=STATE_DEGRADED))
                 continue
-            kept = await self._restore(self.vms, bottle, by_name if machines is not None else None)
-            if kept:
-                claimed |= set(bottle.machine().machines)
+            await self._restore(self.vms, bottle, by_name if machines is not None else None)
+            # kept, or torn down (its machines removed by the teardown): not orphans either way
+            claimed |= set(bottle.machine().machines)
         if machines is None or self.vms is None:
             return
         for m in machines:
@@ -127,6 +131,18 @@ class Recovery:
                 await self.vms.remove_machine(m.name)
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
+
+    async def _stop_unfinished(self, machines: list[Machine]) -> None:
+        """``stop`` every machine of ours whose record is neither running nor unreachable:
+        it kills a VMM that a start cut short left behind (``delete`` would not)."""
+        assert self.vms is not None or not machines
+        for m in machines:
+            if m.running or m.unreachable or self.vms is None:
+                continue
+            try:
+                await self.vms.smolvm.stop(m.name)
+            except VmctlError as e:
+                self.log.warn("could not stop {name}: {err}", name=m.name, err=e.message)
 
     async def _restore(
         self, vms: VMLifecycle, bottle: Bottle, machines: dict[str, Machine] | None

@@ -13,9 +13,9 @@ and the config reader parse them once); the registry re-checks only what its own
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from attrs import evolve
 from twisted.internet.defer import Deferred
@@ -45,7 +45,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
-from bottlenet.forward.table import ForwardInfo, ForwardTable
+from bottlenet.forward.table import ForwardInfo, ForwardTable, LazyView
 
 T = TypeVar("T")
 
@@ -81,11 +81,15 @@ class BottleRegistry:
         self._store = store
         self.instance_id = instance_id
         self.vms = vms
-        self._bottles: dict[str, Bottle] = {}
+        self._names: list[str] | None = None  # sorted(self._bottles), until a name changes
+        self._bottles: _BottleDict = _BottleDict(self._names_changed)
         self._busy: set[str] = set()
         self._creating: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
+
+    def _names_changed(self) -> None:
+        self._names = None
 
     @property
     def recovering(self) -> bool:
@@ -260,8 +264,13 @@ class BottleRegistry:
 
         await self._locked(name, destroy)
 
-    def list_bottles(self) -> list[Bottle]:
-        return [self._bottles[n] for n in sorted(self._bottles)]
+    def list_bottles(self) -> Sequence[Bottle]:
+        """Every bottle by name. The sorted names are kept until a bottle comes or goes, so a
+        page of a listing costs the page, not a sort of every bottle."""
+        names = self._names
+        if names is None:
+            names = self._names = sorted(self._bottles)
+        return LazyView(names, self._bottles.__getitem__)
 
     def get_bottle(self, name: str) -> Bottle:
         return self._require(name)
@@ -417,10 +426,34 @@ class BottleRegistry:
 
         await self._locked(bottle, remove)
 
-    def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
+    def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
+        """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""
         if bottle is not None:
             self._require(bottle)
-        return self._table.list(bottle)
+        return self._table.view(bottle)
+
+
+class _BottleDict(dict[str, Bottle]):
+    """The registry's name -> Bottle dict; says when a name comes or goes (wherever it is
+    changed), which keeps the sorted-name cache of ``list_bottles`` honest."""
+
+    def __init__(self, changed: Callable[[], None]) -> None:
+        super().__init__()
+        self._changed = changed
+
+    def __setitem__(self, key: str, value: Bottle) -> None:
+        if key not in self:
+            self._changed()
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: str) -> None:
+        super().__delitem__(key)
+        self._changed()
+
+    def pop(self, key: str, *default: Any) -> Any:
+        if key in self:
+            self._changed()
+        return super().pop(key, *default)
 
 
 def _kept(fwd: Forward, info: ForwardInfo) -> Forward:

@@ -29,6 +29,7 @@ MAX_ENV = 128
 MAX_STRING = 4096
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
+USER_RE = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?")
 #: Each placeholder's longest value: an IPv4 literal, a port, a socket path, a service name.
 TEMPLATE_FIELDS = {"host": 15, "port": 5, "socket": MAX_SUN_PATH, "service": 32}
 #: Longest value a template may stamp, and the most all stamped env entries may add up to
@@ -110,6 +111,14 @@ class EgressSpec:
     connect_proxy: str | None = None
 
 
+#: How sidecar services reach bottlenet: ``unix`` (default) guest UNIX sockets exposed with
+#: ``--expose-socket`` into the bottle's 0700 directory; ``tcp`` (opt-in, for a sidecar image
+#: that can only serve TCP) raw published ports on host 127.0.0.1, which any local user can
+#: connect to.
+LISTEN_UNIX = "unix"
+LISTEN_TCP = "tcp"
+
+
 @frozen
 class SidecarSpec:
     image: str
@@ -117,6 +126,7 @@ class SidecarSpec:
     mem: int
     services: tuple[ServiceSpec, ...]
     egress: EgressSpec | None
+    listen: str = LISTEN_UNIX
 
 
 @frozen
@@ -127,6 +137,8 @@ class AgentSpec:
     env: tuple[str, ...] = ()
     workload: tuple[str, ...] = ()
     volumes: tuple[str, ...] = ()
+    #: Who the workload runs as (``exec -u``): a user name of the image or ``uid[:gid]``.
+    user: str | None = None
 
 
 @frozen
@@ -296,8 +308,14 @@ def _egress(raw: object, where: str) -> EgressSpec:
 
 
 def _sidecar(raw: object) -> SidecarSpec:
-    f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress"})
+    f = _fields(raw, "sidecar", {"image", "cpus", "mem", "service", "egress", "listen"})
     image = _string(f, "image")
+    listen = f.get("listen", LISTEN_UNIX)
+    if listen not in (LISTEN_UNIX, LISTEN_TCP):
+        raise InvalidArgument(
+            'sidecar.listen: must be "unix" (services on guest UNIX sockets, the default) '
+            'or "tcp" (raw ports on host 127.0.0.1 that every local user can reach)'
+        )
     cpus = f.integer("cpus", 1, 16, default=1)
     mem = f.integer("mem", 64, 1 << 20, default=512)
     raw_services = f.get("service", [])
@@ -319,11 +337,11 @@ def _sidecar(raw: object) -> SidecarSpec:
         and egress.connect_proxy not in names
     ):
         raise InvalidArgument("sidecar.egress.connect_proxy: must name one of sidecar.service")
-    return SidecarSpec(image, cpus, mem, services, egress)
+    return SidecarSpec(image, cpus, mem, services, egress, listen)
 
 
 def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
-    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes"})
+    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
     image = _string(f, "image")
     cpus = f.integer("cpus", 1, 16, default=2)
     mem = f.integer("mem", 64, 1 << 20, default=2048)
@@ -333,7 +351,10 @@ def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
         _check_volume(v, f"agent.volumes[{i}]", protected)
         for i, v in enumerate(_strings(f, "volumes"))
     )
-    return AgentSpec(image, cpus, mem, env, workload, volumes)
+    user = f.get("user")
+    if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
+        raise InvalidArgument("agent.user: must be a user name of the image or uid[:gid]")
+    return AgentSpec(image, cpus, mem, env, workload, volumes, user)
 
 
 def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:

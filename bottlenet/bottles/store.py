@@ -1,10 +1,32 @@
-"""Durable daemon state: one JSON document, written atomically, readable only by us.
+"""Durable daemon state: a snapshot plus an append-only journal, readable only by us.
 
-The file records the daemon's instance id (the owner label on its machines) and every bottle
-with the real ports it bound, so a restarted daemon re-binds the same endpoints and can tell
-its machines from anyone else's. Writes go to a temporary file (mode 0600) that is fsynced and
-renamed over the old one, then the directory is fsynced: a crash leaves the old or the new
-document, never a torn one.
+The state is the daemon's instance id (the owner label on its machines) and one record per
+bottle with the real ports it bound, so a restarted daemon re-binds the same endpoints and can
+tell its machines from anyone else's.
+
+Why a journal: rewriting the whole document on every change costs time in proportion to the
+bottles that exist (at 1,000 bottles a CreateBottle spent ~80 ms serialising and writing the
+others). Here a change appends one line for the one bottle it touched (:meth:`StateStore.put`,
+:meth:`StateStore.remove`) and fsyncs it: the same cost at 10,000 bottles as at 1, and durable
+when the call returns, as before. The snapshot keeps today's format (``state.json``, written
+atomically: temp file, fsync, rename, fsync of the directory), so a crash still leaves the
+old or the new snapshot, never a torn one. Compaction (:meth:`StateStore.save`) writes a new
+snapshot once the journal holds more lines than about twice the live bottles (so its cost,
+linear in the bottles, is spread over as many changes: constant per change on average), then
+starts a new journal.
+
+Crash rules (each tested in ``tests/bottles/test_store.py``):
+
+- Every journal line carries its length and a CRC-32; a line that is incomplete or fails its
+  check at the end of the file is a write torn by a crash: it was never acknowledged, so it is
+  dropped (and cut off before the next append). A bad line *followed by* good ones is
+  corruption, not a crash, and the load is refused (STATE_CORRUPT).
+- The journal's first line names the snapshot generation it continues. Compaction writes the
+  snapshot of generation N+1 first, then the journal of N+1 (temp file + rename): a crash in
+  between leaves a journal of generation N, which the load ignores (its changes are in the
+  snapshot) and the next change replaces.
+- Snapshot and journal must be regular files owned by us with no group/other bits; symlinks are
+  refused (``O_NOFOLLOW``).
 """
 
 from __future__ import annotations
@@ -13,6 +35,7 @@ import json
 import os
 import secrets
 import stat
+import zlib
 from typing import Any
 
 from attrs import field, frozen
@@ -21,7 +44,13 @@ from bottlenet.errors import BottlenetError
 
 SCHEMA_VERSION = 1
 STATE_FILE = "state.json"
+JOURNAL_FILE = "state.journal"
 MAX_STATE_BYTES = 16 << 20
+#: Compaction keeps the journal far below this (it compacts at half of it at the latest).
+MAX_JOURNAL_BYTES = 64 << 20
+#: The journal is compacted once it has this many lines and more than twice the live bottles.
+COMPACT_MIN_LINES = 1024
+JOURNAL_VERSION = 1
 
 
 class StateError(BottlenetError):
@@ -50,53 +79,81 @@ def new_instance_id() -> str:
     return secrets.token_hex(8)
 
 
-class StateStore:
-    """Loads and atomically saves :class:`State` under the (0700) state directory.
+def _line(doc: dict[str, Any]) -> bytes:
+    """One journal line: ``<length> <crc32> <json>\\n`` (length and CRC of the JSON bytes)."""
+    body = json.dumps(doc, sort_keys=True, separators=(",", ":")).encode()
+    return b"%d %08x %s\n" % (len(body), zlib.crc32(body), body)
 
-    The registry changes one bottle at a time through :meth:`put` and :meth:`remove` (each
-    durable when it returns; on an error the document is left as it was); :meth:`save`
-    replaces the whole document (recovery's end, the first start).
+
+def _parse_line(raw: bytes) -> dict[str, Any] | None:
+    """The document of one complete line (newline stripped), or None if it fails its checks."""
+    try:
+        length_text, crc_text, body = raw.split(b" ", 2)
+        if int(length_text) != len(body) or int(crc_text, 16) != zlib.crc32(body):
+            return None
+        doc = json.loads(body)
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+class StateStore:
+    """Loads the state and keeps it durable, one bottle record at a time.
+
+    The interface the registry uses: :meth:`load` (everything), :meth:`put` and
+    :meth:`remove` (one bottle, durable on return), :meth:`save` (the whole state at once, e.g.
+    after recovery; also what compaction does). Writes raise ``OSError``.
     """
 
-    def __init__(self, state_dir: str) -> None:
+    def __init__(self, state_dir: str, *, compact_min_lines: int = COMPACT_MIN_LINES) -> None:
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, STATE_FILE)
-        self._current: State | None = None
+        self.journal_path = os.path.join(state_dir, JOURNAL_FILE)
+        self._compact_min = compact_min_lines
+        # What is on disk (snapshot + journal), kept for compaction.
+        self._instance_id: str | None = None
+        self._records: dict[str, dict[str, Any]] = {}
+        self._generation = 0
+        self._journal_fd: int | None = None
+        self._journal_lines = 0
+        self._journal_good = 0  # bytes of the journal that hold whole, valid lines
+        self._journal_current = False  # the journal on disk continues this generation
 
-    def current(self) -> State:
-        """The document as last loaded or written (loaded on first use)."""
-        if self._current is None:
-            self._current = self.load()
-        return self._current
-
-    def put(self, name: str, record: dict[str, Any]) -> None:
-        """Add or replace one bottle's record, durably."""
-        state = self.current()
-        self.save(State(state.instance_id, {**state.bottles, name: record}))
-
-    def remove(self, name: str) -> None:
-        """Drop one bottle's record, durably (a no-op write when it has none)."""
-        state = self.current()
-        self.save(State(state.instance_id, {k: v for k, v in state.bottles.items() if k != name}))
+    # -- reading ------------------------------------------------------------------------
 
     def load(self) -> State:
-        """Read the state, or start a fresh one (with a new instance id) if there is none."""
+        """Read snapshot and journal, or start a fresh state (new instance id) if there is none."""
+        raw = self._read_private(self.path)
+        if raw is None:
+            self._instance_id = new_instance_id()
+            self._records, self._generation = {}, 0
+            self._journal_current = False
+            self._close_journal()
+            return State(self._instance_id)
+        instance_id, bottles, generation = self._parse_snapshot(raw)
+        self._instance_id, self._records, self._generation = instance_id, bottles, generation
+        self._replay_journal()
+        return State(instance_id, dict(self._records))
+
+    def _read_private(self, path: str, limit: int = MAX_STATE_BYTES) -> bytes | None:
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
-            self._current = State(new_instance_id())
-            return self._current
+            return None
         except OSError as e:
-            raise StateError(f"{self.path}: cannot open: {e.strerror}") from None
+            raise StateError(f"{path}: cannot open: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
             st = os.fstat(f.fileno())
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                raise StateError(f"{self.path}: not a regular file owned by this user")
+                raise StateError(f"{path}: not a regular file owned by this user")
             if stat.S_IMODE(st.st_mode) & 0o077:
-                raise StateError(f"{self.path}: mode {oct(stat.S_IMODE(st.st_mode))} is too open")
-            raw = f.read(MAX_STATE_BYTES + 1)
-        if len(raw) > MAX_STATE_BYTES:
-            raise StateError(f"{self.path}: larger than {MAX_STATE_BYTES} bytes")
+                raise StateError(f"{path}: mode {oct(stat.S_IMODE(st.st_mode))} is too open")
+            raw = f.read(limit + 1)
+        if len(raw) > limit:
+            raise StateError(f"{path}: larger than {limit} bytes")
+        return raw
+
+    def _parse_snapshot(self, raw: bytes) -> tuple[str, dict[str, dict[str, Any]], int]:
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, ValueError):
@@ -105,32 +162,167 @@ class StateStore:
             raise StateError(f"{self.path}: unknown schema (expected {SCHEMA_VERSION})")
         instance_id = doc.get("instance_id")
         bottles = doc.get("bottles")
+        generation = doc.get("generation", 0)  # absent in files written before the journal
         if not isinstance(instance_id, str) or not instance_id.isalnum():
             raise StateError(f"{self.path}: bad instance_id")
         if not isinstance(bottles, dict) or not all(isinstance(v, dict) for v in bottles.values()):
             raise StateError(f"{self.path}: bad bottles table")
-        state = State(instance_id, dict(bottles))
-        self._current = state
-        return state
+        if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
+            raise StateError(f"{self.path}: bad generation")
+        return instance_id, dict(bottles), generation
+
+    def _replay_journal(self) -> None:
+        self._close_journal()
+        self._journal_current = False
+        self._journal_lines = self._journal_good = 0
+        raw = self._read_private(self.journal_path, MAX_JOURNAL_BYTES)
+        if raw is None:
+            return
+        lines = raw.split(b"\n")
+        lines.pop()  # after the last newline: b"" unless the last write was torn
+        docs: list[dict[str, Any] | None] = [_parse_line(line) for line in lines]
+        while docs and docs[-1] is None:
+            docs.pop()  # torn at the end (a crash mid-append): never acknowledged
+        if any(d is None for d in docs):
+            bad = docs.index(None) + 1
+            raise StateError(f"{self.journal_path}: line {bad} is corrupt")
+        good = sum(len(line) + 1 for line in lines[: len(docs)])
+        valid = [d for d in docs if d is not None]
+        if not valid:
+            return  # nothing usable (torn header): the next change starts a new journal
+        header = valid[0]
+        if header.get("journal") != JOURNAL_VERSION or header.get("instance_id") != (
+            self._instance_id
+        ):
+            raise StateError(f"{self.journal_path}: not a journal of this state")
+        if header.get("generation") != self._generation:
+            return  # from before the last compaction: its changes are in the snapshot
+        for i, doc in enumerate(valid[1:], start=2):
+            name, op = doc.get("name"), doc.get("op")
+            if not isinstance(name, str):
+                raise StateError(f"{self.journal_path}: line {i}: bad bottle name")
+            if op == "put" and isinstance(doc.get("record"), dict):
+                self._records[name] = doc["record"]
+            elif op == "remove":
+                self._records.pop(name, None)
+            else:
+                raise StateError(f"{self.journal_path}: line {i}: unknown change")
+        self._journal_current = True
+        self._journal_lines = len(valid) - 1
+        self._journal_good = good
+
+    # -- writing ------------------------------------------------------------------------
+
+    def put(self, name: str, record: dict[str, Any]) -> None:
+        """Record (replace) one bottle's record; durable when this returns."""
+        self._append({"op": "put", "name": name, "record": record})
+        self._records[name] = record
+        self._maybe_compact()
+
+    def remove(self, name: str) -> None:
+        """Forget one bottle; durable when this returns. Unknown names are a no-op."""
+        if name not in self._records:
+            return
+        self._append({"op": "remove", "name": name})
+        del self._records[name]
+        self._maybe_compact()
 
     def save(self, state: State) -> None:
-        """Write ``state`` atomically: temp file (0600) + fsync + rename + fsync(dir)."""
-        data = json.dumps(state.to_json(), indent=1, sort_keys=True).encode() + b"\n"
-        tmp = f"{self.path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
+        """Write the whole ``state`` as a new snapshot and start an empty journal after it."""
+        generation = self._generation + 1
+        doc = state.to_json()
+        doc["generation"] = generation
+        data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+        self._write_atomically(self.path, data)
+        # From here on the snapshot holds everything: an old journal is ignored if we crash.
+        self._instance_id, self._records = state.instance_id, dict(state.bottles)
+        self._generation = generation
+        self._close_journal()
+        self._journal_current = False
+        self._new_journal()
+
+    def close(self) -> None:
+        """Release the journal's descriptor (the store reopens it when written again)."""
+        self._close_journal()
+
+    def _append(self, doc: dict[str, Any]) -> None:
+        if self._instance_id is None:
+            raise RuntimeError("StateStore: load() or save() first")
+        if not self._journal_current:
+            self._new_journal()
+        fd = self._open_journal()
+        line = _line(doc)
+        try:
+            written = os.write(fd, line)
+            if written != len(line):
+                raise OSError(28, "short write to the state journal")  # ENOSPC-like
+            os.fsync(fd)
+        except OSError:
+            # Cut off whatever part of the line made it, so the next append starts clean.
+            self._close_journal()
+            raise
+        self._journal_good += len(line)
+        self._journal_lines += 1
+
+    def _open_journal(self) -> int:
+        fd = self._journal_fd
+        if fd is not None:
+            return fd
+        fd = os.open(self.journal_path, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            # Drop a torn tail (or a failed append) before appending after it.
+            os.ftruncate(fd, self._journal_good)
+            os.lseek(fd, 0, os.SEEK_END)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._journal_fd = fd
+        return fd
+
+    def _new_journal(self) -> None:
+        """A journal holding only its header, for the current generation (atomic)."""
+        header = _line(
+            {
+                "journal": JOURNAL_VERSION,
+                "generation": self._generation,
+                "instance_id": self._instance_id,
+            }
+        )
+        self._close_journal()
+        self._write_atomically(self.journal_path, header)
+        self._journal_current = True
+        self._journal_lines = 0
+        self._journal_good = len(header)
+
+    def _maybe_compact(self) -> None:
+        lines = self._journal_lines
+        if (
+            lines >= self._compact_min and lines > 2 * len(self._records)
+        ) or self._journal_good > MAX_JOURNAL_BYTES // 2:
+            assert self._instance_id is not None
+            self.save(State(self._instance_id, self._records))
+
+    def _close_journal(self) -> None:
+        fd, self._journal_fd = self._journal_fd, None
+        if fd is not None:
+            os.close(fd)
+
+    def _write_atomically(self, path: str, data: bytes) -> None:
+        """temp file (0600) + fsync + rename + fsync(dir)."""
+        tmp = f"{path}.tmp-{os.getpid()}-{secrets.token_hex(4)}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(tmp, self.path)
+            os.replace(tmp, path)
         except BaseException:
             try:
                 os.unlink(tmp)
             except FileNotFoundError:
                 pass
             raise
-        self._current = state
         dfd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
             os.fsync(dfd)

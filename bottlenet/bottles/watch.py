@@ -17,26 +17,11 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from vmctl.ports import pid_alive
+
 FALLBACK_INTERVAL = 5.0
 
-
-def pid_alive(pid: int) -> bool:
-    """A live, non-zombie process (a VMM is not our child, but it can sit as a zombie)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rpartition(")")[2].split()
-        return bool(fields) and fields[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
-    except OSError:
-        pass
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+__all__ = ["PidWatcher", "Watch", "pid_alive"]
 
 
 @implementer(IReadDescriptor)

@@ -67,6 +67,7 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             ["protocol", hello.protocol],
             ["features", ",".join(hello.features)],
             ["smolvm", smolvm],
+            ["smolvm from", hello.smolvm_source or "-"],
             ["bottles", bottles],
             ["control", c.path],
         ],

@@ -134,6 +134,8 @@ class Hello(ControlCommand):
         (b"features", StrictListOf(amp.Unicode())),
         (b"smolvm_available", StrictBoolean()),
         (b"smolvm_version", amp.Unicode(optional=True)),
+        # Which binary, and where it came from (--smolvm, PATH or the bottlenet[vm] wheel).
+        (b"smolvm_source", amp.Unicode(optional=True)),
     ]
 
 

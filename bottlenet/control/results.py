@@ -18,6 +18,7 @@ class HelloResult:
     features: tuple[str, ...]
     smolvm_available: bool
     smolvm_version: str | None
+    smolvm_source: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -27,6 +28,7 @@ class HelloResult:
             features=tuple(d["features"]),
             smolvm_available=d["smolvm_available"],
             smolvm_version=d["smolvm_version"],
+            smolvm_source=d.get("smolvm_source"),
         )
 
 

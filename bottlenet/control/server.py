@@ -12,7 +12,6 @@ import json
 import re
 import socket
 import time
-from collections import Counter
 from collections.abc import Awaitable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -21,7 +20,6 @@ from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
 from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
 from twisted.internet.protocol import Factory, connectionDone
-from twisted.internet.task import LoopingCall
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
@@ -33,6 +31,8 @@ from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
     BottleRecord,
+    ForwardRecord,
+    StatsRecord,
     bottle_record,
     encode_records,
     forward_record,
@@ -49,6 +49,7 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
+from bottlenet.forward.table import LazyView
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -201,6 +202,7 @@ class ControlLocator(SafeCommandLocator):
             "features": list(C.FEATURES),
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
+            "smolvm_source": f.smolvm_source,
         }
 
     @C.Ping.responder
@@ -244,10 +246,13 @@ class ControlLocator(SafeCommandLocator):
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
-        counts = Counter(f.spec.bottle for f in self.backend.list_forwards())
-        records = [
-            bottle_record(b, counts[b.name], with_env=False) for b in self.backend.list_bottles()
-        ]
+        backend = self.backend
+        # Each record is built only when its page is (the forward count of one bottle is the
+        # length of its lazy forward view): a page costs the page, not every bottle.
+        records: LazyView[BottleRecord] = LazyView(
+            backend.list_bottles(),
+            lambda b: bottle_record(b, len(backend.list_forwards(b.name)), with_env=False),
+        )
         page = paginate(records, offset, limit)
         return {
             "bottles": page["items"],
@@ -304,7 +309,7 @@ class ControlLocator(SafeCommandLocator):
     def list_forwards(
         self, bottle: str | None, offset: int | None, limit: int | None
     ) -> dict[str, Any]:
-        records = [forward_record(f) for f in self._forwards(bottle)]
+        records: LazyView[ForwardRecord] = LazyView(self._forwards(bottle), forward_record)
         page = paginate(records, offset, limit)
         return {
             "forwards": page["items"],
@@ -314,7 +319,7 @@ class ControlLocator(SafeCommandLocator):
 
     @C.Stats.responder
     def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records = [stats_record(f) for f in self._forwards(bottle)]
+        records: LazyView[StatsRecord] = LazyView(self._forwards(bottle), stats_record)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
 
@@ -436,6 +441,8 @@ class ControlServerFactory(Factory):
         self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
+        #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
+        self.smolvm_source: str | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
@@ -449,24 +456,16 @@ class ControlServerFactory(Factory):
             clock if clock is not None else cast(IReactorTime, _MonotonicClock()),
             interval=REFUSED_PEER_LOG_INTERVAL,
             max_keys=1024,
+            # A one-shot timer only while refusals were dropped: no periodic wakeup.
+            auto_flush=clock is not None,
         )
-        self._flusher: LoopingCall | None = None
-
-    def startFactory(self) -> None:
-        if self._clock is not None and self._flusher is None:
-            self._flusher = LoopingCall(self.refused_log.flush)
-            self._flusher.clock = self._clock
-            self._flusher.start(REFUSED_PEER_LOG_INTERVAL, now=False)
 
     def stopFactory(self) -> None:
-        if self._flusher is not None:
-            self._flusher.stop()
-            self._flusher = None
         self.refused_log.flush()
 
     def for_tls(self) -> ControlServerFactory:
         """The same service for the TLS listener (client certificates instead of uids)."""
-        return ControlServerFactory(
+        tls = ControlServerFactory(
             self.backend,
             server_version=self.server_version,
             smolvm_version=self.smolvm_version,
@@ -480,6 +479,8 @@ class ControlServerFactory(Factory):
             on_command=self.on_command,
             max_connections=self.max_connections,
         )
+        tls.smolvm_source = self.smolvm_source
+        return tls
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
         if self.open_connections >= self.max_connections:

@@ -19,6 +19,9 @@ class AliasRegistry:
         self.pool = pool
         self._by_alias: dict[ipaddress.IPv4Address, str] = {}
         self._by_bottle: dict[str, ipaddress.IPv4Address] = {}
+        # Every pool host below this one is taken: the free search starts here (so claiming
+        # the lowest free alias does not walk past every bottle's alias each time).
+        self._free_from = 0
 
     def claim(self, bottle: str, alias: str | None = None) -> ipaddress.IPv4Address:
         """Give ``bottle`` the requested alias, or the lowest free one."""
@@ -37,16 +40,29 @@ class AliasRegistry:
         return addr
 
     def _first_free(self) -> ipaddress.IPv4Address:
-        for addr in self.pool.network.hosts():
+        net = self.pool.network
+        if net.prefixlen >= 31:  # no network/broadcast addresses to skip: tiny, just walk
+            for addr in net.hosts():
+                if addr not in self._by_alias:
+                    return addr
+            raise ResourceExhausted(f"alias pool {net} is exhausted")
+        first, end = int(net.network_address) + 1, int(net.broadcast_address)
+        i = max(first, self._free_from)
+        while i < end:
+            addr = ipaddress.IPv4Address(i)
             if addr not in self._by_alias:
+                self._free_from = i + 1
                 return addr
-        raise ResourceExhausted(f"alias pool {self.pool.network} is exhausted")
+            i += 1
+        self._free_from = end
+        raise ResourceExhausted(f"alias pool {net} is exhausted")
 
     def release(self, bottle: str) -> None:
         """Forget ``bottle``'s alias (idempotent)."""
         addr = self._by_bottle.pop(bottle, None)
         if addr is not None:
             del self._by_alias[addr]
+            self._free_from = min(self._free_from, int(addr))
 
     def alias_of(self, bottle: str) -> ipaddress.IPv4Address | None:
         return self._by_bottle.get(bottle)

@@ -204,11 +204,13 @@ class FastClientEndpoint:
         self._pending: deque[_Attempt] = deque()
         self._timer: IDelayedCall | None = None
 
-    def connect(self, protocolFactory: IProtocolFactory) -> Deferred[IProtocol]:
+    def open(self) -> tuple[socket.socket | None, int]:
+        """Start a connect: ``(sock, 0)`` connected, ``(sock, errno)`` still in progress, or
+        ``(None, errno)`` failed. :meth:`connect` takes the pair on from there (``started``)."""
         try:
             sock = socket.socket(self._family, _SOCK_FLAGS)
         except OSError as e:
-            return fail(_connect_error(e.errno or errno.EMFILE))
+            return None, e.errno or errno.EMFILE
         try:
             if self._tune:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -220,14 +222,28 @@ class FastClientEndpoint:
                 err = sock.connect_ex(sockaddr)
         except OSError as e:
             sock.close()
-            return fail(_connect_error(e.errno or errno.EINVAL))
+            return None, e.errno or errno.EINVAL
         if err in _CONNECTED:
+            return sock, 0
+        if err in _IN_PROGRESS:
+            return sock, err
+        sock.close()
+        return None, err
+
+    def connect(
+        self,
+        protocolFactory: IProtocolFactory,
+        started: tuple[socket.socket | None, int] | None = None,
+    ) -> Deferred[IProtocol]:
+        """``IStreamClientEndpoint.connect``; ``started`` continues a connect :meth:`open`
+        began (the relay's accept fast path falls back to transports with it)."""
+        sock, err = self.open() if started is None else started
+        if sock is None:
+            return fail(_connect_error(err))
+        if err == 0:
             d: Deferred[IProtocol] = Deferred()
             self._connected(sock, protocolFactory, d)
             return d
-        if err not in _IN_PROGRESS:
-            sock.close()
-            return fail(_connect_error(err))
         attempt = _Attempt(self, sock, protocolFactory)
         cast(IReactorFDSet, self._reactor).addWriter(attempt)
         self._pending.append(attempt)

@@ -21,12 +21,13 @@ import errno
 import os
 import socket
 from socket import SO_LINGER, SOL_SOCKET
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from twisted.internet import defer, tcp, unix
 from twisted.internet.interfaces import (
     IDelayedCall,
     IListeningPort,
+    IProtocol,
     IProtocolFactory,
     IReactorFDSet,
     IReactorTime,
@@ -54,6 +55,12 @@ else:
 
 def _no_fileno() -> int:
     return -1
+
+
+def _reset(skt: socket.socket) -> None:
+    """Close a refused connection with SO_LINGER 0: the client sees a reset, not an EOF."""
+    skt.setsockopt(SOL_SOCKET, SO_LINGER, LINGER_RST)
+    skt.close()
 
 
 class _StartsPaused(_ServerBase):
@@ -123,20 +130,27 @@ class _BackoffAccept(_PortBase):
     log = Logger()
 
     _full_batches = False
+    #: (family, type, proto) of accepted sockets, as ints (set when listening starts).
+    _sock_args: tuple[int, int, int] = (0, 0, 0)
     _backoff_call: IDelayedCall | None = None
     _backoff_delay: float = 0.0
     #: How many times accept() hit fd exhaustion (for tests and stats).
     exhausted_count: int = 0
 
     def doRead(self) -> None:
-        accept = self.socket.accept
+        lsock = self.socket
+        raw_accept = lsock._accept  # type: ignore[union-attr]
+        # socket.accept() minus its per-call enum conversions (family/type properties): the
+        # listener is non-blocking, so it would not touch the new socket's timeout either.
+        family, type_, proto = self._sock_args
         factory = self.factory
         assert factory is not None
+        fast = getattr(factory, "accept_socket", None)
         limit = self.numberAccepts
         accepted = 0
         while accepted < limit:
             try:
-                skt, addr = accept()
+                fd, addr = raw_accept()
             except BlockingIOError:
                 break
             except OSError as e:
@@ -147,18 +161,25 @@ class _BackoffAccept(_PortBase):
                     continue
                 self.log.failure("accept() failed", Failure())
                 return
+            skt = socket.socket(family, type_, proto, fd)
             accepted += 1
             self._backoff_delay = 0.0
             try:
-                protocol = factory.buildProtocol(self._buildAddr(addr))
-                if protocol is None:
-                    skt.setsockopt(SOL_SOCKET, SO_LINGER, LINGER_RST)
-                    skt.close()
-                    continue
-                s = self.sessionno
-                self.sessionno = s + 1
-                transport = self.transport(skt, protocol, addr, self, s, self.reactor)
-                protocol.makeConnection(transport)
+                handled = None
+                if fast is not None:
+                    # The factory relays the bare socket itself when it can (True), refuses
+                    # it (False), or leaves it to buildProtocol (None).
+                    handled = fast(
+                        skt, lambda protocol, skt=skt, addr=addr: self._adopt(skt, addr, protocol)
+                    )
+                    if handled is False:
+                        _reset(skt)
+                if handled is None:
+                    protocol = factory.buildProtocol(self._buildAddr(addr))
+                    if protocol is None:
+                        _reset(skt)
+                        continue
+                    self._adopt(skt, addr, protocol)
             except Exception:
                 self.log.failure("setting up an accepted connection failed", Failure())
                 skt.close()
@@ -175,6 +196,18 @@ class _BackoffAccept(_PortBase):
         else:
             self._full_batches = False
             self.numberAccepts = max(1, accepted)
+
+    def _adopt(self, skt: socket.socket, addr: Any, protocol: IProtocol) -> None:
+        """Wrap an accepted socket in this port's transport and connect ``protocol`` to it."""
+        s = self.sessionno
+        self.sessionno = s + 1
+        transport = self.transport(skt, protocol, addr, self, s, self.reactor)
+        protocol.makeConnection(transport)
+
+    def startListening(self) -> None:
+        super().startListening()
+        s = self.socket
+        self._sock_args = (int(s.family), int(s.type), s.proto)
 
     def exhausted(self, err: int) -> None:
         """The process ran out of fds elsewhere (a relay's connect): back off as for accept."""

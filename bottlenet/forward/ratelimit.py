@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 
 from attrs import define, field
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger, LogLevel
 
 _OVERFLOW: Hashable = ("bottlenet.forward.ratelimit", "overflow")
@@ -50,6 +50,10 @@ class RateLimiter:
             if k not in self._pending:
                 del self._last[k]
 
+    def has_pending(self) -> bool:
+        """Whether some key has dropped events not yet reported."""
+        return bool(self._pending)
+
     def take_suppressed(self) -> dict[Hashable, int]:
         """Counts dropped since each key's last emitted event whose interval has passed.
 
@@ -71,24 +75,44 @@ class RateLimitedLogger:
     ``log.warn(("refused", bottle, label), "refused {bottle}/{label}: {reason}", ...)`` emits
     the first event at once; repeats within the interval are counted, and the next one that
     gets through carries ``suppressed=N`` and says so in its text. Call :meth:`flush`
-    periodically (or at stop) to report counts for keys that went quiet.
+    periodically (or at stop) to report counts for keys that went quiet; with ``auto_flush``
+    the logger does it itself with a one-shot timer that exists only while something was
+    dropped (no periodic wakeup in an idle daemon).
     """
 
     def __init__(
-        self, log: Logger, clock: IReactorTime, interval: float = 1.0, max_keys: int = 4096
+        self,
+        log: Logger,
+        clock: IReactorTime,
+        interval: float = 1.0,
+        max_keys: int = 4096,
+        *,
+        auto_flush: bool = False,
     ) -> None:
         self._log = log
+        self._clock = clock
+        self._interval = interval
+        self._auto_flush = auto_flush
+        self._timer: IDelayedCall | None = None
         self.limiter = RateLimiter(clock, interval, max_keys)
 
     def emit(self, level: LogLevel, key: Hashable, format: str, **kwargs: object) -> bool:
         """Emit unless rate-limited; True if emitted."""
         suppressed = self.limiter.allow(key)
         if suppressed is None:
+            if self._auto_flush and self._timer is None:
+                self._timer = self._clock.callLater(self._interval, self._flush_due)
             return False
         if suppressed:
             format += " ({suppressed} similar suppressed)"
         self._log.emit(level, format, suppressed=suppressed, **kwargs)
         return True
+
+    def _flush_due(self) -> None:
+        self._timer = None
+        self.flush()
+        if self.limiter.has_pending():
+            self._timer = self._clock.callLater(self._interval, self._flush_due)
 
     def debug(self, key: Hashable, format: str, **kwargs: object) -> bool:
         return self.emit(LogLevel.debug, key, format, **kwargs)
@@ -105,6 +129,10 @@ class RateLimitedLogger:
     def flush(self, level: LogLevel = LogLevel.info) -> int:
         """One summary event per quiet key that still has dropped events; returns how many."""
         counts = self.limiter.take_suppressed()
+        if self._timer is not None and not self.limiter.has_pending():
+            if self._timer.active():
+                self._timer.cancel()
+            self._timer = None
         for key, n in counts.items():
             self._log.emit(
                 level,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 from typing import Protocol as TypingProtocol
 
 from attrs import frozen
@@ -398,6 +398,17 @@ class TransportRelay:
                 on_end(OUTCOME_RESET if self._failed else OUTCOME_CLOSED)
 
 
+class SocketTarget(TypingProtocol):
+    """A client endpoint that can also start a connect and hand back the bare socket
+    (``connect.FastClientEndpoint``): what :meth:`RelaySession.start_accepted` needs."""
+
+    def open(self) -> tuple[socket.socket | None, int]: ...
+
+    def connect(
+        self, protocolFactory: Factory, started: tuple[socket.socket | None, int] | None = None
+    ) -> Deferred[Leg]: ...
+
+
 @frozen
 class RelayFailure:
     """Why a relay failed, as a value: the exception's class name and its errno (if any).
@@ -468,8 +479,11 @@ class RelaySession:
         self._owner = owner
         self._engine_factory = engine_factory
         self.started = clock.seconds()
-        self.inbound = Leg(self, tune_inbound)
-        self._outbound = Leg(_NULL_SINK, tune_outbound)
+        # The legs exist only on the transport path (not when start_accepted relays at once).
+        self._tune_in = tune_inbound
+        self._tune_out = tune_outbound
+        self._inbound: Leg | None = None
+        self._started: tuple[socket.socket | None, int] | None = None
         self._connecting: Deferred[Leg] | None = None
         self.engine: RelayEngine | None = None
         self._in_gone = False
@@ -479,6 +493,44 @@ class RelaySession:
         self._ended = False
         self._paused = False
         self._waiters: list[Deferred[None]] = []
+
+    @property
+    def inbound(self) -> Leg:
+        """The accepted connection's protocol (what a listener's factory returns)."""
+        leg = self._inbound
+        if leg is None:
+            leg = self._inbound = Leg(self, self._tune_in)
+        return leg
+
+    def start_accepted(
+        self, sock: socket.socket, adopt: Callable[[Leg], object], target: SocketTarget
+    ) -> None:
+        """Relay a freshly accepted socket, on the fast path when the target connects at once.
+
+        For an engine that starts from two sockets (``start_sockets``) and a target that can
+        :meth:`SocketTarget.open` a connect: when that connect completes inside the call
+        (loopback targets nearly always do), the engine starts on both sockets right away, and
+        no transport, protocol or Deferred is built for the connection. Otherwise (still in
+        progress, or failed) ``adopt(self.inbound)`` wraps the socket in the listener's usual
+        (paused) transport and the session goes on as for any accepted connection, with the
+        connect that was started (so a failure is reported and reset as usual).
+        """
+        out, err = target.open()
+        if err == 0 and out is not None:
+            try:
+                # trap 5: splice needs non-blocking sockets (accept() gives a blocking one).
+                sock.setblocking(False)
+                engine = self._engine_factory(self._engine_ended)
+                self.engine = engine
+                engine.start_sockets(sock, out)  # type: ignore[attr-defined]
+            except BaseException:
+                out.close()
+                raise
+            if self._paused:
+                engine.pauseProducing()
+            return
+        self._started = (out, err)
+        adopt(self.inbound)
 
     # Byte counters, live while the relay runs.
     @property
@@ -533,7 +585,13 @@ class RelaySession:
     # LegSink for the accepted leg during the connect phase.
     def made(self) -> None:
         self.inbound.transport.pauseProducing()
-        d: Deferred[Leg] = self._target.connect(_OutboundFactory(self._outbound))  # type: ignore[assignment]
+        factory = _OutboundFactory(Leg(_NULL_SINK, self._tune_out))
+        started, self._started = self._started, None
+        if started is not None:
+            target = cast(SocketTarget, self._target)
+            d: Deferred[Leg] = target.connect(factory, started)
+        else:
+            d = self._target.connect(factory)  # type: ignore[assignment]
         if d.called:
             d.addCallbacks(self._connected, self._connect_failed)
             return
@@ -606,5 +664,6 @@ __all__ = [
     "RelayFailure",
     "RelayOwner",
     "RelaySession",
+    "SocketTarget",
     "TransportRelay",
 ]

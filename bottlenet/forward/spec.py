@@ -237,6 +237,27 @@ def bottle_dir(state_dir: str, bottle: str) -> str:
     return os.path.join(state_dir, "bottles", check_bottle_name(bottle))
 
 
+#: A sidecar service's exposed socket in the bottle's own directory is named with this prefix
+#: (``<bottle-dir>/sidecar-<service>.sock``): the one target that may live outside the
+#: bottle's target directory (the daemon places it; no control client can name it).
+SIDECAR_SOCKET_PREFIX = "sidecar-"
+
+
+def sidecar_socket_path(state_dir: str, bottle: str, service: str) -> str:
+    """Where the sidecar's ``service`` socket appears on the host: the bottle's own 0700
+    directory, next to (never equal to) the agent endpoint ``<service>.sock``."""
+    return os.path.join(bottle_dir(state_dir, bottle), f"{SIDECAR_SOCKET_PREFIX}{service}.sock")
+
+
+def target_root(state_dir: str, bottle: str, path: str) -> str:
+    """The directory a UNIX target ``path`` of ``bottle`` must stay inside: the bottle's own
+    directory for its sidecar's exposed sockets, else its target directory."""
+    own = bottle_dir(state_dir, bottle)
+    if os.path.dirname(path) == own and os.path.basename(path).startswith(SIDECAR_SOCKET_PREFIX):
+        return own
+    return targets_dir(state_dir, bottle)
+
+
 def targets_dir(state_dir: str, bottle: str) -> str:
     """The bottle's own directory of UNIX targets: its forwards may point only in here."""
     return os.path.join(state_dir, "targets", check_bottle_name(bottle))

@@ -11,7 +11,9 @@ from __future__ import annotations
 import errno
 import ipaddress
 import os
-from typing import TYPE_CHECKING, Any, cast
+import socket
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
 from attrs import frozen
 from twisted.application.service import Service
@@ -52,6 +54,7 @@ from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
     EngineFactory,
+    Leg,
     RelayFailure,
     RelaySession,
     TransportRelay,
@@ -69,6 +72,7 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     check_unix_listen,
+    target_root,
     targets_dir,
 )
 from bottlenet.forward.splice import engine_factory
@@ -152,10 +156,27 @@ class _Forward(Factory):
         self._closed_waiters: list[defer.Deferred[None]] | None = None
         #: While set, accepted connections go to this factory instead of a relay.
         self.diverted: Factory | None = None
+        #: Offered to the listener: accepted sockets skip transports when the engine can start
+        #: from bare sockets (splice) and the target endpoint can hand one over (fast connect).
+        self.accept_socket: (
+            Callable[[socket.socket, Callable[[Leg], object]], bool | None] | None
+        ) = (
+            self._accept_socket
+            if hasattr(engine_factory, "start_sockets_supported")
+            and isinstance(target, FastClientEndpoint)
+            else None
+        )
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
         if self.diverted is not None and not self.closing:
             return self.diverted.buildProtocol(addr)
+        session = self._admit()
+        return None if session is None else session.inbound
+
+    def _admit(self) -> RelaySession | None:
+        """The admission point for every relayed connection (both paths): a new session
+        counted, tracked and under the idle watch, or None (refused: the listener resets
+        the connection)."""
         budget = self.table.budget
         if self.closing:
             reason: str | None = "closing"
@@ -178,7 +199,25 @@ class _Forward(Factory):
         )
         self.sessions.add(session)
         self.table.idle.started(session)
-        return session.inbound
+        return session
+
+    def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool | None:
+        """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
+        socket (``RelaySession.start_accepted``). False = refused (the listener resets);
+        None = not a relay now (diverted): the listener goes the ``buildProtocol`` way."""
+        if self.diverted is not None and not self.closing:
+            return None
+        session = self._admit()
+        if session is None:
+            return False
+        try:
+            session.start_accepted(sock, adopt, self._target)  # type: ignore[arg-type]
+        except BaseException:
+            self.sessions.discard(session)
+            self.table.budget.release(self.spec.bottle)
+            self.table.idle.ended(session)
+            raise
+        return True
 
     def _log_refusal(self, reason: str) -> None:
         # One line per forward and reason per interval, whatever the agent does.
@@ -269,6 +308,42 @@ class _Forward(Factory):
         return d.addCallback(lambda _: None)
 
 
+K = TypeVar("K")
+T = TypeVar("T")
+
+
+class LazyView(Sequence[T]):
+    """``[get(k) for k in keys]``, but each item is built only when read: a page of a listing
+    costs the page. Used by the table's, the registry's and the control plane's listings."""
+
+    def __init__(self, keys: Sequence[K], get: Callable[[K], T]) -> None:
+        self._keys = keys
+        self._get = get
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def __eq__(self, other: object) -> bool:
+        """Equal to a list (or another view) with the same items, like the list it stands for."""
+        if isinstance(other, list | LazyView):
+            return list(self) == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    @overload
+    def __getitem__(self, index: int) -> T: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> list[T]: ...
+
+    def __getitem__(self, index: int | slice) -> T | list[T]:
+        if isinstance(index, slice):
+            get = self._get
+            return [get(k) for k in self._keys[index]]
+        return self._get(self._keys[index])
+
+
 class ForwardTable(Service):
     """All forwards of the daemon, keyed by (bottle, label)."""
 
@@ -308,6 +383,9 @@ class ForwardTable(Service):
         self.engine_factory: EngineFactory = engine_factory(reactor, engine)
         self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
         self._forwards: dict[Key, _Forward] = {}
+        #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
+        self._labels: dict[str, set[str]] = {}
+        self._sorted_keys: list[Key] | None = None  # sorted(self._forwards), until it changes
         self._pending: set[Key] = set()
         self._removing: dict[Key, list[defer.Deferred[None]]] = {}
         self._stopping = False
@@ -371,8 +449,19 @@ class ForwardTable(Service):
         return fwd.info()
 
     def list(self, bottle: str | None = None) -> list[ForwardInfo]:
-        keys = sorted(k for k in self._forwards if bottle is None or k[0] == bottle)
-        return [self._forwards[k].info() for k in keys]
+        return list(self.view(bottle))
+
+    def view(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
+        """Like :meth:`list`, but each ForwardInfo is built only when it is read: a page of a
+        listing costs the page, not every forward (the sorted keys are kept between calls)."""
+        if bottle is None:
+            keys = self._sorted_keys
+            if keys is None:
+                keys = self._sorted_keys = sorted(self._forwards)
+        else:
+            keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
+        forwards = self._forwards
+        return LazyView(keys, lambda k: forwards[k].info())
 
     def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
         """Hand the forward's new connections to ``factory`` (None: back to the relay).
@@ -412,6 +501,8 @@ class ForwardTable(Service):
             if isinstance(spec.listen, TCPListen):
                 fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
             self._forwards[key] = fwd
+            self._sorted_keys = None
+            self._labels.setdefault(spec.bottle, set()).add(spec.label)
             self.log.info(
                 "forward {bottle}/{label} listening on {listen} -> {target}",
                 bottle=spec.bottle,
@@ -443,13 +534,19 @@ class ForwardTable(Service):
 
     def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
         """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
-        waits = [self._remove_key(k) for k in list(self._forwards) if k[0] == bottle]
+        waits = [self._remove_key((bottle, label)) for label in list(self._labels.get(bottle, ()))]
         waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
     # Internals
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
         fwd = self._forwards.pop(key)
+        self._sorted_keys = None
+        labels = self._labels.get(key[0])
+        if labels is not None:
+            labels.discard(key[1])
+            if not labels:
+                del self._labels[key[0]]
         self._removing[key] = []
         d = fwd.shutdown()
 
@@ -495,9 +592,7 @@ class ForwardTable(Service):
             check_port(target.port, allow_zero=False)
         elif not isinstance(target, UNIXTarget):
             raise InvalidArgument("unknown target kind")
-        check_target(
-            target, targets_dir(self.state_dir, spec.bottle), self.aliases.pool, self.own_sockets
-        )
+        check_target(target, self._target_root(spec), self.aliases.pool, self.own_sockets)
         listen = spec.listen
         if isinstance(listen, TCPListen):
             self.aliases.check_owned(spec.bottle, listen.alias)
@@ -552,9 +647,15 @@ class ForwardTable(Service):
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
         endpoint = self._plain_target_endpoint(spec)
         if isinstance(spec.target, UNIXTarget):
-            root = targets_dir(self.state_dir, spec.bottle)
+            root = self._target_root(spec)
             return CheckedUNIXTarget(endpoint, spec.target.path, root, self.own_sockets)
         return endpoint
+
+    def _target_root(self, spec: ForwardSpec) -> str:
+        """The directory ``spec``'s UNIX target must stay inside (``forward.spec.target_root``)."""
+        if isinstance(spec.target, UNIXTarget):
+            return target_root(self.state_dir, spec.bottle, spec.target.path)
+        return targets_dir(self.state_dir, spec.bottle)
 
     def _plain_target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
         target = spec.target
@@ -588,4 +689,4 @@ def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
     return BindRefused(f"cannot listen on {listen.describe()}: {reason}")
 
 
-__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable"]
+__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable", "LazyView"]

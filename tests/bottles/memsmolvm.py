@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from types import SimpleNamespace
 from typing import Any, TypeVar, cast
 
 from attrs import define, evolve, field
@@ -31,18 +30,18 @@ from bottlenet.bottles.store import StateStore
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import AliasPool
 from bottlenet.forward.table import ForwardTable
-from bottlenet.probe.judge import Verdict
+from bottlenet.probe.script import ARGV
+from tests.probe.guests import pass_transcript, witness_own_endpoints
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
-from vmctl.smolvm import ExecResult, Machine, Smolvm, SmolvmVersion
+from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion
 from vmctl.spec import MachineSpec, validate_spec
 
 T = TypeVar("T")
 
 POOL = "127.79.0.0/24"
-#: What the probe's argv starts with (``ProbePlan.argv``).
-PROBE_ARGV = ["/bin/sh", "-s", "--"]
-PROBE_PASS = b"RESULT PASS\n"
+#: The gate's argv (the script itself comes on stdin).
+PROBE_ARGV = list(ARGV)
 
 
 @define
@@ -62,14 +61,16 @@ ExecHandler = Callable[[str, Sequence[str], bytes | None], ExecResult | None]
 class MemorySmolvm:
     """The subset of :class:`vmctl.smolvm.Smolvm` the bottles layer calls, in memory."""
 
-    version_text: str = "1.9.2"
+    version_text: str = "1.32.2"
     machines: dict[str, MemMachine] = field(factory=dict)
     #: Every call: (method, machine name or "").
     calls: list[tuple[str, str]] = field(factory=list)
     #: (method, machine) -> the VmctlError that call raises (once per entry, or always).
     faults: dict[tuple[str, str], VmctlError] = field(factory=dict)
-    #: Decides an exec's result (None: the default: probe passes, everything else exits 0).
+    #: Decides an exec's result (None: the default: the guest answers the gate, else exit 0).
     on_exec: ExecHandler | None = None
+    #: Answers the gate's script when ``on_exec`` does not (the Rig's honest guest).
+    guest: Callable[[bytes], ExecResult] | None = None
     #: The pid a started machine gets: a live process (ours), so pid watches hold.
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
@@ -81,6 +82,19 @@ class MemorySmolvm:
 
     def version(self) -> Deferred[SmolvmVersion]:
         return succeed(self.known_version)
+
+    @property
+    def features(self) -> Features:
+        """Every optional flag of the 1.32 reference (the contract tests pin the real set)."""
+        return Features(
+            error_format_json=True,
+            state_dir=True,
+            expose_socket=True,
+            user=True,
+            exec_timeout=True,
+            exec_user=True,
+            block_private=True,
+        )
 
     def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
         self.faults[(method, machine)] = error
@@ -145,6 +159,24 @@ class MemorySmolvm:
 
         return self._answer("delete", name, delete)
 
+    def remove(self, name: str) -> Deferred[bool]:
+        """Stop, then delete, as :meth:`vmctl.smolvm.Smolvm.remove` does; True if it existed."""
+
+        async def go() -> bool:
+            try:
+                await self.stop(name)
+            except NotFound:
+                return False
+            except VmctlError:
+                pass
+            try:
+                await self.delete(name)
+            except NotFound:
+                return False
+            return True
+
+        return Deferred.fromCoroutine(go())
+
     def status(self, name: str) -> Deferred[Machine]:
         return self._answer("status", name, lambda: self._machine(name).record())
 
@@ -169,6 +201,7 @@ class MemorySmolvm:
         env: Mapping[str, str] | None = None,
         detach: bool = False,
         timeout: float | None = None,
+        user: str | None = None,
     ) -> Deferred[ExecResult]:
         def run() -> ExecResult:
             if self._machine(name).state != "running":
@@ -176,8 +209,9 @@ class MemorySmolvm:
             self.execs.append((name, list(argv)))
             result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
             if result is None:
-                out = PROBE_PASS if list(argv[:3]) == PROBE_ARGV else b""
-                result = ExecResult(0, out, b"", 0.0)
+                if list(argv) == PROBE_ARGV and self.guest is not None:
+                    return self.guest(stdin or b"")
+                result = ExecResult(0, b"", b"", 0.0)
             return result
 
         return self._answer("exec", name, run)
@@ -190,35 +224,15 @@ def exits(code: int, stdout: bytes = b"") -> ExecResult:
     return ExecResult(code, stdout, b"", 0.0)
 
 
+#: The gate's outside address as the Rig's lifecycle plans it (never dialled: nothing here is).
+OUTSIDE = "tcp:1.1.1.1:443"
+
+
 def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
-    """An ``on_exec`` whose isolation probe finds the internet reachable."""
-    if list(argv[:3]) == PROBE_ARGV:
-        return exits(1, b"LEAK tcp:1.1.1.1:443 is reachable\nRESULT FAIL\n")
+    """An ``on_exec`` whose isolation probe finds the outside address reachable."""
+    if list(argv) == PROBE_ARGV:
+        return exits(*pass_transcript(stdin or b"", leaks=(OUTSIDE,)))
     return None
-
-
-class MemoryGate:
-    """The launch gate as this double answers it: the probe is one recorded exec whose result
-    ``on_exec`` decides (exit 0 with ``RESULT PASS``: PASS; else FAIL naming its LEAK lines).
-
-    The real gate (plan, nonce, script, host witness, judge) needs a guest and real polling;
-    it is tested in its own tests and end to end against the fake smolvm executable. This
-    stands in for it so the bottles layer's steps, rollbacks and recovery run on the Clock.
-    """
-
-    def __init__(self, smolvm: MemorySmolvm) -> None:
-        self.smolvm = smolvm
-
-    async def run(
-        self, bottle: str, agent_vm: str, mode: str, endpoints: Sequence[Any], **kw: Any
-    ) -> tuple[Any, Verdict]:
-        result = await self.smolvm.exec(agent_vm, list(PROBE_ARGV))
-        lines = result.stdout.decode().splitlines()
-        plan = SimpleNamespace(own=tuple(endpoints), host_ports=())
-        if result.exit_code == 0 and lines[-1:] == ["RESULT PASS"]:
-            return plan, Verdict(True, ())
-        problems = tuple(ln for ln in lines if ln.startswith("LEAK")) or ("the probe failed",)
-        return plan, Verdict(False, problems)
 
 
 class FDClock(Clock):
@@ -292,9 +306,11 @@ class Rig:
             state_dir=state_dir,
             options=self.options,
             check_port=owned,
+            check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
-        self.vms.gate = MemoryGate(self.smolvm)  # type: ignore[assignment]
+        if self.smolvm.guest is None:
+            self.smolvm.guest = self.honest_guest
         self.registry = BottleRegistry(
             self.clock,
             self.table,
@@ -305,6 +321,12 @@ class Rig:
             instance_id=self.instance_id,
             vms=self.vms,
         )
+
+    def honest_guest(self, script: bytes) -> ExecResult:
+        """A guest that is isolated: it reaches its own endpoints (the host's witness sees
+        the nonce) and nothing else."""
+        witness_own_endpoints(self.table)
+        return exits(*pass_transcript(script))
 
     def start(self, coro: Coroutine[Any, Any, T]) -> Deferred[T]:
         """Start ``coro`` and run the clock until it is done or waits on a held call."""

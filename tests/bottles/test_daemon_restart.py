@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from bottlenet.bottles.store import StateStore
 from bottlenet.control.blocking import BlockingControlClient
 from tests.bottles.harness import spec_doc
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
@@ -78,9 +79,8 @@ class Daemon:
         self.proc.wait(30)
 
     def state_file(self) -> dict[str, Any]:
-        with open(os.path.join(self.state, "state.json")) as f:
-            data: dict[str, Any] = json.load(f)
-            return data
+        # The stored state as a restarted daemon would see it (snapshot + journal).
+        return StateStore(self.state).load().to_json()
 
 
 @pytest.fixture
@@ -95,17 +95,21 @@ def daemon(fake_smolvm: FakeSmolvm) -> Iterator[Daemon]:
 
 
 @pytest.fixture
-def fake_smolvm(tmp_path: Any) -> Iterator[FakeSmolvm]:
-    fake = FakeSmolvm(str(tmp_path / "smolvm-data"))
+def fake_smolvm() -> Iterator[FakeSmolvm]:
+    # short: smolvm binds sockets below its state dir (vmctl.smolvm.MAX_STATE_DIR)
+    fake = FakeSmolvm(tempfile.mkdtemp(prefix="bnf-", dir="/tmp"))
     yield fake
-    assert fake.cleanup() == []
+    survivors = fake.cleanup()
+    shutil.rmtree(fake.path, ignore_errors=True)
+    assert survivors == []
 
 
 def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     with daemon.client() as c:
-        v1 = c.create_bottle("v1", spec=json.dumps(spec_doc(daemon.tmp)))
+        # v1's sidecar serves raw TCP (the opt-in), v2's exposed UNIX sockets (the default)
+        v1 = c.create_bottle("v1", spec=json.dumps(spec_doc(daemon.tmp, listen="tcp")))
         v2 = c.create_bottle("v2", spec=json.dumps(spec_doc(daemon.tmp, egress=False)))
         c.create_bottle("plain", alias="127.77.0.7")
         raw = daemon.state_file()["bottles"]["v1"]["endpoints"][0]["raw_port"]
@@ -213,6 +217,8 @@ reload = ["/bin/true"]
 image = "{daemon.tmp}/agent.tar"
 """
         )
+    with open(os.path.join(daemon.tmp, "agent.tar"), "wb") as f:
+        f.write(b"\0" * 1024)
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     base = ["--control", daemon.control, "--timeout", "60"]
@@ -231,7 +237,7 @@ image = "{daemon.tmp}/agent.tar"
     code, out, err = ctl("--json", "bottle", "status", "t1")
     assert json.loads(out)["bottle"]["policy"] == ["example.org", "*.pypi.org"]
     code, out, err = ctl("bottle", "verify", "t1")  # the plain fake isolates nothing
-    assert code == 1 and "ISOLATION_FAILED" in err and "leak: tcp:127.0.0.1:" in err
+    assert code == 1 and "ISOLATION_FAILED" in err and "own endpoint" in err
     assert ctl("bottle", "rm", "t1")[0] == 0
     assert daemon.fake.state()["machines"] == {}
     daemon.kill(signal.SIGTERM)

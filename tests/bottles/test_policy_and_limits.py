@@ -86,7 +86,7 @@ class LimitTests(DaemonCase):
 class RestartTests(DaemonCase):
     async def test_restart_restores_vm_and_forward_only_bottles(self) -> None:
         client = await self.start("--unsafe-skip-isolation-probe")
-        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket"))
+        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket", listen="tcp"))
         plain = await client.create_bottle("plain", alias="127.77.0.5")
         ep = await client.add_forward(
             "plain", "web", f"127.0.0.1:{self.registry.get_bottle('r1').machine().raw_ports[0]}"
@@ -141,21 +141,26 @@ class RestartTests(DaemonCase):
         """docs/bottles.md recovery step 3: a raw port is trusted again only if the sidecar's
         VM process still owns it. Here a squatter (this test) holds the port the state file
         names: the bottle must be torn down, never re-bound to relay into the squatter."""
-        import json
+        import copy
         import socket
 
+        from bottlenet.bottles.store import State, StateStore
+
         client = await self.start("--unsafe-skip-isolation-probe")
-        await client.create_bottle("q1", spec=self.spec_json(mode="socket"))
+        # Raw ports exist only for a sidecar that serves TCP (the opt-in ``listen = "tcp"``).
+        await client.create_bottle("q1", spec=self.spec_json(mode="socket", listen="tcp"))
         await self.stop()
         squatter = socket.create_server(("127.0.0.1", 0))
         self.addCleanup(squatter.close)
-        with open(os.path.join(self.state_dir, "state.json")) as f:
-            doc = json.load(f)
-        record = doc["bottles"]["q1"]
+        # Edit the stored state as a whole (snapshot + journal), written back as a snapshot.
+        store = StateStore(self.state_dir)
+        state = store.load()
+        bottles = copy.deepcopy(dict(state.bottles))
+        record = bottles["q1"]
         endpoints = record["vm"]["endpoints"] if "vm" in record else record["endpoints"]
         endpoints[0]["raw_port"] = squatter.getsockname()[1]
-        with open(os.path.join(self.state_dir, "state.json"), "w") as f:
-            json.dump(doc, f)
+        store.save(State(state.instance_id, bottles))
+        store.close()
         with capturedLogs() as events:
             client = await self.start("--unsafe-skip-isolation-probe")
         self.assertEqual((await client.list_bottles()).total, 0)

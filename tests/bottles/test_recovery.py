@@ -8,8 +8,8 @@ same restart through the daemon and the fake smolvm executable stays in
 
 from __future__ import annotations
 
+import copy
 import ipaddress
-import json
 import os
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +22,7 @@ from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     BindRefused,
@@ -43,6 +44,9 @@ Rigs = Callable[..., Rig]
 
 def spec(tmp: str, name: str = "r1", **kw: Any) -> BottleSpec:
     kw.setdefault("mode", "socket")
+    # Raw-port sidecars (the TCP opt-in): these seams pin the raw-port re-checks too; the
+    # default exposed-socket sidecar is covered end to end through the fake smolvm.
+    kw.setdefault("listen", "tcp")
     return parse_bottle_spec(name, spec_doc(tmp, **kw))
 
 
@@ -128,8 +132,8 @@ def test_unverifiable_ports_are_kept_only_when_allowed(rigs: Rigs, tmp: str) -> 
 
 
 def test_endpoint_that_cannot_be_rebound_tears_the_bottle_down(rigs: Rigs, tmp: str) -> None:
-    first = rigs(options=VMOptions(instance_id="", iptables_fallback=True, skip_probe=True))
-    first.run(first.registry.create_bottle("r1", spec=spec(tmp, mode="alias")))
+    first = rigs(options=VMOptions(instance_id="", skip_probe=True))
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
     rig = restart(rigs, first)
     original = rig.table.add
     calls: list[Any] = []
@@ -140,7 +144,7 @@ def test_endpoint_that_cannot_be_rebound_tears_the_bottle_down(rigs: Rigs, tmp: 
 
     rig.table.add = add  # type: ignore[method-assign]
     rig.recover()
-    assert len(calls) == 2 and isinstance(calls[0].listen, TCPListen)
+    assert len(calls) == 2 and isinstance(calls[0].listen, UNIXListen)
     assert rig.registry.list_bottles() == [] and rig.table.list() == []
     assert rig.smolvm.machines == {} and rig.aliases.alias_of("r1") is None
 
@@ -171,13 +175,14 @@ def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None
 def test_malformed_and_shadowed_records(rigs: Rigs, tmp: str) -> None:
     first = vm_with_plain(rigs, tmp)
     first.close()
-    path = first.store.path
-    with open(path) as f:
-        doc = json.load(f)
-    doc["bottles"]["bad"] = {"kind": "forward", "alias": 7, "created_at": 1, "forwards": []}
-    doc["bottles"]["Bad Name"] = dict(doc["bottles"]["plain"])
-    with open(path, "w") as f:
-        json.dump(doc, f)
+    # Edit the stored state as a whole (snapshot + journal) and write it back as a snapshot.
+    store = StateStore(first.state_dir)
+    state = store.load()
+    bottles = dict(state.bottles)
+    bottles["bad"] = {"kind": "forward", "alias": 7, "created_at": 1, "forwards": []}
+    bottles["Bad Name"] = dict(bottles["plain"])
+    store.save(State(state.instance_id, bottles))
+    store.close()
     rig = rigs(smolvm=first.smolvm)
     rig.run(
         rig.registry.create_bottle(
@@ -338,16 +343,29 @@ def test_a_file_or_symlink_in_bottles_is_left_alone_and_recovery_completes(
     assert sorted(rig.state()) == ["plain", "r1"]  # the final save ran
 
 
+def _stored(state_dir: str) -> dict[str, Any]:
+    """The stored bottle records as a restarted daemon reads them (snapshot + journal)."""
+    store = StateStore(state_dir)
+    bottles = copy.deepcopy(dict(store.load().bottles))
+    store.close()
+    return bottles
+
+
+def _store(state_dir: str, bottles: dict[str, Any]) -> None:
+    """Write ``bottles`` back as the whole stored state (a snapshot), keeping the instance id."""
+    store = StateStore(state_dir)
+    store.save(State(store.load().instance_id, bottles))
+    store.close()
+
+
 @pytest.mark.parametrize("port", [True, "7006", 7007.9, None])
 def test_a_persisted_port_is_an_integer_never_coerced(rigs: Rigs, tmp: str, port: Any) -> None:
     """``int()`` turned ``true`` into port 1 (bound as root), ``"7006"`` and ``7007.9`` too."""
     first = vm_with_plain(rigs, tmp)
     first.close()
-    with open(first.store.path) as f:
-        doc = json.load(f)
-    doc["bottles"]["plain"]["forwards"][0]["port"] = port
-    with open(first.store.path, "w") as f:
-        json.dump(doc, f)
+    bottles = _stored(first.state_dir)
+    bottles["plain"]["forwards"][0]["port"] = port
+    _store(first.state_dir, bottles)
     rig = rigs(smolvm=first.smolvm)
     rig.recover()
     assert [b.name for b in rig.registry.list_bottles()] == ["r1"]
@@ -364,11 +382,9 @@ def test_teardown_at_recovery_deletes_only_machines_labelled_ours(rigs: Rigs, tm
         MachineSpec("foreign", labels=((LABEL_OWNER, "someoneelse"),)), state="running"
     )
     first.smolvm.machines["bn-r1-sidecar"].state = "stopped"  # the bottle is dead
-    with open(first.store.path) as f:
-        doc = json.load(f)
-    doc["bottles"]["r1"]["agent_vm"] = "foreign"
-    with open(first.store.path, "w") as f:
-        json.dump(doc, f)
+    bottles = _stored(first.state_dir)
+    bottles["r1"]["agent_vm"] = "foreign"
+    _store(first.state_dir, bottles)
     rig = rigs(smolvm=first.smolvm)
     rig.recover()
     assert rig.registry.list_bottles() == []

@@ -12,13 +12,7 @@ import pytest
 from twisted.internet.task import Clock
 
 from bottlenet.bottles.agentenv import stamp_env
-from bottlenet.bottles.isolation import (
-    MECH_IPTABLES,
-    MECH_SOCKET,
-    MECH_TSI_ALLOW,
-    choose_isolation,
-    tsi_allow_list_enforced,
-)
+from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
 from bottlenet.bottles.model import Bottle, Endpoint, machine_name
 from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
@@ -36,26 +30,18 @@ def v(text: str) -> SmolvmVersion:
 
 
 @pytest.mark.parametrize(
-    ("requested", "version", "fallback", "local", "expected"),
+    ("requested", "local", "expected"),
     [
-        ("socket", "1.9.2", False, True, MECH_SOCKET),
-        ("auto", "1.9.2", False, True, MECH_SOCKET),
-        ("auto", "1.9.2", True, False, MECH_IPTABLES),  # registry image: no socket mode
-        ("alias", "1.9.2", True, True, MECH_IPTABLES),
-        ("alias", "1.1.2", False, True, MECH_TSI_ALLOW),
-        ("auto", "1.1.2", False, True, MECH_TSI_ALLOW),  # no --mount-socket before 1.6.4
-        ("alias", "1.9.2", False, True, None),
-        ("socket", "1.6.3", True, True, None),
-        ("auto", "1.9.2", False, False, None),
+        ("socket", True, MECH_SOCKET),
+        ("auto", True, MECH_SOCKET),
+        ("auto", False, None),  # registry image: no socket mode, and alias cannot be enforced
+        ("alias", True, None),  # fails closed whatever the image
+        ("alias", False, None),
     ],
 )
-def test_choose_isolation(
-    requested: str, version: str, fallback: bool, local: bool, expected: str | None
-) -> None:
+def test_choose_isolation(requested: str, local: bool, expected: str | None) -> None:
     def choose() -> str:
-        return choose_isolation(
-            requested, v(version), "linux", iptables_fallback=fallback, local_agent_image=local
-        ).mechanism
+        return choose_isolation(requested, v("1.32.2"), "linux", local_agent_image=local).mechanism
 
     if expected is None:
         with pytest.raises(IsolationUnavailable):
@@ -64,16 +50,19 @@ def test_choose_isolation(
         assert choose() == expected
 
 
-def test_version_table_and_platform() -> None:
-    assert tsi_allow_list_enforced(v("1.1.2")) and not tsi_allow_list_enforced(v("1.1.3"))
+def test_alias_mode_fails_closed_and_says_why() -> None:
+    with pytest.raises(IsolationUnavailable) as info:
+        choose_isolation("alias", v("1.32.2"), "linux", local_agent_image=True)
+    assert info.value.message == ALIAS_UNAVAILABLE
+    for why in ("TSI", "loopback", "127.0.0.1", "socket"):
+        assert why in info.value.message
+
+
+def test_platform() -> None:
     with pytest.raises(IsolationUnavailable, match="socket mode needs"):
-        choose_isolation(
-            "socket", v("1.9.2"), "freebsd", iptables_fallback=False, local_agent_image=True
-        )
-    plan = choose_isolation(
-        "socket", v("1.9.2"), "darwin", iptables_fallback=False, local_agent_image=True
-    )
-    assert "--mount-socket" in plan.describe(None)
+        choose_isolation("socket", v("1.32.2"), "freebsd", local_agent_image=True)
+    plan = choose_isolation("socket", v("1.32.2"), "darwin", local_agent_image=True)
+    assert "--mount-socket" in plan.describe()
 
 
 def test_machine_names_follow_smolvm_rules() -> None:

@@ -6,13 +6,16 @@ ports, and its ``exec`` runs on the host (with ``exec-netns``: in a network-less
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import socket
+import tempfile
 
 from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
-from tests.bottles.harness import DaemonCase, in_thread
+from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import process_alive
-from tests.netio import ping_tcp, ping_unix
+from tests.netio import ping_unix
 
 
 class SocketModeTests(DaemonCase):
@@ -37,7 +40,9 @@ class SocketModeTests(DaemonCase):
         self.assertEqual(
             b.env["BOTTLENET_BRIDGES"], "3128=/run/bottle/egress.sock 9418=/run/bottle/git.sock"
         )
-        creates = [a for a in self.fake.argvs() if a[:2] == ["machine", "create"]]
+        creates = [
+            a for a in self.fake.argvs() if a[:2] == ["machine", "create"] and a[-1] != "--help"
+        ]
         agent_argv = next(a for a in creates if "bn-b1-agent" in a)
         for raw in vb.raw_ports:
             for value in b.env.values():
@@ -77,7 +82,8 @@ class SocketModeTests(DaemonCase):
         with self.assertRaises(IsolationFailed) as cm:
             await client.create_bottle("b1", spec=self.spec_json(mode="socket"))
         message = str(cm.exception)
-        self.assertIn("leak: tcp:127.0.0.1:", message)
+        # the fake's "guest" is the host: its /run/bottle endpoints do not exist there
+        self.assertIn("own endpoint unix:/run/bottle/egress.sock does not connect", message)
         self.assertIn("torn down", message)
         self.assertEqual(self.machines(), {})
         self.assertEqual(self.fake.live_pids(), [])
@@ -87,41 +93,161 @@ class SocketModeTests(DaemonCase):
 
 
 class AliasModeTests(DaemonCase):
-    async def test_alias_mode_with_fallback_and_skipped_probe(self) -> None:
-        client = await self.start("--alias-iptables-fallback", "--unsafe-skip-isolation-probe")
-        b = await client.create_bottle("a1", spec=self.spec_json(mode="alias"), alias="127.77.0.9")
-        self.assertEqual((b.mode, b.alias, b.probe), ("alias", "127.77.0.9", "skipped"))
-        self.assertIn("iptables", b.isolation or "")
-        self.assertIn("SKIPPED", b.isolation or "")
-        self.assertTrue(any("NOT verified" in w for w in b.warnings))
-        vb = self.registry.list_bottles()[0].machine()
-        for ep in b.endpoints:
-            host, _, port = ep.endpoint.rpartition(":")
-            self.assertEqual(host, "127.77.0.9")
-            self.assertEqual(await in_thread(ping_tcp, host, int(port)), b"ping")
-            self.assertNotIn(int(port), vb.raw_ports)
-        self.assertTrue(b.env["HTTPS_PROXY"].startswith("http://127.77.0.9:"))
-        for raw in vb.raw_ports:
-            self.assertFalse(any(str(raw) in v for v in b.env.values()))
-        creates = [a for a in self.fake.argvs() if a[:2] == ["machine", "create"]]
-        agent_argv = next(a for a in creates if "bn-a1-agent" in a)
-        self.assertIn("--net", agent_argv)
-        self.assertFalse(any(str(raw) in w for raw in vb.raw_ports for w in agent_argv))
-        await client.destroy_bottle("a1")
-        for ep in b.endpoints:
-            host, _, port = ep.endpoint.rpartition(":")
-            with self.assertRaises(OSError):
-                socket.create_connection((host, int(port)), timeout=2).close()
-        self.assertEqual(self.machines(), {})
-
-    async def test_alias_mode_refused_without_fallback(self) -> None:
+    async def test_alias_mode_fails_closed_with_the_reason(self) -> None:
         from bottlenet.errors import IsolationUnavailable
 
-        client = await self.start()
-        with self.assertRaises(IsolationUnavailable):
+        client = await self.start("--unsafe-skip-isolation-probe")
+        with self.assertRaises(IsolationUnavailable) as cm:
             await client.create_bottle("a1", spec=self.spec_json(mode="alias"))
-        self.assertEqual(self.fake.argvs().count(["machine", "create"]), 0)
+        self.assertIn("alias mode cannot be enforced by smolvm", str(cm.exception))
+        creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
+        self.assertEqual(creates, [])
         self.assertEqual(self.machines(), {})
+
+
+class SidecarSocketTests(DaemonCase):
+    """Sidecar services on exposed UNIX sockets in the bottle's 0700 directory (default)."""
+
+    async def test_no_sidecar_tcp_and_other_uids_cannot_connect(self) -> None:
+        self.fake.set_faults("exec-netns")
+        client = await self.start()
+        b = await client.create_bottle("s1", spec=self.spec_json(mode="socket"))
+        vb = self.registry.list_bottles()[0].machine()
+        self.assertEqual(vb.raw_ports, ())
+        self.assertNotIn("raw TCP", b.isolation or "")
+        creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
+        sidecar_argv = next(a for a in creates if "bn-s1-sidecar" in a)
+        self.assertNotIn("--port", sidecar_argv)
+        self.assertEqual(sidecar_argv.count("--expose-socket"), 2)
+        self.assertIn("--block-private", sidecar_argv)
+        # the sidecar's VM process holds no TCP listener at all
+        self.assertEqual(_tcp_listeners_of(vb.sidecar_pid), [])
+        paths = [*vb.sidecar_sockets, *(e.host_path for e in b.endpoints if e.host_path)]
+        self.assertEqual(len(paths), 4)
+        for path in paths:
+            self.assertTrue(path.startswith(os.path.join(self.state_dir, "bottles", "s1") + "/"))
+            # bytes flow for the daemon's own uid ...
+            self.assertEqual(await in_thread(ping_unix, path, b"mine"), b"mine")
+        # ... and another local uid cannot connect to any of them
+        if os.geteuid() != 0:
+            self.skipTest("needs root to act as another uid")
+        self.assertEqual(await in_thread(_connect_as, 65534, paths), [])
+        await client.destroy_bottle("s1")
+
+    async def test_raw_port_opt_in_says_local_users_can_reach_it(self) -> None:
+        self.fake.set_faults("exec-netns")
+        client = await self.start()
+        b = await client.create_bottle("t1", spec=self.spec_json(mode="socket", listen="tcp"))
+        vb = self.registry.list_bottles()[0].machine()
+        self.assertEqual(len(vb.raw_ports), 2)
+        self.assertIn("every local user can connect", b.isolation or "")
+        for ep in b.endpoints:
+            assert ep.host_path is not None
+            self.assertEqual(await in_thread(ping_unix, ep.host_path, b"tcp"), b"tcp")
+        await client.destroy_bottle("t1")
+
+
+class EntrypointOrderTests(DaemonCase):
+    async def test_entrypoint_never_runs_and_workload_starts_after_the_gate(self) -> None:
+        """The agent image's ENTRYPOINT records when it starts; it must never start (the
+        wait command replaces it), and the workload must start after the gate's exec."""
+        self.fake.set_faults("exec-netns")
+        # not under /tmp: the exec-netns stand-in gives its "guest" a /tmp of its own
+        marks = tempfile.mkdtemp(prefix="bnm-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, marks, True)
+        image = os.path.join(self.tmp, "agent.tar")
+        with open(image, "wb") as f:
+            f.write(b"\0" * 1024)
+        record = [
+            "/bin/sh",
+            "-c",
+            f'date +%s.%N > {marks}/"$0".t && mv {marks}/"$0".t {marks}/"$0"',
+        ]
+        with open(os.path.join(self.fake.path, "fake-images.json"), "w") as f:
+            json.dump({image: {"entrypoint": [*record, "entrypoint"]}}, f)
+        client = await self.start()
+        await client.create_bottle(
+            "e1", spec=self.spec_json(mode="socket", workload=(*record, "workload"))
+        )
+        for _ in range(250):
+            if os.path.exists(os.path.join(marks, "workload")):
+                break
+            await sleep(0.02)
+        self.assertFalse(os.path.exists(os.path.join(marks, "entrypoint")))
+        with open(os.path.join(marks, "workload")) as f:
+            workload_at = float(f.read())
+        calls = self.fake.calls()
+        agent_calls = [c for c in calls if "bn-e1-agent" in c["argv"]]
+        subs = [c["argv"][1] for c in agent_calls]
+        self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
+        create_argv = agent_calls[0]["argv"]
+        self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
+        gate, workload = agent_calls[2], agent_calls[3]
+        self.assertIn("-d", workload["argv"])
+        self.assertNotIn("-d", gate["argv"])
+        self.assertLess(gate["time"], workload["time"])
+        self.assertLess(gate["time"], workload_at)
+        await client.destroy_bottle("e1")
+
+    async def test_workload_runs_as_the_spec_user(self) -> None:
+        if os.geteuid() != 0:
+            self.skipTest("the fake drops to a numeric user only as root")
+        self.fake.set_faults("exec-netns")
+        drop = tempfile.mkdtemp(prefix="bnu-", dir="/var/tmp")  # the guest's /tmp is its own
+        self.addCleanup(shutil.rmtree, drop, True)
+        os.chmod(drop, 0o777)
+        out = os.path.join(drop, "whoami")
+        client = await self.start("--unsafe-skip-isolation-probe")
+        workload = ("/bin/sh", "-c", f"id -u > {out}.tmp; mv {out}.tmp {out}")
+        await client.create_bottle(
+            "u1", spec=self.spec_json(mode="socket", workload=workload, user="65534:65534")
+        )
+        for _ in range(250):
+            if os.path.exists(out):
+                break
+            await sleep(0.02)
+        with open(out) as f:
+            self.assertEqual(f.read().strip(), "65534")
+        exec_d = [a for a in self.fake.argvs() if a[1:2] == ["exec"] and "-d" in a]
+        self.assertIn("65534:65534", exec_d[-1])
+        await client.destroy_bottle("u1")
+
+
+def _tcp_listeners_of(pid: int) -> list[int]:
+    from vmctl.ports import socket_inodes
+
+    mine = socket_inodes(pid)
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[9]) in mine:
+                    found.append(int(fields[1].rpartition(":")[2], 16))
+    return found
+
+
+def _connect_as(uid: int, paths: list[str]) -> list[str]:
+    """Paths another uid could connect to (a forked child drops to ``uid`` and tries)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os, socket, sys\n"
+        f"os.setgroups([]); os.setgid({uid}); os.setuid({uid})\n"
+        "ok = []\n"
+        "for p in sys.argv[1:]:\n"
+        "    s = socket.socket(socket.AF_UNIX)\n"
+        "    try:\n"
+        "        s.connect(p); ok.append(p)\n"
+        "    except OSError:\n"
+        "        pass\n"
+        "    s.close()\n"
+        "print('\\n'.join(ok))\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True,
+                       timeout=30, check=True)  # fmt: skip
+    return [line for line in r.stdout.splitlines() if line]
 
 
 class DegradedTests(DaemonCase):
@@ -163,7 +289,7 @@ class RollbackThroughTheFakeTests(DaemonCase):
         client = await self.start()
         with self.assertRaises(BottlenetError) as cm:
             await client.create_bottle("rb", spec=self.spec_json(mode="socket"))
-        self.assertEqual(cm.exception.code, "SMOLVM_FAILED")
+        self.assertEqual(cm.exception.code, "KVM_UNAVAILABLE")  # the fake fails a start so
         self.assertEqual(self.machines(), {})
         self.assertEqual(self.fake.live_pids(), [])
         assert self.root is not None

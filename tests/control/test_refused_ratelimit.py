@@ -32,10 +32,12 @@ def test_flood_from_one_uid_is_one_line_per_interval(logs: list[LogEvent]) -> No
         _connect(factory)
     assert [(e["uid"], e["suppressed"]) for e in _refused(logs)] == [(0, 0)]
     clock.advance(REFUSED_PEER_LOG_INTERVAL)
+    # The 499 dropped ones are reported once, by the summary timer, not again later.
+    (summary,) = _summaries(logs)
+    assert summary["suppressed"] == 499
     _connect(factory)
     events = _refused(logs)
-    assert [(e["uid"], e["suppressed"]) for e in events] == [(0, 0), (0, 499)]
-    assert "499 similar suppressed" in events[1]["log_format"].format(**events[1])
+    assert [(e["uid"], e["suppressed"]) for e in events] == [(0, 0), (0, 0)]
 
 
 def test_uids_are_limited_separately(logs: list[LogEvent]) -> None:
@@ -89,3 +91,22 @@ def test_connections_themselves_add_no_lines() -> None:
         allowed.close()
     assert [e["log_format"] for e in events if "refused peer" not in e["log_format"]] == []
     assert len(events) == 1
+
+
+def test_no_timer_while_nothing_was_dropped(logs: list[LogEvent]) -> None:
+    # The daemon must not wake up periodically when idle: the summary timer exists only
+    # while refusals are waiting to be reported, and is gone once they are.
+    clock = Clock()
+    factory = make_factory(uid=0, clock=clock)
+    factory.doStart()
+    try:
+        assert clock.getDelayedCalls() == []
+        _connect(factory)  # logged at once: nothing dropped, still no timer
+        assert clock.getDelayedCalls() == []
+        _connect(factory)  # dropped: one timer to report it
+        assert len(clock.getDelayedCalls()) == 1
+        clock.advance(REFUSED_PEER_LOG_INTERVAL)
+        assert [e["suppressed"] for e in _summaries(logs)] == [1]
+        assert clock.getDelayedCalls() == []
+    finally:
+        factory.doStop()

@@ -45,6 +45,7 @@ def test_hello_negotiates(conn: Conn) -> None:
         "features": list(C.FEATURES),
         "smolvm_available": False,
         "smolvm_version": None,
+        "smolvm_source": None,
     }
 
 

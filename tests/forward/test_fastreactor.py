@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -112,3 +113,76 @@ def test_call_after_batch_runs_once_the_whole_batch_is_dispatched(r: Any) -> Non
     for rd, wr in pipes:
         os.close(rd)
         os.close(wr)
+
+
+def test_main_loop_skips_timer_bookkeeping_until_a_timer_is_due() -> None:
+    """Events with no due timer go straight to epoll; timers, thread calls and stop still work."""
+    r = QuietEPollReactor()
+    rounds = {"bookkeeping": 0, "reads": 0}
+    stock = r.runUntilCurrent
+
+    def counted() -> None:
+        rounds["bookkeeping"] += 1
+        stock()
+
+    r.runUntilCurrent = counted  # type: ignore[method-assign]
+    rd, wr = os.pipe()
+    fired: list[str] = []
+
+    class PingPong(PipeReader):
+        def doRead(self) -> object:
+            os.read(self.fd, 1)
+            rounds["reads"] += 1
+            if rounds["reads"] < 300:
+                os.write(wr, b"x")  # the next event: one iteration each
+            else:
+                r.callLater(0.01, timer)
+            return None
+
+    def timer() -> None:
+        fired.append("timer")
+        threading.Thread(target=r.callFromThread, args=(from_thread,)).start()
+
+    def from_thread() -> None:
+        fired.append("thread")
+        r.stop()
+
+    r.callLater(3600, fired.append, "far")  # pending all along, never due
+    reader = PingPong(rd)
+    r.addReader(reader)
+    r.callWhenRunning(os.write, wr, b"x")
+    r.run(installSignalHandlers=False)
+    assert fired == ["timer", "thread"]
+    assert rounds["reads"] == 300
+    # A handful of iterations had something due (start, the timer, the thread call, stop),
+    # not the 300 with only an event.
+    assert rounds["bookkeeping"] < 30
+    os.close(rd)
+    os.close(wr)
+
+
+def test_forget_until_closed_only_inside_a_batch(r: Any) -> None:
+    rd, wr = os.pipe()
+    reader = PipeReader(rd)
+    r.addReader(reader)
+    assert r.forget_until_closed(reader) is False  # outside a batch: nothing done
+    assert reader in r.getReaders()
+    seen: list[bool] = []
+
+    class Forgetter(PipeReader):
+        def doRead(self) -> object:
+            os.read(self.fd, 1)
+            seen.append(r.forget_until_closed(self))
+            assert r.call_after_batch(lambda: os.close(self.fd))
+            return None
+
+    r.removeReader(reader)
+    forgetter = Forgetter(rd)
+    r.addReader(forgetter)
+    os.write(wr, b"xx")  # still readable after the first byte (level-triggered)
+    r.doIteration(0)
+    assert seen == [True]
+    assert forgetter not in r.getReaders()
+    r.doIteration(0)  # closed: the kernel dropped it from the epoll set; no event, no error
+    assert seen == [True]
+    os.close(wr)

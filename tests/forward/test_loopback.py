@@ -486,6 +486,28 @@ class UnixTests(Base):
         assert "resolves outside" in info.exception.message
         assert accepted == []
 
+    async def test_tcp_listen_and_unix_target(self) -> None:
+        """TCP to UNIX: an alias endpoint relaying to a socket in the bottle's target dir."""
+        tdir = targets_dir(self.state_dir, "b1")
+        os.makedirs(tdir, mode=0o700)
+        target_path = os.path.join(tdir, "sidecar.sock")
+        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(tport.stopListening)
+        info = await self.table.add(
+            ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(ALIAS), 0),
+                        UNIXTarget(target_path))
+        )  # fmt: skip
+        assert isinstance(info.bound, TCPListen)
+        data = pattern(2 * MiB, seed=11)
+        c = Collector(data, fin=False)  # held open until the engine is checked
+        await connect_tcp(ALIAS, info.bound.port, c)
+        await self.until(lambda: len(c.received) == len(data), "the echo to come back")
+        assert self.sessions()
+        self.check_engine()
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+        assert sha(bytes(c.received)) == sha(data)
+
     async def test_stale_socket_replaced_but_regular_file_kept(self) -> None:
         listen = unix_listen_for(self.state_dir, "b1", "agent")
         os.makedirs(os.path.dirname(listen.path), mode=0o700)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
 from typing import Any
@@ -162,6 +163,61 @@ class SpliceTests(Base):
         await c.done
         await s.when_ended()
         assert seen == [[-1, -1]]
+
+    async def test_accepted_socket_goes_straight_to_the_relay(self) -> None:
+        """The accept fast path: a target that connects at once gets no transport, protocol
+        or Deferred for the connection, only the relay on the two sockets."""
+        info = await self.forward(self.target(Echo))
+        c = await self.echo_client(info)
+        (s,) = self.sessions()
+        assert s._inbound is None  # no Leg (and so no tcp.Server) was built
+        assert isinstance(s.engine, SpliceRelay) and s.engine.spliced
+        assert all(sk.gettimeout() == 0.0 for sk in s.engine.sockets())  # trap 5
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+
+    async def test_connect_in_progress_continues_on_the_transport_path(self) -> None:
+        """When the target's connect does not complete inside the call, the accepted socket
+        is wrapped in the paused transport and the *same* connect goes on: one connection
+        reaches the target, and the relay still ends up spliced."""
+        accepted: list[object] = []
+
+        class Counting(Echo):
+            def connectionMade(self) -> None:
+                accepted.append(self)
+                super().connectionMade()
+
+        info = await self.forward(self.target(Counting))
+        fwd = self.table._forwards[("b1", "web")]
+        endpoint = fwd._target
+        real_open = endpoint.open
+
+        def in_progress() -> tuple[socket.socket | None, int]:
+            sock, err = real_open()
+            return sock, (errno.EINPROGRESS if sock is not None else err)
+
+        endpoint.open = in_progress  # type: ignore[method-assign]
+        data = pattern(MiB, seed=4)
+        c = await self.client(info, Collector(data, fin=True))
+        await c.done
+        assert sha(bytes(c.received)) == sha(data) and c.clean
+        assert len(accepted) == 1  # the started connect was used, not a second one
+        assert (self.engines.taken_over, self.engines.fallbacks) == (1, 0)
+        assert fwd.accepted == 1 and fwd.failed == 0
+        # The endpoint's shared timeout timer (armed for the attempt) is not needed any more.
+        if endpoint._timer is not None and endpoint._timer.active():
+            endpoint._timer.cancel()
+
+    async def test_refused_target_on_the_fast_path_resets_and_counts(self) -> None:
+        probe = socket.socket()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()  # nothing listens there: the connect fails inside the accept
+        info = await self.forward(port)
+        fwd = self.table._forwards[("b1", "web")]
+        await self.assert_reset(info)
+        await self.until(lambda: fwd.failed == 1 and not fwd.sessions, "connect failure counted")
+        assert fwd.accepted == 1
 
     async def test_transport_that_cannot_hand_over_falls_back_to_portable(self) -> None:
         self.table.fast_connect = False  # Twisted's client transports have no detach_socket

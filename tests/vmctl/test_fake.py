@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import time
+from pathlib import Path
 
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm, process_alive
 
@@ -20,7 +23,7 @@ def run(fake: FakeSmolvm, *args: str, **env: str) -> subprocess.CompletedProcess
 
 
 def test_version_and_override(fake_smolvm: FakeSmolvm) -> None:
-    assert run(fake_smolvm, "--version").stdout == "smolvm 1.9.2\n"
+    assert run(fake_smolvm, "--version").stdout == "smolvm 1.32.2\n"
     assert run(fake_smolvm, "-V", FAKE_SMOLVM_VERSION="1.7.0").stdout == "smolvm 1.7.0\n"
     fake_smolvm.set_faults(version="1.6.4")
     assert run(fake_smolvm, "--version").stdout == "smolvm 1.6.4\n"
@@ -47,8 +50,75 @@ def test_runtime_errors_exit_1(fake_smolvm: FakeSmolvm) -> None:
     assert "machine 'nope' not found" in r.stderr
     r = run(fake_smolvm, "machine", "create", "--name", "a", "-v", "/nonexistent-xyz:/g")
     assert (r.returncode, r.stderr) == (1, "Error: mount source not found: /nonexistent-xyz\n")
-    r = run(fake_smolvm, "machine", "create", "--name", "a", "-I", "alpine")
+    # 1.32 accepts a registry image on a network-less machine at create; 1.9 refused it.
+    r = run(
+        fake_smolvm, "machine", "create", "--name", "a", "-I", "alpine", FAKE_SMOLVM_VERSION="1.9.2"
+    )
     assert r.returncode == 1 and "must be pulled from a registry" in r.stderr
+    r = run(fake_smolvm, "machine", "create", "--name", "a", "-I", "alpine")
+    assert r.returncode == 0
+
+
+def test_json_errors_and_state_dir(fake_smolvm: FakeSmolvm, tmp_path: Path) -> None:
+    state = str(tmp_path / "s")
+    r = run(fake_smolvm, "machine", "start", "--state-dir", state, "--error-format", "json",
+            "--name", "nope")  # fmt: skip
+    assert json.loads(r.stderr) == {"error": {"code": "NOT_FOUND", "message": "vm not found: nope"}}
+    r = run(fake_smolvm, "machine", "create", "--state-dir", state, "--name", "a")
+    assert r.returncode == 0 and os.path.exists(os.path.join(state, "fake-state.json"))
+    assert run(fake_smolvm, "machine", "ls", "--json").stdout.strip() == "[]"  # other state
+
+
+def test_failed_start_leaves_an_orphan_only_stop_kills(fake_smolvm: FakeSmolvm) -> None:
+    """As smolvm: agent.pid is written before the ready wait and the record turns running
+    only at the end, so a start killed half-way leaves a VMM behind a `created` record;
+    delete does not kill it, stop does."""
+    fake_smolvm.set_faults("slow-start", slow_start=30)
+    assert run(fake_smolvm, "machine", "create", "--name", "a").returncode == 0
+    env = fake_smolvm.environ(SMOLVM_DATA_DIR=fake_smolvm.path)
+    p = subprocess.Popen([FAKE_SMOLVM, "machine", "start", "--name", "a"], env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 20
+    while not fake_smolvm.live_pids() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    [vmm] = fake_smolvm.live_pids()
+    p.kill()
+    p.wait()
+    [listed] = json.loads(run(fake_smolvm, "machine", "ls", "--json").stdout)
+    assert (listed["state"], listed["pid"]) == ("created", None)
+    assert process_alive(vmm)
+    r = run(fake_smolvm, "machine", "stop", "--name", "a")
+    assert r.returncode == 0 and "orphaned _boot-vm" in r.stderr
+    assert not process_alive(vmm)
+
+
+def test_unreachable_is_a_live_vmm(fake_smolvm: FakeSmolvm) -> None:
+    assert run(fake_smolvm, "machine", "create", "--name", "a").returncode == 0
+    assert run(fake_smolvm, "machine", "start", "--name", "a").returncode == 0
+    fake_smolvm.set_faults(unreachable=["a"])
+    [listed] = json.loads(run(fake_smolvm, "machine", "ls", "--json").stdout)
+    assert listed["state"] == "unreachable" and process_alive(listed["pid"])
+    assert listed["state_reason"]
+
+
+def test_entrypoint_runs_on_start_unless_a_command_replaces_it(
+    fake_smolvm: FakeSmolvm, tmp_path: Path
+) -> None:
+    marker = tmp_path / "entrypoint-ran"
+    image = tmp_path / "img.tar"
+    image.write_bytes(b"x")
+    with open(os.path.join(fake_smolvm.path, "fake-images.json"), "w") as fh:
+        json.dump({str(image): {"entrypoint": ["/bin/sh", "-c", f"date > {marker}"]}}, fh)
+    for name, cmd in (("wait", ["--", "sleep", "infinity"]), ("plain", [])):
+        assert run(fake_smolvm, "machine", "create", "--name", name, "-I", str(image),
+                   *cmd).returncode == 0  # fmt: skip
+    assert run(fake_smolvm, "machine", "start", "--name", "wait").returncode == 0
+    assert not marker.exists()
+    assert run(fake_smolvm, "machine", "start", "--name", "plain").returncode == 0
+    deadline = time.monotonic() + 20
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert marker.exists()
 
 
 def test_calls_recorded_and_cleanup_kills(fake_smolvm: FakeSmolvm) -> None:

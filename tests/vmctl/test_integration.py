@@ -82,7 +82,7 @@ class FakeSmolvmTestCase(FakeSmolvmMixin, TestCase):
 class LifecycleTests(FakeSmolvmTestCase):
     async def test_full_lifecycle(self) -> None:
         v = await self.smolvm.version()
-        self.assertEqual(str(v), "1.9.2")
+        self.assertEqual(str(v), "1.32.2")
         [port] = allocate_ports(1)
         await self.smolvm.create(self.spec("m1", [port], env={"BASE": "1"}))
         pid = await self.smolvm.start("m1")
@@ -233,7 +233,7 @@ class ErrorTests(FakeSmolvmTestCase):
             await sleep(0.05)
         self.assertEqual((await self.smolvm.status("m1")).state, "stopped")
         [m] = await self.smolvm.list(LABELS)
-        self.assertEqual((m.state, m.pid), ("stopped", None))
+        self.assertEqual((m.state, m.pid), ("stopped", pid))  # smolvm keeps the stale pid
         self.assertNotEqual(await self.smolvm.start("m1"), pid)  # it can be started again
 
     async def test_vm_ignoring_term_is_killed(self) -> None:
@@ -250,7 +250,7 @@ class ErrorTests(FakeSmolvmTestCase):
         await self.smolvm.create(self.spec("m1"))
         pid = await self.smolvm.start("m1")
         r = await self.runner.run(
-            [FAKE_SMOLVM, "machine", "delete", "--name", "m1"], self.smolvm.env, 10
+            [FAKE_SMOLVM, *self.smolvm.machine_args("delete", "--name", "m1")], self.smolvm.env, 10
         )
         self.assertEqual((r.exit_code, r.stdout.splitlines()[-1]), (0, b"Cancelled"))
         self.assertIn(b"Delete machine 'm1'? [y/N]", r.stderr)
@@ -261,7 +261,7 @@ class ErrorTests(FakeSmolvmTestCase):
 
     async def test_usage_error(self) -> None:
         with self.assertRaises(UsageError) as cm:
-            await self.smolvm._call(["machine", "create", "--bogus"], 10, "machine create")
+            await self.smolvm._call("create", ["--bogus"], 10)
         self.assertIn("unexpected argument", cm.exception.message)
 
     async def test_missing_binary(self) -> None:
@@ -270,7 +270,7 @@ class ErrorTests(FakeSmolvmTestCase):
             await smolvm.version()
 
     async def test_old_fake_version(self) -> None:
-        self.fake.set_faults(version="1.6.3")
+        self.fake.set_faults(version="1.7.7")
         with self.assertRaises(Exception) as cm:
             await self.smolvm.start("m1")
         self.assertEqual(getattr(cm.exception, "code", None), "UNSUPPORTED_VERSION")
@@ -303,13 +303,17 @@ class EnvironmentTests(FakeSmolvmTestCase):
         await smolvm.create(self.spec("m1", [port]))
         await smolvm.start("m1")  # FAKE_SMOLVM_FAIL=kvm did not get through either
         calls = self.fake.calls()
-        self.assertEqual(len(calls), 3)
+        self.assertEqual(len(calls), 5)  # --version, two --help, create, start
         allowed = {"PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR", "SMOLVM_DATA_DIR"}
         for call in calls:
-            self.assertEqual(call["env"].get("SMOLVM_DATA_DIR"), self.fake.path)
-            self.assertEqual(
-                sorted(k for k in call["env"] if k.startswith("SMOLVM_")), ["SMOLVM_DATA_DIR"]
-            )
+            # Machine calls get smolvm's state as --state-dir, never through the environment
+            # (--version and --help, made before the CLI is known, get SMOLVM_DATA_DIR).
+            smolvm_keys = sorted(k for k in call["env"] if k.startswith("SMOLVM_"))
+            if call["argv"][-1] != "--help" and call["argv"][0] == "machine":
+                self.assertIn(self.fake.path, call["argv"])
+                self.assertEqual(smolvm_keys, [])
+            else:
+                self.assertEqual(smolvm_keys, ["SMOLVM_DATA_DIR"])
             # (an interpreter shim such as pyenv's may add its own PYENV_*/PWD/SHLVL keys)
             self.assertEqual(set(call["env_keys"]) & set(hostile), set())
         self.assertTrue(set(smolvm.env) <= allowed | {k for k in smolvm.env if k[:3] == "LC_"})
@@ -343,8 +347,9 @@ class RawPortTests(FakeSmolvmTestCase):
         self.fake.set_faults(port_clash=1)
         result = await start_with_raw_ports(self.smolvm, self.factory(), 2)
         self.assertEqual(result.attempts, 2)
-        subs = [a[1] for a in self.fake.argvs() if a[0] == "machine"]
-        self.assertEqual(subs[:4], ["create", "start", "delete", "create"])
+        subs = [a[1] for a in self.fake.argvs() if a[0] == "machine" and a[-1] != "--help"]
+        # the machine that lost the race is stopped before it is deleted (no orphan VMM)
+        self.assertEqual(subs[:5], ["create", "start", "stop", "delete", "create"])
         self.assertAllDeletesForced()
         self.assertTrue(result.verified)
 

@@ -10,11 +10,19 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.internet.defer import CancelledError, Deferred
-from twisted.trial.unittest import SynchronousTestCase
+from twisted.trial.unittest import SkipTest, SynchronousTestCase
 
 from tests.fakes import FAKE_SMOLVM
 from tests.vmctl.fakereactor import FakeProcess, FakeProcessReactor
 from vmctl.errors import CallTimeout, SmolvmUnavailable, Unavailable
+from vmctl.install import (
+    SOURCE_OPTION,
+    SOURCE_PATH,
+    SOURCE_WHEEL,
+    SmolvmInstall,
+    discover,
+    find_wheel,
+)
 from vmctl.runner import BoundedBuffer, ProcessRunner, ProcResult, build_env, resolve_smolvm
 from vmctl.service import VmctlService, make_smolvm
 
@@ -122,10 +130,51 @@ class ResolveTests(SynchronousTestCase):
             self.assertIsNone(resolve_smolvm(self.exe, None))
 
     def test_make_smolvm_without_binary(self) -> None:
-        _service, smolvm = make_smolvm(FakeProcessReactor(), None, None, environ={"PATH": ""})
+        _service, smolvm = make_smolvm(
+            FakeProcessReactor(), None, None, environ={"PATH": ""}, wheel=lambda: None
+        )
         self.assertIsNone(smolvm.binary)
         f = self.failureResultOf(smolvm.list(), SmolvmUnavailable)
         self.assertEqual(f.value.code, "SMOLVM_UNAVAILABLE")
+        self.assertIn("bottlenet[vm]", smolvm.describe())
+
+    def test_discovery_order_and_assets(self) -> None:
+        """--smolvm, then PATH, then the wheel; assets next to the binary are passed on."""
+        wheel_dir = os.path.join(self.dir, "wheel", "smol")
+        os.makedirs(wheel_dir)
+        wheel_bin = os.path.join(wheel_dir, "smol-vmm")
+        for name in ("smol-vmm", "libkrun.so", "libkrunfw.so.5", "agent-rootfs.tar.zst"):
+            with open(os.path.join(wheel_dir, name), "w") as f:
+                f.write("#!/bin/sh\n")
+        os.chmod(wheel_bin, 0o755)
+        rootfs = os.path.join(wheel_dir, "agent-rootfs.tar.zst")
+        wheel = SmolvmInstall(wheel_bin, SOURCE_WHEEL, wheel_dir, rootfs, "1.32.2")
+        self.assertEqual(discover(None, "/nonexistent", lambda: wheel), wheel)
+        self.assertEqual(discover(None, self.dir, lambda: wheel).source, SOURCE_PATH)
+        self.assertEqual(discover(self.exe, None, lambda: wheel).source, SOURCE_OPTION)
+        self.assertIsNone(discover("/nonexistent/smolvm", None, lambda: wheel))  # no fallback
+        picked = discover(wheel_bin, None, lambda: None)
+        assert picked is not None
+        self.assertEqual(
+            picked.env(),
+            {"SMOLVM_LIB_DIR": wheel_dir,
+             "SMOLVM_AGENT_ROOTFS": os.path.join(wheel_dir, "agent-rootfs.tar.zst")},
+        )  # fmt: skip
+        self.assertIn("smolmachines 1.32.2 wheel", wheel.describe())
+        env = build_env({"PATH": "/bin", "SMOLVM_AGENT_ROOTFS": "/evil"}, None, picked.env())
+        self.assertEqual(
+            env["SMOLVM_AGENT_ROOTFS"], os.path.join(wheel_dir, "agent-rootfs.tar.zst")
+        )
+        self.assertNotIn("SMOLVM_LIB_DIR", build_env({"SMOLVM_LIB_DIR": "/evil"}))
+
+    def test_installed_wheel_is_found(self) -> None:
+        found = find_wheel()
+        if found is None:
+            raise SkipTest("the smolmachines wheel (bottlenet[vm]) is not installed")
+        self.assertEqual(found.source, SOURCE_WHEEL)
+        self.assertTrue(found.binary.endswith(os.path.join("smol", "smol-vmm")))
+        self.assertIsNotNone(found.lib_dir)
+        self.assertTrue(str(found.agent_rootfs).endswith("agent-rootfs.tar.zst"))
 
 
 class BoundedBufferTests(SynchronousTestCase):

@@ -11,6 +11,7 @@ from tests.vmctl.fakereactor import FakeProcessReactor, scripted
 from vmctl.errors import (
     CallTimeout,
     InvalidArgument,
+    KvmUnavailable,
     NotFound,
     NotRunning,
     SmolvmFailed,
@@ -19,7 +20,15 @@ from vmctl.errors import (
     UsageError,
 )
 from vmctl.runner import ProcessRunner
-from vmctl.smolvm import SUBCOMMANDS, Machine, Smolvm, SmolvmVersion, Timeouts, subcommand_of
+from vmctl.smolvm import (
+    SUBCOMMANDS,
+    Features,
+    Machine,
+    Smolvm,
+    SmolvmVersion,
+    Timeouts,
+    subcommand_of,
+)
 from vmctl.spec import MachineSpec, PortMapping
 
 BIN = FAKE_SMOLVM  # exists; the fake reactor never runs it
@@ -35,11 +44,23 @@ def rec(name: str, **kw: object) -> dict[str, object]:
     return base
 
 
+#: ``--help`` texts: a 1.9.2-like CLI (the 1.8.0 floor and nothing later) by default.
+HELP_19 = {"create": b"  -n, --name <NAME>\n  --label <KEY=VALUE>\n  --mount-socket <H:G>\n",
+           "exec": b"  --name <NAME>\n  -e, --env <KEY=VALUE>\n"}  # fmt: skip
+HELP_132 = {
+    "create": HELP_19["create"] + b"  --error-format <F>\n  --state-dir <PATH>\n"
+    b"  --expose-socket <G[:H]>\n  -u, --user <USER>\n  --block-private\n",
+    "exec": HELP_19["exec"] + b"  --error-format <F>\n  --state-dir <PATH>\n"
+    b"  --timeout <DURATION>\n  -u, --user <USER>\n",
+}
+
+
 class Script:
     """Answers smolvm argv with canned (code, stdout, stderr); records every argv."""
 
-    def __init__(self, version: bytes = b"smolvm 1.9.2\n") -> None:
+    def __init__(self, version: bytes = b"smolvm 1.9.2\n", helps: dict[str, bytes] = HELP_19):
         self.version = version
+        self.helps = helps
         self.answers: dict[str, tuple[int, bytes, bytes]] = {}
         self.seen: list[list[str]] = []
 
@@ -47,8 +68,14 @@ class Script:
         self.seen.append(args)
         if args == ["--version"]:
             return 0, self.version, b""
+        if args[-1:] == ["--help"]:
+            return 0, self.helps[args[1]], b""
         key = " ".join(args[:2])
         return self.answers.get(key, (0, b"", b""))
+
+    @property
+    def machine_calls(self) -> list[list[str]]:
+        return [a for a in self.seen if a[:1] == ["machine"] and a[-1:] != ["--help"]]
 
 
 class SmolvmUnitTests(SynchronousTestCase):
@@ -64,25 +91,30 @@ class SmolvmUnitTests(SynchronousTestCase):
     def test_version(self) -> None:
         v = self.successResultOf(self.smolvm.version())
         self.assertEqual(v, SmolvmVersion(1, 9, 2))
-        self.assertTrue(v.supports_mount_socket)
         self.assertEqual(str(v), "1.9.2")
+        self.assertEqual(self.smolvm.features, Features())
         self.assertEqual(self.smolvm.known_version, v)
 
-    def test_version_features(self) -> None:
-        self.assertFalse(SmolvmVersion(1, 6, 3).supports_mount_socket)
-        self.assertFalse(SmolvmVersion(1, 6, 3).supported)
-        self.assertTrue(SmolvmVersion(1, 6, 4).supported)
+    def test_version_floor(self) -> None:
+        self.assertFalse(SmolvmVersion(1, 7, 7).supported)
+        self.assertTrue(SmolvmVersion(1, 8, 0).supported)
         self.assertTrue(SmolvmVersion(2, 0, 0) > SmolvmVersion(1, 99, 99))
-        self.assertFalse(SmolvmVersion(1, 1, 2).egress_forces_virtio_net)
-        self.assertTrue(SmolvmVersion(1, 0, 4).ports_force_virtio_net)
 
     def test_old_version_refused(self) -> None:
-        self.script.version = b"smolvm 1.5.0\n"
+        self.script.version = b"smolvm 1.7.7\n"
         f = self.failureResultOf(self.smolvm.version(), UnsupportedVersion)
-        self.assertIn("1.6.4", f.value.message)
+        self.assertIn("1.8.0", f.value.message)
+        self.assertIn("--label", f.value.message)
         f = self.failureResultOf(self.smolvm.start("m1"), UnsupportedVersion)
         self.assertEqual(f.value.code, "UNSUPPORTED_VERSION")
         self.assertEqual([a for a in self.script.seen if a[0] == "machine"], [])
+
+    def test_cli_without_label_refused(self) -> None:
+        """A binary that says 1.8+ but whose create has no --label is refused too."""
+        self.script.helps = {"create": b"--name\n", "exec": b"--name\n"}
+        f = self.failureResultOf(self.smolvm.stop("m1"), UnsupportedVersion)
+        self.assertIn("--label", f.value.message)
+        self.assertEqual(self.script.machine_calls, [])
 
     def test_garbage_version(self) -> None:
         self.script.version = b"hello\n"
@@ -112,7 +144,7 @@ class SmolvmUnitTests(SynchronousTestCase):
         self.assertEqual(self.successResultOf(self.smolvm.data_dir("m1")), "/d/vms/abc")
         self.successResultOf(self.smolvm.create(MachineSpec("m1", ports=[PortMapping(5, 6)])))
         self.assertEqual(
-            self.script.seen[1:],
+            self.script.machine_calls,
             [
                 ["machine", "stop", "--name", "m1"],
                 ["machine", "data-dir", "--name", "m1"],
@@ -251,6 +283,8 @@ class CallObserverTests(SynchronousTestCase):
             [(sub, result) for sub, result, _ in self.calls],
             [
                 ("version", "ok"),
+                ("help", "ok"),
+                ("help", "ok"),
                 ("start", "ok"),
                 ("stop", "NOT_FOUND"),
                 ("exec", "ok"),  # the guest's own exit code is a result
@@ -283,6 +317,8 @@ class CallObserverTests(SynchronousTestCase):
                         on_call=lambda *c: self.calls.append(c))  # fmt: skip
         self.failureResultOf(smolvm.status("m1"), SmolvmUnavailable)
         self.assertEqual([c[:2] for c in self.calls], [("version", "SMOLVM_UNAVAILABLE")])
+        self.assertIn("bottlenet[vm]", self.failureResultOf(smolvm.list()).value.message)
+        self.calls.clear()
 
         def broken(*_: object) -> None:
             raise RuntimeError("observer bug")
@@ -298,7 +334,7 @@ class CallObserverTests(SynchronousTestCase):
 
         self.smolvm.on_call = broken
         self.successResultOf(self.smolvm.version())  # the call itself is unaffected
-        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 1)
+        self.assertEqual(len(self.flushLoggedErrors(RuntimeError)), 3)  # version + 2 helps
 
     def test_subcommand_names_come_from_the_allow_list(self) -> None:
         self.assertEqual(subcommand_of(["--version"]), "version")
@@ -308,3 +344,107 @@ class CallObserverTests(SynchronousTestCase):
         self.assertEqual(subcommand_of(["pack", "create"]), "other")
         self.assertEqual(subcommand_of([]), "other")
         self.assertLessEqual({subcommand_of(a) for a in (["x"], ["machine", "y"])}, SUBCOMMANDS)
+        self.assertEqual(subcommand_of(["machine", "create", "--help"]), "help")
+
+
+class Smolvm132Tests(SynchronousTestCase):
+    """A 1.32-like CLI: json errors, --state-dir, exec --timeout and -u, --expose-socket."""
+
+    def setUp(self) -> None:
+        self.script = Script(b"smolvm 1.32.2\n", HELP_132)
+        self.reactor = FakeProcessReactor(scripted(self.script))
+        self.smolvm = Smolvm(
+            ProcessRunner(self.reactor), BIN, "/var/lib/smol",
+            environ={"PATH": "/bin", "HOME": "/h", "SMOLVM_AGENT_ROOTFS": "/evil"},
+        )  # fmt: skip
+
+    def test_features_detected(self) -> None:
+        self.successResultOf(self.smolvm.version())
+        self.assertEqual(
+            self.smolvm.features,
+            Features(True, True, True, True, True, True, True),
+        )
+
+    def test_state_dir_and_json_errors_on_every_call(self) -> None:
+        self.successResultOf(self.smolvm.stop("m1"))
+        self.assertEqual(
+            self.script.machine_calls[-1],
+            ["machine", "stop", "--error-format", "json", "--state-dir", "/var/lib/smol",
+             "--name", "m1"],
+        )  # fmt: skip
+        env = self.reactor.spawned[-1].env
+        self.assertEqual(env, {"PATH": "/bin", "HOME": "/h"})  # no SMOLVM_DATA_DIR, no rootfs
+
+    def test_json_codes_decide(self) -> None:
+        def fails(code: str, message: str) -> None:
+            err = json.dumps({"error": {"code": code, "message": message}}).encode()
+            self.script.answers["machine start"] = (1, b"", b"WARN noise\n" + err + b"\n")
+
+        fails("NOT_FOUND", "anything at all")
+        self.failureResultOf(self.smolvm.start("m1"), NotFound)
+        fails("KVM_UNAVAILABLE", "anything")
+        f = self.failureResultOf(self.smolvm.start("m1"), KvmUnavailable)
+        self.assertEqual(f.value.smolvm_code, "KVM_UNAVAILABLE")
+        fails("CONFIG_ERROR", "config operation failed: machine status: machine 'm1' not found")
+        self.failureResultOf(self.smolvm.start("m1"), NotFound)  # message fallback
+        fails("SMOLVM_ERROR", "monitor agent: KvmContext(KvmOpen(Error(13))) (boot process)")
+        f = self.failureResultOf(self.smolvm.start("m1"), KvmUnavailable)
+        self.assertIn("KVM is not usable on this host", f.value.message)
+        self.assertNotIn("KvmContext", f.value.message)
+        fails("SMOLVM_ERROR", "something new")
+        f = self.failureResultOf(self.smolvm.start("m1"), SmolvmFailed)
+        self.assertEqual((type(f.value), f.value.smolvm_code), (SmolvmFailed, "SMOLVM_ERROR"))
+
+    def test_exec_user_and_timeout(self) -> None:
+        self.successResultOf(self.smolvm.exec("m1", ["id"], user="1000:1000", timeout=9.5))
+        proc = self.reactor.spawned[-1]
+        self.assertEqual(proc.args[-6:], ["--user", "1000:1000", "--timeout", "10s", "--", "id"])
+        self.successResultOf(self.smolvm.exec("m1", ["sleep", "9"], detach=True, user="app"))
+        self.assertNotIn("--timeout", self.reactor.spawned[-1].args)  # would kill the workload
+        self.script.answers["machine exec"] = (1, b"", b'{"error":{"code":"COMMAND_FAILED",'
+                                               b'"message":"guest"}}\n')  # fmt: skip
+        self.assertEqual(self.successResultOf(self.smolvm.exec("m1", ["x"])).exit_code, 1)
+        not_running = b'{"error":{"code":"SMOLVM_ERROR","message":"machine is not running"}}\n'
+        self.script.answers["machine exec"] = (1, b"", not_running)
+        self.failureResultOf(self.smolvm.exec("m1", ["x"]), NotRunning)
+
+    def test_remove_stops_before_delete(self) -> None:
+        self.assertTrue(self.successResultOf(self.smolvm.remove("m1")))
+        self.assertEqual([a[1] for a in self.script.machine_calls], ["stop", "delete"])
+        self.script.answers["machine stop"] = (1, b"", b'{"error":{"code":"NOT_FOUND","mess'
+                                               b'age":"vm not found: m1"}}\n')  # fmt: skip
+        self.assertFalse(self.successResultOf(self.smolvm.remove("m1")))
+
+    def test_long_state_dir_refused(self) -> None:
+        smolvm = Smolvm(ProcessRunner(self.reactor), BIN, "/" + "d" * 70, environ={})
+        f = self.failureResultOf(smolvm.list(), SmolvmUnavailable)
+        self.assertIn("too long", f.value.message)
+
+
+class SharedGateTests(SynchronousTestCase):
+    def test_concurrent_calls_share_one_version_and_feature_run(self) -> None:
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={})
+        first, second = smolvm.stop("m1"), smolvm.stop("m2")
+        self.assertEqual([p.args[1:] for p in reactor.spawned], [["--version"]])
+        reactor.spawned[0].finish(0, out=b"smolvm 1.32.2\n")
+        for sub in ("create", "exec"):
+            reactor.spawned[-1].finish(0, out=HELP_132[sub])
+        self.assertEqual(
+            [p.args[1:3] for p in reactor.spawned[3:]],
+            [["machine", "stop"], ["machine", "stop"]],
+        )
+        for p in reactor.spawned[3:]:
+            p.finish(0)
+        self.successResultOf(first)
+        self.successResultOf(second)
+
+    def test_a_failed_run_fails_every_waiter_and_is_retried(self) -> None:
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={})
+        first, second = smolvm.stop("m1"), smolvm.stop("m2")
+        reactor.spawned[0].finish(0, out=b"smolvm 1.7.7\n")
+        self.failureResultOf(first, UnsupportedVersion)
+        self.failureResultOf(second, UnsupportedVersion)
+        smolvm.stop("m3")
+        self.assertEqual([p.args[1:] for p in reactor.spawned][-1], ["--version"])

@@ -252,3 +252,36 @@ class ArgvTests(SynchronousTestCase):
             ["machine", "exec", "--name", "m1", "-d", "--", "run"],
         )
         self.assertRaises(InvalidArgument, exec_args, "m1", ["x"], interactive=True, detach=True)
+
+
+class SmolvmRulesTests(SynchronousTestCase):
+    """Refusals vmctl makes itself, mirroring (or stricter than) the real 1.32.2 CLI."""
+
+    def test_refused_before_spawning(self) -> None:
+        from vmctl.spec import ExposeSocket, MountSocket, exec_args
+
+        tmp = tempfile.mkdtemp()
+        self.addCleanup(os.rmdir, tmp)
+        bad = [
+            MachineSpec("m", volumes=[Volume("/etc", "/x")]),
+            MachineSpec("m", volumes=[Volume("/usr/lib", "/x")]),
+            MachineSpec("m", net=True, net_backend="tsi", allow_cidrs=["10.0.0.1/32"]),
+            MachineSpec("m", net=True, net_backend="tsi", ports=[PortMapping(5, 6)]),
+            MachineSpec("m", net_backend="virtio-net"),
+            MachineSpec("m", mount_sockets=[MountSocket("/a", "/r/x"), MountSocket("/b", "/r/x")]),
+            MachineSpec("m", expose_sockets=[ExposeSocket("/r/x", "/h"), ExposeSocket("/r", "/h")]),
+            MachineSpec("m", user="bad user"),
+        ]  # fmt: skip
+        for spec in bad:
+            with self.assertRaises(InvalidArgument, msg=repr(spec)):
+                validate_spec(spec, check_paths=False)
+        for guest, host in (("run/x", "/h/a"), ("/run/x", "rel/a"), ("/run/x;y", "/h/a")):
+            with self.assertRaises(InvalidArgument):
+                ExposeSocket(guest, host)
+        validate_spec(MachineSpec("m", volumes=[Volume(tmp, "/x")], user="1000:1000"))
+        with self.assertRaises(InvalidArgument):
+            exec_args("m", ["x"], detach=True, guest_timeout=5)  # would kill the workload
+        self.assertEqual(
+            exec_args("m", ["x"], user="app", guest_timeout=3)[-6:],
+            ["--user", "app", "--timeout", "3s", "--", "x"],
+        )

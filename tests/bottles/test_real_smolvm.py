@@ -1,0 +1,103 @@
+"""The daemon with the REAL smolvm of the ``bottlenet[vm]`` extra, on a host that cannot boot.
+
+No ``--smolvm`` and no smolvm on PATH: the daemon must find the ``smolmachines`` wheel and its
+assets by itself, say so in Hello (``bottlenetctl status``), and a socket-mode VM bottle create
+must fail with one typed error that names KVM and leave nothing behind: no machine in
+``machine ls --json``, no VMM process, no bottle. These hosts' KVM runs only PVM guests (and a
+root daemon's VM process drops to its own uid), so ``machine start`` always fails here.
+
+The daemon runs in a network namespace of its own with only ``lo`` (``unshare -n``): the real
+smolvm dials public resolvers (IPv6, port 443) when it starts a machine with ``--net`` (the
+sidecar), and no packet may leave the machine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from bottlenet.control.blocking import BlockingControlClient
+from bottlenet.errors import KvmUnavailable
+from tests.bottles.harness import spec_doc
+from tests.vmctl.test_contract import _vmm_processes, kvm_usable
+from vmctl.install import find_wheel
+from vmctl.runner import build_env
+
+TWIST = os.path.join(os.path.dirname(sys.executable), "twist")
+
+
+def _can_unshare() -> bool:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        return False
+    return subprocess.run(["unshare", "-n", "true"], check=False).returncode == 0
+
+
+@pytest.mark.skipif(
+    find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
+)
+@pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
+def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
+    wheel = find_wheel()
+    assert wheel is not None
+    tmp = tempfile.mkdtemp(prefix="bnk-", dir="/tmp")
+    state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
+    env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}  # no smolvm on PATH
+    daemon = subprocess.Popen(
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
+         "--state-dir", state, "--control", f"unix:{control}"],
+        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        hello = None
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                with BlockingControlClient(control, timeout=5) as c:
+                    hello = c.hello()
+                    if hello.smolvm_version is not None:
+                        break
+            except Exception:
+                pass
+            time.sleep(0.1)
+        assert hello is not None and hello.smolvm_available
+        assert hello.smolvm_version is not None and hello.smolvm_version.startswith("1.32.")
+        assert hello.smolvm_source is not None and wheel.binary in hello.smolvm_source
+        assert "smolmachines" in hello.smolvm_source
+
+        doc = spec_doc(tmp, egress=False)
+        doc["sidecar"]["image"] = "alpine"  # a name with no registry host: no lookup at create
+        with BlockingControlClient(control, timeout=300) as c:
+            with pytest.raises(KvmUnavailable) as info:
+                c.create_bottle("k1", spec=json.dumps(doc))
+            message = str(info.value)
+            assert info.value.code == "KVM_UNAVAILABLE"
+            assert "KVM is not usable on this host" in message
+            for noise in ("rootfs", "Usage", "KvmContext", "SMOLVM_FAILED"):
+                assert noise not in message, message
+            assert c.list_bottles().total == 0
+        # nothing left: no machine in smolvm's own listing, no VMM process, no bottle dir
+        smolvm_state = os.path.join(state, "smolvm")
+        ls = subprocess.run(
+            [wheel.binary, "machine", "ls", "--json", "--state-dir", smolvm_state],
+            env=build_env(env, None, wheel.env()), capture_output=True, timeout=60, check=True,
+        )  # fmt: skip
+        assert json.loads(ls.stdout) == []
+        assert _vmm_processes(smolvm_state) == []
+        assert not os.path.exists(os.path.join(state, "bottles", "k1"))
+    finally:
+        os.killpg(daemon.pid, signal.SIGTERM)
+        try:
+            daemon.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(daemon.pid, signal.SIGKILL)
+            daemon.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
