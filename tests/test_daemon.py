@@ -175,7 +175,13 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
         ]
     )
     try:
-        host, port = _wait_listening(first)
+        assert first.stdout is not None
+        reader = OutputReader(first.stdout.fileno())
+        m = reader.wait_for(LISTENING, 90)
+        host, port = m.group(3).decode(), int(m.group(4))
+        # Recovery's final save (a new snapshot) may land after the listener: wait for it.
+        if b"recovery done" not in reader.seen:
+            reader.wait_for(rb"recovery done", 90)
         journal = state / "state.journal"
         before = (state / "state.json").read_bytes()
         before_journal = journal.read_bytes() if journal.exists() else None
