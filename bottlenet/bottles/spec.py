@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import idna
 from attrs import field, frozen
 
 from bottlenet.bottles.fields import Fields
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
+from bottlenet.paths import MAX_SUN_PATH
 from vmctl.spec import is_local_image as vmctl_is_local_image
 
 MODES = ("auto", "alias", "socket", "none")
@@ -28,15 +30,24 @@ MAX_STRING = 4096
 ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
 _HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
 USER_RE = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?")
-TEMPLATE_FIELDS = frozenset({"host", "port", "socket", "service"})
+#: Each placeholder's longest value: an IPv4 literal, a port, a socket path, a service name.
+TEMPLATE_FIELDS = {"host": 15, "port": 5, "socket": MAX_SUN_PATH, "service": 32}
+#: Longest value a template may stamp, and the most all stamped env entries may add up to
+#: (well under the kernel's 128 KiB per argv string and its total argv limit).
+MAX_STAMPED = MAX_STRING
+MAX_STAMPED_TOTAL = 256 * 1024
 PACKED_SUFFIX = ".smolmachine"
 
 
 def check_egress_host(host: object) -> str:
     """Validate one allow-list entry: a lowercase DNS name, optionally ``*.``-prefixed.
 
-    Unicode names are accepted in lowercase and stored in their IDNA (punycode) form, so the
-    sidecar's proxy compares like with like. IP literals are refused: egress is by name.
+    Names follow IDNA 2008 with UTS 46 (the ``idna`` package, not Python's IDNA 2003 codec):
+    ``faß.de`` stays its own domain (``xn--fa-hia.de``), never ``fass.de``. A name must
+    already be in its UTS 46 mapped form (no fullwidth letters, no ``。``), so what an
+    operator wrote is the domain that is allowed; invalid punycode (``xn--zz``) is refused.
+    Unicode names are stored as A-labels, so the sidecar's proxy compares like with like.
+    IP literals are refused: egress is by name.
     """
     if not isinstance(host, str) or not host or len(host) > 253:
         raise InvalidArgument(f"allow-host {safe_repr(host)} is not a host name")
@@ -45,8 +56,14 @@ def check_egress_host(host: object) -> str:
     if body != body.lower():
         raise InvalidArgument(f"allow-host {safe_repr(host)} must be lowercase")
     try:
-        ascii_body = body.encode("idna").decode("ascii")
-    except UnicodeError:
+        mapped = idna.uts46_remap(body, std3_rules=True, transitional=False)
+        if mapped != body:
+            raise InvalidArgument(
+                f"allow-host {safe_repr(host)} is not in its UTS 46 form: write it as "
+                f"{safe_repr(mapped)}"
+            )
+        ascii_body = idna.encode(body).decode("ascii")
+    except (idna.IDNAError, UnicodeError):
         raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid IDNA name") from None
     labels = ascii_body.split(".")
     if len(labels) < 2 or not all(_HOST_LABEL_RE.fullmatch(label) for label in labels):
@@ -172,17 +189,51 @@ def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tupl
         if any(ord(c) < 32 and c != "\t" for c in value):
             raise InvalidArgument(f"{where}[{i}]: value must not contain control characters")
         if templates:
-            try:
-                fields = {f for _, f, _, _ in string.Formatter().parse(value) if f is not None}
-            except ValueError:
-                raise InvalidArgument(f"{where}[{i}]: unbalanced braces in template") from None
-            unknown = fields - TEMPLATE_FIELDS
-            if unknown:
-                raise InvalidArgument(
-                    f"{where}[{i}]: unknown placeholder; use {{host}}, {{port}}, {{socket}} "
-                    "or {service}"
-                )
+            parse_template(value, f"{where}[{i}]")
     return entries
+
+
+def parse_template(value: str, where: str) -> list[tuple[str, str | None]]:
+    """A template as (literal, field) pieces: bare ``{name}`` placeholders only.
+
+    No format spec (``{host:>100000000}`` would allocate 100 MB in the daemon), no
+    conversion, no attribute or index; the longest value it can stamp must fit MAX_STAMPED.
+    """
+    try:
+        parsed = list(string.Formatter().parse(value))
+    except ValueError:
+        raise InvalidArgument(f"{where}: unbalanced braces in template") from None
+    pieces: list[tuple[str, str | None]] = []
+    longest = 0
+    for literal, name, format_spec, conversion in parsed:
+        if name is not None and (
+            name not in TEMPLATE_FIELDS or format_spec or conversion is not None
+        ):
+            raise InvalidArgument(
+                f"{where}: placeholders are {{host}}, {{port}}, {{socket}} or {{service}}, "
+                "with no format spec or conversion"
+            )
+        longest += len(literal) + (TEMPLATE_FIELDS[name] if name is not None else 0)
+        pieces.append((literal, name))
+    if longest > MAX_STAMPED:
+        raise InvalidArgument(f"{where}: the stamped value could exceed {MAX_STAMPED} characters")
+    return pieces
+
+
+def stamped_length(value: str) -> int:
+    """The longest value a checked template can stamp."""
+    return sum(
+        len(literal) + (TEMPLATE_FIELDS[name] if name is not None else 0)
+        for literal, name in parse_template(value, "template")
+    )
+
+
+def stamp_template(value: str, fields: Mapping[str, str]) -> str:
+    """Fill a template checked by :func:`parse_template` (plain substitution, no format())."""
+    return "".join(
+        literal + (fields[name] if name is not None else "")
+        for literal, name in parse_template(value, "template")
+    )
 
 
 def _check_abs(path: str, where: str) -> str:
@@ -191,19 +242,45 @@ def _check_abs(path: str, where: str) -> str:
     return path
 
 
-def _check_volume(spec: str, where: str) -> str:
+def _overlaps(a: str, b: str) -> bool:
+    """True when one path is the other or lies inside it."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
+    """``HOST:GUEST[:ro|:rw]``, read-only unless ``:rw`` is written; never a daemon dir."""
     parts = spec.rsplit(":", 2)
     if len(parts) == 3 and parts[2] in ("ro", "rw"):
-        host, guest = parts[0], parts[1]
+        host, guest, access = parts[0], parts[1], parts[2]
     else:
         host, _, guest = spec.rpartition(":")
+        access = "ro"
     if not host or not guest:
         raise InvalidArgument(f"{where}: must be HOST:GUEST[:ro|:rw]")
     _check_abs(host, where)
     _check_abs(guest, where)
     if not os.path.isdir(host) or os.path.islink(host):
         raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
-    return spec
+    _check_protected(host, where, protected)
+    return f"{host}:{guest}:{access}"
+
+
+def _check_protected(host: str, where: str, protected: Sequence[str]) -> None:
+    real = os.path.realpath(host)
+    for own in protected:
+        if _overlaps(real, os.path.realpath(own)):
+            raise InvalidArgument(
+                f"{where}: host path {safe_repr(host)} overlaps the daemon's own directory "
+                f"{safe_repr(own)}"
+            )
+
+
+def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
+    """Re-check parsed ``agent.volumes`` against the daemon's own directories (the registry
+    does, whoever parsed the spec): none may be, hold or lie inside one."""
+    for i, volume in enumerate(volumes):
+        host = volume.rsplit(":", 2)[0]
+        _check_protected(host, f"agent.volumes[{i}]", protected)
 
 
 def _service(raw: object, where: str) -> ServiceSpec:
@@ -249,6 +326,11 @@ def _sidecar(raw: object) -> SidecarSpec:
     if len(set(names)) != len(names):
         raise InvalidArgument("sidecar.service: service names must be unique")
     egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
+    total = sum(stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env)
+    if total > MAX_STAMPED_TOTAL:
+        raise InvalidArgument(
+            f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
+        )
     if (
         egress is not None
         and egress.connect_proxy is not None
@@ -258,7 +340,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     return SidecarSpec(image, cpus, mem, services, egress, listen)
 
 
-def _agent(raw: object) -> AgentSpec:
+def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
     image = _string(f, "image")
     cpus = f.integer("cpus", 1, 16, default=2)
@@ -266,7 +348,8 @@ def _agent(raw: object) -> AgentSpec:
     env = _check_env(_strings(f, "env"), "agent.env", templates=False)
     workload = _strings(f, "workload", limit=256)
     volumes = tuple(
-        _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(_strings(f, "volumes"))
+        _check_volume(v, f"agent.volumes[{i}]", protected)
+        for i, v in enumerate(_strings(f, "volumes"))
     )
     user = f.get("user")
     if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
@@ -274,8 +357,12 @@ def _agent(raw: object) -> AgentSpec:
     return AgentSpec(image, cpus, mem, env, workload, volumes, user)
 
 
-def parse_bottle_spec(name: str, data: object) -> BottleSpec:
-    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``."""
+def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:
+    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``.
+
+    ``protected``: the daemon's own directories (state, control socket, smolvm data); no
+    agent volume may be one of them, inside one, or contain one (``/``).
+    """
     check_bottle_name(name)
     if not isinstance(data, Mapping):
         raise InvalidArgument("spec: must be a table")
@@ -288,7 +375,7 @@ def parse_bottle_spec(name: str, data: object) -> BottleSpec:
             raise InvalidArgument("mode: 'none' is a forward-only bottle: no sidecar or agent")
         return BottleSpec(name, mode, None, None, dict(f.table))
     sidecar = _sidecar(f.get("sidecar", required=True))
-    agent = _agent(f.get("agent", required=True))
+    agent = _agent(f.get("agent", required=True), protected)
     if mode == "socket" and not is_local_image(agent.image):
         raise InvalidArgument(
             "agent.image: socket mode gives the agent VM no network, so smolvm cannot pull a "
