@@ -7,6 +7,7 @@ imports nothing of bottlenet but :mod:`bottlenet.errors`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import socket
 import stat
@@ -39,15 +40,12 @@ class PrivateDirError(InvalidArgument):
     """
 
 
-def ensure_private_dir(
-    path: str, *, too_open: Literal["fix", "refuse"] = "fix", name: str | None = None
-) -> bool:
+def ensure_private_dir(path: str, *, name: str | None = None) -> bool:
     """Create ``path`` (and parents) so that it is a real directory, ours, mode 0700.
 
-    An existing symlink, a non-directory or a directory owned by someone else is refused
-    rather than repaired: the daemon never follows or chmods what it does not own. A
-    directory of ours that is group/world accessible is chmodded to 0700 (``too_open="fix"``,
-    our own state) or refused (``"refuse"``, e.g. a runtime dir the user chose to share).
+    An existing symlink, a non-directory, a directory owned by someone else or one that is
+    group/world accessible is refused, never repaired: the daemon never follows or chmods a
+    directory it did not create (``--state-dir /tmp`` must not strip ``/tmp``'s sticky bit).
     Returns True when this call created ``path``; raises PrivateDirError.
     """
     what = path if name is None else name
@@ -66,12 +64,75 @@ def ensure_private_dir(
             raise PrivateDirError(f"{what} is owned by uid {st.st_uid}, not by this user")
         mode = stat.S_IMODE(st.st_mode)
         if mode & 0o077:
-            if too_open == "refuse":
-                raise PrivateDirError(f"{what} is mode {mode:04o}")  # the caller says why
-            os.chmod(path, 0o700)
+            # mkdir(0700) under any umask is never wider: this directory is not ours to fix.
+            raise PrivateDirError(f"{what} is mode {mode:04o}")  # the caller says why
     except OSError as e:
         raise PrivateDirError(f"cannot create {what}: {e.strerror or e}") from None
     return created
+
+
+#: The lock file in the state directory that makes a daemon its only owner.
+LOCK_NAME = "daemon.lock"
+
+
+class StateDirBusy(InvalidArgument):
+    """Another live daemon holds the state directory's lock."""
+
+
+class StateDirLock:
+    """An exclusive ``flock`` on ``<state-dir>/daemon.lock``, holding the owner's pid.
+
+    Taken before the state is read or anything is changed, so a second daemon on the same
+    state directory exits before it can run recovery, rewrite ``state.json`` or touch a VM.
+    The kernel drops the lock when the holder dies (no stale lock after ``kill -9``).
+    """
+
+    def __init__(self, state_dir: str) -> None:
+        self.path = os.path.join(state_dir, LOCK_NAME)
+        self._fd: int | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._fd is not None
+
+    def acquire(self) -> None:
+        """Take the lock or raise StateDirBusy naming the holder's pid; OSError otherwise."""
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise StateDirBusy(f"{self.path} is not a regular file")
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_pid(fd)
+                who = f"pid {holder}" if holder is not None else "a process"
+                raise StateDirBusy(
+                    f"another bottlenet daemon ({who}) holds {self.path}: "
+                    "one daemon per state directory"
+                ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        self._fd = fd
+        self.record_pid()
+
+    def record_pid(self) -> None:
+        """Write our pid into the lock file (again after a fork, e.g. twistd daemonizing)."""
+        if self._fd is None:
+            return
+        data = f"{os.getpid()}\n".encode()
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, data, 0)
+
+    def release(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)  # closing the last descriptor drops the flock
+
+
+def _read_pid(fd: int) -> int | None:
+    text = os.pread(fd, 32, 0).decode("ascii", "replace").strip()
+    return int(text) if text.isdigit() and len(text) < 12 else None
 
 
 def default_control_path(env: Mapping[str, str], state_dir: str) -> str:

@@ -7,6 +7,7 @@ on stderr and a non-zero exit, before anything is bound.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from collections.abc import Callable
@@ -15,7 +16,7 @@ from typing import Any
 
 from twisted.application.service import IService, MultiService, Service
 from twisted.internet.defer import Deferred, gatherResults, succeed
-from twisted.internet.interfaces import IProtocolFactory
+from twisted.internet.interfaces import IListeningPort, IProtocolFactory
 from twisted.logger import Logger, LogLevel
 from twisted.python import usage
 from twisted.python.systemd import ListenFDs
@@ -25,27 +26,38 @@ from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.model import SOURCE_CONFIG
 from bottlenet.bottles.probe import GateSettings
-from bottlenet.bottles.recovery import Recovery, RecoveryService
+from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
 from bottlenet.bottles.store import StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
-from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
+from bottlenet.control.endpoints import (
+    ControlListenError,
+    UNIXDescription,
+    control_endpoint,
+    parse_control_description,
+    tls_control_endpoint,
+)
 from bottlenet.control.events import EventHub
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
 from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import logs, metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import fatal_stop, fatal_stopper
 from bottlenet.ops.listening import ListeningService
 from bottlenet.paths import (
+    MAX_SUN_PATH,
     PrivateDirError,
+    StateDirBusy,
+    StateDirLock,
     default_control_endpoint,
     default_state_dir,
     ensure_private_dir,
+    unix_path_state,
 )
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl import errors as vmctl_errors
@@ -98,8 +110,40 @@ class Options(usage.Options):
             "auto",
             "How relays move bytes: auto (splice where supported), splice or portable.",
         ],
-        ["metrics", None, None, "Serve Prometheus /metrics on a loopback endpoint."],
+        [
+            "metrics",
+            None,
+            None,
+            "Where Prometheus /metrics is served: unix:PATH, or tcp:PORT:interface=127.x.y.z "
+            "(any local user can read a TCP port), or none (default: unix:STATE-DIR/metrics.sock).",
+        ],
+        [
+            "metrics-max-connections",
+            None,
+            str(metrics.DEFAULT_MAX_METRICS_CONNECTIONS),
+            "Most /metrics connections open at once.",
+        ],
         ["max-bottles", None, str(DEFAULT_MAX_BOTTLES), "Most bottles the daemon holds at once."],
+        [
+            "max-bottle-connections",
+            None,
+            str(DEFAULT_PER_BOTTLE),
+            "Most relayed connections one bottle holds at once (all its forwards together).",
+        ],
+        [
+            "max-connections",
+            None,
+            None,
+            "Most relayed connections in the daemon (default: from the open-files limit, "
+            "keeping room for the control socket); each bottle keeps a fair share of it.",
+        ],
+        [
+            "idle-timeout",
+            None,
+            f"{DEFAULT_IDLE_TIMEOUT:g}",
+            "Close a relayed connection after this many seconds without a byte either way "
+            "(0: never).",
+        ],
         [
             "gate-outside",
             None,
@@ -237,8 +281,12 @@ class BottlenetService(MultiService):
         self.state_dir = state_dir
         self.smolvm_calls = smolvm_calls or metrics.CallStats()
         self.control_commands = control_commands or metrics.CommandStats()
+        #: The state directory's lock, held from build until the service has stopped.
+        self.state_lock: StateDirLock | None = None
 
     def startService(self) -> None:
+        if self.state_lock is not None:
+            self.state_lock.record_pid()  # twistd may have forked since the lock was taken
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
         self.log.info("open files limit {old} -> {new}", old=old, new=new)
         self.log.info(
@@ -265,6 +313,17 @@ class BottlenetService(MultiService):
             factory.smolvm_source = self.smolvm.describe()
         self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
+    def stopService(self) -> Deferred[None]:
+        d: Deferred[None] = Deferred.fromCoroutine(self._stop())
+        return d
+
+    async def _stop(self) -> None:
+        try:
+            await super().stopService()
+        finally:
+            if self.state_lock is not None:
+                self.state_lock.release()
+
 
 def build_service(options: Options, reactor: Any) -> BottlenetService:
     """Check everything that can be checked up front, then build the service tree."""
@@ -280,9 +339,32 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail("--connect-timeout: must be a number of seconds in (0, 600]") from None
     state_dir = options["state-dir"] or default_state_dir(os.environ)
     try:
-        ensure_private_dir(state_dir, too_open="fix")
+        ensure_private_dir(state_dir)
     except PrivateDirError as e:
+        raise _fail(
+            f"--state-dir: {e.message}; it must be a 0700 directory of this user's "
+            "(a new path is created so)"
+        ) from None
+    # One daemon per state directory: locked before anything in it is read or changed.
+    lock = StateDirLock(state_dir)
+    try:
+        lock.acquire()
+    except StateDirBusy as e:
         raise _fail(f"--state-dir: {e.message}") from None
+    except OSError as e:
+        raise _fail(f"--state-dir: cannot lock {lock.path}: {e.strerror or e}") from None
+    try:
+        root = _build(options, reactor, pool, connect_timeout, state_dir)
+    except BaseException:
+        lock.release()
+        raise
+    root.state_lock = lock
+    return root
+
+
+def _build(
+    options: Options, reactor: Any, pool: AliasPool, connect_timeout: float, state_dir: str
+) -> BottlenetService:
     config = DaemonConfig(())
     config_path = options["config"]
     if config_path is not None:
@@ -290,13 +372,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             config = load_config(config_path, pool, state_dir)
         except ConfigError as e:
             raise _fail(str(e)) from None
-    metrics_spec = None
-    if options["metrics"] is not None:
-        try:
-            metrics_spec = metrics.parse_metrics_endpoint(options["metrics"], pool)
-        except BottlenetError as e:
-            raise _fail(f"--metrics: {e.message}") from None
-    tls = _tls_options(options)
+    metrics_spec = _metrics_option(options, pool, state_dir)
+    metrics_cap = options["metrics-max-connections"]
+    if not str(metrics_cap).isdigit() or not 1 <= int(metrics_cap) <= 1024:
+        raise _fail("--metrics-max-connections: must be an integer 1-1024")
+    tls = _tls_options(options, pool)
     gate = _gate_settings(options, tls, metrics_spec)
     max_bottles = options["max-bottles"]
     if not str(max_bottles).isdigit() or not 1 <= int(max_bottles) <= 65536:
@@ -310,6 +390,12 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail(e.message) from None
     except OSError as e:
         raise _fail(f"{store.path}: {e.strerror}") from None
+    outside = aliases_outside(state, pool)
+    if outside:
+        raise _fail(
+            f"--alias-pool {pool.network}: persisted bottle(s) {', '.join(outside[:5])} have "
+            "aliases outside it; start with the pool they were made in (nothing is torn down)"
+        )
 
     on_fatal = fatal_stopper(reactor)
 
@@ -322,6 +408,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         on_call=smolvm_calls.record,
         default_data_dir=os.path.join(state_dir, "smolvm"),
     )
+    budgets = _budget_options(options)
     aliases = AliasRegistry(pool)
     try:
         table = ForwardTable(
@@ -330,6 +417,7 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             state_dir=state_dir,
             connect_timeout=connect_timeout,
             engine=options["relay-engine"],
+            **budgets,
         )
     except ValueError as e:
         raise _fail(f"--relay-engine: {e}") from None
@@ -354,6 +442,13 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         instance_id=state.instance_id,
         vms=vms,
     )
+    control = options["control"] or default_control_endpoint(os.environ, state_dir)
+    registry.protected_dirs = _own_dirs(state_dir, control, options["smolvm-data-dir"])
+    control_path = _unix_path(control)
+    if control_path is not None:
+        table.own_sockets.add_unix(control_path)
+    if tls is not None:
+        table.own_sockets.add_tcp(tls[1], tls[0])
     factory = ControlServerFactory(
         registry,
         server_version=__version__,
@@ -379,10 +474,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         bottles.setServiceParent(root)
         waits.append(bottles.ready)
         config_ready = bottles.ready
-    recovery = RecoveryService(Recovery(registry, vms, state, state_dir), after=config_ready)
+    recovery = RecoveryService(
+        Recovery(registry, vms, state, state_dir), after=config_ready, on_fatal=on_fatal
+    )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
-    control = options["control"] or default_control_endpoint(os.environ, state_dir)
     control_service(reactor, control, factory, on_fatal).setServiceParent(root)
     if tls is not None:
         tls_factory = factory.for_tls()
@@ -395,22 +491,109 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             on_fatal,
         ).setServiceParent(root)
     if metrics_spec is not None:
+        capped: list[metrics.CappedFactory] = []
+
+        def refusals() -> list[tuple[str, str, int]]:
+            rows = [("forward", r, n) for r, n in table.budget.refused.items()]
+            rows += [(f.transport_kind, "cap", f.refused) for f in root.control_factories]
+            rows += [("metrics", "cap", c.refused) for c in capped]
+            return rows
+
         site = metrics.metrics_site(
             metrics.SnapshotSource(table.list, registry.list_bottles),
             reactor,
             smolvm_calls,
             control_commands,
+            refusals,
         )
+        capped.append(metrics.CappedFactory(site, int(metrics_cap), reactor))
         listener = ListeningService(
-            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), site, on_fatal
+            "metrics", metrics_spec.describe(), metrics_spec.endpoint(reactor), capped[0], on_fatal
         )
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
+        if metrics_spec.kind == "unix":
+            table.own_sockets.add_unix(metrics_spec.path)
+            # A socket nothing answers on is a crashed daemon's (kill -9): replace it, as the
+            # control socket's is; a live one, a symlink or a file makes the listen fail.
+            if unix_path_state(metrics_spec.path)[0] == "stale":
+                os.unlink(metrics_spec.path)
+        else:
+            interface = metrics_spec.interface
+
+            def listening(port: IListeningPort) -> None:
+                # The bound port (0 resolves now): no forward may target it.
+                table.own_sockets.add_tcp(interface, int(getattr(port.getHost(), "port", 0)))
+
+            listener.when_listening().addCallback(listening)
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
     sdnotify.SystemdNotifier(
         ready, status=f"{len(config.bottles)} configured bottles"
     ).setServiceParent(root)
     return root
+
+
+def _metrics_option(
+    options: Options, pool: AliasPool, state_dir: str
+) -> metrics.MetricsEndpoint | None:
+    """``--metrics``: by default a 0600 UNIX socket in the private state dir; TCP only when
+    asked for (it is open to every local user); ``none`` serves nothing."""
+    text = options["metrics"]
+    if text == "none":
+        return None
+    if text is None:
+        path = os.path.join(os.path.abspath(state_dir), "metrics.sock")
+        if len(path.encode("utf-8", "surrogateescape")) > MAX_SUN_PATH:
+            BottlenetService.log.warn(
+                "no /metrics: {path} is too long for a UNIX socket; use --metrics", path=path
+            )
+            return None
+        return metrics.MetricsEndpoint("unix", path=path, mode=0o600)
+    try:
+        return metrics.parse_metrics_endpoint(text, pool)
+    except BottlenetError as e:
+        raise _fail(f"--metrics: {e.message}") from None
+
+
+def _budget_options(options: Options) -> dict[str, Any]:
+    """``--max-bottle-connections``, ``--max-connections`` and ``--idle-timeout``, checked."""
+    per_bottle = options["max-bottle-connections"]
+    if not str(per_bottle).isdigit() or not 1 <= int(per_bottle) <= 1 << 20:
+        raise _fail("--max-bottle-connections: must be an integer 1-1048576")
+    total = options["max-connections"]
+    if total is not None and (not str(total).isdigit() or not 1 <= int(total) <= 1 << 20):
+        raise _fail("--max-connections: must be an integer 1-1048576")
+    try:
+        idle = float(options["idle-timeout"])
+        if not 0 <= idle <= 7 * 86400 or idle != idle:
+            raise ValueError
+    except ValueError:
+        raise _fail("--idle-timeout: must be a number of seconds 0-604800 (0: off)") from None
+    return {
+        "per_bottle_connections": int(per_bottle),
+        "max_connections": None if total is None else int(total),
+        "idle_timeout": idle,
+    }
+
+
+def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:
+    """The daemon's own directories: no agent volume may be, hold or lie inside one."""
+    dirs = [os.path.abspath(state_dir)]
+    path = _unix_path(control)
+    if path is not None:
+        dirs.append(os.path.dirname(path))
+    if smolvm_data:
+        dirs.append(os.path.abspath(smolvm_data))
+    return tuple(dict.fromkeys(dirs))
+
+
+def _unix_path(control: str) -> str | None:
+    """The control socket's path for ``--control unix:...`` (None for systemd or a bad value)."""
+    try:
+        described = parse_control_description(control)
+    except ControlListenError:
+        return None  # ControlService reports it at start
+    return described.path if isinstance(described, UNIXDescription) else None
 
 
 def logs_relay_ends(runner_options: Any) -> bool:
@@ -474,8 +657,13 @@ def control_service(
     )
 
 
-def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:
-    """All five --control-tls-* options, or none of them."""
+def _tls_options(options: Options, pool: AliasPool) -> tuple[int, str, str, str, str] | None:
+    """All five --control-tls-* options, or none of them.
+
+    The interface is one IP address, never a wildcard (it would listen on every address,
+    the bottles' aliases included) nor an address of the alias pool (an alias-mode guest
+    reaches every port of its own alias).
+    """
     names = ["port", "interface", "key", "cert", "ca"]
     values = {n: options[f"control-tls-{n}"] for n in names}
     given = [n for n in names if values[n] is not None]
@@ -487,6 +675,15 @@ def _tls_options(options: Options) -> tuple[int, str, str, str, str] | None:
     port = values["port"]
     if not port.isdigit() or not 1 <= int(port) <= 65535:
         raise _fail("--control-tls-port: must be a port 1-65535")
+    try:
+        interface = ipaddress.ip_address(values["interface"])
+    except ValueError:
+        raise _fail("--control-tls-interface: must be one IP address") from None
+    mapped = getattr(interface, "ipv4_mapped", None) or interface
+    if interface.is_unspecified:
+        raise _fail("--control-tls-interface: a wildcard listens on every address; name one")
+    if isinstance(mapped, ipaddress.IPv4Address) and mapped in pool.network:
+        raise _fail(f"--control-tls-interface: {interface} is inside the alias pool {pool.network}")
     for n in ("key", "cert", "ca"):
         if not os.path.isfile(values[n]):
             raise _fail(f"--control-tls-{n}: {values[n]} is not a readable file")

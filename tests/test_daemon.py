@@ -147,6 +147,129 @@ def test_daemon_serves_the_configured_forward(
         socket.create_connection((host, port), timeout=5).close()
 
 
+def test_second_daemon_on_the_state_dir_exits_before_touching_it(
+    tmp_path, echo_server: int
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 2: the state-dir lock is taken before anything is read or changed.
+
+    The second daemon has its own control socket (so the control lock cannot stop it); it
+    must exit 1 naming the first one's pid, and leave ``state.json`` byte for byte as it was.
+    """
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
+        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
+    )
+    state = tmp_path / "s"
+    first = _start(
+        [
+            sys.executable,
+            "-m",
+            "twisted",
+            "--log-format=text",
+            "bottlenet",
+            "--state-dir",
+            str(state),
+            "--config",
+            config,
+        ]
+    )
+    try:
+        assert first.stdout is not None
+        reader = OutputReader(first.stdout.fileno())
+        m = reader.wait_for(LISTENING, 90)
+        host, port = m.group(3).decode(), int(m.group(4))
+        # Recovery's final save (a new snapshot) may land after the listener: wait for it.
+        if b"recovery done" not in reader.seen:
+            reader.wait_for(rb"recovery done", 90)
+        journal = state / "state.journal"
+        before = (state / "state.json").read_bytes()
+        before_journal = journal.read_bytes() if journal.exists() else None
+        out = _run_fail(
+            ["--state-dir", str(state), "--control", f"unix:{tmp_path / 'c2' / 'c.sock'}"]
+        )
+        assert out.returncode == 1
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert lines[0].startswith("bottlenet: error: --state-dir: another bottlenet daemon")
+        assert f"(pid {first.pid})" in lines[0]
+        assert (state / "state.json").read_bytes() == before
+        assert (journal.read_bytes() if journal.exists() else None) == before_journal
+        assert not (tmp_path / "c2").exists()  # it stopped before making anything
+        payload = os.urandom(1000)
+        assert roundtrip(host, port, payload) == payload  # the first one is untouched
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+
+
+def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 8: ``--state-dir`` naming a 1777 directory is refused and left as it was."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o1777)
+    (shared / "other-users-file").write_text("")
+    out = _run_fail(["--state-dir", str(shared), "--control", f"unix:{tmp_path / 'c' / 'c.sock'}"])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"bottlenet: error: --state-dir: {shared} is mode 1777; it must be a 0700 directory "
+        "of this user's (a new path is created so)"
+    ]
+    assert os.stat(shared).st_mode & 0o7777 == 0o1777
+    assert sorted(os.listdir(shared)) == ["other-users-file"]
+
+
+@pytest.mark.parametrize(
+    ("interface", "why"),
+    [
+        ("0.0.0.0", "a wildcard listens on every address"),
+        ("::", "a wildcard listens on every address"),
+        ("127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
+        ("::ffff:127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
+        ("localhost", "must be one IP address"),
+    ],
+)
+def test_tls_interface_is_never_a_wildcard_or_in_the_pool(
+    tmp_path, interface: str, why: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 9 (TLS): refused at start, before anything is bound."""
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    tls = ["--control-tls-port", "9443", "--control-tls-interface", interface]
+    for n in ("key", "cert", "ca"):
+        tls += [f"--control-tls-{n}", str(pem)]
+    out = _run_fail(["--state-dir", str(tmp_path / "s"), *tls])
+    assert out.returncode == 1
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("bottlenet: error: --control-tls-interface:") and why in line
+
+
+def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 9: recovery would tear down (or drop) every bottle outside the new pool."""
+    import json
+
+    from bottlenet.bottles.store import SCHEMA_VERSION
+
+    state = tmp_path / "s"
+    state.mkdir(mode=0o700)
+    doc = {
+        "schema": SCHEMA_VERSION,
+        "instance_id": "0123456789abcdef",
+        "bottles": {
+            "kept": {"kind": "forward", "alias": "127.77.0.9", "created_at": 1.0, "forwards": []}
+        },
+    }
+    (state / "state.json").write_text(json.dumps(doc))
+    os.chmod(state / "state.json", 0o600)
+    before = (state / "state.json").read_bytes()
+    out = _run_fail(["--state-dir", str(state), "--alias-pool", "127.88.0.0/16"])
+    assert out.returncode == 1, out.stderr
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("bottlenet: error: --alias-pool 127.88.0.0/16: persisted bottle(s)")
+    assert "'kept' ('127.77.0.9')" in line
+    assert (state / "state.json").read_bytes() == before
+
+
 def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     from twisted.logger import LogLevel
 

@@ -20,18 +20,19 @@ def test_creates_parents_and_a_0700_dir_once(tmp_path: Path) -> None:
     d = tmp_path / "a" / "b"
     assert ensure_private_dir(str(d)) is True
     assert _mode(d) == 0o700
-    assert ensure_private_dir(str(d), too_open="refuse") is False
+    assert ensure_private_dir(str(d)) is False
 
 
-def test_too_open_is_fixed_or_refused(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", [0o750, 0o755, 0o1777])
+def test_too_open_is_refused_never_chmodded(tmp_path: Path, mode: int) -> None:
+    """Issue 13 item 8: a shared directory (a sticky 1777 one too) is refused, kept as is."""
     d = tmp_path / "wide"
     d.mkdir()
-    os.chmod(d, 0o750)
-    with pytest.raises(PrivateDirError, match=r"wide is mode 0750$"):
-        ensure_private_dir(str(d), too_open="refuse")
-    assert _mode(d) == 0o750  # refusing never repairs
-    assert ensure_private_dir(str(d), too_open="fix") is False
-    assert _mode(d) == 0o700
+    os.chmod(d, mode)
+    (d / "someone-elses-file").write_text("")
+    with pytest.raises(PrivateDirError, match=rf"wide is mode {mode:04o}$"):
+        ensure_private_dir(str(d))
+    assert stat.S_IMODE(os.lstat(d).st_mode) == mode  # refusing never repairs
 
 
 def test_symlinks_and_files_refused_with_the_callers_name(tmp_path: Path) -> None:

@@ -58,7 +58,28 @@ class SmolvmInstall:
 
 
 def is_executable(path: str) -> bool:
-    return os.path.isfile(path) and os.access(path, os.X_OK)
+    """An executable file the daemon may run (see :func:`untrusted_reason`)."""
+    return os.path.isfile(path) and os.access(path, os.X_OK) and untrusted_reason(path) is None
+
+
+def untrusted_reason(path: str) -> str | None:
+    """Why the binary at ``path`` must not be run by the daemon, or None.
+
+    The binary (after symlinks) and its directory must belong to root or to the daemon's
+    user and be writable by nobody else: otherwise another user could swap in a "smolvm"
+    that the daemon then runs with its rights.
+    """
+    real = os.path.realpath(path)
+    for what, p in (("binary", real), ("directory", os.path.dirname(real))):
+        try:
+            st = os.stat(p)
+        except OSError as e:
+            return f"cannot inspect its {what}: {e.strerror}"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"its {what} {p} is owned by uid {st.st_uid}"
+        if st.st_mode & 0o022:
+            return f"its {what} {p} is writable by group or others (mode {st.st_mode & 0o7777:04o})"
+    return None
 
 
 def assets_beside(binary: str) -> tuple[str | None, str | None]:
@@ -129,4 +150,11 @@ def _search(name: str, env_path: str | None) -> str | None:
     return None
 
 
-__all__ = ["SmolvmInstall", "assets_beside", "discover", "find_wheel", "is_executable"]
+__all__ = [
+    "SmolvmInstall",
+    "assets_beside",
+    "discover",
+    "find_wheel",
+    "is_executable",
+    "untrusted_reason",
+]

@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 
 from vmctl.errors import CallTimeout, SmolvmUnavailable, Unavailable
 from vmctl.install import discover, is_executable
+from vmctl.install import untrusted_reason as untrusted_reason
 
 #: Environment variables passed on to smolvm when present in the source environment.
 ENV_ALLOW = ("PATH", "HOME", "LANG", "TMPDIR", "XDG_RUNTIME_DIR")
@@ -46,7 +47,8 @@ def build_env(
 ) -> dict[str, str]:
     """The whole environment for a smolvm child, built from an allow-list.
 
-    Only PATH, HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are copied from ``source``;
+    Only PATH (its absolute entries), HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are copied
+    from ``source``;
     ``SMOLVM_DATA_DIR`` is set only when ``data_dir`` is given (a smolvm without
     ``--state-dir``), and ``assets`` (``SMOLVM_LIB_DIR``, ``SMOLVM_AGENT_ROOTFS`` found by
     :mod:`vmctl.install`) are set by vmctl itself. Anything else (notably
@@ -54,6 +56,12 @@ def build_env(
     ``SMOLVM_AGENT_ROOTFS`` of the daemon's own environment) never reaches the child.
     """
     env = {k: v for k, v in source.items() if (k in ENV_ALLOW or _LC.match(k)) and "\0" not in v}
+    if "PATH" in env:
+        # Relative entries (".", "", "bin") would make smolvm's own lookups (its helpers,
+        # libkrun) depend on the daemon's cwd: only absolute directories pass.
+        env["PATH"] = os.pathsep.join(
+            e for e in env["PATH"].split(os.pathsep) if e and os.path.isabs(e)
+        )
     if data_dir is not None:
         env["SMOLVM_DATA_DIR"] = data_dir
     for k, v in (assets or {}).items():

@@ -10,7 +10,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorProcess, IReactorTime
 from twisted.logger import Logger
 
-from vmctl.install import SmolvmInstall, discover, find_wheel
+from vmctl.install import SmolvmInstall, discover, find_wheel, untrusted_reason
 from vmctl.runner import ProcessRunner
 from vmctl.smolvm import CallObserver, Smolvm, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
@@ -61,7 +61,13 @@ def make_smolvm(
     """
     env = dict(os.environ if environ is None else environ)
     install = discover(smolvm_option, env.get("PATH"), wheel=wheel)
-    if install is None:
+    if install is None and smolvm_option and os.path.isfile(smolvm_option):
+        VmctlService.log.warn(
+            "--smolvm {path} is not used: {why}; VM calls will fail (SMOLVM_UNAVAILABLE)",
+            path=os.path.abspath(smolvm_option),
+            why=untrusted_reason(os.path.abspath(smolvm_option)) or "it is not executable",
+        )
+    elif install is None:
         VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
     else:
         VmctlService.log.info("smolvm: {where}", where=install.describe())

@@ -625,7 +625,7 @@ class Smolvm:
                 if result.exit_code is None:
                     raise classify(result.stderr, result.exit_code, "machine exec", result.signal)
                 if _exec_smolvm_failure(result, name):
-                    raise classify(result.stderr, result.exit_code, "machine exec")
+                    raise _exec_error(result, name)
 
             # vmctl's own timeout only backs up smolvm's: a little later, so the guest's 124
             # is seen rather than a killed CLI.
@@ -792,6 +792,22 @@ def set_pty_size(fd: int, rows: int, cols: int) -> None:
     """``TIOCSWINSZ`` on a pty: the kernel signals SIGWINCH to its foreground group."""
     packed = struct.pack("HHHH", max(0, min(rows, 0xFFFF)), max(0, min(cols, 0xFFFF)), 0, 0)
     fcntl.ioctl(fd, termios.TIOCSWINSZ, packed)
+
+
+def _exec_error(result: ProcResult, name: str) -> SmolvmFailed:
+    """smolvm's exec failure, typed by its error line but carrying none of its text.
+
+    The guest writes exec's stderr as well, so a workload could forge an ``Error:`` line: its
+    words must never become the message a control client sees (or the log's stderr tail).
+    """
+    err = classify(result.stderr, result.exit_code, "machine exec")
+    err.message = (
+        f"smolvm machine exec in {name} failed ({err.code}, exit {result.exit_code}); "
+        "its error text is withheld: the guest shares that stream"
+    )
+    err.args = (err.message,)
+    err.stderr_tail = ""
+    return err
 
 
 def _json(result: ProcResult, what: str) -> object:

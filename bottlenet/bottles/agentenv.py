@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from bottlenet.bottles.isolation import MODE_SOCKET
 from bottlenet.bottles.model import Endpoint
 from bottlenet.bottles.spec import BottleSpec
+from bottlenet.bottles.specrules import stamp_template
 
 
 def stamp_env(
@@ -39,7 +40,8 @@ def stamp_env(
             host, port, sock = ep.host, str(ep.port), ""
         for entry in svc.env:
             key, _, template = entry.partition("=")
-            env[key] = template.format(host=host, port=port, socket=sock, service=svc.name)
+            fields = {"host": host, "port": port, "socket": sock, "service": svc.name}
+            env[key] = stamp_template(template, fields)
     if bridges:
         env["BOTTLENET_BRIDGES"] = " ".join(bridges)
     return tuple(env.items())

@@ -24,6 +24,7 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     parse_target,
+    targets_dir,
 )
 
 
@@ -106,7 +107,7 @@ class _Reader:
         labels: set[str] = set()
         ports: set[int] = set()
         for raw in self.tables(f, "forward", "[[bottle.forward]]", _FORWARD_KEYS):
-            forward = self.read_forward(raw)
+            forward = self.read_forward(raw, name)
             if forward.label in labels:
                 raise raw.fail("label", f"label {forward.label} is used twice")
             if forward.port and forward.port in ports:
@@ -116,11 +117,15 @@ class _Reader:
             forwards.append(forward)
         return BottleConfig(name, alias, tuple(forwards))
 
-    def read_forward(self, f: Fields) -> ForwardConfig:
+    def read_forward(self, f: Fields, bottle: str) -> ForwardConfig:
         label = self.validated(f, "label", check_label, f.get("label", required=True))
         port = self.validated(f, "port", check_port, f.get("port", 0), allow_zero=True)
         target = self.validated(
-            f, "target", parse_target, f.get("target", required=True), unix_root=self.unix_root
+            f,
+            "target",
+            parse_target,
+            f.get("target", required=True),
+            unix_root=targets_dir(self.unix_root, bottle),
         )
         max_conn = f.integer(
             "max_connections", 1, MAX_CONNECTIONS_LIMIT, default=DEFAULT_MAX_CONNECTIONS

@@ -75,6 +75,7 @@ from bottlenet.forward.spec import (
     UNIXListen,
     UNIXTarget,
     bottle_dir,
+    sidecar_socket_path,
     unix_listen_for,
 )
 from bottlenet.forward.table import ForwardTable
@@ -122,12 +123,6 @@ def map_vmctl(e: VmctlError) -> BottlenetError:
     if e.code == SmolvmFailed.code:
         return SmolvmFailed(e.message)
     return SmolvmFailed(f"{e.code}: {e.message}")
-
-
-def sidecar_socket_path(state_dir: str, bottle: str, service: str) -> str:
-    """Where the sidecar's ``service`` socket appears on the host: the bottle's own 0700
-    directory, next to (never equal to) the agent endpoint ``<service>.sock``."""
-    return os.path.join(bottle_dir(state_dir, bottle), f"sidecar-{service}.sock")
 
 
 def sidecar_guest_socket(service: str) -> str:
@@ -658,17 +653,39 @@ class VMLifecycle:
         """Stop, then ``delete -f`` (no VMM outlives its record); gone already is fine."""
         await self.smolvm.remove(name)
 
-    async def teardown(self, bottle: Bottle) -> None:
-        """Listeners and relays, agent VM, sidecar VM, alias or directory; idempotent."""
+    async def teardown(
+        self, bottle: Bottle, *, listed: Mapping[str, Machine] | None = None
+    ) -> None:
+        """Listeners and relays, agent VM, sidecar VM, alias or directory; idempotent.
+
+        ``listed`` (recovery): smolvm's listing of our machines. The names come from the
+        state file then, so a machine is deleted only if the listing shows it with our owner
+        label and this bottle's label; any other is left alone (invariant 9).
+        """
         vm = bottle.machine()
         self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
         try:
-            await self.remove_machine(vm.agent_vm)
-            await self.remove_machine(vm.sidecar_vm)
+            for name in (vm.agent_vm, vm.sidecar_vm):
+                if listed is not None and not self._labelled_ours(listed.get(name), bottle.name):
+                    if name in listed:
+                        self.log.warn(
+                            "machine {name} of bottle {bottle} lacks our labels: left alone",
+                            name=name,
+                            bottle=bottle.name,
+                        )
+                    continue
+                await self.remove_machine(name)
         except VmctlError as e:
             raise map_vmctl(e) from None
         self.release(bottle)
+
+    def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
+        return (
+            machine is not None
+            and machine.labels.get(LABEL_OWNER) == self.options.instance_id
+            and machine.labels.get(LABEL_BOTTLE) == bottle
+        )
 
     def release(self, bottle: Bottle) -> None:
         if bottle.machine().mode == MODE_ALIAS:
@@ -786,8 +803,18 @@ def endpoint_for(
 def remove_bottle_dir(path: str) -> None:
     """Remove a bottle's socket directory: its sockets, then the directory (idempotent).
 
-    Anything that is not a socket is left in place (and the directory with it).
+    Anything that is not a socket is left in place (and the directory with it). A path that
+    is not a real directory (a symlink, a regular file) is never followed nor removed.
     """
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        Logger().warn(
+            "{path} is not a directory (symlinks are not followed); left in place", path=path
+        )
+        return
     try:
         names = os.listdir(path)
     except FileNotFoundError:

@@ -25,6 +25,7 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     parse_target,
+    targets_dir,
 )
 
 ROLE_SIDECAR = "sidecar"
@@ -247,7 +248,8 @@ class Bottle:
     def from_state(cls, name: str, d: object, *, unix_root: str) -> Bottle:
         """Rebuild a bottle from its state record (StateError when it is malformed).
 
-        ``unix_root`` is the state directory: a stored UNIX target must still lie under it.
+        ``unix_root`` is the state directory: a stored UNIX target must still lie in the
+        bottle's own target directory under it.
         """
         try:
             check_bottle_name(name)
@@ -260,7 +262,9 @@ class Bottle:
                     alias=f.value("alias", str),
                     created_at=created_at,
                     forwards=tuple(
-                        Forward.from_json(r, f"forwards[{i}]", unix_root=unix_root)
+                        Forward.from_json(
+                            r, f"forwards[{i}]", unix_root=targets_dir(unix_root, name)
+                        )
                         for i, r in enumerate(f.items("forwards"))
                     ),
                 )

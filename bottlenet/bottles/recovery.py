@@ -14,6 +14,7 @@ label.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 from attrs import evolve
@@ -26,8 +27,8 @@ from bottlenet.bottles.lifecycle import VMLifecycle, remove_bottle_dir
 from bottlenet.bottles.model import LABEL_OWNER, STATE_DEGRADED, Bottle
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateError
-from bottlenet.errors import BottlenetError
-from bottlenet.forward.spec import BOTTLE_NAME_RE, bottle_dir
+from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
+from bottlenet.forward.spec import BOTTLE_NAME_RE, AliasPool, bottle_dir
 from vmctl.errors import VmctlError
 from vmctl.smolvm import Machine
 
@@ -160,7 +161,9 @@ class Recovery:
             return True
         self.log.warn("bottle {bottle} torn down at recovery: {why}", bottle=bottle.name, why=why)
         try:
-            await vms.teardown(bottle)
+            # Delete only machines smolvm lists with our labels (none when it cannot list;
+            # the next start's orphan sweep finds them by label).
+            await vms.teardown(bottle, listed=machines if machines is not None else {})
         except BottlenetError as e:
             self.log.error(
                 "bottle {bottle}: teardown failed ({err}); kept as degraded",
@@ -181,11 +184,34 @@ class Recovery:
             if self.registry.has_bottle(n):
                 continue
             self.log.info("removing unclaimed bottle directory {name}", name=n)
-            remove_bottle_dir(bottle_dir(self.state_dir, n) if _valid(n) else os.path.join(root, n))
+            try:
+                remove_bottle_dir(
+                    bottle_dir(self.state_dir, n) if _valid(n) else os.path.join(root, n)
+                )
+            except OSError as e:
+                self.log.warn("cannot remove unclaimed entry {name}: {why}", name=n, why=e.strerror)
 
 
 def _valid(name: str) -> bool:
     return BOTTLE_NAME_RE.fullmatch(name) is not None
+
+
+def aliases_outside(state: State, pool: AliasPool) -> list[str]:
+    """Persisted bottles whose alias is not in ``pool`` (``--alias-pool`` changed).
+
+    Recovery could not re-claim those aliases and would tear the bottles down (VMs deleted,
+    forwards dropped): the daemon refuses to start instead and names them.
+    """
+    outside = []
+    for name, rec in sorted(state.bottles.items()):
+        alias = rec.get("alias") if isinstance(rec, dict) else None
+        if not isinstance(alias, str):
+            continue
+        try:
+            pool.parse_alias(alias)
+        except InvalidArgument:
+            outside.append(f"{safe_repr(name)} ({safe_repr(alias)})")
+    return outside
 
 
 class RecoveryService(Service):
@@ -193,9 +219,15 @@ class RecoveryService(Service):
 
     log = Logger()
 
-    def __init__(self, recovery: Recovery, after: Deferred[Any] | None = None) -> None:
+    def __init__(
+        self,
+        recovery: Recovery,
+        after: Deferred[Any] | None = None,
+        on_fatal: Callable[[str], None] | None = None,
+    ) -> None:
         self.recovery = recovery
         self.after = after
+        self.on_fatal = on_fatal
         self.ready: Deferred[None] = Deferred()
 
     def startService(self) -> None:
@@ -218,9 +250,13 @@ class RecoveryService(Service):
         gate.addCallbacks(lambda _: self.ready.callback(None), self._failed)
 
     def _failed(self, failure: Any) -> None:
+        # Fail closed: no READY, and the daemon stops with the state file as it was (the
+        # final save is skipped), rather than serving half-recovered state.
         self.recovery.registry.recovering = False
         self.log.failure("recovery failed", failure)
-        self.ready.callback(None)
+        self.ready.errback(failure)
+        if self.on_fatal is not None:
+            self.on_fatal("recovery failed; the state file was left as it was")
 
     def stopService(self) -> None:
         super().stopService()

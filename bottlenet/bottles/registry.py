@@ -43,7 +43,7 @@ from bottlenet.bottles.model import (
     Forward,
 )
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.spec import BottleSpec
+from bottlenet.bottles.spec import BottleSpec, check_volumes
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
@@ -88,6 +88,8 @@ class BottleRegistry:
         self._table = table
         self._aliases = aliases
         self._state_dir = state_dir
+        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
+        self.protected_dirs: tuple[str, ...] = (state_dir,)
         self._max_bottles = max_bottles
         self._max_connections = max_connections
         self._store = store
@@ -215,6 +217,8 @@ class BottleRegistry:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
         if spec is not None and spec.name != name:
             raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
+        if spec is not None and spec.agent is not None:
+            check_volumes(spec.agent.volumes, self.protected_dirs)
 
         async def create() -> Bottle:
             if name in self._bottles:

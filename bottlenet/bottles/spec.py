@@ -8,7 +8,7 @@ InvalidArgument naming the field, so no half-valid spec ever reaches smolvm.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attrs import field, frozen
@@ -21,6 +21,7 @@ from bottlenet.bottles.specrules import (
     LISTEN_UNIX,
     MAX_ENV,
     MAX_SERVICES,
+    MAX_STAMPED_TOTAL,
     MAX_STRING,
     MODES,
     SIDECAR_CPUS,
@@ -32,6 +33,8 @@ from bottlenet.bottles.specrules import (
     check_env,
     check_env_entries,
     split_volume,
+    stamp_template,
+    stamped_length,
 )
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
@@ -137,11 +140,36 @@ def _strings(f: Fields, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_volume(spec: str, where: str) -> str:
-    host, _ = split_volume(spec, where)
+def _overlaps(a: str, b: str) -> bool:
+    """True when one path is the other or lies inside it."""
+    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
+
+
+def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
+    """``HOST:GUEST[:ro|:rw]``, read-only unless ``:rw`` is written; never a daemon dir."""
+    host, guest, access = split_volume(spec, where)
     if not os.path.isdir(host) or os.path.islink(host):
         raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
-    return spec
+    _check_protected(host, where, protected)
+    return f"{host}:{guest}:{access}"
+
+
+def _check_protected(host: str, where: str, protected: Sequence[str]) -> None:
+    real = os.path.realpath(host)
+    for own in protected:
+        if _overlaps(real, os.path.realpath(own)):
+            raise InvalidArgument(
+                f"{where}: host path {safe_repr(host)} overlaps the daemon's own directory "
+                f"{safe_repr(own)}"
+            )
+
+
+def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
+    """Re-check parsed ``agent.volumes`` against the daemon's own directories (the registry
+    does, whoever parsed the spec): none may be, hold or lie inside one."""
+    for i, volume in enumerate(volumes):
+        host = volume.rsplit(":", 2)[0]
+        _check_protected(host, f"agent.volumes[{i}]", protected)
 
 
 def _service(raw: object, where: str) -> ServiceSpec:
@@ -187,6 +215,11 @@ def _sidecar(raw: object) -> SidecarSpec:
     if len(set(names)) != len(names):
         raise InvalidArgument("sidecar.service: service names must be unique")
     egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
+    total = sum(stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env)
+    if total > MAX_STAMPED_TOTAL:
+        raise InvalidArgument(
+            f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
+        )
     if (
         egress is not None
         and egress.connect_proxy is not None
@@ -196,7 +229,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     return SidecarSpec(image, cpus, mem, services, egress, listen)
 
 
-def _agent(raw: object) -> AgentSpec:
+def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
     image = _string(f, "image")
     cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
@@ -204,7 +237,8 @@ def _agent(raw: object) -> AgentSpec:
     env = check_env(_strings(f, "env"), "agent.env", templates=False)
     workload = _strings(f, "workload", limit=256)
     volumes = tuple(
-        _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(_strings(f, "volumes"))
+        _check_volume(v, f"agent.volumes[{i}]", protected)
+        for i, v in enumerate(_strings(f, "volumes"))
     )
     user = f.get("user")
     if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
@@ -212,8 +246,12 @@ def _agent(raw: object) -> AgentSpec:
     return AgentSpec(image, cpus, mem, env, workload, volumes, user)
 
 
-def parse_bottle_spec(name: str, data: object) -> BottleSpec:
-    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``."""
+def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:
+    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``.
+
+    ``protected``: the daemon's own directories (state, control socket, smolvm data); no
+    agent volume may be one of them, inside one, or contain one (``/``).
+    """
     check_bottle_name(name)
     if not isinstance(data, Mapping):
         raise InvalidArgument("spec: must be a table")
@@ -226,7 +264,7 @@ def parse_bottle_spec(name: str, data: object) -> BottleSpec:
             raise InvalidArgument("mode: 'none' is a forward-only bottle: no sidecar or agent")
         return BottleSpec(name, mode, None, None, dict(f.table))
     sidecar = _sidecar(f.get("sidecar", required=True))
-    agent = _agent(f.get("agent", required=True))
+    agent = _agent(f.get("agent", required=True), protected)
     if mode == "socket" and not is_local_image(agent.image):
         raise InvalidArgument(
             "agent.image: socket mode gives the agent VM no network, so smolvm cannot pull a "
@@ -249,4 +287,5 @@ __all__ = [
     "image_fields",
     "is_local_image",
     "parse_bottle_spec",
+    "stamp_template",
 ]

@@ -169,7 +169,7 @@ def listen_private_unix(path: str, backlog: int = 50) -> tuple[socket.socket, Ca
     directory = os.path.dirname(path)
     try:
         # Refused, not chmodded: the directory may be one the user chose to share.
-        ensure_private_dir(directory, too_open="refuse")
+        ensure_private_dir(directory)
     except PrivateDirError as e:
         raise ControlListenError(
             f"{e.message}; the control socket needs a 0700 directory of its own"

@@ -169,6 +169,15 @@ class HardenedAMP(amp.AMP):
         assert self.transport is not None
         return cast(IControlTransport, self.transport)
 
+    def makeConnection(self, transport: Any) -> None:
+        # Stock AMP logs "connection established" and "lost" at INFO for every connection,
+        # before any peer check: whoever can connect (a refused uid, a TLS peer without a
+        # certificate) could fill the disk. What matters is logged by us: commands of
+        # authenticated peers, and refusals rate-limited.
+        self._transportPeer = transport.getPeer()
+        self._transportHost = transport.getHost()
+        amp.BinaryBoxProtocol.makeConnection(self, transport)
+
     def connectionMade(self) -> None:
         self.ctransport.registerProducer(self, True)
 
@@ -227,7 +236,8 @@ class HardenedAMP(amp.AMP):
             pending.client_lost()
         if self._parser.mid_box and self._parser.failed is None:
             self.log.info("control: connection closed mid-box (truncated frame)")
-        super().connectionLost(reason)
+        amp.BinaryBoxProtocol.connectionLost(self, reason)  # not AMP's: it logs a line
+        self.transport = None
 
     # -- producer (the transport pauses us when its write buffer is full) ---------------
 

@@ -289,7 +289,7 @@ class RecordList(amp.Argument, Generic[R]):
     def fromString(self, inString: bytes) -> list[R]:
         try:
             items = json.loads(inString.decode("utf-8"), parse_constant=_reject_constant)
-        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        except (ValueError, RecursionError):  # bad UTF-8, bad JSON, an over-long integer
             raise RecordError("record list is not valid JSON") from None
         if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
             raise RecordError("record list must be a JSON list of objects")

@@ -43,6 +43,7 @@ from bottlenet.control.records import (
     stats_record,
 )
 from bottlenet.errors import Busy, InvalidArgument, Unavailable, safe_repr
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
     check_bottle_name,
@@ -50,9 +51,9 @@ from bottlenet.forward.spec import (
     check_port,
     parse_canonical_ipv4,
     parse_target,
+    targets_dir,
 )
 from bottlenet.forward.table import LazyView
-from bottlenet.ops.logs import RateLimitedLogger
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -77,6 +78,8 @@ def describe_client_version(value: str) -> str:
 
 #: At most one "refused peer" line per uid per this many seconds (a peer can retry at will).
 REFUSED_PEER_LOG_INTERVAL = 10.0
+#: Default cap on concurrent control connections (per listener): 64 x 256 KiB of boxes.
+DEFAULT_MAX_CONTROL_CONNECTIONS = 64
 
 
 class _MonotonicClock:
@@ -101,14 +104,25 @@ class PeerIdentity:
         return f"tls subject={self.subject}"
 
 
+#: No spec field needs a longer integer (memory sizes are MiB, ports 5 digits).
+MAX_SPEC_INT_DIGITS = 20
+
+
 def parse_spec_json(text: str) -> dict[str, Any]:
     """The ``spec`` argument: one JSON object (no NaN/Infinity, bounded nesting)."""
 
     def reject(_: str) -> Any:
         raise InvalidArgument("spec: NaN and Infinity are not allowed")
 
+    def bounded_int(literal: str) -> int:
+        # int() of a 5000-digit literal raises ValueError (CPython's 4300-digit limit), and
+        # no spec field needs more than a few digits.
+        if len(literal.lstrip("-")) > MAX_SPEC_INT_DIGITS:
+            raise InvalidArgument(f"spec: integers have at most {MAX_SPEC_INT_DIGITS} digits")
+        return int(literal)
+
     try:
-        doc = json.loads(text, parse_constant=reject)
+        doc = json.loads(text, parse_constant=reject, parse_int=bounded_int)
     except (json.JSONDecodeError, RecursionError):
         raise InvalidArgument("spec: not valid JSON") from None
     if not isinstance(doc, dict):
@@ -368,7 +382,10 @@ class ControlLocator(SafeCommandLocator):
     ) -> dict[str, Any]:
         bottle = check_bottle_name(bottle)
         label = check_label(label)
-        target_spec = parse_target(target, unix_root=self.factory.unix_target_root)
+        root = self.factory.unix_target_root
+        target_spec = parse_target(
+            target, unix_root=None if root is None else targets_dir(root, bottle)
+        )
         port = check_port(0 if port is None else port, allow_zero=True)
         info = await self._mutate(
             "AddForward",
@@ -429,8 +446,16 @@ class ControlServerProtocol(HardenedAMP):
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
         self.control.connection = self
         self.factory = factory
+        self._holds_slot = True
+
+    def release_slot(self) -> None:
+        """Give the connection's slot back (once) to the factory's connection cap."""
+        if self._holds_slot:
+            self._holds_slot = False
+            self.factory.open_connections -= 1
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self.release_slot()
         if self.factory.event_hub is not None:
             self.factory.event_hub.forget(self)
         super().connectionLost(reason)
@@ -467,6 +492,7 @@ class ControlServerProtocol(HardenedAMP):
             return
         if cred.uid not in self.factory.allowed_uids:
             self._closing = True
+            self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
                 "control: refused peer uid={uid} pid={pid}",
@@ -520,12 +546,18 @@ class ControlServerFactory(Factory):
         on_command: CommandObserver | None = None,
         event_hub: EventHub | None = None,
         exec_sessions: set[ExecBridge] | None = None,
+        max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
     ) -> None:
         self.backend = backend
         self.event_hub = event_hub
         #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
         self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
         self.stopping = False
+        #: Concurrent connections at most (their boxes are capped at 256 KiB each).
+        self.max_connections = max_connections
+        self.open_connections = 0
+        #: Connections refused by the cap (metrics).
+        self.refused = 0
         self.on_command = on_command
         self.server_version = server_version
         self.smolvm_version = smolvm_version
@@ -582,9 +614,21 @@ class ControlServerFactory(Factory):
             on_command=self.on_command,
             event_hub=self.event_hub,
             exec_sessions=self.exec_sessions,
+            max_connections=self.max_connections,
         )
         tls.smolvm_source = self.smolvm_source
         return tls
 
-    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol:
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+        if self.open_connections >= self.max_connections:
+            # Each connection may buffer up to a 256 KiB box: the cap bounds that memory (and
+            # the fds) whoever connects. Twisted closes the socket when we return None.
+            self.refused += 1
+            self.refused_log.warn(
+                ("control-cap", self.transport_kind),
+                "control: refused a connection: {max_connections} connections are open",
+                max_connections=self.max_connections,
+            )
+            return None
+        self.open_connections += 1
         return ControlServerProtocol(self)

@@ -2,8 +2,9 @@
 
 Invariant 1: an agent endpoint binds only its own bottle's alias (a canonical IPv4 literal
 from the pool) or a UNIX path inside its own bottle directory. Invariant 2: targets are fixed
-loopback IP literals or UNIX paths under the state dir, never resolved. Everything that comes
-from a client or a config file passes through the parsers below before it becomes a value.
+loopback IP literals or UNIX paths in the bottle's own target dir, never resolved. Everything
+that comes from a client or a config file passes through the parsers below before it becomes
+a value.
 """
 
 from __future__ import annotations
@@ -199,7 +200,8 @@ def _inside(path: str, root: str) -> bool:
 def parse_target(text: object, *, unix_root: str | None = None) -> TargetSpec:
     """Parse a target: ``127.x.y.z:PORT``, ``[::1]:PORT`` or ``unix:/abs/path``.
 
-    UNIX targets must lie under ``unix_root`` (the state directory); with no root they are refused.
+    UNIX targets must lie under ``unix_root`` (the bottle's own target directory,
+    :func:`targets_dir`); with no root they are refused.
     """
     if not isinstance(text, str):
         raise InvalidArgument(f"target {safe_repr(text)} must be a string")
@@ -233,6 +235,32 @@ def parse_target(text: object, *, unix_root: str | None = None) -> TargetSpec:
 def bottle_dir(state_dir: str, bottle: str) -> str:
     """The bottle's own directory, which holds its UNIX agent endpoints (mode 0700)."""
     return os.path.join(state_dir, "bottles", check_bottle_name(bottle))
+
+
+#: A sidecar service's exposed socket in the bottle's own directory is named with this prefix
+#: (``<bottle-dir>/sidecar-<service>.sock``): the one target that may live outside the
+#: bottle's target directory (the daemon places it; no control client can name it).
+SIDECAR_SOCKET_PREFIX = "sidecar-"
+
+
+def sidecar_socket_path(state_dir: str, bottle: str, service: str) -> str:
+    """Where the sidecar's ``service`` socket appears on the host: the bottle's own 0700
+    directory, next to (never equal to) the agent endpoint ``<service>.sock``."""
+    return os.path.join(bottle_dir(state_dir, bottle), f"{SIDECAR_SOCKET_PREFIX}{service}.sock")
+
+
+def target_root(state_dir: str, bottle: str, path: str) -> str:
+    """The directory a UNIX target ``path`` of ``bottle`` must stay inside: the bottle's own
+    directory for its sidecar's exposed sockets, else its target directory."""
+    own = bottle_dir(state_dir, bottle)
+    if os.path.dirname(path) == own and os.path.basename(path).startswith(SIDECAR_SOCKET_PREFIX):
+        return own
+    return targets_dir(state_dir, bottle)
+
+
+def targets_dir(state_dir: str, bottle: str) -> str:
+    """The bottle's own directory of UNIX targets: its forwards may point only in here."""
+    return os.path.join(state_dir, "targets", check_bottle_name(bottle))
 
 
 def unix_listen_for(state_dir: str, bottle: str, label: str) -> UNIXListen:

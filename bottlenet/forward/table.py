@@ -41,8 +41,15 @@ from bottlenet.errors import (
     safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.budget import (
+    DEFAULT_IDLE_TIMEOUT,
+    DEFAULT_PER_BOTTLE,
+    ConnectionBudget,
+    IdleSweep,
+)
 from bottlenet.forward.connect import FastClientEndpoint
 from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.relay import (
     OUTCOME_ABORTED,
     OUTCOME_CLOSED,
@@ -65,15 +72,24 @@ from bottlenet.forward.spec import (
     check_label,
     check_port,
     check_unix_listen,
+    target_root,
+    targets_dir,
 )
 from bottlenet.forward.splice import engine_factory
+from bottlenet.forward.targets import CheckedUNIXTarget, OwnSockets, check_target
 from bottlenet.paths import ensure_private_dir, unix_path_state
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
 
-#: At most one refusal log event per forward per this many seconds.
+#: At most one refusal (or relay failure) log event per forward per this many seconds.
 REFUSAL_LOG_INTERVAL = 1.0
+_REFUSAL_WHY = {
+    "forward": "its max_connections are active",
+    "bottle": "the bottle's connection budget is used up",
+    "global": "the daemon's connection budget (or this bottle's fair share) is used up",
+    "closing": "the forward is closing",
+}
 _FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
 
@@ -136,8 +152,6 @@ class _Forward(Factory):
         self.failed = 0
         self.done_in = 0
         self.done_out = 0
-        self._refusal_logged_at: float | None = None
-        self._refusals_suppressed = 0
         self.closing = False
         self._closed_waiters: list[defer.Deferred[None]] | None = None
         #: While set, accepted connections go to this factory instead of a relay.
@@ -161,10 +175,18 @@ class _Forward(Factory):
 
     def _admit(self) -> RelaySession | None:
         """The admission point for every relayed connection (both paths): a new session
-        counted and tracked, or None (refused: the listener resets the connection)."""
-        if self.closing or len(self.sessions) >= self.spec.max_connections:
+        counted, tracked and under the idle watch, or None (refused: the listener resets
+        the connection)."""
+        budget = self.table.budget
+        if self.closing:
+            reason: str | None = "closing"
+        elif len(self.sessions) >= self.spec.max_connections:
+            reason = budget.refuse_forward()
+        else:
+            reason = budget.admit(self.spec.bottle)
+        if reason is not None:
             self.refused += 1
-            self._log_refusal()
+            self._log_refusal(reason)
             return None
         self.accepted += 1
         session = RelaySession(
@@ -176,6 +198,7 @@ class _Forward(Factory):
             engine_factory=self._engine_factory,
         )
         self.sessions.add(session)
+        self.table.idle.started(session)
         return session
 
     def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool | None:
@@ -191,29 +214,29 @@ class _Forward(Factory):
             session.start_accepted(sock, adopt, self._target)  # type: ignore[arg-type]
         except BaseException:
             self.sessions.discard(session)
+            self.table.budget.release(self.spec.bottle)
+            self.table.idle.ended(session)
             raise
         return True
 
-    def _log_refusal(self) -> None:
-        now = self._clock.seconds()
-        last = self._refusal_logged_at
-        if last is not None and now - last < REFUSAL_LOG_INTERVAL:
-            self._refusals_suppressed += 1
-            return
-        self._refusal_logged_at = now
-        suppressed, self._refusals_suppressed = self._refusals_suppressed, 0
-        self.log.warn(
-            "forward {bottle}/{label} refused a connection: {max_connections} active"
-            " ({suppressed} more refusals not logged)",
+    def _log_refusal(self, reason: str) -> None:
+        # One line per forward and reason per interval, whatever the agent does.
+        self.table.limited_log.warn(
+            ("refused", self.spec.bottle, self.spec.label, reason),
+            "forward {bottle}/{label} refused a connection: {why}",
             bottle=self.spec.bottle,
             label=self.spec.label,
+            reason=reason,
+            why=_REFUSAL_WHY.get(reason, reason),
             max_connections=self.spec.max_connections,
-            suppressed=suppressed,
         )
 
     # RelayOwner
     def relay_ended(self, session: RelaySession, outcome: str, reason: RelayFailure | None) -> None:
-        self.sessions.discard(session)
+        if session in self.sessions:
+            self.sessions.discard(session)
+            self.table.budget.release(self.spec.bottle)
+        self.table.idle.ended(session)
         bytes_in, bytes_out = session.bytes_in, session.bytes_out
         self.done_in += bytes_in
         self.done_out += bytes_out
@@ -229,8 +252,10 @@ class _Forward(Factory):
                     exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
             return
-        # Metadata only: never payload bytes, never client-controlled values.
-        self.log.emit(
+        # Metadata only: never payload bytes, never client-controlled values. An agent
+        # decides how often its relays fail: those lines are rate-limited per forward.
+        log = self.log.emit if clean else self._emit_failure
+        log(
             self.log_level(outcome),
             "relay {bottle}/{label} {outcome}: {bytes_in} bytes in, {bytes_out} bytes out,"
             " {duration:.3f}s",
@@ -242,6 +267,10 @@ class _Forward(Factory):
             bytes_out=bytes_out,
             duration=self._clock.seconds() - session.started,
         )
+
+    def _emit_failure(self, level: LogLevel, format: str, **kwargs: Any) -> None:
+        key = ("relay", self.spec.bottle, self.spec.label, kwargs.get("outcome"))
+        self.table.limited_log.emit(level, key, format, **kwargs)
 
     @staticmethod
     def log_level(outcome: str) -> LogLevel:
@@ -329,6 +358,10 @@ class ForwardTable(Service):
         connect_timeout: float = 10.0,
         engine: str = "auto",
         fast_connect: bool = True,
+        per_bottle_connections: int = DEFAULT_PER_BOTTLE,
+        max_connections: int | None = None,
+        idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        clock: Any = None,
     ) -> None:
         """``engine``: ``auto`` (splice where supported), ``splice`` or ``portable``.
 
@@ -356,11 +389,36 @@ class ForwardTable(Service):
         self._pending: set[Key] = set()
         self._removing: dict[Key, list[defer.Deferred[None]]] = {}
         self._stopping = False
+        clock = reactor if clock is None else clock
+        self.budget = ConnectionBudget(
+            per_bottle=per_bottle_connections,
+            total=max_connections,
+            listeners=lambda: len(self._forwards),
+            bottles=lambda: len({b for b, _ in self._forwards}),
+        )
+        self.idle = IdleSweep(clock, idle_timeout, self._relay_idle)
+        #: Relays aborted by the idle timeout.
+        self.idle_aborted = 0
+        self.limited_log = RateLimitedLogger(self.log, clock, interval=REFUSAL_LOG_INTERVAL)
+        #: The daemon's own sockets: no forward may target one (tap registers them).
+        self.own_sockets = OwnSockets()
+        self.own_sockets.extra_unix = self._unix_listen_paths
 
     # Service
     def startService(self) -> None:
         self._stopping = False
         super().startService()
+        self.log.info(
+            "relays: {engine} engine, {per_bottle} connections per bottle, {total} in all,"
+            " idle timeout {idle}",
+            engine=self.engine,
+            per_bottle=self.budget.per_bottle,
+            total=self.budget.total,
+            idle=f"{self.idle.timeout:g}s" if self.idle.timeout > 0 else "off",
+        )
+
+    def _relay_idle(self, session: RelaySession) -> None:
+        self.idle_aborted += 1
 
     def stopService(self) -> defer.Deferred[None]:
         self._stopping = True
@@ -369,11 +427,19 @@ class ForwardTable(Service):
         waits += [self._wait_removal(key) for key in list(self._removing)]
 
         def stopped(_: object) -> None:
+            self.idle.stop()
             close = getattr(self.engine_factory, "close", None)
             if close is not None:
                 close()  # pooled pipes: no relay is left that could use them
 
         return defer.gatherResults(waits, consumeErrors=True).addCallback(stopped)
+
+    def _unix_listen_paths(self) -> list[str]:
+        return [
+            f.spec.listen.path
+            for f in self._forwards.values()
+            if isinstance(f.spec.listen, UNIXListen)
+        ]
 
     # Queries
     def get(self, bottle: str, label: str) -> ForwardInfo:
@@ -526,6 +592,7 @@ class ForwardTable(Service):
             check_port(target.port, allow_zero=False)
         elif not isinstance(target, UNIXTarget):
             raise InvalidArgument("unknown target kind")
+        check_target(target, self._target_root(spec), self.aliases.pool, self.own_sockets)
         listen = spec.listen
         if isinstance(listen, TCPListen):
             self.aliases.check_owned(spec.bottle, listen.alias)
@@ -549,7 +616,7 @@ class ForwardTable(Service):
             return None
         bdir = bottle_dir(self.state_dir, spec.bottle)
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
-        made = ensure_private_dir(bdir, too_open="fix", name=f"bottle directory of {spec.bottle}")
+        made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}")
         created = bdir if made else None
         state, _ = unix_path_state(listen.path)
         if state in ("symlink", "not-a-socket"):
@@ -578,6 +645,19 @@ class ForwardTable(Service):
         )
 
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
+        endpoint = self._plain_target_endpoint(spec)
+        if isinstance(spec.target, UNIXTarget):
+            root = self._target_root(spec)
+            return CheckedUNIXTarget(endpoint, spec.target.path, root, self.own_sockets)
+        return endpoint
+
+    def _target_root(self, spec: ForwardSpec) -> str:
+        """The directory ``spec``'s UNIX target must stay inside (``forward.spec.target_root``)."""
+        if isinstance(spec.target, UNIXTarget):
+            return target_root(self.state_dir, spec.bottle, spec.target.path)
+        return targets_dir(self.state_dir, spec.bottle)
+
+    def _plain_target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
         target = spec.target
         timeout = self.connect_timeout
         if self.fast_connect:

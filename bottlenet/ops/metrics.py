@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from attrs import define, field, frozen
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
-from twisted.internet.interfaces import IReactorTime, IStreamServerEndpoint
+from twisted.internet.interfaces import IAddress, IReactorTime, IStreamServerEndpoint
 from twisted.logger import Logger
+from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
 from twisted.web import http
 from twisted.web.iweb import IRequest
 from twisted.web.pages import notFound
@@ -30,6 +31,7 @@ from twisted.web.server import Request, Site
 
 from bottlenet import __version__
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     BOTTLE_NAME_RE,
     LABEL_RE,
@@ -340,6 +342,7 @@ def render_metrics(
     source: MetricsSource,
     smolvm: CallStats | None = None,
     control: CommandStats | None = None,
+    refusals: Callable[[], Iterable[tuple[str, str, int]]] | None = None,
 ) -> str:
     """The whole scrape, in the Prometheus text format 0.0.4."""
     w = _Writer()
@@ -391,6 +394,13 @@ def render_metrics(
         for (command, result), n in sorted(control.snapshot().items()):
             w.sample(name, [("command", command), ("result", result)], n)
 
+    if refusals is not None:
+        name = "bottlenet_connections_refused_total"
+        w.family(name, "counter", "Connections refused at accept, by listener and limit.")
+        for listener, reason, n in sorted(refusals()):
+            labels = [("listener", _name(listener, None)), ("reason", _name(reason, None))]
+            w.sample(name, labels, n)
+
     w.family(
         "bottlenet_metrics_invalid_series",
         "gauge",
@@ -441,13 +451,47 @@ class _QuietSite(Site):
         pass
 
 
+#: Default cap on concurrent metrics connections, and their HTTP idle timeout (seconds).
+DEFAULT_MAX_METRICS_CONNECTIONS = 16
+METRICS_IDLE_TIMEOUT = 15
+
+
 def metrics_site(
     source: MetricsSource,
     reactor: IReactorTime,
     smolvm: CallStats | None = None,
     control: CommandStats | None = None,
+    refusals: Callable[[], Iterable[tuple[str, str, int]]] | None = None,
 ) -> Site:
     """A ``Site`` serving ``/metrics`` (and nothing else)."""
     root = _Root()
-    root.putChild(b"metrics", MetricsResource(lambda: render_metrics(source, smolvm, control)))
-    return _QuietSite(root, reactor=reactor)
+    root.putChild(
+        b"metrics", MetricsResource(lambda: render_metrics(source, smolvm, control, refusals))
+    )
+    return _QuietSite(root, reactor=reactor, timeout=METRICS_IDLE_TIMEOUT)
+
+
+class CappedFactory(WrappingFactory):
+    """At most ``limit`` connections at once; more are closed at accept, counted, logged
+    rate-limited. (Any local user can reach a TCP metrics port: this keeps it from
+    exhausting the daemon's fds.)"""
+
+    log = Logger()
+    noisy = False
+
+    def __init__(self, wrapped: Site, limit: int, clock: IReactorTime) -> None:
+        super().__init__(wrapped)
+        self.limit = limit
+        self.refused = 0
+        self._refused_log = RateLimitedLogger(self.log, clock, interval=10.0)
+
+    def buildProtocol(self, addr: IAddress | None) -> ProtocolWrapper | None:  # type: ignore[override]
+        if len(self.protocols) >= self.limit:
+            self.refused += 1
+            self._refused_log.warn(
+                ("metrics-cap",),
+                "metrics: refused a connection: {limit} connections are open",
+                limit=self.limit,
+            )
+            return None
+        return super().buildProtocol(addr)

@@ -23,6 +23,7 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.ops.listening import ListeningService
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
@@ -103,6 +104,13 @@ def sleep(seconds: float) -> Deferred[None]:
     return deferLater(reactor, seconds, lambda: None)
 
 
+async def _settled(d: Deferred[Any]) -> None:
+    """Wait until ``d`` has fired, whatever its outcome (``d`` keeps its result)."""
+    done: Deferred[None] = Deferred()
+    d.addBoth(lambda result: (done.callback(None), result)[1])
+    await done
+
+
 class DaemonCase(FakeSmolvmMixin, TestCase):
     """A fresh state dir, control socket and fake smolvm per test."""
 
@@ -141,12 +149,14 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         root.startService()
         self.root = root
         self.addCleanup(self.stop)
-        # Wait on the event, not on a poll: recovery (which may tear bottles down and then
-        # writes the state file) is done when its service's ``ready`` fires.
-        recovery = next(svc for svc in root if isinstance(svc, RecoveryService))
-        done: Deferred[None] = Deferred()
-        recovery.ready.addBoth(lambda result: (done.callback(None), result)[1])
-        await done
+        # Wait for the events (recovery done, its state saved; the control socket
+        # listening), not for a guessed time: a 4 s poll ran out on a loaded machine.
+        # Recovery may tear bottles down and fail; its outcome is the test's to check.
+        for svc in root:
+            if isinstance(svc, RecoveryService):
+                await _settled(svc.ready)
+            elif isinstance(svc, ListeningService):
+                await svc.when_listening()
         client = await connect_control(reactor, self.control, timeout=30)
         self.clients.append(client)
         return client

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 
+from twisted.logger import capturedLogs
+
 from bottlenet.errors import BottlenetError, Busy, InvalidArgument, ResourceExhausted
 from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import FAKE_SMOLVM
@@ -134,3 +136,35 @@ class RestartTests(DaemonCase):
         self.assertEqual(self.fake.live_pids(), [])
         self.assertEqual(self.state_file()["bottles"], {})
         self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
+
+    async def test_restart_tears_down_bottle_whose_raw_port_someone_else_holds(self) -> None:
+        """docs/bottles.md recovery step 3: a raw port is trusted again only if the sidecar's
+        VM process still owns it. Here a squatter (this test) holds the port the state file
+        names: the bottle must be torn down, never re-bound to relay into the squatter."""
+        import copy
+        import socket
+
+        from bottlenet.bottles.store import State, StateStore
+
+        client = await self.start("--unsafe-skip-isolation-probe")
+        # Raw ports exist only for a sidecar that serves TCP (the opt-in ``listen = "tcp"``).
+        await client.create_bottle("q1", spec=self.spec_json(mode="socket", listen="tcp"))
+        await self.stop()
+        squatter = socket.create_server(("127.0.0.1", 0))
+        self.addCleanup(squatter.close)
+        # Edit the stored state as a whole (snapshot + journal), written back as a snapshot.
+        store = StateStore(self.state_dir)
+        state = store.load()
+        bottles = copy.deepcopy(dict(state.bottles))
+        record = bottles["q1"]
+        endpoints = record["vm"]["endpoints"] if "vm" in record else record["endpoints"]
+        endpoints[0]["raw_port"] = squatter.getsockname()[1]
+        store.save(State(state.instance_id, bottles))
+        store.close()
+        with capturedLogs() as events:
+            client = await self.start("--unsafe-skip-isolation-probe")
+        self.assertEqual((await client.list_bottles()).total, 0)
+        self.assertEqual(self.machines(), {})
+        why = [e for e in events if "torn down at recovery" in e.get("log_format", "")]
+        self.assertEqual(len(why), 1)
+        self.assertIn("no longer held by its sidecar", why[0]["why"])

@@ -8,6 +8,7 @@ same restart through the daemon and the fake smolvm executable stays in
 
 from __future__ import annotations
 
+import copy
 import ipaddress
 import os
 from collections.abc import Callable
@@ -15,9 +16,11 @@ from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
+from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
+from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
@@ -308,3 +311,120 @@ def test_forward_only_bottle_keeps_its_forwards_with_real_ports(rigs: Rigs, tmp:
     assert rig.state()["p1"]["forwards"] == [] and rig.table.list() == []
     rig.run(rig.registry.create_bottle("c1", source=SOURCE_CONFIG))
     assert sorted(rig.state()) == ["p1"]  # config bottles are made again at start, not kept
+
+
+# -- issue 13 item 9: recovery robustness ---------------------------------------------------
+
+
+def test_a_file_or_symlink_in_bottles_is_left_alone_and_recovery_completes(
+    rigs: Rigs, tmp: str
+) -> None:
+    """A regular file aborted recovery with a traceback (NotADirectoryError) and skipped its
+    final save; a symlinked entry was followed and the sockets behind it unlinked."""
+    import socket
+
+    first = vm_with_plain(rigs, tmp)
+    rig = restart(rigs, first)
+    bottles = os.path.join(rig.state_dir, "bottles")
+    with open(os.path.join(bottles, "junkfile"), "w") as f:
+        f.write("junk")
+    elsewhere = os.path.join(tmp, "elsewhere")
+    os.mkdir(elsewhere)
+    victim = os.path.join(elsewhere, "someone.sock")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(victim)
+    s.close()
+    os.symlink(elsewhere, os.path.join(bottles, "evil"))
+    rig.recover()
+    assert sorted(b.name for b in rig.registry.list_bottles()) == ["plain", "r1"]
+    assert not rig.registry.recovering
+    assert os.path.exists(os.path.join(bottles, "junkfile"))
+    assert os.path.islink(os.path.join(bottles, "evil")) and os.path.exists(victim)
+    assert sorted(rig.state()) == ["plain", "r1"]  # the final save ran
+
+
+def _stored(state_dir: str) -> dict[str, Any]:
+    """The stored bottle records as a restarted daemon reads them (snapshot + journal)."""
+    store = StateStore(state_dir)
+    bottles = copy.deepcopy(dict(store.load().bottles))
+    store.close()
+    return bottles
+
+
+def _store(state_dir: str, bottles: dict[str, Any]) -> None:
+    """Write ``bottles`` back as the whole stored state (a snapshot), keeping the instance id."""
+    store = StateStore(state_dir)
+    store.save(State(store.load().instance_id, bottles))
+    store.close()
+
+
+@pytest.mark.parametrize("port", [True, "7006", 7007.9, None])
+def test_a_persisted_port_is_an_integer_never_coerced(rigs: Rigs, tmp: str, port: Any) -> None:
+    """``int()`` turned ``true`` into port 1 (bound as root), ``"7006"`` and ``7007.9`` too."""
+    first = vm_with_plain(rigs, tmp)
+    first.close()
+    bottles = _stored(first.state_dir)
+    bottles["plain"]["forwards"][0]["port"] = port
+    _store(first.state_dir, bottles)
+    rig = rigs(smolvm=first.smolvm)
+    rig.recover()
+    assert [b.name for b in rig.registry.list_bottles()] == ["r1"]
+    assert rig.table.list("plain") == []
+
+
+def test_teardown_at_recovery_deletes_only_machines_labelled_ours(rigs: Rigs, tmp: str) -> None:
+    """The state file names the machines; recovery deletes one only when smolvm lists it with
+    our owner label and this bottle's label (a rewritten state file cannot aim it elsewhere)."""
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.close()
+    first.smolvm.machines["foreign"] = MemMachine(
+        MachineSpec("foreign", labels=((LABEL_OWNER, "someoneelse"),)), state="running"
+    )
+    first.smolvm.machines["bn-r1-sidecar"].state = "stopped"  # the bottle is dead
+    bottles = _stored(first.state_dir)
+    bottles["r1"]["agent_vm"] = "foreign"
+    _store(first.state_dir, bottles)
+    rig = rigs(smolvm=first.smolvm)
+    rig.recover()
+    assert rig.registry.list_bottles() == []
+    assert "foreign" in rig.smolvm.machines  # not ours: left alone
+    assert "bn-r1-sidecar" not in rig.smolvm.machines  # ours and dead: deleted
+
+
+def test_bottles_outside_a_changed_alias_pool_are_named_not_torn_down(rigs: Rigs, tmp: str) -> None:
+    """``--alias-pool`` changed: the daemon refuses to start (tap) instead of recovery
+    tearing the alias-mode VM bottles down and dropping the forward-only ones."""
+    from bottlenet.bottles.recovery import aliases_outside
+    from bottlenet.forward.spec import AliasPool
+
+    first = vm_with_plain(rigs, tmp)
+    state = first.store.load()
+    assert aliases_outside(state, AliasPool.parse("127.79.0.0/16")) == []
+    assert aliases_outside(state, AliasPool.parse("127.88.0.0/16")) == ["'plain' ('127.79.0.5')"]
+
+
+def test_a_failed_recovery_never_reports_ready_and_stops_the_daemon(rigs: Rigs) -> None:
+    """Recovery that raised still sent READY=1 (the state half-applied, its save skipped)."""
+    from bottlenet.bottles.recovery import RecoveryService
+
+    rig = rigs()
+    recovery = Recovery(rig.registry, rig.vms, rig.store.load(), rig.state_dir)
+
+    async def broken() -> None:
+        raise RuntimeError("injected")
+
+    recovery.run = broken  # type: ignore[method-assign]
+    fatal: list[str] = []
+    service = RecoveryService(recovery, on_fatal=fatal.append)
+    outcome: list[object] = []
+    service.ready.addBoth(outcome.append)
+    service.startService()
+    rig.run(_settle())
+    assert len(outcome) == 1 and isinstance(outcome[0], Failure)
+    assert fatal == ["recovery failed; the state file was left as it was"]
+    assert not rig.registry.recovering
+
+
+async def _settle() -> None:
+    pass

@@ -63,7 +63,11 @@ class RollbackTests(DaemonCase):
 
     async def test_agent_start_fails(self) -> None:
         self.fake.set_faults("exec-netns", fail_start=["bn-rb-agent"])
-        await self._create_fails(await self.start(), "KVM_UNAVAILABLE")
+        client = await self.start()
+        await self._create_fails(client, "KVM_UNAVAILABLE")
+        # the daemon is fine afterwards: another bottle is created as usual
+        b = await client.create_bottle("ok", spec=self.spec_json(mode="socket"))
+        self.assertEqual(b.state, "ready")
 
     async def test_agent_start_cut_short_leaves_no_orphan_vmm(self) -> None:
         """A start that times out leaves a VMM behind a `created` record (smolvm writes

@@ -88,7 +88,7 @@ def test_forward_only_mode() -> None:
         ({"sidecar__service": [{"name": "e", "guest_port": 0}]}, "sidecar.service[0].guest_port"),
         (
             {"sidecar__service": [{"name": "e", "guest_port": 1, "env": ["X={secret}"]}]},
-            "sidecar.service[0].env[0]: unknown placeholder",
+            "sidecar.service[0].env[0]: placeholders are",
         ),
         (
             {"sidecar__service": [{"name": "e", "guest_port": 1}, {"name": "e", "guest_port": 2}]},
@@ -129,6 +129,9 @@ def test_volume_must_be_an_existing_directory(tmp_path) -> None:  # type: ignore
         ("api.anthropic.com", "api.anthropic.com"),
         ("*.github.com", "*.github.com"),
         ("bücher.example", "xn--bcher-kva.example"),
+        # IDNA 2008: ß is its own letter (IDNA 2003 folded it to "fass.de", another domain).
+        ("faß.de", "xn--fa-hia.de"),
+        ("xn--fa-hia.de", "xn--fa-hia.de"),
     ],
 )
 def test_good_hosts(host: str, canonical: str) -> None:
@@ -154,6 +157,11 @@ def test_good_hosts(host: str, canonical: str) -> None:
         "a.com/path",
         "a.com:443",
         None,
+        # Issue 13 item 9: no silent folding, no invalid punycode.
+        "\uff45\uff58\uff41\uff4d\uff50\uff4c\uff45.com",  # fullwidth "example"
+        "example。com",
+        "xn--zz.com",
+        "xn--a.com",
     ],
 )
 def test_bad_hosts(host: object) -> None:
@@ -170,3 +178,59 @@ def test_image_rules_follow_smolvm_and_route_packed_machines_to_from() -> None:
         assert not is_local_image(remote), remote
     assert image_fields("/m.smolmachine") == {"from_file": "/m.smolmachine"}
     assert image_fields("/img.tar") == {"image": "/img.tar"}
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        "{host:>100000000}",
+        "{port:0>99999}",
+        "{host!r}",
+        "{host!s:>9}",
+        "{host.__class__}",
+        "{socket[0]}",
+        "{}",
+        "{0}",
+        "x" * 4000 + "{socket}",
+    ],
+)
+def test_templates_are_bare_fields_with_a_bounded_value(template: str) -> None:
+    """Issue 13 item 4: a tiny spec cannot make the daemon allocate an unbounded string."""
+    services = [{"name": "e", "guest_port": 1, "env": [f"X={template}"]}]
+    with pytest.raises(InvalidArgument, match=r"^sidecar\.service\[0\]\.env\[0\]: "):
+        parse_bottle_spec("b1", doc(sidecar__service=services))
+
+
+def test_stamped_env_total_is_bounded() -> None:
+    env = [f"X{i}=" + "{socket}" * 30 for i in range(128)]
+    services = [{"name": f"s{j}", "guest_port": 1 + j, "env": env} for j in range(16)]
+    with pytest.raises(InvalidArgument, match="could stamp more than"):
+        parse_bottle_spec("b1", doc(sidecar__service=services))
+
+
+def test_stamp_is_plain_substitution() -> None:
+    from bottlenet.bottles.spec import stamp_template
+
+    fields = {"host": "127.77.0.2", "port": "41000", "socket": "/s", "service": "egress"}
+    assert stamp_template("http://{host}:{port}/{service}", fields) == (
+        "http://127.77.0.2:41000/egress"
+    )
+    assert stamp_template("{{literal}}", fields) == "{literal}"
+
+
+def test_volumes_never_overlap_the_daemons_dirs_and_default_to_read_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 9: the state dir, anything inside it, and ``/`` are refused."""
+    state = tmp_path / "state"
+    (state / "bottles").mkdir(parents=True)
+    work = tmp_path / "work"
+    work.mkdir()
+    (tmp_path / "link").symlink_to(state)
+    protected = [str(state)]
+    for host in (str(state), f"{state}/bottles", "/", str(tmp_path)):
+        with pytest.raises(InvalidArgument, match="overlaps the daemon's own directory"):
+            parse_bottle_spec("b1", doc(agent__volumes=[f"{host}:/mnt:rw"]), protected)
+    with pytest.raises(InvalidArgument):  # a symlink to it is no way round
+        parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}/link:/mnt"]), protected)
+    spec = parse_bottle_spec("b1", doc(agent__volumes=[f"{work}:/w", f"{work}:/x:rw"]), protected)
+    assert spec.agent is not None
+    assert spec.agent.volumes == (f"{work}:/w:ro", f"{work}:/x:rw")

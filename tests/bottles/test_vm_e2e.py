@@ -12,7 +12,7 @@ import shutil
 import socket
 import tempfile
 
-from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
+from bottlenet.errors import IsolationFailed, NotFound
 from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import process_alive
 from tests.netio import ping_unix
@@ -283,23 +283,3 @@ class DegradedTests(DaemonCase):
         self.assertFalse(process_alive(vb.sidecar_pid))
         await client.destroy_bottle("d1")  # teardown copes with the dead sidecar
         self.assertEqual(self.machines(), {})
-
-
-class RollbackThroughTheFakeTests(DaemonCase):
-    """One rollback end to end (every step's rollback is unit-tested in test_rollback.py)."""
-
-    async def test_agent_start_failure_leaves_nothing(self) -> None:
-        self.fake.set_faults("exec-netns", fail_start=["bn-rb-agent"])
-        client = await self.start()
-        with self.assertRaises(BottlenetError) as cm:
-            await client.create_bottle("rb", spec=self.spec_json(mode="socket"))
-        self.assertEqual(cm.exception.code, "KVM_UNAVAILABLE")  # the fake fails a start so
-        self.assertEqual(self.machines(), {})
-        self.assertEqual(self.fake.live_pids(), [])
-        assert self.root is not None
-        self.assertEqual(self.root.table.list(), [])
-        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "rb")))
-        self.assertEqual(self.state_file()["bottles"], {})
-        self.assertEqual((await client.list_bottles()).total, 0)
-        b = await client.create_bottle("ok", spec=self.spec_json(mode="socket"))
-        self.assertEqual(b.state, "ready")

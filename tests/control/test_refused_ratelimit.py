@@ -78,6 +78,21 @@ def test_stop_reports_what_is_pending_without_a_clock(logs: list[LogEvent]) -> N
     assert factory.refused_log.limiter.allow(("refused-peer", 0)) is None
 
 
+def test_connections_themselves_add_no_lines() -> None:
+    """Issue 13 item 5: stock AMP logged "connection established/lost" for every peer, even a
+    refused one (500 refused connections gave 1001 lines); now only the rate-limited refusal."""
+    from twisted.logger import capturedLogs
+
+    factory = make_factory(uid=0, clock=Clock())
+    with capturedLogs() as events:
+        for _ in range(500):
+            _connect(factory)
+        allowed = Conn(make_factory())  # an allowed peer: no per-connection line either
+        allowed.close()
+    assert [e["log_format"] for e in events if "refused peer" not in e["log_format"]] == []
+    assert len(events) == 1
+
+
 def test_no_timer_while_nothing_was_dropped(logs: list[LogEvent]) -> None:
     # The daemon must not wake up periodically when idle: the summary timer exists only
     # while refusals are waiting to be reported, and is gone once they are.

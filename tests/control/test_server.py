@@ -6,8 +6,10 @@ import ipaddress
 from typing import Any
 
 import pytest
+from twisted.internet.error import ConnectionDone
 from twisted.logger import LogEvent
 from twisted.protocols import amp
+from twisted.python.failure import Failure
 
 from bottlenet.bottles.model import Bottle, Endpoint
 from bottlenet.bottles.spec import BottleSpec
@@ -293,6 +295,39 @@ def test_every_handled_command_is_reported_once_with_its_result() -> None:
     ]
     assert c.factory.for_tls().on_command is c.factory.on_command
     c.close()
+
+
+@pytest.mark.parametrize("digits", [21, 4301, 5000])
+def test_huge_spec_integer_is_invalid_argument(conn: Conn, digits: int) -> None:
+    """Issue 13 item 9: a 5000-digit integer used to escape as INTERNAL (a ValueError)."""
+    spec = '{"mode": ' + "9" * digits + "}"
+    with pytest.raises(InvalidArgument) as info:
+        conn.call(C.CreateBottle, name="b1", spec=spec)
+    assert info.value.message == "spec: integers have at most 20 digits"
+    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+
+
+def test_concurrent_control_connections_are_capped() -> None:
+    """Issue 13 item 7: 300 connections used to add 74.5 MiB (256 KiB of box each), unbounded."""
+    from twisted.internet.task import Clock
+    from twisted.logger import capturedLogs
+
+    factory = make_factory(max_connections=3, clock=Clock())
+    held = [Conn(factory) for _ in range(3)]
+    with capturedLogs() as events:
+        for _ in range(50):
+            assert factory.buildProtocol(None) is None  # Twisted closes the socket
+    assert factory.refused == 50
+    lines = [e for e in events if "refused a connection" in e.get("log_format", "")]
+    assert len(lines) == 1  # rate-limited
+    held[0].proto.connectionLost(Failure(ConnectionDone()))
+    again = Conn(factory)  # a slot came back
+    assert again.call(C.Ping) == {}
+    # A refused uid never holds a slot, so a flood of them cannot starve the launcher.
+    refused = make_factory(uid=12345, max_connections=1, clock=Clock())
+    for _ in range(10):
+        Conn(refused)
+    assert refused.open_connections == 0 and refused.refused == 0
 
 
 def test_backend_gets_values_parsed_once(conn: Conn) -> None:

@@ -25,7 +25,9 @@ from bottlenet.forward.spec import (
     ForwardSpec,
     TCPListen,
     TCPTarget,
+    UNIXListen,
     UNIXTarget,
+    targets_dir,
     unix_listen_for,
 )
 from bottlenet.forward.splice import PIPE_MAX, SpliceRelay, splice_supported
@@ -234,6 +236,20 @@ class TransferTests(Base):
 
 
 class FailureTests(Base):
+    async def test_target_reset_after_small_request_reaches_client_as_reset(self) -> None:
+        """A reset after a small, fully read request is a reset at the client, never a FIN.
+
+        The older reset test leaves unread bytes on the agent-side socket, so the kernel
+        resets it on close whatever the relay does; here nothing is left unread, so only the
+        relay's own abort (SO_LINGER 0 / abortConnection) makes it a reset.
+        """
+        info = await self.forward(self.target(lambda: ResetAfter(5)))
+        c = await self.client(info, Collector(b"hello", fin=False))
+        await c.done
+        assert not c.eof, "the client saw a clean EOF"
+        assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
+        assert not c.reason.check(ConnectionDone), c.reason
+
     async def test_target_refuses(self) -> None:
         s = socket.socket()
         s.bind(("127.0.0.1", 0))
@@ -365,7 +381,8 @@ class SocketOptionTests(Base):
 
 class UnixTests(Base):
     async def test_unix_listen_and_unix_target(self) -> None:
-        target_path = os.path.join(self.state_dir, "sidecar.sock")
+        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
+        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
         tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
         self.addCleanup(tport.stopListening)
         listen = unix_listen_for(self.state_dir, "b1", "agent")
@@ -384,9 +401,96 @@ class UnixTests(Base):
         await self.table.remove("b1", "agent")
         assert not os.path.lexists(listen.path)
 
+    async def test_target_is_never_one_of_the_daemons_own_sockets(self) -> None:
+        """Issue 13 item 1: not the control socket, not an agent endpoint, not by another path.
+
+        The control socket sits in the state dir (its default without XDG_RUNTIME_DIR):
+        outside the bottle's target dir, and refused by name even if placed inside it.
+        """
+        from bottlenet.errors import InvalidArgument
+
+        tdir = targets_dir(self.state_dir, "b1")
+        os.makedirs(tdir, mode=0o700)
+        control = os.path.join(self.state_dir, "control.sock")
+        cport = reactor.listenUNIX(control, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(cport.stopListening)
+        self.table.own_sockets.add_unix(control)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        with self.assertRaises(InvalidArgument) as info:
+            await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(control)))
+        assert "target directory" in info.exception.message
+        # Another bottle's target dir is not this bottle's either.
+        other = os.path.join(targets_dir(self.state_dir, "b2"), "x.sock")
+        with self.assertRaises(InvalidArgument):
+            await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(other)))
+        inside = os.path.join(tdir, "ctl.sock")
+        self.table.own_sockets.add_unix(inside)
+        with self.assertRaises(InvalidArgument) as info:
+            await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(inside)))
+        assert "daemon's own sockets" in info.exception.message
+        # A hard link to an agent endpoint (same inode, another name) is caught on disk.
+        ep = await self.table.add(
+            ForwardSpec("b2", "ep", unix_listen_for(self.state_dir, "b2", "ep"), TCPTarget(LOOP, 9))
+        )
+        assert isinstance(ep.bound, UNIXListen)
+        alias_of_ep = os.path.join(tdir, "ep.sock")
+        os.link(ep.bound.path, alias_of_ep)
+        with self.assertRaises(InvalidArgument) as info:
+            await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(alias_of_ep)))
+        assert "daemon's own sockets" in info.exception.message
+        assert self.table.list("b1") == []
+
+    async def test_symlinked_target_is_refused_at_add_and_at_connect(self) -> None:
+        """Issue 13 item 1: a symlink in the target dir never leads to a socket outside it."""
+        from bottlenet.errors import InvalidArgument
+
+        tdir = targets_dir(self.state_dir, "b1")
+        os.makedirs(tdir, mode=0o700)
+        outside = os.path.join(tempdir(self), "outside.sock")
+        accepted: list[object] = []
+
+        class Spy(Echo):
+            def connectionMade(self) -> None:
+                accepted.append(self)
+
+        oport = reactor.listenUNIX(outside, factory_of(Spy))  # type: ignore[attr-defined]
+        self.addCleanup(oport.stopListening)
+        link = os.path.join(tdir, "link.sock")
+        os.symlink(outside, link)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        with self.assertRaises(InvalidArgument) as info:
+            await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(link)))
+        assert "symlink" in info.exception.message
+        # Planted after the forward was added: the connect-time re-check refuses it.
+        later = os.path.join(tdir, "later.sock")
+        info2 = await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(later)))
+        assert isinstance(info2.bound, UNIXListen)
+        os.symlink(outside, later)
+        c = Collector(b"hello", fin=False)
+        await connect_unix(info2.bound.path, c)
+        await c.done
+        assert c.received == b""
+        await self.until(lambda: self.table.get("b1", "agent").counters.failed == 1, "failed")
+        # A real directory swapped in by symlink is caught by the real-path check too.
+        os.unlink(later)
+        sub = os.path.join(tdir, "sub")
+        os.symlink(os.path.dirname(outside), sub)
+        spec3 = ForwardSpec(
+            "b1",
+            "sub",
+            unix_listen_for(self.state_dir, "b1", "sub"),
+            UNIXTarget(os.path.join(sub, "outside.sock")),
+        )
+        with self.assertRaises(InvalidArgument) as info:
+            await self.table.add(spec3)
+        assert "resolves outside" in info.exception.message
+        assert accepted == []
+
     async def test_tcp_listen_and_unix_target(self) -> None:
-        """TCP to UNIX: an alias endpoint relaying to a sidecar service's exposed socket."""
-        target_path = os.path.join(self.state_dir, "sidecar.sock")
+        """TCP to UNIX: an alias endpoint relaying to a socket in the bottle's target dir."""
+        tdir = targets_dir(self.state_dir, "b1")
+        os.makedirs(tdir, mode=0o700)
+        target_path = os.path.join(tdir, "sidecar.sock")
         tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
         self.addCleanup(tport.stopListening)
         info = await self.table.add(

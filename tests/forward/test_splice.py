@@ -74,6 +74,34 @@ class SpliceTests(Base):
         c.transport.loseConnection()  # type: ignore[union-attr]
         await c.done
 
+    async def test_pause_resume_while_the_destination_blocks_keeps_order(self) -> None:
+        """A resume must not read a source whose pipe still holds bytes (trap 3).
+
+        The target stops reading, so the relay's pipe fills and the source is left unread;
+        a pause and resume from outside (the session's producer) must keep it unread until
+        the pipe drains, else later bytes overtake (or overwrite) the held ones.
+        """
+        silent = Silent(fin=False)
+        info = await self.forward(self.target(lambda: silent))
+        data = pattern(8 * MiB, seed=21)
+        c = await self.client(info, Collector(data, fin=False))
+        await self.until(
+            lambda: any(s.engine and s.engine._up and s.engine._up.inpipe for s in self.sessions()),
+            "bytes held in a pipe",
+        )
+        (s,) = self.sessions()
+        up = s.engine._up
+        assert up.inpipe and not up.src.reading
+        s.pauseProducing()
+        s.resumeProducing()
+        assert not up.src.reading, "resumed reading a source whose pipe still holds bytes"
+        await sleep(0.02)  # reactor passes in which a wrongly enabled reader would pump
+        silent.transport.resumeProducing()  # type: ignore[union-attr]
+        await self.until(lambda: len(silent.received) >= len(data), "all bytes at the target")
+        assert sha(bytes(silent.received)) == sha(data)
+        c.transport.loseConnection()  # type: ignore[union-attr]
+        await c.done
+
     async def test_pipes_grow_under_bulk_and_are_pooled(self) -> None:
         data = pattern(16 * MiB, seed=5)
         info = await self.forward(self.target(Echo))

@@ -104,6 +104,31 @@ def test_bad_target_refused() -> None:
         assert f.check(InvalidArgument), f
 
 
+@pytest.mark.parametrize(
+    "target",
+    [
+        OWN + ":7300",  # the forward's own alias: one connection became 1024 relays
+        "127.77.0.9:443",  # any other address of the pool: another bottle's endpoint
+        "127.0.0.1:9443",  # the daemon's own TLS control listener
+        "127.0.0.1:9100",  # ... and its metrics listener
+    ],
+)
+def test_target_never_loops_into_the_daemons_own_listeners(target: str) -> None:
+    """Issue 13 item 9 (forward loops): the pool and the daemon's TCP listeners are refused."""
+    from bottlenet.forward.spec import parse_target
+
+    table = ForwardTable(Clock(), registry_with(("b1", OWN)), state_dir="/nonexistent")
+    table.own_sockets.add_tcp("127.0.0.1", 9443)
+    table.own_sockets.add_tcp("127.0.0.1", 9100)
+    spec = ForwardSpec(
+        "b1", "loop", TCPListen(ipaddress.IPv4Address(OWN), 7300), parse_target(target)
+    )
+    f = failure_of(table.add(spec))
+    assert f.check(InvalidArgument), f
+    assert "alias pool" in f.value.message or "daemon's own sockets" in f.value.message
+    assert table.list() == []
+
+
 def test_refusal_logs_are_rate_limited() -> None:
     clock = Clock()
     table = ForwardTable(clock, registry_with(("b1", OWN)), state_dir="/nonexistent")

@@ -93,3 +93,30 @@ def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(
         fake.cleanup()
     assert proc.returncode in CLEAN_EXIT, out
     assert "Traceback" not in out
+
+
+def test_metrics_default_to_a_private_unix_socket(tmp_path: Path) -> None:
+    """Issue 13 item 6: no --metrics: /metrics is a 0600 socket in the 0700 state dir, so no
+    other local user reads bottle names or byte counts; TCP needs an explicit --metrics."""
+    import socket
+    import stat
+
+    state = str(tmp_path / "s")
+    control = str(tmp_path / "run" / "control.sock")
+    proc = start_daemon(state, f"unix:{control}")
+    try:
+        wait_ready(control, proc)
+        path = os.path.join(state, "metrics.sock")
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(10)
+            s.connect(path)
+            s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+            got = b""
+            while chunk := s.recv(65536):
+                got += chunk
+        assert got.startswith(b"HTTP/1.0 200") or got.startswith(b"HTTP/1.1 200"), got[:80]
+        assert b"bottlenet_build_info" in got
+    finally:
+        stop(proc)

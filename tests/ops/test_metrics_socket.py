@@ -118,3 +118,50 @@ class MetricsOverSockets(unittest.TestCase):
         self.assertEqual(len(errors), 1)
         self.assertIn("cannot listen", errors[0])
         self.assertIn(spec.describe(), errors[0])
+
+
+class MetricsConnectionCap(unittest.TestCase):
+    @inlineCallbacks
+    def test_connections_past_the_cap_are_closed_and_counted(self):  # type: ignore[no-untyped-def]
+        """Issue 13 item 6: another uid held 330 metrics connections and exhausted the fds."""
+        capped: list[metrics.CappedFactory] = []
+        site = metrics.metrics_site(
+            metrics.SnapshotSource(list),
+            reactor,
+            refusals=lambda: [("metrics", "cap", c.refused) for c in capped],
+        )
+        capped.append(metrics.CappedFactory(site, 2, reactor))
+        spec = metrics.parse_metrics_endpoint("tcp:0:interface=127.0.0.1")
+        svc = ListeningService("metrics", spec.describe(), spec.endpoint(reactor), capped[0], list)
+        svc.startService()
+        self.addCleanup(svc.stopService)
+        port = yield svc.when_listening()
+        held = [socket.create_connection(("127.0.0.1", port.getHost().port)) for _ in range(2)]
+        for s in held:
+            self.addCleanup(s.close)
+        yield _until(lambda: len(capped[0].protocols) == 2)
+        extra = socket.create_connection(("127.0.0.1", port.getHost().port))
+        self.addCleanup(extra.close)
+        extra.settimeout(10)
+        yield _until(lambda: capped[0].refused == 1)
+        self.assertEqual(extra.recv(1), b"")  # closed at accept
+        for s in held:
+            s.close()
+        yield _until(lambda: len(capped[0].protocols) == 0)
+        client = TCP4ClientEndpoint(reactor, "127.0.0.1", port.getHost().port)
+        status, _, body = yield get(client, b"/metrics")
+        self.assertEqual(status, 200)
+        self.assertIn(
+            b'bottlenet_connections_refused_total{listener="metrics",reason="cap"} 1', body
+        )
+
+
+@inlineCallbacks
+def _until(cond):  # type: ignore[no-untyped-def]
+    from twisted.internet.task import deferLater
+
+    for _ in range(500):
+        if cond():
+            return
+        yield deferLater(reactor, 0.01, lambda: None)
+    raise AssertionError("condition never held")

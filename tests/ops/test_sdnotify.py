@@ -106,3 +106,50 @@ def test_notifier_already_ready() -> None:
     svc = sdnotify.SystemdNotifier(succeed(None), env={})
     svc.startService()
     assert svc.sent == ["READY=1"]
+
+
+def test_the_daemon_itself_sends_ready_then_stopping(
+    systemd: tuple[socket.socket, dict[str, str]], tmp_path: object
+) -> None:
+    """The real daemon (``Type=notify`` units wait for this): READY=1 once its control socket
+    is up, STOPPING=1 on SIGTERM. Before, only the notifier class was tested: a daemon wired
+    with an empty environment would never have said READY and every test stayed green."""
+    import signal
+    import subprocess
+    import sys
+
+    from bottlenet.control.blocking import BlockingControlClient
+
+    sock, env = systemd
+    sock.settimeout(90)  # the daemon's start on a loaded machine; fires as soon as it is up
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    state, control = os.path.join(str(tmp_path), "s"), os.path.join(str(tmp_path), "c", "c.sock")
+    child_env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    child_env.update(env, PYTHONPATH=root)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "twisted",
+            "bottlenet",
+            "--state-dir",
+            state,
+            "--control",
+            "unix:" + control,
+        ],
+        env=child_env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        message = sock.recv(4096)
+        assert message.split(b"\n")[0] == b"READY=1", message
+        with BlockingControlClient(control, timeout=10) as client:
+            client.ping()  # READY came after the control socket was listening
+        proc.send_signal(signal.SIGTERM)
+        assert sock.recv(4096) == b"STOPPING=1"
+        assert proc.wait(30) in (0, -signal.SIGTERM)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

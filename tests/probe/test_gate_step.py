@@ -7,9 +7,7 @@ the host-side witness never saw the nonce, whatever the transcript says.
 
 from __future__ import annotations
 
-import ast
 import os
-import re
 from typing import Any
 
 from twisted.internet import defer
@@ -17,9 +15,8 @@ from twisted.internet.task import Clock
 
 from bottlenet.bottles.model import Endpoint
 from bottlenet.bottles.probe import MARKER_PREFIX, Gate, GateSettings
-from bottlenet.probe.judge import expected_deny, expected_icmp
-from bottlenet.probe.plan import ProbePlan
 from bottlenet.probe.witness import WitnessFactory
+from tests.probe.guests import pass_transcript
 from vmctl.smolvm import ExecResult
 
 ENDPOINT = Endpoint(
@@ -45,38 +42,11 @@ class LyingGuest:
         self.saw_markers: list[str] = []
 
     def exec(self, name: str, argv: list[str], stdin: bytes, timeout: float) -> Any:
-        """The strongest liar: it reads the whole plan out of the script it was sent."""
-        script = stdin.decode()
-        literal = re.search(r"^PLAN = (\{.*\})$", script, re.M).group(1)  # type: ignore[union-attr]
-        p = ast.literal_eval(literal)
+        """The strongest liar: it reads the whole plan out of the script it was sent and
+        answers every check as an isolated guest would, but never connects to anything."""
         self.saw_markers = [n for n in os.listdir(self.state_dir) if n.startswith(MARKER_PREFIX)]
-        plan = ProbePlan(
-            mode=p["mode"],
-            nonce=p["nonce"],
-            own=p["own"],
-            deny=p["deny"],
-            host_ports=p["ports"],
-            outside=p["outside"],
-            dns=p["dns"],
-            absent=p["absent"],
-            ro=p["ro"],
-            rw=p["rw"],
-        )
-        body = [
-            "begin 1",
-            "iface lo",
-            "tool image",
-            "control tcp ok",
-            "control unix ok",
-            "control icmp ok",
-        ]
-        body += [f"own {t} ok" for t in p["own"]]
-        body += [f"deny {t} blocked" for t in expected_deny(plan, [])]
-        body += [f"icmp {a} blocked" for a in expected_icmp(plan, [])]
-        body += [f"dns {n} blocked" for n in p["dns"]] + [f"absent {a} ok" for a in p["absent"]]
-        body += ["id machine-id none", "id hostname none", "end pass"]
-        out = "".join(f"BNP {p['nonce']} {ln}\n" for ln in body).encode()
-        return defer.succeed(ExecResult(0, out, b"", 0.1))
+        code, out = pass_transcript(stdin)
+        return defer.succeed(ExecResult(code, out, b"", 0.1))
 
 
 def test_a_forged_transcript_fails_and_the_endpoint_is_restored(tmp_path: Any) -> None:

@@ -410,17 +410,27 @@ class RawPortTests(FakeSmolvmTestCase):
 
 
 class ServiceTests(FakeSmolvmTestCase):
+    async def until(self, cond: Any, what: str, seconds: float = 30.0) -> None:
+        """Poll ``cond`` every 20 ms (returns as soon as it holds; the bound only stops a hang)."""
+        for _ in range(int(seconds / 0.02)):
+            if cond():
+                return
+            await sleep(0.02)
+        self.fail(f"timed out waiting for {what}")
+
     async def test_stop_service_kills_calls_past_deadline(self) -> None:
         await self.smolvm.create(self.spec("m1"))
         vm = await self.smolvm.start("m1")
         service = VmctlService(self.runner, stop_deadline=0.2)
         service.startService()
         d = self.smolvm.exec("m1", ["sleep", "30"])
-        await sleep(0.3)  # let the exec be spawned
+        # Wait for the event (the guest command is running), not for a guessed time.
+        await self.until(lambda: len(self.fake.live_pids()) == 2, "the exec's guest command")
         await service.stopService()
         with self.assertRaises(Unavailable):
             await d
         self.assertEqual(self.runner.in_flight, 0)
-        self.assertEqual(self.fake.live_pids(), [vm])  # the guest command died with its CLI
+        # The guest command dies with its CLI; a killed process can stay visible for a moment.
+        await self.until(lambda: self.fake.live_pids() == [vm], "the guest command to die")
         with self.assertRaises(Unavailable):
             await self.smolvm.list()

@@ -60,6 +60,11 @@ class EnvTests(SynchronousTestCase):
             },
         )
 
+    def test_relative_path_entries_never_reach_smolvm(self) -> None:
+        """Issue 13 item 9: PATH is passed on with its absolute entries only."""
+        env = build_env({"PATH": ".:bin::/usr/bin:./x:/bin"})
+        self.assertEqual(env["PATH"], "/usr/bin:/bin")
+
     def test_data_dir_only_when_configured(self) -> None:
         self.assertNotIn("SMOLVM_DATA_DIR", build_env(HOSTILE, None))
         self.assertEqual(build_env(HOSTILE, "/var/lib/b")["SMOLVM_DATA_DIR"], "/var/lib/b")
@@ -104,6 +109,25 @@ class ResolveTests(SynchronousTestCase):
     def test_relative_path_entries_ignored(self) -> None:
         rel = os.path.relpath(self.dir)
         self.assertIsNone(resolve_smolvm(None, rel))
+
+    def test_binary_writable_by_others_or_foreign_is_refused(self) -> None:
+        """Issue 13 item 9: a smolvm another user could replace is never run."""
+        from vmctl.runner import untrusted_reason
+
+        self.assertIsNone(untrusted_reason(self.exe))
+        os.chmod(self.exe, 0o777)
+        self.assertIsNone(resolve_smolvm(self.exe, None))
+        self.assertIsNone(resolve_smolvm(None, self.dir))
+        self.assertIn("writable by group or others", untrusted_reason(self.exe) or "")
+        os.chmod(self.exe, stat.S_IRWXU)
+        os.chmod(self.dir, 0o777)  # the directory too: the file could be swapped
+        self.addCleanup(os.chmod, self.dir, 0o700)
+        self.assertIsNone(resolve_smolvm(self.exe, None))
+        os.chmod(self.dir, 0o700)
+        if os.geteuid() == 0:
+            os.chown(self.exe, 65534, 65534)
+            self.assertIn("owned by uid 65534", untrusted_reason(self.exe) or "")
+            self.assertIsNone(resolve_smolvm(self.exe, None))
 
     def test_make_smolvm_without_binary(self) -> None:
         _service, smolvm = make_smolvm(

@@ -228,6 +228,15 @@ class SmolvmUnitTests(SynchronousTestCase):
         )  # fmt: skip
         self.failureResultOf(self.smolvm.exec("m1", ["x"]), UsageError)
 
+    def test_exec_error_text_never_reaches_the_message(self) -> None:
+        """Issue 13 item 9: a guest-forged ``Error:`` line keeps its type, never its words."""
+        forged = b"Error: agent operation failed: GUEST-CHOSEN-TEXT is not running\n"
+        self.script.answers["machine exec"] = (1, b"", forged)
+        err = self.failureResultOf(self.smolvm.exec("m1", ["x"]), NotRunning).value
+        for shown in (str(err), err.message, err.stderr_tail, repr(err.args)):
+            self.assertNotIn("GUEST-CHOSEN-TEXT", shown)
+        self.assertIn("m1", err.message)
+
     def test_exec_stdin_and_env(self) -> None:
         self.successResultOf(self.smolvm.exec("m1", ["cat"], env={"K": "v"}, stdin=b"data"))
         proc = self.reactor.spawned[-1]

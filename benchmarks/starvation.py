@@ -1,0 +1,207 @@
+"""Issue 13's resource figures: one bottle at its full budget starves nobody; control memory.
+
+Runs the real daemon (``python -m twisted bottlenet``) on loopback only, and reports:
+
+1. With bottle ``aa`` holding every connection its budget allows (``--max-bottle-connections``,
+   spread over two forwards, each relayed to an echo target), and more of its attempts being
+   refused: how long a fresh connection to another bottle's (``bb``) endpoint takes to connect
+   and echo, and how long a fresh control connection takes to answer ``ping`` (median and
+   worst of N, in ms; the target is under 100 ms).
+2. The daemon's RSS and open fds with 1,000 idle control connections (the cap holds some,
+   the rest are refused), and with every held one sending an unterminated 195 KB box (the
+   security review's F8: 300 such connections used to add 74.5 MiB).
+
+Timing figures depend on the machine: quote them with the load it had. Benchmark tooling
+only: nothing here is a test.
+
+    .venv/bin/python -m benchmarks.starvation [--budget 1000] [--samples 30] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any
+
+from benchmarks.echoserver import serve_echo
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise RuntimeError("no VmRSS")
+
+
+def fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def echo_once(host: str, port: int, timeout: float = 5.0) -> socket.socket:
+    s = socket.create_connection((host, port), timeout=timeout)
+    s.sendall(b"x")
+    if s.recv(1) != b"x":
+        s.close()
+        raise ConnectionError("no echo")
+    return s
+
+
+def percentiles(samples: list[float]) -> dict[str, float]:
+    return {
+        "median_ms": round(statistics.median(samples) * 1000, 2),
+        "max_ms": round(max(samples) * 1000, 2),
+        "n": len(samples),
+    }
+
+
+def amp_box(values: dict[str, bytes]) -> bytes:
+    out = b""
+    for k, v in values.items():
+        out += struct.pack(">H", len(k)) + k.encode() + struct.pack(">H", len(v)) + v
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--budget", type=int, default=1000, help="--max-bottle-connections")
+    ap.add_argument("--samples", type=int, default=30)
+    ap.add_argument("--control-connections", type=int, default=1000)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+
+    sys.path.insert(0, ROOT)
+    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+
+    work = tempfile.mkdtemp(prefix="bn-starve-")
+    echo = socket.create_server(("127.0.0.1", 0), backlog=1024)
+    threading.Thread(target=serve_echo, args=(echo,), daemon=True).start()
+    echo_port = echo.getsockname()[1]
+    state, control = os.path.join(work, "s"), os.path.join(work, "c", "c.sock")
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["PYTHONPATH"] = ROOT
+    argv = [sys.executable, "-m", "twisted", "bottlenet", "--state-dir", state]
+    argv += ["--control", f"unix:{control}", "--max-bottle-connections", str(args.budget)]
+    daemon = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    held: list[socket.socket] = []
+    result: dict[str, Any] = {"budget": args.budget, "loadavg": os.getloadavg()}
+    try:
+        for _ in range(1200):
+            try:
+                with BlockingControlClient(control, timeout=2) as c:
+                    c.ping()
+                break
+            except (OSError, ControlConnectionError):
+                time.sleep(0.05)
+        with BlockingControlClient(control, timeout=30) as c:
+            c.create_bottle("aa")
+            c.create_bottle("bb")
+            a1 = c.add_forward("aa", "e1", f"127.0.0.1:{echo_port}")
+            a2 = c.add_forward("aa", "e2", f"127.0.0.1:{echo_port}")
+            b1 = c.add_forward("bb", "e1", f"127.0.0.1:{echo_port}")
+        base_rss, base_fds = rss_kib(daemon.pid), fds(daemon.pid)
+        # 1. bottle aa takes its whole budget (alternating forwards), then is refused.
+        eps = [(a1.host, a1.port), (a2.host, a2.port)]
+        for i in range(args.budget):
+            held.append(echo_once(*eps[i % 2]))
+        refused = 0
+        for i in range(50):
+            try:
+                s = echo_once(*eps[i % 2], timeout=2)
+            except OSError:
+                refused += 1
+            else:
+                held.append(s)
+        result["aa_held"] = len(held)
+        result["aa_refused_of_50_more"] = refused
+        result["daemon_fds_at_budget"] = fds(daemon.pid)
+        other, ping = [], []
+        for _ in range(args.samples):
+            t0 = time.perf_counter()
+            echo_once(b1.host, b1.port).close()
+            other.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            with BlockingControlClient(control, timeout=5) as c:
+                c.ping()
+            ping.append(time.perf_counter() - t0)
+        result["other_bottle_connect_echo"] = percentiles(other)
+        result["control_ping_fresh_connection"] = percentiles(ping)
+        for s in held:
+            s.close()
+        held.clear()
+        time.sleep(1.0)
+        # 2. control memory: idle connections, then unterminated boxes on the held ones.
+        rss0 = rss_kib(daemon.pid)
+        conns = []
+        for _ in range(args.control_connections):
+            s = socket.socket(socket.AF_UNIX)
+            s.settimeout(5)
+            try:
+                s.connect(control)
+            except OSError:
+                s.close()
+                continue
+            conns.append(s)
+        time.sleep(1.0)
+        alive = 0
+        for s in conns:
+            s.setblocking(False)
+            try:
+                if s.recv(1) == b"":
+                    continue  # closed by the cap
+            except BlockingIOError:
+                alive += 1
+            except OSError:
+                continue
+        rss_idle = rss_kib(daemon.pid)
+        partial = amp_box({"_ask": b"1", "_command": b"bottlenet.Ping"})
+        partial += amp_box({f"k{i}": b"v" * 65000 for i in range(3)})  # no terminator
+        for s in conns:
+            try:
+                s.setblocking(True)
+                s.sendall(partial)
+            except OSError:
+                pass
+        time.sleep(1.5)
+        rss_boxes = rss_kib(daemon.pid)
+        result["control"] = {
+            "connections_attempted": args.control_connections,
+            "held_open_by_daemon": alive,
+            "rss_before_kib": rss0,
+            "rss_1000_idle_kib": rss_idle,
+            "rss_with_unterminated_boxes_kib": rss_boxes,
+            "daemon_fds": fds(daemon.pid),
+        }
+        for s in conns:
+            s.close()
+        result["baseline"] = {"rss_kib": base_rss, "fds": base_fds}
+        with BlockingControlClient(control, timeout=10) as c:
+            c.ping()  # still answers
+    finally:
+        for s in held:
+            s.close()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+        shutil.rmtree(work, ignore_errors=True)
+    text = json.dumps(result, indent=1)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
