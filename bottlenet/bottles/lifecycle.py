@@ -483,11 +483,16 @@ class VMLifecycle:
         if agent.workload:
             check = await self.smolvm.exec(
                 name,
-                workload.check_argv(agent.workload),
+                workload.prepare_argv(agent.workload, name),
                 env=dict(env),
                 timeout=SETUP_TIMEOUT,
                 user=agent.user,
             )
+            if check.exit_code == workload.PREPARE_NO_DIR:
+                raise SmolvmFailed(
+                    f"starting the workload in {name} failed: its user cannot create "
+                    f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
+                )
             if check.exit_code != 0:
                 raise SmolvmFailed(
                     f"starting the workload in {name} failed: its command is not found"

@@ -27,13 +27,25 @@ STATE_EXITED = "exited"
 DEFAULT_TAIL = 200
 MAX_TAIL = 100_000
 
-# $1: the directory; the rest: the workload's argv. The log starts empty on every start.
+#: Exit codes of the prepare step (:func:`prepare_argv`).
+PREPARE_NO_DIR = 125
+PREPARE_NOT_FOUND = 127
+# Run synchronously before the detached start, as the workload's user: the directory and an
+# empty log exist (and no old exit code) before the waiter starts, and the command exists. A
+# detached start cannot report either (its wrapper always starts), and a wrapper that could
+# not make its directory would leave the waiter waiting for an exit file forever.
+_PREPARE = (
+    f'd=$1; mkdir -p "$d" && rm -f "$d/exit" && : > "$d/log" || exit {PREPARE_NO_DIR}; '
+    f'command -v -- "$2" >/dev/null 2>&1 || exit {PREPARE_NOT_FOUND}'
+)
+# $1: the directory (made by the prepare step); the rest: the workload's argv.
 _WRAPPER = (
-    'd=$1; shift; mkdir -p "$d" && rm -f "$d/exit" && : > "$d/log" || exit 125; '
-    '"$@" >>"$d/log" 2>&1; code=$?; '
+    'd=$1; shift; "$@" >>"$d/log" 2>&1; code=$?; '
     'echo "$code" > "$d/exit.tmp" && mv "$d/exit.tmp" "$d/exit"'
 )
-_WAITER = 'd=$1; while [ ! -e "$d/exit" ]; do sleep 1; done; cat "$d/exit"'
+# The directory exists before the waiter starts: if it is gone, no exit code will ever come
+# (the guest's /tmp was cleaned), so the waiter ends without one instead of waiting forever.
+_WAITER = 'd=$1; while [ ! -e "$d/exit" ]; do [ -d "$d" ] || exit 3; sleep 1; done; cat "$d/exit"'
 _TAIL = (
     'd=$1; n=$2; shift 2; [ -e "$d/log" ] || { echo "no workload log yet" >&2; exit 1; }; '
     'exec tail -n "$n" "$@" "$d/log"'
@@ -49,10 +61,10 @@ def wrap(argv: tuple[str, ...], agent_vm: str) -> list[str]:
     return ["/bin/sh", "-c", _WRAPPER, "bottlenet-workload", guest_dir(agent_vm), *argv]
 
 
-def check_argv(argv: tuple[str, ...]) -> list[str]:
-    """Exit 0 when the workload's command can be run in the guest (the detached start cannot
-    tell: its wrapper always starts)."""
-    return ["/bin/sh", "-c", 'command -v -- "$1" >/dev/null 2>&1', "bottlenet-check", argv[0]]
+def prepare_argv(argv: tuple[str, ...], agent_vm: str) -> list[str]:
+    """Exit 0 when the workload's directory is ready and its command can be run in the guest
+    (:data:`PREPARE_NO_DIR`, :data:`PREPARE_NOT_FOUND` otherwise)."""
+    return ["/bin/sh", "-c", _PREPARE, "bottlenet-prepare", guest_dir(agent_vm), argv[0]]
 
 
 def waiter_argv(agent_vm: str) -> list[str]:

@@ -63,7 +63,7 @@ def test_socket_mode_create(rigs: Rigs, tmp: str) -> None:
         assert info.spec.target.describe() == f"127.0.0.1:{e.raw_port}"
     # the gate ran before the workload, which runs detached with the stamped env
     probe, check, started = [argv for name, argv in rig.smolvm.execs if name == "bn-b1-agent"]
-    assert probe == PROBE_ARGV and check == workload.check_argv(("/agent", "run"))
+    assert probe == PROBE_ARGV and check == workload.prepare_argv(("/agent", "run"), "bn-b1-agent")
     assert started == workload.wrap(("/agent", "run"), "bn-b1-agent")
     assert vm.probe == "PASS" and b.warnings == ()
     assert rig.state()["b1"] == b.to_state()

@@ -182,12 +182,12 @@ class EntrypointOrderTests(DaemonCase):
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
         self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
-        # then the workload's command check, then the workload itself (detached)
+        # then the workload's prepare step (its dir, its command), then the workload (detached)
         gate, check, workload = agent_calls[2], agent_calls[3], agent_calls[4]
         self.assertIn("-d", workload["argv"])
         self.assertNotIn("-d", gate["argv"])
         self.assertNotIn("-d", check["argv"])
-        self.assertIn("bottlenet-check", check["argv"])
+        self.assertIn("bottlenet-prepare", check["argv"])
         self.assertLess(gate["time"], check["time"])
         self.assertLess(check["time"], workload["time"])
         self.assertLess(gate["time"], workload_at)
