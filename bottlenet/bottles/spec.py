@@ -21,7 +21,6 @@ from bottlenet.bottles.specrules import (
     LISTEN_UNIX,
     MAX_ENV,
     MAX_SERVICES,
-    MAX_STAMPED_TOTAL,
     MAX_STRING,
     MODES,
     SIDECAR_CPUS,
@@ -32,9 +31,9 @@ from bottlenet.bottles.specrules import (
     check_egress_host,
     check_env,
     check_env_entries,
+    check_stamped_total,
     split_volume,
     stamp_template,
-    stamped_length,
 )
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
@@ -215,11 +214,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     if len(set(names)) != len(names):
         raise InvalidArgument("sidecar.service: service names must be unique")
     egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
-    total = sum(stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env)
-    if total > MAX_STAMPED_TOTAL:
-        raise InvalidArgument(
-            f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
-        )
+    check_stamped_total(entry for svc in services for entry in svc.env)
     if (
         egress is not None
         and egress.connect_proxy is not None

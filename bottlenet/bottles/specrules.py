@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import re
 import string
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import idna
 
@@ -134,6 +134,15 @@ def stamped_length(value: str) -> int:
         len(literal) + (TEMPLATE_FIELDS[name] if name is not None else 0)
         for literal, name in parse_template(value, "template")
     )
+
+
+def check_stamped_total(entries: Iterable[str]) -> None:
+    """All the services' env templates together stamp at most MAX_STAMPED_TOTAL bytes."""
+    total = sum(stamped_length(entry.partition("=")[2]) for entry in entries)
+    if total > MAX_STAMPED_TOTAL:
+        raise InvalidArgument(
+            f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
+        )
 
 
 def stamp_template(value: str, fields: Mapping[str, str]) -> str:

@@ -44,6 +44,7 @@ from bottlenet.bottles.specrules import (
     check_allow_hosts,
     check_env,
     check_label,
+    check_stamped_total,
     split_volume,
 )
 from bottlenet.errors import InvalidArgument
@@ -148,6 +149,7 @@ class Sidecar:
         names = [s.name for s in self.services]
         if len(set(names)) != len(names):
             raise InvalidArgument("sidecar.service: service names must be unique")
+        check_stamped_total(entry for s in self.services for entry in s.env)
 
     def to_doc(self) -> dict[str, Any]:
         doc: dict[str, Any] = {

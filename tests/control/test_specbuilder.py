@@ -73,7 +73,20 @@ BAD: list[tuple[str, Any]] = [
     ("reload", lambda: Egress([], "/p", ["reload"])),
     ("forward label", lambda: Service("Bad Name", 80)),
     ("guest_port", lambda: Service("egress", 0)),
-    ("unknown placeholder", lambda: Service("egress", 80, env=["X={nope}"])),
+    ("placeholders are", lambda: Service("egress", 80, env=["X={nope}"])),
+    ("no format spec", lambda: Service("egress", 80, env=["X={host:>100000000}"])),
+    ("UTS 46 form", lambda: Egress(["\uff50ypi.org"], "/p", ["/r"])),
+    (
+        "more than 262144 bytes",
+        lambda: Sidecar(
+            "img",
+            # each value fits its own bound (30 sockets), all of them together do not
+            [
+                Service(f"s{i}", 80, env=[f"V{j}=" + "{socket}" * 30 for j in range(10)])
+                for i in range(16)
+            ],
+        ),
+    ),
     ("KEY=VALUE", lambda: Agent("/a.tar", env=["1X=y"])),
     ("HOST:GUEST", lambda: Agent("/a.tar", volumes=["nocolon"])),
     ("agent.cpus", lambda: Agent("/a.tar", cpus=99)),
