@@ -82,6 +82,12 @@ class IsolationFailed(BottlenetError):
     code = "ISOLATION_FAILED"
 
 
+class Degraded(BottlenetError):
+    """The bottle is degraded (its sidecar died or a teardown failed): only destroy works."""
+
+    code = "DEGRADED"
+
+
 class Unavailable(BottlenetError):
     """The daemon is shutting down or a dependency is not ready."""
 
@@ -101,6 +107,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     IsolationUnavailable,
     IsolationFailed,
     Unavailable,
+    Degraded,
 )
 
 

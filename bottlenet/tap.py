@@ -37,6 +37,7 @@ from bottlenet.control.endpoints import (
     parse_control_description,
     tls_control_endpoint,
 )
+from bottlenet.control.events import EventHub
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import BottlenetError
@@ -456,6 +457,7 @@ def _build(
         unix_target_root=state_dir,
         clock=reactor,
         on_command=control_commands.record,
+        event_hub=EventHub(registry.events.subscribe),
     )
     root = BottlenetService(
         reactor, table, registry, smolvm, factory, state_dir, smolvm_calls, control_commands

@@ -6,15 +6,19 @@ command's own exit code from ``exec`` is a result, not an error.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import math
 import os
 import re
+import struct
+import termios
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar
 
 from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
+from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 from twisted.logger import Logger
 
 from vmctl.errors import (
@@ -648,6 +652,63 @@ class Smolvm:
 
         return _coro(go())
 
+    def spawn_exec(
+        self,
+        name: str,
+        argv: Sequence[str],
+        protocol: IProcessProtocol,
+        *,
+        env: Mapping[str, str] | None = None,
+        workdir: str | None = None,
+        user: str | None = None,
+        tty: bool = False,
+        size: tuple[int, int] | None = None,
+    ) -> Deferred[IProcessTransport]:
+        """``machine exec -i [-t]`` attached to ``protocol``: the caller streams its stdio.
+
+        Without ``tty`` the child's stdin, stdout and stderr are pipes (fds 0, 1, 2). With
+        ``tty`` the child runs on a new pseudo-terminal (``size`` is its ``(rows, cols)``):
+        smolvm reads the guest terminal's size from it and, on SIGWINCH, again, so a
+        resize is :func:`set_pty_size` on the transport's ``fd``. Nothing of the command
+        line or its output is logged here. The caller ends the child (``signalProcess``)
+        when its client goes away; smolvm then ends the guest command.
+        """
+
+        async def go() -> IProcessTransport:
+            exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
+            await self._gate()
+            if user is not None and not (self._features or Features()).exec_user:
+                raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+            if self.binary is None:
+                raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
+            reactor: Any = self.runner.reactor
+            rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
+            full = [self.binary, *self.machine_args("exec", *rest)]
+            self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)
+            if not tty:
+                transport: IProcessTransport = reactor.spawnProcess(
+                    protocol, self.binary, full, env=self.env, childFDs={0: "w", 1: "r", 2: "r"}
+                )
+                return transport
+            master, slave = os.openpty()
+            try:
+                if size is not None:
+                    set_pty_size(slave, *size)
+                transport = reactor.spawnProcess(
+                    protocol,
+                    self.binary,
+                    full,
+                    env=self.env,
+                    usePTY=(master, slave, os.ttyname(slave)),
+                )
+            except BaseException:
+                os.close(master)
+                os.close(slave)
+                raise
+            return transport
+
+        return _coro(go())
+
     def list(
         self, labels: Mapping[str, str] | None = None, include_ephemeral: bool = False
     ) -> Deferred[list[Machine]]:
@@ -727,6 +788,12 @@ def _exec_smolvm_failure(result: ProcResult, name: str) -> bool:
     return bool(_EXEC_FAILURES.match(error_text(result.stderr)))
 
 
+def set_pty_size(fd: int, rows: int, cols: int) -> None:
+    """``TIOCSWINSZ`` on a pty: the kernel signals SIGWINCH to its foreground group."""
+    packed = struct.pack("HHHH", max(0, min(rows, 0xFFFF)), max(0, min(cols, 0xFFFF)), 0, 0)
+    fcntl.ioctl(fd, termios.TIOCSWINSZ, packed)
+
+
 def _exec_error(result: ProcResult, name: str) -> SmolvmFailed:
     """smolvm's exec failure, typed by its error line but carrying none of its text.
 
@@ -764,4 +831,5 @@ __all__ = [
     "Smolvm",
     "SmolvmVersion",
     "Timeouts",
+    "set_pty_size",
 ]

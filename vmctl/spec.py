@@ -436,15 +436,19 @@ def exec_args(
     detach: bool = False,
     user: str | None = None,
     guest_timeout: int | None = None,
+    *,
+    tty: bool = False,
 ) -> list[str]:
     """The arguments after ``smolvm`` for ``machine exec`` (``--name`` is long-only there).
 
-    ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i``.
-    ``user`` is ``-u`` (smolvm >= 1.32), ``guest_timeout`` is smolvm's own ``--timeout``
-    in whole seconds (the guest command is killed, exit 124).
+    ``detach`` (``-d``) starts the command and returns its guest pid; it excludes ``-i`` and
+    ``-t``. ``tty`` (``-t``) gives the command a guest terminal; smolvm sizes it from its own
+    stdin's terminal and follows SIGWINCH. ``user`` is ``-u/--user`` (smolvm >= 1.32: a user
+    name or ``uid[:gid]``), ``guest_timeout`` is smolvm's own ``--timeout`` in whole seconds
+    (the guest command is killed, exit 124).
     """
-    if detach and interactive:
-        raise InvalidArgument("exec -d cannot feed stdin (-i)")
+    if detach and (interactive or tty):
+        raise InvalidArgument("exec -d cannot feed stdin (-i) or a terminal (-t)")
     validate_name(name)
     if not argv:
         raise InvalidArgument("exec needs a command")
@@ -468,6 +472,8 @@ def exec_args(
         args += ["--timeout", f"{guest_timeout}s"]
     if interactive:
         args.append("-i")
+    if tty:
+        args.append("-t")
     if detach:
         args.append("-d")
     return [*args, "--", *argv]

@@ -1,6 +1,7 @@
 """The bottles wing: what a bottle is, how one is made, kept, checked and taken apart.
 
-- :mod:`~bottlenet.bottles.spec`: the bottle spec a launcher sends, validated field by field.
+- :mod:`~bottlenet.bottles.spec`: the bottle spec a launcher sends, validated field by field;
+  :mod:`~bottlenet.bottles.specrules`: its pure value rules (a leaf launchers import too).
 - :mod:`~bottlenet.bottles.config`: the daemon's TOML file of forward-only bottles.
 - :mod:`~bottlenet.bottles.model`: the one ``Bottle`` value (forward-only = no VMs) and its
   state-file record.
@@ -15,6 +16,9 @@
 - :mod:`~bottlenet.bottles.egress`: the sidecar's egress allow-list, pushed and reloaded.
 - :mod:`~bottlenet.bottles.agentenv`: the agent's stamped environment.
 - :mod:`~bottlenet.bottles.watch`: notice a VM process exit without polling smolvm.
+- :mod:`~bottlenet.bottles.attach`: a launcher's command in the agent VM (``exec -i [-t]``).
+- :mod:`~bottlenet.bottles.workload`: the workload's wrapper, its exit waiter, its log.
+- :mod:`~bottlenet.bottles.events`: bottle events as they happen (created ... destroyed).
 
 The rule of this room: bottles composes the data plane (:mod:`bottlenet.forward`) and the
 smolvm driver (:mod:`vmctl`) with the ground floor; it knows nothing of AMP, the CLI or

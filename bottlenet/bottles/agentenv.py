@@ -13,7 +13,8 @@ from collections.abc import Sequence
 
 from bottlenet.bottles.isolation import MODE_SOCKET
 from bottlenet.bottles.model import Endpoint
-from bottlenet.bottles.spec import BottleSpec, stamp_template
+from bottlenet.bottles.spec import BottleSpec
+from bottlenet.bottles.specrules import stamp_template
 
 
 def stamp_env(

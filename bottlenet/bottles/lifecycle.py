@@ -26,7 +26,7 @@ from typing import Any
 from attrs import evolve, field, frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress
+from bottlenet.bottles import egress, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -96,6 +96,8 @@ from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volu
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 WORKLOAD_TIMEOUT = 60.0
+#: A quick guest step (the workload command check).
+SETUP_TIMEOUT = 60.0
 #: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
 SIDECAR_SOCKET_DIR = "/run/bottlenet"
 RAW_PORTS_NOTE = (
@@ -479,9 +481,26 @@ class VMLifecycle:
         await self.smolvm.start(name)
         await self.step_gate(c, name, endpoints)
         if agent.workload:
+            check = await self.smolvm.exec(
+                name,
+                workload.prepare_argv(agent.workload, name),
+                env=dict(env),
+                timeout=SETUP_TIMEOUT,
+                user=agent.user,
+            )
+            if check.exit_code == workload.PREPARE_NO_DIR:
+                raise SmolvmFailed(
+                    f"starting the workload in {name} failed: its user cannot create "
+                    f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
+                )
+            if check.exit_code != 0:
+                raise SmolvmFailed(
+                    f"starting the workload in {name} failed: its command is not found"
+                    f" in the agent VM (exit {check.exit_code})"
+                )
             result = await self.smolvm.exec(
                 name,
-                list(agent.workload),
+                workload.wrap(agent.workload, name),
                 env=dict(env),
                 detach=True,
                 timeout=WORKLOAD_TIMEOUT,
@@ -538,6 +557,7 @@ class VMLifecycle:
                 policy=c.facts["policy"],
                 probe_skipped=self.options.skip_probe,
                 probe=c.facts["probe"],
+                workload=workload.STATE_RUNNING if c.spec.agent and c.spec.agent.workload else None,
             ),
         )
 

@@ -36,6 +36,8 @@ LABEL_ROLE = "bottlenet.role"
 
 STATE_READY = "ready"
 STATE_DEGRADED = "degraded"
+#: The workload ended; the VMs and endpoints stay up until the bottle is destroyed.
+STATE_EXITED = "exited"
 SOURCE_CONTROL = "control"
 SOURCE_CONFIG = "config"
 KIND_FORWARD = "forward"
@@ -148,6 +150,8 @@ class BottleVMs:
     policy: tuple[str, ...]
     probe_skipped: bool
     probe: str  # "PASS" | "FAIL" | "skipped"
+    workload: str | None = None  # "running" | "exited" | None (the spec names none)
+    workload_exit_code: int | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
@@ -236,6 +240,8 @@ class Bottle:
             "created_at": self.created_at,
             "state": self.state,
             "detail": self.detail,
+            "workload": vm.workload,
+            "workload_exit_code": vm.workload_exit_code,
         }
 
     @classmethod
@@ -291,6 +297,8 @@ class Bottle:
                 policy=f.strings("policy") or (),
                 probe_skipped=flags.get("probe_skipped") is True,
                 probe=f.value("probe", str),
+                workload=f.value("workload", str, optional=True),
+                workload_exit_code=f.value("workload_exit_code", int, optional=True),
             )
             return cls(
                 name=name,

@@ -263,3 +263,4 @@ class RecoveryService(Service):
         vms = self.recovery.vms
         if vms is not None:
             vms.unwatch_all()
+        self.recovery.registry.stop_watching()

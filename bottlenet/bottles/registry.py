@@ -19,13 +19,26 @@ from typing import Any, TypeVar
 
 from attrs import evolve
 from twisted.internet.defer import Deferred
-from twisted.internet.interfaces import IReactorTime
+from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
+from bottlenet.bottles import attach, workload
+from bottlenet.bottles.attach import ExecRequest
+from bottlenet.bottles.events import (
+    CREATED,
+    DEGRADED,
+    DESTROYED,
+    READY,
+    WORKLOAD_EXITED,
+    BottleEvent,
+    EventBus,
+)
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import (
     SOURCE_CONTROL,
     STATE_DEGRADED,
+    STATE_EXITED,
     Bottle,
     Forward,
 )
@@ -36,6 +49,7 @@ from bottlenet.errors import (
     AlreadyExists,
     BottlenetError,
     Busy,
+    Degraded,
     InvalidArgument,
     IsolationFailed,
     NotFound,
@@ -87,6 +101,19 @@ class BottleRegistry:
         self._creating: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
+        #: Every bottle event (created, ready, degraded, destroyed) as it happens.
+        self.events = EventBus()
+        self._waiters: dict[str, workload.WorkloadWaiter] = {}
+
+    def emit(
+        self,
+        kind: str,
+        name: str,
+        state: str | None = None,
+        detail: str | None = None,
+        exit_code: int | None = None,
+    ) -> None:
+        self.events.emit(BottleEvent(kind, name, self._clock.seconds(), state, detail, exit_code))
 
     def _names_changed(self) -> None:
         self._names = None
@@ -201,7 +228,15 @@ class BottleRegistry:
                     f"the daemon holds its maximum of {self._max_bottles} bottles"
                 )
             if spec is not None and spec.has_vms:
-                return await self._create_vm(name, alias, spec)
+                self.emit(CREATED, name, "creating")
+                try:
+                    created = await self._create_vm(name, alias, spec)
+                except BaseException as e:
+                    code = getattr(e, "code", "INTERNAL")
+                    self.emit(DESTROYED, name, None, f"create failed: {code}")
+                    raise
+                self.emit(READY, name, created.state)
+                return created
             addr = self._aliases.claim(name, None if alias is None else str(alias))
             bottle = Bottle(
                 name=name, alias=str(addr), created_at=self._clock.seconds(), source=source
@@ -214,6 +249,8 @@ class BottleRegistry:
                 self._aliases.release(name)
                 raise
             self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
+            self.emit(CREATED, name, bottle.state)
+            self.emit(READY, name, bottle.state)
             return bottle
 
         return await self._locked(name, create)
@@ -247,6 +284,7 @@ class BottleRegistry:
             bottle = self._require(name)  # (inside the lock: a bottle being created is BUSY)
             if bottle.vms is not None:
                 assert self.vms is not None
+                self._stop_waiting(name)
                 try:
                     await self.vms.teardown(bottle)
                 except Exception as e:
@@ -254,6 +292,8 @@ class BottleRegistry:
                     degraded = evolve(bottle, state=STATE_DEGRADED, detail=detail)
                     self._bottles[name] = degraded
                     self._persist_quietly(degraded)
+                    if bottle.state != STATE_DEGRADED:
+                        self.emit(DEGRADED, name, STATE_DEGRADED, detail)
                     raise
             else:
                 await self._table.remove_bottle(name)
@@ -261,6 +301,7 @@ class BottleRegistry:
             del self._bottles[name]
             self._unpersist(bottle)
             self.log.info("bottle {bottle} destroyed", bottle=name)
+            self.emit(DESTROYED, name)
 
         await self._locked(name, destroy)
 
@@ -315,11 +356,96 @@ class BottleRegistry:
 
         return await self._locked(name, push)
 
+    def exec_target(self, name: str) -> Bottle:
+        """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
+        BUSY (being created) or DEGRADED otherwise."""
+        if name in self._creating:
+            raise Busy(f"bottle {name} is being created")
+        bottle, _ = self._require_vms(name)
+        if bottle.state == STATE_DEGRADED:
+            raise Degraded(f"bottle {name} is degraded: {bottle.detail or 'no detail'}")
+        return bottle
+
+    async def spawn_exec(
+        self, name: str, request: ExecRequest, protocol: IProcessProtocol
+    ) -> IProcessTransport:
+        """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio."""
+        return await attach.spawn_exec(self.vms, self.exec_target(name), request, protocol)
+
     def watch(self, bottle: Bottle) -> None:
-        """Turn the bottle degraded when its sidecar's VM process exits."""
+        """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
+        its workload ends."""
         if self.vms is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
         self.vms.watch(bottle, lambda: self._sidecar_exited(bottle.name))
+        self._wait_for_workload(bottle)
+
+    async def spawn_logs(
+        self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
+    ) -> IProcessTransport:
+        """``tail`` of the workload's log in the agent VM, ``protocol`` attached."""
+        bottle = self.exec_target(name)
+        vm = bottle.machine()
+        if vm.workload is None:
+            raise InvalidArgument(f"bottle {name} runs no workload (its spec names none)")
+        argv = workload.logs_argv(vm.agent_vm, tail, follow)
+        return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
+
+    def _wait_for_workload(self, bottle: Bottle) -> None:
+        vm = bottle.vms
+        name = bottle.name
+        if self.vms is None or vm is None or vm.workload != workload.STATE_RUNNING:
+            return
+        if name in self._waiters:
+            return
+
+        def lost() -> None:
+            if self._waiters.get(name) is waiter:
+                del self._waiters[name]
+
+        waiter = workload.WorkloadWaiter(lambda code: self._workload_exited(name, code), lost)
+        self._waiters[name] = waiter
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)))
+
+        def failed(f: Failure) -> None:
+            lost()
+            self.log.warn(
+                "bottle {bottle}: cannot watch its workload: {err}",
+                bottle=name,
+                err=getattr(f.value, "message", type(f.value).__name__),
+            )
+
+        d = Deferred.fromCoroutine(attach.spawn_exec(self.vms, bottle, request, waiter))
+        d.addErrback(failed)
+
+    def _stop_waiting(self, name: str) -> None:
+        waiter = self._waiters.pop(name, None)
+        if waiter is not None:
+            waiter.cancel()
+
+    def stop_watching(self) -> None:
+        """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
+        for name in list(self._waiters):
+            self._stop_waiting(name)
+
+    def _workload_exited(self, name: str, code: int) -> None:
+        self._waiters.pop(name, None)
+        bottle = self._bottles.get(name)
+        if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
+            return
+        if bottle.vms.workload != workload.STATE_RUNNING:
+            return
+        detail = f"workload exited with code {code}"
+        exited = evolve(
+            bottle,
+            state=STATE_EXITED,
+            detail=detail,
+            vms=evolve(bottle.vms, workload=workload.STATE_EXITED, workload_exit_code=code),
+        )
+        self._bottles[name] = exited
+        self.log.info("bottle {bottle}: {detail}", bottle=name, detail=detail)
+        self._persist_quietly(exited)
+        self.emit(WORKLOAD_EXITED, name, STATE_EXITED, detail, code)
 
     def _sidecar_exited(self, name: str) -> None:
         Deferred.fromCoroutine(self.degrade(name, "sidecar VM process exited"))
@@ -330,8 +456,10 @@ class BottleRegistry:
         if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
         degraded = evolve(bottle, state=STATE_DEGRADED, detail=why)
+        self._stop_waiting(name)
         self._bottles[name] = degraded
         self.log.warn("bottle {bottle} is degraded: {why}", bottle=name, why=why)
+        self.emit(DEGRADED, name, STATE_DEGRADED, why)
         if self.vms is not None:
             self.vms.unwatch(name)
         await self._table.remove_bottle(name)

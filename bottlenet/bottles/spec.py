@@ -8,78 +8,38 @@ InvalidArgument naming the field, so no half-valid spec ever reaches smolvm.
 from __future__ import annotations
 
 import os
-import re
-import string
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import idna
 from attrs import field, frozen
 
 from bottlenet.bottles.fields import Fields
+from bottlenet.bottles.specrules import (
+    AGENT_CPUS,
+    AGENT_MEM,
+    LISTEN_TCP,
+    LISTEN_UNIX,
+    MAX_ENV,
+    MAX_SERVICES,
+    MAX_STRING,
+    MODES,
+    SIDECAR_CPUS,
+    SIDECAR_MEM,
+    USER_RE,
+    check_abs_path,
+    check_allow_hosts,
+    check_egress_host,
+    check_env,
+    check_env_entries,
+    check_stamped_total,
+    split_volume,
+    stamp_template,
+)
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
-from bottlenet.paths import MAX_SUN_PATH
 from vmctl.spec import is_local_image as vmctl_is_local_image
 
-MODES = ("auto", "alias", "socket", "none")
-MAX_ALLOW_HOSTS = 256
-MAX_SERVICES = 16
-MAX_ENV = 128
-MAX_STRING = 4096
-ENV_KEY_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,127}")
-_HOST_LABEL_RE = re.compile(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?")
-USER_RE = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?")
-#: Each placeholder's longest value: an IPv4 literal, a port, a socket path, a service name.
-TEMPLATE_FIELDS = {"host": 15, "port": 5, "socket": MAX_SUN_PATH, "service": 32}
-#: Longest value a template may stamp, and the most all stamped env entries may add up to
-#: (well under the kernel's 128 KiB per argv string and its total argv limit).
-MAX_STAMPED = MAX_STRING
-MAX_STAMPED_TOTAL = 256 * 1024
 PACKED_SUFFIX = ".smolmachine"
-
-
-def check_egress_host(host: object) -> str:
-    """Validate one allow-list entry: a lowercase DNS name, optionally ``*.``-prefixed.
-
-    Names follow IDNA 2008 with UTS 46 (the ``idna`` package, not Python's IDNA 2003 codec):
-    ``faß.de`` stays its own domain (``xn--fa-hia.de``), never ``fass.de``. A name must
-    already be in its UTS 46 mapped form (no fullwidth letters, no ``。``), so what an
-    operator wrote is the domain that is allowed; invalid punycode (``xn--zz``) is refused.
-    Unicode names are stored as A-labels, so the sidecar's proxy compares like with like.
-    IP literals are refused: egress is by name.
-    """
-    if not isinstance(host, str) or not host or len(host) > 253:
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a host name")
-    wildcard = host.startswith("*.")
-    body = host[2:] if wildcard else host
-    if body != body.lower():
-        raise InvalidArgument(f"allow-host {safe_repr(host)} must be lowercase")
-    try:
-        mapped = idna.uts46_remap(body, std3_rules=True, transitional=False)
-        if mapped != body:
-            raise InvalidArgument(
-                f"allow-host {safe_repr(host)} is not in its UTS 46 form: write it as "
-                f"{safe_repr(mapped)}"
-            )
-        ascii_body = idna.encode(body).decode("ascii")
-    except (idna.IDNAError, UnicodeError):
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid IDNA name") from None
-    labels = ascii_body.split(".")
-    if len(labels) < 2 or not all(_HOST_LABEL_RE.fullmatch(label) for label in labels):
-        raise InvalidArgument(f"allow-host {safe_repr(host)} is not a valid host name")
-    if labels[-1].isdigit():
-        raise InvalidArgument(f"allow-host {safe_repr(host)}: IP literals are not host names")
-    return ("*." if wildcard else "") + ascii_body
-
-
-def check_allow_hosts(hosts: object) -> tuple[str, ...]:
-    """Validate a whole allow-list (at most 256 names, duplicates removed, order kept)."""
-    if not isinstance(hosts, list | tuple):
-        raise InvalidArgument("allow_hosts must be a list of host names")
-    if len(hosts) > MAX_ALLOW_HOSTS:
-        raise InvalidArgument(f"allow_hosts has more than {MAX_ALLOW_HOSTS} entries")
-    return tuple(dict.fromkeys(check_egress_host(h) for h in hosts))
 
 
 def is_local_image(image: str) -> bool:
@@ -115,8 +75,6 @@ class EgressSpec:
 #: ``--expose-socket`` into the bottle's 0700 directory; ``tcp`` (opt-in, for a sidecar image
 #: that can only serve TCP) raw published ports on host 127.0.0.1, which any local user can
 #: connect to.
-LISTEN_UNIX = "unix"
-LISTEN_TCP = "tcp"
 
 
 @frozen
@@ -181,67 +139,6 @@ def _strings(f: Fields, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _check_env(entries: tuple[str, ...], where: str, *, templates: bool) -> tuple[str, ...]:
-    for i, entry in enumerate(entries):
-        key, sep, value = entry.partition("=")
-        if not sep or not ENV_KEY_RE.fullmatch(key):
-            raise InvalidArgument(f"{where}[{i}]: must be KEY=VALUE with KEY a variable name")
-        if any(ord(c) < 32 and c != "\t" for c in value):
-            raise InvalidArgument(f"{where}[{i}]: value must not contain control characters")
-        if templates:
-            parse_template(value, f"{where}[{i}]")
-    return entries
-
-
-def parse_template(value: str, where: str) -> list[tuple[str, str | None]]:
-    """A template as (literal, field) pieces: bare ``{name}`` placeholders only.
-
-    No format spec (``{host:>100000000}`` would allocate 100 MB in the daemon), no
-    conversion, no attribute or index; the longest value it can stamp must fit MAX_STAMPED.
-    """
-    try:
-        parsed = list(string.Formatter().parse(value))
-    except ValueError:
-        raise InvalidArgument(f"{where}: unbalanced braces in template") from None
-    pieces: list[tuple[str, str | None]] = []
-    longest = 0
-    for literal, name, format_spec, conversion in parsed:
-        if name is not None and (
-            name not in TEMPLATE_FIELDS or format_spec or conversion is not None
-        ):
-            raise InvalidArgument(
-                f"{where}: placeholders are {{host}}, {{port}}, {{socket}} or {{service}}, "
-                "with no format spec or conversion"
-            )
-        longest += len(literal) + (TEMPLATE_FIELDS[name] if name is not None else 0)
-        pieces.append((literal, name))
-    if longest > MAX_STAMPED:
-        raise InvalidArgument(f"{where}: the stamped value could exceed {MAX_STAMPED} characters")
-    return pieces
-
-
-def stamped_length(value: str) -> int:
-    """The longest value a checked template can stamp."""
-    return sum(
-        len(literal) + (TEMPLATE_FIELDS[name] if name is not None else 0)
-        for literal, name in parse_template(value, "template")
-    )
-
-
-def stamp_template(value: str, fields: Mapping[str, str]) -> str:
-    """Fill a template checked by :func:`parse_template` (plain substitution, no format())."""
-    return "".join(
-        literal + (fields[name] if name is not None else "")
-        for literal, name in parse_template(value, "template")
-    )
-
-
-def _check_abs(path: str, where: str) -> str:
-    if not path.startswith("/") or os.path.normpath(path) != path:
-        raise InvalidArgument(f"{where}: must be an absolute, normalised path")
-    return path
-
-
 def _overlaps(a: str, b: str) -> bool:
     """True when one path is the other or lies inside it."""
     return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
@@ -249,16 +146,7 @@ def _overlaps(a: str, b: str) -> bool:
 
 def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
     """``HOST:GUEST[:ro|:rw]``, read-only unless ``:rw`` is written; never a daemon dir."""
-    parts = spec.rsplit(":", 2)
-    if len(parts) == 3 and parts[2] in ("ro", "rw"):
-        host, guest, access = parts[0], parts[1], parts[2]
-    else:
-        host, _, guest = spec.rpartition(":")
-        access = "ro"
-    if not host or not guest:
-        raise InvalidArgument(f"{where}: must be HOST:GUEST[:ro|:rw]")
-    _check_abs(host, where)
-    _check_abs(guest, where)
+    host, guest, access = split_volume(spec, where)
     if not os.path.isdir(host) or os.path.islink(host):
         raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
     _check_protected(host, where, protected)
@@ -289,7 +177,7 @@ def _service(raw: object, where: str) -> ServiceSpec:
     if not LABEL_RE.fullmatch(name):
         raise InvalidArgument(f"{f.path('name')}: must match [a-z0-9][a-z0-9_-]{{0,31}}")
     port = f.integer("guest_port", 1, 65535)
-    env = _check_env(_strings(f, "env"), f.path("env"), templates=True)
+    env = check_env(_strings(f, "env"), f.path("env"), templates=True)
     return ServiceSpec(name, port, env)
 
 
@@ -299,7 +187,7 @@ def _egress(raw: object, where: str) -> EgressSpec:
         hosts = check_allow_hosts(f.get("allow_hosts", []))
     except InvalidArgument as e:
         raise InvalidArgument(f"{f.path('allow_hosts')}: {e.message}") from None
-    policy_path = _check_abs(_string(f, "policy_path"), f.path("policy_path"))
+    policy_path = check_abs_path(_string(f, "policy_path"), f.path("policy_path"))
     reload = _strings(f, "reload", limit=64)
     if not reload or not reload[0].startswith("/"):
         raise InvalidArgument(f"{f.path('reload')}: must be an argv whose first item is absolute")
@@ -316,8 +204,8 @@ def _sidecar(raw: object) -> SidecarSpec:
             'sidecar.listen: must be "unix" (services on guest UNIX sockets, the default) '
             'or "tcp" (raw ports on host 127.0.0.1 that every local user can reach)'
         )
-    cpus = f.integer("cpus", 1, 16, default=1)
-    mem = f.integer("mem", 64, 1 << 20, default=512)
+    cpus = f.integer("cpus", SIDECAR_CPUS[0], SIDECAR_CPUS[1], default=SIDECAR_CPUS[2])
+    mem = f.integer("mem", SIDECAR_MEM[0], SIDECAR_MEM[1], default=SIDECAR_MEM[2])
     raw_services = f.get("service", [])
     if not isinstance(raw_services, list) or not 1 <= len(raw_services) <= MAX_SERVICES:
         raise InvalidArgument(f"sidecar.service: must list 1-{MAX_SERVICES} services")
@@ -326,11 +214,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     if len(set(names)) != len(names):
         raise InvalidArgument("sidecar.service: service names must be unique")
     egress = _egress(f.get("egress"), "sidecar.egress") if "egress" in f.table else None
-    total = sum(stamped_length(entry.partition("=")[2]) for svc in services for entry in svc.env)
-    if total > MAX_STAMPED_TOTAL:
-        raise InvalidArgument(
-            f"sidecar.service: the env templates could stamp more than {MAX_STAMPED_TOTAL} bytes"
-        )
+    check_stamped_total(entry for svc in services for entry in svc.env)
     if (
         egress is not None
         and egress.connect_proxy is not None
@@ -343,9 +227,9 @@ def _sidecar(raw: object) -> SidecarSpec:
 def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
     image = _string(f, "image")
-    cpus = f.integer("cpus", 1, 16, default=2)
-    mem = f.integer("mem", 64, 1 << 20, default=2048)
-    env = _check_env(_strings(f, "env"), "agent.env", templates=False)
+    cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
+    mem = f.integer("mem", AGENT_MEM[0], AGENT_MEM[1], default=AGENT_MEM[2])
+    env = check_env(_strings(f, "env"), "agent.env", templates=False)
     workload = _strings(f, "workload", limit=256)
     volumes = tuple(
         _check_volume(v, f"agent.volumes[{i}]", protected)
@@ -382,3 +266,21 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
             "registry image: use a local image (an archive, a directory or a packed machine)"
         )
     return BottleSpec(name, mode, sidecar, agent, dict(f.table))
+
+
+__all__ = [
+    "MAX_ENV",
+    "MAX_STRING",
+    "AgentSpec",
+    "BottleSpec",
+    "EgressSpec",
+    "ServiceSpec",
+    "SidecarSpec",
+    "check_allow_hosts",
+    "check_egress_host",
+    "check_env_entries",
+    "image_fields",
+    "is_local_image",
+    "parse_bottle_spec",
+    "stamp_template",
+]

@@ -3,6 +3,7 @@
 - :mod:`~bottlenet.cli.main`: the argument parser, the bottle/forward/stats commands, exit codes.
 - :mod:`~bottlenet.cli.top`: ``bottlenetctl top``, a live view of bottles and counters.
 - :mod:`~bottlenet.cli.down`: ``bottlenetctl down``, every bottle destroyed in order.
+- :mod:`~bottlenet.cli.attach`: ``bottle exec``, ``bottle shell``, ``bottle logs``.
 - :mod:`~bottlenet.cli.output`: exit codes, error reporting, the one table renderer.
 
 The rule of this room: the console client talks to the daemon only over the control socket.

@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 import attrs
 
+from bottlenet.cli import attach
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
@@ -24,8 +25,9 @@ from bottlenet.cli.output import (
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control.address import TLSCredentials, parse_control_address
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.errors import BottlenetError
+from bottlenet.errors import BottlenetError, InvalidArgument
 from bottlenet.paths import default_control_path, default_state_dir
 
 
@@ -108,6 +110,9 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     ]
     if b.detail:
         rows.append(["detail", b.detail])
+    if b.workload:
+        code = b.workload_exit_code
+        rows.append(["workload", b.workload if code is None else f"{b.workload} (code {code})"])
     if b.mode:
         rows += [
             ["mode", b.mode],
@@ -219,6 +224,27 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
     write_table(headers, rows, out)
 
 
+def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    """Print bottle events as they happen, one per line (until Ctrl-C, or ``--count``)."""
+    seen = 0
+    if a.count is not None and a.count <= 0:
+        return
+    for ev in c.events(a.bottle):
+        if a.json:
+            _json(ev, out)
+        else:
+            extra = [f"state={ev.state}"] if ev.state else []
+            if ev.exit_code is not None:
+                extra.append(f"exit={ev.exit_code}")
+            if ev.detail:
+                extra.append(f"detail={ev.detail}")
+            out.write(_clean(f"{ev.seq} {ev.kind} {ev.bottle} {' '.join(extra)}".rstrip()) + "\n")
+        out.flush()
+        seen += 1
+        if a.count is not None and seen >= a.count:
+            return
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError("must be a port number 0-65535")
@@ -237,10 +263,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--control",
-        metavar="PATH",
+        metavar="PATH|tls:HOST:PORT",
         help="control socket (default: $BOTTLENET_CONTROL, else"
-        " $XDG_RUNTIME_DIR/bottlenet/control.sock, else <state-dir>/control.sock)",
+        " $XDG_RUNTIME_DIR/bottlenet/control.sock, else <state-dir>/control.sock), or a"
+        " daemon's TLS listener (with --cert/--key/--ca)",
     )
+    p.add_argument("--cert", metavar="PEM", help="TLS control: this client's certificate")
+    p.add_argument("--key", metavar="PEM", help="TLS control: this client's private key")
+    p.add_argument("--ca", metavar="PEM", help="TLS control: the CA that signed the daemon's")
     p.add_argument(
         "--timeout",
         type=float,
@@ -269,6 +299,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(bottle, "ls", cmd_bottle_ls, "list bottles")
     add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
     add(bottle, "verify", cmd_bottle_verify, "run the isolation probe again").add_argument("name")
+    attach.register(bottle, json_flag)
 
     egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
         dest="egress_command", required=True, metavar="ACTION"
@@ -290,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
+    sp.add_argument("--bottle", help="only this bottle's events")
+    sp.add_argument("--count", type=int, help="exit after this many events")
     from bottlenet.cli import down, top  # their own modules (ops subcommands)
 
     top.register(sub, json_flag)
@@ -321,12 +355,42 @@ def main(
     err = err or sys.stderr
     environ = dict(os.environ) if env is None else env
     parser = build_parser()
+    words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
     try:
-        args = parser.parse_args(argv)
+        args = parser.parse_args(words)
     except SystemExit as e:
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
+    args.command_after_dashes = command
     args.json = getattr(args, "json", False)
-    path = _socket_path(args.control or default_control(environ))
+    control = args.control or default_control(environ)
+    path = _socket_path(control) if not control.startswith("tls:") else control
+    try:
+        args.tls = _tls_credentials(args, environ) if control.startswith("tls:") else None
+        parse_control_address(control)
+    except BottlenetError as e:
+        err.write(f"bottlenetctl: error: {_clean(e.message)}\n")
+        return EXIT_USAGE
+    explicit_timeout = args.timeout
+
+    def connect() -> BlockingControlClient:
+        vm = explicit_timeout if explicit_timeout is not None else VM_TIMEOUT
+        return BlockingControlClient(path, timeout=args.timeout, vm_timeout=vm, tls=args.tls)
+
+    if getattr(args, "logs", False):
+        args.timeout = explicit_timeout or VM_TIMEOUT
+        return attach.run_logs(connect, args, err)
+    if getattr(args, "attached", False):
+        problem = attach.prepare(args)
+        if problem is not None:
+            err.write(f"bottlenetctl: error: {problem}\n")
+            return EXIT_USAGE
+        if explicit_timeout is not None and explicit_timeout <= 0:
+            err.write("bottlenetctl: error: --timeout must be positive\n")
+            return EXIT_USAGE
+        args.timeout = explicit_timeout or VM_TIMEOUT
+        return attach.run_exec(connect, args, err)
+    if args.timeout is None and getattr(args, "handler", None) is cmd_events:
+        args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
         handler = getattr(args, "handler", None)
         slow = handler in _vm_handlers() and (
@@ -345,7 +409,7 @@ def main(
         err.write(f"bottlenetctl: error: {_clean(e)}\n")
         return EXIT_USAGE
     try:
-        with BlockingControlClient(path, timeout=args.timeout) as client:
+        with connect() as client:
             args.handler(client, args, out)
     except (ControlConnectionError, BottlenetError) as e:
         return report_control_error(e, path, err)
@@ -355,6 +419,22 @@ def main(
         err.write(f"error: INTERNAL: bottlenetctl failed: {type(e).__name__}\n")
         return EXIT_DAEMON
     return EXIT_OK
+
+
+def _tls_credentials(args: argparse.Namespace, env: dict[str, str]) -> TLSCredentials:
+    """``--cert/--key/--ca``, else ``BOTTLENET_CONTROL_CERT/_KEY/_CA``."""
+    given = [args.cert, args.key, args.ca]
+    if any(given):
+        if not all(given):
+            raise InvalidArgument("--cert, --key and --ca go together")
+        return TLSCredentials(args.cert, args.key, args.ca)
+    creds = TLSCredentials.from_env(env)
+    if creds is None:
+        raise InvalidArgument(
+            "--control tls:HOST:PORT needs --cert, --key and --ca (or BOTTLENET_CONTROL_CERT,"
+            " BOTTLENET_CONTROL_KEY and BOTTLENET_CONTROL_CA)"
+        )
+    return creds
 
 
 def run() -> None:

@@ -261,7 +261,9 @@ def _now() -> str:
 def run_once(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
     """Two snapshots ``--interval`` apart, one frame; exit 3 if the daemon is unreachable."""
     try:
-        with BlockingControlClient(path, timeout=args.timeout) as client:
+        with BlockingControlClient(
+            path, timeout=args.timeout, tls=getattr(args, "tls", None)
+        ) as client:
             version = client.hello().server_version
             first = take_snapshot(client, version)
             time.sleep(args.interval)
@@ -289,7 +291,9 @@ def run_live(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
             started = time.monotonic()
             try:
                 if client is None:
-                    client = BlockingControlClient(path, timeout=args.timeout).connect()
+                    client = BlockingControlClient(
+                        path, timeout=args.timeout, tls=getattr(args, "tls", None)
+                    ).connect()
                     version = client.hello().server_version
                 snap = take_snapshot(client, version)
                 if args.json:

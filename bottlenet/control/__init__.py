@@ -12,8 +12,15 @@
   or a forward to its record.
 - :mod:`~bottlenet.control.results`, :mod:`~bottlenet.control.codec`: typed results,
   reactor-free boxes.
+- :mod:`~bottlenet.control.execbroker`: the daemon's half of an exec session (smolvm child
+  on one side, the switched connection on the other).
+- :mod:`~bottlenet.control.events`: bottle events pushed to watchers, bounded per watcher.
 - :mod:`~bottlenet.control.client` / :mod:`~bottlenet.control.blocking`: the async and the
-  blocking client (the client side: imports no daemon module).
+  blocking client (the client side: imports no daemon module), with
+  :mod:`~bottlenet.control.address` (``PATH`` or ``tls:HOST:PORT`` and the client
+  certificate), :mod:`~bottlenet.control.stream` (the exec frames),
+  :mod:`~bottlenet.control.terminal` (raw mode and SIGWINCH for an exec) and
+  :mod:`~bottlenet.control.specbuilder` (a typed bottle spec).
 
 The rule of this room: control translates AMP into calls on the bottles wing and back. It
 never drives smolvm itself (no :mod:`vmctl` import): VM work goes through

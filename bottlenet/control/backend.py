@@ -16,6 +16,9 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     import ipaddress
 
+    from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+
+    from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
@@ -51,3 +54,11 @@ class ControlBackend(Protocol):
     async def remove_forward(self, bottle: str, label: str) -> None: ...
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]: ...
+
+    async def spawn_exec(
+        self, name: str, request: ExecRequest, protocol: IProcessProtocol
+    ) -> IProcessTransport: ...
+
+    async def spawn_logs(
+        self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
+    ) -> IProcessTransport: ...

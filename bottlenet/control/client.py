@@ -1,39 +1,166 @@
-"""The async control client: one typed method per command, a timeout on every call."""
+"""The async control client: one typed method per command, a timeout on every call.
+
+Each call takes ``timeout=``; without it, calls that wait on smolvm (:data:`VM_COMMANDS`, and
+a create with a spec) get ``vm_timeout`` (300 s), the rest ``timeout`` (10 s). Bottle events
+come as a callback (:meth:`ControlClient.watch`) or an async iterator
+(:meth:`ControlClient.events`).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from twisted.internet.defer import Deferred
-from twisted.internet.endpoints import UNIXClientEndpoint, connectProtocol
+from twisted.internet.defer import Deferred, DeferredQueue
+from twisted.internet.endpoints import (
+    HostnameEndpoint,
+    UNIXClientEndpoint,
+    connectProtocol,
+    wrapClientTLS,
+)
 from twisted.internet.interfaces import IReactorTime, IReactorUNIX, IStreamClientEndpoint
 from twisted.protocols import amp
 
 from bottlenet import __version__
 from bottlenet.control import commands as C
-from bottlenet.control.protocol import HardenedAMP
-from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
+from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
+from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
+from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
 from bottlenet.control.results import AgentEndpoint, HelloResult, Page
+from bottlenet.errors import InvalidArgument
 
 T = TypeVar("T")
 CLIENT_VERSION = f"bottlenet-async/{__version__}"
 
 
-class ControlClient:
-    """Wraps a connected AMP protocol; every call fails with TimeoutError after ``timeout``."""
+DEFAULT_TIMEOUT = 10.0
+VM_TIMEOUT = 300.0
+VM_COMMANDS: frozenset[type[amp.Command]] = frozenset(
+    {C.DestroyBottle, C.VerifyBottle, C.SetEgressPolicy, C.Exec}
+)
+#: Events received but not yet taken from an :class:`EventStream`; beyond it the stream ends.
+MAX_QUEUED_EVENTS = 4096
 
-    def __init__(self, proto: HardenedAMP, clock: IReactorTime, timeout: float = 10.0) -> None:
+
+class ClientLocator(SafeCommandLocator):
+    """The client's responders: the daemon's ``Event`` calls, handed to every listener."""
+
+    def __init__(self) -> None:
+        #: (listener, bottle or None for every bottle)
+        self.listeners: list[tuple[Callable[[EventRecord], None], str | None]] = []
+
+    @C.Event.responder
+    def event(self, event: EventRecord) -> dict[str, Any]:
+        for listener, bottle in list(self.listeners):
+            if bottle is not None and bottle != event.bottle:
+                continue
+            try:
+                listener(event)
+            except Exception:
+                self.log.failure("event listener failed")
+        return {}
+
+
+class EventStream:
+    """``async for event in client.events():`` (ends with EventStreamOverflow if the
+    consumer falls more than :data:`MAX_QUEUED_EVENTS` behind)."""
+
+    def __init__(self) -> None:
+        self._queue: DeferredQueue[EventRecord | None] = DeferredQueue()
+        self.overflowed = False
+
+    def put(self, event: EventRecord) -> None:
+        if self.overflowed:
+            return
+        if len(self._queue.pending) >= MAX_QUEUED_EVENTS:
+            self.overflowed = True
+            self._queue.put(None)
+            return
+        self._queue.put(event)
+
+    def __aiter__(self) -> EventStream:
+        return self
+
+    async def __anext__(self) -> EventRecord:
+        event = await self._queue.get()
+        if event is None:
+            raise EventStreamOverflow(f"more than {MAX_QUEUED_EVENTS} events were not taken")
+        return event
+
+
+class EventStreamOverflow(Exception):
+    """The consumer of an EventStream fell too far behind."""
+
+
+class ControlClient:
+    """Wraps a connected AMP protocol; every call fails with TimeoutError after its timeout."""
+
+    def __init__(
+        self,
+        proto: HardenedAMP,
+        clock: IReactorTime,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        vm_timeout: float = VM_TIMEOUT,
+    ) -> None:
         self.proto = proto
         self.clock = clock
         self.timeout = timeout
+        self.vm_timeout = vm_timeout
+
+    def timeout_for(self, command: type[amp.Command], kw: dict[str, Any]) -> float:
+        if command in VM_COMMANDS or (command is C.CreateBottle and kw.get("spec")):
+            return self.vm_timeout
+        return self.timeout
 
     def _call(
-        self, command: type[amp.Command], convert: Callable[[dict[str, Any]], T], **kw: Any
+        self,
+        command: type[amp.Command],
+        convert: Callable[[dict[str, Any]], T],
+        timeout: float | None = None,
+        **kw: Any,
     ) -> Deferred[T]:
         d: Deferred[dict[str, Any]] = self.proto.callRemote(command, **kw)
-        d.addTimeout(self.timeout, self.clock)
+        d.addTimeout(self.timeout_for(command, kw) if timeout is None else timeout, self.clock)
         return d.addCallback(convert)
+
+    # -- events ------------------------------------------------------------------------
+
+    def watch(
+        self, listener: Callable[[EventRecord], None], bottle: str | None = None
+    ) -> Deferred[int]:
+        """Call ``listener(event)`` for every bottle event from now on; fires with the seq."""
+        locator = self.proto.locator
+        if not isinstance(locator, ClientLocator):
+            raise TypeError("this connection was not made by connect_control")
+        locator.listeners.append((listener, bottle))
+        return self._call(C.Watch, lambda a: int(a["seq"]), bottle=bottle)
+
+    def events(self, bottle: str | None = None) -> Deferred[EventStream]:
+        """An async iterator of bottle events (subscribed once this fires)."""
+        stream = EventStream()
+        return self.watch(stream.put, bottle).addCallback(lambda _: stream)
+
+    # -- every page --------------------------------------------------------------------
+
+    async def _all(self, fetch: Callable[[int], Deferred[Page[Any]]]) -> list[Any]:
+        items: list[Any] = []
+        offset: int | None = 0
+        while offset is not None:
+            page = await fetch(offset)
+            items.extend(page.items)
+            offset = page.next_offset
+        return items
+
+    def all_bottles(self) -> Deferred[list[BottleRecord]]:
+        return Deferred.fromCoroutine(self._all(lambda o: self.list_bottles(o)))
+
+    def all_forwards(self, bottle: str | None = None) -> Deferred[list[ForwardRecord]]:
+        return Deferred.fromCoroutine(self._all(lambda o: self.list_forwards(bottle, o)))
+
+    def all_stats(self, bottle: str | None = None) -> Deferred[list[StatsRecord]]:
+        return Deferred.fromCoroutine(self._all(lambda o: self.stats(bottle, o)))
 
     def close(self) -> None:
         self.proto.close()
@@ -46,74 +173,102 @@ class ControlClient:
             protocols=list(C.SUPPORTED_PROTOCOLS),
         )
 
-    def ping(self) -> Deferred[None]:
-        return self._call(C.Ping, lambda _: None)
+    def ping(self, *, timeout: float | None = None) -> Deferred[None]:
+        return self._call(C.Ping, lambda _: None, timeout)
 
     def create_bottle(
-        self, name: str, alias: str | None = None, spec: str | None = None
+        self,
+        name: str,
+        alias: str | None = None,
+        spec: str | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Deferred[BottleRecord]:
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-        return self._call(C.CreateBottle, lambda a: a["bottle"], name=name, alias=alias, spec=spec)
+        return self._call(
+            C.CreateBottle, lambda a: a["bottle"], timeout, name=name, alias=alias, spec=spec
+        )
 
-    def verify_bottle(self, name: str) -> Deferred[tuple[BottleRecord, str]]:
-        return self._call(C.VerifyBottle, lambda a: (a["bottle"], a["result"]), name=name)
+    def verify_bottle(
+        self, name: str, *, timeout: float | None = None
+    ) -> Deferred[tuple[BottleRecord, str]]:
+        return self._call(C.VerifyBottle, lambda a: (a["bottle"], a["result"]), timeout, name=name)
 
-    def set_egress_policy(self, bottle: str, hosts: list[str]) -> Deferred[tuple[str, ...]]:
+    def set_egress_policy(
+        self, bottle: str, hosts: list[str], *, timeout: float | None = None
+    ) -> Deferred[tuple[str, ...]]:
         return self._call(
             C.SetEgressPolicy,
             lambda a: tuple(a["allow_hosts"]),
+            timeout,
             bottle=bottle,
             allow_hosts=list(hosts),
         )
 
-    def destroy_bottle(self, name: str) -> Deferred[None]:
-        return self._call(C.DestroyBottle, lambda _: None, name=name)
+    def destroy_bottle(self, name: str, *, timeout: float | None = None) -> Deferred[None]:
+        return self._call(C.DestroyBottle, lambda _: None, timeout, name=name)
 
     def list_bottles(
-        self, offset: int = 0, limit: int | None = None
+        self, offset: int = 0, limit: int | None = None, *, timeout: float | None = None
     ) -> Deferred[Page[BottleRecord]]:
         return self._call(
             C.ListBottles,
             lambda a: Page.from_answer(a, "bottles"),
+            timeout,
             offset=offset,
             limit=limit,
         )
 
-    def bottle_status(self, name: str) -> Deferred[BottleRecord]:
-        return self._call(C.BottleStatus, lambda a: a["bottle"], name=name)
+    def bottle_status(self, name: str, *, timeout: float | None = None) -> Deferred[BottleRecord]:
+        return self._call(C.BottleStatus, lambda a: a["bottle"], timeout, name=name)
 
     def add_forward(
-        self, bottle: str, label: str, target: str, port: int = 0
+        self, bottle: str, label: str, target: str, port: int = 0, *, timeout: float | None = None
     ) -> Deferred[AgentEndpoint]:
         return self._call(
             C.AddForward,
             AgentEndpoint.from_answer,
+            timeout,
             bottle=bottle,
             label=label,
             target=target,
             port=port,
         )
 
-    def remove_forward(self, bottle: str, label: str) -> Deferred[None]:
-        return self._call(C.RemoveForward, lambda _: None, bottle=bottle, label=label)
+    def remove_forward(
+        self, bottle: str, label: str, *, timeout: float | None = None
+    ) -> Deferred[None]:
+        return self._call(C.RemoveForward, lambda _: None, timeout, bottle=bottle, label=label)
 
     def list_forwards(
-        self, bottle: str | None = None, offset: int = 0, limit: int | None = None
+        self,
+        bottle: str | None = None,
+        offset: int = 0,
+        limit: int | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Deferred[Page[ForwardRecord]]:
         return self._call(
             C.ListForwards,
             lambda a: Page.from_answer(a, "forwards"),
+            timeout,
             bottle=bottle,
             offset=offset,
             limit=limit,
         )
 
     def stats(
-        self, bottle: str | None = None, offset: int = 0, limit: int | None = None
+        self,
+        bottle: str | None = None,
+        offset: int = 0,
+        limit: int | None = None,
+        *,
+        timeout: float | None = None,
     ) -> Deferred[Page[StatsRecord]]:
         return self._call(
             C.Stats,
             lambda a: Page.from_answer(a, "stats"),
+            timeout,
             bottle=bottle,
             offset=offset,
             limit=limit,
@@ -123,14 +278,51 @@ class ControlClient:
 def connect_control(
     reactor: Any,
     where: str | IStreamClientEndpoint,
-    timeout: float = 10.0,
+    timeout: float = DEFAULT_TIMEOUT,
+    *,
+    vm_timeout: float = VM_TIMEOUT,
+    tls: TLSCredentials | None = None,
 ) -> Deferred[ControlClient]:
-    """Connect to a control socket path (or any client endpoint) and wrap it."""
+    """Connect to a control socket path, ``tls:HOST:PORT`` (with ``tls`` credentials, else
+    from the environment) or any client endpoint, and wrap it."""
     endpoint: IStreamClientEndpoint
     if isinstance(where, str):
-        unix_reactor: IReactorUNIX = reactor
-        endpoint = UNIXClientEndpoint(unix_reactor, where, timeout=int(max(1, timeout)))
+        address = parse_control_address(where)
+        if address.kind == "tls":
+            endpoint = _tls_endpoint(reactor, address, tls, timeout)
+        else:
+            assert address.path is not None
+            unix_reactor: IReactorUNIX = reactor
+            endpoint = UNIXClientEndpoint(unix_reactor, address.path, timeout=int(max(1, timeout)))
     else:
         endpoint = where
-    d: Deferred[HardenedAMP] = connectProtocol(endpoint, HardenedAMP(pause_reading=False))
-    return d.addCallback(lambda proto: ControlClient(proto, reactor, timeout))
+    proto = HardenedAMP(locator=ClientLocator(), pause_reading=False)
+    d: Deferred[HardenedAMP] = connectProtocol(endpoint, proto)
+    return d.addCallback(lambda p: ControlClient(p, reactor, timeout, vm_timeout=vm_timeout))
+
+
+def _tls_endpoint(
+    reactor: Any, address: ControlAddress, tls: TLSCredentials | None, timeout: float
+) -> IStreamClientEndpoint:
+    from twisted.internet import ssl
+
+    creds = tls or TLSCredentials.from_env(os.environ)
+    if creds is None:
+        raise InvalidArgument("a tls: control address needs a client certificate, key and CA")
+    assert address.host is not None and address.port is not None
+    try:
+        with open(creds.cert, "rb") as f:
+            cert_pem = f.read()
+        with open(creds.key, "rb") as f:
+            key_pem = f.read()
+        with open(creds.ca, "rb") as f:
+            ca_pem = f.read()
+        options = ssl.optionsForClientTLS(
+            address.host,
+            trustRoot=ssl.Certificate.loadPEM(ca_pem),
+            clientCertificate=ssl.PrivateCertificate.loadPEM(cert_pem + b"\n" + key_pem),
+        )
+    except (OSError, ValueError, Exception) as e:
+        raise InvalidArgument(f"cannot load the TLS client credentials: {e}") from None
+    inner = HostnameEndpoint(reactor, address.host, address.port, timeout=timeout)
+    return wrapClientTLS(options, inner)

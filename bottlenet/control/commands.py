@@ -19,6 +19,7 @@ from twisted.protocols import amp
 
 from bottlenet.control.records import (
     BottleRecord,
+    EventRecord,
     ForwardRecord,
     Record,
     RecordList,
@@ -30,7 +31,7 @@ PROTOCOL_VERSION = 1
 SUPPORTED_PROTOCOLS = (1,)
 # Server-side cap on page sizes; each page is also trimmed to a byte budget.
 MAX_PAGE = 100
-FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify")
+FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify", "exec", "events", "logs")
 
 
 class InternalError(BottlenetError):
@@ -241,6 +242,63 @@ class Stats(ControlCommand):
     response = _page_response(b"stats", RecordList(StatsRecord))
 
 
+class Exec(ControlCommand):
+    """Run a command in a VM bottle's agent VM; the answer switches the connection.
+
+    After the answer the connection carries only the frames of
+    :mod:`bottlenet.control.stream` (stdin, resize; stdout, stderr, exit), never AMP again.
+    ``stdin`` forwards the client's input (``-i``); ``tty`` gives the command a terminal of
+    ``rows`` x ``cols`` (``-t``). It must be the only command in flight on its connection.
+    """
+
+    commandName = b"bottlenet.Exec"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"argv", StrictListOf(amp.Unicode())),
+        (b"env", StrictListOf(amp.Unicode(), optional=True)),
+        (b"user", amp.Unicode(optional=True)),
+        (b"workdir", amp.Unicode(optional=True)),
+        (b"stdin", StrictBoolean(optional=True)),
+        (b"tty", StrictBoolean(optional=True)),
+        (b"rows", StrictInteger(optional=True)),
+        (b"cols", StrictInteger(optional=True)),
+    ]
+    response = [(b"tty", StrictBoolean())]
+
+
+class Logs(ControlCommand):
+    """The workload's output (its last ``tail`` lines; ``follow`` keeps printing): the answer
+    switches the connection to exec frames, as ``Exec`` does (STDOUT, STDERR, EXIT)."""
+
+    commandName = b"bottlenet.Logs"
+    arguments = [
+        (b"bottle", amp.Unicode()),
+        (b"tail", StrictInteger(optional=True)),
+        (b"follow", StrictBoolean(optional=True)),
+    ]
+    response = []
+
+
+class Watch(ControlCommand):
+    """Subscribe this connection to bottle events: the daemon then calls ``Event`` on it.
+
+    Each connection has a bounded backlog of unanswered events; a watcher that stops
+    answering is disconnected, never buffered without limit.
+    """
+
+    commandName = b"bottlenet.Watch"
+    arguments = [(b"bottle", amp.Unicode(optional=True))]
+    response = [(b"seq", StrictInteger())]
+
+
+class Event(ControlCommand):
+    """Daemon to client: one bottle event (answered with an empty box)."""
+
+    commandName = b"bottlenet.Event"
+    arguments = [(b"event", Record(EventRecord))]
+    response = []
+
+
 ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Hello,
     Ping,
@@ -254,7 +312,12 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Stats,
     VerifyBottle,
     SetEgressPolicy,
+    Exec,
+    Logs,
+    Watch,
 )
+#: Commands the daemon calls on its clients (the client answers them).
+PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
 MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
     {CreateBottle, DestroyBottle, AddForward, RemoveForward, VerifyBottle, SetEgressPolicy}
 )

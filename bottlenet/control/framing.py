@@ -51,6 +51,14 @@ class BoxParser:
         """True when a box has started but is not finished (a truncated frame at EOF)."""
         return bool(self._box) or self._key is not None or self.buffered > 0
 
+    def take_rest(self) -> bytes:
+        """Everything received after the last complete box (the connection switched away
+        from AMP); the parser is empty afterwards."""
+        rest = bytes(self._buf[self._pos :])
+        self._buf = bytearray()
+        self._pos = 0
+        return rest
+
     def feed(self, data: bytes) -> None:
         if self.failed is not None:
             return

@@ -14,7 +14,7 @@ What stock ``amp.AMP`` does that we must not (reliability catalogue finding 5, t
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.internet.interfaces import IConsumer, IPushProducer, ISystemHandle, ITCPTransport
@@ -128,6 +128,16 @@ class SafeCommandLocator(amp.CommandLocator):
         return doit
 
 
+class StreamSink(Protocol):
+    """Where a switched connection's bytes go (see :meth:`HardenedAMP.switch_after_answer`)."""
+
+    def attach(self, transport: Any, leftover: bytes) -> None: ...
+
+    def client_data(self, data: bytes) -> None: ...
+
+    def client_lost(self) -> None: ...
+
+
 @implementer(IPushProducer)
 class HardenedAMP(amp.AMP):
     """AMP with bounded parsing, value-free errors and read back-pressure."""
@@ -148,6 +158,8 @@ class HardenedAMP(amp.AMP):
         self._in_flight = 0
         self._closing = False
         self._reading_enabled = True
+        self._pending_switch: StreamSink | None = None
+        self._switched: StreamSink | None = None
 
     # -- connection life -------------------------------------------------------------
 
@@ -189,8 +201,39 @@ class HardenedAMP(amp.AMP):
         """Structured fields naming the peer (at least ``peer``) for log lines about it."""
         return {"peer": "unauthenticated"}
 
+    # -- switching away from AMP (exec sessions) -----------------------------------------
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def switch_after_answer(self, sink: StreamSink) -> None:
+        """Once the answer of the command being handled is written, the connection stops
+        speaking AMP: every later byte goes to ``sink`` (and none is parsed as a box)."""
+        self._pending_switch = sink
+
+    def _switch(self) -> None:
+        sink, self._pending_switch = self._pending_switch, None
+        if sink is None or self.transport is None or self._closing:
+            if sink is not None:
+                sink.client_lost()
+            return
+        self._switched = sink
+        self.ctransport.unregisterProducer()
+        if not self._reading_enabled:
+            self._reading_enabled = True
+            self.ctransport.resumeProducing()
+        self._pause_reasons.clear()
+        sink.attach(self.transport, self._parser.take_rest())
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._closing = True
+        sink, self._switched = self._switched, None
+        if sink is not None:
+            sink.client_lost()
+        pending, self._pending_switch = self._pending_switch, None
+        if pending is not None:
+            pending.client_lost()
         if self._parser.mid_box and self._parser.failed is None:
             self.log.info("control: connection closed mid-box (truncated frame)")
         amp.BinaryBoxProtocol.connectionLost(self, reason)  # not AMP's: it logs a line
@@ -199,6 +242,8 @@ class HardenedAMP(amp.AMP):
     # -- producer (the transport pauses us when its write buffer is full) ---------------
 
     def _set_paused(self, reason: str, paused: bool) -> None:
+        if self._switched is not None:
+            return
         if paused:
             self._pause_reasons.add(reason)
         else:
@@ -234,6 +279,9 @@ class HardenedAMP(amp.AMP):
         return True
 
     def dataReceived(self, data: bytes) -> None:
+        if self._switched is not None:
+            self._switched.client_data(data)
+            return
         if self._closing or not self.may_parse():
             return
         self._parser.feed(data)
@@ -243,7 +291,7 @@ class HardenedAMP(amp.AMP):
         self._drain()
 
     def _drain(self) -> None:
-        while not self._closing and not self._pause_reasons:
+        while not self._closing and not self._pause_reasons and self._switched is None:
             if self._in_flight >= MAX_IN_FLIGHT:
                 self._set_paused("in-flight", True)
                 return
@@ -307,9 +355,14 @@ class HardenedAMP(amp.AMP):
                 self._set_paused("in-flight", False)
                 self._drain()
 
+        def switch(_: object) -> None:
+            if self._pending_switch is not None:
+                self._switch()
+
         d = self.dispatchCommand(box)
         d.addCallbacks(answer, error)
         d.addCallback(self._safeEmit)
+        d.addCallback(switch)
         d.addErrback(self.unhandledError)
         d.addBoth(done)
 

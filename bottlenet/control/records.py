@@ -73,6 +73,8 @@ class BottleRecord:
     probe: str | None = None
     warnings: tuple[str, ...] = ()
     detail: str | None = None
+    workload: str | None = None
+    workload_exit_code: int | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
@@ -96,6 +98,35 @@ class BottleRecord:
             probe=f.value("probe", str, optional=True),
             warnings=f.strings("warnings", optional=True) or (),
             detail=f.value("detail", str, optional=True),
+            workload=f.value("workload", str, optional=True),
+            workload_exit_code=f.value("workload_exit_code", int, optional=True),
+        )
+
+
+@frozen
+class EventRecord:
+    """One bottle event pushed to watchers: ``kind`` is ``created``, ``ready``,
+    ``degraded``, ``workload_exited`` or ``destroyed``; ``seq`` grows by one per event."""
+
+    seq: int
+    kind: str
+    bottle: str
+    at: float
+    state: str | None = None
+    detail: str | None = None
+    exit_code: int | None = None
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> EventRecord:
+        f = _fields(d, "event")
+        return cls(
+            seq=f.value("seq", int),
+            kind=f.value("kind", str),
+            bottle=f.value("bottle", str),
+            at=f.number("at"),
+            state=f.value("state", str, optional=True),
+            detail=f.value("detail", str, optional=True),
+            exit_code=f.value("exit_code", int, optional=True),
         )
 
 
@@ -178,6 +209,8 @@ def bottle_record(bottle: Bottle, forwards: int, *, with_env: bool = True) -> Bo
         probe=vm.probe if vm else None,
         warnings=bottle.warnings,
         detail=bottle.detail,
+        workload=vm.workload if vm else None,
+        workload_exit_code=vm.workload_exit_code if vm else None,
     )
 
 

@@ -12,7 +12,7 @@ import json
 import re
 import socket
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 from attrs import frozen
@@ -24,9 +24,13 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.backend import ControlBackend
+from bottlenet.control.events import EventHub
+from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import (
@@ -38,7 +42,7 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.errors import Busy, InvalidArgument, Unavailable, safe_repr
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
@@ -162,6 +166,7 @@ class ControlLocator(SafeCommandLocator):
         self.backend: ControlBackend = factory.backend
         self.peer: PeerIdentity | None = None
         self.on_command = factory.on_command
+        self.connection: ControlServerProtocol | None = None
 
     async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
         peer = self.peer
@@ -243,6 +248,112 @@ class ControlLocator(SafeCommandLocator):
         name = check_bottle_name(name)
         await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
         return {}
+
+    @C.Exec.responder
+    async def exec_command(
+        self,
+        bottle: str,
+        argv: list[str],
+        env: list[str] | None,
+        user: str | None,
+        workdir: str | None,
+        stdin: bool | None,
+        tty: bool | None,
+        rows: int | None,
+        cols: int | None,
+    ) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        request = parse_exec_request(
+            argv,
+            env=env or (),
+            user=user,
+            workdir=workdir,
+            stdin=bool(stdin),
+            tty=bool(tty),
+            rows=rows,
+            cols=cols,
+        )
+        await self._attach(
+            bottle,
+            lambda bridge: self.backend.spawn_exec(bottle, request, bridge),
+            tty=request.tty,
+            stdin=request.stdin,
+            what="exec",
+        )
+        return {"tty": request.tty}
+
+    async def _attach(
+        self,
+        bottle: str,
+        spawn: Callable[[ExecBridge], Awaitable[object]],
+        *,
+        tty: bool,
+        stdin: bool,
+        what: str,
+    ) -> None:
+        """Start a command with a bridge; the connection switches once the answer is out."""
+        connection = self.connection
+        if connection is None or connection.in_flight != 1:
+            raise Busy(f"{what} needs a connection of its own (no other command in flight)")
+        f = self.factory
+        if f.stopping:
+            raise Unavailable("the daemon is stopping")
+        peer = self.peer.describe() if self.peer else "?"
+        bridge = ExecBridge(
+            bottle=bottle,
+            peer=peer,
+            tty=tty,
+            stdin=stdin,
+            clock=f.clock,
+            resize=resize,
+            on_end=f.exec_sessions.discard,
+        )
+        self.log.info(
+            "control: {what} in bottle {bottle} requested by {peer} (tty={tty}, stdin={stdin})",
+            what=what,
+            bottle=bottle,
+            peer=peer,
+            tty=tty,
+            stdin=stdin,
+            uid=self.peer.uid if self.peer else None,
+            pid=self.peer.pid if self.peer else None,
+        )
+        await spawn(bridge)
+        f.exec_sessions.add(bridge)
+        if connection.transport is None:  # the client left while smolvm was starting
+            bridge.client_lost()
+        else:
+            connection.switch_after_answer(bridge)
+
+    @C.Logs.responder
+    async def logs(self, bottle: str, tail: int | None, follow: bool | None) -> dict[str, Any]:
+        check_bottle_name(bottle)
+        lines = DEFAULT_TAIL if tail is None else tail
+        if not 0 <= lines <= MAX_TAIL:
+            raise InvalidArgument(f"tail must be 0-{MAX_TAIL}")
+        await self._attach(
+            bottle,
+            lambda bridge: self.backend.spawn_logs(bottle, lines, bool(follow), bridge),
+            tty=False,
+            stdin=False,
+            what="logs",
+        )
+        return {}
+
+    @C.Watch.responder
+    def watch(self, bottle: str | None) -> dict[str, Any]:
+        if bottle is not None:
+            check_bottle_name(bottle)
+        hub = self.factory.event_hub
+        if hub is None or self.connection is None:
+            raise Unavailable("this daemon publishes no events")
+        seq = hub.watch(self.connection, bottle)
+        self.log.info(
+            "control: {peer} watches events (from seq {seq})",
+            peer=self.peer.describe() if self.peer else "?",
+            seq=seq,
+        )
+        return {"seq": seq}
 
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
@@ -333,6 +444,7 @@ class ControlServerProtocol(HardenedAMP):
     def __init__(self, factory: ControlServerFactory) -> None:
         self.control = ControlLocator(factory)
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
+        self.control.connection = self
         self.factory = factory
         self._holds_slot = True
 
@@ -344,6 +456,8 @@ class ControlServerProtocol(HardenedAMP):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.release_slot()
+        if self.factory.event_hub is not None:
+            self.factory.event_hub.forget(self)
         super().connectionLost(reason)
 
     @property
@@ -430,9 +544,15 @@ class ControlServerFactory(Factory):
         clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
         on_command: CommandObserver | None = None,
+        event_hub: EventHub | None = None,
+        exec_sessions: set[ExecBridge] | None = None,
         max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
     ) -> None:
         self.backend = backend
+        self.event_hub = event_hub
+        #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
+        self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
+        self.stopping = False
         #: Concurrent connections at most (their boxes are capped at 256 KiB each).
         self.max_connections = max_connections
         self.open_connections = 0
@@ -460,7 +580,22 @@ class ControlServerFactory(Factory):
             auto_flush=clock is not None,
         )
 
+    @property
+    def clock(self) -> Any:
+        if self._clock is not None:
+            return self._clock
+        from twisted.internet import reactor
+
+        return reactor
+
+    def end_exec_sessions(self) -> None:
+        """The daemon stops: end every command still running for a client."""
+        self.stopping = True
+        for bridge in list(self.exec_sessions):
+            bridge.terminate()
+
     def stopFactory(self) -> None:
+        self.end_exec_sessions()
         self.refused_log.flush()
 
     def for_tls(self) -> ControlServerFactory:
@@ -477,6 +612,8 @@ class ControlServerFactory(Factory):
             clock=self._clock,
             refused_log=self.refused_log,
             on_command=self.on_command,
+            event_hub=self.event_hub,
+            exec_sessions=self.exec_sessions,
             max_connections=self.max_connections,
         )
         tls.smolvm_source = self.smolvm_source

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from bottlenet.bottles import workload
 from bottlenet.bottles.model import LABEL_BOTTLE, LABEL_OWNER, LABEL_ROLE
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import Busy, ResourceExhausted
@@ -61,8 +62,9 @@ def test_socket_mode_create(rigs: Rigs, tmp: str) -> None:
         assert stat.S_ISSOCK(os.stat(e.path).st_mode)
         assert info.spec.target.describe() == f"127.0.0.1:{e.raw_port}"
     # the gate ran before the workload, which runs detached with the stamped env
-    probe, workload = [argv for name, argv in rig.smolvm.execs if name == "bn-b1-agent"]
-    assert probe == PROBE_ARGV and workload == ["/agent", "run"]
+    probe, check, started = [argv for name, argv in rig.smolvm.execs if name == "bn-b1-agent"]
+    assert probe == PROBE_ARGV and check == workload.prepare_argv(("/agent", "run"), "bn-b1-agent")
+    assert started == workload.wrap(("/agent", "run"), "bn-b1-agent")
     assert vm.probe == "PASS" and b.warnings == ()
     assert rig.state()["b1"] == b.to_state()
 

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 from twisted.internet.defer import Deferred, fail
 
+from bottlenet.bottles import workload as guest_workload
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
@@ -159,12 +160,46 @@ def test_probe_fails(rigs: Callable[..., Rig], tmp: str) -> None:
 def test_workload_fails(rigs: Callable[..., Rig], tmp: str) -> None:
     rig = rigs(options=VMOptions(instance_id="", skip_probe=True))
 
+    missing = ("/nonexistent/agent",)
+
     def workload(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
-        return exits(127) if argv[0] == "/nonexistent/agent" else None
+        # the guest has no such command: bottlenet's prepare step says so (`command -v`)
+        prepare = guest_workload.prepare_argv(missing, name)
+        return exits(guest_workload.PREPARE_NOT_FOUND) if list(argv) == prepare else None
 
     rig.smolvm.on_exec = workload
-    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, workload=("/nonexistent/agent",)))
-    assert "workload" in error.message
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, workload=missing))
+    assert "workload" in error.message and "not found" in error.message
+    assert not any(argv == guest_workload.wrap(missing, name) for name, argv in rig.smolvm.execs)
+
+
+def test_workload_dir_cannot_be_made(rigs: Callable[..., Rig], tmp: str) -> None:
+    """The workload's user cannot make its log directory: the create fails and rolls back
+    (the detached wrapper would have started, written no exit code, and its waiter would have
+    waited forever)."""
+    rig = rigs(options=VMOptions(instance_id="", skip_probe=True))
+
+    def workload(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+        prepare = guest_workload.prepare_argv(("/agent",), name)
+        return exits(guest_workload.PREPARE_NO_DIR) if list(argv) == prepare else None
+
+    rig.smolvm.on_exec = workload
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, workload=("/agent",)))
+    assert "cannot create" in error.message and guest_workload.guest_dir("bn-rb-agent") in (
+        error.message
+    )
+    assert not any(argv[:3] == guest_workload.wrap((), name)[:3] for name, argv in rig.smolvm.execs)
+
+
+def test_workload_start_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+    rig = rigs(options=VMOptions(instance_id="", skip_probe=True))
+
+    def workload(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+        return exits(125) if list(argv) == guest_workload.wrap(("/agent",), name) else None
+
+    rig.smolvm.on_exec = workload
+    error = create_fails(rig, "SMOLVM_FAILED", spec(tmp, workload=("/agent",)))
+    assert "starting the workload" in error.message and "exit 125" in error.message
 
 
 def test_state_write_fails(rigs: Callable[..., Rig], tmp: str) -> None:

@@ -182,10 +182,14 @@ class EntrypointOrderTests(DaemonCase):
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
         self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
-        gate, workload = agent_calls[2], agent_calls[3]
+        # then the workload's prepare step (its dir, its command), then the workload (detached)
+        gate, check, workload = agent_calls[2], agent_calls[3], agent_calls[4]
         self.assertIn("-d", workload["argv"])
         self.assertNotIn("-d", gate["argv"])
-        self.assertLess(gate["time"], workload["time"])
+        self.assertNotIn("-d", check["argv"])
+        self.assertIn("bottlenet-prepare", check["argv"])
+        self.assertLess(gate["time"], check["time"])
+        self.assertLess(check["time"], workload["time"])
         self.assertLess(gate["time"], workload_at)
         await client.destroy_bottle("e1")
 

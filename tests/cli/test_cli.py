@@ -151,7 +151,7 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
     seen: dict[str, float] = {}
 
     class Recorder:
-        def __init__(self, path: str, timeout: float) -> None:
+        def __init__(self, path: str, timeout: float, **kw: object) -> None:
             seen["timeout"] = timeout
 
         def __enter__(self) -> Recorder:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import ipaddress
 import os
 
 from attrs import frozen
@@ -68,7 +69,9 @@ def make_ca(cn: str) -> Issued:
     return _pem(key, cert)
 
 
-def issue(ca: Issued, cn: str, *, server: bool, expired: bool = False) -> Issued:
+def issue(
+    ca: Issued, cn: str, *, server: bool, expired: bool = False, ips: tuple[str, ...] = ()
+) -> Issued:
     key = ec.generate_private_key(ec.SECP256R1())
     now = datetime.datetime.now(datetime.UTC)
     if expired:
@@ -92,9 +95,9 @@ def issue(ca: Issued, cn: str, *, server: bool, expired: bool = False) -> Issued
         )
     )
     if server:
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(cn)]), critical=False
-        )
+        names: list[x509.GeneralName] = [x509.DNSName(cn)]
+        names += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ips]
+        builder = builder.add_extension(x509.SubjectAlternativeName(names), critical=False)
     return _pem(key, builder.sign(ca.key, hashes.SHA256()))
 
 

@@ -11,7 +11,13 @@ from twisted.protocols import amp
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.framing import BoxParser
-from bottlenet.control.records import BottleRecord, EndpointRecord, ForwardRecord, StatsRecord
+from bottlenet.control.records import (
+    BottleRecord,
+    EndpointRecord,
+    EventRecord,
+    ForwardRecord,
+    StatsRecord,
+)
 from bottlenet.control.server import ControlLocator, paginate
 from bottlenet.errors import ALL_ERRORS
 
@@ -203,10 +209,65 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         {"allow_hosts": ["example.org", "*.pypi.org"]},
         b"\x00\x07_answer\x00\x011\x00\x0ballow_hosts\x00\x19\x00\x0bexample.org\x00\n*.pypi.org\x00\x00",
     ),
+    (
+        C.Exec,
+        {
+            "bottle": "b2",
+            "argv": ["sh", "-c", "echo hi"],
+            "env": ["K=V"],
+            "user": "1000",
+            "stdin": True,
+            "tty": True,
+            "rows": 24,
+            "cols": 80,
+        },
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0ebottlenet.Exec\x00\x04argv\x00\x11\x00\x02sh\x00\x02-c\x00\x07echo"
+        b" hi"
+        b"\x00\x06bottle\x00\x02b2\x00\x04cols\x00\x0280\x00\x03env\x00\x05\x00\x03K=V\x00\x04rows\x00\x0224\x00\x05stdin\x00\x04True\x00\x03tty\x00\x04True\x00\x04user\x00\x041000\x00\x00",
+        {"tty": True},
+        b"\x00\x07_answer\x00\x011\x00\x03tty\x00\x04True\x00\x00",
+    ),
+    (
+        C.Logs,
+        {"bottle": "b2", "tail": 50, "follow": True},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0ebottlenet.Logs\x00\x06bottle\x00\x02b2\x00\x06follow\x00\x04True\x00\x04tail\x00\x0250\x00\x00",
+        {},
+        b"\x00\x07_answer\x00\x011\x00\x00",
+    ),
+    (
+        C.Watch,
+        {"bottle": "b2"},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Watch\x00\x06bottle\x00\x02b2\x00\x00",
+        {"seq": 7},
+        b"\x00\x07_answer\x00\x011\x00\x03seq\x00\x017\x00\x00",
+    ),
+]
+# Commands the daemon sends to its clients (pinned the same way).
+PUSHED_GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [
+    (
+        C.Event,
+        {
+            "event": EventRecord(
+                seq=8,
+                kind="degraded",
+                bottle="b2",
+                at=1700000000.5,
+                state="degraded",
+                detail="sidecar VM process exited",
+            )
+        },
+        b'\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Event\x00\x05event\x00s{"seq":8,"kind":"degraded","bottle":"b2","at":1700000000.5,"state":"degraded","detail":"sidecar'
+        b" VM process exited"
+        b'"}\x00\x00',
+        {},
+        b"\x00\x07_answer\x00\x011\x00\x00",
+    ),
 ]
 
 
-@pytest.mark.parametrize(("command", "args", "request_bytes", "response", "answer_bytes"), GOLDEN)
+@pytest.mark.parametrize(
+    ("command", "args", "request_bytes", "response", "answer_bytes"), GOLDEN + PUSHED_GOLDEN
+)
 def test_golden_bytes(
     command: type[C.ControlCommand],
     args: dict[str, Any],
@@ -231,6 +292,7 @@ def test_golden_bytes(
 
 def test_golden_covers_every_command() -> None:
     assert {g[0] for g in GOLDEN} == set(C.ALL_COMMANDS)
+    assert {g[0] for g in PUSHED_GOLDEN} == set(C.PUSHED_COMMANDS)
 
 
 def _declared_commands() -> list[type[C.ControlCommand]]:
@@ -246,7 +308,7 @@ def _declared_commands() -> list[type[C.ControlCommand]]:
 
 def test_all_commands_listed_and_namespaced() -> None:
     declared = _declared_commands()
-    assert set(declared) == set(C.ALL_COMMANDS)
+    assert set(declared) == set(C.ALL_COMMANDS) | set(C.PUSHED_COMMANDS)
     names = [c.commandName for c in declared]
     assert len(set(names)) == len(names)
     assert all(

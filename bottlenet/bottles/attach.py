@@ -1,0 +1,125 @@
+"""Commands a launcher runs in a bottle's agent VM (``machine exec -i [-t]``), attached.
+
+This room knows smolvm; the control plane (which never drives smolvm) hands in a
+``ProcessProtocol`` and gets the child's transport back. The request is validated here with
+the same rules as the bottle spec (env entries, absolute paths), before smolvm runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from attrs import frozen
+from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+
+from bottlenet.bottles.lifecycle import map_vmctl
+from bottlenet.bottles.model import Bottle
+from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
+from bottlenet.errors import InvalidArgument, SmolvmUnavailable, safe_repr
+from vmctl.errors import VmctlError
+from vmctl.smolvm import set_pty_size
+from vmctl.spec import check_user
+
+MAX_ARGV = 4096
+MAX_ARGV_BYTES = 256 * 1024
+
+
+@frozen
+class ExecRequest:
+    """A validated exec: the command, its extra env, user, workdir and terminal."""
+
+    argv: tuple[str, ...]
+    env: tuple[tuple[str, str], ...] = ()
+    user: str | None = None
+    workdir: str | None = None
+    stdin: bool = False
+    tty: bool = False
+    size: tuple[int, int] | None = None
+
+
+def parse_exec_request(
+    argv: Sequence[str],
+    *,
+    env: Sequence[str] = (),
+    user: str | None = None,
+    workdir: str | None = None,
+    stdin: bool = False,
+    tty: bool = False,
+    rows: int | None = None,
+    cols: int | None = None,
+) -> ExecRequest:
+    """Every argument checked; INVALID_ARGUMENT names the argument, never echoes it raw."""
+    words = tuple(argv)
+    if not words:
+        raise InvalidArgument("argv: a command is required")
+    if len(words) > MAX_ARGV or sum(len(w.encode("utf-8", "surrogatepass")) for w in words) > (
+        MAX_ARGV_BYTES
+    ):
+        raise InvalidArgument("argv: too long")
+    for i, w in enumerate(words):
+        if not isinstance(w, str) or "\0" in w:
+            raise InvalidArgument(f"argv[{i}]: must be a string without NUL")
+    if not words[0]:
+        raise InvalidArgument("argv[0]: must not be empty")
+    entries = tuple(env)
+    if len(entries) > MAX_ENV:
+        raise InvalidArgument(f"env: at most {MAX_ENV} entries")
+    for i, e in enumerate(entries):
+        if not isinstance(e, str) or len(e) > MAX_STRING:
+            raise InvalidArgument(f"env[{i}]: must be a string of at most {MAX_STRING} characters")
+    check_env_entries(entries, "env")
+    if user is not None:
+        try:
+            check_user(user)
+        except VmctlError:
+            raise InvalidArgument(f"user {safe_repr(user)}: use a user name or uid[:gid]") from None
+    if workdir is not None and (
+        not workdir.startswith("/")
+        or len(workdir) > MAX_STRING
+        or any(ord(c) < 32 or c == ":" for c in workdir)
+    ):
+        raise InvalidArgument("workdir: must be an absolute path without ':' or control characters")
+    size = None
+    if rows is not None or cols is not None:
+        if rows is None or cols is None or not (0 <= rows <= 0xFFFF and 0 <= cols <= 0xFFFF):
+            raise InvalidArgument("rows and cols: both, each 0-65535")
+        size = (rows, cols)
+    pairs = tuple((k, v) for k, _, v in (e.partition("=") for e in entries))
+    return ExecRequest(words, pairs, user, workdir, stdin, tty, size)
+
+
+async def spawn_exec(
+    vms: Any, bottle: Bottle, request: ExecRequest, protocol: IProcessProtocol
+) -> IProcessTransport:
+    """Start ``machine exec`` in the bottle's agent VM with ``protocol`` attached to its stdio.
+
+    ``vms`` is the VMLifecycle (its ``smolvm``); vmctl errors become the control plane's.
+    """
+    if vms is None:
+        raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
+    try:
+        transport: IProcessTransport = await vms.smolvm.spawn_exec(
+            bottle.machine().agent_vm,
+            list(request.argv),
+            protocol,
+            env=dict(request.env),
+            workdir=request.workdir,
+            user=request.user,
+            tty=request.tty,
+            size=request.size,
+        )
+    except VmctlError as e:
+        raise map_vmctl(e) from None
+    return transport
+
+
+def resize(transport: IProcessTransport, rows: int, cols: int) -> None:
+    """Resize an exec's terminal (a no-op for an exec without one, or one that ended)."""
+    fd = getattr(transport, "fd", None)
+    if not isinstance(fd, int) or fd < 0:
+        return
+    try:
+        set_pty_size(fd, rows, cols)
+    except OSError:
+        pass

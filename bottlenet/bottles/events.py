@@ -1,0 +1,59 @@
+"""Bottle events (created, ready, degraded, workload exited, destroyed), as they happen.
+
+The registry emits them; whoever wants them (the control plane's watchers) subscribes. The
+bus only fans out: it keeps no history and never blocks the emitter (a failing subscriber is
+logged and skipped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from attrs import frozen
+from twisted.logger import Logger
+
+CREATED = "created"
+READY = "ready"
+DEGRADED = "degraded"
+WORKLOAD_EXITED = "workload_exited"
+DESTROYED = "destroyed"
+KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED)
+
+
+@frozen
+class BottleEvent:
+    kind: str
+    bottle: str
+    at: float
+    state: str | None = None
+    detail: str | None = None
+    exit_code: int | None = None
+
+
+Subscriber = Callable[[BottleEvent], None]
+
+
+class EventBus:
+    """Synchronous fan-out of :class:`BottleEvent` to subscribers."""
+
+    log = Logger()
+
+    def __init__(self) -> None:
+        self._subscribers: list[Subscriber] = []
+
+    def subscribe(self, subscriber: Subscriber) -> Callable[[], None]:
+        """Add ``subscriber``; the returned function removes it again (idempotent)."""
+        self._subscribers.append(subscriber)
+
+        def unsubscribe() -> None:
+            if subscriber in self._subscribers:
+                self._subscribers.remove(subscriber)
+
+        return unsubscribe
+
+    def emit(self, event: BottleEvent) -> None:
+        for subscriber in list(self._subscribers):
+            try:
+                subscriber(event)
+            except Exception:
+                self.log.failure("bottle event subscriber failed ({kind})", kind=event.kind)

@@ -1,0 +1,268 @@
+"""The daemon's half of an exec session: a smolvm child on one side, a switched control
+connection on the other (frames of :mod:`bottlenet.control.stream`).
+
+Why a switched connection rather than a second socket: the control connection is already
+authenticated (peer uid, or a verified client certificate for TLS), it works for remote
+launchers too, nobody else can connect to it, and it is single-use by construction (it closes
+when the command ends). Back-pressure holds both ways: a client that stops reading pauses
+the child's output, a child that stops reading its stdin pauses the client.
+
+No byte of the command line, its input or its output is ever logged; the log says which
+bottle, which peer, whether a terminal was used, and the exit code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
+from twisted.internet.interfaces import IDelayedCall, IProcessTransport, IPushProducer
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+from zope.interface import implementer
+
+from bottlenet.control import stream
+from bottlenet.control.stream import FrameParser, StreamError
+
+#: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
+KILL_GRACE = 3.0
+#: Output read from the child before the client is attached (or while it is paused).
+MAX_PENDING = 256 * 1024
+
+
+@implementer(IPushProducer)
+class ExecBridge(ProcessProtocol):
+    """One exec: process protocol of the smolvm child, and the stream end of the connection.
+
+    ``resize(process, rows, cols)`` applies a terminal size; ``on_end()`` is told once the
+    session is over (child gone and client detached).
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        *,
+        bottle: str,
+        peer: str,
+        tty: bool,
+        stdin: bool,
+        clock: Any,
+        resize: Callable[[IProcessTransport, int, int], None],
+        on_end: Callable[[ExecBridge], None] = lambda _: None,
+    ) -> None:
+        self.bottle = bottle
+        self.peer = peer
+        self.tty = tty
+        self.stdin = stdin
+        self._clock = clock
+        self._resize = resize
+        self._on_end = on_end
+        self._parser = FrameParser(stream.CLIENT_KINDS)
+        self._client: Any = None  # the connection's transport, once switched
+        self._pending: list[bytes] = []
+        self._pending_size = 0
+        self._child_paused = False
+        self._exit_code: int | None = None
+        self._client_gone = False
+        self._kill_timer: IDelayedCall | None = None
+        self._ended = False
+
+    # -- the smolvm child ---------------------------------------------------------------
+
+    @property
+    def process(self) -> IProcessTransport | None:
+        transport: IProcessTransport | None = self.transport
+        return transport
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        if not self.stdin and not self.tty:
+            self.transport.closeStdin()
+        # The child's stdin pipe tells us when it is full (see pauseProducing below).
+        register = getattr(self.transport, "registerProducer", None)
+        if register is not None and self.stdin and not self.tty:
+            register(_ClientPauser(self), True)
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        kind = stream.STDERR if childFD == 2 else stream.STDOUT
+        self._send(stream.encode(kind, data))
+
+    def processEnded(self, reason: Failure) -> None:
+        code = 255
+        exc = reason.value
+        if isinstance(exc, ProcessDone):
+            code = 0
+        elif isinstance(exc, ProcessTerminated):
+            if exc.exitCode is not None:
+                code = exc.exitCode
+            elif exc.signal is not None:
+                code = 128 + exc.signal
+        self._exit_code = code
+        if self._kill_timer is not None and self._kill_timer.active():
+            self._kill_timer.cancel()
+        self._kill_timer = None
+        self.log.info(
+            "exec in bottle {bottle} by {peer} ended: exit {code} (tty={tty})",
+            bottle=self.bottle,
+            peer=self.peer,
+            code=code,
+            tty=self.tty,
+        )
+        self._send(stream.encode_exit(code))
+        if self._client is not None:
+            self._client.unregisterProducer()
+            self._client.loseConnection()
+        self._maybe_end()
+
+    # -- the switched connection ----------------------------------------------------------
+
+    def attach(self, transport: Any, leftover: bytes) -> None:
+        """The connection now carries frames; ``leftover`` is what arrived after Exec."""
+        self._client = transport
+        transport.registerProducer(self, True)
+        pending, self._pending, self._pending_size = self._pending, [], 0
+        for chunk in pending:
+            transport.write(chunk)
+        if self._child_paused:
+            self._resume_child()
+        if self._exit_code is not None:
+            transport.unregisterProducer()
+            transport.loseConnection()
+            return
+        if leftover:
+            self.client_data(leftover)
+
+    def client_data(self, data: bytes) -> None:
+        try:
+            frames = self._parser.feed(data)
+        except StreamError as e:
+            self.log.warn(
+                "exec in bottle {bottle}: closing the session of {peer}: {why}",
+                bottle=self.bottle,
+                peer=self.peer,
+                why=str(e),
+            )
+            if self._client is not None:
+                self._client.abortConnection()
+            return
+        process = self.process
+        for frame in frames:
+            if process is None or self._exit_code is not None:
+                return
+            if frame.kind == stream.STDIN:
+                if self.stdin or self.tty:
+                    process.write(frame.payload)
+            elif frame.kind == stream.STDIN_EOF:
+                if not self.tty:
+                    # A pipe with a producer registered never closes: unregister first.
+                    unregister = getattr(process, "unregisterProducer", None)
+                    if unregister is not None and self.stdin:
+                        unregister()
+                        if self._client is not None:
+                            self._client.resumeProducing()
+                    process.closeStdin()
+            elif frame.kind == stream.RESIZE:
+                rows, cols = stream.decode_resize(frame.payload)
+                if self.tty:
+                    self._resize(process, rows, cols)
+
+    def client_lost(self) -> None:
+        """The client went away: end the command (the child, hence the guest command)."""
+        self._client_gone = True
+        self._client = None
+        if self._exit_code is None and self.process is not None:
+            self.log.info(
+                "exec in bottle {bottle}: client {peer} went away; ending the command",
+                bottle=self.bottle,
+                peer=self.peer,
+            )
+            self.terminate()
+        self._maybe_end()
+
+    def terminate(self) -> None:
+        """SIGTERM now, SIGKILL after :data:`KILL_GRACE` (idempotent)."""
+        process = self.process
+        if process is None or self._exit_code is not None or self._kill_timer is not None:
+            return
+        self._signal("TERM")
+        self._kill_timer = self._clock.callLater(KILL_GRACE, self._signal, "KILL")
+
+    def _signal(self, name: str) -> None:
+        process = self.process
+        if process is None or self._exit_code is not None:
+            return
+        try:
+            process.signalProcess(name)
+        except (ProcessExitedAlready, OSError):
+            pass
+
+    def _maybe_end(self) -> None:
+        if self._ended or self._exit_code is None:
+            return
+        if self._client is not None and not self._client_gone:
+            return
+        self._ended = True
+        self._on_end(self)
+
+    # -- flow control -------------------------------------------------------------------
+
+    def _send(self, data: bytes) -> None:
+        if self._client is not None:
+            self._client.write(data)
+            return
+        if self._client_gone:
+            return
+        self._pending.append(data)
+        self._pending_size += len(data)
+        if self._pending_size > MAX_PENDING:
+            self._pause_child()
+
+    def _pause_child(self) -> None:
+        process = self.process
+        if not self._child_paused and process is not None and self._exit_code is None:
+            self._child_paused = True
+            pause = getattr(process, "pauseProducing", None)
+            if pause is not None:
+                pause()
+
+    def _resume_child(self) -> None:
+        process = self.process
+        if self._child_paused and process is not None and self._exit_code is None:
+            self._child_paused = False
+            resume = getattr(process, "resumeProducing", None)
+            if resume is not None:
+                resume()
+
+    # IPushProducer for the connection: its write buffer is full, or has room again.
+    def pauseProducing(self) -> None:
+        self._pause_child()
+
+    def resumeProducing(self) -> None:
+        self._resume_child()
+
+    def stopProducing(self) -> None:
+        self.client_lost()
+
+
+@implementer(IPushProducer)
+class _ClientPauser:
+    """Registered on the child's stdin: a full pipe pauses reading from the client."""
+
+    def __init__(self, bridge: ExecBridge) -> None:
+        self.bridge = bridge
+
+    def pauseProducing(self) -> None:
+        client = self.bridge._client
+        if client is not None:
+            client.pauseProducing()
+
+    def resumeProducing(self) -> None:
+        client = self.bridge._client
+        if client is not None:
+            client.resumeProducing()
+
+    def stopProducing(self) -> None:
+        pass

@@ -1,0 +1,114 @@
+"""The frames of an exec session: what flows on a control connection after ``Exec`` switched it.
+
+An exec's bytes never travel inside AMP boxes (a box value is capped at 64 KiB and every box
+is parsed by the control parser): the daemon answers ``bottlenet.Exec`` and from then on the
+same connection carries only these frames, in both directions, until the command ends and
+the daemon closes it. The connection was authenticated before the command (peer uid on the
+UNIX socket, client certificate on TLS), so there is no second socket to find, race for or
+leak, and a session is single-use by construction.
+
+Each frame is ``kind`` (1 byte), ``length`` (4 bytes, big-endian) and ``length`` bytes:
+
+- client to daemon: ``STDIN`` (bytes for the command's stdin or terminal), ``STDIN_EOF``
+  (empty), ``RESIZE`` (rows and columns, 2 bytes each);
+- daemon to client: ``STDOUT``, ``STDERR`` (bytes; with a TTY there is only ``STDOUT``),
+  ``EXIT`` (the command's exit code, 4 bytes signed), after which the daemon closes.
+
+Nothing here knows about sockets or reactors; both clients and the daemon use it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+from attrs import frozen
+
+STDIN = 1
+STDIN_EOF = 2
+RESIZE = 3
+STDOUT = 16
+STDERR = 17
+EXIT = 18
+
+CLIENT_KINDS = frozenset({STDIN, STDIN_EOF, RESIZE})
+DAEMON_KINDS = frozenset({STDOUT, STDERR, EXIT})
+#: No frame carries more than this; bigger writes are split.
+MAX_FRAME = 65536
+_HEADER = struct.Struct(">BI")
+HEADER_SIZE = _HEADER.size
+
+
+class StreamError(Exception):
+    """A frame that breaks the rules (unknown kind, too long, malformed payload)."""
+
+
+@frozen
+class Frame:
+    kind: int
+    payload: bytes = b""
+
+
+def encode(kind: int, payload: bytes = b"") -> bytes:
+    """One or more frames of ``kind`` holding ``payload`` (split at :data:`MAX_FRAME`)."""
+    if len(payload) <= MAX_FRAME:
+        return _HEADER.pack(kind, len(payload)) + payload
+    parts = []
+    for i in range(0, len(payload), MAX_FRAME):
+        chunk = payload[i : i + MAX_FRAME]
+        parts.append(_HEADER.pack(kind, len(chunk)) + chunk)
+    return b"".join(parts)
+
+
+def encode_resize(rows: int, cols: int) -> bytes:
+    return encode(RESIZE, struct.pack(">HH", clamp_size(rows), clamp_size(cols)))
+
+
+def decode_resize(payload: bytes) -> tuple[int, int]:
+    if len(payload) != 4:
+        raise StreamError("resize frame must hold 4 bytes")
+    rows, cols = struct.unpack(">HH", payload)
+    return rows, cols
+
+
+def encode_exit(code: int) -> bytes:
+    return encode(EXIT, struct.pack(">i", code))
+
+
+def decode_exit(payload: bytes) -> int:
+    if len(payload) != 4:
+        raise StreamError("exit frame must hold 4 bytes")
+    code: int = struct.unpack(">i", payload)[0]
+    return code
+
+
+def clamp_size(n: int) -> int:
+    """Terminal dimensions as the kernel keeps them (unsigned short), 0 meaning unknown."""
+    return max(0, min(int(n), 0xFFFF))
+
+
+class FrameParser:
+    """Incremental parser; ``allowed`` is the set of kinds the peer may send."""
+
+    def __init__(self, allowed: frozenset[int]) -> None:
+        self._allowed = allowed
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[Frame]:
+        self._buf += data
+        frames = []
+        while len(self._buf) >= HEADER_SIZE:
+            kind, length = _HEADER.unpack_from(self._buf)
+            if kind not in self._allowed:
+                raise StreamError(f"unexpected frame kind {kind}")
+            if length > MAX_FRAME:
+                raise StreamError("frame too long")
+            if len(self._buf) < HEADER_SIZE + length:
+                break
+            payload = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + length])
+            del self._buf[: HEADER_SIZE + length]
+            frames.append(Frame(kind, payload))
+        return frames
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)

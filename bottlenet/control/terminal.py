@@ -1,0 +1,65 @@
+"""A launcher's own terminal during an exec: raw mode restored on every way out, SIGWINCH
+turned into resize frames. Used by ``bottlenetctl bottle exec`` and by launchers that drive
+:meth:`~bottlenet.control.blocking.BlockingControlClient.open_exec` themselves."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import termios
+import tty
+from collections.abc import Iterator
+
+from bottlenet.control.blocking import ExecSession
+
+
+def terminal_size(fd: int) -> tuple[int, int] | None:
+    """(rows, cols) of the terminal on ``fd``, None when it is not one."""
+    try:
+        size = os.get_terminal_size(fd)
+    except OSError:
+        return None
+    return size.lines, size.columns
+
+
+@contextlib.contextmanager
+def raw_terminal(fd: int | None) -> Iterator[None]:
+    """Raw mode on ``fd`` (a terminal) for the block; restored however the block ends.
+
+    SIGTERM and SIGHUP are turned into an orderly exit (so the ``finally`` runs).
+    """
+    if fd is None:
+        yield
+        return
+    saved = termios.tcgetattr(fd)
+
+    def leave(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    old = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        tty.setraw(fd)
+        yield
+    finally:
+        termios.tcsetattr(fd, termios.TCSAFLUSH, saved)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+
+
+@contextlib.contextmanager
+def forward_winch(session: ExecSession, fd: int | None) -> Iterator[None]:
+    if fd is None:
+        yield
+        return
+
+    def on_winch(signum: int, frame: object) -> None:
+        size = terminal_size(fd)
+        if size is not None:
+            session.resize(*size)
+
+    old = signal.signal(signal.SIGWINCH, on_winch)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGWINCH, old)
