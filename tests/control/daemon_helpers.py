@@ -21,6 +21,10 @@ from tests.netguard import GATE_STAND_INS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO}
+# This interpreter's directory first: the fake smolvm (``#!/usr/bin/env python3``) and the
+# probe then start this Python, not a version manager's shim script (pyenv's cost ~150 ms a
+# call, several times what the fake itself costs).
+ENV["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), ENV.get("PATH", os.defpath)])
 ENV.pop("XDG_RUNTIME_DIR", None)  # every test names its control socket explicitly
 for _name in ("LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES", "NOTIFY_SOCKET"):
     ENV.pop(_name, None)
