@@ -39,11 +39,15 @@ from bottlenet.control.endpoints import (
 )
 from bottlenet.control.events import EventHub
 from bottlenet.control.peercred import default_allowed_uids
-from bottlenet.control.server import ControlServerFactory
+from bottlenet.control.server import (
+    DEFAULT_MAX_CONTROL_CONNECTIONS,
+    MAX_CONTROL_CONNECTIONS,
+    ControlServerFactory,
+)
 from bottlenet.errors import BottlenetError
 from bottlenet.forward import fastreactor
 from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE
+from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE, reserved_fds
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import logs, metrics, rlimits, sdnotify
@@ -83,6 +87,13 @@ class Options(usage.Options):
             None,
             "Control socket endpoint: unix:PATH or systemd:domain=UNIX:name=NAME "
             "(default: unix:$XDG_RUNTIME_DIR/bottlenet/control.sock).",
+        ],
+        [
+            "control-max-connections",
+            None,
+            str(DEFAULT_MAX_CONTROL_CONNECTIONS),
+            "Most connections each control listener holds at once (an exec session or a "
+            "watcher holds one for as long as it runs).",
         ],
         ["control-tls-port", None, None, "Also serve control over TLS on this TCP port."],
         ["control-tls-interface", None, None, "Address the TLS control listener binds."],
@@ -458,6 +469,7 @@ def _build(
         clock=reactor,
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
+        max_connections=_control_cap(options),
     )
     root = BottlenetService(
         reactor, table, registry, smolvm, factory, state_dir, smolvm_calls, control_commands
@@ -557,6 +569,7 @@ def _metrics_option(
 
 def _budget_options(options: Options) -> dict[str, Any]:
     """``--max-bottle-connections``, ``--max-connections`` and ``--idle-timeout``, checked."""
+    control_cap = _control_cap(options)
     per_bottle = options["max-bottle-connections"]
     if not str(per_bottle).isdigit() or not 1 <= int(per_bottle) <= 1 << 20:
         raise _fail("--max-bottle-connections: must be an integer 1-1048576")
@@ -573,7 +586,16 @@ def _budget_options(options: Options) -> dict[str, Any]:
         "per_bottle_connections": int(per_bottle),
         "max_connections": None if total is None else int(total),
         "idle_timeout": idle,
+        # the TLS listener has a cap of its own: keep room for both
+        "reserved_fds": reserved_fds(control_cap * (2 if options["control-tls-port"] else 1)),
     }
+
+
+def _control_cap(options: Options) -> int:
+    cap = options["control-max-connections"]
+    if not str(cap).isdigit() or not 1 <= int(cap) <= MAX_CONTROL_CONNECTIONS:
+        raise _fail(f"--control-max-connections: must be an integer 1-{MAX_CONTROL_CONNECTIONS}")
+    return int(cap)
 
 
 def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:

@@ -59,6 +59,15 @@ def test_bad_option_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-de
     assert out.stderr.startswith("bottlenet: error: --alias-pool:")
 
 
+@pytest.mark.parametrize("value", ["0", "4097", "many", "-1"])
+def test_bad_control_cap_is_one_line(tmp_path, value: str) -> None:  # type: ignore[no-untyped-def]
+    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--control-max-connections", value])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "bottlenet: error: --control-max-connections: must be an integer 1-4096"
+    ]
+
+
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     squatter = socket.socket()
     squatter.bind(("127.77.0.9", 0))

@@ -80,6 +80,8 @@ def describe_client_version(value: str) -> str:
 REFUSED_PEER_LOG_INTERVAL = 10.0
 #: Default cap on concurrent control connections (per listener): 64 x 256 KiB of boxes.
 DEFAULT_MAX_CONTROL_CONNECTIONS = 64
+#: Highest cap ``--control-max-connections`` accepts (1 GiB of boxes at the worst).
+MAX_CONTROL_CONNECTIONS = 4096
 
 
 class _MonotonicClock:

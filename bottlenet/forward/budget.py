@@ -30,6 +30,9 @@ DEFAULT_PER_BOTTLE = 4096
 #: File descriptors kept out of the relay budget: the control socket and its connections,
 #: metrics, smolvm's pipes, log files, the reactor's own.
 RESERVED_FDS = 256
+#: What one control connection may hold at most: an exec session is its socket plus smolvm's
+#: three pipes (or a pty). The reserve grows with the control cap past RESERVED_FDS.
+FDS_PER_CONTROL_CONNECTION = 4
 #: Default idle timeout (seconds without a byte either way); 0 turns it off.
 DEFAULT_IDLE_TIMEOUT = 900.0
 #: The sweep runs this many times per timeout (a relay goes at most 1/N late).
@@ -39,6 +42,11 @@ REFUSED_FORWARD = "forward"  # the forward's max_connections
 REFUSED_BOTTLE = "bottle"  # the bottle's budget
 REFUSED_GLOBAL = "global"  # the global budget (or the bottle's fair share of it)
 REFUSAL_REASONS = (REFUSED_FORWARD, REFUSED_BOTTLE, REFUSED_GLOBAL)
+
+
+def reserved_fds(control_connections: int) -> int:
+    """The reserve for a daemon whose control listeners hold ``control_connections`` in all."""
+    return max(RESERVED_FDS, FDS_PER_CONTROL_CONNECTION * control_connections)
 
 
 def nofile_limit() -> int:
@@ -62,8 +70,11 @@ class ConnectionBudget:
         total: int | None = None,
         listeners: Callable[[], int] = lambda: 0,
         bottles: Callable[[], int] = lambda: 1,
+        reserved: int = RESERVED_FDS,
     ) -> None:
         self.per_bottle = per_bottle
+        #: File descriptors kept out of a budget derived from the open-files limit.
+        self.reserved = reserved
         self.configured_total = total
         self._listeners = listeners
         self._bottles = bottles
@@ -76,7 +87,7 @@ class ConnectionBudget:
         if self.configured_total is not None:
             return self.configured_total
         nofile = nofile_limit()
-        reserve = min(RESERVED_FDS, nofile // 4)
+        reserve = min(self.reserved, nofile // 4)
         return max(1, (nofile - reserve - self._listeners()) // 2)
 
     def admit(self, bottle: str) -> str | None:

@@ -44,6 +44,7 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.budget import (
     DEFAULT_IDLE_TIMEOUT,
     DEFAULT_PER_BOTTLE,
+    RESERVED_FDS,
     ConnectionBudget,
     IdleSweep,
 )
@@ -361,6 +362,7 @@ class ForwardTable(Service):
         per_bottle_connections: int = DEFAULT_PER_BOTTLE,
         max_connections: int | None = None,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
+        reserved_fds: int = RESERVED_FDS,
         clock: Any = None,
     ) -> None:
         """``engine``: ``auto`` (splice where supported), ``splice`` or ``portable``.
@@ -395,6 +397,7 @@ class ForwardTable(Service):
             total=max_connections,
             listeners=lambda: len(self._forwards),
             bottles=lambda: len({b for b, _ in self._forwards}),
+            reserved=reserved_fds,
         )
         self.idle = IdleSweep(clock, idle_timeout, self._relay_idle)
         #: Relays aborted by the idle timeout.

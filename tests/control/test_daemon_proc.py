@@ -62,3 +62,26 @@ def test_daemon_without_its_socket_exits_nonzero(tmp: str) -> None:
     assert [line for line in text.splitlines() if "cannot listen on" in line] != []
     with open(path) as f:
         assert f.read() == "not a socket"
+
+
+def test_control_connection_cap_is_an_option(tmp: str) -> None:
+    """``--control-max-connections 1``: while one client holds its connection (as an exec
+    session or a watcher does) the next is closed at accept; once it goes, the next is served."""
+    from bottlenet.control.blocking import ControlConnectionError
+
+    path = os.path.join(tmp, "c.sock")
+    state = os.path.join(tmp, "state")
+    proc = start_daemon(state, f"unix:{path}", extra=("--control-max-connections", "1"))
+    try:
+        wait_ready(path, proc)
+        with BlockingControlClient(path, timeout=10) as held:
+            held.ping()  # accepted and counted
+            with pytest.raises(ControlConnectionError):
+                with BlockingControlClient(path, timeout=10) as second:
+                    second.ping()
+        # the held connection is gone: its slot comes back (wait_ready retries until then)
+        wait_ready(path, proc)
+    finally:
+        out = stop(proc)
+    assert proc.returncode in CLEAN_EXIT, out
+    assert "control: refused a connection: 1 connections are open" in out

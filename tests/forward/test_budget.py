@@ -10,6 +10,7 @@ from __future__ import annotations
 import ipaddress
 from typing import Any
 
+import pytest
 from twisted.internet import defer
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
@@ -214,3 +215,17 @@ class SpliceBudgetTests(BudgetTests):
 class SpliceIdleTimeoutTests(IdleTimeoutTests):
     engine = "splice"
     skip = _NO_SPLICE
+
+
+def test_the_reserve_follows_the_control_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An exec session holds a control connection and smolvm's pipes: past 64 control
+    connections the reserve grows by 4 fds each, and the derived budget shrinks by half that."""
+    from bottlenet.forward import budget
+    from bottlenet.forward.budget import RESERVED_FDS, reserved_fds
+
+    assert reserved_fds(64) == RESERVED_FDS == 256
+    assert reserved_fds(1) == RESERVED_FDS  # never below the base reserve
+    assert reserved_fds(1000) == 4000
+    monkeypatch.setattr(budget, "nofile_limit", lambda: 100_000)
+    assert ConnectionBudget(reserved=reserved_fds(64)).total == (100_000 - 256) // 2
+    assert ConnectionBudget(reserved=reserved_fds(1000)).total == (100_000 - 4000) // 2
