@@ -17,8 +17,12 @@ from twisted.logger import Logger
 from bottlenet.bottles.events import BottleEvent
 from bottlenet.control.commands import Event
 from bottlenet.control.records import EventRecord
+from bottlenet.errors import InvalidArgument
 
 MAX_UNANSWERED = 64
+#: Distinct bottles one connection may watch by name (a watch of every bottle has no bound to
+#: reach): a client cannot grow the daemon's memory one Watch at a time.
+MAX_WATCHED = 1024
 
 
 class WatchingConnection(Protocol):
@@ -62,6 +66,17 @@ class EventHub:
         """Push ``bottle``'s events (every bottle's for None) to ``connection`` too; answers
         the current seq. Several watches on one connection add up."""
         w = self._watchers.get(id(connection))
+        named = 0 if w is None else len(w.bottles - {None})
+        if (
+            bottle is not None
+            and named >= MAX_WATCHED
+            and w is not None
+            and bottle not in w.bottles
+        ):
+            raise InvalidArgument(
+                f"this connection already watches {MAX_WATCHED} bottles by name; "
+                "watch every bottle (no bottle argument) instead"
+            )
         if w is None:
             w = self._watchers[id(connection)] = _Watcher(connection)
         w.bottles.add(bottle)

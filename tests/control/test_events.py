@@ -66,6 +66,21 @@ def test_hub_numbers_filters_and_bounds_each_watcher() -> None:
     assert len(fast.sent) == 6
 
 
+def test_a_connection_watches_a_bounded_number_of_bottles_by_name() -> None:
+    from bottlenet.control.events import MAX_WATCHED
+    from bottlenet.errors import InvalidArgument
+
+    hub = EventHub(EventBus().subscribe)
+    conn = FakeConnection()
+    for i in range(MAX_WATCHED):
+        hub.watch(conn, f"b{i}")
+    hub.watch(conn, "b0")  # again: nothing new to hold
+    with pytest.raises(InvalidArgument, match="watch every bottle"):
+        hub.watch(conn, "one-more")
+    hub.watch(conn)  # every bottle is still possible
+    hub.watch(FakeConnection(), "one-more")  # the bound is per connection
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="exec-netns (unshare) needs root")
 def test_events_json_created_ready_degraded_destroyed() -> None:
     d = VMDaemon().start()
