@@ -137,13 +137,17 @@ def run_in_netns(script: bytes, *setup: str) -> tuple[int, bytes]:
     """The script under ``sh -s`` in a new network namespace (lo up, nothing else)."""
     pre = "; ".join(["ip link set lo up", *setup])
     p = subprocess.run(
-        # background helpers of ``setup`` are stopped when the script is done
+        # A pid namespace too, whose first process is this shell: when it exits the kernel
+        # kills every background helper of ``setup`` (``kill $(jobs -p)`` in a non-interactive
+        # sh found no jobs, and each run left its proxy behind).
         [
             "unshare",
             "--net",
+            "--pid",
+            "--fork",
             "/bin/sh",
             "-c",
-            f"{pre}; /bin/sh -s; rc=$?; kill $(jobs -p); exit $rc",
+            f"{pre}; /bin/sh -s",
         ],
         input=script,
         capture_output=True,
@@ -469,6 +473,8 @@ def test_script_checks_connect_through_a_proxy(tmp_path: Any, kind: str) -> None
         for f in (via, via + ".ready"):
             if os.path.exists(f):
                 os.unlink(f)
+    # the background proxy ended with the namespace's shell (no helper outlives a test)
+    assert not subprocess.run(["pgrep", "-f", via], capture_output=True).stdout
     v = judge(p, out, exit_code=code, witnessed=None)
     if kind == "open":
         assert v.problems == (
