@@ -2,10 +2,12 @@
 a command, and a launcher, when it builds one (:mod:`bottlenet.control.specbuilder`).
 
 A leaf of the bottles wing: pure functions of their arguments (no filesystem, no VM, no
-reactor; its only bottlenet imports are the errors and the data plane's pure name rules in
-``forward.spec``), so a launcher on another host checks exactly what the daemon will check.
-What only the daemon's host can decide (does a volume's host directory exist, is an image local
-to smolvm) stays in :mod:`bottlenet.bottles.spec`.
+reactor; its only bottlenet imports are the errors, ``paths.MAX_SUN_PATH`` and the data
+plane's pure name rules in ``forward.spec``), so a launcher on another host checks exactly what
+the daemon will check: names, sizes, env entries, bounded templates, egress host names (IDNA
+2008), volume syntax. What only the daemon's host can decide (does a volume's host directory
+exist, does it overlap the daemon's own directories, is an image local to smolvm) stays in
+:mod:`bottlenet.bottles.spec`.
 """
 
 from __future__ import annotations
