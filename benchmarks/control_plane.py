@@ -29,14 +29,10 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.stats import pct  # noqa: E402
 from bottlenet.control.blocking import BlockingControlClient  # noqa: E402
 
 RECOVERED = re.compile(rb"recovery done: (\d+) bottle")
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def rss_kib(pid: int) -> int:

@@ -34,6 +34,7 @@ from typing import IO, Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from benchmarks.stats import pct  # noqa: E402
 from bottlenet.control.blocking import BlockingControlClient  # noqa: E402
 from tests.control.daemon_helpers import ENV  # noqa: E402
 from tests.control.vmdaemon import VMDaemon, wait_for  # noqa: E402
@@ -78,11 +79,6 @@ class Zeros:
 
     def read(self, n: int = -1) -> bytes:  # pragma: no cover - the client uses fileno()
         return os.read(self.r, CHUNK)
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 def direct(d: VMDaemon, *rest: str) -> tuple[list[str], dict[str, str]]:

@@ -38,6 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # this checkout's bottlenet, not an installed copy
 
 from echoserver import serve_echo  # noqa: E402 - sibling module (run as a script)
+from stats import pct  # noqa: E402 - sibling module
 
 PORT = 9100
 
@@ -195,11 +196,6 @@ def proc_status(pid: int) -> dict[str, int]:
                 out[line.split(":")[0]] = int(line.split()[1])
     out["fds"] = len(os.listdir(f"/proc/{pid}/fd"))
     return out
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(p / 100 * len(s)))] if s else float("nan")
 
 
 class Child:
