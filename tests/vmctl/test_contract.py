@@ -387,6 +387,24 @@ def test_lifecycle_errors_classified_alike(clis: dict[str, CLI]) -> None:
     assert agree(clis, "ls", "--json").json() == []
 
 
+@needs_wheel
+def test_exec_session_argvs_reach_the_machine(clis: dict[str, CLI]) -> None:
+    """What ``Exec``, ``bottle shell`` and ``bottle logs`` run (``-i``, ``-t``, ``-w``, ``-e``,
+    ``--user``) passes both parsers: a machine that is not running is the answer, never a
+    usage error."""
+    assert agree(clis, "create", "--name", "x1", "--cpus", "1", "--mem", "256").ok
+    for kw in (
+        {"interactive": True},
+        {"interactive": True, "tty": True},
+        {"interactive": True, "tty": True, "user": "1000:1000"},
+        {"user": "agent"},
+    ):
+        args = exec_args("x1", ["/bin/sh", "-c", "echo hi"], {"LANG": "C"}, "/work", **kw)
+        out = agree(clis, "exec", *args[2:])
+        assert isinstance(out.error, NotRunning), (kw, out.r.stderr)
+    assert agree(clis, "delete", "--name", "x1", "-f").ok
+
+
 REFUSED = [
     (["--label", "nokey"], "CONFIG_ERROR"),
     (["--label", "=v"], "CONFIG_ERROR"),
