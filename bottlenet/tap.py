@@ -419,7 +419,8 @@ def _build(
         on_call=smolvm_calls.record,
         default_data_dir=os.path.join(state_dir, "smolvm"),
     )
-    budgets = _budget_options(options)
+    control_cap = _control_cap(options)
+    budgets = _budget_options(options, control_cap)
     aliases = AliasRegistry(pool)
     try:
         table = ForwardTable(
@@ -469,7 +470,7 @@ def _build(
         clock=reactor,
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
-        max_connections=_control_cap(options),
+        max_connections=control_cap,
     )
     root = BottlenetService(
         reactor, table, registry, smolvm, factory, state_dir, smolvm_calls, control_commands
@@ -567,9 +568,9 @@ def _metrics_option(
         raise _fail(f"--metrics: {e.message}") from None
 
 
-def _budget_options(options: Options) -> dict[str, Any]:
-    """``--max-bottle-connections``, ``--max-connections`` and ``--idle-timeout``, checked."""
-    control_cap = _control_cap(options)
+def _budget_options(options: Options, control_cap: int) -> dict[str, Any]:
+    """``--max-bottle-connections``, ``--max-connections`` and ``--idle-timeout``, checked;
+    the fds they keep out of the relay budget follow ``control_cap`` (per control listener)."""
     per_bottle = options["max-bottle-connections"]
     if not str(per_bottle).isdigit() or not 1 <= int(per_bottle) <= 1 << 20:
         raise _fail("--max-bottle-connections: must be an integer 1-1048576")
@@ -592,6 +593,7 @@ def _budget_options(options: Options) -> dict[str, Any]:
 
 
 def _control_cap(options: Options) -> int:
+    """``--control-max-connections``, checked."""
     cap = options["control-max-connections"]
     if not str(cap).isdigit() or not 1 <= int(cap) <= MAX_CONTROL_CONNECTIONS:
         raise _fail(f"--control-max-connections: must be an integer 1-{MAX_CONTROL_CONNECTIONS}")
