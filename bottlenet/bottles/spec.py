@@ -167,8 +167,8 @@ def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
     """Re-check parsed ``agent.volumes`` against the daemon's own directories (the registry
     does, whoever parsed the spec): none may be, hold or lie inside one."""
     for i, volume in enumerate(volumes):
-        host = volume.rsplit(":", 2)[0]
-        _check_protected(host, f"agent.volumes[{i}]", protected)
+        where = f"agent.volumes[{i}]"
+        _check_protected(split_volume(volume, where)[0], where, protected)
 
 
 def _service(raw: object, where: str) -> ServiceSpec:

@@ -234,3 +234,9 @@ def test_volumes_never_overlap_the_daemons_dirs_and_default_to_read_only(tmp_pat
     spec = parse_bottle_spec("b1", doc(agent__volumes=[f"{work}:/w", f"{work}:/x:rw"]), protected)
     assert spec.agent is not None
     assert spec.agent.volumes == (f"{work}:/w:ro", f"{work}:/x:rw")
+    # the registry re-checks parsed volumes against its own dirs, whoever parsed the spec
+    from bottlenet.bottles.spec import check_volumes
+
+    check_volumes(spec.agent.volumes, protected)
+    with pytest.raises(InvalidArgument, match=r"agent.volumes\[1\].*overlaps"):
+        check_volumes((f"{work}:/w:ro", f"{state}/bottles:/b:rw"), protected)
