@@ -66,12 +66,11 @@ class EventHub:
         """Push ``bottle``'s events (every bottle's for None) to ``connection`` too; answers
         the current seq. Several watches on one connection add up."""
         w = self._watchers.get(id(connection))
-        named = 0 if w is None else len(w.bottles - {None})
         if (
-            bottle is not None
-            and named >= MAX_WATCHED
-            and w is not None
+            w is not None
+            and bottle is not None
             and bottle not in w.bottles
+            and len(w.bottles - {None}) >= MAX_WATCHED
         ):
             raise InvalidArgument(
                 f"this connection already watches {MAX_WATCHED} bottles by name; "
