@@ -1,0 +1,154 @@
+"""bottlenet's in-guest bridge: one TCP listener on 127.0.0.1 per service, relayed to a socket.
+
+Runs in the agent VM on the image's python3 (3.7 or later, standard library only), fed on
+stdin, never written into the image. ``BRIDGES`` is filled in by ``script.render``: a list of
+``[port, unix socket path]``. It binds every listener first (on 127.0.0.1 only) and prints
+``BNB ready`` or ``BNB bind <port> <errno name>`` (then exits 3); after that it relays each
+accepted connection byte for byte to a fresh connection on the socket, with half-close (an
+end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
+direction keeps flowing), one 64 KiB buffer per direction, at most ``MAX_CONNECTIONS`` at a
+time (more wait in the listen backlog). It runs in the foreground until killed and prints
+nothing else (no payload byte is ever printed).
+"""
+
+import errno
+import socket
+import sys
+import threading
+import time
+
+BRIDGES = []  # type: list  # filled in by script.render
+
+CHUNK = 65536
+MAX_CONNECTIONS = 256
+EXIT_BIND = 3
+BIND_RETRY_SECONDS = 5.0
+
+
+def say(*words):
+    sys.stdout.write(" ".join(["BNB"] + [str(w) for w in words]) + "\n")
+    sys.stdout.flush()
+
+
+def close(sock):
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def pump(src, dst, done):
+    """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
+    try:
+        while True:
+            data = src.recv(CHUNK)
+            if not data:
+                break
+            dst.sendall(data)
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    except OSError:
+        # One side failed: end both directions now.
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    done()
+
+
+def relay(client, path, slots):
+    """One connection: a fresh connection on the socket, two pumps, then both closed."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        close(upstream)
+        close(client)
+        slots.release()
+        return
+    left = [2]
+    lock = threading.Lock()
+
+    def done():
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            close(client)
+            close(upstream)
+            slots.release()
+
+    try:
+        up = threading.Thread(target=pump, args=(client, upstream, done))
+        up.daemon = True
+        up.start()
+    except RuntimeError:  # no thread to be had: this connection ends, the bridge goes on
+        close(client)
+        close(upstream)
+        slots.release()
+        return
+    pump(upstream, client, done)
+
+
+def serve(listener, path, slots):
+    while True:
+        slots.acquire()
+        try:
+            client, _ = listener.accept()
+        except OSError as e:
+            slots.release()
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                time.sleep(0.1)
+            continue
+        try:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=relay, args=(client, path, slots))
+            t.daemon = True
+            t.start()
+        except (OSError, RuntimeError):
+            close(client)
+            slots.release()
+
+
+def bind(port):
+    """A listener on 127.0.0.1:port; a port still held (a predecessor being killed) is
+    retried for a few seconds."""
+    end = time.monotonic() + BIND_RETRY_SECONDS
+    while True:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(128)
+            return s
+        except OSError as e:
+            close(s)
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= end:
+                raise
+            time.sleep(0.2)
+
+
+def main():
+    threading.stack_size(256 * 1024)
+    listeners = []
+    for port, path in BRIDGES:
+        try:
+            listeners.append((bind(port), path))
+        except OSError as e:
+            say("bind", port, errno.errorcode.get(e.errno or 0, "EUNKNOWN"))
+            return EXIT_BIND
+    slots = threading.Semaphore(MAX_CONNECTIONS)
+    for listener, path in listeners:
+        t = threading.Thread(target=serve, args=(listener, path, slots))
+        t.daemon = True
+        t.start()
+    say("ready", len(listeners))
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
