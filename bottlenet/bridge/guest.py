@@ -8,11 +8,16 @@ accepted connection byte for byte to a fresh connection on the socket, with half
 end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
 direction keeps flowing), one 64 KiB buffer per direction, at most ``MAX_CONNECTIONS`` at a
 time (more wait in the listen backlog). It runs in the foreground until killed and prints
-nothing else (no payload byte is ever printed).
+nothing else (no payload byte is ever printed). Its stdin is its lifeline: when stdin is a
+pipe or a socket (the daemon's exec session), its end ends the bridge, so a bridge never
+outlives the session that started it (a daemon killed with SIGKILL included); fed from a
+file or a terminal it runs until killed.
 """
 
 import errno
+import os
 import socket
+import stat
 import sys
 import threading
 import time
@@ -131,8 +136,28 @@ def bind(port):
             time.sleep(0.2)
 
 
+def lifeline():
+    """Exit when stdin (a pipe or socket: the session) ends; its bytes are discarded."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return
+    while True:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(0)
+
+
 def main():
     threading.stack_size(256 * 1024)
+    t = threading.Thread(target=lifeline)
+    t.daemon = True
+    t.start()
     listeners = []
     for port, path in BRIDGES:
         try:

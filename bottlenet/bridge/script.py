@@ -36,10 +36,14 @@ if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3
 elif command -v python3 >/dev/null 2>&1; then PY=python3
 else echo "{notool}"; exit {no_tool}
 fi
-exec "$PY" -I -S - <<'{heredoc}'
-{program}
-{heredoc}
+{run}
 """
+#: The bridge: its program is an argument, so its stdin stays the session's (its lifeline).
+_RUN_ARG = """exec "$PY" -I -S -c '{program}'"""
+#: A short check: its program comes in a here-document.
+_RUN_HEREDOC = """exec "$PY" -I -S - <<'{heredoc}'
+{program}
+{heredoc}"""
 
 
 @frozen
@@ -90,30 +94,25 @@ def _program(module: str, name: str, literal: object) -> str:
     return program
 
 
-def _render(what: str, comment: str, program: str) -> bytes:
+def _render(what: str, comment: str, run: str) -> bytes:
     return _SH.format(
-        what=what,
-        comment=comment,
-        kit=KIT_DIR,
-        no_tool=EXIT_NO_TOOL,
-        notool=NO_TOOL,
-        heredoc=_HEREDOC,
-        program=program,
+        what=what, comment=comment, kit=KIT_DIR, no_tool=EXIT_NO_TOOL, notool=NO_TOOL, run=run
     ).encode()
 
 
 def render(bridges: Sequence[Bridge]) -> bytes:
-    """The bridge: runs in the foreground until killed."""
+    """The bridge: runs in the foreground until killed, or until its stdin (a pipe or a
+    socket: the daemon's session) ends."""
     bridges = check_bridges(bridges)
     literal = [[b.port, b.path] for b in bridges]
     comment = (
         f"# Relays 127.0.0.1:PORT to the UNIX socket PATH for {' '.join(map(str, bridges))}\n"
-        f'# and runs until killed. Prints "{READY} N" once listening; exit {EXIT_BIND}: a port'
-        " could not be bound."
+        "# and runs until killed, or until its stdin ends when that is a pipe or a socket.\n"
+        f'# Prints "{READY} N" once listening; exit {EXIT_BIND}: a port could not be bound.'
     )
-    return _render(
-        "python -m bottlenet.bridge script", comment, _program("guest.py", "BRIDGES", literal)
-    )
+    program = _program("guest.py", "BRIDGES", literal).replace("'", "'\\''")
+    run = _RUN_ARG.format(program=program)
+    return _render("python -m bottlenet.bridge script", comment, run)
 
 
 def reach_endpoint(port: int) -> str:
@@ -131,7 +130,8 @@ def render_reach(nonce: str, ports: Sequence[int], timeout: float = 10.0) -> byt
         "timeout": float(timeout),
     }
     comment = "# Sends one witness line through each bridged port; prints one BNB line per port."
-    return _render("reach check", comment, _program("reach.py", "CHECK", literal))
+    run = _RUN_HEREDOC.format(heredoc=_HEREDOC, program=_program("reach.py", "CHECK", literal))
+    return _render("reach check", comment, run)
 
 
 #: The guest command: the script comes on stdin.

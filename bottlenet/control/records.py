@@ -106,7 +106,8 @@ class BottleRecord:
 @frozen
 class EventRecord:
     """One bottle event pushed to watchers: ``kind`` is ``created``, ``ready``,
-    ``degraded``, ``workload_exited`` or ``destroyed``; ``seq`` grows by one per event."""
+    ``degraded``, ``workload_exited``, ``destroyed`` or ``bridge_restarted``; ``seq`` grows
+    by one per event."""
 
     seq: int
     kind: str

@@ -80,8 +80,9 @@ def running_bridge(
         env=env or {"PATH": os.path.dirname(sys.executable) + ":/usr/bin:/bin"},
     )
     assert proc.stdin is not None and proc.stdout is not None
+    # As the daemon's session: the script, then stdin stays open (the bridge's lifeline).
     proc.stdin.write(render(bridges))
-    proc.stdin.close()
+    proc.stdin.flush()
     try:
         OutputReader(proc.stdout.fileno()).wait_for(READY.encode() + rb" \d+\n", timeout=30)
         yield proc
@@ -89,6 +90,7 @@ def running_bridge(
         proc.kill()
         proc.wait()
         proc.stdout.close()
+        proc.stdin.close()
 
 
 @pytest.fixture
@@ -188,6 +190,33 @@ def test_socket_gone_ends_the_connection(sock_path: str) -> None:
             except OSError:
                 pass  # closed with the client's byte unread: a reset, as good as an end
         assert proc.poll() is None
+
+
+def test_session_end_ends_the_bridge(sock_path: str) -> None:
+    """The end of its stdin pipe (the session, e.g. a killed daemon's) ends the bridge."""
+    with unix_server(sock_path), running_bridge([Bridge(free_port(), sock_path)]) as proc:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        assert proc.wait(timeout=30) == 0
+
+
+def test_fed_from_a_file_runs_until_killed(sock_path: str, tmp_path: object) -> None:
+    """By hand (``sh -s < bridge.sh``) stdin is a file at its end: the bridge keeps running."""
+    port = free_port()
+    script = os.path.join(str(tmp_path), "bridge.sh")
+    with open(script, "wb") as fh:
+        fh.write(render([Bridge(port, sock_path)]))
+    with unix_server(sock_path), open(script, "rb") as stdin:
+        proc = subprocess.Popen(["/bin/sh", "-s"], stdin=stdin, stdout=subprocess.PIPE)
+        assert proc.stdout is not None
+        try:
+            OutputReader(proc.stdout.fileno()).wait_for(rb"BNB ready 1\n", timeout=30)
+            assert roundtrip("127.0.0.1", port, b"still here") == b"still here"
+            assert proc.poll() is None
+        finally:
+            proc.kill()
+            proc.wait()
+            proc.stdout.close()
 
 
 def test_no_python3_says_so(sock_path: str, tmp_path: object) -> None:
