@@ -158,6 +158,8 @@ class BridgeStatus:
     detail: str = ""
 
     def describe(self, bridges: Sequence[str] = ()) -> str:
+        if self.state is BridgeState.OFF:
+            return 'off (agent.bridge = "none": the image bridges its own ports)'
         text = self.state.value
         if bridges:
             text += " (" + ", ".join(bridges) + ")"

@@ -564,6 +564,14 @@ class BottleRegistry:
 
         await self._locked(bottle, remove)
 
+    def bridge_status(self, name: str) -> str | None:
+        """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
+        bottle = self._require(name)
+        if bottle.vms is None or self.vms is None:
+            return None
+        ports = [str(e.guest_port) for e in bottle.vms.endpoints if e.guest_path is not None]
+        return self.vms.bridge_status(bottle).describe(ports)
+
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""
         if bottle is not None:
