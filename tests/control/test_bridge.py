@@ -178,3 +178,26 @@ def test_no_python3_fails_the_create_and_rolls_back() -> None:
             assert d.ctl("bottle", "ls").stdout.count(b"b1") == 0
         finally:
             assert not d.cleanup()
+
+
+def test_daemon_restart_starts_the_bridge_again() -> None:
+    """The daemon stops (its sessions end, and the bridges with them) and starts again:
+    recovery starts a new bridge and the agent fetches through it."""
+    with page_server() as port:
+        d = daemon(port).start()
+        try:
+            assert create(d, "b1").returncode == 0
+            (old,) = bridge_pids(d)
+            d.stop()
+            wait_for(lambda: old not in bridge_pids(d), 30, "the old bridge to end")
+            d.start()
+            wait_for(lambda: bridge_pids(d), 30, "a new bridge")
+            wait_for(
+                lambda: b"running (3128)" in d.ctl("bottle", "status", "b1").stdout,
+                30,
+                "the bridge to run",
+            )
+            r = fetch(d)
+            assert r.returncode == 0 and r.stdout == b"page for http://pages.test/hello\n", r
+        finally:
+            assert not d.cleanup()
