@@ -58,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nsonly": {"net": "nsonly"},
     "nic-and-mount": {"net": "restricted", "share": True},
     "blind": {"net": "leaky", "blind": True},
+    # bottlenet's bridge with real clients and a real proxy (tests/realvm/bridgehost.py)
+    "bridge": {"net": "none", "bridge": True},
 }
 
 
@@ -223,6 +225,10 @@ def run_cpio(files: dict[str, bytes], base: str, out: str) -> None:
 
 async def run(reactor: Any, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
+    if variant.get("bridge"):
+        from tests.realvm import bridgehost
+
+        return await bridgehost.run(reactor, name)
     kit = find_kit()
     if kit is None:
         raise SystemExit("no real-VM kit: run python -m tests.realvm.build first")
