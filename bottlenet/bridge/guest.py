@@ -48,7 +48,7 @@ def close(sock):
         pass
 
 
-def copy_splice(src, dst):
+def copy_splice(src, dst, splice):
     """Move bytes in the kernel through a pipe (its 64 KiB is the buffer); False when no
     pipe can be had (then the caller copies in user space)."""
     try:
@@ -62,11 +62,11 @@ def copy_splice(src, dst):
         except OSError:
             size = CHUNK
         while True:
-            n = SPLICE(src.fileno(), w, size)
+            n = splice(src.fileno(), w, size)
             if n == 0:
                 return True
             while n:
-                n -= SPLICE(r, dst.fileno(), n)
+                n -= splice(r, dst.fileno(), n)
     finally:
         os.close(r)
         os.close(w)
@@ -85,7 +85,7 @@ def copy_buffer(src, dst):
 def pump(src, dst, done):
     """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
     try:
-        if SPLICE is None or not copy_splice(src, dst):
+        if SPLICE is None or not copy_splice(src, dst, SPLICE):
             copy_buffer(src, dst)
         try:
             dst.shutdown(socket.SHUT_WR)

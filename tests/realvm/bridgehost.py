@@ -242,7 +242,7 @@ def guest_files(ca: str) -> dict[str, bytes | str]:
             denied=DENIED_PORT,
             tls=TLS_PORT,
             outside=OUTSIDE,
-        ).encode(),  # fmt: skip
+        ).encode(),
         "/bridge_client.py": client.encode(),
         "/ca.pem": ca,
         CURL: CURL,
@@ -363,7 +363,8 @@ def report_lines(results: dict[str, list[str]]) -> list[str]:
     c = cost(results)
     if c is not None:
         lines.append(
-            f"bridge cost (best of {ROUNDS} alternating rounds): round trip {c['rtt_ratio']:.2f}x (bridge {c['rtt_bridge'] * 1e3:.2f} ms"
+            f"bridge cost (best of {ROUNDS} alternating rounds): "
+            f"round trip {c['rtt_ratio']:.2f}x (bridge {c['rtt_bridge'] * 1e3:.2f} ms"
             f" vs socket {c['rtt_socket'] * 1e3:.2f} ms; target <= 1.5x), throughput "
             f"{c['rate_ratio']:.2f}x (bridge {c['rate_bridge'] / 1e6:.1f} MB/s vs socket "
             f"{c['rate_socket'] / 1e6:.1f} MB/s; target >= 0.7x)"
