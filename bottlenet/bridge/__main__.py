@@ -7,21 +7,12 @@ in the foreground until killed, e.g. ``sh -s < bridge.sh &`` in the guest.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BottlenetError
-
-EXIT_BAD_INPUT = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.print_usage(sys.stderr)
-        sys.stderr.write(f"{self.prog}: error: {message}\n")
-        raise SystemExit(EXIT_BAD_INPUT)
+from bottlenet.probe.__main__ import EXIT_BAD_INPUT, _Parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

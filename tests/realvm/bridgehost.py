@@ -32,15 +32,7 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
 from bottlenet.forward.table import ForwardTable
 from tests.realvm.build import GUEST_PYTHON, _libs, _python_files, find_kit
-from tests.realvm.host import (
-    BOOT_TIMEOUT,
-    GUEST_SOCKET,
-    OUTSIDE,
-    Accepts,
-    QemuProtocol,
-    namespace_setup,
-    qemu_argv,
-)
+from tests.realvm.host import GUEST_SOCKET, OUTSIDE, Accepts, boot, namespace_setup, qemu_argv
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUEST_PORT = 3128
@@ -304,16 +296,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     initrd = os.path.join(work, "initrd.cpio")
     overlay_cpio(kit.initrd, initrd, {"/rvm.conf": conf.encode(), **guest_files(ca)})
     argv = qemu_argv({"net": "none"}, kit, initrd, work, info.bound.path, [])  # type: ignore[union-attr]
-    qemu = QemuProtocol()
-    started = time.monotonic()
-    proc = reactor.spawnProcess(
-        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    )
-    timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
-    code = await qemu.ended
-    wall = time.monotonic() - started
-    if timer.active():
-        timer.cancel()
+    qemu, code, wall = await boot(reactor, argv)
     await table.stopService()
     proxy.terminate()
     proxy.wait(10)

@@ -223,6 +223,20 @@ def run_cpio(files: dict[str, bytes], base: str, out: str) -> None:
         )
 
 
+async def boot(reactor: Any, argv: list[str]) -> tuple[QemuProtocol, int, float]:
+    """Run QEMU until the guest powers off (killed after BOOT_TIMEOUT): exit code, wall."""
+    qemu = QemuProtocol()
+    started = time.monotonic()
+    proc = reactor.spawnProcess(
+        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    )
+    timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
+    code = await qemu.ended
+    if timer.active():
+        timer.cancel()
+    return qemu, code, time.monotonic() - started
+
+
 async def run(reactor: Any, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
     if variant.get("bridge"):
@@ -301,16 +315,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     run_cpio({"rvm.conf": conf.encode(), "probe.sh": render(plan)}, kit.initrd, initrd)
 
     argv = qemu_argv(variant, kit, initrd, work, info.bound.path, shares)  # type: ignore[union-attr]
-    qemu = QemuProtocol()
-    started = time.monotonic()
-    proc = reactor.spawnProcess(
-        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    )
-    timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
-    code = await qemu.ended
-    wall = time.monotonic() - started
-    if timer.active():
-        timer.cancel()
+    qemu, code, wall = await boot(reactor, argv)
     witness.close()
     with contextlib_suppress():
         table.divert("rvm", "egress", None)
