@@ -74,6 +74,12 @@ class KvmUnavailable(SmolvmFailed):
     code = "KVM_UNAVAILABLE"
 
 
+class BridgeFailed(SmolvmFailed):
+    """bottlenet's in-guest bridge could not start, or does not reach the bottle's endpoints."""
+
+    code = "BRIDGE_FAILED"
+
+
 class IsolationUnavailable(BottlenetError):
     code = "ISOLATION_UNAVAILABLE"
 
@@ -104,6 +110,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     SmolvmUnavailable,
     SmolvmFailed,
     KvmUnavailable,
+    BridgeFailed,
     IsolationUnavailable,
     IsolationFailed,
     Unavailable,

@@ -191,6 +191,8 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "bottle torn down" in err and "refused\n" in out
     assert "launch gate: isolation probe PASS" in out
     assert "hello through a VM bottle\n" in out
+    assert "running (3128, 9418)" in out  # bottlenet's bridge, in the status table
+    assert "hello through the bridge\n" in out  # a guest TCP client through it
     assert "agent1: egress allows 2 host(s)\n" in out and "pypi.org\n*.github.com\n" in out
     assert "agent1: isolation probe PASS\n" in out
     assert "destroyed agent1\n" in out and "No machines found\n" in out

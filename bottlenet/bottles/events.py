@@ -1,4 +1,4 @@
-"""Bottle events (created, ready, degraded, workload exited, destroyed), as they happen.
+"""Bottle events (created, ready, degraded, workload exited, destroyed, bridge restarted).
 
 The registry emits them; whoever wants them (the control plane's watchers) subscribes. The
 bus only fans out: it keeps no history and never blocks the emitter (a failing subscriber is
@@ -17,7 +17,9 @@ READY = "ready"
 DEGRADED = "degraded"
 WORKLOAD_EXITED = "workload_exited"
 DESTROYED = "destroyed"
-KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED)
+#: bottlenet's in-guest bridge died and was started again (docs/sidecar.md).
+BRIDGE_RESTARTED = "bridge_restarted"
+KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED)
 
 
 @frozen

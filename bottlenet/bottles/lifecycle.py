@@ -28,6 +28,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles import egress, workload
 from bottlenet.bottles.agentenv import stamp_env
+from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
     MODE_ALIAS,
@@ -52,6 +53,7 @@ from bottlenet.bottles.spec import (
     LISTEN_TCP,
     AgentSpec,
     BottleSpec,
+    BridgeMode,
     EgressSpec,
     SidecarSpec,
     image_fields,
@@ -235,6 +237,7 @@ class VMLifecycle:
         self.watcher = PidWatcher(reactor)
         self._watches: dict[str, Watch] = {}
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
+        self.bridges = Bridges(reactor, smolvm, table)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -480,6 +483,7 @@ class VMLifecycle:
                 )
         await self.smolvm.start(name)
         await self.step_gate(c, name, endpoints)
+        await self.step_bridge(c, name, endpoints)
         if agent.workload:
             check = await self.smolvm.exec(
                 name,
@@ -533,6 +537,26 @@ class VMLifecycle:
                 f"isolation probe failed in {agent_vm}: {verdict.describe()}; bottle torn down"
             )
         c.facts["probe"] = "PASS"
+
+    async def step_bridge(self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """6c. bottlenet's in-guest bridge, started and proven (each guest 127.0.0.1:<port>
+        reaches its endpoint's listener, witnessed here), before the workload."""
+        if not runs_bridge(c.spec, endpoints):
+            return
+
+        async def stop() -> None:
+            self.bridges.stop(c.name)
+
+        c.undo.append(("bridge", stop))
+        await self.bridges.start(c.name, agent_vm, endpoints)
+        await self.bridges.prove(c.name, agent_vm, endpoints)
+
+    def bridge_status(self, bottle: Bottle) -> BridgeStatus:
+        """The bridge as ``bottle status`` shows it (``off`` when the image brings its own)."""
+        vm = bottle.machine()
+        if not runs_bridge(vm.spec, vm.endpoints):
+            return BridgeStatus(BridgeState.OFF)
+        return self.bridges.status(bottle.name)
 
     def agent_spec(self, c: _Creation, name: str, env: tuple[tuple[str, str], ...]) -> MachineSpec:
         agent = c.spec.agent
@@ -592,6 +616,7 @@ class VMLifecycle:
         witness: bool,
         egress: EgressSpec | None = None,
         policy: Sequence[str] = (),
+        bridged: Sequence[int] = (),
     ) -> Verdict:
         """The launch gate (``witness``: before any workload, own endpoints diverted)."""
         plan, verdict = await self.gate.run(
@@ -607,6 +632,7 @@ class VMLifecycle:
                 None,
             ),
             allow_hosts=policy,
+            bridged=bridged,
         )
         self.log.info(
             "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
@@ -632,6 +658,10 @@ class VMLifecycle:
                 witness=False,
                 egress=vm.spec.sidecar.egress if vm.spec.sidecar is not None else None,
                 policy=vm.policy,
+                # The bridge serves these guest ports on 127.0.0.1 by design.
+                bridged=[e.guest_port for e in vm.endpoints]
+                if runs_bridge(vm.spec, vm.endpoints)
+                else (),
             )
         except VmctlError as e:
             raise map_vmctl(e) from None
@@ -769,18 +799,47 @@ class VMLifecycle:
 
     # -- sidecar liveness ---------------------------------------------------------------
 
-    def watch(self, bottle: Bottle, on_exit: Callable[[], None]) -> None:
-        self.unwatch(bottle.name)
-        self._watches[bottle.name] = self.watcher.watch(bottle.machine().sidecar_pid, on_exit)
+    def watch(
+        self,
+        bottle: Bottle,
+        on_exit: Callable[[], None],
+        on_bridge_restarted: Callable[[str], None] = lambda detail: None,
+        on_bridge_failed: Callable[[str], None] = lambda detail: None,
+    ) -> None:
+        """Watch the sidecar's VM process and keep the bottle's bridge running."""
+        w = self._watches.pop(bottle.name, None)
+        if w is not None:
+            w.cancel()
+        vm = bottle.machine()
+        self._watches[bottle.name] = self.watcher.watch(vm.sidecar_pid, on_exit)
+        if runs_bridge(vm.spec, vm.endpoints):
+            self.bridges.keep(
+                bottle.name,
+                vm.agent_vm,
+                vm.endpoints,
+                on_restarted=on_bridge_restarted,
+                on_failed=on_bridge_failed,
+            )
 
     def unwatch(self, name: str) -> None:
+        """Stop watching the bottle and end its bridge session."""
         w = self._watches.pop(name, None)
         if w is not None:
             w.cancel()
+        self.bridges.stop(name)
 
     def unwatch_all(self) -> None:
         for name in list(self._watches):
             self.unwatch(name)
+
+
+def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:
+    """bottlenet runs its bridge for socket-mode endpoints unless ``agent.bridge = "none"``."""
+    return (
+        spec.agent is not None
+        and spec.agent.bridge is BridgeMode.BOTTLENET
+        and any(e.guest_path is not None for e in endpoints)
+    )
 
 
 def endpoint_for(

@@ -89,12 +89,15 @@ def plan_gate(
     witness: bool = True,
     proxy: Endpoint | None = None,
     allow_hosts: Sequence[str] = (),
+    bridged: Sequence[int] = (),
 ) -> ProbePlan:
     """Own endpoints; raw ports, the daemon's services and well-known ports on every path to
-    the host; another bottle's endpoint; the outside address and DNS; markers; volumes."""
+    the host; another bottle's endpoint; the outside address and DNS; markers; volumes.
+    ``bridged``: guest ports bottlenet's bridge serves (open by design once it runs)."""
     # A sidecar on exposed UNIX sockets has no raw port (raw_port 0); only the opt-in has one.
     raw = [e.raw_port for e in endpoints if e.sidecar_path is None and e.raw_port > 0]
     ports = raw + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
+    ports = [p for p in ports if p not in bridged]
     deny = [Target.parse(f"tcp:{other_bottle}")] if other_bottle is not None else []
     connect_ok: list[str] = []
     connect_no: list[str] = []
@@ -212,6 +215,7 @@ class Gate:
         witness: bool = True,
         proxy: Endpoint | None = None,
         allow_hosts: Sequence[str] = (),
+        bridged: Sequence[int] = (),
     ) -> tuple[ProbePlan, Verdict]:
         nonce = new_nonce()
         markers = Markers(nonce, self.marker_dirs())
@@ -229,6 +233,7 @@ class Gate:
                 witness=witness,
                 proxy=proxy,
                 allow_hosts=allow_hosts,
+                bridged=bridged,
             )
             if witness:
                 seen = Witness(nonce)
@@ -255,9 +260,16 @@ class Gate:
         return plan, verdict
 
     def _divert(self, bottle: str, label: str, witness: Witness, target: str) -> None:
-        def used() -> None:
-            with contextlib.suppress(Exception):
-                self.table.divert(bottle, label, None)
+        divert_to_witness(self.reactor, self.table, bottle, label, witness, target)
 
-        factory = WitnessFactory(self.reactor, witness, target, on_used=used)
-        self.table.divert(bottle, label, factory)
+
+def divert_to_witness(
+    reactor: Any, table: ForwardTable, bottle: str, label: str, witness: Witness, target: str
+) -> None:
+    """Hand one endpoint's next connection to ``witness`` (then back to its relay)."""
+
+    def used() -> None:
+        with contextlib.suppress(Exception):
+            table.divert(bottle, label, None)
+
+    table.divert(bottle, label, WitnessFactory(reactor, witness, target, on_used=used))

@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.events import (
+    BRIDGE_RESTARTED,
     CREATED,
     DEGRADED,
     DESTROYED,
@@ -377,7 +378,13 @@ class BottleRegistry:
         its workload ends."""
         if self.vms is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
-        self.vms.watch(bottle, lambda: self._sidecar_exited(bottle.name))
+        name = bottle.name
+        self.vms.watch(
+            bottle,
+            lambda: self._sidecar_exited(name),
+            on_bridge_restarted=lambda detail: self.emit(BRIDGE_RESTARTED, name, None, detail),
+            on_bridge_failed=lambda why: self._bridge_failed(name, why),
+        )
         self._wait_for_workload(bottle)
 
     async def spawn_logs(
@@ -446,6 +453,9 @@ class BottleRegistry:
         self.log.info("bottle {bottle}: {detail}", bottle=name, detail=detail)
         self._persist_quietly(exited)
         self.emit(WORKLOAD_EXITED, name, STATE_EXITED, detail, code)
+
+    def _bridge_failed(self, name: str, why: str) -> None:
+        Deferred.fromCoroutine(self.degrade(name, why))
 
     def _sidecar_exited(self, name: str) -> None:
         Deferred.fromCoroutine(self.degrade(name, "sidecar VM process exited"))
@@ -553,6 +563,14 @@ class BottleRegistry:
             self._persist(updated)
 
         await self._locked(bottle, remove)
+
+    def bridge_status(self, name: str) -> str | None:
+        """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
+        bottle = self._require(name)
+        if bottle.vms is None or self.vms is None:
+            return None
+        ports = [str(e.guest_port) for e in bottle.vms.endpoints if e.guest_path is not None]
+        return self.vms.bridge_status(bottle).describe(ports)
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

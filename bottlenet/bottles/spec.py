@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from enum import StrEnum
 from typing import Any
 
 from attrs import field, frozen
@@ -87,6 +88,13 @@ class SidecarSpec:
     listen: str = LISTEN_UNIX
 
 
+class BridgeMode(StrEnum):
+    """Who bridges the guest's ``127.0.0.1:<port>`` to the mounted sockets."""
+
+    BOTTLENET = "bottlenet"  # bottlenet's own bridge (docs/sidecar.md)
+    NONE = "none"  # the image brings its own (BOTTLENET_BRIDGES)
+
+
 @frozen
 class AgentSpec:
     image: str
@@ -97,6 +105,8 @@ class AgentSpec:
     volumes: tuple[str, ...] = ()
     #: Who the workload runs as (``exec -u``): a user name of the image or ``uid[:gid]``.
     user: str | None = None
+    #: Whether bottlenet runs its own in-guest bridge (``none``: the image brings one).
+    bridge: BridgeMode = BridgeMode.BOTTLENET
 
 
 @frozen
@@ -225,7 +235,9 @@ def _sidecar(raw: object) -> SidecarSpec:
 
 
 def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
-    f = _fields(raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user"})
+    f = _fields(
+        raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user", "bridge"}
+    )
     image = _string(f, "image")
     cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
     mem = f.integer("mem", AGENT_MEM[0], AGENT_MEM[1], default=AGENT_MEM[2])
@@ -238,7 +250,10 @@ def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     user = f.get("user")
     if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
         raise InvalidArgument("agent.user: must be a user name of the image or uid[:gid]")
-    return AgentSpec(image, cpus, mem, env, workload, volumes, user)
+    bridge = f.get("bridge", BridgeMode.BOTTLENET.value)
+    if bridge not in tuple(BridgeMode):
+        raise InvalidArgument('agent.bridge: must be "bottlenet" (the default) or "none"')
+    return AgentSpec(image, cpus, mem, env, workload, volumes, user, BridgeMode(bridge))
 
 
 def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:

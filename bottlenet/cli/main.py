@@ -110,6 +110,8 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     ]
     if b.detail:
         rows.append(["detail", b.detail])
+    if b.bridge:
+        rows.append(["bridge", b.bridge])
     if b.workload:
         code = b.workload_exit_code
         rows.append(["workload", b.workload if code is None else f"{b.workload} (code {code})"])

@@ -55,6 +55,10 @@ class ControlBackend(Protocol):
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]: ...
 
+    def bridge_status(self, name: str) -> str | None:
+        """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
+        ...
+
     async def spawn_exec(
         self, name: str, request: ExecRequest, protocol: IProcessProtocol
     ) -> IProcessTransport: ...

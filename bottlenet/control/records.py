@@ -75,6 +75,8 @@ class BottleRecord:
     detail: str | None = None
     workload: str | None = None
     workload_exit_code: int | None = None
+    #: bottlenet's in-guest bridge (socket mode): "running (3128, ...)", "off", ...
+    bridge: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
@@ -100,13 +102,15 @@ class BottleRecord:
             detail=f.value("detail", str, optional=True),
             workload=f.value("workload", str, optional=True),
             workload_exit_code=f.value("workload_exit_code", int, optional=True),
+            bridge=f.value("bridge", str, optional=True),
         )
 
 
 @frozen
 class EventRecord:
     """One bottle event pushed to watchers: ``kind`` is ``created``, ``ready``,
-    ``degraded``, ``workload_exited`` or ``destroyed``; ``seq`` grows by one per event."""
+    ``degraded``, ``workload_exited``, ``destroyed`` or ``bridge_restarted``; ``seq`` grows
+    by one per event."""
 
     seq: int
     kind: str
@@ -185,7 +189,9 @@ class StatsRecord:
         )
 
 
-def bottle_record(bottle: Bottle, forwards: int, *, with_env: bool = True) -> BottleRecord:
+def bottle_record(
+    bottle: Bottle, forwards: int, *, with_env: bool = True, bridge: str | None = None
+) -> BottleRecord:
     """The wire view of a bottle with ``forwards`` live forwards; listings leave the
     (possibly large) stamped env out. The raw ports are never part of it."""
     vm = bottle.vms
@@ -211,6 +217,7 @@ def bottle_record(bottle: Bottle, forwards: int, *, with_env: bool = True) -> Bo
         detail=bottle.detail,
         workload=vm.workload if vm else None,
         workload_exit_code=vm.workload_exit_code if vm else None,
+        bridge=bridge,
     )
 
 

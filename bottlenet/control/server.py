@@ -217,7 +217,11 @@ class ControlLocator(SafeCommandLocator):
         return {}
 
     def _record(self, bottle: Bottle) -> BottleRecord:
-        return bottle_record(bottle, len(self.backend.list_forwards(bottle.name)))
+        return bottle_record(
+            bottle,
+            len(self.backend.list_forwards(bottle.name)),
+            bridge=self.backend.bridge_status(bottle.name),
+        )
 
     @C.CreateBottle.responder
     async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:

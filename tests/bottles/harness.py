@@ -42,12 +42,17 @@ def spec_doc(
     workload: tuple[str, ...] = (),
     listen: str | None = None,
     user: str | None = None,
+    bridge: str | None = "none",
     services: tuple[tuple[str, int, list[str]], ...] = (
         ("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),
         ("git", 9418, ["GIT_GATE_URL=http://{host}:{port}/", "GIT_GATE_SOCKET={socket}"]),
     ),
 ) -> dict[str, Any]:
-    """A bottle spec; the egress policy file is a host path (the fake execs on the host)."""
+    """A bottle spec; the egress policy file is a host path (the fake execs on the host).
+
+    ``bridge`` is ``none`` unless asked: with the fake's plain ``exec`` on the host, the
+    bridge would bind host ports and find no mounted socket (tests/bottles/test_bridge_fake.py
+    runs it under ``exec-netns``)."""
     sidecar: dict[str, Any] = {
         "image": SIDECAR_IMAGE,
         "service": [{"name": n, "guest_port": p, "env": env} for n, p, env in services],
@@ -69,6 +74,8 @@ def spec_doc(
         agent["workload"] = list(workload)
     if user is not None:
         agent["user"] = user
+    if bridge is not None:
+        agent["bridge"] = bridge
     return {"mode": mode, "sidecar": sidecar, "agent": agent}
 
 

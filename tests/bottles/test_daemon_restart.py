@@ -215,6 +215,7 @@ policy_path = "{daemon.tmp}/policy.txt"
 reload = ["/bin/true"]
 [agent]
 image = "{daemon.tmp}/agent.tar"
+bridge = "none"  # the plain fake execs on the host: no mounted socket for a bridge there
 """
         )
     with open(os.path.join(daemon.tmp, "agent.tar"), "wb") as f:

@@ -102,6 +102,9 @@ class FakeBackend:
             raise NotFound(f"no forward {label!r}")
         self.forwards[bottle] = kept
 
+    def bridge_status(self, name: str) -> str | None:
+        return None
+
     def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
         self.calls.append(("list_forwards", (bottle,)))
         self._check()

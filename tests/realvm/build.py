@@ -87,10 +87,10 @@ def carve_vmlinux(vmlinuz: str, out: str) -> None:
         fh.write(elf)
 
 
-def _python_files() -> list[str]:
-    """The files the guest python3 opens for PY_IMPORTS (stdlib modules, extension modules)."""
+def _python_files(imports: str = PY_IMPORTS) -> list[str]:
+    """The files the guest python3 opens for ``imports`` (stdlib modules, extension modules)."""
     code = (
-        f"import {', '.join(PY_IMPORTS.split())}, sys\n"
+        f"import {', '.join(imports.split())}, sys\n"
         "for m in list(sys.modules.values()):\n"
         "    f = getattr(m, '__file__', None)\n"
         "    if f: print(f)\n"

@@ -58,6 +58,8 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nsonly": {"net": "nsonly"},
     "nic-and-mount": {"net": "restricted", "share": True},
     "blind": {"net": "leaky", "blind": True},
+    # bottlenet's bridge with real clients and a real proxy (tests/realvm/bridgehost.py)
+    "bridge": {"net": "none", "bridge": True},
 }
 
 
@@ -221,8 +223,26 @@ def run_cpio(files: dict[str, bytes], base: str, out: str) -> None:
         )
 
 
+async def boot(reactor: Any, argv: list[str]) -> tuple[QemuProtocol, int, float]:
+    """Run QEMU until the guest powers off (killed after BOOT_TIMEOUT): exit code, wall."""
+    qemu = QemuProtocol()
+    started = time.monotonic()
+    proc = reactor.spawnProcess(
+        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
+    )
+    timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
+    code = await qemu.ended
+    if timer.active():
+        timer.cancel()
+    return qemu, code, time.monotonic() - started
+
+
 async def run(reactor: Any, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
+    if variant.get("bridge"):
+        from tests.realvm import bridgehost
+
+        return await bridgehost.run(reactor, name)
     kit = find_kit()
     if kit is None:
         raise SystemExit("no real-VM kit: run python -m tests.realvm.build first")
@@ -295,16 +315,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     run_cpio({"rvm.conf": conf.encode(), "probe.sh": render(plan)}, kit.initrd, initrd)
 
     argv = qemu_argv(variant, kit, initrd, work, info.bound.path, shares)  # type: ignore[union-attr]
-    qemu = QemuProtocol()
-    started = time.monotonic()
-    proc = reactor.spawnProcess(
-        qemu, argv[0], argv, env={"PATH": os.environ.get("PATH", "/usr/bin:/bin")}
-    )
-    timer = reactor.callLater(BOOT_TIMEOUT, proc.signalProcess, "KILL")
-    code = await qemu.ended
-    wall = time.monotonic() - started
-    if timer.active():
-        timer.cancel()
+    qemu, code, wall = await boot(reactor, argv)
     witness.close()
     with contextlib_suppress():
         table.divert("rvm", "egress", None)

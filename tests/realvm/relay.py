@@ -1,8 +1,9 @@
 """The guest half of the tier's socket-mode endpoint: a guest UNIX path onto a virtio port.
 
 Stands in for smolvm's ``--mount-socket``: the host end of the port is a QEMU chardev that
-connects to the daemon's real listener. One connection at a time; each opens the port, pumps
-bytes both ways, and ends when the guest side and then the host side are done.
+connects to the daemon's real listener. One connection at a time; each opens the port, waits
+for its host end to be connected (QEMU reconnects a second after the previous connection
+ended), pumps bytes both ways, and ends when the guest side and then the host side are done.
 """
 
 import os
@@ -21,10 +22,38 @@ def port_path(name):
     raise SystemExit("no virtio port named " + name)
 
 
+def write_all(fd, data):
+    """Write everything; a port whose host end is not (yet, again) connected is waited for
+    (QEMU's chardev reconnects a second after the host closed the previous connection)."""
+    view = memoryview(data)
+    deadline = time.monotonic() + 30.0
+    while view:
+        try:
+            view = view[os.write(fd, view) :]
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                raise
+            select.select([], [fd], [], 0.1)
+
+
+def host_connected(fd, seconds):
+    """Wait until the port's host end is connected (until then it polls HUP, not OUT, and
+    reads as end of file)."""
+    p = select.poll()
+    p.register(fd, select.POLLOUT)
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if any(ev & select.POLLOUT for _, ev in p.poll(100)):
+            return True
+    return False
+
+
 def pump(conn, dev):
     fd = os.open(dev, os.O_RDWR | os.O_NONBLOCK)
     guest_open, deadline = True, None
     try:
+        if not host_connected(fd, 30.0):
+            return
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if deadline is not None and wait == 0.0:
@@ -36,7 +65,7 @@ def pump(conn, dev):
                 if not data:
                     guest_open, deadline = False, time.monotonic() + 3.0
                 else:
-                    os.write(fd, data)
+                    write_all(fd, data)
             if fd in ready:
                 try:
                     data = os.read(fd, 65536)

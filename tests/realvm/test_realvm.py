@@ -151,3 +151,24 @@ def test_a_connect_tool_that_cannot_detect_connections_fails_the_gate(runs: Any)
     assert not r["passed"] and r["probe_exit"] == 3
     assert r["problems"] == ["probe tool cannot detect connections (control tcp, unix failed)"]
     assert r["witnessed"] == []
+
+
+def test_bottlenets_bridge_carries_real_clients_through_a_real_proxy(runs: Any) -> None:
+    """A guest with no NIC and bottlenet's bridge: urllib and curl, with only the stamped
+    proxy variables, fetch the allowed server, are refused the denied one (by tinyproxy,
+    behind the daemon's real forward), tunnel TLS with CONNECT, and cannot dial directly."""
+    r = runs["bridge"]
+    res = r["results"]
+    assert r["probe_exit"] == 0 and r["console"][0] == "RVM-IFACES lo", r
+    assert res["bridge"] == ["BNB_ready_1_"]
+    assert res["urllib-allowed"] == ["200 allowed_page"]
+    assert res["curl-allowed"] == ["200 allowed_page"]
+    assert res["urllib-refused"] == ["403"] and res["curl-refused"] == ["403"]
+    assert r["denied_hits"] == 0  # the proxy refused: the denied server never saw a request
+    assert res["urllib-connect"] == ["200 secret_page"]
+    assert res["curl-connect"] == ["200 secret_page"]
+    assert res["direct"] == ["101 Network_is_unreachable"]  # ENETUNREACH: no route at all
+    assert res["curl-direct"] == ["7"]  # curl: could not connect
+    assert r["outside_accepts"] == 0
+    # The cost was measured on both paths (the ratios go to the report; no timing assertion).
+    assert [row.split()[0] for row in res["cost"]] == ["bridge", "socket"] * 3

@@ -1,0 +1,341 @@
+"""bottlenet's in-guest bridge as the daemon runs it: started, proven, watched, restarted.
+
+After the launch gate passes and before the workload starts, the bridge script
+(``bottlenet.bridge``) is fed on stdin to ``/bin/sh -s`` in an attached ``machine exec``
+session; the session *is* the bridge's liveness (smolvm ends the guest command when the
+session ends, and the session ends when the command does). The start waits for the
+bridge's ``ready`` line, then proves it: each endpoint's listener is diverted to a witness
+and a second, short exec sends a witness line through every guest ``127.0.0.1:<port>``; all
+must be seen on the host. A bridge that dies later is restarted with back-off and
+``on_restarted`` is told; after :data:`MAX_FAILURES` deaths in a row (a run shorter than
+:data:`STABLE_SECONDS` counts as one) ``on_failed`` is told the reason and nothing is
+restarted any more. Nothing the guest prints is repeated but validated words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Sequence
+from enum import StrEnum
+from typing import Any
+
+from attrs import define, field, frozen
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessDone, ProcessTerminated
+from twisted.internet.interfaces import IDelayedCall, IProcessTransport
+from twisted.internet.protocol import ProcessProtocol
+from twisted.logger import Logger
+from twisted.python.failure import Failure
+
+from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.probe import divert_to_witness
+from bottlenet.bridge.script import (
+    ARGV,
+    EXIT_BIND,
+    EXIT_NO_TOOL,
+    NO_TOOL,
+    Bridge,
+    reach_endpoint,
+    render,
+    render_reach,
+)
+from bottlenet.errors import BridgeFailed
+from bottlenet.forward.table import ForwardTable
+from bottlenet.probe.plan import new_nonce
+from bottlenet.probe.witness import Witness
+from vmctl.errors import VmctlError
+from vmctl.smolvm import Smolvm
+
+#: How long a (re)start may take to print ``ready``.
+START_TIMEOUT = 30.0
+#: The reach check's budget (one short exec).
+REACH_TIMEOUT = 30.0
+#: Deaths in a row before the bottle is degraded; a run this long resets the count.
+MAX_FAILURES = 5
+STABLE_SECONDS = 60.0
+BACKOFF_FIRST = 0.5
+BACKOFF_MAX = 30.0
+_BIND = re.compile(rb"^BNB bind ([0-9]{1,5}) ([A-Z0-9]{1,20})$", re.MULTILINE)
+
+
+class BridgeState(StrEnum):
+    """Where a bottle's bridge is (``bottle status`` shows it)."""
+
+    OFF = "off"  # agent.bridge = "none": the image brings its own
+    STARTING = "starting"
+    RUNNING = "running"
+    RESTARTING = "restarting"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+def bridges_of(endpoints: Sequence[Endpoint]) -> list[Bridge]:
+    """One bridge per socket-mode endpoint: its guest port to its mounted socket."""
+    out = []
+    for e in endpoints:
+        if e.guest_path is not None:
+            out.append(Bridge.of(e.guest_port, e.guest_path))
+    return out
+
+
+class BridgeSession(ProcessProtocol):
+    """One attached exec running the bridge: ``ready`` fires on its ready line (or fails with
+    why it ended first), ``ended`` fires when it ends. Keeps at most ``MAX_OUTPUT`` bytes."""
+
+    MAX_OUTPUT = 512
+
+    def __init__(self, script: bytes) -> None:
+        self.script = script
+        self.ready: Deferred[None] = Deferred()
+        self.ended: Deferred[int | None] = Deferred()
+        self._out = bytearray()
+        self.stopping = False
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        # stdin stays open: it is the bridge's lifeline (it ends when the session does).
+        self.transport.write(self.script)
+
+    def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD != 1 or len(self._out) >= self.MAX_OUTPUT:
+            return
+        self._out += data[: self.MAX_OUTPUT - len(self._out)]
+        if not self.ready.called and re.search(rb"^BNB ready [0-9]+$", self._out, re.MULTILINE):
+            self.ready.callback(None)
+
+    def processEnded(self, reason: Failure) -> None:
+        code: int | None = None
+        if isinstance(reason.value, ProcessDone):
+            code = 0
+        elif isinstance(reason.value, ProcessTerminated):
+            code = reason.value.exitCode
+        if not self.ready.called:
+            self.ready.errback(BridgeFailed(self.why_not_ready(code)))
+        self.ended.callback(code)
+
+    def why_not_ready(self, code: int | None) -> str:
+        """The reason a bridge ended before it was ready, from validated output only."""
+        out = bytes(self._out)
+        if code == EXIT_NO_TOOL and out.startswith(NO_TOOL.encode()):
+            return "no python3 in the agent image (the bridge needs python3 3.7+ and /bin/sh)"
+        m = _BIND.search(out)
+        if code == EXIT_BIND and m:
+            port, err = m.group(1).decode(), m.group(2).decode()
+            return f"guest port {port} could not be bound ({err})"
+        return f"it ended before it was ready (exit {code})"
+
+    def stop(self) -> None:
+        self.stopping = True
+        transport: IProcessTransport | None = self.transport
+        if transport is not None:
+            with contextlib.suppress(Exception):
+                transport.signalProcess("TERM")
+
+
+@define
+class _Kept:
+    """One bottle's bridge and its record of restarts."""
+
+    bottle: str
+    agent_vm: str
+    bridges: list[Bridge]
+    session: BridgeSession | None = None
+    state: BridgeState = BridgeState.STARTING
+    restarts: int = 0
+    failures: int = 0
+    started_at: float = 0.0
+    detail: str = ""
+    timer: IDelayedCall | None = None
+    on_restarted: Callable[[str], None] = field(default=lambda detail: None)
+    on_failed: Callable[[str], None] = field(default=lambda detail: None)
+
+
+@frozen
+class BridgeStatus:
+    state: BridgeState
+    restarts: int = 0
+    detail: str = ""
+
+    def describe(self, bridges: Sequence[str] = ()) -> str:
+        if self.state is BridgeState.OFF:
+            return 'off (agent.bridge = "none": the image bridges its own ports)'
+        text = self.state.value
+        if bridges:
+            text += " (" + ", ".join(bridges) + ")"
+        if self.restarts:
+            text += f", restarted {self.restarts}x"
+        if self.detail:
+            text += f": {self.detail}"
+        return text
+
+
+class Bridges:
+    """Every bottle's bridge: start and prove (create), keep alive (after), stop."""
+
+    log = Logger()
+
+    def __init__(self, reactor: Any, smolvm: Smolvm, table: ForwardTable) -> None:
+        self.reactor = reactor
+        self.smolvm = smolvm
+        self.table = table
+        self._kept: dict[str, _Kept] = {}
+
+    # -- start and prove ----------------------------------------------------------------
+
+    async def _spawn(self, kept: _Kept) -> BridgeSession:
+        """One attached session running the bridge, ``ready`` (else BridgeFailed)."""
+        session = BridgeSession(render(kept.bridges))
+        kept.session = session
+        try:
+            await self.smolvm.spawn_exec(kept.agent_vm, list(ARGV), session)
+        except VmctlError as e:
+            raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
+        timer = self.reactor.callLater(START_TIMEOUT, session.stop)
+        try:
+            await session.ready
+        except BridgeFailed as e:
+            raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
+        finally:
+            if timer.active():
+                timer.cancel()
+        kept.started_at = self.reactor.seconds()
+        return session
+
+    async def start(self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """Start the bottle's bridge and wait until it listens (BridgeFailed: why not)."""
+        self.stop(bottle)
+        kept = _Kept(bottle, agent_vm, bridges_of(endpoints))
+        self._kept[bottle] = kept
+        session = await self._spawn(kept)
+        kept.state = BridgeState.RUNNING
+        session.ended.addCallback(lambda code: self._ended(kept, session, code))
+
+    async def prove(self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """Each guest ``127.0.0.1:<port>`` reaches bottlenet's listener for its service,
+        witnessed on the host (BridgeFailed names the ports that did not)."""
+        nonce = new_nonce()
+        witness = Witness(nonce)
+        mine = [e for e in endpoints if e.guest_path is not None]
+        diverted: list[str] = []
+        try:
+            for e in mine:
+                divert_to_witness(
+                    self.reactor, self.table, bottle, e.service, witness,
+                    reach_endpoint(e.guest_port),
+                )  # fmt: skip
+                diverted.append(e.service)
+            ports = [e.guest_port for e in mine]
+            try:
+                await self.smolvm.exec(
+                    agent_vm, list(ARGV), stdin=render_reach(nonce, ports), timeout=REACH_TIMEOUT
+                )
+            except VmctlError as e:
+                raise BridgeFailed(
+                    f"the bridge check cannot run in {agent_vm}: {e.message}"
+                ) from None
+        finally:
+            witness.close()
+            for label in diverted:
+                with contextlib.suppress(Exception):
+                    self.table.divert(bottle, label, None)
+        missing = [e for e in mine if reach_endpoint(e.guest_port) not in witness.seen]
+        if missing:
+            names = ", ".join(f"127.0.0.1:{e.guest_port} ({e.service})" for e in missing)
+            raise BridgeFailed(
+                f"the bridge in {agent_vm} does not reach the host's endpoint for {names}"
+            )
+
+    # -- keep ---------------------------------------------------------------------------
+
+    def keep(
+        self,
+        bottle: str,
+        agent_vm: str,
+        endpoints: Sequence[Endpoint],
+        *,
+        on_restarted: Callable[[str], None],
+        on_failed: Callable[[str], None],
+    ) -> None:
+        """Watch the bottle's bridge; one that is not running (after a daemon restart) is
+        started again, unproven (the workload already runs)."""
+        kept = self._kept.get(bottle)
+        if kept is None:
+            kept = _Kept(bottle, agent_vm, bridges_of(endpoints), state=BridgeState.RESTARTING)
+            self._kept[bottle] = kept
+            kept.on_restarted, kept.on_failed = on_restarted, on_failed
+            self._restart(kept)
+            return
+        kept.on_restarted, kept.on_failed = on_restarted, on_failed
+
+    def _ended(self, kept: _Kept, session: BridgeSession, code: int | None) -> None:
+        if session.stopping or self._kept.get(kept.bottle) is not kept:
+            return
+        ran = self.reactor.seconds() - kept.started_at
+        kept.failures = 1 if ran >= STABLE_SECONDS else kept.failures + 1
+        self._failed_once(kept, f"the bridge ended (exit {code})")
+
+    def _failed_once(self, kept: _Kept, why: str) -> None:
+        kept.detail = why
+        if kept.failures >= MAX_FAILURES:
+            kept.state = BridgeState.FAILED
+            kept.detail = f"{why}; gave up after {kept.failures} failures in a row"
+            self.log.warn("bottle {bottle}: {detail}", bottle=kept.bottle, detail=kept.detail)
+            kept.on_failed(f"bridge failed: {kept.detail}")
+            return
+        kept.state = BridgeState.RESTARTING
+        delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, kept.failures - 1))
+        self.log.warn(
+            "bottle {bottle}: {why}; restarting it in {delay}s",
+            bottle=kept.bottle,
+            why=why,
+            delay=delay,
+        )
+        kept.timer = self.reactor.callLater(delay, self._restart, kept)
+
+    def _restart(self, kept: _Kept) -> None:
+        kept.timer = None
+        if self._kept.get(kept.bottle) is not kept:
+            return
+
+        async def go() -> None:
+            try:
+                session = await self._spawn(kept)
+            except BridgeFailed as e:
+                if self._kept.get(kept.bottle) is kept:
+                    kept.failures += 1
+                    self._failed_once(kept, e.message)
+                return
+            if self._kept.get(kept.bottle) is not kept:
+                session.stop()
+                return
+            kept.state = BridgeState.RUNNING
+            kept.restarts += 1
+            kept.detail = ""
+            session.ended.addCallback(lambda code: self._ended(kept, session, code))
+            self.log.info("bottle {bottle}: bridge restarted", bottle=kept.bottle)
+            kept.on_restarted(f"bridge restarted in {kept.agent_vm} ({kept.restarts}x)")
+
+        Deferred.fromCoroutine(go())
+
+    # -- stop and show ------------------------------------------------------------------
+
+    def stop(self, bottle: str) -> None:
+        """End the bottle's bridge session (its guest command ends with it)."""
+        kept = self._kept.pop(bottle, None)
+        if kept is None:
+            return
+        if kept.timer is not None and kept.timer.active():
+            kept.timer.cancel()
+        if kept.session is not None:
+            kept.session.stop()
+
+    def stop_all(self) -> None:
+        for bottle in list(self._kept):
+            self.stop(bottle)
+
+    def status(self, bottle: str) -> BridgeStatus:
+        kept = self._kept.get(bottle)
+        if kept is None:
+            return BridgeStatus(BridgeState.STOPPED)
+        return BridgeStatus(kept.state, kept.restarts, kept.detail)

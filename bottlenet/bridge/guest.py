@@ -1,0 +1,216 @@
+"""bottlenet's in-guest bridge: one TCP listener on 127.0.0.1 per service, relayed to a socket.
+
+Runs in the agent VM on the image's python3 (3.7 or later, standard library only), fed on
+stdin, never written into the image. ``BRIDGES`` is filled in by ``script.render``: a list of
+``[port, unix socket path]``. It binds every listener first (on 127.0.0.1 only) and prints
+``BNB ready`` or ``BNB bind <port> <errno name>`` (then exits 3); after that it relays each
+accepted connection byte for byte to a fresh connection on the socket, with half-close (an
+end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
+direction keeps flowing), one bounded buffer per direction (a 256 KiB pipe for ``os.splice``
+where Python has it, else a 64 KiB bytearray), at most ``MAX_CONNECTIONS`` at a
+time (more wait in the listen backlog). It runs in the foreground until killed and prints
+nothing else (no payload byte is ever printed). Its stdin is its lifeline: when stdin is a
+pipe or a socket (the daemon's exec session), its end ends the bridge, so a bridge never
+outlives the session that started it (a daemon killed with SIGKILL included); fed from a
+file or a terminal it runs until killed.
+"""
+
+import errno
+import fcntl
+import os
+import socket
+import stat
+import sys
+import threading
+import time
+
+BRIDGES = []  # type: list  # filled in by script.render
+
+CHUNK = 65536
+#: Python 3.10+ on Linux: zero-copy relaying (else recv_into/sendall with one buffer).
+SPLICE = getattr(os, "splice", None)
+F_SETPIPE_SZ = 1031
+PIPE_SIZE = 256 * 1024
+MAX_CONNECTIONS = 256
+EXIT_BIND = 3
+BIND_RETRY_SECONDS = 5.0
+
+
+def say(*words):
+    sys.stdout.write(" ".join(["BNB"] + [str(w) for w in words]) + "\n")
+    sys.stdout.flush()
+
+
+def close(sock):
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+def copy_splice(src, dst, splice):
+    """Move bytes in the kernel through a pipe (its 64 KiB is the buffer); False when no
+    pipe can be had (then the caller copies in user space)."""
+    try:
+        r, w = os.pipe()
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)  # fewer, larger moves
+            size = PIPE_SIZE
+        except OSError:
+            size = CHUNK
+        while True:
+            n = splice(src.fileno(), w, size)
+            if n == 0:
+                return True
+            while n:
+                n -= splice(r, dst.fileno(), n)
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def copy_buffer(src, dst):
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    while True:
+        n = src.recv_into(buf)
+        if not n:
+            return
+        dst.sendall(view[:n])
+
+
+def pump(src, dst, done):
+    """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
+    try:
+        if SPLICE is None or not copy_splice(src, dst, SPLICE):
+            copy_buffer(src, dst)
+        try:
+            dst.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass
+    except OSError:
+        # One side failed: end both directions now.
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+    done()
+
+
+def relay(client, path, slots):
+    """One connection: a fresh connection on the socket, two pumps, then both closed."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.connect(path)
+    except OSError:
+        close(upstream)
+        close(client)
+        slots.release()
+        return
+    left = [2]
+    lock = threading.Lock()
+
+    def done():
+        with lock:
+            left[0] -= 1
+            last = left[0] == 0
+        if last:
+            close(client)
+            close(upstream)
+            slots.release()
+
+    try:
+        up = threading.Thread(target=pump, args=(client, upstream, done))
+        up.daemon = True
+        up.start()
+    except RuntimeError:  # no thread to be had: this connection ends, the bridge goes on
+        close(client)
+        close(upstream)
+        slots.release()
+        return
+    pump(upstream, client, done)
+
+
+def serve(listener, path, slots):
+    while True:
+        slots.acquire()
+        try:
+            client, _ = listener.accept()
+        except OSError as e:
+            slots.release()
+            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                time.sleep(0.1)
+            continue
+        try:
+            client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            t = threading.Thread(target=relay, args=(client, path, slots))
+            t.daemon = True
+            t.start()
+        except (OSError, RuntimeError):
+            close(client)
+            slots.release()
+
+
+def bind(port):
+    """A listener on 127.0.0.1:port; a port still held (a predecessor being killed) is
+    retried for a few seconds."""
+    end = time.monotonic() + BIND_RETRY_SECONDS
+    while True:
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen(128)
+            return s
+        except OSError as e:
+            close(s)
+            if e.errno != errno.EADDRINUSE or time.monotonic() >= end:
+                raise
+            time.sleep(0.2)
+
+
+def lifeline():
+    """Exit when stdin (a pipe or socket: the session) ends; its bytes are discarded."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return
+    while True:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(0)
+
+
+def main():
+    threading.stack_size(256 * 1024)
+    t = threading.Thread(target=lifeline)
+    t.daemon = True
+    t.start()
+    listeners = []
+    for port, path in BRIDGES:
+        try:
+            listeners.append((bind(port), path))
+        except OSError as e:
+            say("bind", port, errno.errorcode.get(e.errno or 0, "EUNKNOWN"))
+            return EXIT_BIND
+    slots = threading.Semaphore(MAX_CONNECTIONS)
+    for listener, path in listeners:
+        t = threading.Thread(target=serve, args=(listener, path, slots))
+        t.daemon = True
+        t.start()
+    say("ready", len(listeners))
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
