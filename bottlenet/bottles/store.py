@@ -35,6 +35,7 @@ Crash rules (each tested in ``tests/bottles/test_store.py``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -43,6 +44,7 @@ import zlib
 from typing import Any
 
 from attrs import field, frozen
+from twisted.logger import Logger
 
 from bottlenet.errors import BottlenetError
 from bottlenet.paths import NotRegularFile, open_regular
@@ -114,6 +116,8 @@ class StateStore:
     :meth:`remove` (one bottle, durable on return), :meth:`save` (the whole state at once, e.g.
     after recovery; also what compaction does). Writes raise ``OSError``.
     """
+
+    log = Logger()
 
     def __init__(self, state_dir: str, *, compact_min_lines: int = COMPACT_MIN_LINES) -> None:
         self.state_dir = state_dir
@@ -246,18 +250,29 @@ class StateStore:
     # -- writing ------------------------------------------------------------------------
 
     def put(self, name: str, record: dict[str, Any]) -> None:
-        """Record (replace) one bottle's record; durable when this returns."""
+        """Record (replace) one bottle's record; durable when this returns, and raises
+        OSError only when the change is not on disk."""
         self._append({"op": "put", "name": name, "record": record})
         self._records[name] = record
-        self._maybe_compact()
+        self._compact_quietly()
 
     def remove(self, name: str) -> None:
-        """Forget one bottle; durable when this returns. Unknown names are a no-op."""
+        """Forget one bottle; durable when this returns (OSError: not on disk). Unknown
+        names are a no-op."""
         if name not in self._records:
             return
         self._append({"op": "remove", "name": name})
         del self._records[name]
-        self._maybe_compact()
+        self._compact_quietly()
+
+    def _compact_quietly(self) -> None:
+        """The change is already durable: a failed compaction must not fail it (the caller
+        would answer UNAVAILABLE and roll back what the next start restores). It is logged
+        and tried again after the next change."""
+        try:
+            self._maybe_compact()
+        except OSError as e:
+            self.log.error("state compaction failed (retried later): {err}", err=e.strerror)
 
     def save(self, state: State) -> None:
         """Write the whole ``state`` as a new snapshot and start an empty journal after it."""
@@ -294,7 +309,11 @@ class StateStore:
                 raise OSError(28, "short write to the state journal")  # ENOSPC-like
             os.fsync(fd)
         except OSError:
-            # Cut off whatever part of the line made it, so the next append starts clean.
+            # Cut off whatever part of the line made it, now: a change the caller is told
+            # failed must not come back at the next start (best effort; the next append
+            # cuts it again before writing).
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self._journal_good)
             self._close_journal()
             raise
         self._journal_good += len(line)

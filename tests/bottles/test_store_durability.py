@@ -99,3 +99,43 @@ def test_a_snapshot_from_before_the_journal_still_loads(tmp_path: Path) -> None:
     Path(store.path).write_text(doc)
     os.unlink(store.journal_path)
     assert StateStore(str(tmp_path)).load().bottles == {"a": {"n": 1}}
+
+
+def test_t5b_a_failed_compaction_does_not_fail_a_durable_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5b: the change is appended and fsynced before compaction: a compaction that fails
+    must not answer UNAVAILABLE for it (the caller rolled back what the next start restored)."""
+    store = StateStore(str(tmp_path), compact_min_lines=4)
+    store.save(store.load())
+    for i in range(3):
+        store.put("a", {"n": i})
+    real_replace = os.replace
+
+    def eio(src: str, dst: str) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "replace", eio)
+    store.put("a", {"n": 3})  # the 4th line: compaction runs and fails, the put stands
+    monkeypatch.setattr(os, "replace", real_replace)
+    assert StateStore(str(tmp_path)).load().bottles == {"a": {"n": 3}}
+    store.put("a", {"n": 4})  # the compaction is tried again and now succeeds
+    assert len(Path(store.journal_path).read_bytes().splitlines()) == 1  # the header alone
+    assert StateStore(str(tmp_path)).load().bottles == {"a": {"n": 4}}
+
+
+def test_t5b_a_change_that_failed_its_fsync_does_not_come_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5b: a change answered "failed" is cut off the journal at once, not only before the
+    next append: a restart in between must not restore it."""
+    store = _with_a_bottle(tmp_path)
+
+    def eio(fd: int) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(os, "fsync", eio)
+    with pytest.raises(OSError):
+        store.put("ghost", {"n": 9})
+    monkeypatch.undo()
+    assert StateStore(str(tmp_path)).load().bottles == {"vm1": {"n": 1}}
