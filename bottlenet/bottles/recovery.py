@@ -272,3 +272,4 @@ class RecoveryService(Service):
         if vms is not None:
             vms.unwatch_all()
         self.recovery.registry.stop_watching()
+        self.recovery.registry.stop_resync()
