@@ -137,6 +137,7 @@ class StateStore:
 
     def load(self) -> State:
         """Read snapshot and journal, or start a fresh state (new instance id) if there is none."""
+        self._remove_temp_files()
         raw = self._read_private(self.path)
         if raw is None:
             self._check_journal_without_snapshot()
@@ -169,6 +170,26 @@ class StateStore:
         if len(raw) > limit:
             raise StateError(f"{path}: larger than {limit} bytes")
         return raw
+
+    def _remove_temp_files(self) -> None:
+        """Temp files of a write a crash cut short (``state.json.tmp-*``, ``state.journal.tmp-*``):
+        never renamed, so never part of the state; only one daemon holds the directory (its
+        lock), so none is being written now. Symlinks and other kinds are left alone."""
+        prefixes = (f"{STATE_FILE}.tmp-", f"{JOURNAL_FILE}.tmp-")
+        try:
+            names = os.listdir(self.state_dir)
+        except OSError:
+            return
+        for name in names:
+            if not name.startswith(prefixes):
+                continue
+            path = os.path.join(self.state_dir, name)
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    self.log.info("removed {name}, left by a write a crash cut short", name=name)
+            except OSError:
+                pass
 
     def _check_journal_without_snapshot(self) -> None:
         """A journal but no snapshot: a first save cut short (a header alone: a fresh start)

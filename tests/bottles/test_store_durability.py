@@ -139,3 +139,18 @@ def test_t5b_a_change_that_failed_its_fsync_does_not_come_back(
         store.put("ghost", {"n": 9})
     monkeypatch.undo()
     assert StateStore(str(tmp_path)).load().bottles == {"vm1": {"n": 1}}
+
+
+def test_t14_compaction_temp_files_are_removed_at_start(tmp_path: Path) -> None:
+    """T14: a kill -9 during compaction leaves a temp file; the next load removes it (and
+    leaves other names and non-regular files alone)."""
+    _with_a_bottle(tmp_path)
+    left = [tmp_path / "state.json.tmp-123-abcd", tmp_path / "state.journal.tmp-123-ef01"]
+    for p in left:
+        p.write_bytes(b"{}")
+    other = tmp_path / "state.json.bak"
+    other.write_bytes(b"keep")
+    (tmp_path / "state.json.tmp-link").symlink_to(other)
+    assert StateStore(str(tmp_path)).load().bottles == {"vm1": {"n": 1}}
+    assert not any(p.exists() for p in left)
+    assert other.read_bytes() == b"keep" and (tmp_path / "state.json.tmp-link").is_symlink()
