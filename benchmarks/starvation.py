@@ -77,6 +77,19 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
+def wait_for_daemon(control: str) -> None:
+    """Until the daemon's control socket answers ``ping`` (at most about a minute)."""
+    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+
+    for _ in range(1200):
+        try:
+            with BlockingControlClient(control, timeout=2) as c:
+                c.ping()
+            return
+        except (OSError, ControlConnectionError):
+            time.sleep(0.05)
+
+
 def amp_box(values: dict[str, bytes]) -> bytes:
     out = b""
     for k, v in values.items():
@@ -128,7 +141,7 @@ def fd_budget_under_stall(relays: int, nofile: int) -> dict[str, Any]:
     its fd budget, another bottle and the control socket keep working (docstring, part 3)."""
     import resource
 
-    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+    from bottlenet.control.blocking import BlockingControlClient
     from bottlenet.forward.budget import RESERVED_FDS
 
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -150,13 +163,7 @@ def fd_budget_under_stall(relays: int, nofile: int) -> dict[str, Any]:
     agent: list[socket.socket] = []
     out: dict[str, Any] = {"nofile": nofile, "reserve": RESERVED_FDS, "attempts": relays}
     try:
-        for _ in range(1200):
-            try:
-                with BlockingControlClient(control, timeout=2) as c:
-                    c.ping()
-                break
-            except (OSError, ControlConnectionError):
-                time.sleep(0.05)
+        wait_for_daemon(control)
         with BlockingControlClient(control, timeout=30) as c:
             c.create_bottle("aa")
             c.create_bottle("bb")
@@ -165,29 +172,24 @@ def fd_budget_under_stall(relays: int, nofile: int) -> dict[str, Any]:
         out["daemon_fds_before"] = fds(daemon.pid)
         chunk = b"a" * 65536
         peak = 0
-        relayed = refused = 0
         for _ in range(relays):
             try:
                 s = socket.create_connection((a.host, a.port), timeout=5)
             except OSError:
-                refused += 1
                 continue
             s.setblocking(False)
             time.sleep(0.002)  # the relay connects its target and starts
             try:
                 if s.recv(1, socket.MSG_PEEK) == b"":
-                    refused += 1  # reset or closed at once: refused by a budget
-                    s.close()
+                    s.close()  # closed at once: refused by a budget
                     continue
             except BlockingIOError:
                 pass
             except OSError:
-                refused += 1
-                s.close()
+                s.close()  # reset: refused by a budget
                 continue
             _fill(s, chunk)
             agent.append(s)
-            relayed += 1
             peak = max(peak, fds(daemon.pid))
         time.sleep(1.0)  # let every accepted relay stall
         alive = 0
@@ -257,7 +259,7 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
-    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+    from bottlenet.control.blocking import BlockingControlClient
 
     work = tempfile.mkdtemp(prefix="bn-starve-")
     echo = socket.create_server(("127.0.0.1", 0), backlog=1024)
@@ -272,13 +274,7 @@ def main() -> None:
     held: list[socket.socket] = []
     result: dict[str, Any] = {"budget": args.budget, "loadavg": os.getloadavg()}
     try:
-        for _ in range(1200):
-            try:
-                with BlockingControlClient(control, timeout=2) as c:
-                    c.ping()
-                break
-            except (OSError, ControlConnectionError):
-                time.sleep(0.05)
+        wait_for_daemon(control)
         with BlockingControlClient(control, timeout=30) as c:
             c.create_bottle("aa")
             c.create_bottle("bb")

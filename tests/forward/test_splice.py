@@ -109,10 +109,8 @@ class SpliceTests(Base):
         c.transport.loseConnection()  # type: ignore[union-attr]
         await c.done
 
-    async def test_t4_a_stalled_relay_ends_when_the_agent_resets(self) -> None:
-        """T4: the target never reads, so the relay stops reading the agent and (the target
-        sending nothing) polls its socket for nothing: the agent's reset still ends the relay
-        at once (it lingered until the idle timeout, holding its fds)."""
+    async def stalled_upload(self) -> tuple[Any, Collector]:
+        """One relay whose target never reads: its upload stalls, bytes held in its pipe."""
         silent = Silent(fin=False)
         info = await self.forward(self.target(lambda: silent))
         c = await self.client(info, Collector(pattern(8 * MiB), fin=False))
@@ -121,6 +119,13 @@ class SpliceTests(Base):
             "bytes held in a pipe",
         )
         (s,) = self.sessions()
+        return s, c
+
+    async def test_t4_a_stalled_relay_ends_when_the_agent_resets(self) -> None:
+        """T4: the target never reads, so the relay stops reading the agent and (the target
+        sending nothing) polls its socket for nothing: the agent's reset still ends the relay
+        at once (it lingered until the idle timeout, holding its fds)."""
+        s, c = await self.stalled_upload()
         agent = s.engine._up.src
         assert not (agent.reading or agent.writing)  # in no epoll set of the reactor
         c.transport.abortConnection()  # type: ignore[union-attr]
@@ -131,14 +136,7 @@ class SpliceTests(Base):
         """T4: what a stalled direction holds in its pipe is one read (at most PIPE_MAX),
         counted in ``pinned``; its next reads start again at STALL_WINDOW; the relay's end
         releases the count."""
-        silent = Silent(fin=False)
-        info = await self.forward(self.target(lambda: silent))
-        c = await self.client(info, Collector(pattern(8 * MiB), fin=False))
-        await self.until(
-            lambda: any(s.engine._up and s.engine._up.inpipe for s in self.sessions()),
-            "bytes held in a pipe",
-        )
-        (s,) = self.sessions()
+        s, c = await self.stalled_upload()
         up = s.engine._up
         assert 0 < up.inpipe <= PIPE_MAX and self.engines.pinned == up.inpipe
         assert up.window == STALL_WINDOW
