@@ -11,6 +11,15 @@ Runs the real daemon (``python -m twisted bottlenet``) on loopback only, and rep
    the rest are refused), and with every held one sending an unterminated 195 KB box (the
    security review's F8: 300 such connections used to add 74.5 MiB).
 
+3. (security T4, ``fd_budget_under_stall``) A second daemon under ``prlimit --nofile``
+   (``--stall-nofile``, default 1200): bottle ``aa``'s agent opens ``--stall-relays`` (1,000)
+   connections to a target that sends until it blocks and never reads, and itself writes until
+   it blocks and never reads, so every relay it gets stalls both ways (a splice relay then holds
+   6 fds). Reported: how many were relayed and refused, the daemon's peak fds and pipes against
+   its limit and reserve, EMFILE lines in its log, whether bottle ``bb``'s endpoint and a fresh
+   control connection still answer, and how long the daemon takes to drop the relays once the
+   agent resets every connection.
+
 Timing figures depend on the machine: quote them with the load it had. Benchmark tooling
 only: nothing here is a test.
 
@@ -68,10 +77,169 @@ def percentiles(samples: list[float]) -> dict[str, float]:
     }
 
 
+def wait_for_daemon(control: str) -> None:
+    """Until the daemon's control socket answers ``ping`` (at most about a minute)."""
+    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+
+    for _ in range(1200):
+        try:
+            with BlockingControlClient(control, timeout=2) as c:
+                c.ping()
+            return
+        except (OSError, ControlConnectionError):
+            time.sleep(0.05)
+
+
 def amp_box(values: dict[str, bytes]) -> bytes:
     out = b""
     for k, v in values.items():
         out += struct.pack(">H", len(k)) + k.encode() + struct.pack(">H", len(v)) + v
+    return out
+
+
+# -- 3. fd budget under stalled splice relays (security T4) --------------------------------
+
+
+def _stall_target(srv: socket.socket, held: list[socket.socket], stop: threading.Event) -> None:
+    """Accept; send until the socket blocks; never read (the relay's both pipes fill)."""
+    srv.settimeout(0.2)
+    chunk = b"t" * 65536
+    while not stop.is_set():
+        try:
+            c, _ = srv.accept()
+        except (TimeoutError, OSError):
+            continue
+        c.setblocking(False)
+        _fill(c, chunk)
+        held.append(c)
+
+
+def _fill(s: socket.socket, chunk: bytes, limit: int = 64 << 20) -> int:
+    sent = 0
+    while sent < limit:
+        try:
+            sent += s.send(chunk)
+        except BlockingIOError:
+            break
+        except OSError:
+            break
+    return sent
+
+
+def _pipes(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("pipe:")
+        except OSError:
+            pass
+    return n
+
+
+def fd_budget_under_stall(relays: int, nofile: int) -> dict[str, Any]:
+    """One bottle stalls ``relays`` splice relays under ``--nofile``: the daemon stays inside
+    its fd budget, another bottle and the control socket keep working (docstring, part 3)."""
+    import resource
+
+    from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.forward.budget import RESERVED_FDS
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # our own 2 x relays sockets
+    work = tempfile.mkdtemp(prefix="bn-stall-")
+    stop = threading.Event()
+    target_held: list[socket.socket] = []
+    stall = socket.create_server(("127.0.0.1", 0), backlog=2048)
+    threading.Thread(target=_stall_target, args=(stall, target_held, stop), daemon=True).start()
+    echo = socket.create_server(("127.0.0.1", 0), backlog=128)
+    threading.Thread(target=serve_echo, args=(echo,), daemon=True).start()
+    state, control = os.path.join(work, "s"), os.path.join(work, "c", "c.sock")
+    log = os.path.join(work, "daemon.log")
+    env = {k: v for k, v in os.environ.items() if k != "XDG_RUNTIME_DIR"}
+    env["PYTHONPATH"] = ROOT
+    argv = ["prlimit", f"--nofile={nofile}:{nofile}", sys.executable, "-m", "twisted"]
+    argv += ["--log-file", log, "bottlenet", "--state-dir", state, "--control", f"unix:{control}"]
+    daemon = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    agent: list[socket.socket] = []
+    out: dict[str, Any] = {"nofile": nofile, "reserve": RESERVED_FDS, "attempts": relays}
+    try:
+        wait_for_daemon(control)
+        with BlockingControlClient(control, timeout=30) as c:
+            c.create_bottle("aa")
+            c.create_bottle("bb")
+            a = c.add_forward("aa", "web", f"127.0.0.1:{stall.getsockname()[1]}")
+            b = c.add_forward("bb", "web", f"127.0.0.1:{echo.getsockname()[1]}")
+        out["daemon_fds_before"] = fds(daemon.pid)
+        chunk = b"a" * 65536
+        peak = 0
+        for _ in range(relays):
+            try:
+                s = socket.create_connection((a.host, a.port), timeout=5)
+            except OSError:
+                continue
+            s.setblocking(False)
+            time.sleep(0.002)  # the relay connects its target and starts
+            try:
+                if s.recv(1, socket.MSG_PEEK) == b"":
+                    s.close()  # closed at once: refused by a budget
+                    continue
+            except BlockingIOError:
+                pass
+            except OSError:
+                s.close()  # reset: refused by a budget
+                continue
+            _fill(s, chunk)
+            agent.append(s)
+            peak = max(peak, fds(daemon.pid))
+        time.sleep(1.0)  # let every accepted relay stall
+        alive = 0
+        for s in agent:
+            try:
+                alive += s.recv(1, socket.MSG_PEEK) != b""
+            except BlockingIOError:
+                alive += 1
+            except OSError:
+                pass
+        peak = max(peak, fds(daemon.pid))
+        out["aa_relays_kept"] = alive
+        out["aa_refused"] = relays - alive
+        out["daemon_fds_peak"] = peak
+        out["daemon_pipe_fds_stalled"] = _pipes(daemon.pid)
+        out["daemon_fd_limit_minus_reserve"] = nofile - RESERVED_FDS
+        out["inside_budget"] = peak <= nofile - RESERVED_FDS
+        t0 = time.perf_counter()
+        echo_once(b.host, b.port).close()
+        out["bb_echo_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        t0 = time.perf_counter()
+        with BlockingControlClient(control, timeout=5) as c:
+            c.ping()
+        out["control_ping_ms"] = round((time.perf_counter() - t0) * 1000, 2)
+        # The agent goes away: every connection reset. The relays end at once (T4).
+        before = fds(daemon.pid)
+        t0 = time.perf_counter()
+        for s in agent:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            s.close()
+        agent.clear()
+        deadline = time.monotonic() + 30
+        while fds(daemon.pid) > out["daemon_fds_before"] + 40 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        out["after_agent_reset"] = {
+            "daemon_fds_before_reset": before,
+            "daemon_fds_after": fds(daemon.pid),
+            "seconds_to_drop": round(time.perf_counter() - t0, 3),
+        }
+        with open(log, errors="replace") as f:
+            out["emfile_log_lines"] = sum("EMFILE" in line or "Too many open" in line for line in f)
+    finally:
+        for s in agent:
+            s.close()
+        stop.set()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(30)
+        for s in target_held:
+            s.close()
+        shutil.rmtree(work, ignore_errors=True)
     return out
 
 
@@ -81,10 +249,17 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--control-connections", type=int, default=1000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--stall-relays", type=int, default=1000, help="part 3: stalled relays")
+    ap.add_argument("--stall-nofile", type=int, default=1200, help="part 3: daemon's nofile")
+    ap.add_argument("--only-stall", action="store_true", help="run part 3 alone")
     args = ap.parse_args()
+    if args.only_stall:
+        sys.path.insert(0, ROOT)
+        print(json.dumps(fd_budget_under_stall(args.stall_relays, args.stall_nofile), indent=1))
+        return
 
     sys.path.insert(0, ROOT)
-    from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+    from bottlenet.control.blocking import BlockingControlClient
 
     work = tempfile.mkdtemp(prefix="bn-starve-")
     echo = socket.create_server(("127.0.0.1", 0), backlog=1024)
@@ -99,13 +274,7 @@ def main() -> None:
     held: list[socket.socket] = []
     result: dict[str, Any] = {"budget": args.budget, "loadavg": os.getloadavg()}
     try:
-        for _ in range(1200):
-            try:
-                with BlockingControlClient(control, timeout=2) as c:
-                    c.ping()
-                break
-            except (OSError, ControlConnectionError):
-                time.sleep(0.05)
+        wait_for_daemon(control)
         with BlockingControlClient(control, timeout=30) as c:
             c.create_bottle("aa")
             c.create_bottle("bb")
@@ -196,6 +365,7 @@ def main() -> None:
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(30)
         shutil.rmtree(work, ignore_errors=True)
+    result["fd_budget_under_stall"] = fd_budget_under_stall(args.stall_relays, args.stall_nofile)
     text = json.dumps(result, indent=1)
     print(text)
     if args.json:

@@ -135,6 +135,33 @@ def _read_pid(fd: int) -> int | None:
     return int(text) if text.isdigit() and len(text) < 12 else None
 
 
+class NotRegularFile(OSError):
+    """A path that must name a regular file names something else (FIFO, device, socket, link)."""
+
+
+def open_regular(path: str) -> int:
+    """A read-only descriptor of the regular file at ``path``, opened without ever blocking.
+
+    For any path someone else can write (a guest's read-write volume, the state files): the
+    path is ``lstat``-ed first, so a FIFO, a device, a socket or a symlink is refused without
+    being opened (opening a FIFO blocks until a writer comes; a device may act on open); the
+    open itself is ``O_NONBLOCK | O_NOFOLLOW``, and the descriptor must be the same regular
+    file (a swap between the two calls is refused too). Raises OSError (NotRegularFile).
+    """
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise NotRegularFile(errno.EINVAL, "not a regular file", path)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
 def default_control_path(env: Mapping[str, str], state_dir: str) -> str:
     """``$XDG_RUNTIME_DIR/bottlenet/control.sock``, else ``<state-dir>/control.sock``."""
     runtime = env.get("XDG_RUNTIME_DIR", "")

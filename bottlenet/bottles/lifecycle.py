@@ -487,11 +487,16 @@ class VMLifecycle:
         if agent.workload:
             check = await self.smolvm.exec(
                 name,
-                workload.prepare_argv(agent.workload, name),
+                workload.prepare_argv(agent.workload, name, agent.user),
                 env=dict(env),
                 timeout=SETUP_TIMEOUT,
-                user=agent.user,
+                user=workload.exec_user(agent.user),
             )
+            if check.exit_code == workload.PREPARE_NO_PYTHON:
+                raise SmolvmFailed(
+                    f"starting the workload in {name} failed: a workload run as agent.user "
+                    f"needs python3 in the agent VM (exit {check.exit_code})"
+                )
             if check.exit_code == workload.PREPARE_NO_DIR:
                 raise SmolvmFailed(
                     f"starting the workload in {name} failed: its user cannot create "
@@ -504,11 +509,11 @@ class VMLifecycle:
                 )
             result = await self.smolvm.exec(
                 name,
-                workload.wrap(agent.workload, name),
+                workload.wrap(agent.workload, name, agent.user),
                 env=dict(env),
                 detach=True,
                 timeout=WORKLOAD_TIMEOUT,
-                user=agent.user,
+                user=workload.exec_user(agent.user),
             )
             if result.exit_code != 0:
                 raise SmolvmFailed(

@@ -22,6 +22,7 @@ from twisted.logger import Logger
 from bottlenet.bottles.model import Endpoint
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.table import ForwardTable
+from bottlenet.paths import open_regular
 from bottlenet.probe.judge import Verdict, judge
 from bottlenet.probe.plan import (
     DEFAULT_DNS_NAME,
@@ -166,8 +167,11 @@ def collect_rw(nonce: str, volumes: Sequence[Volume]) -> set[str]:
             continue
         path = os.path.join(v.host, name)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            # The guest decides what is at this path: a FIFO must not hang the reactor.
+            fd = open_regular(path)
         except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             continue
         try:
             if os.read(fd, 128) == f"{nonce}\n".encode():

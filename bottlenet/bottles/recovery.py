@@ -45,6 +45,8 @@ class Recovery:
         self.vms = vms
         self.state = state
         self.state_dir = state_dir
+        #: A persisted record could not be read: no machine is an orphan for sure then.
+        self.dropped = False
 
     async def run(self) -> None:
         self.registry.recovering = True
@@ -72,6 +74,7 @@ class Recovery:
                 bottle = Bottle.from_state(name, rec, unix_root=self.state_dir)
             except StateError as e:
                 self.log.error("persisted bottle {bottle} dropped: {err}", bottle=name, err=str(e))
+                self.dropped = True
                 continue
             if self.registry.has_bottle(name):
                 self.log.warn("persisted bottle {bottle} is shadowed by the config", bottle=name)
@@ -120,6 +123,11 @@ class Recovery:
             # kept, or torn down (its machines removed by the teardown): not orphans either way
             claimed |= set(bottle.machine().machines)
         if machines is None or self.vms is None:
+            return
+        if self.dropped:
+            # A record that could not be read may be the one that claims these machines:
+            # the state is not known good, so nothing is deleted as an orphan this time.
+            self.log.warn("orphan sweep skipped: a persisted bottle's record was unreadable")
             return
         for m in machines:
             if m.name in claimed or m.labels.get(LABEL_OWNER) != self.registry.instance_id:
@@ -264,3 +272,4 @@ class RecoveryService(Service):
         if vms is not None:
             vms.unwatch_all()
         self.recovery.registry.stop_watching()
+        self.recovery.registry.stop_resync()

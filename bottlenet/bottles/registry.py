@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-from attrs import evolve
+from attrs import evolve, frozen
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 from twisted.logger import Logger
@@ -65,6 +65,17 @@ from bottlenet.forward.table import ForwardInfo, ForwardTable, LazyView
 T = TypeVar("T")
 
 DEFAULT_MAX_BOTTLES = 256
+#: A revocation that could not be made durable is written again this often until it is.
+RESYNC_INTERVAL = 5.0
+
+
+@frozen
+class _Unsynced:
+    """A revocation done in memory (listeners closed) whose record is not yet on disk."""
+
+    what: str  # for the bottle's detail and the answer: "removal of forward 'db'", "destroy"
+    detail: str | None  # the bottle's own detail, which the record on disk keeps
+    remove: bool  # the bottle is being destroyed: its record goes, then the bottle
 
 
 class BottleRegistry:
@@ -105,6 +116,8 @@ class BottleRegistry:
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
         self._waiters: dict[str, workload.WorkloadWaiter] = {}
+        self._unsynced: dict[str, _Unsynced] = {}
+        self._resync_call: Any = None
 
     def emit(
         self,
@@ -151,6 +164,7 @@ class BottleRegistry:
             self._recovery_waiters.append(waiter)
             await waiter
         with self._operation(name):
+            self._sync_pending(name)
             return await op()
 
     def _require(self, name: str) -> Bottle:
@@ -184,12 +198,103 @@ class BottleRegistry:
 
     def _persist(self, bottle: Bottle) -> None:
         """Write one control-created bottle's record (UNAVAILABLE when it cannot be written)."""
-        if self._store is not None and bottle.persisted:
-            self._write(lambda store: store.put(bottle.name, bottle.to_state()))
+        if self._store is None or not bottle.persisted:
+            return
+        pending = self._unsynced.get(bottle.name)
+        if pending is not None and pending.remove:
+            return  # being destroyed: its record must go (resync), never be written again
+        if pending is not None:  # the "not yet durable" note is never written
+            bottle = evolve(bottle, detail=pending.detail)
+        record = bottle.to_state()
+        self._write(lambda store: store.put(bottle.name, record))
+        if pending is not None and not pending.remove:
+            # This write holds the earlier revocation too: it is durable now.
+            del self._unsynced[bottle.name]
+            current = self._bottles.get(bottle.name)
+            if current is not None:
+                self._bottles[bottle.name] = evolve(current, detail=pending.detail)
 
-    def _unpersist(self, bottle: Bottle) -> None:
+    # -- revocations that must be durable ------------------------------------------------
+
+    def _revoke(self, name: str, what: str, *, remove: bool = False) -> None:
+        """Make a revocation durable. It already happened (listeners closed) and stands
+        whatever the disk says; when its record cannot be written the bottle stays revoked,
+        says so in its detail (``bottle status``/``ls``), and the write is retried every
+        RESYNC_INTERVAL and before any other operation on the bottle, until it is durable
+        (a destroyed bottle stays listed until then). The caller gets UNAVAILABLE."""
+        bottle = self._bottles[name]
+        earlier = self._unsynced.get(name)
+        before = bottle.detail if earlier is None else earlier.detail
+        self._unsynced[name] = _Unsynced(what, before, remove)
+        try:
+            self._sync(name)
+        except Unavailable as e:
+            note = f"{what} is not yet durable ({e.message}); retried"
+            self._bottles[name] = evolve(self._bottles[name], detail=note)
+            self._arm_resync()
+            raise Unavailable(
+                f"bottle {name}: {what} is done (its listeners are closed) but not yet "
+                f"durable: {e.message}; the daemon retries until it is"
+            ) from None
+
+    def _sync(self, name: str) -> None:
+        """Write the pending revocation of ``name`` (UNAVAILABLE when it still cannot be)."""
+        pending = self._unsynced[name]
+        bottle = self._bottles[name]
+        if not pending.remove:
+            self._persist(bottle)  # clears the pending entry and the note
+            return
         if self._store is not None and bottle.persisted:
-            self._write(lambda store: store.remove(bottle.name))
+            self._write(lambda store: store.remove(name))
+        del self._unsynced[name]
+        del self._bottles[name]
+        if bottle.vms is None:
+            self._aliases.release(name)
+        self.log.info("bottle {bottle} destroyed", bottle=name)
+        self.emit(DESTROYED, name)
+
+    def _sync_pending(self, name: str) -> None:
+        """Before another operation on ``name``: its earlier revocation must be durable."""
+        if name not in self._unsynced:
+            return
+        try:
+            self._sync(name)
+        except Unavailable as e:
+            raise Unavailable(
+                f"bottle {name}: an earlier {self._unsynced[name].what} is not yet durable: "
+                f"{e.message}"
+            ) from None
+
+    def _arm_resync(self) -> None:
+        if self._resync_call is None or not self._resync_call.active():
+            self._resync_call = self._clock.callLater(RESYNC_INTERVAL, self.resync)
+
+    def resync(self) -> None:
+        """Write every pending revocation again (the timer, and the daemon's stop)."""
+        for name in list(self._unsynced):
+            if name in self._busy:
+                continue  # its operation syncs it first
+            try:
+                self._sync(name)
+            except Unavailable:
+                pass
+        if self._unsynced:
+            self._arm_resync()
+
+    def stop_resync(self) -> None:
+        """The daemon stops: one last write of what is pending, and no more timer."""
+        call, self._resync_call = self._resync_call, None
+        if call is not None and call.active():
+            call.cancel()
+        for name in list(self._unsynced):
+            try:
+                self._sync(name)
+            except Unavailable:
+                self.log.error(
+                    "bottle {bottle}: {what} is still not durable at stop",
+                    bottle=name,
+                    what=self._unsynced[name].what,
+                )
 
     def _write(self, change: Callable[[StateStore], None]) -> None:
         assert self._store is not None
@@ -281,7 +386,11 @@ class BottleRegistry:
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
 
+        resuming = name in self._unsynced
+
         async def destroy() -> None:
+            if resuming and name not in self._bottles:
+                return  # an earlier destroy of it became durable just now (_locked)
             bottle = self._require(name)  # (inside the lock: a bottle being created is BUSY)
             if bottle.vms is not None:
                 assert self.vms is not None
@@ -298,11 +407,8 @@ class BottleRegistry:
                     raise
             else:
                 await self._table.remove_bottle(name)
-                self._aliases.release(name)
-            del self._bottles[name]
-            self._unpersist(bottle)
-            self.log.info("bottle {bottle} destroyed", bottle=name)
-            self.emit(DESTROYED, name)
+            # The record goes first, then the bottle and its alias (_sync).
+            self._revoke(name, "destroy", remove=True)
 
         await self._locked(name, destroy)
 
@@ -553,14 +659,19 @@ class BottleRegistry:
     async def remove_forward(self, bottle: str, label: str) -> None:
         self._require_forward_only(bottle)
 
+        resuming = bottle in self._unsynced
+
         async def remove() -> None:
-            await self._table.remove(bottle, label)
+            current = self._require(bottle)
+            if resuming and all(f.label != label for f in current.forwards):
+                return  # its earlier removal became durable just now (_locked)
+            await self._table.remove(bottle, label)  # closed now, whatever the disk says
             current = self._require(bottle)
             updated = evolve(
                 current, forwards=tuple(f for f in current.forwards if f.label != label)
             )
             self._bottles[bottle] = updated
-            self._persist(updated)
+            self._revoke(bottle, f"removal of forward {label!r}")
 
         await self._locked(bottle, remove)
 

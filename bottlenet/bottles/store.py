@@ -17,10 +17,14 @@ starts a new journal.
 
 Crash rules (each tested in ``tests/bottles/test_store.py``):
 
-- Every journal line carries its length and a CRC-32; a line that is incomplete or fails its
-  check at the end of the file is a write torn by a crash: it was never acknowledged, so it is
-  dropped (and cut off before the next append). A bad line *followed by* good ones is
-  corruption, not a crash, and the load is refused (STATE_CORRUPT).
+- Every journal line carries its length and a CRC-32; bytes after the last newline are a
+  write torn by a crash: never acknowledged, so dropped (and cut off before the next append).
+  A torn write cannot end in a newline, so a complete line that fails its check, wherever it
+  is, is corruption, and the load is refused (STATE_CORRUPT).
+- The journal's header is written atomically, and a first save writes the journal before the
+  snapshot: a missing journal next to a snapshot of generation 1 or more, an empty one, or a
+  journal holding changes with no snapshot is damage, refused, never read as "no bottles"
+  (recovery would delete the bottles' VMs as orphans).
 - The journal's first line names the snapshot generation it continues. Compaction writes the
   snapshot of generation N+1 first, then the journal of N+1 (temp file + rename): a crash in
   between leaves a journal of generation N, which the load ignores (its changes are in the
@@ -31,6 +35,7 @@ Crash rules (each tested in ``tests/bottles/test_store.py``):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -39,8 +44,10 @@ import zlib
 from typing import Any
 
 from attrs import field, frozen
+from twisted.logger import Logger
 
 from bottlenet.errors import BottlenetError
+from bottlenet.paths import NotRegularFile, open_regular
 
 SCHEMA_VERSION = 1
 STATE_FILE = "state.json"
@@ -85,6 +92,11 @@ def _line(doc: dict[str, Any]) -> bytes:
     return b"%d %08x %s\n" % (len(body), zlib.crc32(body), body)
 
 
+def _header(instance_id: str, generation: int) -> bytes:
+    """A journal's first line: the state and the snapshot generation it continues."""
+    return _line({"journal": JOURNAL_VERSION, "generation": generation, "instance_id": instance_id})
+
+
 def _parse_line(raw: bytes) -> dict[str, Any] | None:
     """The document of one complete line (newline stripped), or None if it fails its checks."""
     try:
@@ -105,6 +117,8 @@ class StateStore:
     after recovery; also what compaction does). Writes raise ``OSError``.
     """
 
+    log = Logger()
+
     def __init__(self, state_dir: str, *, compact_min_lines: int = COMPACT_MIN_LINES) -> None:
         self.state_dir = state_dir
         self.path = os.path.join(state_dir, STATE_FILE)
@@ -123,8 +137,10 @@ class StateStore:
 
     def load(self) -> State:
         """Read snapshot and journal, or start a fresh state (new instance id) if there is none."""
+        self._remove_temp_files()
         raw = self._read_private(self.path)
         if raw is None:
+            self._check_journal_without_snapshot()
             self._instance_id = new_instance_id()
             self._records, self._generation = {}, 0
             self._journal_current = False
@@ -137,9 +153,11 @@ class StateStore:
 
     def _read_private(self, path: str, limit: int = MAX_STATE_BYTES) -> bytes | None:
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            fd = open_regular(path)  # a FIFO here must not hang the daemon's start
         except FileNotFoundError:
             return None
+        except NotRegularFile:
+            raise StateError(f"{path}: not a regular file owned by this user") from None
         except OSError as e:
             raise StateError(f"{path}: cannot open: {e.strerror}") from None
         with os.fdopen(fd, "rb") as f:
@@ -152,6 +170,36 @@ class StateStore:
         if len(raw) > limit:
             raise StateError(f"{path}: larger than {limit} bytes")
         return raw
+
+    def _remove_temp_files(self) -> None:
+        """Temp files of a write a crash cut short (``state.json.tmp-*``, ``state.journal.tmp-*``):
+        never renamed, so never part of the state; only one daemon holds the directory (its
+        lock), so none is being written now. Symlinks and other kinds are left alone."""
+        prefixes = (f"{STATE_FILE}.tmp-", f"{JOURNAL_FILE}.tmp-")
+        try:
+            names = os.listdir(self.state_dir)
+        except OSError:
+            return
+        for name in names:
+            if not name.startswith(prefixes):
+                continue
+            path = os.path.join(self.state_dir, name)
+            try:
+                if stat.S_ISREG(os.lstat(path).st_mode):
+                    os.unlink(path)
+                    self.log.info("removed {name}, left by a write a crash cut short", name=name)
+            except OSError:
+                pass
+
+    def _check_journal_without_snapshot(self) -> None:
+        """A journal but no snapshot: a first save cut short (a header alone: a fresh start)
+        or a deleted snapshot (changes after the header: refused, never read as no bottles)."""
+        raw = self._read_private(self.journal_path, MAX_JOURNAL_BYTES)
+        if raw is not None and raw.count(b"\n") > 1:
+            raise StateError(
+                f"{self.path}: missing, but {JOURNAL_FILE} holds changes; restore it or move "
+                "the state directory away"
+            )
 
     def _parse_snapshot(self, raw: bytes) -> tuple[str, dict[str, dict[str, Any]], int]:
         try:
@@ -177,19 +225,28 @@ class StateStore:
         self._journal_lines = self._journal_good = 0
         raw = self._read_private(self.journal_path, MAX_JOURNAL_BYTES)
         if raw is None:
-            return
+            if self._generation == 0:
+                return  # a snapshot from before the journal existed: it holds everything
+            # Every save writes a journal, and a first save writes it before the snapshot:
+            # only damage or deletion leaves a snapshot without one. Reading that as "no
+            # changes" would forget acknowledged bottles and delete their VMs as orphans.
+            raise StateError(
+                f"{self.journal_path}: missing, but {STATE_FILE} (generation "
+                f"{self._generation}) expects one; restore it or move the state directory away"
+            )
         lines = raw.split(b"\n")
-        lines.pop()  # after the last newline: b"" unless the last write was torn
+        # After the last newline: b"" unless the last append was torn by a crash (never
+        # acknowledged: dropped). A torn write cannot end in a newline, so every complete
+        # line must pass its checks; the header is written atomically, so it is always there.
+        lines.pop()
         docs: list[dict[str, Any] | None] = [_parse_line(line) for line in lines]
-        while docs and docs[-1] is None:
-            docs.pop()  # torn at the end (a crash mid-append): never acknowledged
-        if any(d is None for d in docs):
+        if None in docs:
             bad = docs.index(None) + 1
             raise StateError(f"{self.journal_path}: line {bad} is corrupt")
-        good = sum(len(line) + 1 for line in lines[: len(docs)])
+        good = sum(len(line) + 1 for line in lines)
         valid = [d for d in docs if d is not None]
         if not valid:
-            return  # nothing usable (torn header): the next change starts a new journal
+            raise StateError(f"{self.journal_path}: empty (no header line): damaged")
         header = valid[0]
         if header.get("journal") != JOURNAL_VERSION or header.get("instance_id") != (
             self._instance_id
@@ -214,18 +271,29 @@ class StateStore:
     # -- writing ------------------------------------------------------------------------
 
     def put(self, name: str, record: dict[str, Any]) -> None:
-        """Record (replace) one bottle's record; durable when this returns."""
+        """Record (replace) one bottle's record; durable when this returns, and raises
+        OSError only when the change is not on disk."""
         self._append({"op": "put", "name": name, "record": record})
         self._records[name] = record
-        self._maybe_compact()
+        self._compact_quietly()
 
     def remove(self, name: str) -> None:
-        """Forget one bottle; durable when this returns. Unknown names are a no-op."""
+        """Forget one bottle; durable when this returns (OSError: not on disk). Unknown
+        names are a no-op."""
         if name not in self._records:
             return
         self._append({"op": "remove", "name": name})
         del self._records[name]
-        self._maybe_compact()
+        self._compact_quietly()
+
+    def _compact_quietly(self) -> None:
+        """The change is already durable: a failed compaction must not fail it (the caller
+        would answer UNAVAILABLE and roll back what the next start restores). It is logged
+        and tried again after the next change."""
+        try:
+            self._maybe_compact()
+        except OSError as e:
+            self.log.error("state compaction failed (retried later): {err}", err=e.strerror)
 
     def save(self, state: State) -> None:
         """Write the whole ``state`` as a new snapshot and start an empty journal after it."""
@@ -233,6 +301,10 @@ class StateStore:
         doc = state.to_json()
         doc["generation"] = generation
         data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
+        if not os.path.lexists(self.journal_path):
+            # No journal yet (a new state dir): write this generation's first, so that no
+            # crash leaves a snapshot without a journal (which the load refuses as damage).
+            self._write_atomically(self.journal_path, _header(state.instance_id, generation))
         self._write_atomically(self.path, data)
         # From here on the snapshot holds everything: an old journal is ignored if we crash.
         self._instance_id, self._records = state.instance_id, dict(state.bottles)
@@ -258,7 +330,11 @@ class StateStore:
                 raise OSError(28, "short write to the state journal")  # ENOSPC-like
             os.fsync(fd)
         except OSError:
-            # Cut off whatever part of the line made it, so the next append starts clean.
+            # Cut off whatever part of the line made it, now: a change the caller is told
+            # failed must not come back at the next start (best effort; the next append
+            # cuts it again before writing).
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, self._journal_good)
             self._close_journal()
             raise
         self._journal_good += len(line)
@@ -281,13 +357,8 @@ class StateStore:
 
     def _new_journal(self) -> None:
         """A journal holding only its header, for the current generation (atomic)."""
-        header = _line(
-            {
-                "journal": JOURNAL_VERSION,
-                "generation": self._generation,
-                "instance_id": self._instance_id,
-            }
-        )
+        assert self._instance_id is not None
+        header = _header(self._instance_id, self._generation)
         self._close_journal()
         self._write_atomically(self.journal_path, header)
         self._journal_current = True

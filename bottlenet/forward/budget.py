@@ -59,8 +59,9 @@ class ConnectionBudget:
     """Counts live relays per bottle and decides whether one more may be accepted.
 
     ``total=None`` derives the global budget from the open-files limit each time it is asked
-    (minus the reserve and ``listeners()``, one fd per listening forward), so raising the
-    limit at start is taken into account.
+    (minus the reserve, ``listeners()`` (one fd per listening forward) and the engine's own
+    fds), divided by the fds one relay may hold (``fds_per_relay``: 6 for splice, whose
+    stalled directions keep a pipe each), so raising the limit at start is taken into account.
     """
 
     def __init__(
@@ -71,11 +72,17 @@ class ConnectionBudget:
         listeners: Callable[[], int] = lambda: 0,
         bottles: Callable[[], int] = lambda: 1,
         reserved: int = RESERVED_FDS,
+        fds_per_relay: int = 2,
+        engine_fds: int = 0,
     ) -> None:
         self.per_bottle = per_bottle
         #: File descriptors kept out of a budget derived from the open-files limit.
         self.reserved = reserved
         self.configured_total = total
+        #: What one relay may hold at most (2 sockets; the splice engine's pipes add up to 4)
+        #: and what the relay engine holds itself: a derived budget counts both.
+        self.fds_per_relay = fds_per_relay
+        self.engine_fds = engine_fds
         self._listeners = listeners
         self._bottles = bottles
         self.active: dict[str, int] = {}
@@ -88,7 +95,8 @@ class ConnectionBudget:
             return self.configured_total
         nofile = nofile_limit()
         reserve = min(self.reserved, nofile // 4)
-        return max(1, (nofile - reserve - self._listeners()) // 2)
+        free = nofile - reserve - self._listeners() - self.engine_fds
+        return max(1, free // self.fds_per_relay)
 
     def admit(self, bottle: str) -> str | None:
         """Take one slot for ``bottle``; None if granted, else the refusal reason."""

@@ -36,6 +36,7 @@ reading both sockets (what is already in a pipe is still delivered).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import sys
 from collections.abc import Callable
@@ -77,6 +78,15 @@ except ImportError:  # pragma: no cover - not POSIX
 PIPE_MAX = 1024 * 1024
 #: Idle pipes kept for reuse (each is 2 fds); more are closed.
 POOL_MAX = 16
+#: A direction's first read, and its read after each stall: what a stall pins in a pipe.
+STALL_WINDOW = 64 * 1024
+#: Past this many bytes held in stalled pipes (all relays), reads stay at STALL_WINDOW.
+PINNED_SOFT_MAX = 16 * 1024 * 1024
+#: What one relay can hold at most: its two sockets and a private pipe (2 fds) per direction
+#: whose destination is slow. The connection budget counts this, not the 2 of an idle relay.
+FDS_PER_RELAY = 6
+#: The engine's own descriptors: the scratch pipe, the pool, the hang-up watch's epoll.
+ENGINE_FDS = 2 * (POOL_MAX + 1) + 1
 _SPLICE_FLAGS = getattr(os, "SPLICE_F_MOVE", 1) | getattr(os, "SPLICE_F_NONBLOCK", 2)
 _splice: Callable[..., int] = getattr(os, "splice", None)  # type: ignore[assignment]
 
@@ -115,6 +125,72 @@ class _Pipe:
         os.close(self.w)
 
 
+@implementer(IReadDescriptor)
+class _HangupWatch:
+    """Agent sockets the relay does not poll, watched for a reset or hang-up alone.
+
+    A relay stops reading the agent's socket while its pipe toward the target is full, and
+    writes to it only while the target sends: a stalled relay can leave that socket in no
+    epoll set, so the agent's reset went unseen until the idle timeout (its fds held all that
+    time). Such sockets go into an epoll set of their own, registered with no events: only
+    EPOLLERR/EPOLLHUP wake it (never data, never a half-close), and the relay is ended.
+    """
+
+    def __init__(self, reactor: IReactorFDSet) -> None:
+        self._reactor = reactor
+        self._ep: select.epoll | None = None
+        self._ends: dict[int, _End] = {}
+
+    def fileno(self) -> int:
+        return self._ep.fileno() if self._ep is not None else -1
+
+    def logPrefix(self) -> str:
+        return "bottlenet.forward.splice"
+
+    def track(self, end: _End) -> None:
+        """Watch ``end`` while the relay polls it neither for reading nor for writing."""
+        if end.reading or end.writing:
+            self.unwatch(end)
+        elif self._ends.get(end.fd) is not end:
+            if self._ep is None:
+                self._ep = select.epoll()
+            self._ep.register(end.fd, 0)
+            if not self._ends:
+                self._reactor.addReader(self)
+            self._ends[end.fd] = end
+
+    def unwatch(self, end: _End) -> None:
+        if self._ends.get(end.fd) is not end:
+            return
+        del self._ends[end.fd]
+        assert self._ep is not None
+        try:
+            self._ep.unregister(end.fd)
+        except OSError:
+            pass
+        if not self._ends:
+            self._reactor.removeReader(self)
+
+    def doRead(self) -> None:
+        if self._ep is None:
+            return
+        for fd, _ in self._ep.poll(0):
+            end = self._ends.get(fd)
+            if end is not None:
+                end.relay._fail()  # its _finish unwatches it
+
+    def connectionLost(self, reason: Failure) -> None:
+        pass
+
+    def close(self) -> None:
+        if self._ends:
+            self._reactor.removeReader(self)
+            self._ends.clear()
+        if self._ep is not None:
+            self._ep.close()
+            self._ep = None
+
+
 class SpliceEngines:
     """Builds :class:`SpliceRelay` engines for one reactor; owns the pipes and the closer.
 
@@ -141,9 +217,16 @@ class SpliceEngines:
         self.taken_over = 0
         #: Relays that fell back to the portable engine (a transport that cannot be detached).
         self.fallbacks = 0
+        #: Stalled agent sockets, watched for a reset (see _HangupWatch).
+        self.hangups = _HangupWatch(reactor)
+        #: Bytes held in private (stalled) pipes right now, all relays together.
+        self.pinned = 0
 
     #: Its relays can start from two bare sockets (``SpliceRelay.start_sockets``).
     start_sockets_supported = True
+    #: For the connection budget: what one relay may hold, and what the engine holds itself.
+    fds_per_relay = FDS_PER_RELAY
+    engine_fds = ENGINE_FDS
 
     def __call__(self, on_end: Callable[[str], None]) -> RelayEngine:
         return SpliceRelay(self, on_end)
@@ -178,6 +261,7 @@ class SpliceEngines:
         return len(self._pool) + (self._scratch is not None)
 
     def close(self) -> None:
+        self.hangups.close()
         for pipe in self._pool:
             pipe.close()
         self._pool.clear()
@@ -250,11 +334,14 @@ _NO_DIR: _Dir = None  # type: ignore[assignment]
 class _Dir:
     """One direction: ``src`` socket -> pipe -> ``dst`` socket."""
 
-    __slots__ = ("dst", "eof", "inpipe", "nbytes", "pipe", "shut", "src")
+    __slots__ = ("dst", "eof", "inpipe", "nbytes", "pipe", "shut", "src", "window")
 
     def __init__(self, src: _End, dst: _End) -> None:
         self.src = src
         self.dst = dst
+        #: Most bytes one read takes: x4 after each read delivered in full (up to PIPE_MAX),
+        #: back to STALL_WINDOW after a stall, so what a stall pins in its pipe is bounded.
+        self.window = STALL_WINDOW
         self.pipe: _Pipe | None = None  # private pipe, only while bytes wait in it
         self.inpipe = 0
         self.nbytes = 0
@@ -368,9 +455,10 @@ class SpliceRelay:
         """``d.src`` is readable, and ``d`` holds nothing in a pipe (else it is not read)."""
         engines = self._engines
         pipe = engines._scratch or engines.scratch()
+        want = pipe.size if pipe.size <= d.window else d.window
         try:
             # Positional flags: keyword parsing is a measurable share of a small message.
-            n = _splice(d.src.fd, pipe.w, pipe.size, None, None, _SPLICE_FLAGS)
+            n = _splice(d.src.fd, pipe.w, want, None, None, _SPLICE_FLAGS)
         except BlockingIOError:
             return  # the socket is empty (the pipe is: trap 3)
         except OSError:
@@ -392,6 +480,7 @@ class SpliceRelay:
             # The bytes stay in the scratch pipe: make it ours so _finish closes it (trap 6).
             d.pipe = engines.promote_scratch()
             d.inpipe = n
+            engines.pinned += n
             self._fail()
             return
         if m < n:
@@ -399,8 +488,12 @@ class SpliceRelay:
             # the direction's own; stop reading until it drains.
             d.pipe = engines.promote_scratch()
             d.inpipe = n - m
+            engines.pinned += n - m
+            d.window = STALL_WINDOW
             self._reading(d.src, False)
             self._writing(d.dst, True)
+        elif n == d.window and d.window < PIPE_MAX and engines.pinned < PINNED_SOFT_MAX:
+            d.window *= 4
 
     def _drain(self, d: _Dir) -> None:
         """``d.dst`` is writable and ``d`` has bytes waiting in its pipe."""
@@ -416,6 +509,7 @@ class SpliceRelay:
             self._fail()
             return
         d.inpipe -= m
+        self._engines.pinned -= m
         if d.inpipe:
             return
         d.pipe = None
@@ -442,6 +536,7 @@ class SpliceRelay:
                 self._reactor.addReader(end)
             else:
                 self._reactor.removeReader(end)
+            self._track(end)
 
     def _writing(self, end: _End, on: bool) -> None:
         if end.writing != on:
@@ -450,6 +545,13 @@ class SpliceRelay:
                 self._reactor.addWriter(end)
             else:
                 self._reactor.removeWriter(end)
+            self._track(end)
+
+    def _track(self, end: _End) -> None:
+        """The agent's socket, when no longer polled, is watched for a reset (and back)."""
+        up = self._up
+        if not self._over and up is not None and end is up.src:
+            self._engines.hangups.track(end)
 
     def _shut(self, d: _Dir) -> None:
         """EOF seen and the pipe drained: pass the FIN on; close once both ways are done."""
@@ -476,6 +578,7 @@ class SpliceRelay:
         if self._over or self._up is None:
             return
         self._over = True
+        self._engines.hangups.unwatch(self._up.src)
         forget = self._engines.forget
         for end in (self._up.src, self._down.src):  # type: ignore[union-attr]
             if forget is not None and (end.reading or end.writing) and forget(end):
@@ -490,6 +593,8 @@ class SpliceRelay:
                 # Bytes still inside: this pipe never goes back to the pool (trap 6).
                 d.pipe.close()  # type: ignore[union-attr]
                 d.pipe = None  # type: ignore[union-attr]
+                self._engines.pinned -= d.inpipe  # type: ignore[union-attr]
+                d.inpipe = 0  # type: ignore[union-attr]
         self._engines.close_later(self, outcome)
 
     def _closed(self, outcome: str) -> None:
@@ -534,6 +639,7 @@ def engine_factory(reactor: Any, engine: str = "auto") -> EngineFactory:
 
 __all__ = [
     "ENGINES",
+    "FDS_PER_RELAY",
     "PIPE_MAX",
     "POOL_MAX",
     "SpliceEngines",

@@ -398,6 +398,8 @@ class ForwardTable(Service):
             listeners=lambda: len(self._forwards),
             bottles=lambda: len({b for b, _ in self._forwards}),
             reserved=reserved_fds,
+            fds_per_relay=getattr(self.engine_factory, "fds_per_relay", 2),
+            engine_fds=getattr(self.engine_factory, "engine_fds", 0),
         )
         self.idle = IdleSweep(clock, idle_timeout, self._relay_idle)
         #: Relays aborted by the idle timeout.

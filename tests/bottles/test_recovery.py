@@ -428,3 +428,18 @@ def test_a_failed_recovery_never_reports_ready_and_stops_the_daemon(rigs: Rigs) 
 
 async def _settle() -> None:
     pass
+
+
+def test_t6_no_orphan_sweep_when_a_record_was_unreadable(rigs: Rigs, tmp: str) -> None:
+    """T6: a VM bottle whose record cannot be read is not a reason to delete its machines
+    as orphans: the sweep runs only on a state known good."""
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.close()
+    bottles = _stored(first.state_dir)
+    bottles["r1"]["alias"] = 7  # damaged: the record is dropped
+    _store(first.state_dir, bottles)
+    rig = rigs(smolvm=first.smolvm)
+    rig.recover()
+    assert rig.registry.list_bottles() == []
+    assert {"bn-r1-agent", "bn-r1-sidecar"} <= set(rig.smolvm.names())

@@ -112,6 +112,32 @@ def test_a_restarted_daemon_still_sees_the_workload_end(daemon: VMDaemon) -> Non
     assert status(daemon, "b2")["workload_exit_code"] == 9
 
 
+def test_t12_a_workload_with_a_user_cannot_forge_its_exit(daemon: VMDaemon) -> None:
+    """T12: a workload run as agent.user cannot write its exit file (the directory is the
+    guest root's, the code is written by its root parent): the bottle stays running until
+    the workload really ends, and then has its real code."""
+    guest = "/tmp/.bottlenet-workload-bn-b3-agent"
+    gate = "/tmp/bottlenet-test-go3"
+    script = (
+        f"id -u; (echo 0 > {guest}/exit.tmp && mv {guest}/exit.tmp {guest}/exit) 2>/dev/null "
+        f"&& echo forged || echo forge refused; "
+        f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 5"
+    )
+    daemon.create_vm_bottle("b3", workload=["/bin/sh", "-c", script], user="65534")
+    logs = wait_for(
+        lambda: (out := daemon.ctl("bottle", "logs", "b3").stdout) and b"forge" in out and out,
+        30,
+        "the workload's forge attempt",
+    )
+    assert logs == b"65534\nforge refused\n"
+    r = daemon.ctl("bottle", "exec", "b3", "--", "/bin/sh", "-c", f'[ ! -e "{guest}/exit" ]')
+    assert r.returncode == 0, "an exit file exists while the workload runs"
+    assert status(daemon, "b3")["workload"] == "running"
+    release(daemon, "b3", gate)
+    wait_for(lambda: status(daemon, "b3")["state"] == "exited", 60, "the real exit")
+    assert status(daemon, "b3")["workload_exit_code"] == 5
+
+
 def test_logs_usage_and_errors(daemon: VMDaemon) -> None:
     daemon.create_vm_bottle("b1")  # no workload in its spec
     r = daemon.ctl("bottle", "logs", "b1")

@@ -117,13 +117,17 @@ class VMDaemon:
             timeout=timeout,
         )
 
-    def create_vm_bottle(self, name: str = "b1", workload: Sequence[str] = ()) -> dict[str, Any]:
+    def create_vm_bottle(
+        self, name: str = "b1", workload: Sequence[str] = (), user: str | None = None
+    ) -> dict[str, Any]:
         spec = self.spec
         if workload:
             spec = os.path.join(self.dir, f"{name}.toml")
             with open(spec, "w") as f:
                 f.write(SPEC_TOML.format(image=self.image))
                 f.write(f"workload = {json.dumps(list(workload))}\n")
+                if user is not None:
+                    f.write(f"user = {json.dumps(user)}\n")
         r = self.ctl("--json", "bottle", "create", name, "--spec", spec)
         assert r.returncode == 0, (r.stdout, r.stderr, self.log())
         record: dict[str, Any] = json.loads(r.stdout)

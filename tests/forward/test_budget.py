@@ -229,3 +229,29 @@ def test_the_reserve_follows_the_control_cap(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(budget, "nofile_limit", lambda: 100_000)
     assert ConnectionBudget(reserved=reserved_fds(64)).total == (100_000 - 256) // 2
     assert ConnectionBudget(reserved=reserved_fds(1000)).total == (100_000 - 4000) // 2
+
+
+@pytest.mark.skipif(_NO_SPLICE is not None, reason="splice() is Linux-only")
+def test_t4_a_derived_splice_budget_counts_every_fd_a_stalled_relay_holds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """T4: a splice relay whose two directions stall holds 6 fds (2 sockets, 2 pipes): the
+    budget derived from the fd limit must fit that many relays, at 6 fds each, with the
+    engine's own pipes, inside the limit minus the reserve (it counted 2 per relay)."""
+    from twisted.internet import reactor
+
+    from bottlenet.forward import budget
+    from bottlenet.forward.budget import RESERVED_FDS
+    from tests.forward.test_loopback import registry_with
+
+    monkeypatch.setattr(budget, "nofile_limit", lambda: 1200)
+    table = ForwardTable(
+        reactor, registry_with(("b1", ALIAS)), state_dir=str(tmp_path), engine="splice"
+    )
+    engines = table.engine_factory
+    worst = table.budget.total * 6 + getattr(engines, "engine_fds", 0)
+    assert worst <= 1200 - RESERVED_FDS
+    portable = ForwardTable(
+        reactor, registry_with(("b1", ALIAS)), state_dir=str(tmp_path), engine="portable"
+    )
+    assert portable.budget.total == (1200 - RESERVED_FDS) // 2  # its relays hold 2 fds

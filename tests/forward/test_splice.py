@@ -10,7 +10,14 @@ from typing import Any
 from twisted.internet import defer, reactor
 
 from bottlenet.forward.listen import HeldTCPServer
-from bottlenet.forward.splice import POOL_MAX, SpliceEngines, SpliceRelay, splice_supported
+from bottlenet.forward.splice import (
+    PIPE_MAX,
+    POOL_MAX,
+    STALL_WINDOW,
+    SpliceEngines,
+    SpliceRelay,
+    splice_supported,
+)
 from tests.forward.netutil import Collector, Echo, pattern, sha
 from tests.forward.test_loopback import Base, MiB, sleep
 
@@ -101,6 +108,41 @@ class SpliceTests(Base):
         assert sha(bytes(silent.received)) == sha(data)
         c.transport.loseConnection()  # type: ignore[union-attr]
         await c.done
+
+    async def stalled_upload(self) -> tuple[Any, Collector]:
+        """One relay whose target never reads: its upload stalls, bytes held in its pipe."""
+        silent = Silent(fin=False)
+        info = await self.forward(self.target(lambda: silent))
+        c = await self.client(info, Collector(pattern(8 * MiB), fin=False))
+        await self.until(
+            lambda: any(s.engine._up and s.engine._up.inpipe for s in self.sessions()),
+            "bytes held in a pipe",
+        )
+        (s,) = self.sessions()
+        return s, c
+
+    async def test_t4_a_stalled_relay_ends_when_the_agent_resets(self) -> None:
+        """T4: the target never reads, so the relay stops reading the agent and (the target
+        sending nothing) polls its socket for nothing: the agent's reset still ends the relay
+        at once (it lingered until the idle timeout, holding its fds)."""
+        s, c = await self.stalled_upload()
+        agent = s.engine._up.src
+        assert not (agent.reading or agent.writing)  # in no epoll set of the reactor
+        c.transport.abortConnection()  # type: ignore[union-attr]
+        await self.until(lambda: not self.sessions(), "the relay's end after the agent's reset")
+        assert not self.engines.hangups._ends
+
+    async def test_t4_a_stall_pins_at_most_one_read_counted_and_released(self) -> None:
+        """T4: what a stalled direction holds in its pipe is one read (at most PIPE_MAX),
+        counted in ``pinned``; its next reads start again at STALL_WINDOW; the relay's end
+        releases the count."""
+        s, c = await self.stalled_upload()
+        up = s.engine._up
+        assert 0 < up.inpipe <= PIPE_MAX and self.engines.pinned == up.inpipe
+        assert up.window == STALL_WINDOW
+        c.transport.abortConnection()  # type: ignore[union-attr]
+        await self.until(lambda: not self.sessions(), "relay end")
+        assert self.engines.pinned == 0
 
     async def test_pipes_grow_under_bulk_and_are_pooled(self) -> None:
         data = pattern(16 * MiB, seed=5)

@@ -1,0 +1,82 @@
+"""A revocation is durable or stays visibly pending; it never comes back at restart (T5)."""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bottlenet.bottles.registry import RESYNC_INTERVAL
+from bottlenet.errors import NotFound, Unavailable
+from bottlenet.forward.spec import parse_target
+from tests.bottles.memsmolvm import Rig
+
+Rigs = Callable[..., Rig]
+
+
+def _forward_bottle(rigs: Rigs) -> Rig:
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("fo1", ipaddress.IPv4Address("127.79.0.7")))
+    rig.run(rig.registry.add_forward("fo1", "db", parse_target("127.0.0.1:5432")))
+    return rig
+
+
+def _disk_full(rig: Rig, monkeypatch: pytest.MonkeyPatch) -> None:
+    def enospc(doc: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.store, "_append", enospc)
+
+
+def test_t5_forward_rm_not_durable_stays_closed_says_so_and_never_comes_back(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5: `forward rm` on a full disk: the listener stays closed, the bottle's detail says
+    the removal is not yet durable, a retry is UNAVAILABLE (not NOT_FOUND), and once the
+    disk takes writes again the removal is written: the restarted daemon has no forward."""
+    rig = _forward_bottle(rigs)
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "db"))
+    assert rig.table.list("fo1") == []
+    detail = rig.registry.get_bottle("fo1").detail
+    assert detail is not None and "removal of forward 'db' is not yet durable" in detail
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "db"))
+    monkeypatch.undo()  # space again
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.get_bottle("fo1").detail is None
+    assert rig.state()["fo1"]["forwards"] == []
+    rig.close()
+    again = rigs(smolvm=rig.smolvm)
+    again.recover()
+    assert again.table.list("fo1") == []
+
+
+def test_t5_bottle_rm_not_durable_stays_listed_until_it_is(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5: `bottle rm` on a full disk: listeners closed, the bottle stays listed with why
+    (its alias kept), a retry after the disk recovered completes it, and it never returns."""
+    rig = _forward_bottle(rigs)
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="destroy is done"):
+        rig.run(rig.registry.destroy_bottle("fo1"))
+    assert rig.table.list("fo1") == []
+    detail = rig.registry.get_bottle("fo1").detail
+    assert detail is not None and "destroy is not yet durable" in detail
+    with pytest.raises(Unavailable):  # still full: the retry says so
+        rig.run(rig.registry.add_forward("fo1", "web", parse_target("127.0.0.1:8080")))
+    assert rig.table.list("fo1") == []
+    monkeypatch.undo()
+    rig.run(rig.registry.destroy_bottle("fo1"))  # the retry completes it (no NOT_FOUND)
+    assert not rig.registry.has_bottle("fo1")
+    assert "fo1" not in rig.state()
+    with pytest.raises(NotFound):
+        rig.run(rig.registry.destroy_bottle("fo1"))
+    rig.close()
+    again = rigs(smolvm=rig.smolvm)
+    again.recover()
+    assert not again.registry.has_bottle("fo1")
