@@ -33,15 +33,16 @@ from twisted.internet.endpoints import (
     TCP4ServerEndpoint,
     TCP6ServerEndpoint,
     serverFromString,
-    wrapServerTLS,
 )
 from twisted.internet.interfaces import (
+    IAddress,
     IListeningPort,
     IProtocolFactory,
     IReactorTCP,
     IStreamServerEndpoint,
 )
 from twisted.logger import Logger
+from twisted.protocols.tls import TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
@@ -415,4 +416,27 @@ def tls_control_endpoint(
         inner = TCP6ServerEndpoint(reactor, port, interface=interface)
     else:
         inner = TCP4ServerEndpoint(reactor, port, interface=interface)
-    return wrapServerTLS(options, inner)
+    return _RefusingTLSServerEndpoint(options, inner)
+
+
+class _RefusingTLSFactory(TLSMemoryBIOFactory):
+    """Adds TLS, but never around a refusal: Twisted's own wrapper wraps the ``None`` a
+    capped factory returns, and every byte of that connection then logs a traceback."""
+
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        inner = self.wrappedFactory.buildProtocol(addr)
+        if inner is None:
+            return None
+        return self.protocol(self, inner)
+
+
+@implementer(IStreamServerEndpoint)
+class _RefusingTLSServerEndpoint:
+    """``wrapServerTLS`` with :class:`_RefusingTLSFactory` as the wrapper."""
+
+    def __init__(self, options: Any, inner: IStreamServerEndpoint) -> None:
+        self._options = options
+        self._inner = inner
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        return self._inner.listen(_RefusingTLSFactory(self._options, False, protocolFactory))

@@ -28,6 +28,7 @@ from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
+from bottlenet.control.admission import HandshakeAdmission, peer_source
 from bottlenet.control.backend import ControlBackend
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
@@ -448,7 +449,8 @@ class ControlServerProtocol(HardenedAMP):
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
         self.control.connection = self
         self.factory = factory
-        self._holds_slot = True
+        # A TLS connection takes its slot once its certificate is verified (handshakeCompleted).
+        self._holds_slot = factory.transport_kind != "tls"
 
     def release_slot(self) -> None:
         """Give the connection's slot back (once) to the factory's connection cap."""
@@ -458,6 +460,8 @@ class ControlServerProtocol(HardenedAMP):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.release_slot()
+        if self.factory.admission is not None:
+            self.factory.admission.settled(self)
         if self.factory.event_hub is not None:
             self.factory.event_hub.forget(self)
         super().connectionLost(reason)
@@ -480,7 +484,12 @@ class ControlServerProtocol(HardenedAMP):
 
     def connectionMade(self) -> None:
         if self.factory.transport_kind == "tls":
-            # Authenticated in handshakeCompleted, before any application data flows.
+            # Authenticated in handshakeCompleted, before any application data flows; until
+            # then the admission's deadline and caps bound what this connection may hold.
+            if self.factory.admission is not None:
+                self.factory.admission.admit(
+                    self, peer_source(self.transport), self._abort_unauthenticated
+                )
             super().connectionMade()
             return
         handle = self.ctransport.getHandle()
@@ -506,11 +515,23 @@ class ControlServerProtocol(HardenedAMP):
         self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
         super().connectionMade()
 
+    def _abort_unauthenticated(self) -> None:
+        """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
+        self._closing = True
+        if self.transport is not None:
+            self.ctransport.abortConnection()
+
     def handshakeCompleted(self) -> None:
+        if self.factory.admission is not None:
+            self.factory.admission.settled(self)
         cert = cast(X509 | None, ISSLTransport(self.transport).getPeerCertificate())
         if cert is None:
             self.drop("TLS peer presented no certificate")
             return
+        if not self.factory.take_slot():
+            self._abort_unauthenticated()
+            return
+        self._holds_slot = True
         names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         subject = str(names[0].value) if names else ""
         self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
@@ -581,6 +602,10 @@ class ControlServerFactory(Factory):
             # A one-shot timer only while refusals were dropped: no periodic wakeup.
             auto_flush=clock is not None,
         )
+        #: TLS only: the handshake deadline and the caps on unauthenticated connections.
+        self.admission: HandshakeAdmission | None = None
+        if transport_kind == "tls":
+            self.admission = HandshakeAdmission(self.clock, self.refused_log)
 
     @property
     def clock(self) -> Any:
@@ -621,16 +646,24 @@ class ControlServerFactory(Factory):
         tls.smolvm_source = self.smolvm_source
         return tls
 
-    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+    def take_slot(self) -> bool:
+        """One of the capped slots for a peer, or False (logged, rate-limited) at the cap."""
         if self.open_connections >= self.max_connections:
             # Each connection may buffer up to a 256 KiB box: the cap bounds that memory (and
-            # the fds) whoever connects. Twisted closes the socket when we return None.
+            # the fds) whoever connects.
             self.refused += 1
             self.refused_log.warn(
                 ("control-cap", self.transport_kind),
                 "control: refused a connection: {max_connections} connections are open",
                 max_connections=self.max_connections,
             )
-            return None
+            return False
         self.open_connections += 1
+        return True
+
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+        if self.transport_kind == "tls":
+            return ControlServerProtocol(self)  # slot at handshakeCompleted, see admission
+        if not self.take_slot():
+            return None  # Twisted closes the socket
         return ControlServerProtocol(self)
