@@ -81,9 +81,11 @@ class ExecBridge(ProcessProtocol):
         assert self.transport is not None
         if not self.stdin and not self.tty:
             self.transport.closeStdin()
-        # The child's stdin pipe tells us when it is full (see pauseProducing below).
+        # The child's stdin (its pipe, or the pty master for a tty) tells us when it is full:
+        # reading from the client stops until it drains, so the daemon buffers at most about
+        # one write buffer plus one read of the client per session, whatever the client sends.
         register = getattr(self.transport, "registerProducer", None)
-        if register is not None and self.stdin and not self.tty:
+        if register is not None and (self.stdin or self.tty):
             register(_ClientPauser(self), True)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
