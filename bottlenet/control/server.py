@@ -250,6 +250,8 @@ class ControlLocator(SafeCommandLocator):
     async def destroy_bottle(self, name: str) -> dict[str, Any]:
         name = check_bottle_name(name)
         await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
+        # Its commands end with it (while it was being destroyed, a new Exec was BUSY).
+        self.factory.end_exec_sessions_of(name)
         return {}
 
     @C.Exec.responder
@@ -619,6 +621,16 @@ class ControlServerFactory(Factory):
         """The daemon stops: end every command still running for a client."""
         self.stopping = True
         for bridge in list(self.exec_sessions):
+            bridge.terminate()
+
+    def end_exec_sessions_of(self, bottle: str) -> None:
+        """The bottle was destroyed: end the commands still running in it for a client."""
+        for bridge in [b for b in self.exec_sessions if b.bottle == bottle]:
+            self.log.info(
+                "control: ending an exec session in destroyed bottle {bottle} ({peer})",
+                bottle=bottle,
+                peer=bridge.peer,
+            )
             bridge.terminate()
 
     def stopFactory(self) -> None:
