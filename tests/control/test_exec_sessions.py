@@ -1,10 +1,15 @@
-"""Security-2 T13 (control side): DestroyBottle ends the destroyed bottle's exec sessions."""
+"""Security-2, exec sessions on the control side: T13 (DestroyBottle ends the destroyed
+bottle's sessions) and T8 (a RESIZE frame of the wrong size; "went away" logged once)."""
 
 from __future__ import annotations
 
+import pytest
 from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+from twisted.logger import capturedLogs, formatEvent
 
 from bottlenet.control import commands as C
+from bottlenet.control import stream
 from bottlenet.control.execbroker import ExecBridge
 
 from .fakes import Conn, make_factory
@@ -46,3 +51,37 @@ def test_destroy_bottle_ends_its_exec_sessions() -> None:
     clock.advance(10)  # the grace period: then SIGKILL
     assert doomed_child.signals == ["TERM", "KILL"]
     assert other_child.signals == []  # another bottle's session is left alone
+
+
+def _tty_session_with_client() -> tuple[ExecBridge, _Child, StringTransport]:
+    clock = Clock()
+    bridge = ExecBridge(
+        bottle="b1", peer="uid=0", tty=True, stdin=True, clock=clock, resize=lambda *_: None
+    )
+    child = _Child()
+    bridge.makeConnection(child)  # type: ignore[arg-type]
+    client = StringTransport()
+    bridge.attach(client, b"")
+    return bridge, child, client
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x00\x18\x00", b"\x00\x18\x00\x50\x00"])
+def test_resize_frame_of_the_wrong_size_is_a_stream_error(payload: bytes) -> None:
+    """T8: a RESIZE frame whose payload is not 4 bytes used to raise past the parser."""
+    bridge, child, client = _tty_session_with_client()
+    with capturedLogs() as events:
+        bridge.client_data(stream.encode(stream.RESIZE, payload))
+    assert client.disconnecting  # the session is closed (aborted)
+    (line,) = [formatEvent(e) for e in events]
+    assert "resize frame must hold 4 bytes" in line
+    assert not any(e.get("log_failure") for e in events)  # no traceback
+
+
+def test_client_went_away_is_logged_once() -> None:
+    """T8: "went away" was logged twice per session (producer stop, then connection lost)."""
+    bridge, child, _client = _tty_session_with_client()
+    with capturedLogs() as events:
+        bridge.stopProducing()  # the connection stops its producer...
+        bridge.client_lost()  # ...and then reports the loss
+    assert sum("went away" in formatEvent(e) for e in events) == 1
+    assert child.signals == ["TERM"]
