@@ -16,7 +16,7 @@ import ipaddress
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from attrs import define, field, frozen
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
@@ -25,9 +25,12 @@ from twisted.internet.interfaces import (
     IDelayedCall,
     IReactorTime,
     IStreamServerEndpoint,
+    ITCPTransport,
 )
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.iweb import IRequest
 from twisted.web.pages import notFound
@@ -485,17 +488,14 @@ class _RequestDeadline(ProtocolWrapper):
     """Closes the connection when a request has not been answered within the deadline
     counted from its first byte (a slow sender cannot hold one of the capped slots)."""
 
-    factory: CappedFactory
-
     def __init__(self, factory: CappedFactory, wrapped: Any) -> None:
         super().__init__(factory, wrapped)
+        self._capped = factory
         self._deadline: IDelayedCall | None = None
 
     def dataReceived(self, data: bytes) -> None:
         if self._deadline is None:
-            self._deadline = self.factory.clock.callLater(
-                METRICS_REQUEST_DEADLINE, self._too_slow
-            )
+            self._deadline = self._capped.clock.callLater(METRICS_REQUEST_DEADLINE, self._too_slow)
         super().dataReceived(data)
 
     def write(self, data: bytes) -> None:
@@ -506,7 +506,7 @@ class _RequestDeadline(ProtocolWrapper):
         self._answered()
         super().writeSequence(data)
 
-    def connectionLost(self, reason: Any) -> None:
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
         self._answered()
         super().connectionLost(reason)
 
@@ -519,16 +519,16 @@ class _RequestDeadline(ProtocolWrapper):
 
     def _too_slow(self) -> None:
         self._deadline = None
-        self.factory.slow += 1
-        self.factory.refused_log.warn(
+        self._capped.slow += 1
+        self._capped.refused_log.warn(
             ("metrics-deadline",),
             "metrics: closed a connection whose request took over {deadline}s to arrive",
             deadline=METRICS_REQUEST_DEADLINE,
         )
-        self.transport.abortConnection()
+        cast(ITCPTransport, self.transport).abortConnection()
 
 
-class CappedFactory(WrappingFactory):
+class CappedFactory(WrappingFactory[_RequestDeadline]):
     """At most ``limit`` connections at once; more are closed at accept, counted, logged
     rate-limited. (Any local user can reach a TCP metrics port: this keeps it from
     exhausting the daemon's fds.) Each request must arrive within

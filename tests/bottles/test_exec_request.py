@@ -10,7 +10,7 @@ from bottlenet.errors import InvalidArgument
 
 @pytest.mark.parametrize("user", ["\u0661\u0660\u0660\u0660", "1000:\u0660", "\uff11"])
 def test_exec_user_takes_ascii_digits_only(user: str) -> None:
-    """T15: ``user="١٠٠٠"`` matched the regex's ``\\d`` and passed."""
+    """T15: a uid in Arabic-Indic digits matched the regex's ``\\d`` and passed."""
     with pytest.raises(InvalidArgument, match="user name or uid"):
         parse_exec_request(["id"], user=user)
 

@@ -37,7 +37,9 @@ class StdinBackPressureTests(unittest.TestCase):
             resize=lambda *_: None,
             on_end=lambda _: ended.callback(None),
         )
-        reactor.spawnProcess(bridge, "sleep", ["sleep", "60"], env={"PATH": "/usr/bin:/bin"}, usePTY=tty)
+        reactor.spawnProcess(
+            bridge, "sleep", ["sleep", "60"], env={"PATH": "/usr/bin:/bin"}, usePTY=tty
+        )
         client = StringTransport()
         bridge.attach(client, b"")
         return bridge, client, ended

@@ -68,7 +68,7 @@ def _tty_session_with_client() -> tuple[ExecBridge, _Child, StringTransport]:
 @pytest.mark.parametrize("payload", [b"", b"\x00\x18\x00", b"\x00\x18\x00\x50\x00"])
 def test_resize_frame_of_the_wrong_size_is_a_stream_error(payload: bytes) -> None:
     """T8: a RESIZE frame whose payload is not 4 bytes used to raise past the parser."""
-    bridge, child, client = _tty_session_with_client()
+    bridge, _child, client = _tty_session_with_client()
     with capturedLogs() as events:
         bridge.client_data(stream.encode(stream.RESIZE, payload))
     assert client.disconnecting  # the session is closed (aborted)

@@ -11,15 +11,15 @@ from typing import Any
 from OpenSSL.crypto import X509
 from twisted.internet.address import IPv4Address
 from twisted.internet.error import ConnectionDone
+from twisted.internet.interfaces import ISSLTransport
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
-from twisted.internet.interfaces import ISSLTransport
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
-from bottlenet.control import commands as C
 from bottlenet.control import codec
+from bottlenet.control import commands as C
 from bottlenet.control.admission import (
     HANDSHAKE_DEADLINE,
     MAX_PENDING_PER_SOURCE,
@@ -106,7 +106,7 @@ def test_tls_handshake_deadline_ends_silent_peers() -> None:
     factory, clock = _tls_factory()
     with capturedLogs() as events:
         conns = [_connect(factory, f"10.2.0.{i}") for i in range(10)]
-        early, early_t = conns[0]
+        early, _ = conns[0]
         early.handshakeCompleted()  # authenticated before the deadline: kept
         clock.advance(HANDSHAKE_DEADLINE)
     assert [t.aborted for _, t in conns] == [False] + [True] * 9
