@@ -3,10 +3,12 @@
 A TCP connection to the TLS listener is nobody until its handshake has verified a client
 certificate. So it never takes one of the control slots (those are for authenticated peers),
 it gets :data:`HANDSHAKE_DEADLINE` seconds to finish the handshake, and the unauthenticated
-connections are capped per source address and in total. At a cap the *oldest* unauthenticated
-connection (of that source, else overall) gives way to the new one: a silent peer holding
-connections open cannot keep a launcher from handshaking, it only churns its own. Every cause
-is logged through one rate-limited key (never a traceback, never peer bytes).
+connections are capped per source address and in total. At a cap the oldest *silent*
+unauthenticated connection (no byte received yet; of that source, else overall) gives way to
+the new one, and only when none is silent the oldest of all: a peer holding connections open
+without speaking cannot keep a launcher (whose ClientHello comes at once) from handshaking,
+even from the same address; it only churns its own. Every cause is logged through one
+rate-limited key (never a traceback, never peer bytes).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class _Pending:
     source: str
     abort: Callable[[], None]
     timer: IDelayedCall
+    spoke: bool = False
 
 
 @define
@@ -57,12 +60,26 @@ class HandshakeAdmission:
     def admit(self, key: object, source: str, abort: Callable[[], None]) -> None:
         """A TCP connection was accepted; ``abort()`` ends it (it is not authenticated yet)."""
         if self._per_source.get(source, 0) >= self.per_source:
-            self._evict(next(k for k, p in self._pending.items() if p.source == source), "source")
+            self._evict(self._victim(source), "source")
         elif len(self._pending) >= self.total:
-            self._evict(next(iter(self._pending)), "total")
+            self._evict(self._victim(None), "total")
         timer = self.clock.callLater(self.deadline, self._expire, key)
         self._pending[key] = _Pending(source, abort, timer)
         self._per_source[source] = self._per_source.get(source, 0) + 1
+
+    def spoke(self, key: object) -> None:
+        """The connection sent its first bytes (a ClientHello, presumably): it is evicted
+        only once no silent connection is left to evict."""
+        entry = self._pending.get(key)
+        if entry is not None:
+            entry.spoke = True
+
+    def _victim(self, source: str | None) -> object:
+        """The oldest silent connection (of ``source``, or of any), else the oldest."""
+        candidates = [
+            (k, p) for k, p in self._pending.items() if source is None or p.source == source
+        ]
+        return next((k for k, p in candidates if not p.spoke), candidates[0][0])
 
     def settled(self, key: object) -> None:
         """The handshake completed, or the connection is gone: stop tracking it."""

@@ -42,7 +42,7 @@ from twisted.internet.interfaces import (
     IStreamServerEndpoint,
 )
 from twisted.logger import Logger
-from twisted.protocols.tls import TLSMemoryBIOFactory
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
@@ -419,9 +419,26 @@ def tls_control_endpoint(
     return _RefusingTLSServerEndpoint(options, inner)
 
 
+class _FirstBytesTLSProtocol(BufferingTLSTransport):
+    """Tells the wrapped protocol (``first_bytes_received()``, if it has one) when the peer
+    sends its first bytes: the handshake admission evicts silent connections first."""
+
+    _spoke = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._spoke:
+            self._spoke = True
+            note = getattr(self.wrappedProtocol, "first_bytes_received", None)
+            if note is not None:
+                note()
+        super().dataReceived(data)
+
+
 class _RefusingTLSFactory(TLSMemoryBIOFactory):
     """Adds TLS, but never around a refusal: Twisted's own wrapper wraps the ``None`` a
     capped factory returns, and every byte of that connection then logs a traceback."""
+
+    protocol = _FirstBytesTLSProtocol
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
         inner = self.wrappedFactory.buildProtocol(addr)

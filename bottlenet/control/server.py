@@ -517,6 +517,11 @@ class ControlServerProtocol(HardenedAMP):
         self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
         super().connectionMade()
 
+    def first_bytes_received(self) -> None:
+        """Told by the TLS layer: this peer is not silent (see the handshake admission)."""
+        if self.factory.admission is not None:
+            self.factory.admission.spoke(self)
+
     def _abort_unauthenticated(self) -> None:
         """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
         self._closing = True

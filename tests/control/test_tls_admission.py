@@ -127,3 +127,17 @@ def test_tls_slots_count_authenticated_peers_only() -> None:
     assert factory.open_connections == 1
     proto, transport = _connect(factory, "10.3.0.1")
     assert _launcher_pings(proto, transport)
+
+
+def test_tls_a_speaking_handshake_outlives_silent_newcomers() -> None:
+    """T2: silent peers that keep arriving from the launcher's own address evict each other,
+    never the launcher's handshake in progress (its ClientHello came at once)."""
+    factory, _clock = _tls_factory()
+    for _ in range(MAX_PENDING_PER_SOURCE):
+        _connect(factory, "10.4.0.1")
+    proto, transport = _connect(factory, "10.4.0.1")
+    proto.first_bytes_received()  # the TLS layer saw its ClientHello
+    later = [_connect(factory, "10.4.0.1") for _ in range(1000)]
+    assert not transport.aborted
+    assert sum(not t.aborted for _, t in later) == MAX_PENDING_PER_SOURCE - 1
+    assert _launcher_pings(proto, transport)
