@@ -43,7 +43,7 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.errors import Busy, InvalidArgument, Unavailable, safe_repr
+from bottlenet.errors import Busy, InvalidArgument, NotFound, Unavailable, safe_repr
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
@@ -325,10 +325,19 @@ class ControlLocator(SafeCommandLocator):
         )
         await spawn(bridge)
         f.exec_sessions.add(bridge)
+        if not self._bottle_exists(bottle):  # destroyed while smolvm was starting the command
+            f.end_exec_sessions_of(bottle)
         if connection.transport is None:  # the client left while smolvm was starting
             bridge.client_lost()
         else:
             connection.switch_after_answer(bridge)
+
+    def _bottle_exists(self, name: str) -> bool:
+        try:
+            self.backend.get_bottle(name)
+        except NotFound:
+            return False
+        return True
 
     @C.Logs.responder
     async def logs(self, bottle: str, tail: int | None, follow: bool | None) -> dict[str, Any]:

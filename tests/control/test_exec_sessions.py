@@ -4,15 +4,16 @@ bottle's sessions) and T8 (a RESIZE frame of the wrong size; "went away" logged 
 from __future__ import annotations
 
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.logger import capturedLogs, formatEvent
 
+from bottlenet.control import codec, stream
 from bottlenet.control import commands as C
-from bottlenet.control import stream
 from bottlenet.control.execbroker import ExecBridge
 
-from .fakes import Conn, make_factory
+from .fakes import Conn, FakeBackend, make_factory
 
 
 class _Child:
@@ -85,3 +86,31 @@ def test_client_went_away_is_logged_once() -> None:
         bridge.client_lost()  # ...and then reports the loss
     assert sum("went away" in formatEvent(e) for e in events) == 1
     assert child.signals == ["TERM"]
+
+
+class _SlowSpawnBackend(FakeBackend):
+    """spawn_exec waits for ``started`` (smolvm starting the command), then attaches a child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.started: Deferred[None] = Deferred()
+        self.child = _Child()
+
+    async def spawn_exec(self, name: str, request: object, protocol: ExecBridge) -> _Child:
+        await self.started
+        protocol.makeConnection(self.child)  # type: ignore[arg-type]
+        return self.child
+
+
+def test_exec_whose_spawn_outlasts_the_destroy_is_ended() -> None:
+    """T13: an Exec accepted just before DestroyBottle, started after it, is ended too."""
+    backend = _SlowSpawnBackend()
+    factory = make_factory(backend, clock=Clock())
+    admin = Conn(factory)
+    admin.call(C.CreateBottle, name="b1")
+    execer = Conn(factory)
+    execer.send(codec.encode_request(C.Exec, b"1", {"bottle": "b1", "argv": ["sleep", "9"]}))
+    assert admin.call(C.DestroyBottle, name="b1") == {}
+    assert backend.child.signals == []  # nothing to end yet: smolvm is still starting it
+    backend.started.callback(None)
+    assert backend.child.signals == ["TERM"]
