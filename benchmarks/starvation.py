@@ -20,10 +20,23 @@ Runs the real daemon (``python -m twisted bottlenet``) on loopback only, and rep
    control connection still answer, and how long the daemon takes to drop the relays once the
    agent resets every connection.
 
+Control-plane hardening (security-2, issue 20; ``control_hardening`` below, run as root: the
+fake smolvm's exec needs ``unshare``):
+
+4. T2: a daemon with a TLS control listener gets ``--tls-silent`` (1,000) plain TCP
+   connections that never send a ClientHello; with them held, a launcher with a valid
+   certificate connects and pings (median and worst of 5, target under 1 s), and the
+   daemon's log lines added by the flood are counted (target: a handful).
+5. T3: a tty exec of ``sleep`` is fed up to ``--tty-flood-mib`` (1024) MiB of stdin; the
+   daemon stops reading once the pty is full, so the client's send blocks. The bytes the
+   daemon accepted and its RSS before and after are reported (target: within 16 MiB).
+
 Timing figures depend on the machine: quote them with the load it had. Benchmark tooling
 only: nothing here is a test.
 
     .venv/bin/python -m benchmarks.starvation [--budget 1000] [--samples 30] [--json OUT]
+    .venv/bin/python -m benchmarks.starvation --only-control-hardening
+    .venv/bin/python -m benchmarks.starvation --only-stall
 """
 
 from __future__ import annotations
@@ -252,6 +265,9 @@ def main() -> None:
     ap.add_argument("--stall-relays", type=int, default=1000, help="part 3: stalled relays")
     ap.add_argument("--stall-nofile", type=int, default=1200, help="part 3: daemon's nofile")
     ap.add_argument("--only-stall", action="store_true", help="run part 3 alone")
+    ap.add_argument("--tls-silent", type=int, default=1000)
+    ap.add_argument("--tty-flood-mib", type=int, default=1024)
+    ap.add_argument("--only-control-hardening", action="store_true")
     args = ap.parse_args()
     if args.only_stall:
         sys.path.insert(0, ROOT)
@@ -259,6 +275,8 @@ def main() -> None:
         return
 
     sys.path.insert(0, ROOT)
+    if args.only_control_hardening:
+        return _report({"control_hardening": control_hardening(args)}, args.json)
     from bottlenet.control.blocking import BlockingControlClient
 
     work = tempfile.mkdtemp(prefix="bn-starve-")
@@ -366,11 +384,142 @@ def main() -> None:
         daemon.wait(30)
         shutil.rmtree(work, ignore_errors=True)
     result["fd_budget_under_stall"] = fd_budget_under_stall(args.stall_relays, args.stall_nofile)
+    result["control_hardening"] = control_hardening(args)
+    _report(result, args.json)
+
+
+def _report(result: dict[str, Any], path: str | None) -> None:
     text = json.dumps(result, indent=1)
     print(text)
-    if args.json:
-        with open(args.json, "w") as f:
+    if path:
+        with open(path, "w") as f:
             f.write(text + "\n")
+
+
+# -- control-plane hardening (security-2 T2 and T3) ----------------------------------------
+
+
+def control_hardening(args: argparse.Namespace) -> dict[str, Any]:
+    """One daemon on the fake smolvm with a TLS listener and a VM bottle: T2, then T3."""
+    import resource
+
+    from tests.control import certs
+    from tests.control.vmdaemon import VMDaemon
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, args.tls_silent + 512)), hard))
+    d = VMDaemon()
+    ca = certs.make_ca("starvation CA")
+    skey, scert = certs.write(
+        d.dir, "server", certs.issue(ca, "daemon", server=True, ips=("127.0.0.1",))
+    )
+    ca_path = certs.write(d.dir, "ca", ca)[1]
+    ckey, ccert = certs.write(d.dir, "launcher", certs.issue(ca, "launcher-1", server=False))
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    d.extra = ("--control-tls-port", str(port), "--control-tls-interface", "127.0.0.1")
+    d.extra += ("--control-tls-key", skey, "--control-tls-cert", scert, "--control-tls-ca", ca_path)
+    d.start()
+    try:
+        d.create_vm_bottle("b1")
+        assert d.proc is not None
+        return {
+            "loadavg": os.getloadavg(),
+            "tls_silent_connections": _tls_silent_connections(
+                d, port, (ccert, ckey, ca_path), args.tls_silent
+            ),
+            "tty_stdin_flood": _tty_stdin_flood(d, args.tty_flood_mib),
+        }
+    finally:
+        d.cleanup()
+
+
+def _log_lines(d: Any) -> int:
+    return len(d.log().splitlines())
+
+
+def _tls_silent_connections(
+    d: Any, port: int, creds: tuple[str, str, str], count: int
+) -> dict[str, Any]:
+    """T2: ``count`` silent TCP peers held; a launcher's connect + ping time; log lines."""
+    from bottlenet.control.address import TLSCredentials
+    from bottlenet.control.blocking import BlockingControlClient
+
+    tls = TLSCredentials(*creds)
+    address = f"tls:127.0.0.1:{port}"
+    with BlockingControlClient(address, timeout=10, tls=tls) as c:
+        c.ping()  # warm: the daemon's TLS context is built
+    lines0 = _log_lines(d)
+    fds0 = fds(d.proc.pid)
+    silent = []
+    for _ in range(count):  # non-blocking: past the listen backlog they wait for accept
+        s = socket.socket()
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        silent.append(s)
+    time.sleep(2.0)  # the daemon accepts them all
+    samples = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        with BlockingControlClient(address, timeout=10, tls=tls) as c:
+            c.ping()
+        samples.append(time.perf_counter() - t0)
+    pid = d.proc.pid
+    fds_launching = fds(pid)
+    lines_flood = _log_lines(d) - lines0
+    time.sleep(6.0)  # past the 5 s handshake deadline: the last silent ones are closed
+    fds_after_deadline = fds(pid)
+    for s in silent:
+        s.close()
+    time.sleep(11.0)  # the rate-limited logger reports what it suppressed
+    return {
+        "silent_connections": count,
+        "launcher_connect_and_ping": percentiles(samples),
+        # The kernel queues what the daemon has not accepted yet (SYN retries): the
+        # daemon's own fds show what it holds.
+        "daemon_fds_before": fds0,
+        "daemon_fds_while_launching": fds_launching,
+        "daemon_fds_after_deadline": fds_after_deadline,
+        "log_lines_added": lines_flood,
+        "log_lines_added_incl_suppressed_counts": _log_lines(d) - lines0,
+        "tracebacks_in_log": d.log().count("Traceback"),
+    }
+
+
+def _tty_stdin_flood(d: Any, mib: int) -> dict[str, Any]:
+    """T3: ``mib`` MiB of STDIN frames into a tty ``sleep``; what the daemon took, its RSS."""
+    from bottlenet.control import stream
+
+    pid = d.proc.pid
+    rss0 = rss_kib(pid)
+    frame = stream.encode(stream.STDIN, b"\0" * (stream.MAX_FRAME - 1))
+    with d.client(timeout=30) as c:
+        session = c.open_exec("b1", ["sleep", "600"], tty=True, stdin=True, size=(24, 80))
+        session.sock.settimeout(3.0)
+        sent = 0
+        t0 = time.perf_counter()
+        try:
+            while sent < mib * 1024 * 1024:
+                session.sock.sendall(frame)
+                sent += len(frame)
+        except (TimeoutError, OSError):
+            pass  # the daemon stopped reading: back-pressure
+        elapsed = time.perf_counter() - t0
+        time.sleep(1.0)
+        rss_fed = rss_kib(pid)
+        session.close()
+    time.sleep(1.0)
+    return {
+        "offered_mib": mib,
+        "sent_before_blocking_mib": round(sent / 2**20, 2),
+        "seconds_until_blocked_or_done": round(elapsed, 2),
+        "rss_before_kib": rss0,
+        "rss_fed_kib": rss_fed,
+        "rss_delta_mib": round((rss_fed - rss0) / 1024, 2),
+        "rss_after_close_kib": rss_kib(pid),
+    }
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ PROTECTED_VOLUME_TREES = (
     "/var/log", "/var/run",
 )  # fmt: skip
 PROTECTED_VOLUME_EXACT = ("/", "/var")
-_USER = re.compile(r"([a-z_][a-z0-9_-]{0,31}|\d{1,10})(:\d{1,10})?\Z")
+# ASCII digits only: ``\d`` also matches other scripts' digits (Arabic-Indic, fullwidth).
+_USER = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?\Z")
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}\Z")
 _ENV_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*\Z")

@@ -7,6 +7,7 @@ the same rules as the bottle spec (env entries, absolute paths), before smolvm r
 
 from __future__ import annotations
 
+import unicodedata
 from collections.abc import Sequence
 from typing import Any
 
@@ -38,6 +39,31 @@ class ExecRequest:
     size: tuple[int, int] | None = None
 
 
+def _check_encodes(value: str, where: str) -> None:
+    """A lone surrogate cannot become an argv word: refused here, not INTERNAL at spawn."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(f"{where}: must be valid Unicode (no lone surrogates)") from None
+
+
+def _check_workdir(workdir: str) -> None:
+    """An absolute path that says what it is: no ``..`` segment, no ``:``, no control or
+    format character (C0, DEL, C1, bidi overrides, zero-width), nothing unencodable."""
+    if (
+        not isinstance(workdir, str)
+        or not workdir.startswith("/")
+        or len(workdir) > MAX_STRING
+        or ":" in workdir
+        or any(unicodedata.category(c) in ("Cc", "Cf", "Cs") for c in workdir)
+    ):
+        raise InvalidArgument(
+            "workdir: must be an absolute path without ':', control or format characters"
+        )
+    if ".." in workdir.split("/"):
+        raise InvalidArgument("workdir: must not contain a '..' segment")
+
+
 def parse_exec_request(
     argv: Sequence[str],
     *,
@@ -60,6 +86,7 @@ def parse_exec_request(
     for i, w in enumerate(words):
         if not isinstance(w, str) or "\0" in w:
             raise InvalidArgument(f"argv[{i}]: must be a string without NUL")
+        _check_encodes(w, f"argv[{i}]")
     if not words[0]:
         raise InvalidArgument("argv[0]: must not be empty")
     entries = tuple(env)
@@ -68,18 +95,15 @@ def parse_exec_request(
     for i, e in enumerate(entries):
         if not isinstance(e, str) or len(e) > MAX_STRING:
             raise InvalidArgument(f"env[{i}]: must be a string of at most {MAX_STRING} characters")
+        _check_encodes(e, f"env[{i}]")
     check_env_entries(entries, "env")
     if user is not None:
         try:
             check_user(user)
         except VmctlError:
             raise InvalidArgument(f"user {safe_repr(user)}: use a user name or uid[:gid]") from None
-    if workdir is not None and (
-        not workdir.startswith("/")
-        or len(workdir) > MAX_STRING
-        or any(ord(c) < 32 or c == ":" for c in workdir)
-    ):
-        raise InvalidArgument("workdir: must be an absolute path without ':' or control characters")
+    if workdir is not None:
+        _check_workdir(workdir)
     size = None
     if rows is not None or cols is not None:
         if rows is None or cols is None or not (0 <= rows <= 0xFFFF and 0 <= cols <= 0xFFFF):

@@ -142,6 +142,8 @@ def parse_config(text: bytes, path: str, pool: AliasPool, unix_root: str) -> Dae
     except tomllib.TOMLDecodeError as e:
         # tomllib's message names the line and column; it quotes no file content.
         raise ConfigError(f"{path}: (syntax): {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: (syntax): nested too deeply") from None
     return _Reader(path, pool, unix_root).read(data)
 
 

@@ -111,6 +111,8 @@ class BottleRegistry:
         self._bottles: _BottleDict = _BottleDict(self._names_changed)
         self._busy: set[str] = set()
         self._creating: set[str] = set()
+        #: Bottles whose DestroyBottle is running: an Exec into one is BUSY.
+        self._destroying: set[str] = set()
         self._recovering = False
         self._recovery_waiters: list[Deferred[None]] = []
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
@@ -395,6 +397,7 @@ class BottleRegistry:
             if bottle.vms is not None:
                 assert self.vms is not None
                 self._stop_waiting(name)
+                self._destroying.add(name)
                 try:
                     await self.vms.teardown(bottle)
                 except Exception as e:
@@ -405,6 +408,8 @@ class BottleRegistry:
                     if bottle.state != STATE_DEGRADED:
                         self.emit(DEGRADED, name, STATE_DEGRADED, detail)
                     raise
+                finally:
+                    self._destroying.discard(name)
             else:
                 await self._table.remove_bottle(name)
             # The record goes first, then the bottle and its alias (_sync).
@@ -465,9 +470,11 @@ class BottleRegistry:
 
     def exec_target(self, name: str) -> Bottle:
         """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
-        BUSY (being created) or DEGRADED otherwise."""
+        BUSY (being created or destroyed) or DEGRADED otherwise."""
         if name in self._creating:
             raise Busy(f"bottle {name} is being created")
+        if name in self._destroying:
+            raise Busy(f"bottle {name} is being destroyed")
         bottle, _ = self._require_vms(name)
         if bottle.state == STATE_DEGRADED:
             raise Degraded(f"bottle {name} is degraded: {bottle.detail or 'no detail'}")

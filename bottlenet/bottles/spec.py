@@ -14,7 +14,7 @@ from typing import Any
 
 from attrs import field, frozen
 
-from bottlenet.bottles.fields import Fields
+from bottlenet.bottles.fields import Fields, shown_key
 from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
@@ -256,6 +256,31 @@ def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     return AgentSpec(image, cpus, mem, env, workload, volumes, user, BridgeMode(bridge))
 
 
+def _refuse_unencodable(data: Mapping[str, Any]) -> None:
+    """Every key and string of the document encodes as UTF-8 (no lone surrogate, which JSON's
+    ``\\ud800`` can carry): each reaches argv, files and logs, where it would fail late."""
+    todo: list[tuple[str, object]] = [("", data)]
+    while todo:
+        where, value = todo.pop()
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                path = f"{where}.{shown_key(key)}" if where else shown_key(key)
+                _check_encodes(key, path)
+                todo.append((path, item))
+        elif isinstance(value, list):
+            todo.extend((f"{where}[{i}]", item) for i, item in enumerate(value))
+        elif isinstance(value, str):
+            _check_encodes(value, where)
+
+
+def _check_encodes(value: object, where: str) -> None:
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidArgument(f"{where}: must be valid Unicode (no lone surrogates)") from None
+
+
 def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:
     """Validate a parsed spec document (from TOML or JSON) for bottle ``name``.
 
@@ -265,6 +290,7 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
     check_bottle_name(name)
     if not isinstance(data, Mapping):
         raise InvalidArgument("spec: must be a table")
+    _refuse_unencodable(data)
     f = _fields(data, "", {"mode", "sidecar", "agent"})
     mode = f.get("mode", "auto")
     if mode not in MODES:

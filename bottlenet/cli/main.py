@@ -89,16 +89,37 @@ class SpecFileError(Exception):
     """The --spec file could not be read as TOML (reported as a usage error)."""
 
 
+#: AMP carries a value of at most 65,535 bytes: the spec's JSON must fit in one.
+MAX_SPEC_JSON = 0xFFFF
+
+
 def read_spec(path: str) -> str:
-    """Read a TOML bottle spec and return it as JSON text for CreateBottle."""
+    """Read a TOML bottle spec and return it as JSON text for CreateBottle.
+
+    Every way a file can be unusable is one line (a usage error), never a traceback."""
     try:
         with open(path, "rb") as f:
-            doc = tomllib.load(f)
+            raw = f.read(MAX_SPEC_JSON * 4 + 1)  # far more than any spec that fits
     except OSError as e:
         raise SpecFileError(f"--spec {path}: {e.strerror}") from None
+    if len(raw) > MAX_SPEC_JSON * 4:
+        raise SpecFileError(f"--spec {path}: larger than {MAX_SPEC_JSON * 4} bytes")
+    try:
+        doc = tomllib.loads(raw.decode("utf-8"))
+        text = json.dumps(doc, separators=(",", ":"), default=str)
+    except UnicodeDecodeError:
+        raise SpecFileError(f"--spec {path}: not valid UTF-8") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecFileError(f"--spec {path}: not valid TOML: {e}") from None
-    return json.dumps(doc, separators=(",", ":"), default=str)
+    except RecursionError:
+        raise SpecFileError(f"--spec {path}: nested too deeply") from None
+    size = len(text.encode("utf-8", "surrogatepass"))
+    if size > MAX_SPEC_JSON:
+        raise SpecFileError(
+            f"--spec {path}: the spec is {size} bytes as JSON; the control protocol carries"
+            f" at most {MAX_SPEC_JSON} bytes"
+        )
+    return text
 
 
 def _bottle_rows(b: Any) -> list[list[object]]:

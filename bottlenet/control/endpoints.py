@@ -33,15 +33,16 @@ from twisted.internet.endpoints import (
     TCP4ServerEndpoint,
     TCP6ServerEndpoint,
     serverFromString,
-    wrapServerTLS,
 )
 from twisted.internet.interfaces import (
+    IAddress,
     IListeningPort,
     IProtocolFactory,
     IReactorTCP,
     IStreamServerEndpoint,
 )
 from twisted.logger import Logger
+from twisted.protocols.tls import BufferingTLSTransport, TLSMemoryBIOFactory
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 from zope.interface import implementer
@@ -415,4 +416,44 @@ def tls_control_endpoint(
         inner = TCP6ServerEndpoint(reactor, port, interface=interface)
     else:
         inner = TCP4ServerEndpoint(reactor, port, interface=interface)
-    return wrapServerTLS(options, inner)
+    return _RefusingTLSServerEndpoint(options, inner)
+
+
+class _FirstBytesTLSProtocol(BufferingTLSTransport):
+    """Tells the wrapped protocol (``first_bytes_received()``, if it has one) when the peer
+    sends its first bytes: the handshake admission evicts silent connections first."""
+
+    _spoke = False
+
+    def dataReceived(self, data: bytes) -> None:
+        if not self._spoke:
+            self._spoke = True
+            note = getattr(self.wrappedProtocol, "first_bytes_received", None)
+            if note is not None:
+                note()
+        super().dataReceived(data)
+
+
+class _RefusingTLSFactory(TLSMemoryBIOFactory):
+    """Adds TLS, but never around a refusal: Twisted's own wrapper wraps the ``None`` a
+    capped factory returns, and every byte of that connection then logs a traceback."""
+
+    protocol = _FirstBytesTLSProtocol
+
+    def buildProtocol(self, addr: IAddress | None) -> Any:
+        inner = self.wrappedFactory.buildProtocol(addr)
+        if inner is None:
+            return None
+        return self.protocol(self, inner)
+
+
+@implementer(IStreamServerEndpoint)
+class _RefusingTLSServerEndpoint:
+    """``wrapServerTLS`` with :class:`_RefusingTLSFactory` as the wrapper."""
+
+    def __init__(self, options: Any, inner: IStreamServerEndpoint) -> None:
+        self._options = options
+        self._inner = inner
+
+    def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
+        return self._inner.listen(_RefusingTLSFactory(self._options, False, protocolFactory))

@@ -81,9 +81,11 @@ class ExecBridge(ProcessProtocol):
         assert self.transport is not None
         if not self.stdin and not self.tty:
             self.transport.closeStdin()
-        # The child's stdin pipe tells us when it is full (see pauseProducing below).
+        # The child's stdin (its pipe, or the pty master for a tty) tells us when it is full:
+        # reading from the client stops until it drains, so the daemon buffers at most about
+        # one write buffer plus one read of the client per session, whatever the client sends.
         register = getattr(self.transport, "registerProducer", None)
-        if register is not None and self.stdin and not self.tty:
+        if register is not None and (self.stdin or self.tty):
             register(_ClientPauser(self), True)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
@@ -137,8 +139,8 @@ class ExecBridge(ProcessProtocol):
 
     def client_data(self, data: bytes) -> None:
         try:
-            frames = self._parser.feed(data)
-        except StreamError as e:
+            self._apply_frames(self._parser.feed(data))
+        except StreamError as e:  # a bad header, or a bad payload (RESIZE of the wrong size)
             self.log.warn(
                 "exec in bottle {bottle}: closing the session of {peer}: {why}",
                 bottle=self.bottle,
@@ -147,7 +149,8 @@ class ExecBridge(ProcessProtocol):
             )
             if self._client is not None:
                 self._client.abortConnection()
-            return
+
+    def _apply_frames(self, frames: list[stream.Frame]) -> None:
         process = self.process
         for frame in frames:
             if process is None or self._exit_code is not None:
@@ -170,7 +173,12 @@ class ExecBridge(ProcessProtocol):
                     self._resize(process, rows, cols)
 
     def client_lost(self) -> None:
-        """The client went away: end the command (the child, hence the guest command)."""
+        """The client went away: end the command (the child, hence the guest command).
+
+        Told once or twice (the connection's producer stops, then the connection is lost):
+        acted on once."""
+        if self._client_gone:
+            return
         self._client_gone = True
         self._client = None
         if self._exit_code is None and self.process is not None:

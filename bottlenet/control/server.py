@@ -28,6 +28,7 @@ from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
+from bottlenet.control.admission import HandshakeAdmission, peer_source
 from bottlenet.control.backend import ControlBackend
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
@@ -42,7 +43,7 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.errors import Busy, InvalidArgument, Unavailable, safe_repr
+from bottlenet.errors import Busy, InvalidArgument, NotFound, Unavailable, safe_repr
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
@@ -253,6 +254,8 @@ class ControlLocator(SafeCommandLocator):
     async def destroy_bottle(self, name: str) -> dict[str, Any]:
         name = check_bottle_name(name)
         await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
+        # Its commands end with it (while it was being destroyed, a new Exec was BUSY).
+        self.factory.end_exec_sessions_of(name)
         return {}
 
     @C.Exec.responder
@@ -326,10 +329,19 @@ class ControlLocator(SafeCommandLocator):
         )
         await spawn(bridge)
         f.exec_sessions.add(bridge)
+        if not self._bottle_exists(bottle):  # destroyed while smolvm was starting the command
+            f.end_exec_sessions_of(bottle)
         if connection.transport is None:  # the client left while smolvm was starting
             bridge.client_lost()
         else:
             connection.switch_after_answer(bridge)
+
+    def _bottle_exists(self, name: str) -> bool:
+        try:
+            self.backend.get_bottle(name)
+        except NotFound:
+            return False
+        return True
 
     @C.Logs.responder
     async def logs(self, bottle: str, tail: int | None, follow: bool | None) -> dict[str, Any]:
@@ -452,7 +464,8 @@ class ControlServerProtocol(HardenedAMP):
         super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
         self.control.connection = self
         self.factory = factory
-        self._holds_slot = True
+        # A TLS connection takes its slot once its certificate is verified (handshakeCompleted).
+        self._holds_slot = factory.transport_kind != "tls"
 
     def release_slot(self) -> None:
         """Give the connection's slot back (once) to the factory's connection cap."""
@@ -462,6 +475,8 @@ class ControlServerProtocol(HardenedAMP):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.release_slot()
+        if self.factory.admission is not None:
+            self.factory.admission.settled(self)
         if self.factory.event_hub is not None:
             self.factory.event_hub.forget(self)
         super().connectionLost(reason)
@@ -484,7 +499,12 @@ class ControlServerProtocol(HardenedAMP):
 
     def connectionMade(self) -> None:
         if self.factory.transport_kind == "tls":
-            # Authenticated in handshakeCompleted, before any application data flows.
+            # Authenticated in handshakeCompleted, before any application data flows; until
+            # then the admission's deadline and caps bound what this connection may hold.
+            if self.factory.admission is not None:
+                self.factory.admission.admit(
+                    self, peer_source(self.transport), self._abort_unauthenticated
+                )
             super().connectionMade()
             return
         handle = self.ctransport.getHandle()
@@ -510,11 +530,28 @@ class ControlServerProtocol(HardenedAMP):
         self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
         super().connectionMade()
 
+    def first_bytes_received(self) -> None:
+        """Told by the TLS layer: this peer is not silent (see the handshake admission)."""
+        if self.factory.admission is not None:
+            self.factory.admission.spoke(self)
+
+    def _abort_unauthenticated(self) -> None:
+        """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
+        self._closing = True
+        if self.transport is not None:
+            self.ctransport.abortConnection()
+
     def handshakeCompleted(self) -> None:
+        if self.factory.admission is not None:
+            self.factory.admission.settled(self)
         cert = cast(X509 | None, ISSLTransport(self.transport).getPeerCertificate())
         if cert is None:
             self.drop("TLS peer presented no certificate")
             return
+        if not self.factory.take_slot():
+            self._abort_unauthenticated()
+            return
+        self._holds_slot = True
         names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         subject = str(names[0].value) if names else ""
         self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
@@ -585,6 +622,10 @@ class ControlServerFactory(Factory):
             # A one-shot timer only while refusals were dropped: no periodic wakeup.
             auto_flush=clock is not None,
         )
+        #: TLS only: the handshake deadline and the caps on unauthenticated connections.
+        self.admission: HandshakeAdmission | None = None
+        if transport_kind == "tls":
+            self.admission = HandshakeAdmission(self.clock, self.refused_log)
 
     @property
     def clock(self) -> Any:
@@ -598,6 +639,16 @@ class ControlServerFactory(Factory):
         """The daemon stops: end every command still running for a client."""
         self.stopping = True
         for bridge in list(self.exec_sessions):
+            bridge.terminate()
+
+    def end_exec_sessions_of(self, bottle: str) -> None:
+        """The bottle was destroyed: end the commands still running in it for a client."""
+        for bridge in [b for b in self.exec_sessions if b.bottle == bottle]:
+            self.log.info(
+                "control: ending an exec session in destroyed bottle {bottle} ({peer})",
+                bottle=bottle,
+                peer=bridge.peer,
+            )
             bridge.terminate()
 
     def stopFactory(self) -> None:
@@ -625,16 +676,24 @@ class ControlServerFactory(Factory):
         tls.smolvm_source = self.smolvm_source
         return tls
 
-    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+    def take_slot(self) -> bool:
+        """One of the capped slots for a peer, or False (logged, rate-limited) at the cap."""
         if self.open_connections >= self.max_connections:
             # Each connection may buffer up to a 256 KiB box: the cap bounds that memory (and
-            # the fds) whoever connects. Twisted closes the socket when we return None.
+            # the fds) whoever connects.
             self.refused += 1
             self.refused_log.warn(
                 ("control-cap", self.transport_kind),
                 "control: refused a connection: {max_connections} connections are open",
                 max_connections=self.max_connections,
             )
-            return None
+            return False
         self.open_connections += 1
+        return True
+
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+        if self.transport_kind == "tls":
+            return ControlServerProtocol(self)  # slot at handshakeCompleted, see admission
+        if not self.take_slot():
+            return None  # Twisted closes the socket
         return ControlServerProtocol(self)

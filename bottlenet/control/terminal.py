@@ -23,11 +23,40 @@ def terminal_size(fd: int) -> tuple[int, int] | None:
     return size.lines, size.columns
 
 
+#: Always turned into an orderly exit while the terminal is raw.
+_ENDING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+#: Signals whose default action ends the process and that a handler can catch: turned into
+#: an orderly exit too, unless the process ignores or handles them already (then they do
+#: not end it). SIGINT is Python's KeyboardInterrupt, which unwinds by itself.
+_FATAL_BY_DEFAULT = tuple(
+    getattr(signal, name)
+    for name in (
+        "SIGQUIT",
+        "SIGUSR1",
+        "SIGUSR2",
+        "SIGALRM",
+        "SIGPIPE",
+        "SIGVTALRM",
+        "SIGPROF",
+        "SIGXCPU",
+        "SIGXFSZ",
+        "SIGIO",
+        "SIGPWR",
+        "SIGSYS",
+        "SIGTRAP",
+        "SIGSTKFLT",
+    )
+    if hasattr(signal, name)
+)
+
+
 @contextlib.contextmanager
 def raw_terminal(fd: int | None) -> Iterator[None]:
     """Raw mode on ``fd`` (a terminal) for the block; restored however the block ends.
 
-    SIGTERM and SIGHUP are turned into an orderly exit (so the ``finally`` runs).
+    SIGTERM, SIGHUP and every other catchable signal that would end the process as things
+    stand (QUIT, USR1, USR2, ALRM, PIPE, ...) are turned into an orderly exit, so the
+    ``finally`` runs (exit status 128 + the signal's number).
     """
     if fd is None:
         yield
@@ -37,7 +66,10 @@ def raw_terminal(fd: int | None) -> Iterator[None]:
     def leave(signum: int, frame: object) -> None:
         raise SystemExit(128 + signum)
 
-    old = {s: signal.signal(s, leave) for s in (signal.SIGTERM, signal.SIGHUP)}
+    old = {s: signal.signal(s, leave) for s in _ENDING_SIGNALS}
+    for s in _FATAL_BY_DEFAULT:
+        if signal.getsignal(s) == signal.SIG_DFL:
+            old[s] = signal.signal(s, leave)
     try:
         tty.setraw(fd)
         yield

@@ -16,13 +16,21 @@ import ipaddress
 import math
 import re
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from attrs import define, field, frozen
 from twisted.internet.endpoints import TCP4ServerEndpoint, TCP6ServerEndpoint, UNIXServerEndpoint
-from twisted.internet.interfaces import IAddress, IReactorTime, IStreamServerEndpoint
+from twisted.internet.interfaces import (
+    IAddress,
+    IDelayedCall,
+    IReactorTime,
+    IStreamServerEndpoint,
+    ITCPTransport,
+)
+from twisted.internet.protocol import connectionDone
 from twisted.logger import Logger
 from twisted.protocols.policies import ProtocolWrapper, WrappingFactory
+from twisted.python.failure import Failure
 from twisted.web import http
 from twisted.web.iweb import IRequest
 from twisted.web.pages import notFound
@@ -471,24 +479,78 @@ def metrics_site(
     return _QuietSite(root, reactor=reactor, timeout=METRICS_IDLE_TIMEOUT)
 
 
-class CappedFactory(WrappingFactory):
+#: Seconds from a request's first byte to its answer: a total deadline, because the idle
+#: timeout restarts on every byte (one header byte every few seconds held a slot forever).
+METRICS_REQUEST_DEADLINE = 10.0
+
+
+class _RequestDeadline(ProtocolWrapper):
+    """Closes the connection when a request has not been answered within the deadline
+    counted from its first byte (a slow sender cannot hold one of the capped slots)."""
+
+    def __init__(self, factory: CappedFactory, wrapped: Any) -> None:
+        super().__init__(factory, wrapped)
+        self._capped = factory
+        self._deadline: IDelayedCall | None = None
+
+    def dataReceived(self, data: bytes) -> None:
+        if self._deadline is None:
+            self._deadline = self._capped.clock.callLater(METRICS_REQUEST_DEADLINE, self._too_slow)
+        super().dataReceived(data)
+
+    def write(self, data: bytes) -> None:
+        self._answered()
+        super().write(data)
+
+    def writeSequence(self, data: Iterable[bytes]) -> None:
+        self._answered()
+        super().writeSequence(data)
+
+    def connectionLost(self, reason: Failure = connectionDone) -> None:
+        self._answered()
+        super().connectionLost(reason)
+
+    def _answered(self) -> None:
+        """The answer started (or the connection ended): the next request's first byte
+        starts a new deadline."""
+        if self._deadline is not None and self._deadline.active():
+            self._deadline.cancel()
+        self._deadline = None
+
+    def _too_slow(self) -> None:
+        self._deadline = None
+        self._capped.slow += 1
+        self._capped.refused_log.warn(
+            ("metrics-deadline",),
+            "metrics: closed a connection whose request took over {deadline}s to arrive",
+            deadline=METRICS_REQUEST_DEADLINE,
+        )
+        cast(ITCPTransport, self.transport).abortConnection()
+
+
+class CappedFactory(WrappingFactory[_RequestDeadline]):
     """At most ``limit`` connections at once; more are closed at accept, counted, logged
     rate-limited. (Any local user can reach a TCP metrics port: this keeps it from
-    exhausting the daemon's fds.)"""
+    exhausting the daemon's fds.) Each request must arrive within
+    :data:`METRICS_REQUEST_DEADLINE` of its first byte."""
 
     log = Logger()
     noisy = False
+    protocol = _RequestDeadline
 
     def __init__(self, wrapped: Site, limit: int, clock: IReactorTime) -> None:
         super().__init__(wrapped)
         self.limit = limit
+        self.clock = clock
         self.refused = 0
-        self._refused_log = RateLimitedLogger(self.log, clock, interval=10.0)
+        #: Connections closed by the request deadline.
+        self.slow = 0
+        self.refused_log = RateLimitedLogger(self.log, clock, interval=10.0)
 
     def buildProtocol(self, addr: IAddress | None) -> ProtocolWrapper | None:  # type: ignore[override]
         if len(self.protocols) >= self.limit:
             self.refused += 1
-            self._refused_log.warn(
+            self.refused_log.warn(
                 ("metrics-cap",),
                 "metrics: refused a connection: {limit} connections are open",
                 limit=self.limit,

@@ -7,6 +7,7 @@ import tracemalloc
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from twisted.internet.task import Clock
 from twisted.logger import LogEvent
 from twisted.protocols import amp
 
@@ -298,7 +299,7 @@ def test_tls_mode_stops_parsing_but_not_reading_and_caps_input() -> None:
     from bottlenet.control.protocol import MAX_UNPARSED
     from bottlenet.control.server import PeerIdentity
 
-    factory = make_factory().for_tls()
+    factory = make_factory(clock=Clock()).for_tls()
     transport = UNIXStringTransport()
     proto = factory.buildProtocol(None)
     proto.makeConnection(transport)
@@ -324,7 +325,7 @@ def _one(transport: UNIXStringTransport) -> amp.AmpBox:
 
 
 def test_tls_peer_without_certificate_dropped() -> None:
-    factory = make_factory().for_tls()
+    factory = make_factory(clock=Clock()).for_tls()
     transport = UNIXStringTransport()
     transport.getPeerCertificate = lambda: None  # type: ignore[attr-defined]
     proto = factory.buildProtocol(None)

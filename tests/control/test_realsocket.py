@@ -273,7 +273,8 @@ class TLSTests(unittest.TestCase):
 
         def record(addr: Any) -> Any:
             p = build(addr)
-            self.server_protos.append(p)
+            if p is not None:
+                self.server_protos.append(p)
             return p
 
         factory.buildProtocol = record  # type: ignore[method-assign]
@@ -328,6 +329,31 @@ class TLSTests(unittest.TestCase):
             result = yield self._call(issued)
             self.assertIsInstance(result, Exception, issued and issued.cert.subject)
         self.assertEqual(self.backend.calls, [])
+
+    @inlineCallbacks
+    def test_silent_connections_do_not_lock_out_a_launcher(self) -> Any:
+        """Security-2 T2: 70 silent TCP peers (over the 64 slots) used to lock launchers out."""
+        port = self.port.getHost().port
+        silent = []
+        for _ in range(70):  # non-blocking: past the listen backlog, connects wait for accept
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(("127.0.0.1", port))
+            silent.append(s)
+        try:
+            for _ in range(1000):  # until the daemon has accepted all of them
+                if len(self.server_protos) >= 70:
+                    break
+                yield deferLater(reactor, 0.01, lambda: None)
+            result = yield self._call(certs.issue(self.ca, "launcher-1", server=False))
+            self.assertEqual(getattr(result, "server_version", result), "tls")
+        finally:
+            for s in silent:
+                s.close()
+        for _ in range(1000):  # every silent connection's close seen (no timer left behind)
+            if all(p.transport is None for p in self.server_protos):
+                break
+            yield deferLater(reactor, 0.01, lambda: None)
 
     def test_interface_required(self) -> None:
         from bottlenet.control.endpoints import ControlListenError
