@@ -350,11 +350,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail("--connect-timeout: must be a number of seconds in (0, 600]") from None
     state_dir = options["state-dir"] or default_state_dir(os.environ)
     try:
-        ensure_private_dir(state_dir)
+        ensure_private_dir(state_dir, traversable=True)
     except PrivateDirError as e:
         raise _fail(
-            f"--state-dir: {e.message}; it must be a 0700 directory of this user's "
-            "(a new path is created so)"
+            f"--state-dir: {e.message}; it must be a 0700 directory of this user's (0701 too: "
+            "smolvm adds o+x when it starts a VM as root; a new path is created 0700)"
         ) from None
     # One daemon per state directory: locked before anything in it is read or changed.
     lock = StateDirLock(state_dir)
