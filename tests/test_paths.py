@@ -44,7 +44,7 @@ def test_traversable_accepts_exactly_search_by_others(tmp_path: Path, mode: int)
     assert ensure_private_dir(str(d), traversable=True) is False
     assert _mode(d) == mode
     if mode == 0o701:
-        with pytest.raises(PrivateDirError, match="is mode 0701$"):
+        with pytest.raises(PrivateDirError, match=r"is mode 0701$"):
             ensure_private_dir(str(d))  # not where the caller did not ask for it
 
 
