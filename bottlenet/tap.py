@@ -66,7 +66,7 @@ from bottlenet.paths import (
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
-from vmctl.service import make_smolvm
+from vmctl.service import StartupRefused, make_smolvm
 from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm
 
 
@@ -412,13 +412,16 @@ def _build(
 
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    vmctl_service, smolvm = make_smolvm(
-        reactor,
-        options["smolvm"],
-        options["smolvm-data-dir"],
-        on_call=smolvm_calls.record,
-        default_data_dir=os.path.join(state_dir, "smolvm"),
-    )
+    try:
+        vmctl_service, smolvm = make_smolvm(
+            reactor,
+            options["smolvm"],
+            options["smolvm-data-dir"],
+            on_call=smolvm_calls.record,
+            default_data_dir=os.path.join(state_dir, "smolvm"),
+        )
+    except StartupRefused as e:
+        raise _fail(e.message) from None
     control_cap = _control_cap(options)
     budgets = _budget_options(options, control_cap)
     aliases = AliasRegistry(pool)
