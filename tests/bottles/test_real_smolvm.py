@@ -85,6 +85,45 @@ def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+#: Tries, as another uid, to list the state dir, read each daemon file and connect to the
+#: control socket; prints one word per attempt: ``ok`` or the errno name.
+_PROBE = """
+import errno, os, socket, sys
+state, control = sys.argv[1], sys.argv[2]
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+out = [attempt(lambda: os.listdir(state))]
+for name in ("state.json", "journal", "daemon.lock"):
+    out.append(attempt(lambda: open(os.path.join(state, name), "rb").close()))
+out.append(attempt(lambda: socket.socket(socket.AF_UNIX).connect(control)))
+print(" ".join(out))
+"""
+
+
+def _assert_unreachable_by_other_uids(state: str, control: str) -> None:
+    """smolvm's first VMM uid and nobody (65534) can neither list the 0701 state dir nor read
+    a daemon file in it nor talk to the control socket."""
+    present = [n for n in ("state.json", "journal", "daemon.lock") if os.path.exists(
+        os.path.join(state, n))]  # fmt: skip
+    assert "state.json" in present and "daemon.lock" in present
+    for uid in (2_000_000, 65534):
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+             "/usr/bin/python3", "-c", _PROBE, state, control],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        words = probe.stdout.split()
+        listing, files, connect = words[0], words[1:4], words[4]
+        assert listing == "EACCES", (uid, words)
+        for name, word in zip(("state.json", "journal", "daemon.lock"), files, strict=True):
+            assert word == ("EACCES" if name in present else "ENOENT"), (uid, name, words)
+        assert connect == "EACCES", (uid, words)
+
+
 def _daemon(state: str, control: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
     """``twist bottlenet`` in a network namespace with only ``lo``, the wheel's smolvm."""
     return subprocess.Popen(
@@ -146,6 +185,7 @@ def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> N
                 c.create_bottle("k1", spec=json.dumps(doc))
             assert [b.name for b in c.list_bottles().items] == ["kept"]
         assert os.stat(state).st_mode & 0o7777 == 0o701  # what smolvm 1.32.2 does as root
+        _assert_unreachable_by_other_uids(state, control)
         _stop(daemon)
         daemon = _daemon(state, control, env)
         hello = _wait_hello(control, daemon)
