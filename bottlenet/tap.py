@@ -67,7 +67,7 @@ from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, chec
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import StartupRefused, make_smolvm
-from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
 
 
 class Options(usage.Options):
@@ -306,9 +306,12 @@ class BottlenetService(MultiService):
             reactor=type(self.reactor).__qualname__,
         )
         super().startService()
+        vm_uids = VmUids.for_euid(os.geteuid()) if self.smolvm.binary is not None else None
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
-        if self.smolvm.binary is not None:
+            factory.vm_uids = vm_uids
+        if vm_uids is not None:
+            self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
             Deferred.fromCoroutine(self._probe_smolvm())
 
     async def _probe_smolvm(self) -> None:

@@ -210,6 +210,7 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
             "smolvm_source": f.smolvm_source,
+            "vm_uids": f.vm_uids,
         }
 
     @C.Ping.responder
@@ -565,6 +566,8 @@ class ControlServerFactory(Factory):
         self.smolvm_version = smolvm_version
         #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
         self.smolvm_source: str | None = None
+        #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
+        self.vm_uids: str | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
@@ -619,6 +622,7 @@ class ControlServerFactory(Factory):
             max_connections=self.max_connections,
         )
         tls.smolvm_source = self.smolvm_source
+        tls.vm_uids = self.vm_uids
         return tls
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:

@@ -190,6 +190,7 @@ def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> N
         daemon = _daemon(state, control, env)
         hello = _wait_hello(control, daemon)
         assert hello is not None and hello.smolvm_available
+        assert hello.vm_uids == "per-VM uids"  # a root daemon: smolvm drops each VMM's uid
         with BlockingControlClient(control, timeout=30) as c:
             c.ping()
             again = c.list_bottles().items
