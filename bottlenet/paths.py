@@ -40,12 +40,20 @@ class PrivateDirError(InvalidArgument):
     """
 
 
-def ensure_private_dir(path: str, *, name: str | None = None) -> bool:
+#: The one bit beyond 0700 a traversable private directory may carry: search by others.
+#: smolvm 1.32 (as root) adds it to every ancestor of its data dir at ``machine start`` so that
+#: its per-VM uids reach their VM directories (``docs/smolvm.md``, "Privilege model").
+TRAVERSE_BIT = 0o001
+
+
+def ensure_private_dir(path: str, *, name: str | None = None, traversable: bool = False) -> bool:
     """Create ``path`` (and parents) so that it is a real directory, ours, mode 0700.
 
     An existing symlink, a non-directory, a directory owned by someone else or one that is
     group/world accessible is refused, never repaired: the daemon never follows or chmods a
     directory it did not create (``--state-dir /tmp`` must not strip ``/tmp``'s sticky bit).
+    ``traversable`` also accepts 0701 (others may search, never list, read or write): the state
+    directory, whose every file is 0600, after smolvm's ``machine start`` as root.
     Returns True when this call created ``path``; raises PrivateDirError.
     """
     what = path if name is None else name
@@ -63,7 +71,7 @@ def ensure_private_dir(path: str, *, name: str | None = None) -> bool:
         if st.st_uid != os.geteuid():
             raise PrivateDirError(f"{what} is owned by uid {st.st_uid}, not by this user")
         mode = stat.S_IMODE(st.st_mode)
-        if mode & 0o077:
+        if mode & 0o077 & ~(TRAVERSE_BIT if traversable else 0):
             # mkdir(0700) under any umask is never wider: this directory is not ours to fix.
             raise PrivateDirError(f"{what} is mode {mode:04o}")  # the caller says why
     except OSError as e:

@@ -66,8 +66,8 @@ from bottlenet.paths import (
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
-from vmctl.service import make_smolvm
-from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm
+from vmctl.service import StartupRefused, make_smolvm
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
 
 
 class Options(usage.Options):
@@ -306,9 +306,12 @@ class BottlenetService(MultiService):
             reactor=type(self.reactor).__qualname__,
         )
         super().startService()
+        vm_uids = VmUids.for_euid(os.geteuid()) if self.smolvm.binary is not None else None
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
-        if self.smolvm.binary is not None:
+            factory.vm_uids = vm_uids
+        if vm_uids is not None:
+            self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
             Deferred.fromCoroutine(self._probe_smolvm())
 
     async def _probe_smolvm(self) -> None:
@@ -350,11 +353,11 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
         raise _fail("--connect-timeout: must be a number of seconds in (0, 600]") from None
     state_dir = options["state-dir"] or default_state_dir(os.environ)
     try:
-        ensure_private_dir(state_dir)
+        ensure_private_dir(state_dir, traversable=True)
     except PrivateDirError as e:
         raise _fail(
-            f"--state-dir: {e.message}; it must be a 0700 directory of this user's "
-            "(a new path is created so)"
+            f"--state-dir: {e.message}; it must be a 0700 directory of this user's (0701 too: "
+            "smolvm adds o+x when it starts a VM as root; a new path is created 0700)"
         ) from None
     # One daemon per state directory: locked before anything in it is read or changed.
     lock = StateDirLock(state_dir)
@@ -412,13 +415,16 @@ def _build(
 
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    vmctl_service, smolvm = make_smolvm(
-        reactor,
-        options["smolvm"],
-        options["smolvm-data-dir"],
-        on_call=smolvm_calls.record,
-        default_data_dir=os.path.join(state_dir, "smolvm"),
-    )
+    try:
+        vmctl_service, smolvm = make_smolvm(
+            reactor,
+            options["smolvm"],
+            options["smolvm-data-dir"],
+            on_call=smolvm_calls.record,
+            default_data_dir=os.path.join(state_dir, "smolvm"),
+        )
+    except StartupRefused as e:
+        raise _fail(e.message) from None
     control_cap = _control_cap(options)
     budgets = _budget_options(options, control_cap)
     aliases = AliasRegistry(pool)

@@ -68,6 +68,69 @@ def test_bad_control_cap_is_one_line(tmp_path, value: str) -> None:  # type: ign
     ]
 
 
+def _bad_smolvm(tmp_path, kind: str) -> str:  # type: ignore[no-untyped-def]
+    """A ``--smolvm`` value of the given kind of wrong."""
+    if kind == "missing":
+        return str(tmp_path / "smolvm-typo")
+    if kind == "name":
+        return "no-such-smolvm-anywhere"
+    path = tmp_path / kind
+    if kind == "not-executable":
+        path.write_text("#!/bin/sh\necho smolvm 1.32.2\n")
+        os.chmod(path, 0o644)
+    else:  # not a smolvm: runs, exits 0, prints no smolvm version
+        path.write_text("#!/bin/sh\necho 'GNU coreutils 9.1'\n")
+        os.chmod(path, 0o755)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("kind", "reason"),
+    [
+        ("missing", "no such file"),
+        ("name", "not found as an executable on the daemon's PATH (relative entries are ignored)"),
+        ("not-executable", "not executable"),
+        (
+            "not-smolvm",
+            "not a smolvm (`--version` exited 0 and printed no `smolvm X.Y.Z`: "
+            "'GNU coreutils 9.1')",
+        ),
+    ],
+)
+def test_bad_smolvm_stops_the_daemon_before_anything_is_bound(  # type: ignore[no-untyped-def]
+    tmp_path, kind: str, reason: str
+) -> None:
+    """Issue 19: a wrong ``--smolvm`` is one line naming the path given, exit 1, no socket."""
+    given = _bad_smolvm(tmp_path, kind)
+    control = tmp_path / "run" / "c.sock"
+    metrics = tmp_path / "run" / "m.sock"
+    out = _run_fail(
+        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
+         "--metrics", f"unix:{metrics}", "--smolvm", given],
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [f"bottlenet: error: --smolvm {given}: {reason}"]
+    assert not control.exists() and not metrics.exists()
+
+
+def test_long_smolvm_data_dir_stops_the_daemon(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 19: a ``--smolvm-data-dir`` over smolvm's 61 bytes fails start-up, not a create."""
+    data_dir = str(tmp_path / "smolvm-data")  # pytest's tmp_path is over 50 bytes
+    size = len(os.fsencode(data_dir))
+    assert size > 61
+    control = tmp_path / "run" / "c.sock"
+    out = _run_fail(
+        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
+         "--smolvm-data-dir", data_dir],
+    )  # fmt: skip
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        f"bottlenet: error: --smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): "
+        "smolvm binds per-machine UNIX sockets below it"
+    ]
+    assert not control.exists() and not os.path.exists(data_dir)
+
+
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     squatter = socket.socket()
     squatter.bind(("127.77.0.9", 0))
@@ -222,7 +285,8 @@ def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: 
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         f"bottlenet: error: --state-dir: {shared} is mode 1777; it must be a 0700 directory "
-        "of this user's (a new path is created so)"
+        "of this user's (0701 too: smolvm adds o+x when it starts a VM as root; a new path is "
+        "created 0700)"
     ]
     assert os.stat(shared).st_mode & 0o7777 == 0o1777
     assert sorted(os.listdir(shared)) == ["other-users-file"]

@@ -35,6 +35,29 @@ def test_too_open_is_refused_never_chmodded(tmp_path: Path, mode: int) -> None:
     assert stat.S_IMODE(os.lstat(d).st_mode) == mode  # refusing never repairs
 
 
+@pytest.mark.parametrize("mode", [0o701, 0o700])
+def test_traversable_accepts_exactly_search_by_others(tmp_path: Path, mode: int) -> None:
+    """Issue 19: the state dir after smolvm's start as root (o+x added) is still ours."""
+    d = tmp_path / "state"
+    d.mkdir()
+    os.chmod(d, mode)
+    assert ensure_private_dir(str(d), traversable=True) is False
+    assert _mode(d) == mode
+    if mode == 0o701:
+        with pytest.raises(PrivateDirError, match=r"is mode 0701$"):
+            ensure_private_dir(str(d))  # not where the caller did not ask for it
+
+
+@pytest.mark.parametrize("mode", [0o702, 0o703, 0o704, 0o705, 0o707, 0o710, 0o711, 0o720, 0o740])
+def test_traversable_never_accepts_group_or_other_read_write(tmp_path: Path, mode: int) -> None:
+    """Issue 19: only o+x is smolvm's; group bits or other read/write are refused as before."""
+    d = tmp_path / "state"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(PrivateDirError, match=rf"is mode {mode:04o}$"):
+        ensure_private_dir(str(d), traversable=True)
+
+
 def test_symlinks_and_files_refused_with_the_callers_name(tmp_path: Path) -> None:
     (tmp_path / "real").mkdir(mode=0o700)
     (tmp_path / "link").symlink_to(tmp_path / "real")

@@ -10,12 +10,26 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorProcess, IReactorTime
 from twisted.logger import Logger
 
-from vmctl.install import SmolvmInstall, discover, find_wheel, untrusted_reason
-from vmctl.runner import ProcessRunner
-from vmctl.smolvm import CallObserver, Smolvm, Timeouts
+from vmctl.errors import SmolvmUnavailable, sanitize
+from vmctl.install import (
+    SOURCE_OPTION,
+    SmolvmInstall,
+    discover,
+    find_wheel,
+    untrusted_reason,
+)
+from vmctl.runner import ProcessRunner, build_env
+from vmctl.smolvm import MAX_STATE_DIR, CallObserver, Smolvm, SmolvmVersion, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
 
 DEFAULT_STOP_DEADLINE = 10.0
+
+
+class StartupRefused(SmolvmUnavailable):
+    """A ``--smolvm`` or ``--smolvm-data-dir`` the daemon must not start with.
+
+    The message is one line that names the option, the value given and the reason.
+    """
 
 
 class VmctlService(Service):
@@ -60,14 +74,12 @@ def make_smolvm(
     metrics hear every call through it).
     """
     env = dict(os.environ if environ is None else environ)
+    if data_dir_option:
+        check_data_dir_option(data_dir_option)
     install = discover(smolvm_option, env.get("PATH"), wheel=wheel)
-    if install is None and smolvm_option and os.path.isfile(smolvm_option):
-        VmctlService.log.warn(
-            "--smolvm {path} is not used: {why}; VM calls will fail (SMOLVM_UNAVAILABLE)",
-            path=os.path.abspath(smolvm_option),
-            why=untrusted_reason(os.path.abspath(smolvm_option)) or "it is not executable",
-        )
-    elif install is None:
+    if smolvm_option:
+        install = check_smolvm_option(smolvm_option, install, env)
+    if install is None:
         VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
     else:
         VmctlService.log.info("smolvm: {where}", where=install.describe())
@@ -84,3 +96,71 @@ def make_smolvm(
         on_call=on_call,
     )
     return VmctlService(runner, stop_deadline), smolvm
+
+
+def check_data_dir_option(option: str) -> None:
+    """Refuse a ``--smolvm-data-dir`` smolvm could not bind its per-machine sockets below."""
+    path = os.path.abspath(option)
+    size = len(os.fsencode(path))
+    if size > MAX_STATE_DIR:
+        raise StartupRefused(
+            f"--smolvm-data-dir {sanitize(path, 120)}: too long ({size} bytes, at most "
+            f"{MAX_STATE_DIR}): smolvm binds per-machine UNIX sockets below it"
+        )
+
+
+def check_smolvm_option(
+    option: str, install: SmolvmInstall | None, environ: Mapping[str, str]
+) -> SmolvmInstall:
+    """The ``--smolvm`` the operator named, or StartupRefused saying why it cannot be used.
+
+    Missing, not executable, not trusted (:func:`vmctl.install.untrusted_reason`), or not a
+    smolvm: its ``--version`` must exit 0 and print ``smolvm X.Y.Z``. Run once, blocking, while
+    the daemon is built (before the reactor runs and before anything is bound).
+    """
+    given = sanitize(option, 120)
+    if install is None or install.source != SOURCE_OPTION:
+        raise StartupRefused(f"--smolvm {given}: {_why_unusable(option, environ.get('PATH'))}")
+    _probe_version(install, environ, given)
+    return install
+
+
+def _why_unusable(option: str, env_path: str | None) -> str:
+    if os.sep not in option:
+        return "not found as an executable on the daemon's PATH (relative entries are ignored)"
+    path = os.path.abspath(option)
+    if not os.path.lexists(path):
+        return "no such file"
+    if not os.path.isfile(path):
+        return "not a regular file"
+    if not os.access(path, os.X_OK):
+        return "not executable"
+    return untrusted_reason(path) or "not usable"
+
+
+def _probe_version(install: SmolvmInstall, environ: Mapping[str, str], given: str) -> None:
+    import subprocess
+
+    env = build_env(environ, None, install.env())
+    try:
+        done = subprocess.run(
+            [install.binary, "--version"],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            capture_output=True,
+            timeout=Timeouts().version,
+            check=False,
+        )
+    except subprocess.TimeoutExpired:
+        raise StartupRefused(f"--smolvm {given}: `--version` did not answer") from None
+    except OSError as e:
+        raise StartupRefused(f"--smolvm {given}: cannot run it: {e.strerror or e}") from None
+    try:
+        if done.returncode != 0:
+            raise ValueError
+        SmolvmVersion.parse(done.stdout)
+    except Exception:
+        raise StartupRefused(
+            f"--smolvm {given}: not a smolvm (`--version` exited {done.returncode} and printed "
+            f"no `smolvm X.Y.Z`: {sanitize(done.stdout or done.stderr, 60)!r})"
+        ) from None

@@ -14,6 +14,7 @@ import re
 import struct
 import termios
 from collections.abc import Callable, Coroutine, Mapping, Sequence
+from enum import StrEnum
 from typing import Any, TypeVar
 
 from attrs import asdict, evolve, field, frozen
@@ -84,6 +85,22 @@ def subcommand_of(args: Sequence[str]) -> str:
     if len(args) >= 2 and args[0] == "machine" and args[1] in SUBCOMMANDS:
         return args[1]
     return "other"
+
+
+class VmUids(StrEnum):
+    """Which uid smolvm runs each VM process (VMM) under: its privilege model.
+
+    smolvm 1.32 started by root drops every VMM to its own unprivileged uid from a registry in
+    its data dir (2000000 up; ``SMOLVM_VM_UID_DROP=off``, which vmctl never passes, would keep
+    them root); started by any other user it cannot, and every VMM runs as that user.
+    """
+
+    PER_VM = "per-VM uids"
+    ONE = "one uid"
+
+    @classmethod
+    def for_euid(cls, euid: int) -> VmUids:
+        return cls.PER_VM if euid == 0 else cls.ONE
 
 
 @frozen(order=True)

@@ -44,7 +44,7 @@ from bottlenet.bottles.model import (
     Forward,
 )
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.spec import BottleSpec, check_volumes
+from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
@@ -327,6 +327,8 @@ class BottleRegistry:
             raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
         if spec is not None and spec.agent is not None:
             check_volumes(spec.agent.volumes, self.protected_dirs)
+        if spec is not None:
+            check_local_images(spec)
 
         async def create() -> Bottle:
             if name in self._bottles:

@@ -181,6 +181,21 @@ def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
         _check_protected(split_volume(volume, where)[0], where, protected)
 
 
+def check_local_images(spec: BottleSpec) -> None:
+    """Refuse a local image (archive, directory, ``.smolmachine`` pack) that is not there.
+
+    Checked when a bottle is created, before any machine exists: smolvm would only say so at
+    ``machine create``, after the sidecar VM had been created and started. Not at parse time,
+    so that a persisted bottle whose image was removed since is still restored. Relative paths
+    are the daemon's, as smolvm (spawned in the daemon's cwd) would read them.
+    """
+    for where, part in (("sidecar.image", spec.sidecar), ("agent.image", spec.agent)):
+        if part is None or part.image == "-" or not is_local_image(part.image):
+            continue
+        if not os.path.exists(part.image):
+            raise InvalidArgument(f"{where}: local image {safe_repr(part.image)} does not exist")
+
+
 def _service(raw: object, where: str) -> ServiceSpec:
     f = _fields(raw, where, {"name", "guest_port", "env"})
     name = _string(f, "name")
@@ -320,6 +335,7 @@ __all__ = [
     "check_allow_hosts",
     "check_egress_host",
     "check_env_entries",
+    "check_local_images",
     "image_fields",
     "is_local_image",
     "parse_bottle_spec",

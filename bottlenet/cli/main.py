@@ -70,6 +70,7 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             ["features", ",".join(hello.features)],
             ["smolvm", smolvm],
             ["smolvm from", hello.smolvm_source or "-"],
+            ["VM uids", hello.vm_uids or "-"],
             ["bottles", bottles],
             ["control", c.path],
         ],

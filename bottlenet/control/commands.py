@@ -137,6 +137,8 @@ class Hello(ControlCommand):
         (b"smolvm_version", amp.Unicode(optional=True)),
         # Which binary, and where it came from (--smolvm, PATH or the bottlenet[vm] wheel).
         (b"smolvm_source", amp.Unicode(optional=True)),
+        # smolvm's privilege model for this daemon: "per-VM uids" (root) or "one uid".
+        (b"vm_uids", amp.Unicode(optional=True)),
     ]
 
 

@@ -169,8 +169,9 @@ def listen_private_unix(path: str, backlog: int = 50) -> tuple[socket.socket, Ca
         raise ControlListenError(f"{path} is too long for a UNIX socket path")
     directory = os.path.dirname(path)
     try:
-        # Refused, not chmodded: the directory may be one the user chose to share.
-        ensure_private_dir(directory)
+        # Refused, not chmodded: the directory may be one the user chose to share. 0701 is
+        # accepted (the state dir after smolvm's start as root): the socket itself is 0600.
+        ensure_private_dir(directory, traversable=True)
     except PrivateDirError as e:
         raise ControlListenError(
             f"{e.message}; the control socket needs a 0700 directory of its own"

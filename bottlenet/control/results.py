@@ -19,6 +19,7 @@ class HelloResult:
     smolvm_available: bool
     smolvm_version: str | None
     smolvm_source: str | None = None
+    vm_uids: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -29,6 +30,7 @@ class HelloResult:
             smolvm_available=d["smolvm_available"],
             smolvm_version=d["smolvm_version"],
             smolvm_source=d.get("smolvm_source"),
+            vm_uids=d.get("vm_uids"),
         )
 
 

@@ -211,6 +211,7 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
             "smolvm_source": f.smolvm_source,
+            "vm_uids": f.vm_uids,
         }
 
     @C.Ping.responder
@@ -606,6 +607,8 @@ class ControlServerFactory(Factory):
         self.smolvm_version = smolvm_version
         #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
         self.smolvm_source: str | None = None
+        #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
+        self.vm_uids: str | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
@@ -674,6 +677,7 @@ class ControlServerFactory(Factory):
             max_connections=self.max_connections,
         )
         tls.smolvm_source = self.smolvm_source
+        tls.vm_uids = self.vm_uids
         return tls
 
     def take_slot(self) -> bool:

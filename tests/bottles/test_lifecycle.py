@@ -17,7 +17,7 @@ import pytest
 from bottlenet.bottles import workload
 from bottlenet.bottles.model import LABEL_BOTTLE, LABEL_OWNER, LABEL_ROLE
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
-from bottlenet.errors import Busy, ResourceExhausted
+from bottlenet.errors import Busy, InvalidArgument, ResourceExhausted
 from bottlenet.forward.spec import UNIXListen
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import PROBE_ARGV, Rig
@@ -102,3 +102,29 @@ def test_changes_wait_for_recovery(rigs: Rigs, tmp: str) -> None:
     rig.result(recovery)
     assert rig.result(create).name == "p1"
     assert sorted(rig.state()) == ["p1", "r1"]
+
+
+@pytest.mark.parametrize(
+    ("part", "image"),
+    [
+        ("agent", "{tmp}/nope.tar"),
+        ("agent", "{tmp}/agent.smolmachine"),
+        ("sidecar", "{tmp}/sidecar-image-dir/"),
+    ],
+)
+def test_missing_local_image_is_refused_before_any_machine(
+    rigs: Rigs, tmp: str, part: str, image: str
+) -> None:
+    """Issue 19: a local image that is not there is INVALID_ARGUMENT naming the field, no VM."""
+    rig = rigs()
+    doc = spec_doc(tmp, listen="tcp")
+    doc[part]["image"] = image.format(tmp=tmp)
+    parsed = parse_bottle_spec("b1", doc)  # parsing alone never looks at the image
+    with pytest.raises(InvalidArgument) as info:
+        rig.run(rig.registry.create_bottle("b1", spec=parsed))
+    assert info.value.message == (
+        f"{part}.image: local image {image.format(tmp=tmp)!r} does not exist"
+    )
+    assert rig.smolvm.calls == [] and rig.smolvm.machines == {}
+    assert "b1" not in rig.state()
+    assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "b1"))

@@ -27,6 +27,7 @@ import pytest
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
+from tests.control.daemon_helpers import REPO
 from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from vmctl.install import find_wheel
 from vmctl.runner import build_env
@@ -51,23 +52,9 @@ def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
     tmp = tempfile.mkdtemp(prefix="bnk-", dir="/tmp")
     state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}  # no smolvm on PATH
-    daemon = subprocess.Popen(
-        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
-         "--state-dir", state, "--control", f"unix:{control}"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-    )  # fmt: skip
+    daemon = _daemon(state, control, env)
     try:
-        hello = None
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                with BlockingControlClient(control, timeout=5) as c:
-                    hello = c.hello()
-                    if hello.smolvm_version is not None:
-                        break
-            except Exception:
-                pass
-            time.sleep(0.1)
+        hello = _wait_hello(control, daemon)
         assert hello is not None and hello.smolvm_available
         assert hello.smolvm_version is not None and hello.smolvm_version.startswith("1.32.")
         assert hello.smolvm_source is not None and wheel.binary in hello.smolvm_source
@@ -94,10 +81,120 @@ def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
         assert _vmm_processes(smolvm_state) == []
         assert not os.path.exists(os.path.join(state, "bottles", "k1"))
     finally:
-        os.killpg(daemon.pid, signal.SIGTERM)
+        _stop(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+#: Tries, as another uid, to list the state dir, read each daemon file and connect to the
+#: control socket; prints one word per attempt: ``ok`` or the errno name.
+_PROBE = """
+import errno, os, socket, sys
+state, control = sys.argv[1], sys.argv[2]
+def attempt(f):
+    try:
+        f()
+        return "ok"
+    except OSError as e:
+        return errno.errorcode.get(e.errno, str(e.errno))
+out = [attempt(lambda: os.listdir(state))]
+for name in ("state.json", "journal", "daemon.lock"):
+    out.append(attempt(lambda: open(os.path.join(state, name), "rb").close()))
+out.append(attempt(lambda: socket.socket(socket.AF_UNIX).connect(control)))
+print(" ".join(out))
+"""
+
+
+def _assert_unreachable_by_other_uids(state: str, control: str) -> None:
+    """smolvm's first VMM uid and nobody (65534) can neither list the 0701 state dir nor read
+    a daemon file in it nor talk to the control socket."""
+    present = [n for n in ("state.json", "journal", "daemon.lock") if os.path.exists(
+        os.path.join(state, n))]  # fmt: skip
+    assert "state.json" in present and "daemon.lock" in present
+    for uid in (2_000_000, 65534):
+        probe = subprocess.run(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+             "/usr/bin/python3", "-c", _PROBE, state, control],
+            capture_output=True, text=True, timeout=30, check=True,
+        )  # fmt: skip
+        words = probe.stdout.split()
+        listing, files, connect = words[0], words[1:4], words[4]
+        assert listing == "EACCES", (uid, words)
+        for name, word in zip(("state.json", "journal", "daemon.lock"), files, strict=True):
+            assert word == ("EACCES" if name in present else "ENOENT"), (uid, name, words)
+        assert connect == "EACCES", (uid, words)
+
+
+def _daemon(state: str, control: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    """``twist bottlenet`` in a network namespace with only ``lo``, the wheel's smolvm."""
+    return subprocess.Popen(
+        ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
+         "--state-dir", state, "--control", f"unix:{control}"],
+        env={**env, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def _wait_hello(control: str, daemon: subprocess.Popen[bytes] | None = None):  # type: ignore[no-untyped-def]
+    """Hello once the daemon answers and has learnt smolvm's version (or None after 60 s)."""
+    hello = None
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if daemon is not None and daemon.poll() is not None:
+            err = daemon.stderr.read().decode() if daemon.stderr else ""
+            raise AssertionError(f"daemon exited {daemon.returncode}: {err[-2000:]}")
         try:
-            daemon.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(daemon.pid, signal.SIGKILL)
-            daemon.wait()
+            with BlockingControlClient(control, timeout=5) as c:
+                hello = c.hello()
+                if hello.smolvm_version is not None:
+                    return hello
+        except Exception:
+            pass
+        time.sleep(0.1)
+    return hello
+
+
+def _stop(daemon: subprocess.Popen[bytes]) -> None:
+    if daemon.poll() is not None:
+        return
+    os.killpg(daemon.pid, signal.SIGTERM)
+    try:
+        daemon.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(daemon.pid, signal.SIGKILL)
+        daemon.wait()
+
+
+@pytest.mark.skipif(
+    find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
+)
+@pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
+def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> None:
+    """smolvm's start adds o+x to the state dir (per-VM uid traverse); the daemon still restarts."""
+    tmp = tempfile.mkdtemp(prefix="bnr-", dir="/tmp")
+    state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
+    env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}
+    daemon = _daemon(state, control, env)
+    try:
+        assert _wait_hello(control, daemon) is not None
+        with BlockingControlClient(control, timeout=300) as c:
+            kept = c.create_bottle("kept")
+            doc = spec_doc(tmp, egress=False)
+            doc["sidecar"]["image"] = "alpine"
+            with pytest.raises(KvmUnavailable):
+                c.create_bottle("k1", spec=json.dumps(doc))
+            assert [b.name for b in c.list_bottles().items] == ["kept"]
+        assert os.stat(state).st_mode & 0o7777 == 0o701  # what smolvm 1.32.2 does as root
+        _assert_unreachable_by_other_uids(state, control)
+        _stop(daemon)
+        daemon = _daemon(state, control, env)
+        hello = _wait_hello(control, daemon)
+        assert hello is not None and hello.smolvm_available
+        assert hello.vm_uids == "per-VM uids"  # a root daemon: smolvm drops each VMM's uid
+        with BlockingControlClient(control, timeout=30) as c:
+            c.ping()
+            again = c.list_bottles().items
+        assert [(b.name, b.alias) for b in again] == [("kept", kept.alias)]
+    finally:
+        _stop(daemon)
         shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,7 @@ import shutil
 import socket
 import tempfile
 
-from bottlenet.errors import IsolationFailed, NotFound
+from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
 from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import process_alive
 from tests.netio import ping_unix
@@ -133,6 +133,23 @@ class SidecarSocketTests(DaemonCase):
             self.skipTest("needs root to act as another uid")
         self.assertEqual(await in_thread(_connect_as, 65534, paths), [])
         await client.destroy_bottle("s1")
+
+    async def test_per_vm_uids_fail_closed_and_leave_nothing(self) -> None:
+        """Issue 19: under smolvm's per-VM uids (the fake's ``uid-drop``, as root) the sidecar's
+        VMM cannot create its exposed sockets in the bottle's 0700 directory: the create fails,
+        no socket was exposed and everything is rolled back, the uids released."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        client = await self.start()
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("u1", spec=self.spec_json(mode="socket"))
+        self.assertIn("is not held by its VM process", info.exception.message)
+        self.assertEqual(self.registry.list_bottles(), [])
+        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "u1")))
+        self.assertEqual(self.fake.state()["machines"], {})
+        uids = os.path.join(self.fake.path, ".cache", "smolvm", "uids")
+        self.assertEqual([n for n in os.listdir(uids) if n.isdigit()], [])
 
     async def test_raw_port_opt_in_says_local_users_can_reach_it(self) -> None:
         self.fake.set_faults("exec-netns")

@@ -33,6 +33,7 @@ from bottlenet.errors import (
 from bottlenet.forward.spec import parse_target
 from bottlenet.paths import PrivateDirError
 from tests.bottles.harness import socket_bottle
+from vmctl.smolvm import VmUids
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
 
@@ -46,6 +47,7 @@ def test_hello_negotiates(conn: Conn) -> None:
         "smolvm_available": False,
         "smolvm_version": None,
         "smolvm_source": None,
+        "vm_uids": None,
     }
 
 
@@ -371,3 +373,13 @@ def test_vm_bottle_record_is_a_view_without_raw_ports(tmp_path: Any) -> None:
         b'[{"name":"p","alias":"127.77.0.2","source":"control","state":"ready",'
         b'"created_at":1.0,"forwards":0}]'
     )
+
+
+def test_hello_reports_the_vm_uid_model() -> None:
+    """Issue 19: Hello (and ``bottlenetctl status``) says which privilege model is in force."""
+    factory = make_factory(smolvm_version="1.32.2")
+    factory.vm_uids = str(VmUids.for_euid(0))
+    assert Conn(factory).call(C.Hello, client_version="x", protocols=[1])["vm_uids"] == (
+        "per-VM uids"
+    )
+    assert VmUids.for_euid(1000) == "one uid"

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -47,11 +49,14 @@ def scrape_until(port: int, key: tuple[str, tuple[tuple[str, str], ...]]) -> Sam
 
 
 def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(
-    tmp_path: Path, echo_server: int
+    tmp_path: Path, echo_server: int, request: pytest.FixtureRequest
 ) -> None:
     state = str(tmp_path / "state")
     control = str(tmp_path / "run" / "control.sock")
-    fake = FakeSmolvm(str(tmp_path / "smolvm-data"))
+    # smolvm's data dir has at most 61 bytes (checked at start-up): not under pytest's tmp_path.
+    short = tempfile.mkdtemp(prefix="bnm-", dir="/tmp")
+    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
+    fake = FakeSmolvm(os.path.join(short, "smolvm-data"))
     extra = ["--metrics", "tcp:0:interface=127.0.0.1", "--smolvm", FAKE_SMOLVM]
     extra += ["--smolvm-data-dir", fake.path]
     proc = start_daemon(state, f"unix:{control}", extra=extra)
