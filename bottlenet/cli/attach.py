@@ -12,12 +12,14 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean, report_control_error
-from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
+
+if TYPE_CHECKING:  # the client is imported when a session starts, not for --help
+    from bottlenet.control.blocking import BlockingControlClient
 
 EXIT_SESSION_LOST = 255
 DEFAULT_SHELL = "/bin/sh"
@@ -33,6 +35,8 @@ def run_exec(
     stderr: Any = None,
 ) -> int:
     """Run ``args.argv`` in ``args.name``'s agent VM; the exit status for bottlenetctl."""
+    from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
+
     stdin = stdin if stdin is not None else sys.stdin.buffer
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr.buffer

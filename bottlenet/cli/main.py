@@ -2,6 +2,10 @@
 
 Exit codes: 0 ok, 1 the daemon refused (``error: CODE: message``), 2 usage error,
 3 the daemon cannot be reached. Tables for people, ``--json`` for scripts; never a traceback.
+
+It starts at once: this module imports only the parser's needs; a command imports its client
+when it runs. ``status``, ``ping`` and ``bottle ls`` on a UNIX socket use the light client
+(no Twisted); everything else the blocking client (AMP, TLS).
 """
 
 from __future__ import annotations
@@ -10,13 +14,11 @@ import argparse
 import json
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-import attrs
-
-from bottlenet.cli import attach
+from bottlenet import __version__
+from bottlenet.cli import attach, down
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
@@ -25,10 +27,12 @@ from bottlenet.cli.output import (
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.address import TLSCredentials, parse_control_address
-from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError, InvalidArgument
-from bottlenet.paths import default_control_path, default_state_dir
+
+if TYPE_CHECKING:
+    from bottlenet.control.address import TLSCredentials
+    from bottlenet.control.blocking import BlockingControlClient
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -36,6 +40,8 @@ def default_control(env: os._Environ[str] | dict[str, str]) -> str:
     explicit = env.get("BOTTLENET_CONTROL")
     if explicit:
         return explicit
+    from bottlenet.paths import default_control_path, default_state_dir
+
     return default_control_path(env, default_state_dir(env))
 
 
@@ -44,6 +50,8 @@ def _socket_path(control: str) -> str:
 
 
 def _json(value: Any, out: TextIO) -> None:
+    import attrs
+
     def default(o: Any) -> Any:
         if attrs.has(type(o)):
             return attrs.asdict(o)
@@ -52,7 +60,9 @@ def _json(value: Any, out: TextIO) -> None:
     out.write(json.dumps(value, default=default, sort_keys=True) + "\n")
 
 
-Handler = Callable[[BlockingControlClient, argparse.Namespace, TextIO], None]
+#: A command: the client is a BlockingControlClient, or for :data:`LIGHT_HANDLERS` the
+#: LightControlClient (the same method names for the calls they make).
+Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 
 
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -91,6 +101,8 @@ class SpecFileError(Exception):
 
 def read_spec(path: str) -> str:
     """Read a TOML bottle spec and return it as JSON text for CreateBottle."""
+    import tomllib
+
     try:
         with open(path, "rb") as f:
             doc = tomllib.load(f)
@@ -261,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Control a running bottlenet daemon over its control socket.",
         parents=[json_flag],
     )
+    p.add_argument("--version", action="version", version=f"bottlenetctl {__version__}")
     p.add_argument(
         "--control",
         metavar="PATH|tls:HOST:PORT",
@@ -324,11 +337,49 @@ def build_parser() -> argparse.ArgumentParser:
     sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
     sp.add_argument("--bottle", help="only this bottle's events")
     sp.add_argument("--count", type=int, help="exit after this many events")
-    from bottlenet.cli import down, top  # their own modules (ops subcommands)
-
-    top.register(sub, json_flag)
+    sp = sub.add_parser(
+        "top",
+        help="live view of bottles, forwards, relays and throughput",
+        parents=[json_flag],
+        description="Redraws every --interval seconds; Ctrl-C quits. Throughput is the"
+        " difference of two Stats snapshots (in: agent to target, out: target to agent).",
+    )
+    sp.add_argument(
+        "--interval",
+        type=_interval,
+        default=DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"refresh period (default {DEFAULT_INTERVAL:g})",
+    )
+    sp.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
+    )
+    sp.set_defaults(standalone=_run_top)
     down.register(sub, add)
     return p
+
+
+DEFAULT_INTERVAL = 1.0
+MIN_INTERVAL = 0.05
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not MIN_INTERVAL <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_INTERVAL} and 3600 seconds")
+    return value
+
+
+def _run_top(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
+    """``top`` runs its own connection loop (module :mod:`bottlenet.cli.top`)."""
+    from bottlenet.cli import top
+
+    return top.run(args, path, out, err)
 
 
 DEFAULT_TIMEOUT = 10.0
@@ -337,8 +388,6 @@ VM_TIMEOUT = 300.0
 
 
 def _vm_handlers() -> frozenset[Handler]:
-    from bottlenet.cli import down
-
     return frozenset(
         {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
     )
@@ -364,6 +413,8 @@ def main(
     args.json = getattr(args, "json", False)
     control = args.control or default_control(environ)
     path = _socket_path(control) if not control.startswith("tls:") else control
+    from bottlenet.control.address import parse_control_address
+
     try:
         args.tls = _tls_credentials(args, environ) if control.startswith("tls:") else None
         parse_control_address(control)
@@ -373,6 +424,8 @@ def main(
     explicit_timeout = args.timeout
 
     def connect() -> BlockingControlClient:
+        from bottlenet.control.blocking import BlockingControlClient
+
         vm = explicit_timeout if explicit_timeout is not None else VM_TIMEOUT
         return BlockingControlClient(path, timeout=args.timeout, vm_timeout=vm, tls=args.tls)
 
@@ -409,7 +462,7 @@ def main(
         err.write(f"bottlenetctl: error: {_clean(e)}\n")
         return EXIT_USAGE
     try:
-        with connect() as client:
+        with _client_for(args.handler, path, args, connect) as client:
             args.handler(client, args, out)
     except (ControlConnectionError, BottlenetError) as e:
         return report_control_error(e, path, err)
@@ -421,13 +474,34 @@ def main(
     return EXIT_OK
 
 
+LIGHT_HANDLERS: frozenset[Handler] = frozenset({cmd_status, cmd_ping, cmd_bottle_ls})
+
+
+def _client_for(
+    handler: Handler,
+    path: str,
+    args: argparse.Namespace,
+    connect: Callable[[], BlockingControlClient],
+) -> Any:
+    """The light client for the simple calls on a UNIX socket, else the blocking one."""
+    if handler in LIGHT_HANDLERS and args.tls is None:
+        from bottlenet.control.lightclient import LightControlClient
+
+        return LightControlClient(path, args.timeout)
+    return connect()
+
+
 def _tls_credentials(args: argparse.Namespace, env: dict[str, str]) -> TLSCredentials:
     """``--cert/--key/--ca``, else ``BOTTLENET_CONTROL_CERT/_KEY/_CA``."""
     given = [args.cert, args.key, args.ca]
     if any(given):
         if not all(given):
             raise InvalidArgument("--cert, --key and --ca go together")
+        from bottlenet.control.address import TLSCredentials
+
         return TLSCredentials(args.cert, args.key, args.ca)
+    from bottlenet.control.address import TLSCredentials
+
     creds = TLSCredentials.from_env(env)
     if creds is None:
         raise InvalidArgument(

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from bottlenet.control.blocking import ControlConnectionError
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3

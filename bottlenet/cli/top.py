@@ -32,9 +32,6 @@ from bottlenet.control.blocking import BlockingControlClient, ControlConnectionE
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from bottlenet.errors import BottlenetError
 
-DEFAULT_INTERVAL = 1.0
-MIN_INTERVAL = 0.05
-
 _HOME = "\x1b[H"
 _CLEAR_EOL = "\x1b[K"
 _CLEAR_EOS = "\x1b[J"
@@ -345,37 +342,3 @@ def run(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
             _silence_stdout(out)
             return EXIT_OK
     return run_live(args, path, out, err)
-
-
-def _interval(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a number of seconds") from None
-    if not MIN_INTERVAL <= value <= 3600:
-        raise argparse.ArgumentTypeError(f"must be between {MIN_INTERVAL} and 3600 seconds")
-    return value
-
-
-def register(sub: Any, json_flag: argparse.ArgumentParser) -> None:
-    """Add ``top`` to bottlenetctl's subcommands (it runs its own connection loop)."""
-    sp: argparse.ArgumentParser = sub.add_parser(
-        "top",
-        help="live view of bottles, forwards, relays and throughput",
-        parents=[json_flag],
-        description="Redraws every --interval seconds; Ctrl-C quits. Throughput is the"
-        " difference of two Stats snapshots (in: agent to target, out: target to agent).",
-    )
-    sp.add_argument(
-        "--interval",
-        type=_interval,
-        default=DEFAULT_INTERVAL,
-        metavar="SECONDS",
-        help=f"refresh period (default {DEFAULT_INTERVAL:g})",
-    )
-    sp.add_argument(
-        "--once",
-        action="store_true",
-        help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
-    )
-    sp.set_defaults(standalone=run)

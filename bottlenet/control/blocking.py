@@ -25,6 +25,7 @@ from bottlenet import __version__
 from bottlenet.control import codec, stream
 from bottlenet.control import commands as C
 from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
+from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable
 from bottlenet.control.framing import BoxParser, FramingError
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
 from bottlenet.control.results import AgentEndpoint, HelloResult, Page
@@ -36,20 +37,10 @@ DEFAULT_TIMEOUT = 10.0
 VM_TIMEOUT = 300.0
 #: Input an exec session holds while the daemon is slow to take it (then stdin waits).
 MAX_OUTGOING = 256 * 1024
+__all__ = ["BlockingControlClient", "ControlConnectionError", "DaemonUnreachable", "ExecSession"]
 VM_COMMANDS: frozenset[type[amp.Command]] = frozenset(
     {C.DestroyBottle, C.VerifyBottle, C.SetEgressPolicy, C.Exec}
 )
-
-
-class ControlConnectionError(Exception):
-    """The daemon could not be reached, or the connection broke mid-call."""
-
-
-class DaemonUnreachable(ControlConnectionError):
-    def __init__(self, path: str, reason: str) -> None:
-        super().__init__(f"cannot reach the bottlenet daemon at {path}: {reason}")
-        self.path = path
-        self.reason = reason
 
 
 class BlockingControlClient:

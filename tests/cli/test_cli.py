@@ -160,7 +160,10 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
         def __exit__(self, *exc: object) -> None:
             return None
 
-    monkeypatch.setattr(cli, "BlockingControlClient", Recorder)
+    from bottlenet.control import blocking, lightclient
+
+    monkeypatch.setattr(blocking, "BlockingControlClient", Recorder)
+    monkeypatch.setattr(lightclient, "LightControlClient", Recorder)
 
     def timeout_for(*argv: str) -> float:
         seen.clear()
