@@ -85,7 +85,7 @@ class Options(usage.Options):
             "control",
             None,
             None,
-            "Control socket endpoint: unix:PATH or systemd:domain=UNIX:name=NAME "
+            "Control socket endpoint: unix:PATH, an absolute PATH or systemd:domain=UNIX:name=NAME "
             "(default: unix:$XDG_RUNTIME_DIR/bottlenet/control.sock).",
         ],
         [
@@ -455,6 +455,10 @@ def _build(
         vms=vms,
     )
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
+    try:  # a bad --control stops the daemon here, before any listener is bound
+        parse_control_description(control)
+    except ControlListenError as e:
+        raise _fail(str(e)) from None
     registry.protected_dirs = _own_dirs(state_dir, control, options["smolvm-data-dir"])
     control_path = _unix_path(control)
     if control_path is not None:

@@ -68,6 +68,20 @@ def test_bad_control_cap_is_one_line(tmp_path, value: str) -> None:  # type: ign
     ]
 
 
+def test_bad_control_is_one_line_before_anything_binds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A --control that is neither unix:PATH, an absolute PATH nor systemd: stops the daemon
+    with one line before the metrics socket is bound (none is left or logged)."""
+    state = tmp_path / "s"
+    out = _run_fail(["--state-dir", str(state), "--control", "relative/c.sock"])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "bottlenet: error: --control must be unix:PATH, an absolute PATH or"
+        " systemd:domain=UNIX:name=N, not 'relative/c.sock': use the TLS options for remote"
+        " control"
+    ]
+    assert "metrics" not in out.stdout
+
+
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     squatter = socket.socket()
     squatter.bind(("127.77.0.9", 0))

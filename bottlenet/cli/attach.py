@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
-from bottlenet.cli.output import clean, report_control_error
+from bottlenet.cli.output import clean, report_control_error, write_error
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
 
@@ -63,7 +63,7 @@ def run_exec(
             timeout=args.timeout,
         )
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err)
+        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
     finally:
         client.close()
     raw = terminal if forward else None
@@ -71,7 +71,10 @@ def run_exec(
         with session, raw_terminal(raw), forward_winch(session, terminal):
             return session.run(stdin if forward else None, stdout, stderr)
     except ControlConnectionError as e:
-        err.write(f"\r\nerror: {clean(e)}\n")
+        if getattr(args, "json", False):
+            write_error(err, "SESSION_LOST", str(e), as_json=True)
+        else:
+            err.write(f"\r\nerror: {clean(e)}\n")
         return EXIT_SESSION_LOST
     except KeyboardInterrupt:
         return 130
@@ -142,7 +145,7 @@ def run_logs(
             timeout=args.timeout,
         )
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err)
+        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
 from bottlenet.cli import attach, down
@@ -24,6 +24,8 @@ from bottlenet.cli.output import (
     EXIT_OK,
     EXIT_USAGE,
     report_control_error,
+    usage_error,
+    write_error,
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
@@ -239,8 +241,6 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
 def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     """Print bottle events as they happen, one per line (until Ctrl-C, or ``--count``)."""
     seen = 0
-    if a.count is not None and a.count <= 0:
-        return
     for ev in c.events(a.bottle):
         if a.json:
             _json(ev, out)
@@ -257,18 +257,40 @@ def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             return
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("must be a number of events, 1 or more")
+    return int(text)
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError("must be a port number 0-65535")
     return int(text)
 
 
+class ArgumentError(Exception):
+    """A usage error found by the parser; ``main`` reports it (as JSON under ``--json``)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises its usage errors instead of printing them and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag = _Parser(add_help=False)
     json_flag.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="bottlenetctl",
         description="Control a running bottlenet daemon over its control socket.",
         parents=[json_flag],
@@ -336,7 +358,7 @@ def build_parser() -> argparse.ArgumentParser:
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
     sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
     sp.add_argument("--bottle", help="only this bottle's events")
-    sp.add_argument("--count", type=int, help="exit after this many events")
+    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
     sp = sub.add_parser(
         "top",
         help="live view of bottles, forwards, relays and throughput",
@@ -405,9 +427,14 @@ def main(
     environ = dict(os.environ) if env is None else env
     parser = build_parser()
     words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
+    as_json = "--json" in words  # known before parsing, so even a usage error is JSON
     try:
         args = parser.parse_args(words)
-    except SystemExit as e:
+    except ArgumentError as e:
+        if not as_json:
+            e.parser.print_usage(err)
+        return usage_error(err, e.message, as_json=as_json, prog=e.parser.prog)
+    except SystemExit as e:  # --help, --version
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     args.command_after_dashes = command
     args.json = getattr(args, "json", False)
@@ -419,8 +446,7 @@ def main(
         args.tls = _tls_credentials(args, environ) if control.startswith("tls:") else None
         parse_control_address(control)
     except BottlenetError as e:
-        err.write(f"bottlenetctl: error: {_clean(e.message)}\n")
-        return EXIT_USAGE
+        return usage_error(err, e.message, as_json=args.json)
     explicit_timeout = args.timeout
 
     def connect() -> BlockingControlClient:
@@ -435,11 +461,9 @@ def main(
     if getattr(args, "attached", False):
         problem = attach.prepare(args)
         if problem is not None:
-            err.write(f"bottlenetctl: error: {problem}\n")
-            return EXIT_USAGE
+            return usage_error(err, problem, as_json=args.json)
         if explicit_timeout is not None and explicit_timeout <= 0:
-            err.write("bottlenetctl: error: --timeout must be positive\n")
-            return EXIT_USAGE
+            return usage_error(err, "--timeout must be positive", as_json=args.json)
         args.timeout = explicit_timeout or VM_TIMEOUT
         return attach.run_exec(connect, args, err)
     if args.timeout is None and getattr(args, "handler", None) is cmd_events:
@@ -451,25 +475,24 @@ def main(
         )
         args.timeout = VM_TIMEOUT if slow else DEFAULT_TIMEOUT
     if args.timeout <= 0:
-        err.write("bottlenetctl: error: --timeout must be positive\n")
-        return EXIT_USAGE
+        return usage_error(err, "--timeout must be positive", as_json=args.json)
     standalone = getattr(args, "standalone", None)
     if standalone is not None:  # a subcommand that runs its own connection loop (top)
         return int(standalone(args, path, out, err))
     try:  # the spec file is read before the daemon is contacted: a bad file is a usage error
         args.spec_json = read_spec(args.spec) if getattr(args, "spec", None) else None
     except SpecFileError as e:
-        err.write(f"bottlenetctl: error: {_clean(e)}\n")
-        return EXIT_USAGE
+        return usage_error(err, str(e), as_json=args.json)
     try:
         with _client_for(args.handler, path, args, connect) as client:
             args.handler(client, args, out)
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, path, err)
+        return report_control_error(e, path, err, as_json=args.json)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # never a traceback for a person at a terminal
-        err.write(f"error: INTERNAL: bottlenetctl failed: {type(e).__name__}\n")
+        message = f"bottlenetctl failed: {type(e).__name__}"
+        write_error(err, "INTERNAL", message, as_json=args.json)
         return EXIT_DAEMON
     return EXIT_OK
 

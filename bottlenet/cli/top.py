@@ -266,7 +266,7 @@ def run_once(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
             time.sleep(args.interval)
             snap = take_snapshot(client, version)
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, path, err)
+        return report_control_error(e, path, err, as_json=args.json)
     if args.json:
         out.write(json.dumps(frame_json(snap, first), sort_keys=True) + "\n")
     else:
