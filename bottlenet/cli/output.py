@@ -65,14 +65,13 @@ def report_control_error(
     """
     if isinstance(e, ControlConnectionError):
         hint = (
-            f"is the bottlenet daemon running? its control socket is expected at {path}"
+            f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
             " (set --control or BOTTLENET_CONTROL)"
         )
         if as_json:
-            write_error(err, "UNREACHABLE", str(e), as_json=True, hint=hint)
+            write_error(err, "UNREACHABLE", str(e), as_json=True, hint=hint[len("hint: ") :])
         else:
-            err.write(f"error: {clean(e)}\n")
-            err.write(f"hint: {clean(hint)}\n")
+            err.write(f"error: {clean(e)}\n{clean(hint)}\n")
         return EXIT_UNREACHABLE
     write_error(err, e.code, e.message, as_json=as_json)
     return EXIT_DAEMON
