@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -718,8 +719,21 @@ def _tls_options(options: Options, pool: AliasPool) -> tuple[int, str, str, str,
     return int(port), values["interface"], values["key"], values["cert"], values["ca"]
 
 
+def restore_sigint() -> None:
+    """SIGINT stops the daemon even when it was started with SIGINT ignored.
+
+    A shell's background job (``twist bottlenet &`` in a script) and some supervisors start
+    the process with SIGINT ignored; Twisted then installs no SIGINT handler and Ctrl-C or
+    ``kill -INT`` would do nothing. Python's own handler put back here, Twisted replaces it
+    with its orderly shutdown when the reactor starts.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def makeService(options: Options) -> IService:
     """The twistd/twist entry point (the plugin names this module)."""
     from twisted.internet import reactor
 
+    restore_sigint()
     return build_service(options, reactor)

@@ -302,3 +302,31 @@ def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})
     assert not logs_relay_ends({"logger": None, "nodaemon": True})  # twistd
     assert not logs_relay_ends(None)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_sigint_stops_a_daemon_started_with_sigint_ignored(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``twist bottlenet`` started with SIGINT ignored (a script's ``&``) still stops on it."""
+    from tests.control.daemon_helpers import daemon_argv, wait_ready
+
+    control = str(tmp_path / "run" / "control.sock")
+    proc = subprocess.Popen(
+        daemon_argv(str(tmp_path / "s"), f"unix:{control}"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        wait_ready(control, proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -signal.SIGINT), out.decode(errors="replace")
+    assert b"Received SIGINT" in out

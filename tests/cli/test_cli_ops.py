@@ -24,6 +24,7 @@ from bottlenet.cli.top import Snapshot, human_bytes, rates, render
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from tests.control.daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
+from tests.sigdefault import sigint_default
 
 
 def _stats(bottle: str, label: str, bytes_in: int, bytes_out: int, active: int = 0) -> StatsRecord:
@@ -222,11 +223,19 @@ def test_top_live_exits_0_on_sigint(daemon: str, terminal: bool) -> None:
     argv = [sys.executable, "-m", "bottlenet.cli", "--control", daemon, "top", "--interval", "0.1"]
     if terminal:
         master, slave = pty.openpty()
-        proc = subprocess.Popen(argv, env=ENV, stdout=slave, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            argv, env=ENV, stdout=slave, stderr=subprocess.PIPE, preexec_fn=sigint_default
+        )
         os.close(slave)
         read_fd = master
     else:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            argv,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=sigint_default,
+        )
         assert proc.stdout is not None
         read_fd = proc.stdout.fileno()
     try:
@@ -273,7 +282,9 @@ def test_top_live_survives_the_daemon_going_away(tmp: str) -> None:
     path = os.path.join(tmp, "run", "control.sock")
     daemon = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
     argv = [sys.executable, "-m", "bottlenet.cli", "--control", path, "top", "--interval", "0.1"]
-    top = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    top = subprocess.Popen(
+        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default
+    )
     assert top.stdout is not None
     try:
         wait_ready(path, daemon)

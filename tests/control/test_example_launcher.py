@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.sigdefault import sigint_default
+
 from .daemon_helpers import ENV, REPO
 from .vmdaemon import VMDaemon, wait_for
 
@@ -77,6 +79,7 @@ def test_example_launcher_cleans_up_on_ctrl_c() -> None:
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            preexec_fn=sigint_default,
         )
         assert p.stdout is not None
         seen = b""
