@@ -20,13 +20,14 @@ from bottlenet.errors import BottlenetError
 
 if TYPE_CHECKING:  # the client is imported when a session starts, not for --help
     from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.lightclient import LightControlClient
 
 EXIT_SESSION_LOST = 255
 DEFAULT_SHELL = "/bin/sh"
 
 
 def run_exec(
-    connect: Callable[[], BlockingControlClient],
+    connect: Callable[[], BlockingControlClient | LightControlClient],
     args: argparse.Namespace,
     err: TextIO,
     *,

@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
@@ -465,7 +466,7 @@ def main(
         if explicit_timeout is not None and explicit_timeout <= 0:
             return usage_error(err, "--timeout must be positive", as_json=args.json)
         args.timeout = explicit_timeout or VM_TIMEOUT
-        return attach.run_exec(connect, args, err)
+        return attach.run_exec(partial(_exec_client, path, args, connect), args, err)
     if args.timeout is None and getattr(args, "handler", None) is cmd_events:
         args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
@@ -508,6 +509,17 @@ def _client_for(
 ) -> Any:
     """The light client for the simple calls on a UNIX socket, else the blocking one."""
     if handler in LIGHT_HANDLERS and args.tls is None:
+        from bottlenet.control.lightclient import LightControlClient
+
+        return LightControlClient(path, args.timeout)
+    return connect()
+
+
+def _exec_client(
+    path: str, args: argparse.Namespace, connect: Callable[[], BlockingControlClient]
+) -> Any:
+    """``bottle exec`` on a UNIX socket: the light client (no AMP import), else blocking."""
+    if args.tls is None:
         from bottlenet.control.lightclient import LightControlClient
 
         return LightControlClient(path, args.timeout)

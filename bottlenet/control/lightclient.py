@@ -2,20 +2,21 @@
 
 ``bottlenetctl status``, ``ping`` and ``bottle ls`` are what a launcher and a person call most;
 importing AMP (and through it Twisted's TLS and Deferreds) costs several times more than the
-call itself. This client speaks the same AMP boxes for a few read-only commands, from a small
+call itself. This client speaks the same AMP boxes for a few commands (Hello, Ping,
+ListBottles, and Exec, after which the connection carries exec frames), from a small
 table of their argument kinds; ``tests/control/test_lightclient.py`` checks that table against
 the Command definitions of :mod:`bottlenet.control.commands` and the bytes against
 :mod:`bottlenet.control.codec`, so the wire format stays one. Everything else (TLS, events,
-exec, mutating calls) goes through :class:`~bottlenet.control.blocking.BlockingControlClient`.
+mutating calls) goes through :class:`~bottlenet.control.blocking.BlockingControlClient`.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from enum import StrEnum
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bottlenet import __version__
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
@@ -23,6 +24,9 @@ from bottlenet.control.framing import BoxParser, FramingError, encode_box
 from bottlenet.control.records import BottleRecord, RecordError, decode_records
 from bottlenet.control.results import HelloResult, Page
 from bottlenet.errors import ALL_ERRORS, BottlenetError
+
+if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
+    from bottlenet.control.execsession import ExecSession
 
 CLIENT_VERSION = f"bottlenet-light/{__version__}"
 #: The protocol versions this client speaks (the same as commands.SUPPORTED_PROTOCOLS).
@@ -56,6 +60,20 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
         },
     ),
     "Ping": ({}, {}),
+    "Exec": (
+        {
+            "bottle": (Kind.UNICODE, False),
+            "argv": (Kind.UNICODE_LIST, False),
+            "env": (Kind.UNICODE_LIST, True),
+            "user": (Kind.UNICODE, True),
+            "workdir": (Kind.UNICODE, True),
+            "stdin": (Kind.BOOLEAN, True),
+            "tty": (Kind.BOOLEAN, True),
+            "rows": (Kind.INTEGER, True),
+            "cols": (Kind.INTEGER, True),
+        },
+        {"tty": (Kind.BOOLEAN, False)},
+    ),
     "ListBottles": (
         {"offset": (Kind.INTEGER, True), "limit": (Kind.INTEGER, True)},
         {
@@ -154,7 +172,7 @@ def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
 
 
 class LightControlClient:
-    """One connection to a UNIX control socket for Hello, Ping and ListBottles."""
+    """One connection to a UNIX control socket for Hello, Ping, ListBottles and Exec."""
 
     def __init__(self, path: str, timeout: float) -> None:
         self.path = path
@@ -164,6 +182,10 @@ class LightControlClient:
         self._tag = 0
 
     def __enter__(self) -> LightControlClient:
+        self.connect()
+        return self
+
+    def connect(self) -> None:
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(self.timeout)
         try:
@@ -175,7 +197,11 @@ class LightControlClient:
             sock.close()
             raise DaemonUnreachable(self.path, e.strerror or type(e).__name__) from None
         self._sock = sock
-        return self
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
 
     def __exit__(
         self,
@@ -183,13 +209,15 @@ class LightControlClient:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if self._sock is not None:
-            self._sock.close()
-            self._sock = None
+        self.close()
 
-    def call(self, name: str, **arguments: Any) -> dict[str, Any]:
+    def call(self, name: str, *, timeout: float | None = None, **arguments: Any) -> dict[str, Any]:
         """Send one command, wait for its answer (or raise its typed error)."""
-        assert self._sock is not None, "use LightControlClient as a context manager"
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        limit = self.timeout if timeout is None else timeout
+        self._sock.settimeout(limit)
         self._tag += 1
         tag = b"%x" % self._tag
         try:
@@ -204,7 +232,7 @@ class LightControlClient:
                 elif box.get(b"_answer", box.get(b"_error")) == tag:
                     return decode_answer(name, box)
         except TimeoutError:
-            raise ControlConnectionError(f"no answer within {self.timeout:g}s") from None
+            raise ControlConnectionError(f"no answer within {limit:g}s") from None
         except FramingError as e:
             raise ControlConnectionError(f"bad answer from the daemon: {e}") from None
         except OSError as e:
@@ -220,6 +248,44 @@ class LightControlClient:
 
     def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRecord]:
         return Page.from_answer(self.call("ListBottles", offset=offset, limit=limit), "bottles")
+
+    def open_exec(
+        self,
+        bottle: str,
+        argv: Sequence[str],
+        *,
+        env: Sequence[str] = (),
+        user: str | None = None,
+        workdir: str | None = None,
+        stdin: bool = False,
+        tty: bool = False,
+        size: tuple[int, int] | None = None,
+        timeout: float | None = None,
+    ) -> ExecSession:
+        """Start ``argv`` in the bottle's agent VM; this connection becomes the session's."""
+        rows, cols = size if size is not None else (None, None)
+        try:
+            self.call(
+                "Exec",
+                timeout=timeout,
+                bottle=bottle,
+                argv=list(argv),
+                env=list(env) if env else None,
+                user=user,
+                workdir=workdir,
+                stdin=stdin,
+                tty=tty,
+                rows=rows,
+                cols=cols,
+            )
+        except BaseException:
+            self.close()
+            raise
+        from bottlenet.control.execsession import ExecSession
+
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        return ExecSession(sock, self._parser.take_rest(), tty=tty, stdin=stdin)
 
     def all_bottles(self) -> Iterator[BottleRecord]:
         offset: int | None = 0

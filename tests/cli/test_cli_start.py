@@ -49,6 +49,14 @@ def test_simple_commands_import_no_twisted_or_tls(argv: list[str]) -> None:
     assert heavy == []
 
 
+def test_exec_on_a_unix_socket_imports_no_twisted() -> None:
+    """``bottle exec`` on a UNIX socket loads no Twisted, AMP or OpenSSL (the light client)."""
+    argv = ["--control", "/nonexistent/bn/c.sock", "bottle", "exec", "b1", "--", "true"]
+    code, modules = imported_by(argv)
+    assert code == 3
+    assert [m for m in modules if m.split(".")[0] in ("twisted", "OpenSSL", "zope")] == []
+
+
 def test_help_and_version_import_no_client() -> None:
     """--help and --version do not even load a control client or attrs."""
     for argv in (["--help"], ["--version"]):
