@@ -300,7 +300,10 @@ class BottlenetService(MultiService):
         if self.state_lock is not None:
             self.state_lock.record_pid()  # twistd may have forked since the lock was taken
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
-        self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        if new != old:
+            self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        else:
+            self.log.info("open files limit {new}", new=new)
         self.log.info(
             "relay engine {engine}, reactor {reactor}",
             engine=self.table.engine,
@@ -546,7 +549,7 @@ def _build(
             listener.when_listening().addCallback(listening)
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
     sdnotify.SystemdNotifier(
-        ready, status=f"{len(config.bottles)} configured bottles"
+        ready, status=count_of(len(config.bottles), "configured bottle")
     ).setServiceParent(root)
     return root
 
@@ -717,6 +720,11 @@ def _tls_options(options: Options, pool: AliasPool) -> tuple[int, str, str, str,
         if not os.path.isfile(values[n]):
             raise _fail(f"--control-tls-{n}: {values[n]} is not a readable file")
     return int(port), values["interface"], values["key"], values["cert"], values["ca"]
+
+
+def count_of(n: int, noun: str) -> str:
+    """``1 configured bottle``, ``2 configured bottles``: a count for a log line."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def restore_sigint() -> None:

@@ -330,3 +330,30 @@ def test_sigint_stops_a_daemon_started_with_sigint_ignored(tmp_path) -> None:  #
             proc.wait()
     assert proc.returncode in (0, -signal.SIGINT), out.decode(errors="replace")
     assert b"Received SIGINT" in out
+
+
+def test_start_and_stop_log_is_plain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The start and stop log of the README's demo: no Twisted class names (``_Forward
+    starting on``, ``_QuietSite (CappedFactory)``, ``Port N Closed``), no ``N -> N`` no-op,
+    and a count with its plural right (``1 configured bottle``)."""
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.3'\n"
+        "[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:9'\n",
+    )
+    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
+    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", *args])
+    assert proc.stdout is not None
+    reader = OutputReader(proc.stdout.fileno())
+    try:
+        reader.wait_for(rb"ready: .*\n", 90)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    rest = proc.stdout.read()
+    log = (reader.seen + rest).decode(errors="replace")
+    assert "forward demo/web listening on 127.77.0.3:" in log
+    assert "ready: 1 configured bottle\n" in log
+    for noise in ("starting on", "Port", "CappedFactory", "_Forward", "_QuietSite"):
+        assert noise not in log, log
+    assert not re.search(r"\b(\d+) -> \1\b", log), log

@@ -132,6 +132,7 @@ def _bottle_rows(b: Any) -> list[list[object]]:
         rows += [
             ["mode", b.mode],
             ["isolation", b.isolation or "-"],
+            ["isolation probe", b.probe or "-"],
             ["sidecar vm", b.sidecar_vm or "-"],
             ["agent vm", b.agent_vm or "-"],
             ["egress", " ".join(b.policy) if b.policy else "(deny all)"],

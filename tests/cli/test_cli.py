@@ -206,3 +206,21 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
     assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
     assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
     assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
+
+
+def test_bottle_status_table_shows_the_isolation_probe() -> None:
+    """A failed ``bottle verify`` is in the human ``bottle status`` table, not only in --json."""
+    from bottlenet.cli.main import _bottle_rows
+    from bottlenet.control.records import BottleRecord
+
+    b = BottleRecord(
+        name="b1",
+        alias=None,
+        source="control",
+        state="ready",
+        created_at=0.0,
+        forwards=0,
+        mode="socket",
+        probe="FAIL",
+    )
+    assert ["isolation probe", "FAIL"] in _bottle_rows(b)
