@@ -92,6 +92,18 @@ def test_render_aligns_columns_and_shows_rates() -> None:
     assert "in -  out -" in first[1]
 
 
+def test_render_keeps_rates_and_counters_within_80_columns() -> None:
+    """At 80 columns the forwards' IN/s, OUT/s, IN and OUT stay visible (long endpoints and
+    targets come last)."""
+    a = _snap(0.0, _stats("agent-0042", "egress-proxy", 0, 0))
+    b = _snap(1.0, _stats("agent-0042", "egress-proxy", 5 * 1024**2, 1024**3, active=3))
+    lines = render(b, a, path="/run/c.sock", interval=1.0, now="12:00:00")
+    forwards = lines[len(lines) - 2 :]
+    for word in ("IN/s", "OUT/s", "IN", "OUT", "ACTIVE"):
+        assert word in forwards[0][:80].split()
+    assert "5.0 MiB/s" in forwards[1][:80] and "1.0 GiB/s" in forwards[1][:80]
+
+
 def test_human_bytes() -> None:
     assert human_bytes(0) == "0 B"
     assert human_bytes(1023) == "1023 B"
