@@ -27,7 +27,7 @@ on this machine):
           --gate-outside 198.18.0.1:9 --gate-dns-name gate.invalid & daemon=$!
       sleep 3
       python examples/launcher.py --control /tmp/bl/c.sock --agent-image /tmp/bl/agent.tar \
-          --sidecar-image sidecar:1 --command "echo \$HTTPS_PROXY; exit 7"
+          --sidecar-image sidecar:1 --command "echo \\$HTTPS_PROXY; exit 7"
       echo "exit $?"; kill $daemon; wait'
 """
 

@@ -23,6 +23,7 @@ from typing import IO, Any
 from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
+    ILogFilterPredicate,
     ILogObserver,
     LogEvent,
     LogLevel,
@@ -127,6 +128,7 @@ _PORT_CHATTER_RE = re.compile(
 )
 
 
+@provider(ILogFilterPredicate)
 def not_port_chatter(event: LogEvent) -> PredicateResult:
     """Drop Twisted's own listening/closing lines (see :data:`_PORT_CHATTER_RE`)."""
     if event.get("log_namespace") == "log_legacy" and _PORT_CHATTER_RE.fullmatch(
