@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import signal
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -85,7 +86,7 @@ class Options(usage.Options):
             "control",
             None,
             None,
-            "Control socket endpoint: unix:PATH or systemd:domain=UNIX:name=NAME "
+            "Control socket endpoint: unix:PATH, an absolute PATH or systemd:domain=UNIX:name=NAME "
             "(default: unix:$XDG_RUNTIME_DIR/bottlenet/control.sock).",
         ],
         [
@@ -299,7 +300,10 @@ class BottlenetService(MultiService):
         if self.state_lock is not None:
             self.state_lock.record_pid()  # twistd may have forked since the lock was taken
         old, new = rlimits.raise_nofile(rlimits.select_reactor_cap(self.reactor))
-        self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        if new != old:
+            self.log.info("open files limit {old} -> {new}", old=old, new=new)
+        else:
+            self.log.info("open files limit {new}", new=new)
         self.log.info(
             "relay engine {engine}, reactor {reactor}",
             engine=self.table.engine,
@@ -461,6 +465,10 @@ def _build(
         vms=vms,
     )
     control = options["control"] or default_control_endpoint(os.environ, state_dir)
+    try:  # a bad --control stops the daemon here, before any listener is bound
+        parse_control_description(control)
+    except ControlListenError as e:
+        raise _fail(str(e)) from None
     registry.protected_dirs = _own_dirs(state_dir, control, options["smolvm-data-dir"])
     control_path = _unix_path(control)
     if control_path is not None:
@@ -547,7 +555,7 @@ def _build(
             listener.when_listening().addCallback(listening)
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
     sdnotify.SystemdNotifier(
-        ready, status=f"{len(config.bottles)} configured bottles"
+        ready, status=count_of(len(config.bottles), "configured bottle")
     ).setServiceParent(root)
     return root
 
@@ -720,8 +728,26 @@ def _tls_options(options: Options, pool: AliasPool) -> tuple[int, str, str, str,
     return int(port), values["interface"], values["key"], values["cert"], values["ca"]
 
 
+def count_of(n: int, noun: str) -> str:
+    """``1 configured bottle``, ``2 configured bottles``: a count for a log line."""
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
+def restore_sigint() -> None:
+    """SIGINT stops the daemon even when it was started with SIGINT ignored.
+
+    A shell's background job (``twist bottlenet &`` in a script) and some supervisors start
+    the process with SIGINT ignored; Twisted then installs no SIGINT handler and Ctrl-C or
+    ``kill -INT`` would do nothing. Python's own handler put back here, Twisted replaces it
+    with its orderly shutdown when the reactor starts.
+    """
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def makeService(options: Options) -> IService:
     """The twistd/twist entry point (the plugin names this module)."""
     from twisted.internet import reactor
 
+    restore_sigint()
     return build_service(options, reactor)

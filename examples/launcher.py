@@ -10,8 +10,25 @@ and on SIGTERM. It exits with the command's exit code.
         --sidecar-image registry.example/bottle-sidecar:1
     python examples/launcher.py ... --command 'echo "$HTTPS_PROXY"; id -u'
 
-Plain Python and the blocking client: no reactor. ``--control`` takes a socket path or
-``tls:HOST:PORT`` (then set BOTTLENET_CONTROL_CERT, _KEY and _CA).
+Plain Python and the blocking client: no reactor. ``--control`` takes a socket path,
+``unix:PATH`` or ``tls:HOST:PORT`` (then set BOTTLENET_CONTROL_CERT, _KEY and _CA); without it,
+``$BOTTLENET_CONTROL``, else the daemon's default socket (as ``bottlenetctl``).
+
+Trying it without a KVM host (as root, on Linux; the fake smolvm is a TEST DOUBLE whose "VMs"
+are host processes; with the ``exec-netns`` fault its exec runs each command in a network-less
+namespace, so the launch gate has something real to check; ``unshare -n`` keeps every packet
+on this machine):
+
+    unshare -n sh -c 'ip link set lo up
+      mkdir -p /tmp/bl/smolvm && chmod 700 /tmp/bl && touch /tmp/bl/agent.tar
+      echo "{\"fail\": [\"exec-netns\"]}" > /tmp/bl/smolvm/fake-faults.json
+      python -m twisted bottlenet --state-dir /tmp/bl/state --control /tmp/bl/c.sock \
+          --smolvm tests/fakes/smolvm --smolvm-data-dir /tmp/bl/smolvm \
+          --gate-outside 198.18.0.1:9 --gate-dns-name gate.invalid & daemon=$!
+      sleep 3
+      python examples/launcher.py --control /tmp/bl/c.sock --agent-image /tmp/bl/agent.tar \
+          --sidecar-image sidecar:1 --command "echo \\$HTTPS_PROXY; exit 7"
+      echo "exit $?"; kill $daemon; wait'
 """
 
 from __future__ import annotations
@@ -22,6 +39,7 @@ import secrets
 import signal
 import sys
 
+from bottlenet.cli.main import default_control
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.specbuilder import Agent, BottleSpec, Service, Sidecar
 from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
@@ -61,14 +79,13 @@ def run_command(client: BlockingControlClient, name: str, args: argparse.Namespa
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--control", default=os.environ.get("BOTTLENET_CONTROL"), required=False)
+    p.add_argument("--control", help="control socket (default: as bottlenetctl's)")
     p.add_argument("--agent-image", required=True)
     p.add_argument("--sidecar-image", required=True)
     p.add_argument("--name", default=f"launch-{secrets.token_hex(3)}")
     p.add_argument("--command", help="run this (sh -c) without a terminal instead of a shell")
     args = p.parse_args(argv)
-    if not args.control:
-        p.error("--control (or $BOTTLENET_CONTROL) is required")
+    args.control = args.control or default_control(os.environ)
     spec = build_spec(args)  # a bad value fails here, before the daemon is asked anything
 
     def terminate(signum: int, frame: object) -> None:

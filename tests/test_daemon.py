@@ -131,6 +131,20 @@ def test_long_smolvm_data_dir_stops_the_daemon(tmp_path) -> None:  # type: ignor
     assert not control.exists() and not os.path.exists(data_dir)
 
 
+def test_bad_control_is_one_line_before_anything_binds(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A --control that is neither unix:PATH, an absolute PATH nor systemd: stops the daemon
+    with one line before the metrics socket is bound (none is left or logged)."""
+    state = tmp_path / "s"
+    out = _run_fail(["--state-dir", str(state), "--control", "relative/c.sock"])
+    assert out.returncode == 1
+    assert out.stderr.strip().splitlines() == [
+        "bottlenet: error: --control must be unix:PATH, an absolute PATH or"
+        " systemd:domain=UNIX:name=N, not 'relative/c.sock': use the TLS options for remote"
+        " control"
+    ]
+    assert "metrics" not in out.stdout
+
+
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
     squatter = socket.socket()
     squatter.bind(("127.77.0.9", 0))
@@ -352,3 +366,58 @@ def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})
     assert not logs_relay_ends({"logger": None, "nodaemon": True})  # twistd
     assert not logs_relay_ends(None)
+
+
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+def test_sigint_stops_a_daemon_started_with_sigint_ignored(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``twist bottlenet`` started with SIGINT ignored (a script's ``&``) still stops on it."""
+    from tests.control.daemon_helpers import daemon_argv, wait_ready
+
+    control = str(tmp_path / "run" / "control.sock")
+    proc = subprocess.Popen(
+        daemon_argv(str(tmp_path / "s"), f"unix:{control}"),
+        env=_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        preexec_fn=_ignore_sigint,
+    )
+    try:
+        wait_ready(control, proc)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode in (0, -signal.SIGINT), out.decode(errors="replace")
+    assert b"Received SIGINT" in out
+
+
+def test_start_and_stop_log_is_plain(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The start and stop log of the README's demo: no Twisted class names (``_Forward
+    starting on``, ``_QuietSite (CappedFactory)``, ``Port N Closed``), no ``N -> N`` no-op,
+    and a count with its plural right (``1 configured bottle``)."""
+    config = _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.3'\n"
+        "[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:9'\n",
+    )
+    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
+    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", *args])
+    assert proc.stdout is not None
+    reader = OutputReader(proc.stdout.fileno())
+    try:
+        reader.wait_for(rb"ready: .*\n", 90)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    rest = proc.stdout.read()
+    log = (reader.seen + rest).decode(errors="replace")
+    assert "forward demo/web listening on 127.77.0.3:" in log
+    assert "ready: 1 configured bottle\n" in log
+    for noise in ("starting on", "Port", "CappedFactory", "_Forward", "_QuietSite"):
+        assert noise not in log, log
+    assert not re.search(r"\b(\d+) -> \1\b", log), log

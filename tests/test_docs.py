@@ -130,7 +130,7 @@ def test_quickstart_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
     def fill(text: str) -> str:
         text = text.replace("/tmp/bn-quick", base)
-        return re.sub(r"\b8080\b", str(web), re.sub(r"\b8077\b", str(agent), text))
+        return re.sub(r"\b8090\b", str(web), re.sub(r"\b8078\b", str(agent), text))
 
     code, out, err = _run_against_daemon(
         tmp_path, fill(daemon[0]), [fill(s) for s in steps], str(tmp_path)
@@ -348,3 +348,33 @@ def test_readme_options_table_names_every_daemon_option() -> None:
     for name, _, default, _ in o.optParameters:
         if default is not None:
             assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
+
+
+def _ports(text: str) -> set[str]:
+    return set(re.findall(r"(?:127\.[0-9.]+|localhost):([0-9]+)", text))
+
+
+def test_readme_demo_and_quickstart_use_different_ports() -> None:
+    """The README's demo and the quickstart share no port (the quickstart runs with the demo
+    still up), and the README says how to stop what its demo started."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    demo = readme.split("## What it is")[0]
+    with open(QUICKSTART) as f:
+        quick = f.read()
+    assert _ports(demo) and _ports(quick)
+    assert _ports(demo) & _ports(quick) == set()
+    assert "kill %1" in demo and "Stop the daemon with Ctrl-C" in demo
+
+
+def test_readme_says_the_real_vm_tier_needs_its_kit() -> None:
+    """The README names the build step without which the real-VM tier skips, and the skip
+    reason (shown by pytest's -rs summary) names the same command."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    demo = readme.split("## What it is")[0]
+    assert "python -m tests.realvm.build" in demo
+    with open(os.path.join(ROOT, "tests", "realvm", "test_realvm.py")) as f:
+        assert "run python -m tests.realvm.build first" in f.read()
+    with open(os.path.join(ROOT, "pyproject.toml")) as f:
+        assert re.search(r'addopts = ".*-rs', f.read())

@@ -12,19 +12,22 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from bottlenet.cli.output import clean, report_control_error
-from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
+from bottlenet.cli.output import clean, report_control_error, write_error
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
+
+if TYPE_CHECKING:  # the client is imported when a session starts, not for --help
+    from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.lightclient import LightControlClient
 
 EXIT_SESSION_LOST = 255
 DEFAULT_SHELL = "/bin/sh"
 
 
 def run_exec(
-    connect: Callable[[], BlockingControlClient],
+    connect: Callable[[], BlockingControlClient | LightControlClient],
     args: argparse.Namespace,
     err: TextIO,
     *,
@@ -33,6 +36,8 @@ def run_exec(
     stderr: Any = None,
 ) -> int:
     """Run ``args.argv`` in ``args.name``'s agent VM; the exit status for bottlenetctl."""
+    from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
+
     stdin = stdin if stdin is not None else sys.stdin.buffer
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr.buffer
@@ -59,7 +64,7 @@ def run_exec(
             timeout=args.timeout,
         )
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err)
+        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
     finally:
         client.close()
     raw = terminal if forward else None
@@ -67,7 +72,10 @@ def run_exec(
         with session, raw_terminal(raw), forward_winch(session, terminal):
             return session.run(stdin if forward else None, stdout, stderr)
     except ControlConnectionError as e:
-        err.write(f"\r\nerror: {clean(e)}\n")
+        if getattr(args, "json", False):
+            write_error(err, "SESSION_LOST", str(e), as_json=True)
+        else:
+            err.write(f"\r\nerror: {clean(e)}\n")
         return EXIT_SESSION_LOST
     except KeyboardInterrupt:
         return 130
@@ -138,7 +146,7 @@ def run_logs(
             timeout=args.timeout,
         )
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err)
+        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
     except KeyboardInterrupt:
         return 130
     finally:

@@ -11,11 +11,13 @@ from __future__ import annotations
 import argparse
 import json
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import BottlenetError, NotFound
+
+if TYPE_CHECKING:
+    from bottlenet.control.blocking import BlockingControlClient
 
 #: Passes over ListBottles before giving up on bottles created while we tear down.
 MAX_PASSES = 5

@@ -2,6 +2,10 @@
 
 Exit codes: 0 ok, 1 the daemon refused (``error: CODE: message``), 2 usage error,
 3 the daemon cannot be reached. Tables for people, ``--json`` for scripts; never a traceback.
+
+It starts at once: this module imports only the parser's needs; a command imports its client
+when it runs. ``status``, ``ping`` and ``bottle ls`` on a UNIX socket use the light client
+(no Twisted); everything else the blocking client (AMP, TLS).
 """
 
 from __future__ import annotations
@@ -10,25 +14,28 @@ import argparse
 import json
 import os
 import sys
-import tomllib
 from collections.abc import Callable, Sequence
-from typing import Any, TextIO
+from functools import partial
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
-import attrs
-
-from bottlenet.cli import attach
+from bottlenet import __version__
+from bottlenet.cli import attach, down
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
     EXIT_USAGE,
     report_control_error,
+    usage_error,
+    write_error,
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.address import TLSCredentials, parse_control_address
-from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError, InvalidArgument
-from bottlenet.paths import default_control_path, default_state_dir
+
+if TYPE_CHECKING:
+    from bottlenet.control.address import TLSCredentials
+    from bottlenet.control.blocking import BlockingControlClient
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -36,6 +43,8 @@ def default_control(env: os._Environ[str] | dict[str, str]) -> str:
     explicit = env.get("BOTTLENET_CONTROL")
     if explicit:
         return explicit
+    from bottlenet.paths import default_control_path, default_state_dir
+
     return default_control_path(env, default_state_dir(env))
 
 
@@ -44,6 +53,8 @@ def _socket_path(control: str) -> str:
 
 
 def _json(value: Any, out: TextIO) -> None:
+    import attrs
+
     def default(o: Any) -> Any:
         if attrs.has(type(o)):
             return attrs.asdict(o)
@@ -52,7 +63,9 @@ def _json(value: Any, out: TextIO) -> None:
     out.write(json.dumps(value, default=default, sort_keys=True) + "\n")
 
 
-Handler = Callable[[BlockingControlClient, argparse.Namespace, TextIO], None]
+#: A command: the client is a BlockingControlClient, or for :data:`LIGHT_HANDLERS` the
+#: LightControlClient (the same method names for the calls they make).
+Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 
 
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -98,6 +111,8 @@ def read_spec(path: str) -> str:
     """Read a TOML bottle spec and return it as JSON text for CreateBottle.
 
     Every way a file can be unusable is one line (a usage error), never a traceback."""
+    import tomllib
+
     try:
         with open(path, "rb") as f:
             raw = f.read(MAX_SPEC_JSON * 4 + 1)  # far more than any spec that fits
@@ -141,6 +156,7 @@ def _bottle_rows(b: Any) -> list[list[object]]:
         rows += [
             ["mode", b.mode],
             ["isolation", b.isolation or "-"],
+            ["isolation probe", b.probe or "-"],
             ["sidecar vm", b.sidecar_vm or "-"],
             ["agent vm", b.agent_vm or "-"],
             ["egress", " ".join(b.policy) if b.policy else "(deny all)"],
@@ -251,8 +267,6 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
 def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     """Print bottle events as they happen, one per line (until Ctrl-C, or ``--count``)."""
     seen = 0
-    if a.count is not None and a.count <= 0:
-        return
     for ev in c.events(a.bottle):
         if a.json:
             _json(ev, out)
@@ -269,22 +283,45 @@ def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             return
 
 
+def _count(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError("must be a number of events, 1 or more")
+    return int(text)
+
+
 def _port(text: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
         raise argparse.ArgumentTypeError("must be a port number 0-65535")
     return int(text)
 
 
+class ArgumentError(Exception):
+    """A usage error found by the parser; ``main`` reports it (as JSON under ``--json``)."""
+
+    def __init__(self, parser: argparse.ArgumentParser, message: str) -> None:
+        super().__init__(message)
+        self.parser = parser
+        self.message = message
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises its usage errors instead of printing them and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        raise ArgumentError(self, message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    json_flag = argparse.ArgumentParser(add_help=False)
+    json_flag = _Parser(add_help=False)
     json_flag.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
     )
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="bottlenetctl",
         description="Control a running bottlenet daemon over its control socket.",
         parents=[json_flag],
     )
+    p.add_argument("--version", action="version", version=f"bottlenetctl {__version__}")
     p.add_argument(
         "--control",
         metavar="PATH|tls:HOST:PORT",
@@ -347,12 +384,50 @@ def build_parser() -> argparse.ArgumentParser:
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
     sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
     sp.add_argument("--bottle", help="only this bottle's events")
-    sp.add_argument("--count", type=int, help="exit after this many events")
-    from bottlenet.cli import down, top  # their own modules (ops subcommands)
-
-    top.register(sub, json_flag)
+    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
+    sp = sub.add_parser(
+        "top",
+        help="live view of bottles, forwards, relays and throughput",
+        parents=[json_flag],
+        description="Redraws every --interval seconds; Ctrl-C quits. Throughput is the"
+        " difference of two Stats snapshots (in: agent to target, out: target to agent).",
+    )
+    sp.add_argument(
+        "--interval",
+        type=_interval,
+        default=DEFAULT_INTERVAL,
+        metavar="SECONDS",
+        help=f"refresh period (default {DEFAULT_INTERVAL:g})",
+    )
+    sp.add_argument(
+        "--once",
+        action="store_true",
+        help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
+    )
+    sp.set_defaults(standalone=_run_top)
     down.register(sub, add)
     return p
+
+
+DEFAULT_INTERVAL = 1.0
+MIN_INTERVAL = 0.05
+
+
+def _interval(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not MIN_INTERVAL <= value <= 3600:
+        raise argparse.ArgumentTypeError(f"must be between {MIN_INTERVAL} and 3600 seconds")
+    return value
+
+
+def _run_top(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
+    """``top`` runs its own connection loop (module :mod:`bottlenet.cli.top`)."""
+    from bottlenet.cli import top
+
+    return top.run(args, path, out, err)
 
 
 DEFAULT_TIMEOUT = 10.0
@@ -361,8 +436,6 @@ VM_TIMEOUT = 300.0
 
 
 def _vm_handlers() -> frozenset[Handler]:
-    from bottlenet.cli import down
-
     return frozenset(
         {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
     )
@@ -380,23 +453,31 @@ def main(
     environ = dict(os.environ) if env is None else env
     parser = build_parser()
     words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
+    as_json = "--json" in words  # known before parsing, so even a usage error is JSON
     try:
         args = parser.parse_args(words)
-    except SystemExit as e:
+    except ArgumentError as e:
+        if not as_json:
+            e.parser.print_usage(err)
+        return usage_error(err, e.message, as_json=as_json, prog=e.parser.prog)
+    except SystemExit as e:  # --help, --version
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     args.command_after_dashes = command
     args.json = getattr(args, "json", False)
     control = args.control or default_control(environ)
     path = _socket_path(control) if not control.startswith("tls:") else control
+    from bottlenet.control.address import parse_control_address
+
     try:
         args.tls = _tls_credentials(args, environ) if control.startswith("tls:") else None
         parse_control_address(control)
     except BottlenetError as e:
-        err.write(f"bottlenetctl: error: {_clean(e.message)}\n")
-        return EXIT_USAGE
+        return usage_error(err, e.message, as_json=args.json)
     explicit_timeout = args.timeout
 
     def connect() -> BlockingControlClient:
+        from bottlenet.control.blocking import BlockingControlClient
+
         vm = explicit_timeout if explicit_timeout is not None else VM_TIMEOUT
         return BlockingControlClient(path, timeout=args.timeout, vm_timeout=vm, tls=args.tls)
 
@@ -406,13 +487,11 @@ def main(
     if getattr(args, "attached", False):
         problem = attach.prepare(args)
         if problem is not None:
-            err.write(f"bottlenetctl: error: {problem}\n")
-            return EXIT_USAGE
+            return usage_error(err, problem, as_json=args.json)
         if explicit_timeout is not None and explicit_timeout <= 0:
-            err.write("bottlenetctl: error: --timeout must be positive\n")
-            return EXIT_USAGE
+            return usage_error(err, "--timeout must be positive", as_json=args.json)
         args.timeout = explicit_timeout or VM_TIMEOUT
-        return attach.run_exec(connect, args, err)
+        return attach.run_exec(partial(_exec_client, path, args, connect), args, err)
     if args.timeout is None and getattr(args, "handler", None) is cmd_events:
         args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
@@ -422,27 +501,54 @@ def main(
         )
         args.timeout = VM_TIMEOUT if slow else DEFAULT_TIMEOUT
     if args.timeout <= 0:
-        err.write("bottlenetctl: error: --timeout must be positive\n")
-        return EXIT_USAGE
+        return usage_error(err, "--timeout must be positive", as_json=args.json)
     standalone = getattr(args, "standalone", None)
     if standalone is not None:  # a subcommand that runs its own connection loop (top)
         return int(standalone(args, path, out, err))
     try:  # the spec file is read before the daemon is contacted: a bad file is a usage error
         args.spec_json = read_spec(args.spec) if getattr(args, "spec", None) else None
     except SpecFileError as e:
-        err.write(f"bottlenetctl: error: {_clean(e)}\n")
-        return EXIT_USAGE
+        return usage_error(err, str(e), as_json=args.json)
     try:
-        with connect() as client:
+        with _client_for(args.handler, path, args, connect) as client:
             args.handler(client, args, out)
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, path, err)
+        return report_control_error(e, path, err, as_json=args.json)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # never a traceback for a person at a terminal
-        err.write(f"error: INTERNAL: bottlenetctl failed: {type(e).__name__}\n")
+        message = f"bottlenetctl failed: {type(e).__name__}"
+        write_error(err, "INTERNAL", message, as_json=args.json)
         return EXIT_DAEMON
     return EXIT_OK
+
+
+LIGHT_HANDLERS: frozenset[Handler] = frozenset({cmd_status, cmd_ping, cmd_bottle_ls})
+
+
+def _client_for(
+    handler: Handler,
+    path: str,
+    args: argparse.Namespace,
+    connect: Callable[[], BlockingControlClient],
+) -> Any:
+    """The light client for the simple calls on a UNIX socket, else the blocking one."""
+    if handler in LIGHT_HANDLERS and args.tls is None:
+        from bottlenet.control.lightclient import LightControlClient
+
+        return LightControlClient(path, args.timeout)
+    return connect()
+
+
+def _exec_client(
+    path: str, args: argparse.Namespace, connect: Callable[[], BlockingControlClient]
+) -> Any:
+    """``bottle exec`` on a UNIX socket: the light client (no AMP import), else blocking."""
+    if args.tls is None:
+        from bottlenet.control.lightclient import LightControlClient
+
+        return LightControlClient(path, args.timeout)
+    return connect()
 
 
 def _tls_credentials(args: argparse.Namespace, env: dict[str, str]) -> TLSCredentials:
@@ -451,7 +557,11 @@ def _tls_credentials(args: argparse.Namespace, env: dict[str, str]) -> TLSCreden
     if any(given):
         if not all(given):
             raise InvalidArgument("--cert, --key and --ca go together")
+        from bottlenet.control.address import TLSCredentials
+
         return TLSCredentials(args.cert, args.key, args.ca)
+    from bottlenet.control.address import TLSCredentials
+
     creds = TLSCredentials.from_env(env)
     if creds is None:
         raise InvalidArgument(

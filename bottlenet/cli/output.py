@@ -3,10 +3,11 @@ refusing daemon (with the exit codes scripts rely on)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from bottlenet.control.blocking import ControlConnectionError
+from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -34,14 +35,43 @@ def write_table(headers: Sequence[str], rows: Iterable[Sequence[object]], out: T
         out.write(line + "\n")
 
 
-def report_control_error(e: ControlConnectionError | BottlenetError, path: str, err: TextIO) -> int:
-    """Explain a failed control call on ``err``; the exit status to return."""
+def write_error(err: TextIO, code: str, message: str, *, as_json: bool, hint: str = "") -> None:
+    """Under ``--json`` one JSON object per failure (``code``, ``message``, maybe ``hint``),
+    so a script parses errors as it parses output; else ``error: CODE: message``."""
+    if as_json:
+        doc = {"code": code, "message": message, **({"hint": hint} if hint else {})}
+        err.write(json.dumps(doc, sort_keys=True) + "\n")
+        return
+    err.write(f"error: {clean(code)}: {clean(message)}\n")
+    if hint:
+        err.write(f"hint: {clean(hint)}\n")
+
+
+def usage_error(err: TextIO, message: str, *, as_json: bool, prog: str = "bottlenetctl") -> int:
+    """A usage error (exit 2): ``PROG: error: message``, or code ``USAGE`` under ``--json``."""
+    if as_json:
+        write_error(err, "USAGE", message, as_json=True)
+    else:
+        err.write(f"{prog}: error: {clean(message)}\n")
+    return EXIT_USAGE
+
+
+def report_control_error(
+    e: ControlConnectionError | BottlenetError, path: str, err: TextIO, *, as_json: bool = False
+) -> int:
+    """Explain a failed control call on ``err``; the exit status to return.
+
+    An unreachable daemon is code ``UNREACHABLE`` (exit 3), a refusal the daemon's code (1).
+    """
     if isinstance(e, ControlConnectionError):
-        err.write(f"error: {clean(e)}\n")
-        err.write(
+        hint = (
             f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
-            " (set --control or BOTTLENET_CONTROL)\n"
+            " (set --control or BOTTLENET_CONTROL)"
         )
+        if as_json:
+            write_error(err, "UNREACHABLE", str(e), as_json=True, hint=hint[len("hint: ") :])
+        else:
+            err.write(f"error: {clean(e)}\n{clean(hint)}\n")
         return EXIT_UNREACHABLE
-    err.write(f"error: {clean(e.code)}: {clean(e.message)}\n")
+    write_error(err, e.code, e.message, as_json=as_json)
     return EXIT_DAEMON

@@ -9,12 +9,15 @@ same forms. The TLS material comes from arguments or the environment
 from __future__ import annotations
 
 import ipaddress
-import ssl
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from attrs import frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
+
+if TYPE_CHECKING:
+    import ssl
 
 ENV_CERT = "BOTTLENET_CONTROL_CERT"
 ENV_KEY = "BOTTLENET_CONTROL_KEY"
@@ -41,6 +44,8 @@ class TLSCredentials:
 
     def context(self) -> ssl.SSLContext:
         """A client context: TLS 1.2+, the daemon verified against ``ca`` (and its name)."""
+        import ssl  # only TLS clients pay for it
+
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
         try:

@@ -11,16 +11,11 @@ from typing import Any
 
 from twisted.protocols import amp
 
+from bottlenet.control.clienterrors import RemoteError, error_for
 from bottlenet.control.commands import ERROR_BY_CODE
 from bottlenet.errors import BottlenetError
 
-
-class RemoteError(BottlenetError):
-    """An error code this client does not know (a newer daemon, or ``UNHANDLED``)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+__all__ = ["RemoteError", "decode_answer", "encode_request", "error_from_box", "request_box"]
 
 
 def request_box(command: type[amp.Command], tag: bytes, arguments: dict[str, Any]) -> amp.AmpBox:
@@ -38,10 +33,7 @@ def error_from_box(box: amp.AmpBox) -> BottlenetError:
     """The typed exception for an ``_error`` box (unknown codes give RemoteError)."""
     code = box.get(amp.ERROR_CODE, b"").decode("ascii", "replace")
     message = box.get(amp.ERROR_DESCRIPTION, b"").decode("utf-8", "replace")
-    cls = ERROR_BY_CODE.get(code)
-    if cls is None:
-        return RemoteError(code or "UNKNOWN", message)
-    return cls(message)
+    return error_for(code, message, ERROR_BY_CODE)
 
 
 def decode_answer(command: type[amp.Command], box: amp.AmpBox) -> dict[str, Any]:

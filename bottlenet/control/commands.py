@@ -13,17 +13,20 @@ Rules that keep old clients and daemons talking (see docs/protocol.md):
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Generic
 
 from twisted.protocols import amp
 
+from bottlenet.control.framing import MAX_VALUE_LENGTH
 from bottlenet.control.records import (
     BottleRecord,
     EventRecord,
     ForwardRecord,
-    Record,
-    RecordList,
+    R,
+    RecordError,
     StatsRecord,
+    decode_records,
+    encode_records,
 )
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
@@ -51,6 +54,43 @@ CONTROL_ERRORS: tuple[type[BottlenetError], ...] = (
     InternalError,
     UnsupportedProtocol,
 )
+
+
+class RecordList(amp.Argument, Generic[R]):
+    """An AMP argument holding a list of records as one compact JSON value (< 64 KiB)."""
+
+    def __init__(self, record: type[R], optional: bool = False) -> None:
+        super().__init__(optional=optional)
+        self.record = record
+
+    def toString(self, inObject: list[R]) -> bytes:
+        data = encode_records(list(inObject))
+        if len(data) > MAX_VALUE_LENGTH:
+            raise amp.TooLong(False, True, data, None)
+        return data
+
+    def fromString(self, inString: bytes) -> list[R]:
+        return decode_records(inString, self.record)
+
+
+class Record(amp.Argument, Generic[R]):
+    """An AMP argument holding one record as compact JSON."""
+
+    def __init__(self, record: type[R], optional: bool = False) -> None:
+        super().__init__(optional=optional)
+        self.record = record
+        self._list = RecordList(record)
+
+    def toString(self, inObject: R) -> bytes:
+        return self._list.toString([inObject])[1:-1]
+
+    def fromString(self, inString: bytes) -> R:
+        items = self._list.fromString(b"[" + inString + b"]")
+        if len(items) != 1:
+            raise RecordError("expected exactly one record")
+        return items[0]
+
+
 ERROR_BY_CODE: dict[str, type[BottlenetError]] = {e.code: e for e in CONTROL_ERRORS}
 
 _INT_RE = re.compile(rb"-?(?:0|[1-9][0-9]{0,18})")

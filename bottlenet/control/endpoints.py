@@ -77,7 +77,15 @@ class SystemdDescription:
 
 
 def parse_control_description(text: str) -> UNIXDescription | SystemdDescription:
-    """Parse ``--control``; anything but a UNIX socket is refused (TLS has its own options)."""
+    """Parse ``--control``; anything but a UNIX socket is refused (TLS has its own options).
+
+    A bare absolute path is the socket's path as it is (no escaping), the same rule as
+    ``bottlenetctl --control``: ``/run/x.sock`` and ``unix:/run/x.sock`` are one socket.
+    """
+    if text.startswith("/"):
+        if "\0" in text:
+            raise ControlListenError("--control: the socket path holds a NUL byte")
+        return UNIXDescription(os.path.normpath(text))
     try:
         description = split_description(text)
     except ValueError as e:
@@ -112,7 +120,8 @@ def parse_control_description(text: str) -> UNIXDescription | SystemdDescription
             raise ControlListenError("--control: systemd index must be a number")
         return SystemdDescription(name=name, index=int(index) if index is not None else None)
     raise ControlListenError(
-        f"--control must be unix:PATH or systemd:domain=UNIX:name=N, not {kind!r}:"
+        "--control must be unix:PATH, an absolute PATH or systemd:domain=UNIX:name=N,"
+        f" not {kind!r}:"
         " use the TLS options for remote control"
     )
 

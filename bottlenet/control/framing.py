@@ -3,13 +3,18 @@
 Stock AMP (``BinaryBoxProtocol``) keeps adding keys to a box until the peer sends the
 terminator, so an unterminated box grows memory without bound. This parser enforces our
 own caps *before* buffering the bytes a length prefix announces, so the memory held per
-connection stays below ``MAX_BOX_BYTES`` plus one read. The server protocol and the
-blocking client share it, so there is one implementation of the framing.
+connection stays below ``MAX_BOX_BYTES`` plus one read. The server protocol and both
+blocking clients share it, so there is one implementation of the framing; it imports no
+Twisted unless asked for ``AmpBox``es (the light client takes plain dicts).
 """
 
 from __future__ import annotations
 
-from twisted.protocols import amp
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from twisted.protocols import amp
 
 MAX_KEY_LENGTH = 255
 MAX_VALUE_LENGTH = 0xFFFF
@@ -24,14 +29,34 @@ class FramingError(Exception):
     """
 
 
+def encode_box(box: Mapping[bytes, bytes]) -> bytes:
+    """One box on the wire: sorted keys, each key and value behind a 2-byte length, then
+    an empty key (the bytes ``AmpBox.serialize`` writes)."""
+    out = bytearray()
+    for key, value in sorted(box.items()):
+        if len(key) > MAX_KEY_LENGTH or len(value) > MAX_VALUE_LENGTH:
+            raise ValueError("key or value too long for a box")
+        out += len(key).to_bytes(2, "big") + key + len(value).to_bytes(2, "big") + value
+    return bytes(out + b"\0\0")
+
+
 class BoxParser:
-    """Turn a byte stream into AMP boxes, one at a time, under fixed caps."""
+    """Turn a byte stream into AMP boxes, one at a time, under fixed caps.
+
+    Boxes are ``amp.AmpBox`` unless ``box_type`` says otherwise (``dict``: no Twisted).
+    """
 
     def __init__(
         self,
         max_keys: int = MAX_KEYS_PER_BOX,
         max_box_bytes: int = MAX_BOX_BYTES,
+        box_type: Callable[[dict[bytes, bytes]], Any] | None = None,
     ) -> None:
+        if box_type is None:
+            from twisted.protocols.amp import AmpBox
+
+            box_type = AmpBox
+        self._box_type = box_type
         self._max_keys = max_keys
         self._max_box_bytes = max_box_bytes
         self._buf = bytearray()
@@ -92,7 +117,7 @@ class BoxParser:
                     self._pos += 2
                     if not self._box:
                         raise self._fail("empty box")
-                    box = amp.AmpBox(self._box)
+                    box = self._box_type(self._box)
                     self._box = {}
                     self._box_bytes = 0
                     return box

@@ -1,5 +1,6 @@
 """Wire records of the control protocol, the one conversion from the bottles' values to them,
-and the AMP argument that carries lists of them.
+and their JSON encoding (the AMP arguments that carry them live in
+:mod:`~bottlenet.control.commands`, so the light client reads records without importing AMP).
 
 These are the control plane's own value types (not the registry's), so the wire format
 does not change when the service layer's internals do: :func:`bottle_record`,
@@ -12,14 +13,12 @@ named for the type checker only.)
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
 import attrs
 from attrs import field, frozen
-from twisted.protocols import amp
 
 from bottlenet.bottles.fields import FieldError, Fields
-from bottlenet.control.framing import MAX_VALUE_LENGTH
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -280,42 +279,12 @@ def _reject_constant(name: str) -> Any:
     raise RecordError("NaN and Infinity are not allowed")
 
 
-class RecordList(amp.Argument, Generic[R]):
-    """An AMP argument holding a list of records as one compact JSON value (< 64 KiB)."""
-
-    def __init__(self, record: type[R], optional: bool = False) -> None:
-        super().__init__(optional=optional)
-        self.record = record
-
-    def toString(self, inObject: list[R]) -> bytes:
-        data = encode_records(list(inObject))
-        if len(data) > MAX_VALUE_LENGTH:
-            raise amp.TooLong(False, True, data, None)
-        return data
-
-    def fromString(self, inString: bytes) -> list[R]:
-        try:
-            items = json.loads(inString.decode("utf-8"), parse_constant=_reject_constant)
-        except (ValueError, RecursionError):  # bad UTF-8, bad JSON, an over-long integer
-            raise RecordError("record list is not valid JSON") from None
-        if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-            raise RecordError("record list must be a JSON list of objects")
-        return [self.record.from_json(i) for i in items]
-
-
-class Record(amp.Argument, Generic[R]):
-    """An AMP argument holding one record as compact JSON."""
-
-    def __init__(self, record: type[R], optional: bool = False) -> None:
-        super().__init__(optional=optional)
-        self.record = record
-        self._list = RecordList(record)
-
-    def toString(self, inObject: R) -> bytes:
-        return self._list.toString([inObject])[1:-1]
-
-    def fromString(self, inString: bytes) -> R:
-        items = self._list.fromString(b"[" + inString + b"]")
-        if len(items) != 1:
-            raise RecordError("expected exactly one record")
-        return items[0]
+def decode_records(data: bytes, record: type[R]) -> list[R]:
+    """A JSON list of records (as :func:`encode_records` writes it) back to records."""
+    try:
+        items = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # bad UTF-8, bad JSON, an over-long integer
+        raise RecordError("record list is not valid JSON") from None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise RecordError("record list must be a JSON list of objects")
+    return [record.from_json(i) for i in items]

@@ -11,7 +11,7 @@ import termios
 import tty
 from collections.abc import Iterator
 
-from bottlenet.control.blocking import ExecSession
+from bottlenet.control.execsession import ExecSession
 
 
 def terminal_size(fd: int) -> tuple[int, int] | None:

@@ -23,10 +23,12 @@ from typing import IO, Any
 from twisted.logger import (
     FileLogObserver,
     FilteringLogObserver,
+    ILogFilterPredicate,
     ILogObserver,
     LogEvent,
     LogLevel,
     LogLevelFilterPredicate,
+    PredicateResult,
     formatEventAsClassicLogText,
     formatTime,
     jsonFileLogObserver,
@@ -117,9 +119,34 @@ def json_observer(out: IO[Any]) -> FileLogObserver:
     return jsonFileLogObserver(out, recordSeparator="")
 
 
+#: What Twisted's ports and factories say on their own when they start and stop listening
+#: (``_Forward starting on 8077``, ``(TCP Port 8077 Closed)``): private class names, and
+#: each already said in words by our own ``... listening on ...`` / ``... removed`` lines.
+_PORT_CHATTER_RE = re.compile(
+    r"[\w.]+(?: \([\w.]+\))? starting on .+|\(\S+ Port \S+ Closed\)"
+    r"|(?:Starting|Stopping) factory .+"
+)
+
+
+@provider(ILogFilterPredicate)
+def not_port_chatter(event: LogEvent) -> PredicateResult:
+    """Drop Twisted's own listening/closing lines (see :data:`_PORT_CHATTER_RE`)."""
+    if event.get("log_namespace") == "log_legacy" and _PORT_CHATTER_RE.fullmatch(
+        str(event.get("log_text", ""))
+    ):
+        return PredicateResult.no
+    return PredicateResult.maybe
+
+
+def without_port_chatter(observer: ILogObserver) -> ILogObserver:
+    return FilteringLogObserver(observer, [not_port_chatter])
+
+
 def _info_and_above(observer: ILogObserver) -> ILogObserver:
     # twistd --logger applies no level filter of its own; twist defaults to info.
-    return FilteringLogObserver(observer, [LogLevelFilterPredicate(defaultLogLevel=LogLevel.info)])
+    return FilteringLogObserver(
+        observer, [LogLevelFilterPredicate(defaultLogLevel=LogLevel.info), not_port_chatter]
+    )
 
 
 def json_logger() -> ILogObserver:
@@ -130,6 +157,16 @@ def json_logger() -> ILogObserver:
 def text_logger() -> ILogObserver:
     """For ``twistd --logger=bottlenet.ops.logs.text_logger``: escaped text, info and up."""
     return _info_and_above(text_observer(sys.stdout))
+
+
+class QuietFactory:
+    """A twist ``fileLogObserverFactory`` (``wrapped``) whose observer drops the port chatter."""
+
+    def __init__(self, wrapped: Callable[[IO[Any]], ILogObserver]) -> None:
+        self.wrapped = wrapped
+
+    def __call__(self, out: IO[Any]) -> ILogObserver:
+        return without_port_chatter(self.wrapped(out))
 
 
 _FACTORIES: dict[str, Callable[[IO[Any]], ILogObserver]] = {
@@ -169,9 +206,11 @@ def install_log_format(runner_options: MutableMapping[str, Any] | None, fmt: str
     if "fileLogObserverFactory" in runner_options:  # twist
         if fmt is None:
             if runner_options.get("logFormat") != "text":
+                own = runner_options["fileLogObserverFactory"]
+                runner_options["fileLogObserverFactory"] = QuietFactory(own)
                 return "unchanged"
             fmt = "text"
-        runner_options["fileLogObserverFactory"] = _FACTORIES[fmt]
+        runner_options["fileLogObserverFactory"] = QuietFactory(_FACTORIES[fmt])
         runner_options["logFormat"] = fmt
         return "twist"
     if "logger" in runner_options and "nodaemon" in runner_options:  # twistd

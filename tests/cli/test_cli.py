@@ -142,6 +142,38 @@ class CLITests(unittest.TestCase):
         self.assertEqual(code, 1)
         self.assertIn("NOT_FOUND", err)
 
+    @inlineCallbacks
+    def test_json_errors_are_one_json_object(self) -> Any:
+        """Under --json a refusal is one JSON object on stderr with the daemon's code."""
+        code, out, err = yield self.ctl("--json", "bottle", "rm", "nosuch")
+        self.assertEqual((code, out), (1, ""))
+        self.assertEqual(json.loads(err), {"code": "NOT_FOUND", "message": "no bottle 'nosuch'"})
+        code, _, err = yield self.ctl("bottle", "status", "nosuch", "--json")
+        self.assertEqual((code, json.loads(err)["code"]), (1, "NOT_FOUND"))
+
+
+def test_json_usage_and_unreachable_errors() -> None:
+    """Usage errors (code USAGE, exit 2) and an unreachable daemon (UNREACHABLE, exit 3, with
+    the hint) are one JSON object each under --json; text without it."""
+    code, out, err = run(["--json", "events", "--count", "-1"])
+    assert (code, out) == (2, "")
+    doc = json.loads(err)
+    assert doc["code"] == "USAGE" and "--count" in doc["message"]
+    code, _, err = run(["--json", "--control", "/nonexistent/bn/c.sock", "bottle", "ls"])
+    doc = json.loads(err)
+    assert code == 3 and doc["code"] == "UNREACHABLE"
+    assert "/nonexistent/bn/c.sock" in doc["message"] and "hint" in doc
+    code, _, err = run(["--json", "--control", "tls:127.0.0.1:1", "ping"])
+    assert code == 2 and json.loads(err)["code"] == "USAGE"
+    code, _, err = run(["events", "--count", "-1"])
+    assert code == 2 and "bottlenetctl events: error: argument --count" in err
+
+
+def test_events_count_must_be_positive() -> None:
+    """``events --count`` takes 1 or more; 0 and -1 are usage errors, not a silent exit 0."""
+    for bad in ("0", "-1", "x"):
+        assert run(["--control", "/nonexistent/c.sock", "events", "--count", bad])[0] == 2
+
 
 def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import io
@@ -160,7 +192,10 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
         def __exit__(self, *exc: object) -> None:
             return None
 
-    monkeypatch.setattr(cli, "BlockingControlClient", Recorder)
+    from bottlenet.control import blocking, lightclient
+
+    monkeypatch.setattr(blocking, "BlockingControlClient", Recorder)
+    monkeypatch.setattr(lightclient, "LightControlClient", Recorder)
 
     def timeout_for(*argv: str) -> float:
         seen.clear()
@@ -171,3 +206,21 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
     assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
     assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
     assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
+
+
+def test_bottle_status_table_shows_the_isolation_probe() -> None:
+    """A failed ``bottle verify`` is in the human ``bottle status`` table, not only in --json."""
+    from bottlenet.cli.main import _bottle_rows
+    from bottlenet.control.records import BottleRecord
+
+    b = BottleRecord(
+        name="b1",
+        alias=None,
+        source="control",
+        state="ready",
+        created_at=0.0,
+        forwards=0,
+        mode="socket",
+        probe="FAIL",
+    )
+    assert ["isolation probe", "FAIL"] in _bottle_rows(b)

@@ -24,6 +24,7 @@ from bottlenet.cli.top import Snapshot, human_bytes, rates, render
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from tests.control.daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
+from tests.sigdefault import sigint_default
 
 
 def _stats(bottle: str, label: str, bytes_in: int, bytes_out: int, active: int = 0) -> StatsRecord:
@@ -89,6 +90,18 @@ def test_render_aligns_columns_and_shows_rates() -> None:
     assert "3.0 KiB/s" in forwards[1] and "10 B/s" in forwards[2]
     first = render(a, None, path="/run/c.sock", interval=1.0, now="12:00:00")
     assert "in -  out -" in first[1]
+
+
+def test_render_keeps_rates_and_counters_within_80_columns() -> None:
+    """At 80 columns the forwards' IN/s, OUT/s, IN and OUT stay visible (long endpoints and
+    targets come last)."""
+    a = _snap(0.0, _stats("agent-0042", "egress-proxy", 0, 0))
+    b = _snap(1.0, _stats("agent-0042", "egress-proxy", 5 * 1024**2, 1024**3, active=3))
+    lines = render(b, a, path="/run/c.sock", interval=1.0, now="12:00:00")
+    forwards = lines[len(lines) - 2 :]
+    for word in ("IN/s", "OUT/s", "IN", "OUT", "ACTIVE"):
+        assert word in forwards[0][:80].split()
+    assert "5.0 MiB/s" in forwards[1][:80] and "1.0 GiB/s" in forwards[1][:80]
 
 
 def test_human_bytes() -> None:
@@ -222,11 +235,19 @@ def test_top_live_exits_0_on_sigint(daemon: str, terminal: bool) -> None:
     argv = [sys.executable, "-m", "bottlenet.cli", "--control", daemon, "top", "--interval", "0.1"]
     if terminal:
         master, slave = pty.openpty()
-        proc = subprocess.Popen(argv, env=ENV, stdout=slave, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            argv, env=ENV, stdout=slave, stderr=subprocess.PIPE, preexec_fn=sigint_default
+        )
         os.close(slave)
         read_fd = master
     else:
-        proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            argv,
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=sigint_default,
+        )
         assert proc.stdout is not None
         read_fd = proc.stdout.fileno()
     try:
@@ -273,7 +294,9 @@ def test_top_live_survives_the_daemon_going_away(tmp: str) -> None:
     path = os.path.join(tmp, "run", "control.sock")
     daemon = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
     argv = [sys.executable, "-m", "bottlenet.cli", "--control", path, "top", "--interval", "0.1"]
-    top = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    top = subprocess.Popen(
+        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default
+    )
     assert top.stdout is not None
     try:
         wait_ready(path, daemon)

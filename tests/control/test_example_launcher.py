@@ -14,6 +14,8 @@ import time
 
 import pytest
 
+from tests.sigdefault import sigint_default
+
 from .daemon_helpers import ENV, REPO
 from .vmdaemon import VMDaemon, wait_for
 
@@ -77,6 +79,7 @@ def test_example_launcher_cleans_up_on_ctrl_c() -> None:
             cwd=REPO,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            preexec_fn=sigint_default,
         )
         assert p.stdout is not None
         seen = b""
@@ -94,3 +97,21 @@ def test_example_launcher_cleans_up_on_ctrl_c() -> None:
         assert_nothing_left(d)
     finally:
         assert not d.cleanup()
+
+
+def test_example_launcher_defaults_to_bottlenetctls_control_path(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Without --control or $BOTTLENET_CONTROL it dials the daemon's default socket (as
+    bottlenetctl does), not a usage error."""
+    env = {k: v for k, v in ENV.items() if k != "BOTTLENET_CONTROL"}
+    env["XDG_RUNTIME_DIR"] = str(tmp_path)
+    r = subprocess.run(
+        [sys.executable, EXAMPLE, "--agent-image", "/x/agent.tar", "--sidecar-image", "s:1"],
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = os.path.join(str(tmp_path), "bottlenet", "control.sock")
+    assert r.returncode != 2, r.stderr
+    assert f"cannot reach the bottlenet daemon at {expected}" in r.stderr

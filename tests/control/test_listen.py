@@ -68,6 +68,8 @@ def test_default_path() -> None:
         ("unix:path=/run/b/c.sock:backlog=5", UNIXDescription("/run/b/c.sock", 5)),
         ("unix:/a/b.sock:mode=600:lockfile=1", UNIXDescription("/a/b.sock")),
         ("unix:/a/with\\:colon.sock", UNIXDescription("/a/with:colon.sock")),
+        ("/run/b/control.sock", UNIXDescription("/run/b/control.sock")),
+        ("/a/with:colon.sock", UNIXDescription("/a/with:colon.sock")),
         ("systemd:domain=UNIX:name=control", SystemdDescription(name="control")),
         ("systemd:domain=UNIX:index=0", SystemdDescription(index=0)),
     ],
@@ -82,6 +84,8 @@ def test_parse_ok(text: str, expected: object) -> None:
         "tcp:8080",
         "ssl:443",
         "unix:relative.sock",
+        "relative.sock",
+        "/a\0b.sock",
         "unix:/a.sock:mode=666",
         "unix:/a.sock:bogus=1",
         "unix:",
@@ -93,6 +97,16 @@ def test_parse_ok(text: str, expected: object) -> None:
 def test_parse_refused(text: str) -> None:
     with pytest.raises(ControlListenError):
         parse_control_description(text)
+
+
+@pytest.mark.parametrize("text", ["/run/b/control.sock", "unix:/run/b/control.sock"])
+def test_daemon_and_cli_read_control_alike(text: str) -> None:
+    """``--control`` names the same socket for the daemon and for bottlenetctl, bare or unix:."""
+    from bottlenet.control.address import parse_control_address
+
+    described = parse_control_description(text)
+    assert isinstance(described, UNIXDescription)
+    assert described.path == parse_control_address(text).path == "/run/b/control.sock"
 
 
 def test_bind_private_is_0600_right_after_bind(tmp: str) -> None:

@@ -143,19 +143,19 @@ def _twist(*argv: str) -> TwistOptions:
 def test_install_twist_json_and_text() -> None:
     opts = _twist("json")
     assert logs.install_log_format(opts, "json") == "twist"
-    assert opts["fileLogObserverFactory"] is logs.json_observer
+    assert opts["fileLogObserverFactory"].wrapped is logs.json_observer
     assert logs.install_log_format(opts, "text") == "twist"
-    assert opts["fileLogObserverFactory"] is logs.text_observer
+    assert opts["fileLogObserverFactory"].wrapped is logs.text_observer
 
 
 def test_install_twist_default_swaps_text_keeps_json() -> None:
     opts = _twist("text")
     assert logs.install_log_format(opts, None) == "twist"
-    assert opts["fileLogObserverFactory"] is logs.text_observer
+    assert opts["fileLogObserverFactory"].wrapped is logs.text_observer
     opts = _twist("json")
     before = opts["fileLogObserverFactory"]
     assert logs.install_log_format(opts, None) == "unchanged"
-    assert opts["fileLogObserverFactory"] is before
+    assert opts["fileLogObserverFactory"].wrapped is before  # twist's own, quieted
 
 
 def test_install_twistd_sets_logger_before_its_post_options() -> None:
@@ -252,3 +252,26 @@ def test_rate_limited_logger_10k_refusals_are_a_few_lines() -> None:
     assert events[-1]["suppressed"] == 999 and events[-1]["ratelimit_key"] == "refused/demo/git"
     assert sum(e["suppressed"] for e in events) + 10 == 10_000
     assert {e["log_level"] for e in events} == {LogLevel.warn, LogLevel.info}
+
+
+def test_port_chatter_is_dropped_and_nothing_else() -> None:
+    """Twisted's own ``X starting on N`` / ``(TCP Port N Closed)`` lines are dropped; our
+    events and any other legacy line pass."""
+    from twisted.logger import PredicateResult
+
+    def legacy(text: str) -> dict[str, object]:
+        return {"log_namespace": "log_legacy", "log_text": text, "log_format": "{log_text}"}
+
+    for chatter in (
+        "_Forward starting on 8077",
+        "_QuietSite (CappedFactory) starting on '/s/metrics.sock'",
+        "(TCP Port 8077 Closed)",
+        "Starting factory <x>",
+    ):
+        assert logs.not_port_chatter(legacy(chatter)) is PredicateResult.no
+    for kept in (
+        legacy("something else starting on a bad day: oops"),
+        {"log_namespace": "bottlenet.x", "log_text": "_Forward starting on 8077"},
+        legacy("Main loop terminated."),
+    ):
+        assert logs.not_port_chatter(kept) is PredicateResult.maybe

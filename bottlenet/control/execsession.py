@@ -1,0 +1,153 @@
+"""A running exec on the client side: stdin in, stdout/stderr out, over a connection that
+``Exec`` switched to the frames of :mod:`bottlenet.control.stream`.
+
+Shared by the blocking client and the light client (so ``bottlenetctl bottle exec`` on a UNIX
+socket starts without importing AMP); plain sockets and ``select``, no Twisted.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import socket
+import ssl
+from typing import IO, Any
+
+from bottlenet.control import stream
+from bottlenet.control.clienterrors import ControlConnectionError
+
+#: Input an exec session holds while the daemon is slow to take it (then stdin waits).
+MAX_OUTGOING = 256 * 1024
+
+
+class ExecSession:
+    """A running exec: pump stdin in, stdout/stderr out, until the command's exit code.
+
+    :meth:`resize` may be called from a signal handler (SIGWINCH): it only records the size
+    and wakes the loop through a pipe; the loop sends the frame.
+    """
+
+    def __init__(self, sock: socket.socket, leftover: bytes, *, tty: bool, stdin: bool) -> None:
+        self.sock = sock
+        self.tty = tty
+        self.forward_stdin = stdin
+        self._leftover = leftover
+        self._parser = stream.FrameParser(stream.DAEMON_KINDS)
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._size: tuple[int, int] | None = None
+        self.exit_code: int | None = None
+
+    def __enter__(self) -> ExecSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._wake_r = self._wake_w = -1
+
+    def resize(self, rows: int, cols: int) -> None:
+        self._size = (rows, cols)
+        try:
+            os.write(self._wake_w, b"r")
+        except OSError:
+            pass
+
+    def run(
+        self,
+        stdin: IO[bytes] | None = None,
+        stdout: IO[bytes] | None = None,
+        stderr: IO[bytes] | None = None,
+    ) -> int:
+        """Pump until the command ends; its exit code (ControlConnectionError if the
+        daemon goes away first).
+
+        The socket is non-blocking: input waits in a bounded buffer while the daemon is slow
+        to take it, and output is read all the while (a full pipe one way never stalls the
+        other way).
+        """
+        out = bytearray()
+        stdin_fd: int | None = None
+        if stdin is not None and self.forward_stdin:
+            try:
+                stdin_fd = stdin.fileno()
+            except (AttributeError, OSError, ValueError):
+                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
+        self.sock.setblocking(False)
+        try:
+            if self._leftover:
+                self._receive(self._leftover, stdout, stderr)
+                self._leftover = b""
+            while self.exit_code is None:
+                readers: list[Any] = [self.sock, self._wake_r]
+                if stdin_fd is not None and len(out) < MAX_OUTGOING:
+                    readers.append(stdin_fd)
+                writers = [self.sock] if out else []
+                pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+                ready: list[Any]
+                writable: list[Any]
+                if pending:
+                    ready, writable = [self.sock], []
+                else:
+                    ready, writable, _ = select.select(readers, writers, [])
+                if self._wake_r in ready:
+                    try:
+                        os.read(self._wake_r, 512)
+                    except BlockingIOError:
+                        pass
+                    size, self._size = self._size, None
+                    if size is not None:
+                        out += stream.encode_resize(*size)
+                if stdin_fd is not None and stdin_fd in ready:
+                    try:
+                        data = os.read(stdin_fd, 65536)
+                    except OSError:
+                        data = b""
+                    if data:
+                        out += stream.encode(stream.STDIN, data)
+                    else:
+                        out += stream.encode(stream.STDIN_EOF)
+                        stdin_fd = None
+                if out and (self.sock in writable or not pending):
+                    try:
+                        sent = self.sock.send(out)
+                        del out[:sent]
+                    except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                        pass
+                if self.sock in ready:
+                    try:
+                        chunk = self.sock.recv(65536)
+                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                        continue
+                    if not chunk:
+                        break
+                    self._receive(chunk, stdout, stderr)
+        except stream.StreamError as e:
+            raise ControlConnectionError(f"bad exec data from the daemon: {e}") from None
+        except OSError as e:
+            raise ControlConnectionError(
+                f"the connection to the daemon broke during exec: {e.strerror or e}"
+            ) from None
+        if self.exit_code is None:
+            raise ControlConnectionError(
+                "the daemon closed the connection before the command ended"
+            )
+        return self.exit_code
+
+    def _receive(self, data: bytes, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
+        for frame in self._parser.feed(data):
+            if frame.kind == stream.EXIT:
+                self.exit_code = stream.decode_exit(frame.payload)
+                return
+            sink = stderr if frame.kind == stream.STDERR else stdout
+            if sink is not None:
+                sink.write(frame.payload)
+                sink.flush()

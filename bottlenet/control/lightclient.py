@@ -1,0 +1,295 @@
+"""A small blocking client for the simple calls on the UNIX control socket, without Twisted.
+
+``bottlenetctl status``, ``ping`` and ``bottle ls`` are what a launcher and a person call most;
+importing AMP (and through it Twisted's TLS and Deferreds) costs several times more than the
+call itself. This client speaks the same AMP boxes for a few commands (Hello, Ping,
+ListBottles, and Exec, after which the connection carries exec frames), from a small
+table of their argument kinds; ``tests/control/test_lightclient.py`` checks that table against
+the Command definitions of :mod:`bottlenet.control.commands` and the bytes against
+:mod:`bottlenet.control.codec`, so the wire format stays one. Everything else (TLS, events,
+mutating calls) goes through :class:`~bottlenet.control.blocking.BlockingControlClient`.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Mapping, Sequence
+from enum import StrEnum
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+from bottlenet import __version__
+from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
+from bottlenet.control.framing import BoxParser, FramingError, encode_box
+from bottlenet.control.records import BottleRecord, RecordError, decode_records
+from bottlenet.control.results import HelloResult, Page
+from bottlenet.errors import ALL_ERRORS, BottlenetError
+
+if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
+    from bottlenet.control.execsession import ExecSession
+
+CLIENT_VERSION = f"bottlenet-light/{__version__}"
+#: The protocol versions this client speaks (the same as commands.SUPPORTED_PROTOCOLS).
+PROTOCOLS = (1,)
+_ERRORS: dict[str, type[BottlenetError]] = {e.code: e for e in ALL_ERRORS}
+
+
+class Kind(StrEnum):
+    """How one AMP argument is written (the subset the light commands use)."""
+
+    UNICODE = "unicode"
+    INTEGER = "integer"
+    BOOLEAN = "boolean"
+    UNICODE_LIST = "unicode-list"
+    INTEGER_LIST = "integer-list"
+    BOTTLE_RECORDS = "bottle-records"
+
+
+#: name -> (arguments, response), each ``{key: (kind, optional)}``.
+Schema = dict[str, tuple[Kind, bool]]
+COMMANDS: dict[str, tuple[Schema, Schema]] = {
+    "Hello": (
+        {"client_version": (Kind.UNICODE, False), "protocols": (Kind.INTEGER_LIST, False)},
+        {
+            "server_version": (Kind.UNICODE, False),
+            "protocol": (Kind.INTEGER, False),
+            "features": (Kind.UNICODE_LIST, False),
+            "smolvm_available": (Kind.BOOLEAN, False),
+            "smolvm_version": (Kind.UNICODE, True),
+            "smolvm_source": (Kind.UNICODE, True),
+        },
+    ),
+    "Ping": ({}, {}),
+    "Exec": (
+        {
+            "bottle": (Kind.UNICODE, False),
+            "argv": (Kind.UNICODE_LIST, False),
+            "env": (Kind.UNICODE_LIST, True),
+            "user": (Kind.UNICODE, True),
+            "workdir": (Kind.UNICODE, True),
+            "stdin": (Kind.BOOLEAN, True),
+            "tty": (Kind.BOOLEAN, True),
+            "rows": (Kind.INTEGER, True),
+            "cols": (Kind.INTEGER, True),
+        },
+        {"tty": (Kind.BOOLEAN, False)},
+    ),
+    "ListBottles": (
+        {"offset": (Kind.INTEGER, True), "limit": (Kind.INTEGER, True)},
+        {
+            "bottles": (Kind.BOTTLE_RECORDS, False),
+            "total": (Kind.INTEGER, False),
+            "next_offset": (Kind.INTEGER, True),
+        },
+    ),
+}
+
+
+def _list(items: list[bytes]) -> bytes:
+    return b"".join(len(i).to_bytes(2, "big") + i for i in items)
+
+
+def _unlist(data: bytes) -> list[bytes]:
+    out, pos = [], 0
+    while pos < len(data):
+        end = pos + 2 + int.from_bytes(data[pos : pos + 2], "big")
+        if pos + 2 > len(data) or end > len(data):
+            raise ValueError("truncated list")
+        out.append(data[pos + 2 : end])
+        pos = end
+    return out
+
+
+def _integer(data: bytes) -> int:
+    text = data.decode("ascii")
+    if text != str(int(text)) or abs(int(text)) >= 2**63:
+        raise ValueError("not a canonical decimal integer")
+    return int(text)
+
+
+def encode_value(kind: Kind, value: Any) -> bytes:
+    if kind is Kind.UNICODE:
+        return str(value).encode("utf-8")
+    if kind is Kind.INTEGER:
+        return b"%d" % value
+    if kind is Kind.BOOLEAN:
+        return b"True" if value else b"False"
+    if kind is Kind.UNICODE_LIST:
+        return _list([str(v).encode("utf-8") for v in value])
+    if kind is Kind.INTEGER_LIST:
+        return _list([b"%d" % v for v in value])
+    raise ValueError(f"{kind} is an answer-only kind")
+
+
+def decode_value(kind: Kind, data: bytes) -> Any:
+    if kind is Kind.UNICODE:
+        return data.decode("utf-8")
+    if kind is Kind.INTEGER:
+        return _integer(data)
+    if kind is Kind.BOOLEAN:
+        if data not in (b"True", b"False"):
+            raise ValueError("not a boolean")
+        return data == b"True"
+    if kind is Kind.UNICODE_LIST:
+        return [i.decode("utf-8") for i in _unlist(data)]
+    if kind is Kind.INTEGER_LIST:
+        return [_integer(i) for i in _unlist(data)]
+    return decode_records(data, BottleRecord)
+
+
+def request_bytes(name: str, tag: bytes, arguments: Mapping[str, Any]) -> bytes:
+    """The request box of command ``name`` (None values are left out, as optional)."""
+    schema = COMMANDS[name][0]
+    box = {
+        key.encode("ascii"): encode_value(schema[key][0], value)
+        for key, value in arguments.items()
+        if value is not None
+    }
+    box[b"_command"] = b"bottlenet." + name.encode("ascii")
+    box[b"_ask"] = tag
+    return encode_box(box)
+
+
+def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
+    """The answer's values by key, or raise the typed error the box carries."""
+    if b"_error" in box:
+        code = box.get(b"_error_code", b"").decode("ascii", "replace")
+        message = box.get(b"_error_description", b"").decode("utf-8", "replace")
+        raise error_for(code, message, _ERRORS)
+    out: dict[str, Any] = {}
+    for key, (kind, optional) in COMMANDS[name][1].items():
+        raw = box.get(key.encode("ascii"))
+        if raw is None:
+            if not optional:
+                raise FramingError(f"answer lacks {key}")
+            out[key] = None
+            continue
+        try:
+            out[key] = decode_value(kind, raw)
+        except (ValueError, RecordError):
+            raise FramingError(f"answer's {key} is malformed") from None
+    return out
+
+
+class LightControlClient:
+    """One connection to a UNIX control socket for Hello, Ping, ListBottles and Exec."""
+
+    def __init__(self, path: str, timeout: float) -> None:
+        self.path = path
+        self.timeout = timeout
+        self._sock: socket.socket | None = None
+        self._parser = BoxParser(box_type=dict)
+        self._tag = 0
+
+    def __enter__(self) -> LightControlClient:
+        self.connect()
+        return self
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.path)
+        except TimeoutError:
+            sock.close()
+            raise DaemonUnreachable(self.path, "timed out") from None
+        except OSError as e:
+            sock.close()
+            raise DaemonUnreachable(self.path, e.strerror or type(e).__name__) from None
+        self._sock = sock
+
+    def close(self) -> None:
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def call(self, name: str, *, timeout: float | None = None, **arguments: Any) -> dict[str, Any]:
+        """Send one command, wait for its answer (or raise its typed error)."""
+        if self._sock is None:
+            self.connect()
+        assert self._sock is not None
+        limit = self.timeout if timeout is None else timeout
+        self._sock.settimeout(limit)
+        self._tag += 1
+        tag = b"%x" % self._tag
+        try:
+            self._sock.sendall(request_bytes(name, tag, arguments))
+            while True:
+                box = self._parser.next_box()
+                if box is None:
+                    chunk = self._sock.recv(65536)
+                    if not chunk:
+                        raise ControlConnectionError("the daemon closed the connection")
+                    self._parser.feed(chunk)
+                elif box.get(b"_answer", box.get(b"_error")) == tag:
+                    return decode_answer(name, box)
+        except TimeoutError:
+            raise ControlConnectionError(f"no answer within {limit:g}s") from None
+        except FramingError as e:
+            raise ControlConnectionError(f"bad answer from the daemon: {e}") from None
+        except OSError as e:
+            raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
+
+    def hello(self) -> HelloResult:
+        return HelloResult.from_answer(
+            self.call("Hello", client_version=CLIENT_VERSION, protocols=list(PROTOCOLS))
+        )
+
+    def ping(self) -> None:
+        self.call("Ping")
+
+    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRecord]:
+        return Page.from_answer(self.call("ListBottles", offset=offset, limit=limit), "bottles")
+
+    def open_exec(
+        self,
+        bottle: str,
+        argv: Sequence[str],
+        *,
+        env: Sequence[str] = (),
+        user: str | None = None,
+        workdir: str | None = None,
+        stdin: bool = False,
+        tty: bool = False,
+        size: tuple[int, int] | None = None,
+        timeout: float | None = None,
+    ) -> ExecSession:
+        """Start ``argv`` in the bottle's agent VM; this connection becomes the session's."""
+        rows, cols = size if size is not None else (None, None)
+        try:
+            self.call(
+                "Exec",
+                timeout=timeout,
+                bottle=bottle,
+                argv=list(argv),
+                env=list(env) if env else None,
+                user=user,
+                workdir=workdir,
+                stdin=stdin,
+                tty=tty,
+                rows=rows,
+                cols=cols,
+            )
+        except BaseException:
+            self.close()
+            raise
+        from bottlenet.control.execsession import ExecSession
+
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        return ExecSession(sock, self._parser.take_rest(), tty=tty, stdin=stdin)
+
+    def all_bottles(self) -> Iterator[BottleRecord]:
+        offset: int | None = 0
+        while offset is not None:
+            page = self.list_bottles(offset)
+            yield from page.items
+            offset = page.next_offset
