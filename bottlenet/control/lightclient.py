@@ -57,6 +57,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "smolvm_available": (Kind.BOOLEAN, False),
             "smolvm_version": (Kind.UNICODE, True),
             "smolvm_source": (Kind.UNICODE, True),
+            "vm_uids": (Kind.UNICODE, True),
         },
     ),
     "Ping": ({}, {}),
