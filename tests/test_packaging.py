@@ -95,3 +95,17 @@ def test_readme_opens_with_two_commands_and_ci_runs_the_test_one() -> None:
     with open(os.path.join(ROOT, ".ci", "run")) as f:
         ci = f.read().splitlines()
     assert test in ci
+
+
+def test_every_package_of_the_tree_is_shipped() -> None:
+    """Every package directory under bottlenet/ and vmctl/ is in the wheel's package list."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for top in ("bottlenet", "vmctl"):
+        for dirpath, _dirs, files in os.walk(os.path.join(ROOT, top)):
+            if "__init__.py" in files and "__pycache__" not in dirpath:
+                found.add(os.path.relpath(dirpath, ROOT).replace(os.sep, "."))
+    assert found - listed == set()
