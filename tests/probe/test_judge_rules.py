@@ -1,0 +1,69 @@
+"""Judge and witness rules no test pinned before (mutants J04, J05, J10, J14, W01 of tests-2.md).
+
+Every own endpoint needs its own witness, an empty interface list is a failure, guest-chosen
+names never reach a verdict's text unvalidated, and a witness line over the cap is cut at once.
+"""
+
+from __future__ import annotations
+
+from twisted.internet.task import Clock
+from twisted.internet.testing import StringTransport
+
+from bottlenet.probe.judge import judge
+from bottlenet.probe.witness import MAX_LINE, Witness, WitnessFactory
+from tests.probe.test_probe import NONCE, OWN, plan, transcript
+
+SECOND = "unix:/run/bottle/git.sock"
+
+
+def test_each_own_endpoint_needs_its_own_witness() -> None:
+    """J14: two own endpoints, one witnessed: the other is named as not witnessed."""
+    p = plan(own=(OWN, SECOND))
+    v = judge(p, transcript(p), exit_code=0, witnessed=[OWN])
+    assert not v.passed
+    assert v.problems == (
+        f"own endpoint {SECOND} was not witnessed on the host "
+        "(no connection carrying this run's nonce)",
+    )
+    assert judge(p, transcript(p), exit_code=0, witnessed=[OWN, SECOND]).passed
+
+
+def test_a_transcript_with_no_interface_lines_fails() -> None:
+    """J10: an empty interface listing could hide a NIC; it is a problem of its own."""
+    p = plan()
+    t = transcript(p, ifaces=())
+    v = judge(p, t, exit_code=0, witnessed=[OWN])
+    assert v.problems == ("the guest listed no network interfaces",)
+
+
+def test_an_interface_name_with_control_bytes_never_reaches_the_verdict() -> None:
+    """J04: ``e<ESC>[2J`` is counted as an invalid name, not quoted in a problem."""
+    p = plan()
+    v = judge(p, transcript(p, ifaces=("lo", "e\x1b[2J")), exit_code=0, witnessed=[OWN])
+    assert v.problems == ("1 network interface(s) with an invalid name",)
+
+
+def test_a_gateway_scope_id_with_control_bytes_never_reaches_the_verdict() -> None:
+    """J05: ``fe80::1%<ESC>...`` is not a gateway: an unexpected line, never echoed."""
+    p = plan(mode="alias")
+    v = judge(
+        p,
+        transcript(p, ifaces=("lo", "eth0"), paths=("gw fe80::1%e\x1b[2J",)),
+        exit_code=0,
+        witnessed=[OWN],
+    )
+    assert not v.passed
+    assert not any("\x1b" in x for x in v.problems)
+    assert "1 transcript line(s) not bound to this run or of no known form" in v.problems
+
+
+def test_an_overlong_witness_line_is_cut_at_once() -> None:
+    """W01: MAX_LINE + 1 bytes without a newline end the connection before any timeout."""
+    clock, w = Clock(), Witness(NONCE)
+    proto = WitnessFactory(clock, w, OWN, timeout=5).buildProtocol(None)
+    tr = StringTransport()
+    proto.makeConnection(tr)
+    proto.dataReceived(b"x" * MAX_LINE)
+    assert not tr.disconnecting  # at the cap: still reading
+    proto.dataReceived(b"x")
+    assert tr.disconnecting and w.mismatched == 1 and clock.getDelayedCalls() == []
