@@ -44,10 +44,9 @@ fi
 """
 
 
-def guest_program(plan: ProbePlan) -> str:
-    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
-    source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
-    literal = {
+def plan_literal(plan: ProbePlan) -> dict[str, object]:
+    """The plan as ``guest.py`` reads it (``PLAN``): plain strings, lists and numbers."""
+    return {
         "nonce": plan.nonce,
         "mode": plan.mode,
         "own": [str(t) for t in plan.own],
@@ -64,6 +63,12 @@ def guest_program(plan: ProbePlan) -> str:
         "witness": plan.witness,
         "timeout": plan.timeout,
     }
+
+
+def guest_program(plan: ProbePlan) -> str:
+    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
+    source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
+    literal = plan_literal(plan)
     marker = "PLAN = {}  # type: dict  # filled in by script.render\n"
     assert marker in source
     return source.replace(marker, f"PLAN = {literal!r}\n", 1)

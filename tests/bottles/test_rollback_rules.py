@@ -120,4 +120,3 @@ def test_recovery_leaves_a_machine_labelled_for_another_bottle(
     assert rig.registry.list_bottles() == []
     assert "bn-r2-agent" in rig.smolvm.machines  # another bottle's: left alone
     assert "bn-r1-sidecar" not in rig.smolvm.machines
-
