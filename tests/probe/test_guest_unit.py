@@ -241,3 +241,32 @@ def test_a_read_only_volume_that_refuses_writes_is_ok(
     fake.use(p, monkeypatch)
     code, v = fake.run(p, capsys)
     assert (code, v.problems) == (0, ())
+
+
+# -- the machinery: parallel checks and the positive controls ---------------------------------
+
+
+def test_parallel_waits_for_slow_checks_and_keeps_the_order(fake: Fake) -> None:
+    """G14: a check still running is waited for, not read as None (= blocked)."""
+    import threading
+
+    started = threading.Barrier(3)
+
+    def slow(item: str) -> str:
+        started.wait()  # all three run at once, none has returned yet
+        return item.upper()
+
+    assert guest.parallel(slow, ["a", "b", "c"]) == ["A", "B", "C"]
+
+
+def test_a_control_that_fails_ends_the_run_blind(
+    fake: Fake, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """G15: the real controls on this loopback, with ICMP unusable: not ok, icmp fail."""
+    monkeypatch.undo()  # the real controls() and connect(); ping stays unusable
+    monkeypatch.setattr(guest, "PLAN", plan_literal(plan(timeout=1.0)))
+    monkeypatch.setattr(guest, "ping", lambda addr: None)
+    assert guest.controls() is False
+    out = capsys.readouterr().out
+    assert f"BNP {NONCE} control tcp ok\n" in out
+    assert f"BNP {NONCE} control icmp fail\n" in out
