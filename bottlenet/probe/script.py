@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from bottlenet.probe.plan import ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, ProbePlan
 
 #: Where a trusted probe kit (a directory with ``bin/python3``) is mounted read-only, if any.
 KIT_DIR = "/run/bottlenet-probe"
@@ -52,6 +52,9 @@ def plan_literal(plan: ProbePlan) -> dict[str, object]:
         "own": [str(t) for t in plan.own],
         "deny": [str(t) for t in plan.deny],
         "ports": list(plan.host_ports),
+        "udp_ports": list(plan.udp_ports),
+        "loopbacks": list(LOOPBACKS),
+        "vsock_cid": VSOCK_HOST_CID,
         "outside": str(plan.outside),
         "dns": list(plan.dns),
         "absent": list(plan.absent),

@@ -45,7 +45,8 @@ class FakeGuest:
 
     def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         self.root = root
-        self.reachable: set[str] = set()  # "tcp:H:P" / "unix:P" that connect
+        self.monkeypatch = monkeypatch
+        self.reachable: set[str] = set()  # "tcp:H:P", "udp:H:P", "vsock:C:P", "unix:P"
         self.answers: set[str] = set()  # addresses that answer ICMP echo
         self.resolving: set[str] = set()  # DNS names that resolve
         self.dialled: list[str] = []
@@ -67,6 +68,7 @@ class FakeGuest:
 
         monkeypatch.setattr(guest, "open", fake_open, raising=False)
         monkeypatch.setattr(guest, "connect", connect)
+        monkeypatch.setattr(guest, "datagram", lambda addr: connect("udp", addr))
         monkeypatch.setattr(guest, "ping", ping)
         monkeypatch.setattr(guest, "resolves", lambda name: name in self.resolving)
         monkeypatch.setattr(guest, "controls", lambda: True)
@@ -76,11 +78,9 @@ class FakeGuest:
         p.parent.mkdir(parents=True, exist_ok=True)
         p.write_text(text)
 
-    def use(self, p: ProbePlan, monkeypatch: pytest.MonkeyPatch) -> None:
-        monkeypatch.setattr(guest, "PLAN", plan_literal(p))
-
     def run(self, p: ProbePlan, capsys: pytest.CaptureFixture[str]) -> tuple[int, Verdict]:
         """main() under ``p``; the real judge's verdict on what it printed (own witnessed)."""
+        self.monkeypatch.setattr(guest, "PLAN", plan_literal(p))
         code = guest.main()
         out = capsys.readouterr().out
         head = f"BNP {p.nonce} begin 1\nBNP {p.nonce} iface lo\nBNP {p.nonce} tool image\n"
@@ -91,7 +91,7 @@ class FakeGuest:
 @pytest.fixture
 def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGuest]:
     g = FakeGuest(tmp_path / "root", monkeypatch)
-    g.use(plan(), monkeypatch)
+    monkeypatch.setattr(guest, "PLAN", plan_literal(plan()))
     g.reachable.add(OWN)
     yield g
 
@@ -207,26 +207,24 @@ def test_the_guest_hashes_its_identity_as_the_host_does(fake: Fake) -> None:
 
 
 def test_a_guest_sharing_the_hosts_machine_id_fails(
-    fake: Fake, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    fake: Fake, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """G12 end to end: the judge sees the host's hash in the guest's transcript."""
     fake.file("/etc/machine-id", "0123abcd\n")
     fake.file("/proc/sys/kernel/hostname", "guest\n")
     p = plan(host_ids=(host_id_hash(NONCE, "0123abcd"), host_id_hash(NONCE, "host")))
-    fake.use(p, monkeypatch)
     _, v = fake.run(p, capsys)
     assert v.problems == ("the guest's machine-id is the host's",)
 
 
 def test_a_writable_read_only_volume_is_reported(
-    fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """G13: the write probe succeeds, the guest says so (and leaves no file behind)."""
     ro, rw = tmp_path / "ro", tmp_path / "rw"
     ro.mkdir()
     rw.mkdir()
     p = plan(ro=(str(ro),), rw=(str(rw),))
-    fake.use(p, monkeypatch)
     _, v = fake.run(p, capsys)
     assert v.problems == (f"read-only volume {ro} accepts writes",)
     assert os.listdir(ro) == []
@@ -234,11 +232,10 @@ def test_a_writable_read_only_volume_is_reported(
 
 
 def test_a_read_only_volume_that_refuses_writes_is_ok(
-    fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+    fake: Fake, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The other side of G13: a write that fails (EROFS, EACCES) is what read-only means."""
     p = plan(ro=(str(tmp_path / "missing"),))
-    fake.use(p, monkeypatch)
     code, v = fake.run(p, capsys)
     assert (code, v.problems) == (0, ())
 
@@ -270,3 +267,116 @@ def test_a_control_that_fails_ends_the_run_blind(
     out = capsys.readouterr().out
     assert f"BNP {NONCE} control tcp ok\n" in out
     assert f"BNP {NONCE} control icmp fail\n" in out
+
+
+# -- the paths read from code and now probed: [::1], vsock, UDP, ICMPv6 ------------------------
+
+
+def test_loopback6_vsock_and_udp_are_probed_on_every_path(
+    fake: Fake, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Host ports via [::1] and over vsock to CID 2; UDP ports on every path and outside."""
+    fake.file("/proc/net/route", ROUTE)
+    p = plan(mode="alias", udp_ports=(123,))
+    code, v = fake.run(p, capsys)
+    assert (code, v.problems) == (0, ())
+    for t in ("tcp:[::1]:18080", "vsock:2:18080", "udp:127.0.0.1:123", "udp:[::1]:123"):
+        assert t in fake.dialled
+    assert {"udp:10.0.2.2:123", "udp:198.18.0.1:9"} <= set(fake.dialled)
+
+
+@pytest.mark.parametrize(
+    ("reachable", "problem"),
+    [
+        ("tcp:[::1]:18080", "tcp:[::1]:18080 (host port 18080 via the loopback ::1)"),
+        ("vsock:2:18080", "vsock:2:18080 (host port 18080 over vsock to the host (CID 2))"),
+        (
+            "udp:10.0.2.2:123",
+            "udp:10.0.2.2:123 (host UDP port 123 via the default gateway 10.0.2.2)",
+        ),
+        ("udp:198.18.0.1:9", "udp:198.18.0.1:9 (the outside address over UDP)"),
+    ],
+)
+def test_each_new_path_that_answers_is_a_named_leak(
+    fake: Fake, capsys: pytest.CaptureFixture[str], reachable: str, problem: str
+) -> None:
+    """What answers on [::1], vsock or UDP is reported and judged a leak."""
+    fake.file("/proc/net/route", ROUTE)
+    fake.reachable.add(reachable)
+    code, v = fake.run(plan(mode="alias", udp_ports=(123,)), capsys)
+    assert code == 1
+    assert v.problems == (f"leak: {problem} is reachable",)
+
+
+def test_an_ipv6_gateway_is_pinged_with_icmpv6_after_its_control(
+    fake: Fake, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """G04's consequence: the IPv6 gateway gets TCP, UDP and ICMPv6; ::1 is the control."""
+    fake.file("/proc/net/ipv6_route", ROUTE6)
+    fake.answers.update({"::1", "fe80::2%eth0"})
+    code, v = fake.run(plan(mode="alias"), capsys)
+    assert fake.pinged[0] == "::1" and "fe80::2%eth0" in fake.pinged
+    assert "tcp:[fe80::2%eth0]:18080" in fake.dialled
+    assert code == 1
+    assert v.problems == ("leak: the default gateway fe80::2%eth0 answers ICMPv6 echo",)
+
+
+def test_a_failed_icmpv6_control_is_not_a_pass(
+    fake: Fake, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without a working ICMPv6 echo to ::1, "blocked" for the v6 gateway means nothing."""
+    fake.file("/proc/net/ipv6_route", ROUTE6)
+    code, v = fake.run(plan(mode="alias"), capsys)
+    assert code == 1
+    assert v.problems == ("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)",)
+
+
+def test_datagram_counts_only_an_answer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real UDP echo on this loopback answers; a closed port (ICMP unreachable) does not."""
+    import socket
+    import threading
+
+    monkeypatch.setattr(guest, "PLAN", plan_literal(plan(timeout=5.0)))
+    echo = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    echo.bind(("127.0.0.1", 0))
+    port = echo.getsockname()[1]
+    got: list[bytes] = []
+
+    def serve() -> None:
+        data, peer = echo.recvfrom(512)
+        got.append(data)
+        echo.sendto(b"", peer)  # even an empty datagram is an answer
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    assert guest.datagram(f"127.0.0.1:{port}") is True
+    th.join()
+    echo.close()
+    assert got == [f"BNP-UDP {NONCE}\n".encode()]
+    assert guest.datagram(f"127.0.0.1:{port}") is False  # closed now: refused
+
+
+def test_the_udp_hello_is_a_query_a_dns_or_ntp_server_answers() -> None:
+    """Port 53 gets a well-formed DNS query (root NS), 123 an NTP client request."""
+    import struct
+
+    dns = guest.hello(53)
+    _, flags, qd, an, ns, ar = struct.unpack("!HHHHHH", dns[:12])
+    assert (flags, qd, an, ns, ar) == (0x0100, 1, 0, 0, 0)
+    assert dns[12:] == b"\0" + struct.pack("!HH", 2, 1)
+    ntp = guest.hello(123)
+    assert len(ntp) == 48 and ntp[0] & 0x07 == 3  # mode 3: client
+
+
+def test_icmpv6_echo_to_this_loopback_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real ICMPv6 echo (the gate's icmp6 control) against ::1 of this namespace."""
+    import socket
+
+    try:
+        socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6).close()
+        socket.socket(socket.AF_INET6, socket.SOCK_DGRAM).connect(("::1", 9))
+    except OSError:
+        pytest.skip("no ICMPv6 raw socket or no ::1 here")
+    monkeypatch.setattr(guest, "PLAN", plan_literal(plan(timeout=5.0)))
+    assert guest.ping("::1") is True
+    assert guest.ping("127.0.0.1") is True

@@ -67,3 +67,23 @@ def test_an_overlong_witness_line_is_cut_at_once() -> None:
     assert not tr.disconnecting  # at the cap: still reading
     proto.dataReceived(b"x")
     assert tr.disconnecting and w.mismatched == 1 and clock.getDelayedCalls() == []
+
+
+def test_loopback6_vsock_and_udp_checks_are_required() -> None:
+    """A transcript without the [::1], vsock or UDP lines is missing checks."""
+    p = plan(udp_ports=(123,))
+    for gone in ("deny tcp:[::1]:18080 ", "deny vsock:2:18080 ", "deny udp:[::1]:123 "):
+        lines = transcript(p).split(b"\n")
+        t = b"\n".join(ln for ln in lines if gone.encode() not in ln)
+        v = judge(p, t, exit_code=0, witnessed=[OWN])
+        assert v.problems == (f"check missing: {gone.strip()}",)
+
+
+def test_an_icmpv6_target_needs_its_control() -> None:
+    """An IPv6 gateway's "blocked" counts only when the icmp6 control said ok."""
+    p = plan(mode="alias")
+    t = transcript(p, ifaces=("lo", "eth0"), paths=("gw fe80::2%eth0",))
+    assert judge(p, t, exit_code=0, witnessed=[OWN]).passed
+    no_control = t.replace(f"BNP {NONCE} control icmp6 ok\n".encode(), b"")
+    v = judge(p, no_control, exit_code=0, witnessed=[OWN])
+    assert v.problems == ("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)",)
