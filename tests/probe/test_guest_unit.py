@@ -150,29 +150,23 @@ def test_an_isolated_guest_passes_and_probes_loopback_and_every_path(
     assert fake.pinged == ["10.0.2.2", "198.18.0.1"]
 
 
-def test_a_reachable_host_port_via_the_gateway_is_reported(
-    fake: Fake, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("route", "reachable", "problem"),
+    [
+        (ROUTE, "tcp:10.0.2.2:18080", "host port 18080 via the default gateway 10.0.2.2"),
+        # G05 unmasked: no resolv.conf naming 127.0.0.1, only the loopback rule dials it
+        ("", "tcp:127.0.0.1:18080", "host port 18080 via the loopback 127.0.0.1"),
+    ],
+)
+def test_a_reachable_host_port_is_reported(
+    fake: Fake, capsys: pytest.CaptureFixture[str], route: str, reachable: str, problem: str
 ) -> None:
     """A connect that succeeds is reported reachable, and the guest exits 1."""
-    fake.file("/proc/net/route", ROUTE)
-    fake.reachable.add("tcp:10.0.2.2:18080")
+    fake.file("/proc/net/route", route)
+    fake.reachable.add(reachable)
     code, v = fake.run(plan(mode="alias"), capsys)
     assert code == 1
-    assert v.problems == (
-        "leak: tcp:10.0.2.2:18080 (host port 18080 via the default gateway 10.0.2.2) is reachable",
-    )
-
-
-def test_loopback_is_probed_without_any_nameserver(
-    fake: Fake, capsys: pytest.CaptureFixture[str]
-) -> None:
-    """G05 unmasked: no resolv.conf naming 127.0.0.1, so only the loopback rule dials it."""
-    fake.reachable.add("tcp:127.0.0.1:18080")
-    code, v = fake.run(plan(), capsys)
-    assert code == 1
-    assert v.problems == (
-        "leak: tcp:127.0.0.1:18080 (host port 18080 via the loopback 127.0.0.1) is reachable",
-    )
+    assert v.problems == (f"leak: {reachable} ({problem}) is reachable",)
 
 
 def test_a_gateway_answering_icmp_is_reported(
