@@ -1,4 +1,4 @@
-"""State store rules that no test pinned before (mutants S07, S08, S13, S14 of ``tests-2.md``).
+"""State store rules no test pinned before (mutants S05b, S07, S08, S13, S14 of ``tests-2.md``).
 
 The files must be ours and private (owner and group bits, not only "other"), a short write to
 the journal is an error and loses nothing acknowledged, and compaction writes the snapshot
@@ -84,3 +84,17 @@ def test_a_failed_snapshot_write_during_compaction_loses_nothing(
     monkeypatch.undo()
     assert StateStore(s.state_dir).load().bottles == {"a": {"x": 1}}
     assert sorted(os.listdir(s.state_dir)) == [JOURNAL_FILE, STATE_FILE]
+
+
+def test_a_journal_of_another_instance_is_refused(tmp_path: Path) -> None:
+    """S05b: a's journal next to b's snapshot (same generation) is not replayed over it."""
+    import shutil
+
+    a = fresh(tmp_path)
+    b_dir = tmp_path / "b"
+    b_dir.mkdir(mode=0o700)
+    b = StateStore(str(b_dir))
+    b.save(b.load())  # another instance, the same generation as a's
+    shutil.copy(b_dir / STATE_FILE, os.path.join(a.state_dir, STATE_FILE))
+    with pytest.raises(StateError, match="not a journal of this state"):
+        StateStore(a.state_dir).load()

@@ -113,3 +113,28 @@ def test_a_child_that_ends_within_the_grace_gets_no_sigkill() -> None:
     b.processEnded(Failure(ProcessDone(0)))
     clock.advance(KILL_GRACE * 2)
     assert child.signals == ["TERM"] and clock.getDelayedCalls() == []
+
+
+def test_a_resize_payload_of_the_wrong_size_is_a_stream_error() -> None:
+    """T03: not a ``struct.error`` escaping the parser's caller."""
+    with pytest.raises(stream.StreamError):
+        stream.decode_resize(b"abc")
+
+
+def test_a_child_killed_by_a_signal_exits_128_plus_the_signal() -> None:
+    """E02: the shell convention, so ``exec`` of a killed command reports 137 for SIGKILL."""
+    from twisted.internet.error import ProcessTerminated
+
+    b, _, _ = bridge()
+    client = StringTransport()
+    b.attach(client, b"")
+    b.processEnded(Failure(ProcessTerminated(exitCode=None, signal=9)))
+    assert client.value().endswith(stream.encode_exit(137))
+
+
+def test_a_tty_session_passes_stdin_frames_to_the_child() -> None:
+    """E10: with a terminal the keystrokes go to the child even without ``stdin``."""
+    b, child, _ = bridge(tty=True)
+    b.attach(StringTransport(), b"")
+    b.client_data(stream.encode(stream.STDIN, b"ls\r"))
+    assert child.written == [b"ls\r"] and not child.stdin_closed

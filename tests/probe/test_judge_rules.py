@@ -6,9 +6,11 @@ names never reach a verdict's text unvalidated, and a witness line over the cap 
 
 from __future__ import annotations
 
+import pytest
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 
+from bottlenet.errors import InvalidArgument
 from bottlenet.probe.judge import judge
 from bottlenet.probe.witness import MAX_LINE, Witness, WitnessFactory
 from tests.probe.test_probe import NONCE, OWN, plan, transcript
@@ -87,3 +89,54 @@ def test_an_icmpv6_target_needs_its_control() -> None:
     no_control = t.replace(f"BNP {NONCE} control icmp6 ok\n".encode(), b"")
     v = judge(p, no_control, exit_code=0, witnessed=[OWN])
     assert v.problems == ("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)",)
+
+
+def test_a_check_reported_twice_is_a_problem() -> None:
+    """J03/J07: exactly one result per check; a repeated line is counted, not overwritten."""
+    p = plan()
+    t = transcript(p).replace(
+        f"BNP {NONCE} end pass\n".encode(),
+        f"BNP {NONCE} deny tcp:198.18.0.1:9 blocked\nBNP {NONCE} end pass\n".encode(),
+    )
+    v = judge(p, t, exit_code=0, witnessed=[OWN])
+    assert v.problems == ("1 check(s) reported more than once",)
+
+
+def test_a_missing_control_line_is_a_failed_control() -> None:
+    """J08: no ``control icmp`` line is not an ok control."""
+    p = plan()
+    t = transcript(p).replace(f"BNP {NONCE} control icmp ok\n".encode(), b"")
+    v = judge(p, t, exit_code=0, witnessed=[OWN])
+    assert v.problems == ("probe tool cannot detect connections (control icmp failed)",)
+
+
+def test_an_own_endpoint_the_guest_cannot_reach_fails_even_if_witnessed() -> None:
+    """J12: ``own ... fail`` is a problem of its own."""
+    p = plan()
+    t = transcript(p, override={OWN: "fail"}, end="fail")
+    v = judge(p, t, exit_code=1, witnessed=[OWN])
+    assert v.problems == (f"own endpoint {OWN} does not connect",)
+
+
+def test_results_for_checks_that_were_not_planned_fail() -> None:
+    """J20: a result the plan did not ask for is not silently accepted."""
+    p = plan()
+    t = transcript(p).replace(
+        f"BNP {NONCE} end pass\n".encode(),
+        f"BNP {NONCE} deny tcp:127.0.0.1:1 blocked\nBNP {NONCE} end pass\n".encode(),
+    )
+    v = judge(p, t, exit_code=0, witnessed=[OWN])
+    assert v.problems == ("1 result(s) for checks that were not planned",)
+
+
+def test_a_failure_the_transcript_does_not_show_fails() -> None:
+    """J24: the guest's own ``end fail`` counts even when every line looks clean."""
+    p = plan()
+    v = judge(p, transcript(p, end="fail"), exit_code=1, witnessed=[OWN])
+    assert v.problems == ("the probe reported a failure its transcript does not show",)
+
+
+def test_a_nonce_with_trailing_text_is_refused() -> None:
+    """P01: the nonce is matched whole (it is pasted into the sh script)."""
+    with pytest.raises(InvalidArgument):
+        plan(nonce=NONCE + ";reboot")
