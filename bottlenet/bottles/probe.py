@@ -29,6 +29,7 @@ from bottlenet.probe.plan import (
     DEFAULT_OUTSIDE,
     MODE_ALIAS,
     WELL_KNOWN_PORTS,
+    WELL_KNOWN_UDP_PORTS,
     ProbePlan,
     Target,
     check_guest_path,
@@ -55,6 +56,8 @@ class GateSettings:
     dns_name: str = DEFAULT_DNS_NAME
     #: Ports of the daemon's own host services (TLS control, metrics) and any others.
     host_ports: tuple[int, ...] = ()
+    #: UDP ports probed on the same paths besides the well-known ones.
+    udp_ports: tuple[int, ...] = ()
     #: Where the home-directory marker goes (None: the daemon user's home).
     home: str | None = None
 
@@ -117,6 +120,7 @@ def plan_gate(
         own=tuple(own_target(e) for e in endpoints),
         deny=tuple(deny),
         host_ports=tuple(ports),
+        udp_ports=settings.udp_ports + WELL_KNOWN_UDP_PORTS,
         outside=settings.outside,
         dns=(settings.dns_name,),
         absent=tuple(absent),

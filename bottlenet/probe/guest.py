@@ -5,6 +5,11 @@ sends on the guest's stdin. It uses only the standard library (Python 3.7 or lat
 prints one ``BNP <nonce> ...`` line per check; the host's ``judge`` decides, so nothing here
 is trusted: positive controls first (its own TCP and UNIX listeners must be seen, and an
 ICMP echo to the guest's loopback answered), otherwise the run ends ``blind`` (exit 3).
+
+The ways to the host it tries: TCP to the host ports via 127.0.0.1, ``[::1]``, each default
+gateway and nameserver; the same ports over vsock to the host (CID 2); UDP to the well-known
+UDP ports on the same addresses (any answer counts); ICMP and ICMPv6 echo to each gateway
+and to the outside address.
 """
 
 import hashlib
@@ -27,9 +32,13 @@ def say(*words):
 
 
 def sockaddr(kind, addr):
-    """(family, address) for ``tcp``/``unix`` and ``HOST:PORT``/``PATH`` (HOST may be [v6%dev])."""
+    """(family, address) for ``tcp``/``udp``/``unix``/``vsock`` and ``HOST:PORT``/``PATH``/
+    ``CID:PORT`` (HOST may be [v6%dev])."""
     if kind == "unix":
         return socket.AF_UNIX, addr
+    if kind == "vsock":
+        cid, _, port = addr.partition(":")
+        return socket.AF_VSOCK, (int(cid), int(port))
     host, _, port = addr.rpartition(":")
     host = host.strip("[]")
     if ":" in host:
@@ -64,6 +73,40 @@ def connect(kind, addr, send=None, timeout=None):
         s.close()
 
 
+def hello(port):
+    """A datagram a service on ``port`` answers: a DNS query, an NTP request, else the nonce."""
+    if port == 53:
+        return struct.pack("!HHHHHH", 0x424E, 0x0100, 1, 0, 0, 0) + b"\0" + struct.pack("!HH", 2, 1)
+    if port == 123:
+        return b"\x23" + b"\0" * 47
+    return ("BNP-UDP %s\n" % PLAN["nonce"]).encode()
+
+
+def datagram(addr):
+    """True when a datagram to ``HOST:PORT`` is answered within the budget (any reply)."""
+    try:
+        family, target = sockaddr("udp", addr)
+        s = socket.socket(family, socket.SOCK_DGRAM)
+    except (OSError, ValueError):
+        return False
+    try:
+        s.settimeout(PLAN["timeout"])
+        s.connect(target)
+        s.send(hello(target[1]))
+        s.recv(512)
+        return True
+    except (OSError, ValueError):
+        return False  # refused (ICMP port unreachable), unreachable, or silent
+    finally:
+        s.close()
+
+
+def reach(target):
+    """A deny target (``kind:address``) answers: connects, or for UDP replies."""
+    kind, _, addr = target.partition(":")
+    return datagram(addr) if kind == "udp" else connect(kind, addr)
+
+
 def checksum(data):
     if len(data) % 2:
         data += b"\0"
@@ -74,21 +117,29 @@ def checksum(data):
 
 
 def ping(addr):
-    """True when ``addr`` answers one ICMP echo within the budget; None when ICMP is unusable."""
+    """True when ``addr`` (IPv4, or IPv6 with ICMPv6) answers one echo within the budget;
+    None when ICMP is unusable."""
     ident = os.getpid() & 0xFFFF
+    v6 = ":" in addr
+    family, proto = (
+        (socket.AF_INET6, socket.IPPROTO_ICMPV6) if v6 else (socket.AF_INET, socket.IPPROTO_ICMP)
+    )
+    request, reply = (128, 129) if v6 else (8, 0)
     for kind in (socket.SOCK_RAW, socket.SOCK_DGRAM):
         try:
-            s = socket.socket(socket.AF_INET, kind, socket.IPPROTO_ICMP)
+            s = socket.socket(family, kind, proto)
         except OSError:
             continue
         try:
             body = b"bottlenet-gate"
-            header = struct.pack("!BBHHH", 8, 0, 0, ident, 1)
-            packet = struct.pack("!BBHHH", 8, 0, checksum(header + body), ident, 1) + body
+            header = struct.pack("!BBHHH", request, 0, 0, ident, 1)
+            total = 0 if v6 else checksum(header + body)  # the kernel sums ICMPv6
+            packet = struct.pack("!BBHHH", request, 0, total, ident, 1) + body
             s.settimeout(PLAN["timeout"])
             try:
-                s.sendto(packet, (addr, 0))
-            except OSError:
+                dest = sockaddr("tcp", "[%s]:0" % addr)[1] if v6 else (addr, 0)
+                s.sendto(packet, dest)
+            except (OSError, ValueError):
                 return False
             end = time.monotonic() + PLAN["timeout"]
             while True:
@@ -100,13 +151,23 @@ def ping(addr):
                     data, peer = s.recvfrom(2048)
                 except OSError:
                     return False
-                if kind == socket.SOCK_RAW:
+                if kind == socket.SOCK_RAW and not v6:
                     data = data[(data[0] & 0x0F) * 4 :]
-                if peer[0] == addr and data[:1] == b"\0":
+                if same_ip(peer[0], addr) and data[:1] == bytes([reply]):
                     return True
         finally:
             s.close()
     return None
+
+
+def same_ip(a, b):
+    """Two IP literals name the same address (scope ids aside)."""
+    a, b = a.partition("%")[0], b.partition("%")[0]
+    family = socket.AF_INET6 if ":" in a else socket.AF_INET
+    try:
+        return socket.inet_pton(family, a) == socket.inet_pton(family, b)
+    except (OSError, ValueError):
+        return False
 
 
 def proxy_connect(via, target):
@@ -249,8 +310,8 @@ def paths():
     return out
 
 
-def tcp_addr(host, port):
-    return "tcp:[%s]:%d" % (host, port) if ":" in host else "tcp:%s:%d" % (host, port)
+def endpoint(kind, host, port):
+    return "%s:[%s]:%d" % (kind, host, port) if ":" in host else "%s:%s:%d" % (kind, host, port)
 
 
 def ident_hash(path):
@@ -302,22 +363,26 @@ def main():
     routes = paths()
     for kind, addr in routes:
         say("path", kind, addr)
-    hosts = ["127.0.0.1"] + [a for _, a in routes]
+    hosts = list(PLAN["loopbacks"]) + [a for _, a in routes]
     deny = list(PLAN["deny"])
-    for h in hosts:
-        for port in PLAN["ports"]:
-            t = tcp_addr(h, port)
-            if t not in deny:
-                deny.append(t)
-    if PLAN["outside"] not in deny:
-        deny.append(PLAN["outside"])
-    reached = parallel(lambda t: connect(*t.split(":", 1)), deny)
+    wanted = [endpoint("tcp", h, port) for h in hosts for port in PLAN["ports"]]
+    wanted += ["vsock:%d:%d" % (PLAN["vsock_cid"], port) for port in PLAN["ports"]]
+    wanted += [endpoint("udp", h, port) for h in hosts for port in PLAN["udp_ports"]]
+    wanted += [PLAN["outside"], "udp:" + PLAN["outside"][4:]]
+    for t in wanted:
+        if t not in deny:
+            deny.append(t)
+    reached = parallel(reach, deny)
     for t, r in zip(deny, reached):
         say("deny", t, "reachable" if r else "blocked")
         fail = fail or r
     outside_ip = PLAN["outside"][4:].rpartition(":")[0].strip("[]")
-    icmp = [a for k, a in routes if k == "gw" and ":" not in a] + [outside_ip]
-    icmp = [a for i, a in enumerate(icmp) if a not in icmp[:i] and ":" not in a]
+    icmp = [a for k, a in routes if k == "gw"] + [outside_ip]
+    icmp = [a for i, a in enumerate(icmp) if a not in icmp[:i]]
+    if any(":" in a for a in icmp):  # ICMPv6 must be seen to work before it is trusted
+        icmp6 = bool(ping("::1"))
+        say("control", "icmp6", "ok" if icmp6 else "fail")
+        fail = fail or not icmp6
     answered = parallel(ping, icmp)
     for a, r in zip(icmp, answered):
         say("icmp", a, "answers" if r else "blocked")

@@ -15,11 +15,13 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
-from bottlenet.probe.plan import MODE_SOCKET, ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, MODE_SOCKET, VSOCK_HOST_CID, ProbePlan
 
 _IFACE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 _HASH = re.compile(r"[0-9a-f]{64}|none")
 _CONTROLS = ("tcp", "unix", "icmp")
+#: Reported only when the guest has an ICMPv6 target, and then required.
+_ICMP6 = "icmp6"
 
 
 @frozen
@@ -54,8 +56,8 @@ def _route_addr(text: str) -> str | None:
     return str(addr)
 
 
-def _tcp(host: str, port: int) -> str:
-    return f"tcp:[{host}]:{port}" if ":" in host else f"tcp:{host}:{port}"
+def _target(kind: str, host: str, port: int) -> str:
+    return f"{kind}:[{host}]:{port}" if ":" in host else f"{kind}:{host}:{port}"
 
 
 class _Transcript:
@@ -108,7 +110,9 @@ class _Transcript:
                 self.bad_iface += 1
         elif verb == "tool" and n == 2 and w[1] in ("kit", "image"):
             self.tool = w[1]
-        elif verb == "control" and n == 3 and w[1] in _CONTROLS and w[2] in ("ok", "fail"):
+        elif (
+            verb == "control" and n == 3 and w[1] in (*_CONTROLS, _ICMP6) and w[2] in ("ok", "fail")
+        ):
             self.controls.setdefault(w[1], w[2])
         elif verb == "path" and n == 3 and w[1] in ("gw", "ns"):
             addr = _route_addr(w[2])
@@ -144,23 +148,34 @@ class _Transcript:
 
 
 def expected_deny(plan: ProbePlan, paths: Iterable[tuple[str, str]]) -> dict[str, str]:
-    """Every TCP target the guest had to find closed, with what it stands for."""
+    """Every target the guest had to find closed (TCP, vsock, UDP), with what it stands for."""
     out: dict[str, str] = {str(t): "a denied endpoint" for t in plan.deny}
-    hosts = [("loopback", "127.0.0.1")] + [
+    hosts = [("loopback", a) for a in LOOPBACKS] + [
         ("default gateway" if k == "gw" else "nameserver", a) for k, a in paths
     ]
     for what, host in hosts:
         for port in plan.host_ports:
-            out.setdefault(_tcp(host, port), f"host port {port} via the {what} {host}")
+            out.setdefault(_target("tcp", host, port), f"host port {port} via the {what} {host}")
+    for port in plan.host_ports:
+        out.setdefault(
+            f"vsock:{VSOCK_HOST_CID}:{port}",
+            f"host port {port} over vsock to the host (CID {VSOCK_HOST_CID})",
+        )
+    for what, host in hosts:
+        for port in plan.udp_ports:
+            out.setdefault(
+                _target("udp", host, port), f"host UDP port {port} via the {what} {host}"
+            )
     out.setdefault(str(plan.outside), "the outside address")
+    out.setdefault(f"udp:{str(plan.outside)[4:]}", "the outside address over UDP")
     return out
 
 
 def expected_icmp(plan: ProbePlan, paths: Iterable[tuple[str, str]]) -> dict[str, str]:
-    out = {a: f"the default gateway {a}" for k, a in paths if k == "gw" and ":" not in a}
+    """Every address that must not answer an echo (ICMPv6 for the IPv6 ones)."""
+    out = {a: f"the default gateway {a}" for k, a in paths if k == "gw"}
     assert plan.outside.host is not None
-    if ":" not in plan.outside.host:
-        out.setdefault(plan.outside.host, "the outside address")
+    out.setdefault(plan.outside.host, "the outside address")
     return out
 
 
@@ -241,8 +256,16 @@ def judge(
         for target, what in deny.items()
     ]
     checks += [
-        ("icmp", addr, "answers", f"leak: {what} answers ICMP echo") for addr, what in icmp.items()
+        (
+            "icmp",
+            addr,
+            "answers",
+            f"leak: {what} answers {'ICMPv6' if ':' in addr else 'ICMP'} echo",
+        )
+        for addr, what in icmp.items()
     ]
+    if any(":" in addr for addr in icmp) and t.controls.get(_ICMP6) != "ok":
+        problems.append("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)")
     checks += [("dns", n, "resolves", f"leak: DNS name {n} resolves") for n in plan.dns]
     checks += [
         ("absent", p, "present", f"leak: host file {p} is visible in the guest")

@@ -27,6 +27,13 @@ DEFAULT_DNS_NAME = "example.com"
 #: Well-known host ports probed on every path to the host (ssh, dns, http, https, proxies,
 #: databases): a host service a guest must never reach, whoever runs it.
 WELL_KNOWN_PORTS = (22, 53, 80, 443, 3128, 5432, 6379, 8080)
+#: Well-known UDP ports probed on the same paths (dns, ntp, snmp, quic, mdns): any answer
+#: is a leak (a service that ignores an unknown datagram stays unseen).
+WELL_KNOWN_UDP_PORTS = (53, 123, 161, 443, 5353)
+#: The host's vsock CID: the host ports are also tried over vsock.
+VSOCK_HOST_CID = 2
+#: The guest's loopback addresses: with a transparent socket proxy (TSI) they can be the host's.
+LOOPBACKS = ("127.0.0.1", "::1")
 #: Per-check connect/resolve budget in the guest, seconds.
 CHECK_TIMEOUT = 2.0
 
@@ -171,8 +178,10 @@ class ProbePlan:
 
     ``own``: must connect (and, with ``witness``, be seen by the host listener carrying the
     nonce). ``deny``: explicit targets that must not connect. ``host_ports``: probed on every
-    path the guest has to the host (127.0.0.1, each default gateway, each nameserver).
-    ``outside``: must be unreachable by TCP and ICMP. ``dns``: names that must not resolve.
+    path the guest has to the host (127.0.0.1, [::1], each default gateway, each nameserver)
+    and over vsock to the host. ``udp_ports``: sent a datagram on the same paths; none may
+    answer. ``outside``: must be unreachable by TCP, UDP and ICMP. ``dns``: names that must
+    not resolve.
     ``absent``: host paths (the daemon's per-run markers) that must not exist in the guest.
     ``host_ids``: sha256(nonce:value) of the host's machine-id and hostname, which the guest's
     must differ from. ``ro``/``rw``: guest paths of read-only volumes (a write must fail) and
@@ -184,6 +193,7 @@ class ProbePlan:
     own: tuple[Target, ...] = field(converter=_targets, default=())
     deny: tuple[Target, ...] = field(converter=_targets, default=())
     host_ports: tuple[int, ...] = field(converter=_ports, default=())
+    udp_ports: tuple[int, ...] = field(converter=_ports, default=WELL_KNOWN_UDP_PORTS)
     outside: Target = field(converter=_outside, default=Target("tcp", "1.1.1.1", 443))
     dns: tuple[str, ...] = field(default=(DEFAULT_DNS_NAME,))
     absent: tuple[str, ...] = field(converter=_paths, default=())

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from bottlenet.probe.plan import ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, ProbePlan
 
 #: Where a trusted probe kit (a directory with ``bin/python3``) is mounted read-only, if any.
 KIT_DIR = "/run/bottlenet-probe"
@@ -44,15 +44,17 @@ fi
 """
 
 
-def guest_program(plan: ProbePlan) -> str:
-    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
-    source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
-    literal = {
+def plan_literal(plan: ProbePlan) -> dict[str, object]:
+    """The plan as ``guest.py`` reads it (``PLAN``): plain strings, lists and numbers."""
+    return {
         "nonce": plan.nonce,
         "mode": plan.mode,
         "own": [str(t) for t in plan.own],
         "deny": [str(t) for t in plan.deny],
         "ports": list(plan.host_ports),
+        "udp_ports": list(plan.udp_ports),
+        "loopbacks": list(LOOPBACKS),
+        "vsock_cid": VSOCK_HOST_CID,
         "outside": str(plan.outside),
         "dns": list(plan.dns),
         "absent": list(plan.absent),
@@ -64,6 +66,12 @@ def guest_program(plan: ProbePlan) -> str:
         "witness": plan.witness,
         "timeout": plan.timeout,
     }
+
+
+def guest_program(plan: ProbePlan) -> str:
+    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
+    source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
+    literal = plan_literal(plan)
     marker = "PLAN = {}  # type: dict  # filled in by script.render\n"
     assert marker in source
     return source.replace(marker, f"PLAN = {literal!r}\n", 1)

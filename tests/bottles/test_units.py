@@ -87,7 +87,9 @@ def test_gate_plan_covers_every_required_check() -> None:
         mode="alias",
         nonce="ab" * 16,
         other_bottle="127.77.0.4:43001",
-        settings=GateSettings(outside="198.18.0.1:9", dns_name="gate.invalid", host_ports=(9100,)),
+        settings=GateSettings(
+            outside="198.18.0.1:9", dns_name="gate.invalid", host_ports=(9100,), udp_ports=(9101,)
+        ),
         absent=("/s/.bottlenet-gate-marker-x",),
         volumes=[Volume("/h/ro", "/work/ro", True), Volume("/h/rw", "/work/rw")],
     )
@@ -95,6 +97,7 @@ def test_gate_plan_covers_every_required_check() -> None:
     assert [str(t) for t in plan.deny] == ["tcp:127.77.0.4:43001"]
     # raw ports, the daemon's own services, then the well-known host ports
     assert plan.host_ports[:3] == (40001, 40002, 9100) and 22 in plan.host_ports
+    assert plan.udp_ports == (9101, 53, 123, 161, 443, 5353)  # extra, then the well-known ones
     assert str(plan.outside) == "tcp:198.18.0.1:9" and plan.dns == ("gate.invalid",)
     assert plan.absent == ("/s/.bottlenet-gate-marker-x",)
     assert (plan.ro, plan.rw) == (("/work/ro",), ("/work/rw",))

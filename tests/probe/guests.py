@@ -30,6 +30,7 @@ def read_plan(script: bytes) -> tuple[dict[str, Any], ProbePlan]:
         own=p["own"],
         deny=p["deny"],
         host_ports=p["ports"],
+        udp_ports=p["udp_ports"],
         outside=p["outside"],
         dns=p["dns"],
         absent=p["absent"],

@@ -19,7 +19,7 @@ from twisted.internet.testing import StringTransport
 
 from bottlenet.errors import InvalidArgument
 from bottlenet.probe.__main__ import main as cli_main
-from bottlenet.probe.judge import expected_deny, judge
+from bottlenet.probe.judge import expected_deny, expected_icmp, judge
 from bottlenet.probe.plan import ProbePlan, Target, host_id_hash
 from bottlenet.probe.script import render
 from bottlenet.probe.witness import Witness, WitnessFactory
@@ -58,8 +58,9 @@ def transcript(
     pairs = [tuple(x.split(" ")) for x in paths]
     lines += [f"path {k} {a}" for k, a in pairs]
     lines += [f"deny {t} {o.get(t, 'blocked')}" for t in expected_deny(p, pairs)]  # type: ignore[arg-type]
-    gws = [a for k, a in pairs if k == "gw" and ":" not in a]  # ICMP: IPv4 gateways
-    lines += [f"icmp {a} {o.get('icmp ' + a, 'blocked')}" for a in [*gws, p.outside.host]]
+    icmp = expected_icmp(p, pairs)  # type: ignore[arg-type]
+    lines += ["control icmp6 ok"] if any(":" in a for a in icmp) else []
+    lines += [f"icmp {a} {o.get('icmp ' + a, 'blocked')}" for a in icmp]
     lines += [f"dns {n} {o.get(n, 'blocked')}" for n in p.dns]
     lines += [f"absent {a} {o.get(a, 'ok')}" for a in p.absent]
     lines += ["id machine-id " + o.get("machine-id", "none"), "id hostname none"]
@@ -188,6 +189,31 @@ def test_script_finds_a_reachable_port_and_a_visible_marker(tmp_path: Any) -> No
 
 
 @needs_netns
+def test_script_finds_host_services_on_loopback6_over_tcp_and_udp(tmp_path: Any) -> None:
+    """The real guest program finds a TCP listener and a UDP echo on [::1] (netns only)."""
+    p = plan(own=(), witness=False, host_ports=(18999,), udp_ports=(18998,))
+    ready = tmp_path / "ready"
+    services = (
+        "python3 -c 'import socket, sys\n"
+        's = socket.create_server(("::1", 18999), family=socket.AF_INET6)\n'
+        "u = socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)\n"
+        'u.bind(("::1", 18998))\n'
+        'open(sys.argv[1], "w").close()\n'
+        "while True:\n"
+        "    d, a = u.recvfrom(512)\n"
+        f"    u.sendto(d, a)' {ready} >/dev/null 2>&1 &"
+        f" while [ ! -e {ready} ]; do sleep 0.05; done"
+    )
+    code, out = run_in_netns(render(p), services)
+    v = judge(p, out, exit_code=code, witnessed=None)
+    assert code == 1
+    assert v.problems == (
+        "leak: tcp:[::1]:18999 (host port 18999 via the loopback ::1) is reachable",
+        "leak: udp:[::1]:18998 (host UDP port 18998 via the loopback ::1) is reachable",
+    )
+
+
+@needs_netns
 def test_script_without_python3_says_so(tmp_path: Any) -> None:
     p = plan(own=(), witness=False)
     code, out = run_in_netns(render(p), f"export PATH={tmp_path}")
@@ -257,6 +283,7 @@ def test_every_path_to_the_host_is_required_and_leaks_are_named() -> None:
             "icmp 10.0.2.2": "answers",
             "gate.invalid": "resolves",
             "tcp:[fe80::2%eth0]:18080": "reachable",
+            "icmp fe80::2%eth0": "answers",
         },
         end="fail",
     )
@@ -267,6 +294,7 @@ def test_every_path_to_the_host_is_required_and_leaks_are_named() -> None:
         "leak: tcp:[fe80::2%eth0]:18080 (host port 18080 via the default gateway fe80::2%eth0)"
         " is reachable",
         "leak: the default gateway 10.0.2.2 answers ICMP echo",
+        "leak: the default gateway fe80::2%eth0 answers ICMPv6 echo",
         "leak: DNS name gate.invalid resolves",
     )
     # a guest that leaves out the gateway's checks is incomplete, not clean

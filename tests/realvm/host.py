@@ -46,6 +46,8 @@ OUTSIDE = "198.51.100.7"  # TEST-NET-2, put on this namespace's lo only
 RESOLVER = "198.51.100.53"
 DNS_NAME = "gate-leak.test"
 RAW_PORT, CONTROL_PORT, METRICS_PORT = 18080, 18081, 18082
+#: A UDP service on host loopback (an echo): the gate must find it through slirp's gateway.
+UDP_PORT = 18085
 OTHER_BOTTLE = ("127.77.0.3", 18083)
 GUEST_SOCKET = "/run/bottle/egress.sock"
 BOOT_TIMEOUT = 240.0
@@ -95,6 +97,21 @@ class Accepts:
 
 
 DNS_QUERIES = [0]
+UDP_ECHOES = [0]
+
+
+def udp_echo(host: str, port: int) -> None:
+    """A UDP service stand-in that answers every datagram with its own bytes."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.bind((host, port))
+
+    def loop() -> None:
+        while True:
+            data, peer = s.recvfrom(512)
+            UDP_ECHOES[0] += 1
+            s.sendto(data, peer)
+
+    threading.Thread(target=loop, daemon=True).start()
 
 
 def dns_stand_in(name: str, answer: str) -> None:
@@ -253,6 +270,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     services.listen(*OTHER_BOTTLE)
     services.listen(OUTSIDE, 443)
     dns_stand_in(DNS_NAME, OUTSIDE)
+    udp_echo("127.0.0.1", UDP_PORT)
 
     work = tempfile.mkdtemp(prefix=f"rvm-{name}-")
     state_dir = os.path.join(work, "state")
@@ -283,7 +301,10 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     nonce = secrets.token_hex(16)
     markers = Markers(nonce, [state_dir, home])
     settings = GateSettings(
-        outside=f"{OUTSIDE}:443", dns_name=DNS_NAME, host_ports=(CONTROL_PORT, METRICS_PORT)
+        outside=f"{OUTSIDE}:443",
+        dns_name=DNS_NAME,
+        host_ports=(CONTROL_PORT, METRICS_PORT),
+        udp_ports=(UDP_PORT,),
     )
     plan = plan_gate(
         [endpoint],
@@ -342,6 +363,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         "witnessed": sorted(witness.seen),
         "host_accepts": services.seen,
         "dns_queries": DNS_QUERIES[0],
+        "udp_echoes": UDP_ECHOES[0],
         "qemu_exit": code,
         "probe_exit": exit_code,
         "wall": round(wall, 1),

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.realvm.build import find_kit, missing_tools
-from tests.realvm.host import CONTROL_PORT, METRICS_PORT, OUTSIDE, VARIANTS
+from tests.realvm.host import CONTROL_PORT, METRICS_PORT, OUTSIDE, UDP_PORT, VARIANTS
 
 pytestmark = pytest.mark.realvm
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -102,6 +102,7 @@ def test_isolated_vm_passes_with_the_own_endpoint_witnessed_on_the_host(runs: An
     for key in (f"127.0.0.1:{CONTROL_PORT}", f"127.0.0.1:{METRICS_PORT}", f"{OUTSIDE}:443"):
         assert r["host_accepts"][key] == 0, key
     assert r["console"][0] == "RVM-IFACES lo"
+    assert r["udp_echoes"] == 0  # no datagram reached the host's UDP service
 
 
 def test_leaky_vm_fails_naming_every_leak(runs: Any) -> None:
@@ -119,6 +120,14 @@ def test_leaky_vm_fails_naming_every_leak(runs: Any) -> None:
     )
     assert f"leak: tcp:{OUTSIDE}:443 (the outside address) is reachable" in problems
     assert "leak: the default gateway 10.0.2.2 answers ICMP echo" in problems  # it can ping
+    # UDP to a host service through slirp's gateway, and slirp's IPv6 router answering ICMPv6
+    # (the guest kernel took the route from slirp's router advertisement)
+    assert (
+        f"leak: udp:10.0.2.2:{UDP_PORT} (host UDP port {UDP_PORT} via the default gateway"
+        " 10.0.2.2) is reachable" in problems
+    )
+    assert "leak: the default gateway fe80::2%eth0 answers ICMPv6 echo" in problems
+    assert r["udp_echoes"] >= 1
     # the host side saw the guest on the daemon's control port stand-in: a real leak
     assert r["host_accepts"][f"127.0.0.1:{CONTROL_PORT}"] >= 1
 
@@ -130,7 +139,10 @@ def test_a_leak_through_a_nameserver_address_only_is_found(runs: Any) -> None:
         "leak: tcp:10.0.2.2:18080 (host port 18080 via the nameserver 10.0.2.2) is reachable"
         in r["problems"]
     )
-    assert not any("default gateway" in p for p in r["problems"])  # no gateway: only the nameserver
+    # no IPv4 gateway: the host is reached through the nameserver address only (the kernel's
+    # IPv6 autoconfiguration still takes slirp's router, which the ICMPv6 check names)
+    assert not any("default gateway 10." in p for p in r["problems"])
+    assert "leak: the default gateway fe80::2%eth0 answers ICMPv6 echo" in r["problems"]
 
 
 def test_a_second_interface_and_a_host_marker_seen_through_a_mount_fail(runs: Any) -> None:

@@ -148,3 +148,21 @@ class SanitizeTests(SynchronousTestCase):
         e = E.classify(data, code, "x")
         self.assertIsInstance(e, E.SmolvmFailed)
         self.assertFalse(any(ord(c) < 32 for c in e.message))
+
+
+def _json_error(code: str, message: str) -> bytes:
+    return b'{"error":{"code":"%s","message":"%s"}}\n' % (code.encode(), message.encode())
+
+
+def test_json_codes_type_the_error_whatever_the_message() -> None:
+    """V10/V12: HYPERVISOR_UNAVAILABLE and CONFLICT decide by code, not by their text."""
+    hv = E.classify(_json_error("HYPERVISOR_UNAVAILABLE", "hvf busy"), 1, "machine start")
+    assert isinstance(hv, E.KvmUnavailable)
+    taken = E.classify(_json_error("CONFLICT", "name taken"), 1, "machine create")
+    assert isinstance(taken, E.AlreadyExists)
+
+
+def test_the_last_json_error_line_wins() -> None:
+    """V14: a guest-forged earlier line cannot choose the code of smolvm's own failure."""
+    err = _json_error("NOT_FOUND", "a") + _json_error("CONFLICT", "b")
+    assert E.json_error(err) == ("CONFLICT", "b")

@@ -415,6 +415,13 @@ class Smolvm132Tests(SynchronousTestCase):
                                                b'age":"vm not found: m1"}}\n')  # fmt: skip
         self.assertFalse(self.successResultOf(self.smolvm.remove("m1")))
 
+    def test_a_failed_stop_still_deletes(self) -> None:
+        """A stop that fails (not NOT_FOUND) does not keep the machine: the delete runs."""
+        self.script.answers["machine stop"] = (1, b"", b'{"error":{"code":"SMOLVM_ERROR","mes'
+                                               b'sage":"vmm did not stop"}}\n')  # fmt: skip
+        self.assertTrue(self.successResultOf(self.smolvm.remove("m1")))
+        self.assertEqual([a[1] for a in self.script.machine_calls], ["stop", "delete"])
+
     def test_long_state_dir_refused(self) -> None:
         smolvm = Smolvm(ProcessRunner(self.reactor), BIN, "/" + "d" * 70, environ={})
         f = self.failureResultOf(smolvm.list(), SmolvmUnavailable)
