@@ -6,34 +6,41 @@ stdin, never written into the image. ``BRIDGES`` is filled in by ``script.render
 ``BNB ready`` or ``BNB bind <port> <errno name>`` (then exits 3); after that it relays each
 accepted connection byte for byte to a fresh connection on the socket, with half-close (an
 end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
-direction keeps flowing), one bounded buffer per direction (a 256 KiB pipe for ``os.splice``
-where Python has it, else a 64 KiB bytearray), at most ``MAX_CONNECTIONS`` at a
-time (more wait in the listen backlog). It runs in the foreground until killed and prints
-nothing else (no payload byte is ever printed). Its stdin is its lifeline: when stdin is a
-pipe or a socket (the daemon's exec session), its end ends the bridge, so a bridge never
-outlives the session that started it (a daemon killed with SIGKILL included); fed from a
-file or a terminal it runs until killed.
+direction keeps flowing), at most ``MAX_CONNECTIONS`` at a time (more wait in the listen
+backlog). It runs in the foreground until killed and prints nothing else (no payload byte is
+ever printed). Its stdin is its lifeline: when stdin is a pipe or a socket (the daemon's exec
+session), its end ends the bridge, so a bridge never outlives the session that started it (a
+daemon killed with SIGKILL included); fed from a file or a terminal it runs until killed.
+
+One thread and one ``selectors`` loop serve every connection: in a 1-vCPU guest, two threads
+per connection spent their time handing the GIL (and the CPU) back and forth. A read goes into
+one shared ``CHUNK`` buffer and straight on to the other side; only what the other side does
+not take at once is kept (at most one ``CHUNK`` per direction, and that direction reads
+nothing more until it is written), so memory is bounded per connection.
 """
 
 import errno
-import fcntl
 import os
+import selectors
 import socket
 import stat
 import sys
-import threading
 import time
 
 BRIDGES = []  # type: list  # filled in by script.render
 
-CHUNK = 65536
-#: Python 3.10+ on Linux: zero-copy relaying (else recv_into/sendall with one buffer).
-SPLICE = getattr(os, "splice", None)
-F_SETPIPE_SZ = 1031
-PIPE_SIZE = 256 * 1024
+#: The most one read moves; the buffer is shared by every connection.
+CHUNK = 256 * 1024
 MAX_CONNECTIONS = 256
 EXIT_BIND = 3
 BIND_RETRY_SECONDS = 5.0
+#: How long a new connection waits for room in the socket's accept queue, asking this often.
+CONNECT_SECONDS = 5.0
+RETRY_SECONDS = 0.05
+#: How long accepting pauses when the guest is out of file descriptors or memory.
+PAUSE_SECONDS = 0.1
+READ = selectors.EVENT_READ
+WRITE = selectors.EVENT_WRITE
 
 
 def say(*words):
@@ -48,111 +55,220 @@ def close(sock):
         pass
 
 
-def copy_splice(src, dst, splice):
-    """Move bytes in the kernel through a pipe (its 64 KiB is the buffer); False when no
-    pipe can be had (then the caller copies in user space)."""
-    try:
-        r, w = os.pipe()
-    except OSError:
-        return False
-    try:
+class Flow(object):
+    """One direction of a connection: what is read from ``src`` is written to ``dst``."""
+
+    __slots__ = ("src", "dst", "pending", "ended")
+
+    def __init__(self, src, dst):
+        self.src = src
+        self.dst = dst
+        self.pending = None  # a memoryview of what dst has not taken yet
+        self.ended = False  # src reached its end
+
+    def reading(self):
+        return not self.ended and self.pending is None
+
+    def done(self):
+        return self.ended and self.pending is None
+
+    def read(self, buf, view):
         try:
-            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)  # fewer, larger moves
-            size = PIPE_SIZE
-        except OSError:
-            size = CHUNK
-        while True:
-            n = splice(src.fileno(), w, size)
-            if n == 0:
-                return True
-            while n:
-                n -= splice(r, dst.fileno(), n)
-    finally:
-        os.close(r)
-        os.close(w)
-
-
-def copy_buffer(src, dst):
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    while True:
-        n = src.recv_into(buf)
-        if not n:
+            n = self.src.recv_into(buf)
+        except (BlockingIOError, InterruptedError):
             return
-        dst.sendall(view[:n])
-
-
-def pump(src, dst, done):
-    """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
-    try:
-        if SPLICE is None or not copy_splice(src, dst, SPLICE):
-            copy_buffer(src, dst)
+        if not n:
+            self.ended = True
+            self.half_close()
+            return
         try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-    except OSError:
-        # One side failed: end both directions now.
-        for s in (src, dst):
+            sent = self.dst.send(view[:n])
+        except (BlockingIOError, InterruptedError):
+            sent = 0
+        if sent < n:
+            self.pending = memoryview(bytes(view[sent:n]))
+
+    def write(self):
+        try:
+            sent = self.dst.send(self.pending)
+        except (BlockingIOError, InterruptedError):
+            return
+        self.pending = self.pending[sent:] if sent < len(self.pending) else None
+        if self.done():
+            self.half_close()
+
+    def half_close(self):
+        if self.pending is None:
             try:
-                s.shutdown(socket.SHUT_RDWR)
+                self.dst.shutdown(socket.SHUT_WR)
             except OSError:
                 pass
-    done()
 
 
-def relay(client, path, slots):
-    """One connection: a fresh connection on the socket, two pumps, then both closed."""
-    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        upstream.connect(path)
-    except OSError:
-        close(upstream)
-        close(client)
-        slots.release()
-        return
-    left = [2]
-    lock = threading.Lock()
+class Connection(object):
+    """A client and its socket connection: two flows, each side's interest kept current."""
 
-    def done():
-        with lock:
-            left[0] -= 1
-            last = left[0] == 0
-        if last:
-            close(client)
-            close(upstream)
-            slots.release()
+    __slots__ = ("client", "upstream", "up", "down", "masks")
 
-    try:
-        up = threading.Thread(target=pump, args=(client, upstream, done))
-        up.daemon = True
-        up.start()
-    except RuntimeError:  # no thread to be had: this connection ends, the bridge goes on
-        close(client)
-        close(upstream)
-        slots.release()
-        return
-    pump(upstream, client, done)
+    def __init__(self, client, upstream):
+        self.client = client
+        self.upstream = upstream
+        self.up = Flow(client, upstream)
+        self.down = Flow(upstream, client)
+        self.masks = {client: 0, upstream: 0}
 
-
-def serve(listener, path, slots):
-    while True:
-        slots.acquire()
+    def ready(self, sock, mask, buf, view):
+        """Serve one readiness event; False once the connection is over (both closed)."""
         try:
-            client, _ = listener.accept()
-        except OSError as e:
-            slots.release()
-            if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-                time.sleep(0.1)
-            continue
+            mine, theirs = (self.up, self.down) if sock is self.client else (self.down, self.up)
+            if mask & READ and mine.reading():
+                mine.read(buf, view)
+            if mask & WRITE and theirs.pending is not None:
+                theirs.write()
+        except OSError:  # one side failed: both directions end now
+            return False
+        return not (self.up.done() and self.down.done())
+
+    def want(self, sock):
+        if sock is self.client:
+            return (READ if self.up.reading() else 0) | (WRITE if self.down.pending else 0)
+        return (READ if self.down.reading() else 0) | (WRITE if self.up.pending else 0)
+
+
+class Bridge(object):
+    """Every listener and connection on one selector."""
+
+    def __init__(self, listeners):
+        self.sel = selectors.DefaultSelector()
+        self.listeners = listeners
+        self.buf = bytearray(CHUNK)
+        self.view = memoryview(self.buf)
+        self.count = 0  # connections open or waiting for the socket
+        self.waiting = []  # [client, path, deadline]: the socket's queue was full
+        self.accepting = False
+        self.paused_until = 0.0
+
+    def lifeline(self):
+        """Watch stdin when it is a pipe or a socket (the session); its bytes are discarded."""
         try:
+            mode = os.fstat(0).st_mode
+        except OSError:
+            return
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            self.sel.register(0, READ, None)
+
+    def accept_on(self, on):
+        if on == self.accepting:
+            return
+        for listener, path in self.listeners:
+            if on:
+                self.sel.register(listener, READ, path)
+            else:
+                self.sel.unregister(listener)
+        self.accepting = on
+
+    def accept(self, listener, path):
+        while self.count < MAX_CONNECTIONS:
+            try:
+                client, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self.paused_until = time.monotonic() + PAUSE_SECONDS
+                    self.accept_on(False)
+                return
+            self.count += 1
+            self.attach(client, path, time.monotonic() + CONNECT_SECONDS)
+
+    def attach(self, client, path, deadline):
+        """Connect ``client`` to a fresh connection on the socket at ``path``."""
+        try:
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        except OSError:
+            self.drop(client)
+            return
+        try:
+            upstream.setblocking(False)
+            upstream.connect(path)
+            client.setblocking(False)
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=relay, args=(client, path, slots))
-            t.daemon = True
-            t.start()
-        except (OSError, RuntimeError):
-            close(client)
-            slots.release()
+        except (BlockingIOError, InterruptedError):  # the socket's queue is full: ask again
+            close(upstream)
+            if time.monotonic() < deadline:
+                self.waiting.append([client, path, deadline])
+            else:
+                self.drop(client)
+            return
+        except OSError:
+            close(upstream)
+            self.drop(client)
+            return
+        conn = Connection(client, upstream)
+        self.update(conn)
+
+    def drop(self, client):
+        close(client)
+        self.count -= 1
+
+    def update(self, conn):
+        for sock in (conn.client, conn.upstream):
+            want = conn.want(sock)
+            had = conn.masks[sock]
+            if want == had:
+                continue
+            if not had:
+                self.sel.register(sock, want, conn)
+            elif not want:
+                self.sel.unregister(sock)
+            else:
+                self.sel.modify(sock, want, conn)
+            conn.masks[sock] = want
+
+    def end(self, conn):
+        for sock in (conn.client, conn.upstream):
+            if conn.masks[sock]:
+                self.sel.unregister(sock)
+                conn.masks[sock] = 0
+            close(sock)
+        self.count -= 1
+
+    def run(self):
+        self.lifeline()
+        while True:
+            now = time.monotonic()
+            if self.waiting:
+                retry, self.waiting = self.waiting, []
+                for client, path, deadline in retry:
+                    self.attach(client, path, deadline)
+            self.accept_on(self.count < MAX_CONNECTIONS and now >= self.paused_until)
+            timeout = None
+            if self.waiting:
+                timeout = RETRY_SECONDS
+            elif not self.accepting and self.count < MAX_CONNECTIONS:
+                timeout = max(0.0, self.paused_until - now)
+            for key, mask in self.sel.select(timeout):
+                data = key.data
+                if data is None:
+                    self.stdin()
+                elif isinstance(data, str):
+                    if self.accepting:
+                        self.accept(key.fileobj, data)
+                elif data.masks[key.fileobj]:  # not ended earlier in this round
+                    if data.ready(key.fileobj, mask, self.buf, self.view):
+                        self.update(data)
+                    else:
+                        self.end(data)
+
+    def stdin(self):
+        try:
+            data = os.read(0, 4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(0)
 
 
 def bind(port):
@@ -165,6 +281,7 @@ def bind(port):
         try:
             s.bind(("127.0.0.1", port))
             s.listen(128)
+            s.setblocking(False)
             return s
         except OSError as e:
             close(s)
@@ -173,28 +290,7 @@ def bind(port):
             time.sleep(0.2)
 
 
-def lifeline():
-    """Exit when stdin (a pipe or socket: the session) ends; its bytes are discarded."""
-    try:
-        mode = os.fstat(0).st_mode
-    except OSError:
-        return
-    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-        return
-    while True:
-        try:
-            data = os.read(0, 4096)
-        except OSError:
-            data = b""
-        if not data:
-            os._exit(0)
-
-
 def main():
-    threading.stack_size(256 * 1024)
-    t = threading.Thread(target=lifeline)
-    t.daemon = True
-    t.start()
     listeners = []
     for port, path in BRIDGES:
         try:
@@ -202,14 +298,9 @@ def main():
         except OSError as e:
             say("bind", port, errno.errorcode.get(e.errno or 0, "EUNKNOWN"))
             return EXIT_BIND
-    slots = threading.Semaphore(MAX_CONNECTIONS)
-    for listener, path in listeners:
-        t = threading.Thread(target=serve, args=(listener, path, slots))
-        t.daemon = True
-        t.start()
+    bridge = Bridge(listeners)
     say("ready", len(listeners))
-    while True:
-        time.sleep(3600)
+    bridge.run()
 
 
 if __name__ == "__main__":
