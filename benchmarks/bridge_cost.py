@@ -113,6 +113,15 @@ def bulk(connect, size: int) -> float:  # type: ignore[no-untyped-def]
     return total / (time.perf_counter() - t)
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """utime + stime of a process, its ended threads included (0 for none)."""
+    if pid is None:
+        return 0.0
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5)
@@ -137,18 +146,26 @@ def main() -> None:
         for g in guests:
             port = free_port()
             bridges.append((os.path.basename(g), start_bridge(g, port, path, pin), port))
-        paths = [("socket", connector("socket", 0, path))]
-        paths += [(name, connector("tcp", port, path)) for name, _, port in bridges]
-        best: dict[str, list[float]] = {label: [float("inf"), 0.0] for label, _ in paths}
+        paths = [("socket", connector("socket", 0, path), None)]
+        paths += [(name, connector("tcp", port, path), p.pid) for name, p, port in bridges]
+        best = {label: [float("inf"), 0.0] for label, _, _ in paths}
+        cpu = {label: [0.0, 0.0] for label, _, _ in paths}  # bridge CPU: round trips, bulk
         for _ in range(args.rounds):
-            for label, connect in paths:
+            for label, connect, pid in paths:
+                c = cpu_seconds(pid)
                 best[label][0] = min(best[label][0], round_trip(connect, args.trips))
+                c2 = cpu_seconds(pid)
                 best[label][1] = max(best[label][1], bulk(connect, args.bytes))
+                cpu[label][0] += c2 - c
+                cpu[label][1] += cpu_seconds(pid) - c2
         s_rtt, s_rate = best["socket"]
         for label, (rtt, rate) in best.items():
+            per_trip = cpu[label][0] / (args.rounds * args.trips) * 1e6
+            per_mb = cpu[label][1] / (args.rounds * args.bytes / 1e6) * 1e6
             print(
-                f"{label:>20}: round trip {rtt * 1e6:7.1f} us ({rtt / s_rtt:.2f}x), "
-                f"throughput {rate / 1e6:8.1f} MB/s ({rate / s_rate:.2f}x)"
+                f"{label:>12}: round trip {rtt * 1e6:6.1f} us ({rtt / s_rtt:.2f}x), "
+                f"throughput {rate / 1e6:7.1f} MB/s ({rate / s_rate:.2f}x); bridge CPU "
+                f"{per_trip:5.1f} us per round trip, {per_mb:6.1f} us per MB"
             )
     finally:
         for _, proc, _ in bridges:

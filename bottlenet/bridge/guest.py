@@ -12,7 +12,7 @@ ever printed). Its stdin is its lifeline: when stdin is a pipe or a socket (the 
 session), its end ends the bridge, so a bridge never outlives the session that started it (a
 daemon killed with SIGKILL included); fed from a file or a terminal it runs until killed.
 
-One thread and one ``selectors`` loop serve every connection: in a 1-vCPU guest, two threads
+One thread and one epoll loop serve every connection: in a 1-vCPU guest, two threads
 per connection spent their time handing the GIL (and the CPU) back and forth. A read goes into
 one shared ``CHUNK`` buffer and straight on to the other side; only what the other side does
 not take at once is kept (at most one ``CHUNK`` per direction, and that direction reads
@@ -21,7 +21,7 @@ nothing more until it is written), so memory is bounded per connection.
 
 import errno
 import os
-import selectors
+import select
 import socket
 import stat
 import sys
@@ -39,8 +39,11 @@ CONNECT_SECONDS = 5.0
 RETRY_SECONDS = 0.05
 #: How long accepting pauses when the guest is out of file descriptors or memory.
 PAUSE_SECONDS = 0.1
-READ = selectors.EVENT_READ
-WRITE = selectors.EVENT_WRITE
+#: A hang-up or an error is served as both: the read or the write then says which.
+IN_EVENTS = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
+OUT_EVENTS = select.EPOLLOUT | select.EPOLLHUP | select.EPOLLERR
+SAME, CHANGED, OVER = "same", "changed", "over"
+NOBODY = (None, None)  # an fd ended earlier in the same round
 
 
 def say(*words):
@@ -55,94 +58,78 @@ def close(sock):
         pass
 
 
-class Flow(object):
-    """One direction of a connection: what is read from ``src`` is written to ``dst``."""
-
-    __slots__ = ("src", "dst", "pending", "ended")
-
-    def __init__(self, src, dst):
-        self.src = src
-        self.dst = dst
-        self.pending = None  # a memoryview of what dst has not taken yet
-        self.ended = False  # src reached its end
-
-    def reading(self):
-        return not self.ended and self.pending is None
-
-    def done(self):
-        return self.ended and self.pending is None
-
-    def read(self, buf, view):
-        try:
-            n = self.src.recv_into(buf)
-        except (BlockingIOError, InterruptedError):
-            return
-        if not n:
-            self.ended = True
-            self.half_close()
-            return
-        try:
-            sent = self.dst.send(view[:n])
-        except (BlockingIOError, InterruptedError):
-            sent = 0
-        if sent < n:
-            self.pending = memoryview(bytes(view[sent:n]))
-
-    def write(self):
-        try:
-            sent = self.dst.send(self.pending)
-        except (BlockingIOError, InterruptedError):
-            return
-        self.pending = self.pending[sent:] if sent < len(self.pending) else None
-        if self.done():
-            self.half_close()
-
-    def half_close(self):
-        if self.pending is None:
-            try:
-                self.dst.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-
 class Connection(object):
-    """A client and its socket connection: two flows, each side's interest kept current."""
+    """A client (side 0) and its connection on the socket (side 1). Direction ``i`` reads
+    side ``i`` and writes the other; ``pending[i]`` is what the other side has not taken
+    yet (side ``i`` is not read meanwhile), ``ended[i]`` that side ``i`` reached its end."""
 
-    __slots__ = ("client", "upstream", "up", "down", "masks")
+    __slots__ = ("socks", "pending", "ended", "masks")
 
     def __init__(self, client, upstream):
-        self.client = client
-        self.upstream = upstream
-        self.up = Flow(client, upstream)
-        self.down = Flow(upstream, client)
-        self.masks = {client: 0, upstream: 0}
+        self.socks = (client, upstream)
+        self.pending = [None, None]
+        self.ended = [False, False]
+        self.masks = [0, 0]
 
-    def ready(self, sock, mask, buf, view):
-        """Serve one readiness event; False once the connection is over (both closed)."""
-        try:
-            mine, theirs = (self.up, self.down) if sock is self.client else (self.down, self.up)
-            if mask & READ and mine.reading():
-                mine.read(buf, view)
-            if mask & WRITE and theirs.pending is not None:
-                theirs.write()
-        except OSError:  # one side failed: both directions end now
-            return False
-        return not (self.up.done() and self.down.done())
+    def event(self, i, ev, view):
+        """Serve one readiness event of side ``i``: ``SAME`` when the interests stay as they
+        are (a round trip's usual case, no epoll call), ``CHANGED``, or ``OVER``."""
+        pending = self.pending
+        result = SAME
+        if ev & IN_EVENTS and not self.ended[i] and pending[i] is None:
+            src, dst = self.socks[i], self.socks[1 - i]
+            try:
+                n = src.recv_into(view)
+            except (BlockingIOError, InterruptedError):
+                n = -1
+            if n == 0:
+                self.ended[i] = True
+                try:
+                    dst.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                if self.ended[1 - i]:
+                    return OVER
+                result = CHANGED
+            elif n > 0:
+                try:
+                    sent = dst.send(view[:n])
+                except (BlockingIOError, InterruptedError):
+                    sent = 0
+                if sent < n:
+                    pending[i] = memoryview(bytes(view[sent:n]))
+                    result = CHANGED
+        j = 1 - i
+        if ev & OUT_EVENTS and pending[j] is not None:
+            try:
+                sent = self.socks[i].send(pending[j])
+            except (BlockingIOError, InterruptedError):
+                sent = 0
+            if sent < len(pending[j]):
+                pending[j] = pending[j][sent:]
+            else:
+                pending[j] = None
+                result = CHANGED
+        return result
 
-    def want(self, sock):
-        if sock is self.client:
-            return (READ if self.up.reading() else 0) | (WRITE if self.down.pending else 0)
-        return (READ if self.down.reading() else 0) | (WRITE if self.up.pending else 0)
+    def want(self, i):
+        """The events side ``i`` waits for."""
+        mask = 0
+        if not self.ended[i] and self.pending[i] is None:
+            mask = select.EPOLLIN
+        if self.pending[1 - i] is not None:
+            mask |= select.EPOLLOUT
+        return mask
 
 
 class Bridge(object):
-    """Every listener and connection on one selector."""
+    """Every listener and connection on one epoll loop."""
 
     def __init__(self, listeners):
-        self.sel = selectors.DefaultSelector()
+        self.ep = select.epoll()
+        self.handlers = {}  # fd -> (Connection, side), or (None, (listener, path))
         self.listeners = listeners
-        self.buf = bytearray(CHUNK)
-        self.view = memoryview(self.buf)
+        self.view = memoryview(bytearray(CHUNK))
         self.count = 0  # connections open or waiting for the socket
         self.waiting = []  # [client, path, deadline]: the socket's queue was full
         self.accepting = False
@@ -155,16 +142,20 @@ class Bridge(object):
         except OSError:
             return
         if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
-            self.sel.register(0, READ, None)
+            self.ep.register(0, select.EPOLLIN)
+            self.handlers[0] = (None, None)
 
     def accept_on(self, on):
         if on == self.accepting:
             return
         for listener, path in self.listeners:
+            fd = listener.fileno()
             if on:
-                self.sel.register(listener, READ, path)
+                self.ep.register(fd, select.EPOLLIN)
+                self.handlers[fd] = (None, (listener, path))
             else:
-                self.sel.unregister(listener)
+                self.ep.unregister(fd)
+                del self.handlers[fd]
         self.accepting = on
 
     def accept(self, listener, path):
@@ -212,29 +203,36 @@ class Bridge(object):
         self.count -= 1
 
     def update(self, conn):
-        for sock in (conn.client, conn.upstream):
-            want = conn.want(sock)
-            had = conn.masks[sock]
+        for i in (0, 1):
+            want = conn.want(i)
+            had = conn.masks[i]
             if want == had:
                 continue
+            fd = conn.socks[i].fileno()
             if not had:
-                self.sel.register(sock, want, conn)
+                self.ep.register(fd, want)
+                self.handlers[fd] = (conn, i)
             elif not want:
-                self.sel.unregister(sock)
+                self.ep.unregister(fd)
+                del self.handlers[fd]
             else:
-                self.sel.modify(sock, want, conn)
-            conn.masks[sock] = want
+                self.ep.modify(fd, want)
+            conn.masks[i] = want
 
     def end(self, conn):
-        for sock in (conn.client, conn.upstream):
-            if conn.masks[sock]:
-                self.sel.unregister(sock)
-                conn.masks[sock] = 0
+        for i in (0, 1):
+            sock = conn.socks[i]
+            if conn.masks[i]:
+                fd = sock.fileno()
+                self.ep.unregister(fd)
+                del self.handlers[fd]
+                conn.masks[i] = 0
             close(sock)
         self.count -= 1
 
     def run(self):
         self.lifeline()
+        handlers, view = self.handlers, self.view
         while True:
             now = time.monotonic()
             if self.waiting:
@@ -242,23 +240,27 @@ class Bridge(object):
                 for client, path, deadline in retry:
                     self.attach(client, path, deadline)
             self.accept_on(self.count < MAX_CONNECTIONS and now >= self.paused_until)
-            timeout = None
+            timeout = -1
             if self.waiting:
                 timeout = RETRY_SECONDS
             elif not self.accepting and self.count < MAX_CONNECTIONS:
                 timeout = max(0.0, self.paused_until - now)
-            for key, mask in self.sel.select(timeout):
-                data = key.data
-                if data is None:
-                    self.stdin()
-                elif isinstance(data, str):
-                    if self.accepting:
-                        self.accept(key.fileobj, data)
-                elif data.masks[key.fileobj]:  # not ended earlier in this round
-                    if data.ready(key.fileobj, mask, self.buf, self.view):
-                        self.update(data)
-                    else:
-                        self.end(data)
+            for fd, ev in self.ep.poll(timeout):
+                conn, side = handlers.get(fd, NOBODY)
+                if conn is not None:
+                    try:
+                        result = conn.event(side, ev, view)
+                    except OSError:  # one side failed: both directions end now
+                        result = OVER
+                    if result is CHANGED:
+                        self.update(conn)
+                    elif result is OVER:
+                        self.end(conn)
+                elif side is None:
+                    if fd == 0:
+                        self.stdin()
+                elif self.accepting:
+                    self.accept(*side)
 
     def stdin(self):
         try:
