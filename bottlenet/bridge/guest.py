@@ -6,17 +6,21 @@ stdin, never written into the image. ``BRIDGES`` is filled in by ``script.render
 ``BNB ready`` or ``BNB bind <port> <errno name>`` (then exits 3); after that it relays each
 accepted connection byte for byte to a fresh connection on the socket, with half-close (an
 end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
-direction keeps flowing), one bounded buffer per direction (a 256 KiB pipe for ``os.splice``
-where Python has it, else a 64 KiB bytearray), at most ``MAX_CONNECTIONS`` at a
-time (more wait in the listen backlog). It runs in the foreground until killed and prints
+direction keeps flowing), one ``CHUNK`` buffer per direction, at most ``MAX_CONNECTIONS`` at
+a time (more wait in the listen backlog). It runs in the foreground until killed and prints
 nothing else (no payload byte is ever printed). Its stdin is its lifeline: when stdin is a
 pipe or a socket (the daemon's exec session), its end ends the bridge, so a bridge never
 outlives the session that started it (a daemon killed with SIGKILL included); fed from a
 file or a terminal it runs until killed.
+
+Two blocking threads per connection, each a ``recv_into`` and ``sendall`` loop, are what
+measured cheapest (benchmarks/bridge_cost.py on the host, the real-VM tier's bridge run in a
+1-vCPU TCG guest): a round trip through them costs what the least relay there can be costs,
+one epoll loop for every connection cost about 0.3 ms more per round trip in the guest, and
+``os.splice`` through a pipe took twice the CPU per byte of a 256 KiB ``recv_into``.
 """
 
 import errno
-import fcntl
 import os
 import socket
 import stat
@@ -26,11 +30,8 @@ import time
 
 BRIDGES = []  # type: list  # filled in by script.render
 
-CHUNK = 65536
-#: Python 3.10+ on Linux: zero-copy relaying (else recv_into/sendall with one buffer).
-SPLICE = getattr(os, "splice", None)
-F_SETPIPE_SZ = 1031
-PIPE_SIZE = 256 * 1024
+#: One buffer per direction: large reads mean few system calls per byte.
+CHUNK = 256 * 1024
 MAX_CONNECTIONS = 256
 EXIT_BIND = 3
 BIND_RETRY_SECONDS = 5.0
@@ -48,30 +49,6 @@ def close(sock):
         pass
 
 
-def copy_splice(src, dst, splice):
-    """Move bytes in the kernel through a pipe (its 64 KiB is the buffer); False when no
-    pipe can be had (then the caller copies in user space)."""
-    try:
-        r, w = os.pipe()
-    except OSError:
-        return False
-    try:
-        try:
-            fcntl.fcntl(w, F_SETPIPE_SZ, PIPE_SIZE)  # fewer, larger moves
-            size = PIPE_SIZE
-        except OSError:
-            size = CHUNK
-        while True:
-            n = splice(src.fileno(), w, size)
-            if n == 0:
-                return True
-            while n:
-                n -= splice(r, dst.fileno(), n)
-    finally:
-        os.close(r)
-        os.close(w)
-
-
 def copy_buffer(src, dst):
     buf = bytearray(CHUNK)
     view = memoryview(buf)
@@ -85,8 +62,7 @@ def copy_buffer(src, dst):
 def pump(src, dst, done):
     """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
     try:
-        if SPLICE is None or not copy_splice(src, dst, SPLICE):
-            copy_buffer(src, dst)
+        copy_buffer(src, dst)
         try:
             dst.shutdown(socket.SHUT_WR)
         except OSError:

@@ -60,8 +60,85 @@ def via_socket():
     return s
 
 
-def round_trips(connect, n):
-    s = tunnel(connect, CONF["echo"])
+def child(serve):
+    """Run ``serve`` in a forked child (until killed); the parent gets its pid."""
+    pid = os.fork()
+    if pid:
+        return pid
+    try:
+        serve()
+    finally:
+        os._exit(0)
+
+
+def local_echo(path):
+    """An in-guest UNIX echo, one connection at a time."""
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(path)
+    srv.listen(4)
+
+    def serve():
+        while True:
+            c, _ = srv.accept()
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                c.sendall(data)
+            c.close()
+
+    return child(serve)
+
+
+def least_relay(path):
+    """The least a relay hop can do for a round trip: TCP 127.0.0.1 to the UNIX socket at
+    ``path``, blocking, one message each way in turn (only good for a ping-pong)."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        while True:
+            c, _ = srv.accept()
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            u.connect(path)
+            while True:
+                data = c.recv(65536)
+                if not data:
+                    break
+                u.sendall(data)
+                back = b""
+                while len(back) < len(data):
+                    back += u.recv(65536)
+                c.sendall(back)
+            c.close()
+            u.close()
+
+    return srv.getsockname()[1], child(serve)
+
+
+def tcp(port):
+    def connect():
+        s = socket.create_connection(("127.0.0.1", port), timeout=60)
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return s
+
+    return connect
+
+
+def unix(path):
+    def connect():
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(60)
+        s.connect(path)
+        return s
+
+    return connect
+
+
+def round_trips(connect, n, through_proxy=True):
+    s = tunnel(connect, CONF["echo"]) if through_proxy else connect()
     msg = b"x" * 64
     times = []
     try:
@@ -83,15 +160,16 @@ def round_trips(connect, n):
 
 def bulk(connect):
     s = tunnel(connect, CONF["blast"])
+    buf = bytearray(262144)  # as large as the bridge's reads: the same client for both paths
     total, t = 0, None
     try:
         while True:
-            chunk = s.recv(65536)
-            if not chunk:
+            n = s.recv_into(buf)
+            if not n:
                 break
             if t is None:
                 t = time.perf_counter()
-            total += len(chunk)
+            total += n
     finally:
         s.close()
     return total / (time.perf_counter() - t) if t else 0.0
@@ -114,11 +192,23 @@ def main():
         say("direct", getattr(e, "errno", None), os.strerror(e.errno or 0).replace(" ", "_"))
     # Alternating rounds: the host is shared and emulation is noisy; the host keeps the best
     # of each path.
+    # The same hop with nothing behind it but an in-guest UNIX echo: on the socket directly,
+    # through the least relay there can be, and through bottlenet's bridge.
+    local = CONF["local_socket"]
+    pids = [local_echo(local)]
+    port, pid = least_relay(local)
+    pids.append(pid)
+    hops = (("direct", unix(local)), ("least", tcp(port)), ("bridge", tcp(CONF["local_port"])))
     for _ in range(CONF["rounds"]):
         for label, connect in (("bridge", via_bridge), ("socket", via_socket)):
             rtt = round_trips(connect, CONF["trips"])
             rate = bulk(connect)
             say("cost", label, "%.6f" % rtt, "%.0f" % rate)
+        for label, connect in hops:
+            say("local", label, "%.6f" % round_trips(connect, CONF["trips"], False))
+    for pid in pids:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
 
 
 if __name__ == "__main__":

@@ -36,13 +36,17 @@ from tests.realvm.host import GUEST_SOCKET, OUTSIDE, Accepts, boot, namespace_se
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUEST_PORT = 3128
+#: A second bridge, onto an in-guest UNIX echo: the bridge's own cost, nothing behind it.
+LOCAL_PORT, LOCAL_SOCKET = 3129, "/tmp/rvb-echo.sock"
 PROXY_PORT, ALLOWED_PORT, DENIED_PORT, TLS_PORT, ECHO_PORT, BLAST_PORT = (
     18128, 18180, 18181, 18443, 18007, 18019,
 )  # fmt: skip
 DENIED_ADDR = "127.0.0.2"
-BLAST_BYTES = 4 * 1024 * 1024
+BLAST_BYTES = 8 * 1024 * 1024
 TRIPS = 200
 ROUNDS = 3
+#: vCPUs of the bridge run's guest: 1 in the tier; ``BOTTLENET_REALVM_SMP=2`` for a measurement.
+SMP = int(os.environ.get("BOTTLENET_REALVM_SMP", "1"))
 CLIENT_IMPORTS = (
     "urllib.request urllib.error ssl http.client socket time os sys encodings.idna"
     " encodings.latin_1 encodings.ascii encodings.utf_8 stringprep unicodedata"
@@ -56,6 +60,7 @@ export HTTPS_PROXY=http://127.0.0.1:{port} HTTP_PROXY=http://127.0.0.1:{port}
 export https_proxy=$HTTPS_PROXY http_proxy=$HTTP_PROXY
 # bottlenet's bridge, fed as the daemon's session feeds it: on stdin, which stays open.
 {{ cat /bridge.sh; sleep 100000; }} | sh -s > /tmp/bridge.out 2>&1 &
+{{ cat /bridge-local.sh; sleep 100000; }} | sh -s > /tmp/bridge-local.out 2>&1 &
 i=0
 while ! grep -q '^BNB ready' /tmp/bridge.out && [ $i -lt 600 ]; do sleep 0.1; i=$((i + 1)); done
 echo "RVB bridge $(head -c 80 /tmp/bridge.out | tr '\\n ' '__')"
@@ -223,11 +228,14 @@ def guest_files(ca: str) -> dict[str, bytes | str]:
         "outside": OUTSIDE,
         "trips": TRIPS,
         "rounds": ROUNDS,
+        "local_port": LOCAL_PORT,
+        "local_socket": LOCAL_SOCKET,
     }
     with open(os.path.join(HERE, "bridge_client.py")) as fh:
         client = fh.read().replace("CONF = {}  # filled in by the host", f"CONF = {conf!r}  #")
     files: dict[str, bytes | str] = {
         "/bridge.sh": render([Bridge(GUEST_PORT, GUEST_SOCKET)]),
+        "/bridge-local.sh": render([Bridge(LOCAL_PORT, LOCAL_SOCKET)]),
         "/probe.sh": GUEST_SH.format(
             port=GUEST_PORT,
             allowed=ALLOWED_PORT,
@@ -295,7 +303,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     conf = "NET=none\nBLIND=0\nSHARES=''\n"
     initrd = os.path.join(work, "initrd.cpio")
     overlay_cpio(kit.initrd, initrd, {"/rvm.conf": conf.encode(), **guest_files(ca)})
-    argv = qemu_argv({"net": "none"}, kit, initrd, work, info.bound.path, [])  # type: ignore[union-attr]
+    argv = qemu_argv({"net": "none", "smp": SMP}, kit, initrd, work, info.bound.path, [])  # type: ignore[union-attr]
     qemu, code, wall = await boot(reactor, argv)
     await table.stopService()
     proxy.terminate()
@@ -333,8 +341,14 @@ def cost(results: dict[str, list[str]]) -> dict[str, float] | None:
     if set(rows) != {"bridge", "socket"}:
         return None
     (b_rtt, b_rate), (s_rtt, s_rate) = rows["bridge"], rows["socket"]
+    local: dict[str, float] = {}
+    for row in results.get("local", []):
+        label, rtt = row.split()
+        local[label] = min(local.get(label, float("inf")), float(rtt))
+    least = local.get("least", 0.0) - local.get("direct", 0.0)
     return {
         "rtt_bridge": b_rtt, "rtt_socket": s_rtt, "rtt_ratio": b_rtt / s_rtt,
+        "local": local, "rtt_least_ratio": (s_rtt + least) / s_rtt,
         "rate_bridge": b_rate, "rate_socket": s_rate,
         "rate_ratio": b_rate / s_rate if s_rate else 0.0,
     }  # fmt: skip
@@ -342,7 +356,7 @@ def cost(results: dict[str, list[str]]) -> dict[str, float] | None:
 
 def report_lines(results: dict[str, list[str]]) -> list[str]:
     lines = [f"{key}: {' | '.join(values)}" for key, values in sorted(results.items())]
-    lines = [ln for ln in lines if not ln.startswith("cost: ")]
+    lines = [ln for ln in lines if not ln.startswith(("cost: ", "local: "))]
     c = cost(results)
     if c is not None:
         lines.append(
@@ -352,4 +366,13 @@ def report_lines(results: dict[str, list[str]]) -> list[str]:
             f"{c['rate_ratio']:.2f}x (bridge {c['rate_bridge'] / 1e6:.1f} MB/s vs socket "
             f"{c['rate_socket'] / 1e6:.1f} MB/s; target >= 0.7x)"
         )
+        local = c["local"]
+        if set(local) == {"direct", "least", "bridge"}:
+            lines.append(
+                "bridge hop alone (in-guest UNIX echo): round trip direct "
+                f"{local['direct'] * 1e3:.2f} ms, through the least relay there can be "
+                f"{local['least'] * 1e3:.2f} ms, through the bridge {local['bridge'] * 1e3:.2f}"
+                f" ms; the least relay's hop on the socket path would be "
+                f"{c['rtt_least_ratio']:.2f}x"
+            )
     return lines

@@ -180,7 +180,7 @@ def qemu_argv(
         "-m",
         "384",
         "-smp",
-        "1",
+        str(variant.get("smp", 1)),
         "-kernel",
         kit.vmlinux,
         "-initrd",
