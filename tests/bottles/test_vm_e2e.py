@@ -197,6 +197,26 @@ class SidecarSocketTests(DaemonCase):
             self.assertEqual(await in_thread(_echo_as, stranger, paths), [])
         await client.destroy_bottle("p1")
 
+    async def test_per_vm_uid_grants_are_restored_after_a_restart(self) -> None:
+        """A restarted daemon re-binds the endpoints and grants them to the agent VMM's uid
+        again (read from its ``.vm-uid``): that uid still gets its bytes back, the peer check
+        still resets a stranger."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        client = await self.start()
+        b = await client.create_bottle("r1", spec=self.spec_json())
+        paths = [e.host_path for e in b.endpoints if e.host_path]
+        await self.stop()
+        client = await self.start()
+        self.assertEqual((await client.bottle_status("r1")).state, "ready")
+        agent = self.vmm_uid("bn-r1-agent")
+        self.assertEqual(await in_thread(_echo_as, agent, paths), paths)
+        for path in paths:
+            os.chmod(path, 0o666)
+        self.assertEqual(await in_thread(_echo_as, 65534, paths), [])
+        await client.destroy_bottle("r1")
+
     async def test_per_vm_uids_refuse_a_state_dir_they_cannot_reach(self) -> None:
         """A parent of the state dir no VMM uid can pass (and smolvm will not open): the
         sidecar VMM cannot create its sockets, the create fails saying which parent, and
