@@ -96,6 +96,10 @@ _REFUSAL_WHY = {
 _FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
 
 
+#: Linux's peer credentials on UNIX sockets; elsewhere the endpoints' file modes decide alone.
+HAS_PEERCRED = hasattr(socket, "SO_PEERCRED")
+
+
 def peer_uid(sock: socket.socket) -> int | None:
     """The uid of a UNIX peer (``SO_PEERCRED``), or None where the platform has no such call."""
     so_peercred = getattr(socket, "SO_PEERCRED", None)
@@ -220,8 +224,8 @@ class _Forward(Factory):
         """The listener's peer check: a UNIX endpoint of a bottle with admitted uids takes a
         connection only from one of them (``SO_PEERCRED``), as the control socket does."""
         uids = self.table.peers.get(self.spec.bottle)
-        if uids is None or not isinstance(self.spec.listen, UNIXListen):
-            return True
+        if uids is None or not isinstance(self.spec.listen, UNIXListen) or not HAS_PEERCRED:
+            return True  # no SO_PEERCRED (macOS): the file modes decide, as before
         if peer_uid(sock) in uids:
             return True
         self.refused += 1
