@@ -448,6 +448,7 @@ def _build(
         instance_id=state.instance_id,
         gate=gate,
         skip_probe=options["unsafe-skip-isolation-probe"],
+        vm_uids=VmUids.for_euid(os.geteuid()),
     )
     if vm_options.skip_probe:
         BottlenetService.log.warn(

@@ -17,7 +17,7 @@ import errno
 import os
 import socket
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from attrs import frozen
 from twisted.internet.defer import Deferred
@@ -350,8 +350,12 @@ def start_with_sockets(
     *,
     check: SocketChecker = check_socket_owner,
     allow_unverifiable: bool = False,
+    before_start: Callable[[], Awaitable[object]] | None = None,
 ) -> Deferred[SocketsResult]:
     """Create and start a machine with ``--expose-socket``s, then verify who holds them.
+
+    ``before_start`` runs between create and start (e.g. reserving the VMM's uid and handing
+    it the directory its sockets go to).
 
     No ports, so no collisions and no retries. On any failure (including a cancelled or
     timed-out start) the machine is stopped, then deleted, and the error raised.
@@ -360,6 +364,8 @@ def start_with_sockets(
     async def go() -> SocketsResult:
         await smolvm.create(spec)
         try:
+            if before_start is not None:
+                await before_start()
             await smolvm.start(spec.name)
             pid = await started_pid(smolvm, spec.name)
             checks = tuple(check(e.host, pid) for e in spec.expose_sockets)

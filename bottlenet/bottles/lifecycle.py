@@ -1,7 +1,8 @@
 """Create, verify, re-policy and tear down VM bottles, step by step, each step with its undo.
 
-Create runs, in order: make the bottle's 0700 socket directory; create and start the sidecar
-with its services exposed as UNIX sockets in that directory (or, opted in, raw published
+Create runs, in order: make the bottle's socket directory and its sidecar's (``vmmaccess``
+says for whom); create and start the sidecar (its VMM's uid reserved in smolvm's registry
+first) with its services exposed as UNIX sockets in its directory (or, opted in, raw published
 ports) and verify that its VM process holds them; bind one agent endpoint per service; push
 the egress policy; create the agent VM with bottlenet's wait command as its workload (so the
 image's own ENTRYPOINT never starts), with the stamped env and no network device; refuse a
@@ -16,6 +17,7 @@ owns no bottle table of its own except the sidecar pid watches.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import os
 import stat
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 from attrs import evolve, field, frozen
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from bottlenet.bottles import egress, workload
@@ -59,31 +62,36 @@ from bottlenet.bottles.spec import (
     image_fields,
     is_local_image,
 )
+from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
     IsolationFailed,
+    IsolationUnavailable,
     KvmUnavailable,
     SmolvmFailed,
     SmolvmUnavailable,
     Unavailable,
+    safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
+    SIDECAR_DIR,
     ForwardSpec,
     TCPListen,
     TCPTarget,
     UNIXListen,
     UNIXTarget,
     bottle_dir,
+    sidecar_dir,
     sidecar_socket_path,
     unix_listen_for,
 )
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import Verdict
+from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
-from vmctl.errors import VmctlError
 from vmctl.ports import (
     Checker,
     Ownership,
@@ -93,8 +101,9 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion
+from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion, VmUids
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
+from vmctl.uids import UidRegistryError, registry_of, reserve_vm_uid, started_vm_uid
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 WORKLOAD_TIMEOUT = 60.0
@@ -193,6 +202,8 @@ class VMOptions:
     #: The launch gate's outside address, DNS name and the daemon's own service ports.
     gate: GateSettings = field(factory=GateSettings)
     allow_unverifiable_ports: bool = False
+    #: smolvm's privilege model (``per-VM uids`` as root): who the VMMs run as.
+    vm_uids: VmUids = VmUids.ONE
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
@@ -238,6 +249,9 @@ class VMLifecycle:
         self._watches: dict[str, Watch] = {}
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
         self.bridges = Bridges(reactor, smolvm, table)
+        self.access = VmmAccess(state_dir, options.vm_uids)
+        #: Per machine being started: a parent of the state dir its VMM cannot pass, if any.
+        self._closed: dict[str, str | None] = {}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -253,6 +267,27 @@ class VMLifecycle:
             (LABEL_BOTTLE, bottle),
             (LABEL_ROLE, role),
         )
+
+    async def reserve_uid(self, machine: str) -> int | None:
+        """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
+        into smolvm's registry now (honoured at start); None under one uid. Remembers a
+        parent of the state dir the VMM could not pass, to say why a start then fails."""
+        if not self.access.per_vm:
+            return None
+        vm_dir = await self.smolvm.data_dir(machine)
+        self._closed[machine] = self.access.closed_ancestor(registry_of(vm_dir))
+        pool = self.reactor.getThreadPool()
+        try:
+            uid: int = await deferToThreadPool(self.reactor, pool, reserve_vm_uid, vm_dir)
+        except UidRegistryError as e:
+            raise SmolvmFailed(f"reserving the VM uid of {machine}: {e}") from None
+        return uid
+
+    async def vmm_uid(self, machine: str) -> int | None:
+        """The uid a started machine's VMM runs as (its ``.vm-uid``); None: no drop."""
+        if not self.access.per_vm:
+            return None
+        return started_vm_uid(await self.smolvm.data_dir(machine))
 
     async def plan(self, spec: BottleSpec) -> IsolationPlan:
         assert spec.agent is not None
@@ -328,7 +363,8 @@ class VMLifecycle:
                 )
 
     async def step_allocate(self, c: _Creation, alias: ipaddress.IPv4Address | None) -> None:
-        """1. The bottle's own 0700 socket directory (endpoints and sidecar sockets)."""
+        """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
+        it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
         path = bottle_dir(self.state_dir, c.name)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         os.mkdir(path, 0o700)  # FileExistsError: a leftover; recovery removes those
@@ -337,6 +373,8 @@ class VMLifecycle:
             remove_bottle_dir(path)
 
         c.undo.append(("directory", remove))
+        os.mkdir(sidecar_dir(self.state_dir, c.name), 0o700)
+        self.access.open_path(path)
 
     async def step_sidecar(self, c: _Creation) -> None:
         """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
@@ -384,12 +422,33 @@ class VMLifecycle:
             for s, p in zip(sidecar.services, paths, strict=True)
         ]
         spec = sidecar_machine_spec(name, sidecar, labels, features, sockets=sockets)
-        started = await start_with_sockets(
-            self.smolvm,
-            spec,
-            check=self.check_socket,
-            allow_unverifiable=self.options.allow_unverifiable_ports,
-        )
+
+        async def hand_over() -> None:
+            # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
+            uid = await self.reserve_uid(name)
+            if uid is not None:
+                self.access.hand_sidecar_dir(sidecar_dir(self.state_dir, c.name), uid)
+
+        try:
+            started = await start_with_sockets(
+                self.smolvm,
+                spec,
+                check=self.check_socket,
+                allow_unverifiable=self.options.allow_unverifiable_ports,
+                before_start=hand_over,
+            )
+        except PortNotOwned:
+            closed = self._closed.pop(name, None)
+            if closed is None:
+                raise
+            raise IsolationUnavailable(
+                f"the sidecar VM of {c.name} runs as its own uid (smolvm as root) and could not "
+                f"reach its socket directory: {safe_repr(closed, 200)} has no o+x (smolvm adds "
+                "it only to the parents of its own data dir); chmod o+x it, or keep "
+                "--smolvm-data-dir under --state-dir (the default)"
+            ) from None
+        finally:
+            self._closed.pop(name, None)
         c.undo.append(("sidecar", remove))
         c.facts["sidecar_pid"] = started.pid
         c.facts["raw_ports"] = (0,) * len(paths)
@@ -414,6 +473,7 @@ class VMLifecycle:
                 await self.bind_endpoint(c.name, svc.name, svc.guest_port, raw, listen, sock)
             )
         c.facts["endpoints"] = tuple(endpoints)
+        self.table.admit_peers(c.name, self.access.peers(None))
 
     async def bind_endpoint(
         self,
@@ -472,6 +532,10 @@ class VMLifecycle:
 
         c.undo.append(("agent", remove))
         c.facts["agent_vm"] = name
+        reserved = await self.reserve_uid(name)
+        self._closed.pop(name, None)
+        if reserved is not None:
+            self.grant_agent(c.name, endpoints, reserved)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.smolvm.status(name)
@@ -482,6 +546,12 @@ class VMLifecycle:
                     "with no network device; rebuild the pack without networking"
                 )
         await self.smolvm.start(name)
+        vmm_uid = await self.vmm_uid(name)
+        if vmm_uid is not None and vmm_uid != reserved:
+            raise IsolationFailed(
+                f"the agent VM of {c.name} runs as uid {vmm_uid}, not the uid {reserved} "
+                "reserved for it in smolvm's registry; bottle torn down"
+            )
         await self.step_gate(c, name, endpoints)
         await self.step_bridge(c, name, endpoints)
         if agent.workload:
@@ -519,6 +589,11 @@ class VMLifecycle:
                 raise SmolvmFailed(
                     f"starting the workload in {name} failed (exit {result.exit_code})"
                 )
+
+    def grant_agent(self, bottle: str, endpoints: Sequence[Endpoint], uid: int) -> None:
+        """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""
+        self.access.grant_endpoints((e.path for e in endpoints if e.path is not None), uid)
+        self.table.admit_peers(bottle, self.access.peers(uid))
 
     async def step_gate(self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
         """6b. The launch gate, between the agent VM's start and its workload."""
@@ -798,6 +873,16 @@ class VMLifecycle:
                 await self.bind_endpoint(
                     bottle.name, e.service, e.guest_port, e.raw_port, listen, e.sidecar_path
                 )
+            self.table.admit_peers(bottle.name, self.access.peers(None))
+            uid = await self.vmm_uid(vm.agent_vm)
+            if uid is not None:
+                self.grant_agent(bottle.name, vm.endpoints, uid)
+        except VmctlError as e:
+            await self.table.remove_bottle(bottle.name)
+            raise map_vmctl(e) from None
+        except OSError as e:
+            await self.table.remove_bottle(bottle.name)
+            raise SmolvmFailed(f"granting the agent VM its endpoints: {e.strerror}") from None
         except BottlenetError:
             await self.table.remove_bottle(bottle.name)
             raise
@@ -870,7 +955,8 @@ def endpoint_for(
 
 
 def remove_bottle_dir(path: str) -> None:
-    """Remove a bottle's socket directory: its sockets, then the directory (idempotent).
+    """Remove a bottle's socket directory: its sidecar's socket directory, its sockets, then
+    the directory (idempotent).
 
     Anything that is not a socket is left in place (and the directory with it). A path that
     is not a real directory (a symlink, a regular file) is never followed nor removed.
@@ -884,6 +970,10 @@ def remove_bottle_dir(path: str) -> None:
             "{path} is not a directory (symlinks are not followed); left in place", path=path
         )
         return
+    inner = os.path.join(path, SIDECAR_DIR)
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(os.lstat(inner).st_mode):
+            remove_bottle_dir(inner)
     try:
         names = os.listdir(path)
     except FileNotFoundError:

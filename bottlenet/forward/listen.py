@@ -146,6 +146,8 @@ class _BackoffAccept(_PortBase):
         factory = self.factory
         assert factory is not None
         fast = getattr(factory, "accept_socket", None)
+        # Who may connect at all (a UNIX endpoint's SO_PEERCRED uid), before any relay.
+        peer_ok = getattr(factory, "admit_peer", None)
         limit = self.numberAccepts
         accepted = 0
         while accepted < limit:
@@ -164,6 +166,9 @@ class _BackoffAccept(_PortBase):
             skt = socket.socket(family, type_, proto, fd)
             accepted += 1
             self._backoff_delay = 0.0
+            if peer_ok is not None and not peer_ok(skt):
+                _reset(skt)
+                continue
             try:
                 handled = None
                 if fast is not None:

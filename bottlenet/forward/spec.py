@@ -237,16 +237,24 @@ def bottle_dir(state_dir: str, bottle: str) -> str:
     return os.path.join(state_dir, "bottles", check_bottle_name(bottle))
 
 
-#: A sidecar service's exposed socket in the bottle's own directory is named with this prefix
-#: (``<bottle-dir>/sidecar-<service>.sock``): the one target that may live outside the
-#: bottle's target directory (the daemon places it; no control client can name it).
+#: A sidecar service's exposed socket lives in the bottle's ``sidecar/`` directory
+#: (``<bottle-dir>/sidecar/<service>.sock``), made for the sidecar VMM's uid alone; bottles
+#: created before it have ``<bottle-dir>/sidecar-<service>.sock``. Either is the one target
+#: that may live outside the bottle's target directory (the daemon places it; no control
+#: client can name it).
+SIDECAR_DIR = "sidecar"
 SIDECAR_SOCKET_PREFIX = "sidecar-"
 
 
+def sidecar_dir(state_dir: str, bottle: str) -> str:
+    """The directory the sidecar's VMM creates its exposed sockets in (its uid's, 0700)."""
+    return os.path.join(bottle_dir(state_dir, bottle), SIDECAR_DIR)
+
+
 def sidecar_socket_path(state_dir: str, bottle: str, service: str) -> str:
-    """Where the sidecar's ``service`` socket appears on the host: the bottle's own 0700
-    directory, next to (never equal to) the agent endpoint ``<service>.sock``."""
-    return os.path.join(bottle_dir(state_dir, bottle), f"{SIDECAR_SOCKET_PREFIX}{service}.sock")
+    """Where the sidecar's ``service`` socket appears on the host: the bottle's ``sidecar/``
+    directory, never next to the agent endpoint ``<service>.sock``."""
+    return os.path.join(sidecar_dir(state_dir, bottle), f"{check_label(service)}.sock")
 
 
 def target_root(state_dir: str, bottle: str, path: str) -> str:
@@ -255,6 +263,8 @@ def target_root(state_dir: str, bottle: str, path: str) -> str:
     own = bottle_dir(state_dir, bottle)
     if os.path.dirname(path) == own and os.path.basename(path).startswith(SIDECAR_SOCKET_PREFIX):
         return own
+    if os.path.dirname(path) == sidecar_dir(state_dir, bottle):
+        return sidecar_dir(state_dir, bottle)
     return targets_dir(state_dir, bottle)
 
 

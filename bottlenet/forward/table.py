@@ -12,6 +12,7 @@ import errno
 import ipaddress
 import os
 import socket
+import struct
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
 
@@ -90,8 +91,25 @@ _REFUSAL_WHY = {
     "bottle": "the bottle's connection budget is used up",
     "global": "the daemon's connection budget (or this bottle's fair share) is used up",
     "closing": "the forward is closing",
+    "peer": "the connecting uid is not one this bottle's endpoints admit",
 }
 _FD_EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE})
+
+
+#: Linux's peer credentials on UNIX sockets; elsewhere the endpoints' file modes decide alone.
+HAS_PEERCRED = hasattr(socket, "SO_PEERCRED")
+
+
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of a UNIX peer (``SO_PEERCRED``), or None where the platform has no such call."""
+    so_peercred = getattr(socket, "SO_PEERCRED", None)
+    if so_peercred is None or sock.family != socket.AF_UNIX:
+        return None
+    try:
+        _pid, uid, _gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, so_peercred, 12))
+    except OSError:
+        return None
+    return int(uid)
 
 
 @frozen
@@ -201,6 +219,18 @@ class _Forward(Factory):
         self.sessions.add(session)
         self.table.idle.started(session)
         return session
+
+    def admit_peer(self, sock: socket.socket) -> bool:
+        """The listener's peer check: a UNIX endpoint of a bottle with admitted uids takes a
+        connection only from one of them (``SO_PEERCRED``), as the control socket does."""
+        uids = self.table.peers.get(self.spec.bottle)
+        if uids is None or not isinstance(self.spec.listen, UNIXListen) or not HAS_PEERCRED:
+            return True  # no SO_PEERCRED (macOS): the file modes decide, as before
+        if peer_uid(sock) in uids:
+            return True
+        self.refused += 1
+        self._log_refusal("peer")
+        return False
 
     def _accept_socket(self, sock: socket.socket, adopt: Callable[[Leg], object]) -> bool | None:
         """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
@@ -408,6 +438,8 @@ class ForwardTable(Service):
         #: The daemon's own sockets: no forward may target one (tap registers them).
         self.own_sockets = OwnSockets()
         self.own_sockets.extra_unix = self._unix_listen_paths
+        #: The uids each bottle's UNIX endpoints admit (absent: file modes decide alone).
+        self.peers: dict[str, frozenset[int]] = {}
 
     # Service
     def startService(self) -> None:
@@ -481,6 +513,13 @@ class ForwardTable(Service):
         fwd.diverted = factory
 
     # Changes
+    def admit_peers(self, bottle: str, uids: frozenset[int] | None) -> None:
+        """Let only ``uids`` connect to ``bottle``'s UNIX endpoints (None: lift the check)."""
+        if uids is None:
+            self.peers.pop(bottle, None)
+        else:
+            self.peers[bottle] = uids
+
     def add(self, spec: ForwardSpec) -> defer.Deferred[ForwardInfo]:
         """Bind ``spec``'s agent endpoint and start forwarding; fires with its ForwardInfo."""
         try:
@@ -539,6 +578,7 @@ class ForwardTable(Service):
 
     def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
         """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
+        self.peers.pop(bottle, None)
         waits = [self._remove_key((bottle, label)) for label in list(self._labels.get(bottle, ()))]
         waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
@@ -621,7 +661,8 @@ class ForwardTable(Service):
             return None
         bdir = bottle_dir(self.state_dir, spec.bottle)
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
-        made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}")
+        # 0701 under per-VM uids: the VMMs pass through to their own sockets, nothing more.
+        made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}", traversable=True)
         created = bdir if made else None
         state, _ = unix_path_state(listen.path)
         if state in ("symlink", "not-a-socket"):

@@ -8,8 +8,9 @@ becomes a relay per connection slot). So:
 
 - a UNIX target lives in the bottle's own target directory, ``<state-dir>/targets/<bottle>/``
   (checked lexically when the forward is added and again when it is restored); the one
-  exception is a sidecar service's exposed socket, ``<state-dir>/bottles/<bottle>/sidecar-*``,
-  which the daemon itself places (``forward.spec.target_root``) and no control client can name;
+  exception is a sidecar service's exposed socket, ``<state-dir>/bottles/<bottle>/sidecar/*``
+  (``sidecar-*`` for older bottles), which the daemon itself places
+  (``forward.spec.target_root``) and no control client can name;
 - right before each connect the path is checked again on disk: a socket, not a symlink, whose
   real path is still inside that directory, and not (same device and inode) one of the
   daemon's own sockets (control, metrics, any agent endpoint);

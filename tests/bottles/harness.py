@@ -127,6 +127,9 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         self.setUpFake()
         self.tmp = tempfile.mkdtemp(prefix="bnb-", dir="/tmp")
         self.addCleanup(shutil.rmtree, self.tmp, True)
+        # As root (per-VM uids) every VMM must pass through the state dir's parents; smolvm
+        # opens them itself when its data dir is under the state dir, the fake's is not.
+        os.chmod(self.tmp, 0o701)
         self.state_dir = os.path.join(self.tmp, "s")
         self.control = os.path.join(self.tmp, "c.sock")
         self.root: BottlenetService | None = None

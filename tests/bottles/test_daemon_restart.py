@@ -181,13 +181,18 @@ def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
     daemon.fake.set_faults()
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
-    deadline = time.monotonic() + 10
-    while daemon.fake.state()["machines"] and time.monotonic() < deadline:
+    # Recovery deletes the orphan machine, then the unclaimed directory: wait for both (the
+    # directory went after the machines, and a loaded host showed that window).
+    half = os.path.join(daemon.state, "bottles", "half")
+    deadline = time.monotonic() + 30
+    while (daemon.fake.state()["machines"] or os.path.exists(half)) and (
+        time.monotonic() < deadline
+    ):
         time.sleep(0.05)
     assert daemon.fake.state()["machines"] == {}, daemon.log()
     assert daemon.fake.live_pids() == []
     assert daemon.state_file()["bottles"] == {}
-    assert not os.path.exists(os.path.join(daemon.state, "bottles", "half"))
+    assert not os.path.exists(half), daemon.log()
     with daemon.client() as c:
         assert c.list_bottles().total == 0
     assert "deleting orphan machine" in daemon.log()

@@ -97,7 +97,7 @@ def attempt(f):
     except OSError as e:
         return errno.errorcode.get(e.errno, str(e.errno))
 out = [attempt(lambda: os.listdir(state))]
-for name in ("state.json", "journal", "daemon.lock"):
+for name in ("state.json", "state.journal", "daemon.lock"):
     out.append(attempt(lambda: open(os.path.join(state, name), "rb").close()))
 out.append(attempt(lambda: socket.socket(socket.AF_UNIX).connect(control)))
 print(" ".join(out))
@@ -107,7 +107,7 @@ print(" ".join(out))
 def _assert_unreachable_by_other_uids(state: str, control: str) -> None:
     """smolvm's first VMM uid and nobody (65534) can neither list the 0701 state dir nor read
     a daemon file in it nor talk to the control socket."""
-    present = [n for n in ("state.json", "journal", "daemon.lock") if os.path.exists(
+    present = [n for n in ("state.json", "state.journal", "daemon.lock") if os.path.exists(
         os.path.join(state, n))]  # fmt: skip
     assert "state.json" in present and "daemon.lock" in present
     for uid in (2_000_000, 65534):
@@ -119,7 +119,7 @@ def _assert_unreachable_by_other_uids(state: str, control: str) -> None:
         words = probe.stdout.split()
         listing, files, connect = words[0], words[1:4], words[4]
         assert listing == "EACCES", (uid, words)
-        for name, word in zip(("state.json", "journal", "daemon.lock"), files, strict=True):
+        for name, word in zip(("state.json", "state.journal", "daemon.lock"), files, strict=True):
             assert word == ("EACCES" if name in present else "ENOENT"), (uid, name, words)
         assert connect == "EACCES", (uid, words)
 

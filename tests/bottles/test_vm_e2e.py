@@ -12,7 +12,9 @@ import shutil
 import socket
 import tempfile
 
+from bottlenet.bottles.store import JOURNAL_FILE, STATE_FILE
 from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
+from bottlenet.paths import LOCK_NAME
 from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import process_alive
 from tests.netio import ping_unix
@@ -33,7 +35,9 @@ class SocketModeTests(DaemonCase):
             assert ep.host_path is not None
             payload = b"hello " + ep.service.encode()
             self.assertEqual(await in_thread(ping_unix, ep.host_path, payload), payload)
-            self.assertEqual(os.stat(os.path.dirname(ep.host_path)).st_mode & 0o777, 0o700)
+            # 0701 as root: the per-VM uids pass through to their own sockets, never list
+            mode = 0o701 if os.geteuid() == 0 else 0o700
+            self.assertEqual(os.stat(os.path.dirname(ep.host_path)).st_mode & 0o777, mode)
         # the stamped env: agent endpoints only, never a raw port
         self.assertEqual(b.env["HTTPS_PROXY"], "http://127.0.0.1:3128")
         self.assertEqual(b.env["GIT_GATE_SOCKET"], "/run/bottle/git.sock")
@@ -134,22 +138,110 @@ class SidecarSocketTests(DaemonCase):
         self.assertEqual(await in_thread(_connect_as, 65534, paths), [])
         await client.destroy_bottle("s1")
 
-    async def test_per_vm_uids_fail_closed_and_leave_nothing(self) -> None:
-        """Issue 19: under smolvm's per-VM uids (the fake's ``uid-drop``, as root) the sidecar's
-        VMM cannot create its exposed sockets in the bottle's 0700 directory: the create fails,
-        no socket was exposed and everything is rolled back, the uids released."""
+    async def test_per_vm_uids_carry_bytes_and_admit_only_their_own_vmm(self) -> None:
+        """Issue 19, as root under smolvm's per-VM uids (the fake's ``uid-drop``): each VMM
+        runs as the uid reserved for it; bytes flow from the agent VMM's uid through its own
+        endpoints to the sidecar (the gate itself goes that way); no other uid reaches them."""
         if os.geteuid() != 0:
             self.skipTest("smolvm drops to per-VM uids only as root")
         self.fake.set_faults("exec-netns", "uid-drop")
         client = await self.start()
+        bottles = {n: await client.create_bottle(n, spec=self.spec_json()) for n in ("u1", "u2")}
+        uids = {n: {r: self.vmm_uid(f"bn-{n}-{r}") for r in ("agent", "sidecar")} for n in bottles}
+        every = [u for pair in uids.values() for u in pair.values()]
+        self.assertEqual(len(set(every)), 4)
+        self.assertTrue(all(u >= 2_000_000 for u in every))
+        own = {n: [e.host_path for e in b.endpoints if e.host_path] for n, b in bottles.items()}
+        behind = {n: list(self.registry.get_bottle(n).machine().sidecar_sockets) for n in bottles}
+        for n in bottles:
+            agent, sidecar = uids[n]["agent"], uids[n]["sidecar"]
+            other = "u2" if n == "u1" else "u1"
+            # bytes both ways through each own endpoint, as the agent VMM's uid (setpriv)
+            self.assertEqual(await in_thread(_echo_as, agent, own[n]), own[n])
+            # ... and not into the other bottle, nor into its own sidecar's socket directory
+            self.assertEqual(await in_thread(_echo_as, agent, own[other] + behind[n]), [])
+            # the sidecar's uid has no business at the agent endpoints
+            self.assertEqual(await in_thread(_echo_as, sidecar, own[n] + own[other]), [])
+            self.assertEqual(await in_thread(_echo_as, 65534, own[n] + behind[n]), [])
+            # the sidecar VMM created its sockets itself, as its uid, in a directory of its own
+            for path in behind[n]:
+                self.assertEqual(os.lstat(path).st_uid, sidecar)
+                self.assertEqual(os.stat(os.path.dirname(path)).st_mode & 0o777, 0o700)
+        # the daemon's own state stays closed to every VMM uid
+        state_files = [
+            os.path.join(self.state_dir, f) for f in (STATE_FILE, JOURNAL_FILE, LOCK_NAME)
+        ]
+        self.assertTrue(all(os.path.exists(f) for f in state_files))
+        for uid in every:
+            self.assertEqual(await in_thread(_readable_as, uid, state_files), [])
+            self.assertEqual(await in_thread(_echo_as, uid, [self.control]), [])
+        for n in bottles:
+            await client.destroy_bottle(n)
+        registry = os.path.join(self.fake.path, ".cache", "smolvm", "uids")
+        self.assertEqual([e for e in os.listdir(registry) if e.isdigit()], [])
+
+    async def test_endpoints_refuse_a_foreign_uid_by_its_credentials(self) -> None:
+        """The SO_PEERCRED check alone: an endpoint whose file mode were opened to everyone
+        still resets uid 65534 and another bottle's VMM uid, and serves its own VMM's uid."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        client = await self.start()
+        b = await client.create_bottle("p1", spec=self.spec_json())
+        paths = [e.host_path for e in b.endpoints if e.host_path]
+        for path in paths:
+            os.chmod(path, 0o666)
+        agent = self.vmm_uid("bn-p1-agent")
+        self.assertEqual(await in_thread(_echo_as, agent, paths), paths)
+        for stranger in (65534, agent + 1000):
+            self.assertEqual(await in_thread(_echo_as, stranger, paths), [])
+        await client.destroy_bottle("p1")
+
+    async def test_per_vm_uid_grants_are_restored_after_a_restart(self) -> None:
+        """A restarted daemon re-binds the endpoints and grants them to the agent VMM's uid
+        again (read from its ``.vm-uid``): that uid still gets its bytes back, the peer check
+        still resets a stranger."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        client = await self.start()
+        b = await client.create_bottle("r1", spec=self.spec_json())
+        paths = [e.host_path for e in b.endpoints if e.host_path]
+        await self.stop()
+        client = await self.start()
+        self.assertEqual((await client.bottle_status("r1")).state, "ready")
+        agent = self.vmm_uid("bn-r1-agent")
+        self.assertEqual(await in_thread(_echo_as, agent, paths), paths)
+        for path in paths:
+            os.chmod(path, 0o666)
+        self.assertEqual(await in_thread(_echo_as, 65534, paths), [])
+        await client.destroy_bottle("r1")
+
+    async def test_per_vm_uids_refuse_a_state_dir_they_cannot_reach(self) -> None:
+        """A parent of the state dir no VMM uid can pass (and smolvm will not open): the
+        sidecar VMM cannot create its sockets, the create fails saying which parent, and
+        nothing is left."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        os.chmod(self.tmp, 0o700)
+        client = await self.start()
         with self.assertRaises(BottlenetError) as info:
             await client.create_bottle("u1", spec=self.spec_json(mode="socket"))
-        self.assertIn("is not held by its VM process", info.exception.message)
+        self.assertEqual(info.exception.code, "ISOLATION_UNAVAILABLE")
+        self.assertIn(
+            f"could not reach its socket directory: {self.tmp!r} has no o+x", info.exception.message
+        )
         self.assertEqual(self.registry.list_bottles(), [])
         self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "u1")))
         self.assertEqual(self.fake.state()["machines"], {})
         uids = os.path.join(self.fake.path, ".cache", "smolvm", "uids")
-        self.assertEqual([n for n in os.listdir(uids) if n.isdigit()], [])
+        self.assertFalse(os.path.isdir(uids) and [n for n in os.listdir(uids) if n.isdigit()])
+
+    def vmm_uid(self, machine: str) -> int:
+        """The uid the fake's "VMM" of ``machine`` dropped to (its ``.vm-uid``)."""
+        with open(os.path.join(self.fake.vm_dir(machine), ".vm-uid")) as f:
+            return int(f.read())
 
     async def test_raw_port_opt_in_says_local_users_can_reach_it(self) -> None:
         self.fake.set_faults("exec-netns")
@@ -194,7 +286,10 @@ class EntrypointOrderTests(DaemonCase):
         with open(os.path.join(marks, "workload")) as f:
             workload_at = float(f.read())
         calls = self.fake.calls()
-        agent_calls = [c for c in calls if "bn-e1-agent" in c["argv"]]
+        # data-dir (the per-VM uid reservation, as root) is a query, not a step of the VM
+        agent_calls = [
+            c for c in calls if "bn-e1-agent" in c["argv"] and c["argv"][1] != "data-dir"
+        ]
         subs = [c["argv"][1] for c in agent_calls]
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
@@ -269,6 +364,51 @@ def _connect_as(uid: int, paths: list[str]) -> list[str]:
     r = subprocess.run([sys.executable, "-c", code, *paths], capture_output=True, text=True,
                        timeout=30, check=True)  # fmt: skip
     return [line for line in r.stdout.splitlines() if line]
+
+
+_AS_UID = (
+    "import socket, sys\n"
+    "payload = b'as-uid'\n"
+    "for p in sys.argv[2:]:\n"
+    "    s = socket.socket(socket.AF_UNIX)\n"
+    "    s.settimeout(10)\n"
+    "    try:\n"
+    "        if sys.argv[1] == 'read':\n"
+    "            open(p, 'rb').close(); print(p)\n"
+    "            continue\n"
+    "        s.connect(p); s.sendall(payload); s.shutdown(socket.SHUT_WR)\n"
+    "        got = b''\n"
+    "        while chunk := s.recv(4096):\n"
+    "            got += chunk\n"
+    "        if got == payload:\n"
+    "            print(p)\n"
+    "    except OSError:\n"
+    "        pass\n"
+    "    finally:\n"
+    "        s.close()\n"
+)
+
+
+def _as_uid(uid: int, what: str, paths: list[str]) -> list[str]:
+    """Run the probe above as ``uid`` (``setpriv``, no groups) with the system python."""
+    import subprocess
+
+    r = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/usr/bin/python3",
+         "-c", _AS_UID, what, *paths],
+        capture_output=True, text=True, timeout=60, check=True, cwd="/",
+    )  # fmt: skip
+    return [line for line in r.stdout.splitlines() if line]
+
+
+def _echo_as(uid: int, paths: list[str]) -> list[str]:
+    """The paths where ``uid`` connected and got its bytes back (the fake's sidecar echoes)."""
+    return _as_uid(uid, "echo", paths)
+
+
+def _readable_as(uid: int, paths: list[str]) -> list[str]:
+    """The files ``uid`` could open for reading."""
+    return _as_uid(uid, "read", paths)
 
 
 class DegradedTests(DaemonCase):

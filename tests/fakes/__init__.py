@@ -10,6 +10,7 @@ pytest fixture (``tests/vmctl/conftest.py``).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -80,6 +81,11 @@ class FakeSmolvm:
 
     def argvs(self) -> list[list[str]]:
         return [c["argv"] for c in self.calls()]
+
+    def vm_dir(self, machine: str) -> str:
+        """The fake's VM dir of ``machine`` (what its ``machine data-dir`` prints)."""
+        digest = hashlib.sha256(machine.encode()).hexdigest()[:16]
+        return os.path.join(self.path, ".cache", "smolvm", "vms", digest)
 
     def state(self) -> dict[str, Any]:
         try:

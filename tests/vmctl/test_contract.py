@@ -58,6 +58,7 @@ from vmctl.spec import (
     create_args,
     exec_args,
 )
+from vmctl.uids import registry_of, reserve_vm_uid, started_vm_uid
 
 WHEEL = find_wheel()
 needs_wheel = pytest.mark.skipif(
@@ -593,3 +594,38 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
     assert (uids / str(reserved)).exists()  # kept across stop: the same uid at the next start
     assert cli.machine("delete", "--name", "u1", "-f").ok
     assert not (uids / str(reserved)).exists()
+
+
+@needs_wheel
+@pytest.mark.skipif(os.geteuid() != 0, reason="smolvm drops to per-VM uids only as root")
+@pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.parametrize("kind", ["real", "fake"])
+def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str) -> None:
+    """``vmctl.uids``: the registry it finds from ``machine data-dir`` is smolvm's, the entry it
+    writes (next to another VM's) is the uid the start drops to, and ``started_vm_uid`` reads
+    it back: the daemon knows the VMM's uid before the VMM exists."""
+    cli = clis[kind]
+    state = Path(cli.state_dir)
+    if kind == "fake":
+        state.mkdir(parents=True, exist_ok=True)
+        (state / "fake-faults.json").write_text(json.dumps({"fail": ["uid-drop"]}))
+    assert cli.machine("create", "--name", "r1", "--cpus", "1", "--mem", "256").ok
+    vm_dir = cli.raw(["machine", "data-dir", "--state-dir", str(state), "--name", "r1"])
+    vm = vm_dir.stdout.decode().strip()
+    uids = state / ".cache" / "smolvm" / "uids"
+    assert registry_of(vm) == str(uids)
+    uids.mkdir(parents=True, exist_ok=True)
+    (uids / str(FIRST_VM_UID)).write_text("another-vm")  # taken: the next one is ours
+    assert started_vm_uid(vm) is None
+    reserved = reserve_vm_uid(vm)
+    assert reserved == FIRST_VM_UID + 1
+    assert reserve_vm_uid(vm) == reserved  # idempotent: the entry naming the VM
+    out = cli.machine("start", "--name", "r1", timeout=300)
+    if kind == "real":
+        assert isinstance(out.error, KvmUnavailable), out.r.stderr[-400:]
+    else:
+        assert out.ok, out.r.stderr[-400:]
+    assert started_vm_uid(vm) == reserved
+    assert cli.machine("stop", "--name", "r1").ok
+    assert cli.machine("delete", "--name", "r1", "-f").ok
+    assert sorted(os.listdir(uids)) == sorted([".allocation.lock", str(FIRST_VM_UID)])
