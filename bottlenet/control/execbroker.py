@@ -18,6 +18,7 @@ exit code, its log line) and tells the exit code over the connection.
 
 from __future__ import annotations
 
+import fcntl
 import os
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +35,8 @@ from bottlenet.control.stream import FrameParser, StreamError
 
 #: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
 KILL_GRACE = 3.0
+#: The size asked for each pipe handed to a client (Linux's default cap for a user).
+PIPE_SIZE = 1024 * 1024
 #: The exit code of a command its Exec's ``time_limit`` ended (as timeout(1), smolvm --timeout).
 TIMEOUT_EXIT = 124
 #: Output read from the child before the client is attached (or while it is paused).
@@ -218,6 +221,11 @@ class ExecBridge(ProcessProtocol):
             _close_all([fd for pair in pipes for fd in pair])
             raise
         (in_r, in_w), (out_r, out_w), (err_r, err_w) = pipes
+        for _, w in pipes:  # fewer, larger copies for bulk data; a refusal only costs speed
+            try:
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            except OSError:
+                pass
         self._child_fds = [in_r, out_w, err_w]
         self._client_fds = [in_w, out_r, err_r]
         return in_r, out_w, err_w

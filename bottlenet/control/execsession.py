@@ -236,16 +236,34 @@ class ExecSession:
         else:
             os.set_blocking(in_w, False)
         sinks = {out_r: stdout, err_r: stderr}
+        # Pipe to pipe, the kernel moves stdin's bytes (splice); ``full``: the command's
+        # stdin pipe refused the last move, so wait until it has room.
+        splice, full = hasattr(os, "splice"), False
         while self.exit_code is None or sinks:
             readers: list[int] = [*sinks]
             if self.exit_code is None:
                 readers.append(self.sock.fileno())
-            if stdin_fd is not None and stdin_fd >= 0 and not pending:
+            if stdin_fd is not None and stdin_fd >= 0 and not pending and not full:
                 readers.append(stdin_fd)
-            writers = [writer] if writer is not None and pending else []
+            writers = [writer] if writer is not None and (pending or full) else []
             ready, writable, _ = select.select(readers, writers, [])
+            if full and writer in writable:
+                full = False
             for fd in ready:
-                if fd == stdin_fd:
+                if fd == stdin_fd and splice and writer is not None:
+                    try:
+                        moved = os.splice(fd, writer, CHUNK, flags=os.SPLICE_F_NONBLOCK)
+                    except BlockingIOError:
+                        full = True
+                        continue
+                    except BrokenPipeError:
+                        moved = 0
+                    except OSError:  # not pipes (a file, a socket): copy through here
+                        splice = False
+                        continue
+                    if not moved:
+                        stdin_fd = -1
+                elif fd == stdin_fd:
                     data = _read(fd)
                     if data:
                         pending += data
