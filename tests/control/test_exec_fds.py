@@ -46,10 +46,13 @@ def test_bottlenetctl_takes_the_pipes_output_and_exit_code(daemon: VMDaemon) -> 
 
 
 def test_session_is_handed_the_pipes(daemon: VMDaemon) -> None:
-    """The blocking client's session on the UNIX socket holds the command's three pipes."""
+    """The blocking client's session holds the command's three pipes, and gets the output
+    and exit code of a command that ended before the client asked for its pipes."""
     with daemon.client() as c:
+        ended = daemon.log().count("ended: exit 0")
         with c.open_exec("b1", ["sh", "-c", "echo hi"]) as session:
             assert session.fds
+            wait_for(lambda: daemon.log().count("ended: exit 0") > ended, 30, "the end")
             out = io.BytesIO()
             assert session.run(None, out, None) == 0
             assert out.getvalue() == b"hi\n"
