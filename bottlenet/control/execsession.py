@@ -86,64 +86,11 @@ class ExecSession:
         to take it, and output is read all the while (a full pipe one way never stalls the
         other way).
         """
-        if self.fds:
-            return self._run_with_fds(stdin, stdout, stderr)
-        out = bytearray()
-        stdin_fd: int | None = None
-        if stdin is not None and self.forward_stdin:
-            try:
-                stdin_fd = stdin.fileno()
-            except (AttributeError, OSError, ValueError):
-                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
-        self.sock.setblocking(False)
         try:
-            if self._leftover:
-                self._receive(self._leftover, stdout, stderr)
-                self._leftover = b""
-            while self.exit_code is None:
-                readers: list[Any] = [self.sock, self._wake_r]
-                if stdin_fd is not None and len(out) < MAX_OUTGOING:
-                    readers.append(stdin_fd)
-                writers = [self.sock] if out else []
-                pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
-                ready: list[Any]
-                writable: list[Any]
-                if pending:
-                    ready, writable = [self.sock], []
-                else:
-                    ready, writable, _ = select.select(readers, writers, [])
-                if self._wake_r in ready:
-                    try:
-                        os.read(self._wake_r, 512)
-                    except BlockingIOError:
-                        pass
-                    size, self._size = self._size, None
-                    if size is not None:
-                        out += stream.encode_resize(*size)
-                if stdin_fd is not None and stdin_fd in ready:
-                    try:
-                        data = os.read(stdin_fd, 65536)
-                    except OSError:
-                        data = b""
-                    if data:
-                        out += stream.encode(stream.STDIN, data)
-                    else:
-                        out += stream.encode(stream.STDIN_EOF)
-                        stdin_fd = None
-                if out and (self.sock in writable or not pending):
-                    try:
-                        sent = self.sock.send(out)
-                        del out[:sent]
-                    except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                        pass
-                if self.sock in ready:
-                    try:
-                        chunk = self.sock.recv(65536)
-                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                        continue
-                    if not chunk:
-                        break
-                    self._receive(chunk, stdout, stderr)
+            if self.fds:
+                self._pump(*self._take_fds(), stdin, stdout, stderr)
+            else:
+                self._run_framed(stdin, stdout, stderr)
         except stream.StreamError as e:
             raise ControlConnectionError(f"bad exec data from the daemon: {e}") from None
         except OSError as e:
@@ -155,6 +102,65 @@ class ExecSession:
                 "the daemon closed the connection before the command ended"
             )
         return self.exit_code
+
+    def _run_framed(
+        self, stdin: IO[bytes] | None, stdout: IO[bytes] | None, stderr: IO[bytes] | None
+    ) -> None:
+        out = bytearray()
+        stdin_fd: int | None = None
+        if stdin is not None and self.forward_stdin:
+            try:
+                stdin_fd = stdin.fileno()
+            except (AttributeError, OSError, ValueError):
+                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
+        self.sock.setblocking(False)
+        if self._leftover:
+            self._receive(self._leftover, stdout, stderr)
+            self._leftover = b""
+        while self.exit_code is None:
+            readers: list[Any] = [self.sock, self._wake_r]
+            if stdin_fd is not None and len(out) < MAX_OUTGOING:
+                readers.append(stdin_fd)
+            writers = [self.sock] if out else []
+            pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+            ready: list[Any]
+            writable: list[Any]
+            if pending:
+                ready, writable = [self.sock], []
+            else:
+                ready, writable, _ = select.select(readers, writers, [])
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 512)
+                except BlockingIOError:
+                    pass
+                size, self._size = self._size, None
+                if size is not None:
+                    out += stream.encode_resize(*size)
+            if stdin_fd is not None and stdin_fd in ready:
+                try:
+                    data = os.read(stdin_fd, 65536)
+                except OSError:
+                    data = b""
+                if data:
+                    out += stream.encode(stream.STDIN, data)
+                else:
+                    out += stream.encode(stream.STDIN_EOF)
+                    stdin_fd = None
+            if out and (self.sock in writable or not pending):
+                try:
+                    sent = self.sock.send(out)
+                    del out[:sent]
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                    pass
+            if self.sock in ready:
+                try:
+                    chunk = self.sock.recv(65536)
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    continue
+                if not chunk:
+                    break
+                self._receive(chunk, stdout, stderr)
 
     def _receive(self, data: bytes, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         for frame in self._parser.feed(data):
@@ -167,24 +173,6 @@ class ExecSession:
                 sink.flush()
 
     # -- file descriptors ---------------------------------------------------------------
-
-    def _run_with_fds(
-        self, stdin: IO[bytes] | None, stdout: IO[bytes] | None, stderr: IO[bytes] | None
-    ) -> int:
-        try:
-            in_w, out_r, err_r = self._take_fds()
-            self._pump(in_w, out_r, err_r, stdin, stdout, stderr)
-        except stream.StreamError as e:
-            raise ControlConnectionError(f"bad exec data from the daemon: {e}") from None
-        except OSError as e:
-            raise ControlConnectionError(
-                f"the connection to the daemon broke during exec: {e.strerror or e}"
-            ) from None
-        if self.exit_code is None:
-            raise ControlConnectionError(
-                "the daemon closed the connection before the command ended"
-            )
-        return self.exit_code
 
     def _take_fds(self) -> tuple[int, int, int]:
         """Ask for the fds, read until the FDS frame (every read with recvmsg: fds on bytes
@@ -201,7 +189,9 @@ class ExecSession:
             if len(self._pipes) > stream.FD_COUNT:
                 raise stream.StreamError("too many file descriptors")
             if not data:
-                return 0, 0, 0  # exit_code stays None: the daemon went away
+                raise ControlConnectionError(
+                    "the daemon closed the connection before the command ended"
+                )
             frames += self._parser.feed(data)
         if len(self._pipes) != stream.FD_COUNT or len(frames) != 1:
             raise stream.StreamError("the FDS frame did not carry the command's three pipes")
@@ -219,8 +209,6 @@ class ExecSession:
         stderr: IO[bytes] | None,
     ) -> None:
         """Copy until the exit code is in and both output pipes are at their end."""
-        if not self._pipes:
-            return
         pending = bytearray()
         stdin_fd: int | None = None
         writer: int | None = in_w
