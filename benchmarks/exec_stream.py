@@ -7,8 +7,10 @@ the daemon with the fake smolvm (``tests/fakes/smolvm``, a TEST DOUBLE: its VMs 
 processes and its ``exec`` runs the command on the host), creates a socket-mode VM bottle and
 measures, in one run, each figure two ways:
 
-- **through the daemon**: the blocking client's ``exec`` (Exec over the control socket, then
-  exec frames) and ``bottlenetctl bottle exec``;
+- **through the daemon**: the blocking client's ``exec`` two ways, with file descriptors
+  (the daemon hands over the command's pipes: the default on a UNIX socket) and framed
+  (``fds=False``: every byte through the daemon, as TLS clients have it), and
+  ``bottlenetctl bottle exec``;
 - **smolvm directly**: the same ``machine exec`` command line the daemon runs, started here
   with the same environment. That is the floor: what a launcher pays without bottlenet.
 
@@ -93,7 +95,12 @@ def direct(d: VMDaemon, *rest: str) -> tuple[list[str], dict[str, str]]:
 
 
 def round_trips(d: VMDaemon, runs: int) -> dict[str, list[float]]:
-    times: dict[str, list[float]] = {"client": [], "bottlenetctl": [], "direct": []}
+    times: dict[str, list[float]] = {
+        "client": [],
+        "client_framed": [],
+        "bottlenetctl": [],
+        "direct": [],
+    }
     with d.client(timeout=60) as c:
         c.exec("b1", ["true"])  # so the fake's log holds an exec line to copy
         argv, env = direct(d, "true")
@@ -101,6 +108,9 @@ def round_trips(d: VMDaemon, runs: int) -> dict[str, list[float]]:
             t0 = time.perf_counter()
             assert c.exec("b1", ["true"]) == 0
             times["client"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            assert c.exec("b1", ["true"], fds=False) == 0
+            times["client_framed"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             r = d.ctl("bottle", "exec", "b1", "--", "true")
             times["bottlenetctl"].append(time.perf_counter() - t0)
@@ -114,12 +124,14 @@ def round_trips(d: VMDaemon, runs: int) -> dict[str, list[float]]:
 def out_throughput(d: VMDaemon, mib: int) -> dict[str, float]:
     total = mib << 20
     cmd = ["head", "-c", str(total), "/dev/zero"]
+    through: dict[bool, float] = {}
     with d.client(timeout=600) as c:
-        sink = Count()
-        t0 = time.perf_counter()
-        assert c.exec("b1", cmd, stdout=sink) == 0  # type: ignore[arg-type]
-        through = time.perf_counter() - t0
-        assert sink.n == total, sink.n
+        for fds in (True, False):
+            sink = Count()
+            t0 = time.perf_counter()
+            assert c.exec("b1", cmd, stdout=sink, fds=fds) == 0  # type: ignore[arg-type]
+            through[fds] = time.perf_counter() - t0
+            assert sink.n == total, sink.n
     argv, env = direct(d, *cmd)
     t0 = time.perf_counter()
     p = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE)
@@ -130,18 +142,24 @@ def out_throughput(d: VMDaemon, mib: int) -> dict[str, float]:
     p.wait()
     floor = time.perf_counter() - t0
     assert got == total, got
-    return {"daemon_mib_s": mib / through, "direct_mib_s": mib / floor}
+    return {
+        "fds_mib_s": mib / through[True],
+        "framed_mib_s": mib / through[False],
+        "direct_mib_s": mib / floor,
+    }
 
 
 def in_throughput(d: VMDaemon, mib: int) -> dict[str, float]:
     total = mib << 20
     cmd = ["sh", "-c", "cat >/dev/null"]
+    through: dict[bool, float] = {}
     with d.client(timeout=600) as c:
-        src: IO[bytes] = Zeros(total)  # type: ignore[assignment]
-        t0 = time.perf_counter()
-        assert c.exec("b1", cmd, stdin=src) == 0
-        through = time.perf_counter() - t0
-        os.close(src.fileno())
+        for fds in (True, False):
+            src: IO[bytes] = Zeros(total)  # type: ignore[assignment]
+            t0 = time.perf_counter()
+            assert c.exec("b1", cmd, stdin=src, fds=fds) == 0
+            through[fds] = time.perf_counter() - t0
+            os.close(src.fileno())
     argv, env = direct(d, *cmd)
     if "-i" not in argv:
         argv.insert(argv.index("--"), "-i")
@@ -152,7 +170,11 @@ def in_throughput(d: VMDaemon, mib: int) -> dict[str, float]:
     os.close(src.fileno())
     assert p.wait() == 0
     floor = time.perf_counter() - t0
-    return {"daemon_mib_s": mib / through, "direct_mib_s": mib / floor}
+    return {
+        "fds_mib_s": mib / through[True],
+        "framed_mib_s": mib / through[False],
+        "direct_mib_s": mib / floor,
+    }
 
 
 def kill_when_watched(d: VMDaemon, watching: int, pid: int, killed: list[float]) -> None:
@@ -213,14 +235,15 @@ def main() -> int:
     }
     ms = {k: [v * 1000 for v in vs] for k, vs in trips.items()}
     print(f"exec -- true, {args.runs} runs (ms): p50 / p90; ratio of p50 to smolvm directly")
-    for k in ("direct", "client", "bottlenetctl"):
+    for k in ("direct", "client", "client_framed", "bottlenetctl"):
         p50, floor = statistics.median(ms[k]), statistics.median(ms["direct"])
         print(f"  {k:13s} {p50:7.1f} / {pct(ms[k], 90):7.1f}   {p50 / floor:.2f}x")
     for what, r in (("stdout", out), ("stdin", inp)):
-        ratio = r["daemon_mib_s"] / r["direct_mib_s"]
+        direct_rate = r["direct_mib_s"]
         print(
-            f"{what} {args.mib} MiB: daemon {r['daemon_mib_s']:.0f} MiB/s, smolvm directly "
-            f"{r['direct_mib_s']:.0f} MiB/s ({ratio:.2f}x)"
+            f"{what} {args.mib} MiB: smolvm directly {direct_rate:.0f} MiB/s; "
+            f"fds {r['fds_mib_s']:.0f} MiB/s ({r['fds_mib_s'] / direct_rate:.2f}x), "
+            f"framed {r['framed_mib_s']:.0f} MiB/s ({r['framed_mib_s'] / direct_rate:.2f}x)"
         )
     if lat:
         print(

@@ -680,8 +680,12 @@ class Smolvm:
         user: str | None = None,
         tty: bool = False,
         size: tuple[int, int] | None = None,
+        stdio: tuple[int, int, int] | None = None,
     ) -> Deferred[IProcessTransport]:
         """``machine exec -i [-t]`` attached to ``protocol``: the caller streams its stdio.
+
+        With ``stdio`` (no ``tty``) the child's fds 0, 1, 2 are copies of those fds instead:
+        its bytes go wherever they lead (``protocol`` only hears of its end).
 
         Without ``tty`` the child's stdin, stdout and stderr are pipes (fds 0, 1, 2). With
         ``tty`` the child runs on a new pseudo-terminal (``size`` is its ``(rows, cols)``):
@@ -703,8 +707,11 @@ class Smolvm:
             full = [self.binary, *self.machine_args("exec", *rest)]
             self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)
             if not tty:
+                fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r"}
+                if stdio is not None:
+                    fds = dict(enumerate(stdio))
                 transport: IProcessTransport = reactor.spawnProcess(
-                    protocol, self.binary, full, env=self.env, childFDs={0: "w", 1: "r", 2: "r"}
+                    protocol, self.binary, full, env=self.env, childFDs=fds
                 )
                 return transport
             master, slave = os.openpty()

@@ -114,7 +114,12 @@ def parse_exec_request(
 
 
 async def spawn_exec(
-    vms: Any, bottle: Bottle, request: ExecRequest, protocol: IProcessProtocol
+    vms: Any,
+    bottle: Bottle,
+    request: ExecRequest,
+    protocol: IProcessProtocol,
+    *,
+    stdio: tuple[int, int, int] | None = None,
 ) -> IProcessTransport:
     """Start ``machine exec`` in the bottle's agent VM with ``protocol`` attached to its stdio.
 
@@ -132,6 +137,7 @@ async def spawn_exec(
             user=request.user,
             tty=request.tty,
             size=request.size,
+            stdio=stdio,
         )
     except VmctlError as e:
         raise map_vmctl(e) from None

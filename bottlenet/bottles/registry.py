@@ -483,10 +483,17 @@ class BottleRegistry:
         return bottle
 
     async def spawn_exec(
-        self, name: str, request: ExecRequest, protocol: IProcessProtocol
+        self,
+        name: str,
+        request: ExecRequest,
+        protocol: IProcessProtocol,
+        stdio: tuple[int, int, int] | None = None,
     ) -> IProcessTransport:
-        """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio."""
-        return await attach.spawn_exec(self.vms, self.exec_target(name), request, protocol)
+        """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio
+        (or the command on the fds ``stdio``, ``protocol`` told only of its end)."""
+        return await attach.spawn_exec(
+            self.vms, self.exec_target(name), request, protocol, stdio=stdio
+        )
 
     def watch(self, bottle: Bottle) -> None:
         """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when

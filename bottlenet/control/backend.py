@@ -60,8 +60,15 @@ class ControlBackend(Protocol):
         ...
 
     async def spawn_exec(
-        self, name: str, request: ExecRequest, protocol: IProcessProtocol
-    ) -> IProcessTransport: ...
+        self,
+        name: str,
+        request: ExecRequest,
+        protocol: IProcessProtocol,
+        stdio: tuple[int, int, int] | None = None,
+    ) -> IProcessTransport:
+        """``stdio``: fds to give the command as its stdin, stdout, stderr (else pipes to
+        ``protocol``)."""
+        ...
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol

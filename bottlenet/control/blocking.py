@@ -233,8 +233,14 @@ class BlockingControlClient:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         timeout: float | None = None,
+        fds: bool = True,
+        time_limit: int | None = None,
     ) -> ExecSession:
-        """Start ``argv`` in the bottle's agent VM on a connection of its own."""
+        """Start ``argv`` in the bottle's agent VM on a connection of its own.
+
+        ``fds``: on a UNIX socket without a terminal, take the command's stdio pipes from the
+        daemon (False: frames through the daemon). ``time_limit``: the daemon ends the
+        command after that many seconds (exit code 124)."""
         rows, cols = size if size is not None else (None, None)
         return self._open_stream(
             C.Exec,
@@ -248,6 +254,8 @@ class BlockingControlClient:
             workdir=workdir,
             rows=rows,
             cols=cols,
+            fds=fds,
+            time_limit=time_limit,
         )
 
     def _open_stream(
@@ -265,15 +273,24 @@ class BlockingControlClient:
             self.address, self.timeout, vm_timeout=self.vm_timeout, tls=self.tls
         )
         session._sock = self._open(limit)
+        assert session._sock is not None
         if command is C.Exec:
-            arguments.update(stdin=stdin, tty=tty)
+            # File descriptors travel only over a UNIX socket (the daemon checks it too).
+            local = session._sock.family == socket.AF_UNIX and not tty
+            arguments.update(stdin=stdin, tty=tty, fds=(arguments.get("fds") and local) or None)
         try:
-            session.call(command, timeout=limit, **arguments)
+            answer = session.call(command, timeout=limit, **arguments)
         except BaseException:
             session.close()
             raise
         assert session._sock is not None
-        return ExecSession(session._sock, session._parser.take_rest(), tty=tty, stdin=stdin)
+        return ExecSession(
+            session._sock,
+            session._parser.take_rest(),
+            tty=tty,
+            stdin=stdin,
+            fds=bool(answer.get("fds")),
+        )
 
     def logs(
         self,
@@ -307,8 +324,11 @@ class BlockingControlClient:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         timeout: float | None = None,
+        fds: bool = True,
+        time_limit: int | None = None,
     ) -> int:
-        """Run ``argv`` in the bottle's agent VM and return its exit code.
+        """Run ``argv`` in the bottle's agent VM and return its exit code (``fds``,
+        ``time_limit``: as :meth:`open_exec`).
 
         Its output is written to ``stdout``/``stderr`` (binary files; None discards it);
         ``stdin`` (a binary file, None for no input) is forwarded until its end.
@@ -323,6 +343,8 @@ class BlockingControlClient:
             tty=tty,
             size=size,
             timeout=timeout,
+            fds=fds,
+            time_limit=time_limit,
         )
         with session:
             return session.run(stdin, stdout, stderr)

@@ -291,6 +291,9 @@ class Exec(ControlCommand):
     :mod:`bottlenet.control.stream` (stdin, resize; stdout, stderr, exit), never AMP again.
     ``stdin`` forwards the client's input (``-i``); ``tty`` gives the command a terminal of
     ``rows`` x ``cols`` (``-t``). It must be the only command in flight on its connection.
+    ``fds`` asks for the command's stdio as file descriptors (granted, ``fds`` in the answer,
+    on a UNIX socket without a terminal); ``time_limit`` ends the command after that many
+    seconds (exit code 124).
     """
 
     commandName = b"bottlenet.Exec"
@@ -304,8 +307,10 @@ class Exec(ControlCommand):
         (b"tty", StrictBoolean(optional=True)),
         (b"rows", StrictInteger(optional=True)),
         (b"cols", StrictInteger(optional=True)),
+        (b"fds", StrictBoolean(optional=True)),
+        (b"time_limit", StrictInteger(optional=True)),
     ]
-    response = [(b"tty", StrictBoolean())]
+    response = [(b"tty", StrictBoolean()), (b"fds", StrictBoolean(optional=True))]
 
 
 class Logs(ControlCommand):

@@ -9,10 +9,17 @@ the child's output, a child that stops reading its stdin pauses the client.
 
 No byte of the command line, its input or its output is ever logged; the log says which
 bottle, which peer, whether a terminal was used, and the exit code.
+
+With ``fds`` (a local client on the UNIX socket asked for them, and no terminal) the child's
+stdin, stdout and stderr are pipes whose other ends the client takes over ``SCM_RIGHTS``: the
+command's bytes never pass through the daemon, which still owns the child (its end, its
+exit code, its log line) and tells the exit code over the connection.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +35,10 @@ from bottlenet.control.stream import FrameParser, StreamError
 
 #: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
 KILL_GRACE = 3.0
+#: The size asked for each pipe handed to a client (Linux's default cap for a user).
+PIPE_SIZE = 1024 * 1024
+#: The exit code of a command its Exec's ``time_limit`` ended (as timeout(1), smolvm --timeout).
+TIMEOUT_EXIT = 124
 #: Output read from the child before the client is attached (or while it is paused).
 MAX_PENDING = 256 * 1024
 
@@ -52,6 +63,7 @@ class ExecBridge(ProcessProtocol):
         clock: Any,
         resize: Callable[[IProcessTransport, int, int], None],
         on_end: Callable[[ExecBridge], None] = lambda _: None,
+        fds: bool = False,
     ) -> None:
         self.bottle = bottle
         self.peer = peer
@@ -60,7 +72,13 @@ class ExecBridge(ProcessProtocol):
         self._clock = clock
         self._resize = resize
         self._on_end = on_end
-        self._parser = FrameParser(stream.CLIENT_KINDS)
+        self.fds = fds and not tty
+        self._parser = FrameParser(stream.FD_CLIENT_KINDS if self.fds else stream.CLIENT_KINDS)
+        #: fd mode: the child's ends (closed once it runs), the client's (until it took them).
+        self._child_fds: list[int] = []
+        self._client_fds: list[int] = []
+        self._fds_sent = False
+        self._fds_taken = False
         self._client: Any = None  # the connection's transport, once switched
         self._pending: list[bytes] = []
         self._pending_size = 0
@@ -68,6 +86,8 @@ class ExecBridge(ProcessProtocol):
         self._exit_code: int | None = None
         self._client_gone = False
         self._kill_timer: IDelayedCall | None = None
+        self._deadline: IDelayedCall | None = None
+        self._timed_out = False
         self._ended = False
 
     # -- the smolvm child ---------------------------------------------------------------
@@ -79,6 +99,8 @@ class ExecBridge(ProcessProtocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
+        if self.fds:
+            return  # the child's stdio are the client's pipes, not ours
         if not self.stdin and not self.tty:
             self.transport.closeStdin()
         # The child's stdin (its pipe, or the pty master for a tty) tells us when it is full:
@@ -102,10 +124,13 @@ class ExecBridge(ProcessProtocol):
                 code = exc.exitCode
             elif exc.signal is not None:
                 code = 128 + exc.signal
+        if self._timed_out:
+            code = TIMEOUT_EXIT
         self._exit_code = code
-        if self._kill_timer is not None and self._kill_timer.active():
-            self._kill_timer.cancel()
-        self._kill_timer = None
+        for timer in (self._kill_timer, self._deadline):
+            if timer is not None and timer.active():
+                timer.cancel()
+        self._kill_timer = self._deadline = None
         self.log.info(
             "exec in bottle {bottle} by {peer} ended: exit {code} (tty={tty})",
             bottle=self.bottle,
@@ -113,7 +138,14 @@ class ExecBridge(ProcessProtocol):
             code=code,
             tty=self.tty,
         )
-        self._send(stream.encode_exit(code))
+        self._finish()
+
+    def _finish(self) -> None:
+        """The exit code to the client, then the connection closed; with fds only once the
+        client has taken them (or its output, still in the pipes, would be lost)."""
+        if self._exit_code is None or (self.fds and not self._fds_taken and not self._client_gone):
+            return
+        self._send(stream.encode_exit(self._exit_code))
         if self._client is not None:
             self._client.unregisterProducer()
             self._client.loseConnection()
@@ -130,7 +162,7 @@ class ExecBridge(ProcessProtocol):
             transport.write(chunk)
         if self._child_paused:
             self._resume_child()
-        if self._exit_code is not None:
+        if self._exit_code is not None and not self.fds:
             transport.unregisterProducer()
             transport.loseConnection()
             return
@@ -151,6 +183,10 @@ class ExecBridge(ProcessProtocol):
                 self._client.abortConnection()
 
     def _apply_frames(self, frames: list[stream.Frame]) -> None:
+        if self.fds:
+            for frame in frames:
+                self._fd_frame(frame)
+            return
         process = self.process
         for frame in frames:
             if process is None or self._exit_code is not None:
@@ -172,6 +208,52 @@ class ExecBridge(ProcessProtocol):
                 if self.tty:
                     self._resize(process, rows, cols)
 
+    # -- file descriptors -----------------------------------------------------------------
+
+    def make_stdio(self) -> tuple[int, int, int]:
+        """Pipes for the command's stdin, stdout and stderr: the child's ends, to spawn it
+        with (the client's ends are kept until it has taken them)."""
+        pipes: list[tuple[int, int]] = []
+        try:
+            for _ in range(stream.FD_COUNT):
+                pipes.append(os.pipe())
+        except OSError:
+            _close_all([fd for pair in pipes for fd in pair])
+            raise
+        (in_r, in_w), (out_r, out_w), (err_r, err_w) = pipes
+        for _, w in pipes:  # fewer, larger copies for bulk data; a refusal only costs speed
+            try:
+                fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+            except OSError:
+                pass
+        self._child_fds = [in_r, out_w, err_w]
+        self._client_fds = [in_w, out_r, err_r]
+        return in_r, out_w, err_w
+
+    def spawned(self) -> None:
+        """The child has its own copies of its ends: the daemon's go (or no EOF would come)."""
+        _close_all(self._child_fds)
+
+    def close_fds(self) -> None:
+        _close_all(self._child_fds)
+        _close_all(self._client_fds)
+
+    def _fd_frame(self, frame: stream.Frame) -> None:
+        if frame.kind == stream.FDS_READY and not self._fds_sent and self._client is not None:
+            # The client reads with recvmsg from now on: each fd rides on one byte of FDS.
+            self._fds_sent = True
+            for fd in self._client_fds:
+                self._client.sendFileDescriptor(fd)
+            self._client.write(stream.encode(stream.FDS, bytes(len(self._client_fds))))
+        elif frame.kind == stream.FDS_TAKEN and self._fds_sent and not self._fds_taken:
+            # It has them (the kernel holds in-flight copies once sendmsg returned, and the
+            # client saw the bytes): the daemon's copies go, so the child sees stdin's EOF.
+            self._fds_taken = True
+            _close_all(self._client_fds)
+            self._finish()
+        else:
+            raise StreamError(f"unexpected frame kind {frame.kind} in this state")
+
     def client_lost(self) -> None:
         """The client went away: end the command (the child, hence the guest command).
 
@@ -181,6 +263,7 @@ class ExecBridge(ProcessProtocol):
             return
         self._client_gone = True
         self._client = None
+        self.close_fds()
         if self._exit_code is None and self.process is not None:
             self.log.info(
                 "exec in bottle {bottle}: client {peer} went away; ending the command",
@@ -189,6 +272,24 @@ class ExecBridge(ProcessProtocol):
             )
             self.terminate()
         self._maybe_end()
+
+    def set_deadline(self, seconds: float) -> None:
+        """The command is ended after ``seconds`` (Exec's ``time_limit``), whoever holds its
+        stdio; its exit code is then :data:`TIMEOUT_EXIT`."""
+        if self._exit_code is None and self._deadline is None:
+            self._deadline = self._clock.callLater(seconds, self._expire)
+
+    def _expire(self) -> None:
+        self._deadline = None
+        if self._exit_code is not None or self.process is None:
+            return
+        self._timed_out = True
+        self.log.info(
+            "exec in bottle {bottle} by {peer}: timeout; ending the command",
+            bottle=self.bottle,
+            peer=self.peer,
+        )
+        self.terminate()
 
     def terminate(self) -> None:
         """SIGTERM now, SIGKILL after :data:`KILL_GRACE` (idempotent)."""
@@ -253,6 +354,14 @@ class ExecBridge(ProcessProtocol):
 
     def stopProducing(self) -> None:
         self.client_lost()
+
+
+def _close_all(fds: list[int]) -> None:
+    while fds:
+        try:
+            os.close(fds.pop())
+        except OSError:
+            pass
 
 
 @implementer(IPushProducer)

@@ -3,6 +3,10 @@
 
 Shared by the blocking client and the light client (so ``bottlenetctl bottle exec`` on a UNIX
 socket starts without importing AMP); plain sockets and ``select``, no Twisted.
+
+When the daemon granted file descriptors (``fds``), the session takes the command's stdin,
+stdout and stderr pipes from the daemon (``SCM_RIGHTS``) and copies between them and its own
+files directly; only the exit code comes over the connection.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ from bottlenet.control.clienterrors import ControlConnectionError
 
 #: Input an exec session holds while the daemon is slow to take it (then stdin waits).
 MAX_OUTGOING = 256 * 1024
+#: One read from a pipe of the command (or from our stdin, for it).
+CHUNK = 256 * 1024
 
 
 class ExecSession:
@@ -27,12 +33,17 @@ class ExecSession:
     and wakes the loop through a pipe; the loop sends the frame.
     """
 
-    def __init__(self, sock: socket.socket, leftover: bytes, *, tty: bool, stdin: bool) -> None:
+    def __init__(
+        self, sock: socket.socket, leftover: bytes, *, tty: bool, stdin: bool, fds: bool = False
+    ) -> None:
         self.sock = sock
         self.tty = tty
         self.forward_stdin = stdin
+        #: The daemon hands over the command's stdio (its answer said ``fds``).
+        self.fds = fds
         self._leftover = leftover
-        self._parser = stream.FrameParser(stream.DAEMON_KINDS)
+        self._parser = stream.FrameParser(stream.FD_DAEMON_KINDS if fds else stream.DAEMON_KINDS)
+        self._pipes: list[int] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
@@ -47,12 +58,13 @@ class ExecSession:
 
     def close(self) -> None:
         self.sock.close()
-        for fd in (self._wake_r, self._wake_w):
+        for fd in (self._wake_r, self._wake_w, *self._pipes):
             try:
                 os.close(fd)
             except OSError:
                 pass
         self._wake_r = self._wake_w = -1
+        self._pipes = []
 
     def resize(self, rows: int, cols: int) -> None:
         self._size = (rows, cols)
@@ -74,62 +86,11 @@ class ExecSession:
         to take it, and output is read all the while (a full pipe one way never stalls the
         other way).
         """
-        out = bytearray()
-        stdin_fd: int | None = None
-        if stdin is not None and self.forward_stdin:
-            try:
-                stdin_fd = stdin.fileno()
-            except (AttributeError, OSError, ValueError):
-                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
-        self.sock.setblocking(False)
         try:
-            if self._leftover:
-                self._receive(self._leftover, stdout, stderr)
-                self._leftover = b""
-            while self.exit_code is None:
-                readers: list[Any] = [self.sock, self._wake_r]
-                if stdin_fd is not None and len(out) < MAX_OUTGOING:
-                    readers.append(stdin_fd)
-                writers = [self.sock] if out else []
-                pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
-                ready: list[Any]
-                writable: list[Any]
-                if pending:
-                    ready, writable = [self.sock], []
-                else:
-                    ready, writable, _ = select.select(readers, writers, [])
-                if self._wake_r in ready:
-                    try:
-                        os.read(self._wake_r, 512)
-                    except BlockingIOError:
-                        pass
-                    size, self._size = self._size, None
-                    if size is not None:
-                        out += stream.encode_resize(*size)
-                if stdin_fd is not None and stdin_fd in ready:
-                    try:
-                        data = os.read(stdin_fd, 65536)
-                    except OSError:
-                        data = b""
-                    if data:
-                        out += stream.encode(stream.STDIN, data)
-                    else:
-                        out += stream.encode(stream.STDIN_EOF)
-                        stdin_fd = None
-                if out and (self.sock in writable or not pending):
-                    try:
-                        sent = self.sock.send(out)
-                        del out[:sent]
-                    except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
-                        pass
-                if self.sock in ready:
-                    try:
-                        chunk = self.sock.recv(65536)
-                    except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
-                        continue
-                    if not chunk:
-                        break
-                    self._receive(chunk, stdout, stderr)
+            if self.fds:
+                self._pump(*self._take_fds(), stdin, stdout, stderr)
+            else:
+                self._run_framed(stdin, stdout, stderr)
         except stream.StreamError as e:
             raise ControlConnectionError(f"bad exec data from the daemon: {e}") from None
         except OSError as e:
@@ -142,6 +103,65 @@ class ExecSession:
             )
         return self.exit_code
 
+    def _run_framed(
+        self, stdin: IO[bytes] | None, stdout: IO[bytes] | None, stderr: IO[bytes] | None
+    ) -> None:
+        out = bytearray()
+        stdin_fd: int | None = None
+        if stdin is not None and self.forward_stdin:
+            try:
+                stdin_fd = stdin.fileno()
+            except (AttributeError, OSError, ValueError):
+                out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
+        self.sock.setblocking(False)
+        if self._leftover:
+            self._receive(self._leftover, stdout, stderr)
+            self._leftover = b""
+        while self.exit_code is None:
+            readers: list[Any] = [self.sock, self._wake_r]
+            if stdin_fd is not None and len(out) < MAX_OUTGOING:
+                readers.append(stdin_fd)
+            writers = [self.sock] if out else []
+            pending = isinstance(self.sock, ssl.SSLSocket) and self.sock.pending() > 0
+            ready: list[Any]
+            writable: list[Any]
+            if pending:
+                ready, writable = [self.sock], []
+            else:
+                ready, writable, _ = select.select(readers, writers, [])
+            if self._wake_r in ready:
+                try:
+                    os.read(self._wake_r, 512)
+                except BlockingIOError:
+                    pass
+                size, self._size = self._size, None
+                if size is not None:
+                    out += stream.encode_resize(*size)
+            if stdin_fd is not None and stdin_fd in ready:
+                try:
+                    data = os.read(stdin_fd, 65536)
+                except OSError:
+                    data = b""
+                if data:
+                    out += stream.encode(stream.STDIN, data)
+                else:
+                    out += stream.encode(stream.STDIN_EOF)
+                    stdin_fd = None
+            if out and (self.sock in writable or not pending):
+                try:
+                    sent = self.sock.send(out)
+                    del out[:sent]
+                except (BlockingIOError, ssl.SSLWantWriteError, ssl.SSLWantReadError):
+                    pass
+            if self.sock in ready:
+                try:
+                    chunk = self.sock.recv(65536)
+                except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
+                    continue
+                if not chunk:
+                    break
+                self._receive(chunk, stdout, stderr)
+
     def _receive(self, data: bytes, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
         for frame in self._parser.feed(data):
             if frame.kind == stream.EXIT:
@@ -151,3 +171,127 @@ class ExecSession:
             if sink is not None:
                 sink.write(frame.payload)
                 sink.flush()
+
+    # -- file descriptors ---------------------------------------------------------------
+
+    def _take_fds(self) -> tuple[int, int, int]:
+        """Ask for the fds, read until the FDS frame (every read with recvmsg: fds on bytes
+        read plainly would be lost), say they were taken."""
+        self.sock.setblocking(True)
+        self.sock.sendall(stream.encode(stream.FDS_READY))
+        frames = self._parser.feed(self._leftover)
+        self._leftover = b""
+        while not any(f.kind == stream.FDS for f in frames):
+            if any(f.kind == stream.EXIT for f in frames):
+                raise stream.StreamError("exit before the file descriptors")
+            data, fds, _flags, _addr = socket.recv_fds(self.sock, 65536, stream.FD_COUNT + 1)
+            self._pipes += fds
+            if len(self._pipes) > stream.FD_COUNT:
+                raise stream.StreamError("too many file descriptors")
+            if not data:
+                raise ControlConnectionError(
+                    "the daemon closed the connection before the command ended"
+                )
+            frames += self._parser.feed(data)
+        if len(self._pipes) != stream.FD_COUNT or len(frames) != 1:
+            raise stream.StreamError("the FDS frame did not carry the command's three pipes")
+        self.sock.sendall(stream.encode(stream.FDS_TAKEN))
+        in_w, out_r, err_r = self._pipes
+        return in_w, out_r, err_r
+
+    def _pump(
+        self,
+        in_w: int,
+        out_r: int,
+        err_r: int,
+        stdin: IO[bytes] | None,
+        stdout: IO[bytes] | None,
+        stderr: IO[bytes] | None,
+    ) -> None:
+        """Copy until the exit code is in and both output pipes are at their end."""
+        pending = bytearray()
+        stdin_fd: int | None = None
+        writer: int | None = in_w
+        if stdin is not None and self.forward_stdin:
+            try:
+                stdin_fd = stdin.fileno()
+            except (AttributeError, OSError, ValueError):
+                pending += stdin.read()
+                stdin_fd = -1  # nothing more to read: EOF once pending is written
+        if stdin_fd is None:
+            self._close_pipe(in_w)
+            writer = None
+        else:
+            os.set_blocking(in_w, False)
+        sinks = {out_r: stdout, err_r: stderr}
+        # Pipe to pipe, the kernel moves stdin's bytes (splice); ``full``: the command's
+        # stdin pipe refused the last move, so wait until it has room.
+        splice, full = hasattr(os, "splice"), False
+        while self.exit_code is None or sinks:
+            readers: list[int] = [*sinks]
+            if self.exit_code is None:
+                readers.append(self.sock.fileno())
+            if stdin_fd is not None and stdin_fd >= 0 and not pending and not full:
+                readers.append(stdin_fd)
+            writers = [writer] if writer is not None and (pending or full) else []
+            ready, writable, _ = select.select(readers, writers, [])
+            if full and writer in writable:
+                full = False
+            for fd in ready:
+                if fd == stdin_fd and splice and writer is not None:
+                    try:
+                        moved = os.splice(fd, writer, CHUNK, flags=os.SPLICE_F_NONBLOCK)
+                    except BlockingIOError:
+                        full = True
+                        continue
+                    except BrokenPipeError:
+                        moved = 0
+                    except OSError:  # not pipes (a file, a socket): copy through here
+                        splice = False
+                        continue
+                    if not moved:
+                        stdin_fd = -1
+                elif fd == stdin_fd:
+                    data = _read(fd)
+                    if data:
+                        pending += data
+                    else:
+                        stdin_fd = -1
+                elif fd in sinks:
+                    data = _read(fd)
+                    sink = sinks[fd]
+                    if not data:
+                        del sinks[fd]
+                    elif sink is not None:
+                        sink.write(data)
+                        sink.flush()
+                else:
+                    chunk = self.sock.recv(64)
+                    if not chunk:
+                        return  # the daemon went away (or closed after EXIT)
+                    for frame in self._parser.feed(chunk):
+                        if frame.kind != stream.EXIT:
+                            raise stream.StreamError(f"unexpected frame kind {frame.kind}")
+                        self.exit_code = stream.decode_exit(frame.payload)
+            if writer is not None and writer in writable:
+                try:
+                    del pending[: os.write(writer, pending)]
+                except BlockingIOError:
+                    pass
+                except BrokenPipeError:  # the command closed its stdin: no more input
+                    pending.clear()
+                    stdin_fd = -1
+            if writer is not None and stdin_fd == -1 and not pending:
+                self._close_pipe(writer)
+                writer = stdin_fd = None
+
+    def _close_pipe(self, fd: int) -> None:
+        self._pipes.remove(fd)
+        os.close(fd)
+
+
+def _read(fd: int) -> bytes:
+    try:
+        return os.read(fd, CHUNK)
+    except OSError:
+        return b""

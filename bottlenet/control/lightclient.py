@@ -72,8 +72,10 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "tty": (Kind.BOOLEAN, True),
             "rows": (Kind.INTEGER, True),
             "cols": (Kind.INTEGER, True),
+            "fds": (Kind.BOOLEAN, True),
+            "time_limit": (Kind.INTEGER, True),
         },
-        {"tty": (Kind.BOOLEAN, False)},
+        {"tty": (Kind.BOOLEAN, False), "fds": (Kind.BOOLEAN, True)},
     ),
     "ListBottles": (
         {"offset": (Kind.INTEGER, True), "limit": (Kind.INTEGER, True)},
@@ -262,11 +264,14 @@ class LightControlClient:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         timeout: float | None = None,
+        fds: bool = True,
+        time_limit: int | None = None,
     ) -> ExecSession:
-        """Start ``argv`` in the bottle's agent VM; this connection becomes the session's."""
+        """Start ``argv`` in the bottle's agent VM; this connection becomes the session's
+        (with ``fds`` and no terminal, the command's stdio pipes are handed to us)."""
         rows, cols = size if size is not None else (None, None)
         try:
-            self.call(
+            answer = self.call(
                 "Exec",
                 timeout=timeout,
                 bottle=bottle,
@@ -278,6 +283,8 @@ class LightControlClient:
                 tty=tty,
                 rows=rows,
                 cols=cols,
+                fds=(fds and not tty) or None,
+                time_limit=time_limit,
             )
         except BaseException:
             self.close()
@@ -286,7 +293,9 @@ class LightControlClient:
 
         sock, self._sock = self._sock, None
         assert sock is not None
-        return ExecSession(sock, self._parser.take_rest(), tty=tty, stdin=stdin)
+        return ExecSession(
+            sock, self._parser.take_rest(), tty=tty, stdin=stdin, fds=bool(answer["fds"])
+        )
 
     def all_bottles(self) -> Iterator[BottleRecord]:
         offset: int | None = 0

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 from attrs import frozen
 from cryptography.x509.oid import NameOID
 from OpenSSL.crypto import X509
-from twisted.internet.interfaces import IAddress, IHandshakeListener, IReactorTime, ISSLTransport
+from twisted.internet.interfaces import (
+    IAddress,
+    IHandshakeListener,
+    IReactorTime,
+    ISSLTransport,
+    IUNIXTransport,
+)
 from twisted.internet.protocol import Factory, connectionDone
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -64,6 +70,8 @@ T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
 PAGE_BYTE_BUDGET = 60_000
 MAX_CLIENT_VERSION = 128
+#: An Exec's ``time_limit`` (seconds) is at most a day.
+MAX_EXEC_TIME_LIMIT = 86400
 # A client version is logged as is only in this shape (name/dotted version, lowercase);
 # anything else, however harmless its characters, as a length and a sha256 prefix.
 _CLIENT_VERSION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}/[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
@@ -271,8 +279,12 @@ class ControlLocator(SafeCommandLocator):
         tty: bool | None,
         rows: int | None,
         cols: int | None,
+        fds: bool | None = None,
+        time_limit: int | None = None,
     ) -> dict[str, Any]:
         check_bottle_name(bottle)
+        if time_limit is not None and not 1 <= time_limit <= MAX_EXEC_TIME_LIMIT:
+            raise InvalidArgument(f"time_limit: 1-{MAX_EXEC_TIME_LIMIT} seconds")
         request = parse_exec_request(
             argv,
             env=env or (),
@@ -283,14 +295,26 @@ class ControlLocator(SafeCommandLocator):
             rows=rows,
             cols=cols,
         )
+        # File descriptors only where they can travel (a UNIX socket) and fit (no terminal:
+        # the pty stays the daemon's, as resizes need it); anyone else gets frames.
+        transport = self.connection.transport if self.connection is not None else None
+        with_fds = bool(fds) and not request.tty and IUNIXTransport.providedBy(transport)
+
+        def spawn(bridge: ExecBridge) -> Awaitable[object]:
+            if not with_fds:
+                return self.backend.spawn_exec(bottle, request, bridge)
+            return self.backend.spawn_exec(bottle, request, bridge, stdio=bridge.make_stdio())
+
         await self._attach(
             bottle,
-            lambda bridge: self.backend.spawn_exec(bottle, request, bridge),
+            spawn,
             tty=request.tty,
             stdin=request.stdin,
             what="exec",
+            fds=with_fds,
+            time_limit=time_limit,
         )
-        return {"tty": request.tty}
+        return {"tty": request.tty, "fds": with_fds}
 
     async def _attach(
         self,
@@ -300,6 +324,8 @@ class ControlLocator(SafeCommandLocator):
         tty: bool,
         stdin: bool,
         what: str,
+        fds: bool = False,
+        time_limit: int | None = None,
     ) -> None:
         """Start a command with a bridge; the connection switches once the answer is out."""
         connection = self.connection
@@ -317,18 +343,28 @@ class ControlLocator(SafeCommandLocator):
             clock=f.clock,
             resize=resize,
             on_end=f.exec_sessions.discard,
+            fds=fds,
         )
         self.log.info(
-            "control: {what} in bottle {bottle} requested by {peer} (tty={tty}, stdin={stdin})",
+            "control: {what} in bottle {bottle} requested by {peer} "
+            "(tty={tty}, stdin={stdin}, fds={fds})",
             what=what,
             bottle=bottle,
             peer=peer,
             tty=tty,
             stdin=stdin,
+            fds=fds,
             uid=self.peer.uid if self.peer else None,
             pid=self.peer.pid if self.peer else None,
         )
-        await spawn(bridge)
+        try:
+            await spawn(bridge)
+        except BaseException:
+            bridge.close_fds()
+            raise
+        bridge.spawned()
+        if time_limit is not None:
+            bridge.set_deadline(time_limit)
         f.exec_sessions.add(bridge)
         if not self._bottle_exists(bottle):  # destroyed while smolvm was starting the command
             f.end_exec_sessions_of(bottle)

@@ -14,6 +14,12 @@ Each frame is ``kind`` (1 byte), ``length`` (4 bytes, big-endian) and ``length``
 - daemon to client: ``STDOUT``, ``STDERR`` (bytes; with a TTY there is only ``STDOUT``),
   ``EXIT`` (the command's exit code, 4 bytes signed), after which the daemon closes.
 
+With file descriptors (``Exec``'s ``fds``, answered ``fds`` True on a UNIX socket) no byte of
+the command's stdio is framed: the client sends ``FDS_READY`` once it reads with
+``recvmsg``, the daemon answers ``FDS`` (3 bytes, carrying the command's stdin, stdout and
+stderr as ``SCM_RIGHTS``), the client sends ``FDS_TAKEN`` (the daemon then closes its
+copies), and the daemon sends ``EXIT`` when the command has ended and the fds were taken.
+
 Nothing here knows about sockets or reactors; both clients and the daemon use it.
 """
 
@@ -26,12 +32,20 @@ from attrs import frozen
 STDIN = 1
 STDIN_EOF = 2
 RESIZE = 3
+FDS_READY = 4
+FDS_TAKEN = 5
 STDOUT = 16
 STDERR = 17
 EXIT = 18
+FDS = 19
 
 CLIENT_KINDS = frozenset({STDIN, STDIN_EOF, RESIZE})
 DAEMON_KINDS = frozenset({STDOUT, STDERR, EXIT})
+#: With file descriptors: what the client may send, what the daemon sends.
+FD_CLIENT_KINDS = frozenset({FDS_READY, FDS_TAKEN})
+FD_DAEMON_KINDS = frozenset({FDS, EXIT})
+#: The command's stdin, stdout and stderr, in this order, one per payload byte of ``FDS``.
+FD_COUNT = 3
 #: No frame carries more than this; bigger writes are split.
 MAX_FRAME = 65536
 _HEADER = struct.Struct(">BI")

@@ -151,7 +151,7 @@ def test_exec_usage_and_typed_errors(daemon: VMDaemon) -> None:
 def test_client_that_disappears_ends_the_command(daemon: VMDaemon) -> None:
     before = set(daemon.exec_pids())
     with daemon.client() as c:
-        session = c.open_exec("b1", ["sh", "-c", "echo started; exec sleep 1000"])
+        session = c.open_exec("b1", ["sh", "-c", "echo started; exec sleep 1000"], fds=False)
         # the guest command runs ...
         frame = b""
         while b"started" not in frame:
@@ -181,7 +181,7 @@ def test_exec_frames_are_checked(daemon: VMDaemon) -> None:
     """A client that sends a frame of a kind it may not send loses its session."""
     before = set(daemon.exec_pids())
     with daemon.client() as c:
-        session = c.open_exec("b1", ["sleep", "1000"], stdin=True)
+        session = c.open_exec("b1", ["sleep", "1000"], stdin=True, fds=False)
         session.sock.sendall(stream.encode(stream.EXIT, b"\0\0\0\0"))
         session.sock.settimeout(30)
         while True:  # the daemon closes the connection

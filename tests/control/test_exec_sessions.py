@@ -3,6 +3,8 @@ bottle's sessions) and T8 (a RESIZE frame of the wrong size; "went away" logged 
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock
@@ -114,3 +116,63 @@ def test_exec_whose_spawn_outlasts_the_destroy_is_ended() -> None:
     assert backend.child.signals == []  # nothing to end yet: smolvm is still starting it
     backend.started.callback(None)
     assert backend.child.signals == ["TERM"]
+
+
+class _UnixClient(StringTransport):
+    """A client connection that can carry file descriptors: records the ones it is given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent_fds: list[int] = []
+
+    def sendFileDescriptor(self, fd: int) -> None:
+        self.sent_fds.append(fd)
+
+
+def _open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _fd_session() -> tuple[ExecBridge, _Child, _UnixClient, list[int]]:
+    bridge = ExecBridge(
+        bottle="b1",
+        peer="uid=0",
+        tty=False,
+        stdin=True,
+        clock=Clock(),
+        resize=lambda *_: None,
+        fds=True,
+    )
+    child_ends = list(bridge.make_stdio())
+    bridge.spawned()
+    child = _Child()
+    bridge.makeConnection(child)  # type: ignore[arg-type]
+    client = _UnixClient()
+    bridge.attach(client, b"")
+    return bridge, child, client, child_ends
+
+
+def test_fd_session_hands_the_pipes_and_keeps_no_copy() -> None:
+    """The client's ends go out on FDS after FDS_READY; once taken, the daemon has none."""
+    bridge, _child, client, child_ends = _fd_session()
+    assert not any(_open(fd) for fd in child_ends)  # the child has its own copies
+    assert client.sent_fds == [] and client.value() == b""
+    bridge.client_data(stream.encode(stream.FDS_READY))
+    assert len(client.sent_fds) == 3 and all(_open(fd) for fd in client.sent_fds)
+    assert client.value() == stream.encode(stream.FDS, b"\0\0\0")
+    bridge.client_data(stream.encode(stream.FDS_TAKEN))
+    assert not any(_open(fd) for fd in client.sent_fds)
+
+
+def test_fd_session_whose_client_leaves_closes_the_pipes_and_ends_the_command() -> None:
+    """A client gone before it took the pipes: the daemon's copies close, the command ends."""
+    bridge, child, client, _ = _fd_session()
+    bridge.client_data(stream.encode(stream.FDS_READY))
+    sent = list(client.sent_fds)
+    bridge.client_lost()
+    assert not any(_open(fd) for fd in sent)
+    assert child.signals == ["TERM"]

@@ -9,6 +9,7 @@ import socket
 
 import pytest
 
+from bottlenet.control import commands as C
 from bottlenet.control.address import TLSCredentials
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 
@@ -84,6 +85,11 @@ def test_bottlenetctl_over_tls_to_another_address() -> None:
                 big = b"x" * 300_000
                 assert c.exec("b1", ["cat"], stdin=io.BytesIO(big), stdout=out) == 0
                 assert out.getvalue() == big
+            # a TLS client that asks for file descriptors gets frames: fds cannot travel
+            with BlockingControlClient(control, timeout=10) as c:
+                answer = c.call(C.Exec, bottle="b1", argv=["true"], fds=True)
+                assert answer["fds"] is False
+            assert "fds=True)" not in d.log() and "fds=False)" in d.log()
         finally:
             for k in env:
                 os.environ.pop(k, None)
