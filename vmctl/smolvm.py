@@ -87,6 +87,15 @@ def subcommand_of(args: Sequence[str]) -> str:
     return "other"
 
 
+def call_words(args: Sequence[str]) -> str:
+    """How a call is named in the log: ``machine create``, but ``machine create --help``
+    for a feature probe (which creates nothing) and ``--version``."""
+    words = list(args[:2])
+    if len(args) > 2 and args[-1] == "--help":
+        words.append("--help")
+    return " ".join(words)
+
+
 class VmUids(StrEnum):
     """Which uid smolvm runs each VM process (VMM) under: its privilege model.
 
@@ -376,7 +385,7 @@ class Smolvm:
             result = evolve(result, stderr=strip_notes(result.stderr))
             self.log.info(
                 "smolvm {sub} exited {code} signal={sig} in {dur:.3f}s",
-                sub=" ".join(args[:2]),
+                sub=call_words(args),
                 code=result.exit_code,
                 sig=result.signal,
                 dur=result.duration,
@@ -414,7 +423,20 @@ class Smolvm:
         return await self._run(self.machine_args(sub, *rest), timeout, check=check)
 
     async def _gate(self) -> None:
-        if self.check_version and (self._version is None or self._features is None):
+        if self.check_version:
+            await self._learned()
+        root = self.data_dir_root
+        if root is not None and len(os.fsencode(root)) > MAX_STATE_DIR:
+            raise SmolvmUnavailable(
+                f"smolvm's state directory {sanitize(root, 120)} is too long "
+                f"({len(os.fsencode(root))} bytes, at most {MAX_STATE_DIR}): smolvm binds "
+                "per-machine UNIX sockets below it; choose a shorter --smolvm-data-dir "
+                "or --state-dir"
+            )
+
+    async def _learned(self) -> None:
+        """Version and features known, learned by one run that concurrent callers share."""
+        if self._version is None or self._features is None:
             # One learning run at a time; concurrent callers wait for it.
             if self._learning is None:
                 self._learning = Deferred.fromCoroutine(self._learn())
@@ -431,14 +453,6 @@ class Smolvm:
                 self._learning = None
             if outcome is not None:
                 raise outcome
-        root = self.data_dir_root
-        if root is not None and len(os.fsencode(root)) > MAX_STATE_DIR:
-            raise SmolvmUnavailable(
-                f"smolvm's state directory {sanitize(root, 120)} is too long "
-                f"({len(os.fsencode(root))} bytes, at most {MAX_STATE_DIR}): smolvm binds "
-                "per-machine UNIX sockets below it; choose a shorter --smolvm-data-dir "
-                "or --state-dir"
-            )
 
     async def _learn(self) -> Exception | None:
         try:
@@ -495,10 +509,11 @@ class Smolvm:
         MIN_VERSION."""
 
         async def go() -> SmolvmVersion:
-            version = await self._version_call()
-            if self.check_version and self._features is None:
-                await self._feature_call()
-            return version
+            if not self.check_version:
+                return await self._version_call()
+            await self._learned()  # shared with the gate: each probe runs once
+            assert self._version is not None
+            return self._version
 
         return _coro(go())
 

@@ -104,7 +104,7 @@ class Recovery:
         except VmctlError as e:
             if not expected and e.code == "SMOLVM_UNAVAILABLE":
                 # A forward-only daemon without smolvm: nothing to reconcile, nothing wrong.
-                self.log.info("no smolvm: no machines to reconcile")
+                self.log.info("no machines to reconcile: {why}", why=e.message)
             else:
                 self.log.error("cannot list smolvm machines: {err}", err=e.message)
             return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
 
 from tests.fakes import FAKE_SMOLVM
@@ -445,6 +446,30 @@ class SharedGateTests(SynchronousTestCase):
             p.finish(0)
         self.successResultOf(first)
         self.successResultOf(second)
+
+    def test_version_and_a_call_share_one_probe_run_named_as_probes(self) -> None:
+        """version() (Hello's probe) and a first call at start run each probe once, logged as
+        ``--version`` and ``machine create --help``, never as a bare ``machine create``."""
+        reactor = FakeProcessReactor()
+        smolvm = Smolvm(ProcessRunner(reactor), BIN, environ={})
+        with capturedLogs() as events:
+            version, stopped = smolvm.version(), smolvm.stop("m1")
+            reactor.spawned[0].finish(0, out=b"smolvm 1.32.2\n")
+            for sub in ("create", "exec"):
+                reactor.spawned[-1].finish(0, out=HELP_132[sub])
+            reactor.spawned[-1].finish(0)
+        self.assertEqual(str(self.successResultOf(version)), "1.32.2")
+        self.successResultOf(stopped)
+        self.assertEqual(
+            [p.args[1:] for p in reactor.spawned[:3]],
+            [["--version"], ["machine", "create", "--help"], ["machine", "exec", "--help"]],
+        )
+        self.assertEqual(len(reactor.spawned), 4)
+        named = [e["sub"] for e in events if "sub" in e]
+        self.assertEqual(
+            named, ["--version", "machine create --help", "machine exec --help", "machine stop"]
+        )
+        self.assertEqual(sum("features" in e.get("log_format", "") for e in events), 1)
 
     def test_a_failed_run_fails_every_waiter_and_is_retried(self) -> None:
         reactor = FakeProcessReactor()
