@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean, report_control_error, write_error
@@ -36,8 +37,6 @@ def run_exec(
     stderr: Any = None,
 ) -> int:
     """Run ``args.argv`` in ``args.name``'s agent VM; the exit status for bottlenetctl."""
-    from bottlenet.control.terminal import forward_winch, raw_terminal, terminal_size
-
     stdin = stdin if stdin is not None else sys.stdin.buffer
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr.buffer
@@ -46,7 +45,11 @@ def run_exec(
     except (AttributeError, OSError, ValueError):
         in_fd = None
     terminal = in_fd if (args.tty and in_fd is not None and os.isatty(in_fd)) else None
-    size = terminal_size(terminal) if terminal is not None else None
+    size = None
+    if terminal is not None:  # only a tty pays for the terminal module (termios, signals)
+        from bottlenet.control.terminal import terminal_size
+
+        size = terminal_size(terminal)
     if args.tty and size is None:
         size = (24, 80)
     forward = args.interactive or (args.tty and terminal is not None)
@@ -69,7 +72,7 @@ def run_exec(
         client.close()
     raw = terminal if forward else None
     try:
-        with session, raw_terminal(raw), forward_winch(session, terminal):
+        with session, _terminal_for(session, raw, terminal):
             return session.run(stdin if forward else None, stdout, stderr)
     except ControlConnectionError as e:
         if getattr(args, "json", False):
@@ -79,6 +82,18 @@ def run_exec(
         return EXIT_SESSION_LOST
     except KeyboardInterrupt:
         return 130
+
+
+@contextmanager
+def _terminal_for(session: Any, raw: int | None, terminal: int | None) -> Iterator[None]:
+    """Raw mode and SIGWINCH forwarding on a tty; nothing (and no import) without one."""
+    if terminal is None:
+        yield
+        return
+    from bottlenet.control.terminal import forward_winch, raw_terminal
+
+    with raw_terminal(raw), forward_winch(session, terminal):
+        yield
 
 
 def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:

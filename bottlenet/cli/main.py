@@ -52,15 +52,26 @@ def _socket_path(control: str) -> str:
     return control[len("unix:") :] if control.startswith("unix:") else control
 
 
-def _json(value: Any, out: TextIO) -> None:
-    import attrs
+def _plain(value: Any) -> Any:
+    """``value`` with client-side ``NamedTuple`` results as objects (json would write lists)."""
+    if isinstance(value, tuple) and hasattr(value, "_asdict"):
+        return {k: _plain(v) for k, v in value._asdict().items()}
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
 
+
+def _json(value: Any, out: TextIO) -> None:
     def default(o: Any) -> Any:
+        import attrs  # only the daemon's records need it (status and ping never get here)
+
         if attrs.has(type(o)):
             return attrs.asdict(o)
         raise TypeError(type(o).__name__)
 
-    out.write(json.dumps(value, default=default, sort_keys=True) + "\n")
+    out.write(json.dumps(_plain(value), default=default, sort_keys=True) + "\n")
 
 
 #: A command: the client is a BlockingControlClient, or for :data:`LIGHT_HANDLERS` the

@@ -2,17 +2,16 @@
 certificate (the way past one machine).
 
 Client-side only (no reactor, no daemon module): both clients and ``bottlenetctl`` parse the
-same forms. The TLS material comes from arguments or the environment
-(``BOTTLENET_CONTROL_CERT``, ``BOTTLENET_CONTROL_KEY``, ``BOTTLENET_CONTROL_CA``).
+same forms. The values are ``NamedTuple``s, not attrs classes: ``bottlenetctl status`` must
+not pay attrs' import for two client-side records. The TLS material comes from arguments or
+the environment (``BOTTLENET_CONTROL_CERT``, ``BOTTLENET_CONTROL_KEY``, ``BOTTLENET_CONTROL_CA``).
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
-
-from attrs import frozen
+from typing import TYPE_CHECKING, NamedTuple
 
 from bottlenet.errors import InvalidArgument, safe_repr
 
@@ -24,8 +23,7 @@ ENV_KEY = "BOTTLENET_CONTROL_KEY"
 ENV_CA = "BOTTLENET_CONTROL_CA"
 
 
-@frozen
-class TLSCredentials:
+class TLSCredentials(NamedTuple):
     """PEM files: this client's certificate and key, and the CA that signed the daemon's."""
 
     cert: str
@@ -56,8 +54,7 @@ class TLSCredentials:
         return ctx
 
 
-@frozen
-class ControlAddress:
+class ControlAddress(NamedTuple):
     """``unix`` (``path``) or ``tls`` (``host``, ``port``)."""
 
     kind: str

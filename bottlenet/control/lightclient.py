@@ -21,12 +21,12 @@ from typing import TYPE_CHECKING, Any
 from bottlenet import __version__
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.records import BottleRecord, RecordError, decode_records
 from bottlenet.control.results import HelloResult, Page
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
     from bottlenet.control.execsession import ExecSession
+    from bottlenet.control.records import BottleRecord
 
 CLIENT_VERSION = f"bottlenet-light/{__version__}"
 #: The protocol versions this client speaks (the same as commands.SUPPORTED_PROTOCOLS).
@@ -137,7 +137,9 @@ def decode_value(kind: Kind, data: bytes) -> Any:
         return [i.decode("utf-8") for i in _unlist(data)]
     if kind is Kind.INTEGER_LIST:
         return [_integer(i) for i in _unlist(data)]
-    return decode_records(data, BottleRecord)
+    from bottlenet.control.records import BottleRecord, decode_records  # attrs: only for ls
+
+    return decode_records(data, BottleRecord)  # its RecordError is a ValueError
 
 
 def request_bytes(name: str, tag: bytes, arguments: Mapping[str, Any]) -> bytes:
@@ -169,7 +171,7 @@ def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
             continue
         try:
             out[key] = decode_value(kind, raw)
-        except (ValueError, RecordError):
+        except ValueError:
             raise FramingError(f"answer's {key} is malformed") from None
     return out
 

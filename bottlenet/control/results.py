@@ -1,18 +1,20 @@
-"""Typed results shared by the async and the blocking client."""
+"""Typed results shared by the async and the blocking client.
+
+``HelloResult`` and ``Page`` are ``NamedTuple``s (client-side values): ``bottlenetctl status``
+and ``ping`` read them without importing attrs.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-from attrs import frozen
-
-from bottlenet.control.records import ForwardRecord
+if TYPE_CHECKING:
+    from bottlenet.control.records import ForwardRecord
 
 T = TypeVar("T")
 
 
-@frozen
-class HelloResult:
+class HelloResult(NamedTuple):
     server_version: str
     protocol: int
     features: tuple[str, ...]
@@ -34,8 +36,7 @@ class HelloResult:
         )
 
 
-@frozen
-class Page(Generic[T]):
+class Page(NamedTuple, Generic[T]):
     """One page of a listing; ask again with ``offset=next_offset`` while it is not None."""
 
     items: tuple[T, ...]
@@ -47,8 +48,7 @@ class Page(Generic[T]):
         return cls(items=tuple(d[key]), total=d["total"], next_offset=d["next_offset"])
 
 
-@frozen
-class AgentEndpoint:
+class AgentEndpoint(NamedTuple):
     """Where the agent connects for a new forward: ``host:port`` or a UNIX ``path``."""
 
     forward: ForwardRecord

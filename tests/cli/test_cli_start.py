@@ -57,6 +57,28 @@ def test_exec_on_a_unix_socket_imports_no_twisted() -> None:
     assert [m for m in modules if m.split(".")[0] in ("twisted", "OpenSSL", "zope")] == []
 
 
+def test_exec_without_a_tty_imports_no_tls_or_terminal() -> None:
+    """``bottle exec`` without -t loads neither ``ssl`` nor the terminal module (not on a tty)."""
+    argv = ["--control", "/nonexistent/bn/c.sock", "bottle", "exec", "b1", "--", "true"]
+    code, modules = imported_by(argv)
+    assert code == 3
+    assert [m for m in modules if m == "ssl" or m == "bottlenet.control.terminal"] == []
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--control", "/nonexistent/bn/control.sock", "status"],
+        ["--control", "/nonexistent/bn/control.sock", "ping"],
+    ],
+)
+def test_status_and_ping_import_no_attrs(argv: list[str]) -> None:
+    """status and ping load no attrs (their values are client-side plain tuples)."""
+    code, modules = imported_by(argv)
+    assert code == 3
+    assert [m for m in modules if m.split(".")[0] in ("attr", "attrs")] == []
+
+
 def test_help_and_version_import_no_client() -> None:
     """--help and --version do not even load a control client or attrs."""
     for argv in (["--help"], ["--version"]):
