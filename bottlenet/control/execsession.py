@@ -155,7 +155,7 @@ class ExecSession:
                     pass
             if self.sock in ready:
                 try:
-                    chunk = self.sock.recv(65536)
+                    chunk = self.sock.recv(CHUNK)
                 except (BlockingIOError, ssl.SSLWantReadError, ssl.SSLWantWriteError):
                     continue
                 if not chunk:
