@@ -41,6 +41,10 @@ PIPE_SIZE = 1024 * 1024
 TIMEOUT_EXIT = 124
 #: Output read from the child before the client is attached (or while it is paused).
 MAX_PENDING = 256 * 1024
+#: What the reactor reads from a child's pipe at a time (``twisted.internet.fdesc``).
+REACTOR_READ = 8192
+#: The most of a child's output the bridge reads in one turn of the reactor (whole frames).
+TURN_READ = 4 * stream.MAX_FRAME
 
 
 @implementer(IPushProducer)
@@ -112,7 +116,31 @@ class ExecBridge(ProcessProtocol):
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         kind = stream.STDERR if childFD == 2 else stream.STDOUT
-        self._send(stream.encode(kind, data))
+        # A read as full as the reactor's means more is waiting: it goes out in full frames,
+        # up to TURN_READ per turn of the reactor, not in a frame per 8 KiB.
+        fd = self._child_fd(childFD) if len(data) >= REACTOR_READ else None
+        sent = 0
+        while True:
+            if fd is not None:
+                data = _fill(fd, data, stream.MAX_FRAME)
+            self._send(stream.encode(kind, data))
+            sent += len(data)
+            if fd is None or len(data) < stream.MAX_FRAME or sent >= TURN_READ:
+                return
+            if self._child_paused or self._client_gone:  # back-pressure holds mid-turn too
+                return
+            data = _fill(fd, b"", stream.MAX_FRAME)
+            if not data:
+                return
+
+    def _child_fd(self, childFD: int) -> int | None:
+        transport: Any = self.transport
+        pipes = getattr(transport, "pipes", None)
+        if pipes is None:  # a pty: one master for the child's output
+            fileno = getattr(transport, "fileno", None)
+            return fileno() if fileno is not None and childFD == 1 else None
+        end = pipes.get(childFD)
+        return end.fileno() if end is not None else None
 
     def processEnded(self, reason: Failure) -> None:
         code = 255
@@ -354,6 +382,23 @@ class ExecBridge(ProcessProtocol):
 
     def stopProducing(self) -> None:
         self.client_lost()
+
+
+def _fill(fd: int, data: bytes, size: int) -> bytes:
+    """``data`` and what else ``fd`` (non-blocking) holds now, up to ``size`` bytes. An EOF
+    or error met here is met again, and acted on, by the reactor's next read."""
+    parts = [data]
+    have = len(data)
+    while have < size:
+        try:
+            more = os.read(fd, size - have)
+        except OSError:  # drained (EAGAIN), or the reactor's next read will see why
+            break
+        if not more:
+            break
+        parts.append(more)
+        have += len(more)
+    return data if len(parts) == 1 else b"".join(parts)
 
 
 def _close_all(fds: list[int]) -> None:

@@ -171,7 +171,7 @@ class ExecSession:
                     pass
             if self.sock in ready:
                 try:
-                    chunk = self.sock.recv(65536)
+                    chunk = self.sock.recv(CHUNK)
                 except self._retry:
                     continue
                 if not chunk:

@@ -8,7 +8,10 @@ transport; the client side is Twisted's ``StringTransport``.
 
 from __future__ import annotations
 
+import fcntl
+import os
 import struct
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +21,7 @@ from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from bottlenet.control import stream
-from bottlenet.control.execbroker import KILL_GRACE, ExecBridge
+from bottlenet.control.execbroker import KILL_GRACE, REACTOR_READ, TURN_READ, ExecBridge
 
 
 class Child:
@@ -138,3 +141,71 @@ def test_a_tty_session_passes_stdin_frames_to_the_child() -> None:
     b.attach(StringTransport(), b"")
     b.client_data(stream.encode(stream.STDIN, b"ls\r"))
     assert child.written == [b"ls\r"] and not child.stdin_closed
+
+
+class PipeEnd:
+    """The read end of a child's pipe, as Twisted's process transport keeps it in ``pipes``."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def fileno(self) -> int:
+        return self.fd
+
+
+@pytest.fixture
+def child_stdout() -> Iterator[tuple[int, int]]:
+    """A real non-blocking pipe with room for 1 MiB: (read end, write end)."""
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, 1 << 20)
+    yield r, w
+    os.close(r)
+    os.close(w)
+
+
+def piped_bridge(r: int) -> tuple[ExecBridge, StringTransport]:
+    b, child, _ = bridge()
+    child.pipes = {1: PipeEnd(r)}  # type: ignore[attr-defined]
+    client = StringTransport()
+    b.attach(client, b"")
+    return b, client
+
+
+def stdout_frames(client: StringTransport) -> list[int]:
+    frames = stream.FrameParser(stream.DAEMON_KINDS).feed(client.value())
+    assert {f.kind for f in frames} == {stream.STDOUT}
+    return [len(f.payload) for f in frames]
+
+
+def test_bulk_output_goes_out_in_full_frames_bounded_per_turn(child_stdout: Any) -> None:
+    """A full reactor read means more is waiting: the bridge sends 64 KiB frames, not one
+    frame per 8 KiB read, and reads at most TURN_READ per call (the rest stays in the pipe)."""
+    r, w = child_stdout
+    os.write(w, bytes(TURN_READ + 100_000))
+    b, client = piped_bridge(r)
+    b.childDataReceived(1, os.read(r, REACTOR_READ))
+    assert stdout_frames(client) == [stream.MAX_FRAME] * (TURN_READ // stream.MAX_FRAME)
+    assert len(os.read(r, 1 << 20)) == 100_000
+
+
+def test_a_short_read_is_one_frame_and_reads_nothing_more(child_stdout: Any) -> None:
+    """Interactive output (a read shorter than the reactor's) is sent as it came."""
+    r, w = child_stdout
+    os.write(w, b"more")
+    b, client = piped_bridge(r)
+    b.childDataReceived(1, b"prompt$ ")
+    assert client.value() == stream.encode(stream.STDOUT, b"prompt$ ")
+    assert os.read(r, 100) == b"more"
+
+
+def test_a_client_that_pauses_stops_the_reading_mid_turn(child_stdout: Any) -> None:
+    """Back-pressure holds within one turn: after the connection pauses the bridge, it
+    reads no further frame from the child."""
+    r, w = child_stdout
+    os.write(w, bytes(TURN_READ))
+    b, client = piped_bridge(r)
+    b.pauseProducing()
+    b.childDataReceived(1, os.read(r, REACTOR_READ))
+    assert stdout_frames(client) == [stream.MAX_FRAME]
+    assert len(os.read(r, 1 << 20)) == TURN_READ - stream.MAX_FRAME
