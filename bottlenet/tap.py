@@ -25,7 +25,7 @@ from twisted.python.systemd import ListenFDs
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
-from bottlenet.bottles.model import SOURCE_CONFIG
+from bottlenet.bottles.model import Source
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES, BottleRegistry
@@ -232,7 +232,7 @@ class ConfigBottles(Service):
 
     async def _bind_all(self) -> None:
         for i, bottle in enumerate(self._config.bottles):
-            await self._registry.create_bottle(bottle.name, bottle.alias, source=SOURCE_CONFIG)
+            await self._registry.create_bottle(bottle.name, bottle.alias, source=Source.CONFIG)
             for j, fwd in enumerate(bottle.forwards):
                 key = f"bottle[{i}].forward[{j}]"
                 try:

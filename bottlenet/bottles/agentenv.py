@@ -1,24 +1,23 @@
 """The agent VM's environment, stamped from the agent endpoints only (never a raw port).
 
 Each service's ``env`` templates are filled with ``{host}``, ``{port}``, ``{socket}`` and
-``{service}``. Alias mode: ``host:port`` is the agent endpoint on the bottle's alias and
-``{socket}`` is empty. Socket mode: ``{host}`` is 127.0.0.1 and ``{port}`` the service's guest
-port, served inside the agent VM by the image's bridge to ``{socket}`` (the mounted socket);
-``BOTTLENET_BRIDGES`` lists those ``PORT=PATH`` pairs for the bridge (docs/sidecar.md).
+``{service}``: ``{host}`` is 127.0.0.1 and ``{port}`` the service's guest port, served inside
+the agent VM by the bridge to ``{socket}`` (the mounted socket); ``BOTTLENET_BRIDGES`` lists
+those ``PORT=PATH`` pairs for the bridge (docs/sidecar.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bottlenet.bottles.isolation import MODE_SOCKET
 from bottlenet.bottles.model import Endpoint
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.specrules import stamp_template
+from bottlenet.probe.plan import IsolationMode
 
 
 def stamp_env(
-    spec: BottleSpec, mode: str, endpoints: Sequence[Endpoint]
+    spec: BottleSpec, mode: IsolationMode, endpoints: Sequence[Endpoint]
 ) -> tuple[tuple[str, str], ...]:
     assert spec.sidecar is not None and spec.agent is not None
     env: dict[str, str] = {}
@@ -31,13 +30,8 @@ def stamp_env(
     bridges = []
     for svc in spec.sidecar.services:
         ep = by_service[svc.name]
-        if mode == MODE_SOCKET:
-            assert ep.guest_path is not None
-            host, port, sock = "127.0.0.1", str(svc.guest_port), ep.guest_path
-            bridges.append(f"{svc.guest_port}={ep.guest_path}")
-        else:
-            assert ep.host is not None and ep.port is not None
-            host, port, sock = ep.host, str(ep.port), ""
+        host, port, sock = "127.0.0.1", str(svc.guest_port), ep.guest_path
+        bridges.append(f"{svc.guest_port}={ep.guest_path}")
         for entry in svc.env:
             key, _, template = entry.partition("=")
             fields = {"host": host, "port": port, "socket": sock, "service": svc.name}

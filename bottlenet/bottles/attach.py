@@ -129,7 +129,7 @@ async def spawn_exec(
         raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
     try:
         transport: IProcessTransport = await vms.smolvm.spawn_exec(
-            bottle.machine().agent_vm,
+            bottle.require_vms().agent_vm,
             list(request.argv),
             protocol,
             env=dict(request.env),

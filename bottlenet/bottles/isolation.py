@@ -28,6 +28,7 @@ from __future__ import annotations
 from attrs import frozen
 
 from bottlenet.errors import IsolationUnavailable
+from bottlenet.probe.plan import IsolationMode
 from vmctl.smolvm import SmolvmVersion
 
 #: Where the agent endpoints of a socket-mode bottle appear inside the agent VM (a tmpfs).
@@ -37,8 +38,6 @@ GUEST_SOCKET_DIR = "/run/bottle"
 #: ``machine start``; bottlenet starts it with ``exec -d`` after the launch gate passed.
 AGENT_WAIT_COMMAND = ("sleep", "infinity")
 
-MODE_ALIAS = "alias"
-MODE_SOCKET = "socket"
 MECH_SOCKET = "socket"
 SOCKET_PLATFORMS = ("linux", "darwin")
 
@@ -54,11 +53,11 @@ ALIAS_UNAVAILABLE = (
 class IsolationPlan:
     """The chosen mode and the mechanism that enforces it."""
 
-    mode: str
+    mode: IsolationMode
     mechanism: str
     smolvm: str
 
-    def describe(self, alias: str | None = None) -> str:
+    def describe(self) -> str:
         """One line for BottleStatus: which mechanism enforces isolation."""
         return (
             f"socket: agent VM has no network device; its endpoints are host UNIX sockets "
@@ -79,16 +78,16 @@ def choose_isolation(
 ) -> IsolationPlan:
     """Pick the mode for the request, or raise IsolationUnavailable (fail closed)."""
     v = str(version)
-    if requested == MODE_ALIAS:
+    if requested == IsolationMode.ALIAS:
         raise IsolationUnavailable(ALIAS_UNAVAILABLE)
     if not platform.startswith(SOCKET_PLATFORMS):
         raise IsolationUnavailable(
             f"socket mode needs smolvm's --mount-socket on Linux or macOS, this is {platform}"
         )
-    if requested != MODE_SOCKET and not local_agent_image:
+    if requested != IsolationMode.SOCKET and not local_agent_image:
         # auto with a registry image: the network-less agent VM could not pull it.
         raise IsolationUnavailable(
             "no isolation mode can be enforced: socket mode needs a local agent image (the "
             "agent VM has no network to pull one), and " + ALIAS_UNAVAILABLE
         )
-    return IsolationPlan(MODE_SOCKET, MECH_SOCKET, v)
+    return IsolationPlan(IsolationMode.SOCKET, MECH_SOCKET, v)

@@ -34,7 +34,6 @@ from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
-    MODE_ALIAS,
     IsolationPlan,
     choose_isolation,
     guest_socket_path,
@@ -43,12 +42,13 @@ from bottlenet.bottles.model import (
     LABEL_BOTTLE,
     LABEL_OWNER,
     LABEL_ROLE,
-    ROLE_AGENT,
-    ROLE_SIDECAR,
     STATE_DEGRADED,
     Bottle,
     BottleVMs,
     Endpoint,
+    Role,
+    SocketEndpoint,
+    TCPEndpoint,
     machine_name,
 )
 from bottlenet.bottles.probe import Gate, GateSettings
@@ -64,6 +64,7 @@ from bottlenet.bottles.spec import (
 )
 from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
+from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
@@ -89,12 +90,14 @@ from bottlenet.forward.spec import (
     unix_listen_for,
 )
 from bottlenet.forward.table import ForwardTable
-from bottlenet.probe.judge import Verdict
+from bottlenet.probe.judge import ProbeResult, Verdict
+from bottlenet.probe.plan import IsolationMode
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.ports import (
     Checker,
     Ownership,
+    RawPortsResult,
     SocketChecker,
     check_port_owner,
     check_socket_owner,
@@ -111,6 +114,8 @@ WORKLOAD_TIMEOUT = 60.0
 SETUP_TIMEOUT = 60.0
 #: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
 SIDECAR_SOCKET_DIR = "/run/bottlenet"
+#: The port of the stand-in "other bottle" address the gate must find closed.
+OTHER_BOTTLE_PORT = 443
 RAW_PORTS_NOTE = (
     '; sidecar services on raw TCP ports of host 127.0.0.1 (sidecar.listen = "tcp"): '
     "every local user can connect to them"
@@ -211,13 +216,61 @@ Undo = tuple[str, Callable[[], Awaitable[None]]]
 
 @frozen
 class _Creation:
-    """What one create has done so far (mutable lists; the value itself is not shared)."""
+    """What one create has done so far (a mutable undo list; the value itself is not shared).
+
+    ``sidecar``/``agent`` are the spec's, narrowed once: a VM bottle has both."""
 
     name: str
     spec: BottleSpec
+    sidecar: SidecarSpec
+    agent: AgentSpec
     plan: IsolationPlan
     undo: list[Undo] = field(factory=list)
-    facts: dict[str, Any] = field(factory=dict)
+
+
+@frozen
+class SidecarStarted:
+    """Steps 2 + 3: the sidecar machine, its VM process, and per service (in spec order) what
+    holds it: its exposed socket's host path, or (the TCP opt-in) its raw port."""
+
+    vm: str
+    pid: int
+    behind: tuple[str | int, ...]
+
+    @property
+    def raw_ports(self) -> bool:
+        """The services are on raw TCP ports of host 127.0.0.1 (every local user's)."""
+        return any(isinstance(b, int) for b in self.behind)
+
+
+@frozen
+class EndpointsBound:
+    """Step 4: one agent endpoint per service, listening."""
+
+    endpoints: tuple[Endpoint, ...]
+
+
+@frozen
+class EgressSet:
+    """Step 5: the egress policy pushed into the sidecar (empty: none declared)."""
+
+    policy: tuple[str, ...]
+
+
+@frozen
+class AgentStarted:
+    """Step 6: the agent machine, the env stamped into it, and the launch gate's word."""
+
+    vm: str
+    env: tuple[tuple[str, str], ...]
+    probe: ProbeResult
+
+
+def vm_parts(spec: BottleSpec) -> tuple[SidecarSpec, AgentSpec]:
+    """The sidecar and agent of a VM bottle's spec (a forward-only spec has neither)."""
+    if spec.sidecar is None or spec.agent is None:
+        raise InvalidArgument(f"bottle {spec.name}: a forward-only spec has no VMs")
+    return spec.sidecar, spec.agent
 
 
 class VMLifecycle:
@@ -261,7 +314,7 @@ class VMLifecycle:
         except VmctlError as e:
             raise map_vmctl(e) from None
 
-    def labels(self, bottle: str, role: str) -> tuple[tuple[str, str], ...]:
+    def labels(self, bottle: str, role: Role) -> tuple[tuple[str, str], ...]:
         return (
             (LABEL_OWNER, self.options.instance_id),
             (LABEL_BOTTLE, bottle),
@@ -290,13 +343,13 @@ class VMLifecycle:
         return started_vm_uid(await self.smolvm.data_dir(machine))
 
     async def plan(self, spec: BottleSpec) -> IsolationPlan:
-        assert spec.agent is not None
+        _, agent = vm_parts(spec)
         version = await self.version()
         return choose_isolation(
             spec.mode,
             version,
             self.options.platform,
-            local_agent_image=is_local_image(spec.agent.image),
+            local_agent_image=is_local_image(agent.image),
         )
 
     # -- create -----------------------------------------------------------------------
@@ -307,18 +360,21 @@ class VMLifecycle:
         alias: ipaddress.IPv4Address | None,
         commit: Callable[[Bottle], None],
     ) -> Bottle:
-        """Run every step; on any failure undo them all and raise one typed error."""
+        """Run every step; on any failure undo them all and raise one typed error.
+
+        ``alias`` is refused: an alias belongs to forward-only bottles (the agent of a VM
+        bottle reaches its endpoints over mounted sockets)."""
         plan = await self.plan(spec)
         if alias is not None:
             raise InvalidArgument(f"--alias only applies to alias mode, this bottle is {plan.mode}")
-        c = _Creation(spec.name, spec, plan)
+        c = _Creation(spec.name, spec, *vm_parts(spec), plan)
         try:
-            await self.step_allocate(c, alias)
-            await self.step_sidecar(c)
-            await self.step_bind(c)
-            await self.step_egress(c)
-            await self.step_agent(c)
-            bottle = self.build(c)
+            await self.step_allocate(c)
+            sidecar = await self.step_sidecar(c)
+            bound = await self.step_bind(c, sidecar)
+            egress_set = await self.step_egress(c, sidecar)
+            agent = await self.step_agent(c, bound, egress_set)
+            bottle = self.build(c, sidecar, bound, egress_set, agent)
             await self.step_commit(c, bottle, commit)
         except BaseException as e:
             await self._rollback(c, e)
@@ -327,7 +383,7 @@ class VMLifecycle:
             if isinstance(e, OSError):
                 raise SmolvmFailed(f"creating bottle {c.name} failed: {e.strerror}") from None
             raise
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         self.log.info(
             "bottle {bottle} created: mode={mode} sidecar={sidecar} agent={agent}",
             bottle=bottle.name,
@@ -362,7 +418,7 @@ class VMLifecycle:
                     err=getattr(e, "message", type(e).__name__),
                 )
 
-    async def step_allocate(self, c: _Creation, alias: ipaddress.IPv4Address | None) -> None:
+    async def step_allocate(self, c: _Creation) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
         it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
         path = bottle_dir(self.state_dir, c.name)
@@ -376,52 +432,32 @@ class VMLifecycle:
         os.mkdir(sidecar_dir(self.state_dir, c.name), 0o700)
         self.access.open_path(path)
 
-    async def step_sidecar(self, c: _Creation) -> None:
+    async def step_sidecar(self, c: _Creation) -> SidecarStarted:
         """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
         (opt-in, retried on collisions); either way held by its VM process, verified."""
-        sidecar = c.spec.sidecar
-        assert sidecar is not None
-        name = machine_name(c.name, ROLE_SIDECAR)
-        labels = self.labels(c.name, ROLE_SIDECAR)
+        name = machine_name(c.name, Role.SIDECAR)
         await self.version()
         features = self.smolvm.features or Features()
-        c.facts["sidecar_vm"] = name
 
         async def remove() -> None:
             await self.remove_machine(name)
 
-        if sidecar.listen == LISTEN_TCP:
-
-            def make_spec(ports: Sequence[int]) -> MachineSpec:
-                mapped = [
-                    PortMapping(raw, svc.guest_port)
-                    for raw, svc in zip(ports, sidecar.services, strict=True)
-                ]
-                return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
-
-            raw = await start_with_raw_ports(
-                self.smolvm,
-                make_spec,
-                len(sidecar.services),
-                check=self.check_port,
-                allow_unverifiable=self.options.allow_unverifiable_ports,
-            )
+        if c.sidecar.listen == LISTEN_TCP:
+            raw = await self._start_raw_sidecar(c, name, features)
             c.undo.append(("sidecar", remove))
-            c.facts["sidecar_pid"] = raw.pid
-            c.facts["raw_ports"] = raw.ports
-            c.facts["sidecar_sockets"] = (None,) * len(raw.ports)
-            return
+            return SidecarStarted(name, raw.pid, tuple(raw.ports))
         if not features.expose_socket:
             raise SmolvmUnavailable(
                 f"smolvm {self.smolvm.known_version} has no --expose-socket, so sidecar "
                 'services cannot be UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
             )
-        paths = [sidecar_socket_path(self.state_dir, c.name, s.name) for s in sidecar.services]
+        paths = [sidecar_socket_path(self.state_dir, c.name, s.name) for s in c.sidecar.services]
         sockets = [
             ExposeSocket(sidecar_guest_socket(s.name), p)
-            for s, p in zip(sidecar.services, paths, strict=True)
+            for s, p in zip(c.sidecar.services, paths, strict=True)
         ]
-        spec = sidecar_machine_spec(name, sidecar, labels, features, sockets=sockets)
+        labels = self.labels(c.name, Role.SIDECAR)
+        spec = sidecar_machine_spec(name, c.sidecar, labels, features, sockets=sockets)
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
@@ -450,74 +486,107 @@ class VMLifecycle:
         finally:
             self._closed.pop(name, None)
         c.undo.append(("sidecar", remove))
-        c.facts["sidecar_pid"] = started.pid
-        c.facts["raw_ports"] = (0,) * len(paths)
-        c.facts["sidecar_sockets"] = tuple(paths)
+        return SidecarStarted(name, started.pid, tuple(paths))
 
-    async def step_bind(self, c: _Creation) -> None:
+    async def _start_raw_sidecar(
+        self, c: _Creation, name: str, features: Features
+    ) -> RawPortsResult:
+        """The sidecar with its services published on raw ports (``sidecar.listen = "tcp"``)."""
+        sidecar = c.sidecar
+        labels = self.labels(c.name, Role.SIDECAR)
+
+        def make_spec(ports: Sequence[int]) -> MachineSpec:
+            mapped = [
+                PortMapping(raw, svc.guest_port)
+                for raw, svc in zip(ports, sidecar.services, strict=True)
+            ]
+            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+
+        return await start_with_raw_ports(
+            self.smolvm,
+            make_spec,
+            len(sidecar.services),
+            check=self.check_port,
+            allow_unverifiable=self.options.allow_unverifiable_ports,
+        )
+
+    async def step_bind(self, c: _Creation, sidecar: SidecarStarted) -> EndpointsBound:
         """4. One agent endpoint per service, relaying to the sidecar's socket (or raw port)."""
-        sidecar = c.spec.sidecar
-        assert sidecar is not None
 
         async def unbind() -> None:
             await self.table.remove_bottle(c.name)
 
         c.undo.append(("endpoints", unbind))
         endpoints = []
-        behind = zip(
-            sidecar.services, c.facts["raw_ports"], c.facts["sidecar_sockets"], strict=True
-        )
-        for svc, raw, sock in behind:
+        for svc, behind in zip(c.sidecar.services, sidecar.behind, strict=True):
             listen = unix_listen_for(self.state_dir, c.name, svc.name)
             endpoints.append(
-                await self.bind_endpoint(c.name, svc.name, svc.guest_port, raw, listen, sock)
+                await self.bind_endpoint(c.name, svc.name, svc.guest_port, behind, listen)
             )
-        c.facts["endpoints"] = tuple(endpoints)
         self.table.admit_peers(c.name, self.access.peers(None))
+        return EndpointsBound(tuple(endpoints))
 
     async def bind_endpoint(
-        self,
-        bottle: str,
-        service: str,
-        guest_port: int,
-        raw: int,
-        listen: TCPListen | UNIXListen,
-        sidecar_path: str | None = None,
+        self, bottle: str, service: str, guest_port: int, behind: str | int, listen: UNIXListen
     ) -> Endpoint:
-        """One agent endpoint (``listen``) relaying to the sidecar service: its exposed socket
-        ``sidecar_path`` in the bottle's directory, else its raw port 127.0.0.1:RAW."""
+        """One agent endpoint (``listen``) relaying to the sidecar service ``behind``: its
+        exposed socket in the bottle's directory, else its raw port 127.0.0.1:RAW."""
         target: TCPTarget | UNIXTarget = (
-            UNIXTarget(sidecar_path) if sidecar_path is not None else TCPTarget(LOCALHOST, raw)
+            UNIXTarget(behind) if isinstance(behind, str) else TCPTarget(LOCALHOST, behind)
         )
-        info = await self.table.add(ForwardSpec(bottle, service, listen, target))
-        return endpoint_for(service, guest_port, raw, info.bound, sidecar_path)
+        await self.table.add(ForwardSpec(bottle, service, listen, target))
+        guest_path = guest_socket_path(service)
+        if isinstance(behind, str):
+            return SocketEndpoint(service, guest_port, listen.path, guest_path, behind)
+        return TCPEndpoint(service, guest_port, listen.path, guest_path, behind)
 
-    async def step_egress(self, c: _Creation) -> None:
+    async def step_egress(self, c: _Creation, sidecar: SidecarStarted) -> EgressSet:
         """5. The initial egress policy (from the spec), written and reloaded in the sidecar."""
-        sidecar = c.spec.sidecar
-        assert sidecar is not None
-        policy: tuple[str, ...] = ()
-        if sidecar.egress is not None:
-            policy = sidecar.egress.allow_hosts
-            await egress.push_policy(
-                self.smolvm, c.facts["sidecar_vm"], sidecar.egress, policy, previous=None
-            )
-        c.facts["policy"] = policy
+        egress_spec = c.sidecar.egress
+        if egress_spec is None:
+            return EgressSet(())
+        policy = egress_spec.allow_hosts
+        await egress.push_policy(self.smolvm, sidecar.vm, egress_spec, policy, previous=None)
+        return EgressSet(policy)
 
-    async def step_agent(self, c: _Creation) -> None:
+    async def step_agent(
+        self, c: _Creation, bound: EndpointsBound, egress_set: EgressSet
+    ) -> AgentStarted:
         """6. Agent VM: create (bottlenet's wait command), start, gate, then the workload.
 
         The order is the point: the image's ENTRYPOINT+CMD is replaced by the wait command
         at create, so nothing of the agent's runs before the gate has passed.
         """
-        agent = c.spec.agent
-        assert agent is not None
-        name = machine_name(c.name, ROLE_AGENT)
-        endpoints: tuple[Endpoint, ...] = c.facts["endpoints"]
+        agent = c.agent
+        name = machine_name(c.name, Role.AGENT)
+        endpoints = bound.endpoints
         env = stamp_env(c.spec, c.plan.mode, endpoints)
-        c.facts["env"] = env
-        spec = self.agent_spec(c, name, env)
-        if agent.user is not None:
+        reserved = await self._create_agent(c, name, env, endpoints)
+        await self.smolvm.start(name)
+        vmm_uid = await self.vmm_uid(name)
+        if vmm_uid is not None and vmm_uid != reserved:
+            raise IsolationFailed(
+                f"the agent VM of {c.name} runs as uid {vmm_uid}, not the uid {reserved} "
+                "reserved for it in smolvm's registry; bottle torn down"
+            )
+        probe = await self.step_gate(c, name, endpoints, egress_set.policy)
+        await self.step_bridge(c, name, endpoints)
+        if agent.workload:
+            await self._start_workload(name, agent, env)
+        return AgentStarted(name, env, probe)
+
+    async def _create_agent(
+        self,
+        c: _Creation,
+        name: str,
+        env: tuple[tuple[str, str], ...],
+        endpoints: Sequence[Endpoint],
+    ) -> int | None:
+        """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
+        granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
+        reserved uid (None under one uid)."""
+        spec = agent_machine_spec(name, c.agent, self.labels(c.name, Role.AGENT), env, endpoints)
+        if c.agent.user is not None:
             await self.version()
             features = self.smolvm.features or Features()
             if not features.exec_user:
@@ -531,7 +600,6 @@ class VMLifecycle:
             await self.remove_machine(name)
 
         c.undo.append(("agent", remove))
-        c.facts["agent_vm"] = name
         reserved = await self.reserve_uid(name)
         self._closed.pop(name, None)
         if reserved is not None:
@@ -545,78 +613,71 @@ class VMLifecycle:
                     "network: true for the created machine): socket mode needs an agent VM "
                     "with no network device; rebuild the pack without networking"
                 )
-        await self.smolvm.start(name)
-        vmm_uid = await self.vmm_uid(name)
-        if vmm_uid is not None and vmm_uid != reserved:
-            raise IsolationFailed(
-                f"the agent VM of {c.name} runs as uid {vmm_uid}, not the uid {reserved} "
-                "reserved for it in smolvm's registry; bottle torn down"
+        return reserved
+
+    async def _start_workload(
+        self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
+    ) -> None:
+        """6d. The workload, after the gate: its command checked, then started detached."""
+        check = await self.smolvm.exec(
+            name,
+            workload.prepare_argv(agent.workload, name, agent.user),
+            env=dict(env),
+            timeout=SETUP_TIMEOUT,
+            user=workload.exec_user(agent.user),
+        )
+        if check.exit_code == workload.PREPARE_NO_PYTHON:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: a workload run as agent.user "
+                f"needs python3 in the agent VM (exit {check.exit_code})"
             )
-        await self.step_gate(c, name, endpoints)
-        await self.step_bridge(c, name, endpoints)
-        if agent.workload:
-            check = await self.smolvm.exec(
-                name,
-                workload.prepare_argv(agent.workload, name, agent.user),
-                env=dict(env),
-                timeout=SETUP_TIMEOUT,
-                user=workload.exec_user(agent.user),
+        if check.exit_code == workload.PREPARE_NO_DIR:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: its user cannot create "
+                f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
             )
-            if check.exit_code == workload.PREPARE_NO_PYTHON:
-                raise SmolvmFailed(
-                    f"starting the workload in {name} failed: a workload run as agent.user "
-                    f"needs python3 in the agent VM (exit {check.exit_code})"
-                )
-            if check.exit_code == workload.PREPARE_NO_DIR:
-                raise SmolvmFailed(
-                    f"starting the workload in {name} failed: its user cannot create "
-                    f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
-                )
-            if check.exit_code != 0:
-                raise SmolvmFailed(
-                    f"starting the workload in {name} failed: its command is not found"
-                    f" in the agent VM (exit {check.exit_code})"
-                )
-            result = await self.smolvm.exec(
-                name,
-                workload.wrap(agent.workload, name, agent.user),
-                env=dict(env),
-                detach=True,
-                timeout=WORKLOAD_TIMEOUT,
-                user=workload.exec_user(agent.user),
+        if check.exit_code != 0:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: its command is not found"
+                f" in the agent VM (exit {check.exit_code})"
             )
-            if result.exit_code != 0:
-                raise SmolvmFailed(
-                    f"starting the workload in {name} failed (exit {result.exit_code})"
-                )
+        result = await self.smolvm.exec(
+            name,
+            workload.wrap(agent.workload, name, agent.user),
+            env=dict(env),
+            detach=True,
+            timeout=WORKLOAD_TIMEOUT,
+            user=workload.exec_user(agent.user),
+        )
+        if result.exit_code != 0:
+            raise SmolvmFailed(f"starting the workload in {name} failed (exit {result.exit_code})")
 
     def grant_agent(self, bottle: str, endpoints: Sequence[Endpoint], uid: int) -> None:
         """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""
-        self.access.grant_endpoints((e.path for e in endpoints if e.path is not None), uid)
+        self.access.grant_endpoints((e.path for e in endpoints), uid)
         self.table.admit_peers(bottle, self.access.peers(uid))
 
-    async def step_gate(self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+    async def step_gate(
+        self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]
+    ) -> ProbeResult:
         """6b. The launch gate, between the agent VM's start and its workload."""
         if self.options.skip_probe:
-            c.facts["probe"] = "skipped"
-            return
-        agent = c.spec.agent
-        assert agent is not None
+            return ProbeResult.SKIPPED
         verdict = await self.run_probe(
             c.name,
             agent_vm,
             c.plan.mode,
             endpoints,
-            volumes=agent.volumes,
+            volumes=c.agent.volumes,
             witness=True,
-            egress=c.spec.sidecar.egress if c.spec.sidecar is not None else None,
-            policy=c.facts["policy"],
+            egress=c.sidecar.egress,
+            policy=policy,
         )
         if not verdict.passed:
             raise IsolationFailed(
                 f"isolation probe failed in {agent_vm}: {verdict.describe()}; bottle torn down"
             )
-        c.facts["probe"] = "PASS"
+        return ProbeResult.PASS
 
     async def step_bridge(self, c: _Creation, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
         """6c. bottlenet's in-guest bridge, started and proven (each guest 127.0.0.1:<port>
@@ -633,35 +694,36 @@ class VMLifecycle:
 
     def bridge_status(self, bottle: Bottle) -> BridgeStatus:
         """The bridge as ``bottle status`` shows it (``off`` when the image brings its own)."""
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         if not runs_bridge(vm.spec, vm.endpoints):
             return BridgeStatus(BridgeState.OFF)
         return self.bridges.status(bottle.name)
 
-    def agent_spec(self, c: _Creation, name: str, env: tuple[tuple[str, str], ...]) -> MachineSpec:
-        agent = c.spec.agent
-        assert agent is not None
-        labels = self.labels(c.name, ROLE_AGENT)
-        return agent_machine_spec(name, agent, labels, env, c.facts["endpoints"])
-
-    def build(self, c: _Creation) -> Bottle:
+    def build(
+        self,
+        c: _Creation,
+        sidecar: SidecarStarted,
+        bound: EndpointsBound,
+        egress_set: EgressSet,
+        agent: AgentStarted,
+    ) -> Bottle:
         return Bottle(
             name=c.name,
-            alias=c.facts.get("alias"),
+            alias=None,
             created_at=self.reactor.seconds(),
             vms=BottleVMs(
                 spec=c.spec,
                 mode=c.plan.mode,
-                mechanism=c.plan.describe() + (RAW_PORTS_NOTE if any(c.facts["raw_ports"]) else ""),
-                sidecar_vm=c.facts["sidecar_vm"],
-                agent_vm=c.facts["agent_vm"],
-                sidecar_pid=c.facts["sidecar_pid"],
-                endpoints=c.facts["endpoints"],
-                env=c.facts["env"],
-                policy=c.facts["policy"],
+                mechanism=c.plan.describe() + (RAW_PORTS_NOTE if sidecar.raw_ports else ""),
+                sidecar_vm=sidecar.vm,
+                agent_vm=agent.vm,
+                sidecar_pid=sidecar.pid,
+                endpoints=bound.endpoints,
+                env=agent.env,
+                policy=egress_set.policy,
                 probe_skipped=self.options.skip_probe,
-                probe=c.facts["probe"],
-                workload=workload.STATE_RUNNING if c.spec.agent and c.spec.agent.workload else None,
+                probe=agent.probe,
+                workload=WorkloadState.RUNNING if c.agent.workload else None,
             ),
         )
 
@@ -679,17 +741,16 @@ class VMLifecycle:
             if info.spec.bottle != bottle and isinstance(info.bound, TCPListen):
                 return info.bound.describe()
         ours = self.aliases.alias_of(bottle)
-        port = next((e.port for e in endpoints if e.port is not None), 443)
         for addr in self.aliases.pool.network.hosts():
             if addr != ours:
-                return f"{addr}:{port}"
-        return f"127.0.0.2:{port}"
+                return f"{addr}:{OTHER_BOTTLE_PORT}"
+        return f"127.0.0.2:{OTHER_BOTTLE_PORT}"
 
     async def run_probe(
         self,
         bottle: str,
         agent_vm: str,
-        mode: str,
+        mode: IsolationMode,
         endpoints: Sequence[Endpoint],
         *,
         volumes: Sequence[str] = (),
@@ -718,7 +779,7 @@ class VMLifecycle:
             "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
             " path): {detail}",
             bottle=bottle,
-            result="PASS" if verdict.passed else "FAIL",
+            result=verdict.result,
             n=len(plan.own),
             ports=len(plan.host_ports),
             detail=verdict.describe(),
@@ -727,16 +788,17 @@ class VMLifecycle:
 
     async def verify(self, bottle: Bottle) -> Verdict:
         """The gate again while the workload runs: endpoints are not diverted then."""
-        vm = bottle.machine()
+        vm = bottle.require_vms()
+        sidecar, agent = vm_parts(vm.spec)
         try:
             return await self.run_probe(
                 bottle.name,
                 vm.agent_vm,
                 vm.mode,
                 vm.endpoints,
-                volumes=vm.spec.agent.volumes if vm.spec.agent is not None else (),
+                volumes=agent.volumes,
                 witness=False,
-                egress=vm.spec.sidecar.egress if vm.spec.sidecar is not None else None,
+                egress=sidecar.egress,
                 policy=vm.policy,
                 # The bridge serves these guest ports on 127.0.0.1 by design.
                 bridged=[e.guest_port for e in vm.endpoints]
@@ -749,9 +811,8 @@ class VMLifecycle:
     # -- egress -----------------------------------------------------------------------
 
     async def set_policy(self, bottle: Bottle, hosts: tuple[str, ...]) -> Bottle:
-        vm = bottle.machine()
-        sidecar = vm.spec.sidecar
-        assert sidecar is not None
+        vm = bottle.require_vms()
+        sidecar, _ = vm_parts(vm.spec)
         if sidecar.egress is None:
             raise InvalidArgument(f"bottle {bottle.name}: its sidecar declares no egress policy")
         try:
@@ -777,7 +838,7 @@ class VMLifecycle:
         state file then, so a machine is deleted only if the listing shows it with our owner
         label and this bottle's label; any other is left alone (invariant 9).
         """
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
         try:
@@ -803,10 +864,8 @@ class VMLifecycle:
         )
 
     def release(self, bottle: Bottle) -> None:
-        if bottle.machine().mode == MODE_ALIAS:
-            self.aliases.release(bottle.name)
-        else:
-            remove_bottle_dir(bottle_dir(self.state_dir, bottle.name))
+        """The bottle's socket directory (its agent endpoints and its sidecar's sockets)."""
+        remove_bottle_dir(bottle_dir(self.state_dir, bottle.name))
 
     # -- after a restart ----------------------------------------------------------------
 
@@ -821,7 +880,7 @@ class VMLifecycle:
         listing by name (None when smolvm could not list: then the pid alone is checked).
         ``unreachable`` (a live VMM whose agent missed smolvm's 250 ms ping, a busy host)
         with the recorded pid alive is not death."""
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         if bottle.state == STATE_DEGRADED:
             return "it was degraded"
         if machines is None:
@@ -851,27 +910,17 @@ class VMLifecycle:
         return None
 
     async def rebind(self, bottle: Bottle) -> None:
-        """Re-bind a persisted bottle's agent endpoints on the same alias, ports and paths.
+        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
+        sidecar sockets or raw ports.
 
-        On failure every listener it bound is removed again and the typed error raised (the
-        alias stays claimed: :meth:`teardown` releases it).
+        On failure every listener it bound is removed again and the typed error raised.
         """
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         try:
-            if vm.mode == MODE_ALIAS:
-                assert bottle.alias is not None
-                self.aliases.claim(bottle.name, bottle.alias)
             for e in vm.endpoints:
-                listen: TCPListen | UNIXListen
-                if e.host is not None:
-                    alias = self.aliases.alias_of(bottle.name)
-                    assert alias is not None and e.port is not None
-                    listen = TCPListen(alias, e.port)
-                else:
-                    assert e.path is not None
-                    listen = UNIXListen(e.path)
+                behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
                 await self.bind_endpoint(
-                    bottle.name, e.service, e.guest_port, e.raw_port, listen, e.sidecar_path
+                    bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
                 )
             self.table.admit_peers(bottle.name, self.access.peers(None))
             uid = await self.vmm_uid(vm.agent_vm)
@@ -900,7 +949,7 @@ class VMLifecycle:
         w = self._watches.pop(bottle.name, None)
         if w is not None:
             w.cancel()
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         self._watches[bottle.name] = self.watcher.watch(vm.sidecar_pid, on_exit)
         if runs_bridge(vm.spec, vm.endpoints):
             self.bridges.keep(
@@ -924,34 +973,8 @@ class VMLifecycle:
 
 
 def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:
-    """bottlenet runs its bridge for socket-mode endpoints unless ``agent.bridge = "none"``."""
-    return (
-        spec.agent is not None
-        and spec.agent.bridge is BridgeMode.BOTTLENET
-        and any(e.guest_path is not None for e in endpoints)
-    )
-
-
-def endpoint_for(
-    service: str,
-    guest_port: int,
-    raw: int,
-    bound: TCPListen | UNIXListen,
-    sidecar_path: str | None = None,
-) -> Endpoint:
-    if isinstance(bound, TCPListen):
-        return Endpoint(
-            service, guest_port, raw, host=str(bound.alias), port=bound.port,
-            sidecar_path=sidecar_path,
-        )  # fmt: skip
-    return Endpoint(
-        service,
-        guest_port,
-        raw,
-        path=bound.path,
-        guest_path=guest_socket_path(service),
-        sidecar_path=sidecar_path,
-    )
+    """bottlenet runs its bridge for the agent's endpoints unless ``agent.bridge = "none"``."""
+    return spec.agent is not None and spec.agent.bridge is BridgeMode.BOTTLENET and bool(endpoints)
 
 
 def remove_bottle_dir(path: str) -> None:

@@ -10,14 +10,16 @@ store can write bottles one at a time.
 
 from __future__ import annotations
 
+import enum
 import hashlib
-from typing import Any
+from typing import Any, TypeAlias, TypeVar, overload
 
 from attrs import field, frozen
 
 from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
+from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.spec import (
     TargetSpec,
@@ -27,9 +29,25 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
+from bottlenet.probe.judge import ProbeResult
+from bottlenet.probe.plan import IsolationMode
 
-ROLE_SIDECAR = "sidecar"
-ROLE_AGENT = "agent"
+
+class Role(enum.StrEnum):
+    """Which machine of a VM bottle (its name suffix and its role label)."""
+
+    SIDECAR = "sidecar"
+    AGENT = "agent"
+
+
+class Source(enum.StrEnum):
+    """Who made a bottle: the control plane (kept in the state file) or the config file
+    (made again from it at every start)."""
+
+    CONTROL = "control"
+    CONFIG = "config"
+
+
 LABEL_OWNER = "bottlenet.owner"
 LABEL_BOTTLE = "bottlenet.bottle"
 LABEL_ROLE = "bottlenet.role"
@@ -38,8 +56,6 @@ STATE_READY = "ready"
 STATE_DEGRADED = "degraded"
 #: The workload ended; the VMs and endpoints stay up until the bottle is destroyed.
 STATE_EXITED = "exited"
-SOURCE_CONTROL = "control"
-SOURCE_CONFIG = "config"
 KIND_FORWARD = "forward"
 KIND_VM = "vm"
 PROBE_SKIPPED_WARNING = (
@@ -47,7 +63,7 @@ PROBE_SKIPPED_WARNING = (
 )
 
 
-def machine_name(bottle: str, role: str) -> str:
+def machine_name(bottle: str, role: Role) -> str:
     """``bn-<bottle>-<role>``, or ``bn_<hash>-<role>`` when that breaks smolvm's name rules.
 
     smolvm refuses ``--`` anywhere, and a bottle name may contain ``--`` or end in ``-``
@@ -61,57 +77,81 @@ def machine_name(bottle: str, role: str) -> str:
 
 
 @frozen
-class Endpoint:
-    """One service of a VM bottle: where the agent connects, and the sidecar end behind it.
+class SocketEndpoint:
+    """One service of a VM bottle behind the sidecar's exposed UNIX socket (the default).
 
-    Alias mode: ``host``/``port`` is the agent endpoint on the bottle's alias. Socket mode:
     ``path`` is the host UNIX socket (bottlenet's listener) and ``guest_path`` where it is
-    mounted in the agent VM. Behind it is either ``sidecar_path``, the sidecar service's
-    socket exposed into the bottle's own directory (``raw_port`` 0), or ``raw_port``, the
-    sidecar's published port on 127.0.0.1 (the ``sidecar.listen = "tcp"`` opt-in). Neither
-    is ever given to the agent.
+    mounted in the agent VM; behind it is ``sidecar_path``, the sidecar service's socket
+    exposed into the bottle's own directory. It is never given to the agent.
     """
 
     service: str
     guest_port: int
-    raw_port: int
-    host: str | None = None
-    port: int | None = None
-    path: str | None = None
-    guest_path: str | None = None
-    sidecar_path: str | None = None
+    path: str
+    guest_path: str
+    sidecar_path: str
 
     def agent_address(self) -> str:
-        """What the agent dials: ``alias:port`` or the socket path inside the guest."""
-        if self.host is not None:
-            return f"{self.host}:{self.port}"
+        """What the agent dials: the socket path inside the guest."""
         return f"unix:{self.guest_path}"
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "service": self.service,
-            "guest_port": self.guest_port,
-            "raw_port": self.raw_port,
-            "host": self.host,
-            "port": self.port,
-            "path": self.path,
-            "guest_path": self.guest_path,
-            "sidecar_path": self.sidecar_path,
-        }
+        return _endpoint_json(self, raw_port=0, sidecar_path=self.sidecar_path)
 
-    @classmethod
-    def from_json(cls, d: object, where: str = "endpoint") -> Endpoint:
-        f = _fields(d, where)
-        return cls(
-            service=f.value("service", str),
-            guest_port=f.value("guest_port", int),
-            raw_port=f.value("raw_port", int),
-            host=f.value("host", str, optional=True),
-            port=f.value("port", int, optional=True),
-            path=f.value("path", str, optional=True),
-            guest_path=f.value("guest_path", str, optional=True),
-            sidecar_path=f.value("sidecar_path", str, optional=True),
-        )
+
+@frozen
+class TCPEndpoint:
+    """One service of a VM bottle behind the sidecar's published port ``raw_port`` on
+    127.0.0.1 (the ``sidecar.listen = "tcp"`` opt-in); the agent side is as for
+    :class:`SocketEndpoint`. The raw port is never given to the agent."""
+
+    service: str
+    guest_port: int
+    path: str
+    guest_path: str
+    raw_port: int
+
+    def agent_address(self) -> str:
+        """What the agent dials: the socket path inside the guest."""
+        return f"unix:{self.guest_path}"
+
+    def to_json(self) -> dict[str, Any]:
+        return _endpoint_json(self, raw_port=self.raw_port, sidecar_path=None)
+
+
+#: An agent endpoint of a VM bottle, by what is behind it.
+Endpoint: TypeAlias = SocketEndpoint | TCPEndpoint
+
+
+def _endpoint_json(e: Endpoint, *, raw_port: int, sidecar_path: str | None) -> dict[str, Any]:
+    """The state-file form (the alias-mode ``host``/``port`` keys are no longer written)."""
+    return {
+        "service": e.service,
+        "guest_port": e.guest_port,
+        "raw_port": raw_port,
+        "path": e.path,
+        "guest_path": e.guest_path,
+        "sidecar_path": sidecar_path,
+    }
+
+
+def endpoint_from_json(d: object, where: str = "endpoint") -> Endpoint:
+    """An endpoint from its state record. A record written before alias mode was removed
+    carries ``host``/``port`` too: null there (socket mode) is ignored; an alias-mode
+    endpoint cannot be kept (no smolvm enforces alias mode)."""
+    f = _fields(d, where)
+    if f.value("host", str, optional=True) is not None or (
+        f.value("port", int, optional=True) is not None
+    ):
+        raise f.fail("host", "an alias-mode endpoint (alias mode is no longer supported)")
+    service = f.value("service", str)
+    guest_port = f.value("guest_port", int)
+    path = f.value("path", str)
+    guest_path = f.value("guest_path", str)
+    sidecar_path = f.value("sidecar_path", str, optional=True)
+    if sidecar_path is not None:
+        return SocketEndpoint(service, guest_port, path, guest_path, sidecar_path)
+    return TCPEndpoint(service, guest_port, path, guest_path, f.value("raw_port", int))
 
 
 @frozen
@@ -140,7 +180,7 @@ class BottleVMs:
     """The VM half of a bottle: its sidecar and agent machines and what was made for them."""
 
     spec: BottleSpec = field(eq=False)
-    mode: str  # "alias" | "socket"
+    mode: IsolationMode
     mechanism: str
     sidecar_vm: str
     agent_vm: str
@@ -149,17 +189,18 @@ class BottleVMs:
     env: tuple[tuple[str, str], ...]
     policy: tuple[str, ...]
     probe_skipped: bool
-    probe: str  # "PASS" | "FAIL" | "skipped"
-    workload: str | None = None  # "running" | "exited" | None (the spec names none)
+    probe: ProbeResult
+    #: None when the spec names no workload.
+    workload: WorkloadState | None = None
     workload_exit_code: int | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
-        return tuple(e.raw_port for e in self.endpoints if e.sidecar_path is None)
+        return tuple(e.raw_port for e in self.endpoints if isinstance(e, TCPEndpoint))
 
     @property
     def sidecar_sockets(self) -> tuple[str, ...]:
-        return tuple(e.sidecar_path for e in self.endpoints if e.sidecar_path is not None)
+        return tuple(e.sidecar_path for e in self.endpoints if isinstance(e, SocketEndpoint))
 
     @property
     def machines(self) -> tuple[str, str]:
@@ -174,7 +215,7 @@ class Bottle:
     name: str
     alias: str | None
     created_at: float
-    source: str = SOURCE_CONTROL  # "control" (kept in the state file) | "config"
+    source: Source = Source.CONTROL
     state: str = STATE_READY  # "ready" | "degraded"
     detail: str | None = None
     forwards: tuple[Forward, ...] = ()
@@ -187,7 +228,7 @@ class Bottle:
     @property
     def persisted(self) -> bool:
         """Control-created bottles are kept in the state file; the config's are made again."""
-        return self.source == SOURCE_CONTROL
+        return self.source == Source.CONTROL
 
     @property
     def isolation(self) -> str | None:
@@ -208,7 +249,7 @@ class Bottle:
         vm = self.vms
         return (PROBE_SKIPPED_WARNING,) if vm is not None and vm.probe_skipped else ()
 
-    def machine(self) -> BottleVMs:
+    def require_vms(self) -> BottleVMs:
         """The VM half (callers have checked :attr:`has_vms`)."""
         assert self.vms is not None, f"bottle {self.name} has no VMs"
         return self.vms
@@ -284,20 +325,20 @@ class Bottle:
                 raise StateError(f"stored spec no longer valid: {e.message}") from None
             vms = BottleVMs(
                 spec=spec,
-                mode=f.value("mode", str),
+                mode=_choice(f, "mode", IsolationMode),
                 mechanism=f.value("mechanism", str),
                 sidecar_vm=f.value("sidecar_vm", str),
                 agent_vm=f.value("agent_vm", str),
                 sidecar_pid=f.value("sidecar_pid", int),
                 endpoints=tuple(
-                    Endpoint.from_json(e, f"endpoints[{i}]")
+                    endpoint_from_json(e, f"endpoints[{i}]")
                     for i, e in enumerate(f.items("endpoints"))
                 ),
                 env=tuple((k, v) for k, v in env),
                 policy=f.strings("policy") or (),
                 probe_skipped=flags.get("probe_skipped") is True,
-                probe=f.value("probe", str),
-                workload=f.value("workload", str, optional=True),
+                probe=_choice(f, "probe", ProbeResult),
+                workload=_choice(f, "workload", WorkloadState, optional=True),
                 workload_exit_code=f.value("workload_exit_code", int, optional=True),
             )
             return cls(
@@ -316,3 +357,20 @@ class Bottle:
 
 def _fields(d: object, where: str) -> Fields:
     return Fields(d, where, error=StateError, what="an object")
+
+
+_E = TypeVar("_E", bound=enum.StrEnum)
+
+
+@overload
+def _choice(f: Fields, key: str, kind: type[_E]) -> _E: ...
+@overload
+def _choice(f: Fields, key: str, kind: type[_E], *, optional: bool) -> _E | None: ...
+def _choice(f: Fields, key: str, kind: type[_E], *, optional: bool = False) -> _E | None:
+    """One of ``kind``'s strings, as its member (StateError names the allowed ones)."""
+    value = f.value(key, str, optional=optional)
+    if value is None:
+        return None
+    if value not in kind._value2member_map_:
+        raise f.fail(key, f"must be one of {', '.join(kind)}")
+    return kind(value)

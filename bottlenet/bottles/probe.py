@@ -19,7 +19,7 @@ from typing import Any
 from attrs import frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import Endpoint, TCPEndpoint
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.table import ForwardTable
 from bottlenet.paths import open_regular
@@ -27,9 +27,9 @@ from bottlenet.probe.judge import Verdict, judge
 from bottlenet.probe.plan import (
     DEFAULT_DNS_NAME,
     DEFAULT_OUTSIDE,
-    MODE_ALIAS,
     WELL_KNOWN_PORTS,
     WELL_KNOWN_UDP_PORTS,
+    IsolationMode,
     ProbePlan,
     Target,
     check_guest_path,
@@ -63,8 +63,7 @@ class GateSettings:
 
 
 def own_target(e: Endpoint) -> Target:
-    if e.host is not None:
-        return Target.parse(f"tcp:{e.host}:{e.port}")
+    """Where the guest finds an own endpoint: its mounted socket."""
     return Target.parse(f"unix:{e.guest_path}")
 
 
@@ -84,7 +83,7 @@ def host_ids(nonce: str) -> tuple[str, ...]:
 def plan_gate(
     endpoints: Sequence[Endpoint],
     *,
-    mode: str,
+    mode: IsolationMode,
     nonce: str,
     other_bottle: str | None,
     settings: GateSettings = GateSettings(),
@@ -99,7 +98,7 @@ def plan_gate(
     the host; another bottle's endpoint; the outside address and DNS; markers; volumes.
     ``bridged``: guest ports bottlenet's bridge serves (open by design once it runs)."""
     # A sidecar on exposed UNIX sockets has no raw port (raw_port 0); only the opt-in has one.
-    raw = [e.raw_port for e in endpoints if e.sidecar_path is None and e.raw_port > 0]
+    raw = [e.raw_port for e in endpoints if isinstance(e, TCPEndpoint) and e.raw_port > 0]
     ports = raw + list(settings.host_ports) + list(WELL_KNOWN_PORTS)
     ports = [p for p in ports if p not in bridged]
     deny = [Target.parse(f"tcp:{other_bottle}")] if other_bottle is not None else []
@@ -115,7 +114,7 @@ def plan_gate(
             denied = "bottlenet-gate.invalid"
         connect_no = [f"{denied}:443"]
     return ProbePlan(
-        mode=MODE_ALIAS if mode == MODE_ALIAS else "socket",
+        mode=mode,
         nonce=nonce,
         own=tuple(own_target(e) for e in endpoints),
         deny=tuple(deny),
@@ -215,7 +214,7 @@ class Gate:
         self,
         bottle: str,
         agent_vm: str,
-        mode: str,
+        mode: IsolationMode,
         endpoints: Sequence[Endpoint],
         *,
         other_bottle: str | None,

@@ -121,7 +121,7 @@ class Recovery:
                 continue
             await self._restore(self.vms, bottle, by_name if machines is not None else None)
             # kept, or torn down (its machines removed by the teardown): not orphans either way
-            claimed |= set(bottle.machine().machines)
+            claimed |= set(bottle.require_vms().machines)
         if machines is None or self.vms is None:
             return
         if self.dropped:

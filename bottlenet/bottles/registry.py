@@ -37,11 +37,11 @@ from bottlenet.bottles.events import (
 )
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import (
-    SOURCE_CONTROL,
     STATE_DEGRADED,
     STATE_EXITED,
     Bottle,
     Forward,
+    Source,
 )
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
@@ -320,7 +320,7 @@ class BottleRegistry:
         alias: ipaddress.IPv4Address | None = None,
         *,
         spec: BottleSpec | None = None,
-        source: str = SOURCE_CONTROL,
+        source: Source = Source.CONTROL,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
         if spec is not None and spec.name != name:
@@ -443,8 +443,7 @@ class BottleRegistry:
             verdict = await vms.verify(bottle)
             current = self._bottles.get(name)
             if current is not None and current.vms is not None:
-                probe = "PASS" if verdict.passed else "FAIL"
-                current = evolve(current, vms=evolve(current.vms, probe=probe))
+                current = evolve(current, vms=evolve(current.vms, probe=verdict.result))
                 self._bottles[name] = current
                 self._persist_quietly(current)
             if not verdict.passed:
@@ -514,7 +513,7 @@ class BottleRegistry:
     ) -> IProcessTransport:
         """``tail`` of the workload's log in the agent VM, ``protocol`` attached."""
         bottle = self.exec_target(name)
-        vm = bottle.machine()
+        vm = bottle.require_vms()
         if vm.workload is None:
             raise InvalidArgument(f"bottle {name} runs no workload (its spec names none)")
         argv = workload.logs_argv(vm.agent_vm, tail, follow)
@@ -523,7 +522,7 @@ class BottleRegistry:
     def _wait_for_workload(self, bottle: Bottle) -> None:
         vm = bottle.vms
         name = bottle.name
-        if self.vms is None or vm is None or vm.workload != workload.STATE_RUNNING:
+        if self.vms is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
             return
         if name in self._waiters:
             return
@@ -562,14 +561,14 @@ class BottleRegistry:
         bottle = self._bottles.get(name)
         if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
             return
-        if bottle.vms.workload != workload.STATE_RUNNING:
+        if bottle.vms.workload != workload.WorkloadState.RUNNING:
             return
         detail = f"workload exited with code {code}"
         exited = evolve(
             bottle,
             state=STATE_EXITED,
             detail=detail,
-            vms=evolve(bottle.vms, workload=workload.STATE_EXITED, workload_exit_code=code),
+            vms=evolve(bottle.vms, workload=workload.WorkloadState.EXITED, workload_exit_code=code),
         )
         self._bottles[name] = exited
         self.log.info("bottle {bottle}: {detail}", bottle=name, detail=detail)

@@ -26,14 +26,21 @@ the gate); the agent's workload is an exec, whose output smolvm does not keep.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 
 from twisted.internet.error import ProcessDone
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-STATE_RUNNING = "running"
-STATE_EXITED = "exited"
+
+class WorkloadState(enum.StrEnum):
+    """Whether a bottle's workload still runs (as the state file and the wire carry it)."""
+
+    RUNNING = "running"
+    EXITED = "exited"
+
+
 #: The log is cut to its last this-many lines by ``bottle logs`` unless asked for more.
 DEFAULT_TAIL = 200
 MAX_TAIL = 100_000

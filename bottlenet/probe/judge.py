@@ -9,19 +9,29 @@ literal re-rendered by ``ipaddress``, an interface name of ``[A-Za-z0-9_.-]``).
 
 from __future__ import annotations
 
+import enum
 import ipaddress
 import re
 from collections.abc import Iterable
 
 from attrs import frozen
 
-from bottlenet.probe.plan import LOOPBACKS, MODE_SOCKET, VSOCK_HOST_CID, ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, IsolationMode, ProbePlan
 
 _IFACE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 _HASH = re.compile(r"[0-9a-f]{64}|none")
 _CONTROLS = ("tcp", "unix", "icmp")
 #: Reported only when the guest has an ICMPv6 target, and then required.
 _ICMP6 = "icmp6"
+
+
+class ProbeResult(enum.StrEnum):
+    """The launch gate's word on a bottle, as the state file and the wire carry it."""
+
+    PASS = "PASS"
+    FAIL = "FAIL"
+    #: Created with ``--unsafe-skip-isolation-probe``: no verdict at all.
+    SKIPPED = "skipped"
 
 
 @frozen
@@ -36,10 +46,18 @@ class Verdict:
             return "all checks passed" + "".join(f" ({n})" for n in self.notes)
         return "; ".join(self.problems)
 
+    @property
+    def result(self) -> ProbeResult:
+        """``PASS`` or ``FAIL``."""
+        return ProbeResult.PASS if self.passed else ProbeResult.FAIL
+
     def lines(self) -> list[str]:
         """The verdict for people: ``PASS`` or ``FAIL``, then one line per problem."""
-        head = "PASS" if self.passed else "FAIL"
-        return [head] + [f"  - {p}" for p in self.problems] + [f"  note: {n}" for n in self.notes]
+        return (
+            [self.result.value]
+            + [f"  - {p}" for p in self.problems]
+            + [f"  note: {n}" for n in self.notes]
+        )
 
 
 def _route_addr(text: str) -> str | None:
@@ -195,8 +213,22 @@ def judge(
     directory held the file the guest wrote; None when the host did not look.
     """
     t = _Transcript(plan, transcript)
+    problems, finished = _framing(t)
+    if not finished:
+        return Verdict(False, tuple(problems))
+    notes = [] if plan.witness or not plan.own else ["own endpoints not witnessed on the host"]
+    problems += _structure(plan, t)
+    problems += _own(plan, t, witnessed)
+    problems += _paths(plan, t)
+    problems += _identity(plan, t, rw_seen)
+    problems += _agreement(t, exit_code, clean=not problems)
+    return Verdict(not problems, tuple(dict.fromkeys(problems)), tuple(notes))
+
+
+def _framing(t: _Transcript) -> tuple[list[str], bool]:
+    """0. The run itself: begun, bound to this run, finished, with a tool that can see
+    connections. The second value is False when the rest cannot be judged."""
     problems: list[str] = []
-    notes: list[str] = []
     if not t.begun:
         problems.append("the transcript does not start with this run's begin line")
     if t.unexpected:
@@ -213,23 +245,29 @@ def judge(
     if t.end == "blind" or (t.end is not None and t.end != "notool" and failed_controls):
         which = ", ".join(failed_controls) or "unknown"
         problems.append(f"probe tool cannot detect connections (control {which} failed)")
-        return Verdict(False, tuple(problems))
-    if t.end in (None, "notool"):
-        return Verdict(False, tuple(problems))
+        return problems, False
+    return problems, t.end not in (None, "notool")
 
-    # 1. structure
+
+def _structure(plan: ProbePlan, t: _Transcript) -> list[str]:
+    """1. The guest's network interfaces: named validly, listed, only lo in socket mode."""
+    problems: list[str] = []
     if t.bad_iface:
         problems.append(f"{t.bad_iface} network interface(s) with an invalid name")
     if not t.ifaces:
         problems.append("the guest listed no network interfaces")
-    if plan.mode == MODE_SOCKET:
+    if plan.mode == IsolationMode.SOCKET:
         for name in t.ifaces:
             if name != "lo":
                 problems.append(
                     f"network interface {name} in a socket-mode guest (only lo is allowed)"
                 )
+    return problems
 
-    # 2. own endpoints, witnessed on the host
+
+def _own(plan: ProbePlan, t: _Transcript, witnessed: Iterable[str] | None) -> list[str]:
+    """2. Each own endpoint connects and (with ``plan.witness``) was witnessed on the host."""
+    problems: list[str] = []
     seen = None if witnessed is None else set(witnessed)
     for target in map(str, plan.own):
         r = t.results.get(("own", target))
@@ -245,10 +283,11 @@ def judge(
                     f"own endpoint {target} was not witnessed on the host "
                     "(no connection carrying this run's nonce)"
                 )
-    if not plan.witness and plan.own:
-        notes.append("own endpoints not witnessed on the host")
+    return problems
 
-    # 3. every path to the host, the outside address, ICMP, DNS
+
+def _denials(plan: ProbePlan, t: _Transcript) -> list[tuple[str, str, str, str]]:
+    """Every check that must come back closed: (kind, key, the bad result, its message)."""
     deny = expected_deny(plan, t.paths)
     icmp = expected_icmp(plan, t.paths)
     checks: list[tuple[str, str, str, str]] = [
@@ -264,8 +303,6 @@ def judge(
         )
         for addr, what in icmp.items()
     ]
-    if any(":" in addr for addr in icmp) and t.controls.get(_ICMP6) != "ok":
-        problems.append("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)")
     checks += [("dns", n, "resolves", f"leak: DNS name {n} resolves") for n in plan.dns]
     checks += [
         ("absent", p, "present", f"leak: host file {p} is visible in the guest")
@@ -287,6 +324,16 @@ def judge(
                     " (not on the allow-list)",
                 )
             )
+    return checks
+
+
+def _paths(plan: ProbePlan, t: _Transcript) -> list[str]:
+    """3. Every path to the host, the outside address, ICMP, DNS, markers, volumes and the
+    egress proxy: each planned check ran and found nothing; no unplanned result."""
+    problems: list[str] = []
+    checks = _denials(plan, t)
+    if any(":" in addr for addr in expected_icmp(plan, t.paths)) and t.controls.get(_ICMP6) != "ok":
+        problems.append("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)")
     wanted = {(kind, key) for kind, key, _, _ in checks} | {("own", str(o)) for o in plan.own}
     for kind, key, bad, message in checks:
         r = t.results.get((kind, key))
@@ -302,7 +349,6 @@ def judge(
                 "result(s) for checks that were not planned"
             )
             break
-
     if plan.connect_via is not None:
         for target in plan.connect_ok:
             r = t.results.get(("connect", target))
@@ -313,8 +359,13 @@ def judge(
                     f"the egress proxy {plan.connect_via} did not answer CONNECT {target}"
                     f" (on the allow-list): {r}"
                 )
+    return problems
 
-    # 4. identity and volumes
+
+def _identity(plan: ProbePlan, t: _Transcript, rw_seen: Iterable[str] | None) -> list[str]:
+    """4. The guest's machine-id and hostname are not the host's; each read-write volume's
+    file reached the host (when the host looked)."""
+    problems: list[str] = []
     for which in ("machine-id", "hostname"):
         r = t.results.get(("id", which))
         if r is None:
@@ -326,10 +377,15 @@ def judge(
         for p in plan.rw:
             if t.results.get(("rw", p)) == "ok" and p not in got:
                 problems.append(f"read-write volume {p}: the guest's file did not reach the host")
+    return problems
 
-    # 5. the guest's own summary and exit status must agree with the above
-    if not problems and t.end != "pass":
+
+def _agreement(t: _Transcript, exit_code: int | None, *, clean: bool) -> list[str]:
+    """5. The guest's own summary and exit status agree with the above (``clean``: no
+    problem found so far)."""
+    problems: list[str] = []
+    if clean and t.end != "pass":
         problems.append("the probe reported a failure its transcript does not show")
     if exit_code is not None and (exit_code == 0) != (t.end == "pass"):
         problems.append(f"the probe's exit status {exit_code} does not match its transcript")
-    return Verdict(not problems, tuple(dict.fromkeys(problems)), tuple(notes))
+    return problems

@@ -7,6 +7,7 @@ quote it without escaping, and a message can repeat it without echoing anything 
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import ipaddress
 import re
@@ -16,9 +17,17 @@ from attrs import field, frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
 
-MODE_SOCKET = "socket"
-MODE_ALIAS = "alias"
-MODES = (MODE_SOCKET, MODE_ALIAS)
+
+class IsolationMode(enum.StrEnum):
+    """How an agent reaches its own endpoints (the strings are the wire's and the state
+    file's). Only socket mode can be enforced; alias mode stays nameable so the gate can be
+    run by hand against an alias-mode guest, and so a request for it is refused by name."""
+
+    SOCKET = "socket"
+    ALIAS = "alias"
+
+
+MODES = tuple(m.value for m in IsolationMode)
 
 #: Production defaults: an address outside the host and a public name. Tests point both at
 #: stand-ins (a loopback or namespace address, a name only a stand-in resolver knows).
@@ -124,6 +133,12 @@ class Target:
         return f"tcp:{host}:{self.port}"
 
 
+def _mode(value: object) -> IsolationMode:
+    if isinstance(value, str) and value in MODES:
+        return IsolationMode(value)
+    raise InvalidArgument(f"mode must be one of {', '.join(MODES)}")
+
+
 def _targets(values: object) -> tuple[Target, ...]:
     items = [v if isinstance(v, Target) else Target.parse(v) for v in values]  # type: ignore[attr-defined]
     return tuple(dict.fromkeys(items))
@@ -188,7 +203,7 @@ class ProbePlan:
     read-write volumes (a file must round-trip to the host).
     """
 
-    mode: str = field()
+    mode: IsolationMode = field(converter=_mode)
     nonce: str = field(converter=check_nonce)
     own: tuple[Target, ...] = field(converter=_targets, default=())
     deny: tuple[Target, ...] = field(converter=_targets, default=())
@@ -207,11 +222,6 @@ class ProbePlan:
     connect_no: tuple[str, ...] = field(converter=_host_ports, default=())
     witness: bool = True
     timeout: float = CHECK_TIMEOUT
-
-    @mode.validator
-    def _check_mode(self, _attr: object, value: str) -> None:
-        if value not in MODES:
-            raise InvalidArgument(f"mode must be one of {', '.join(MODES)}")
 
     @dns.validator
     def _check_dns(self, _attr: object, value: tuple[str, ...]) -> None:

@@ -48,7 +48,7 @@ def plan_literal(plan: ProbePlan) -> dict[str, object]:
     """The plan as ``guest.py`` reads it (``PLAN``): plain strings, lists and numbers."""
     return {
         "nonce": plan.nonce,
-        "mode": plan.mode,
+        "mode": plan.mode.value,
         "own": [str(t) for t in plan.own],
         "deny": [str(t) for t in plan.deny],
         "ports": list(plan.host_ports),

@@ -17,13 +17,15 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
-from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
+from bottlenet.bottles.model import Bottle, BottleVMs, TCPEndpoint
 from bottlenet.bottles.recovery import RecoveryService
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.ops.listening import ListeningService
+from bottlenet.probe.judge import ProbeResult
+from bottlenet.probe.plan import IsolationMode
 from bottlenet.tap import BottlenetService, Options, build_service
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
@@ -83,18 +85,16 @@ def socket_bottle(tmp: str, name: str = "b1", **vms: Any) -> Bottle:
     """A socket-mode VM bottle value with one endpoint (``vms`` overrides BottleVMs fields)."""
     fields: dict[str, Any] = {
         "spec": parse_bottle_spec(name, spec_doc(tmp)),
-        "mode": "socket",
+        "mode": IsolationMode.SOCKET,
         "mechanism": "socket: x",
         "sidecar_vm": f"bn-{name}-sidecar",
         "agent_vm": f"bn-{name}-agent",
         "sidecar_pid": 123,
-        "endpoints": (
-            Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/e.sock"),
-        ),
+        "endpoints": (TCPEndpoint("egress", 3128, "/s/e.sock", "/run/bottle/e.sock", 40001),),
         "env": (("A", "b"),),
         "policy": ("pypi.org",),
         "probe_skipped": True,
-        "probe": "skipped",
+        "probe": ProbeResult.SKIPPED,
     }
     fields.update(vms)
     return Bottle(name=name, alias=None, created_at=1.5, vms=BottleVMs(**fields))

@@ -21,13 +21,15 @@ from bottlenet.bottles.bridge import (
     BridgeSession,
     BridgeState,
 )
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
 from vmctl.smolvm import ExecResult
 
 ENDPOINTS = (
-    Endpoint("egress", 3128, 0, path="/s/egress.sock", guest_path="/run/bottle/egress.sock"),
+    SocketEndpoint(
+        "egress", 3128, "/s/egress.sock", "/run/bottle/egress.sock", "/s/sidecar/egress.sock"
+    ),
 )
 
 

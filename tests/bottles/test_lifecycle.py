@@ -36,7 +36,7 @@ def spec(tmp: str, name: str = "b1", **kw: Any) -> BottleSpec:
 def test_socket_mode_create(rigs: Rigs, tmp: str) -> None:
     rig = rigs()
     b = rig.run(rig.registry.create_bottle("b1", spec=spec(tmp, workload=("/agent", "run"))))
-    vm = b.machine()
+    vm = b.require_vms()
     sidecar = rig.smolvm.machines["bn-b1-sidecar"].spec
     agent = rig.smolvm.machines["bn-b1-agent"].spec
     assert dict(sidecar.labels) == {

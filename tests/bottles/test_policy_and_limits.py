@@ -89,7 +89,7 @@ class RestartTests(DaemonCase):
         b = await client.create_bottle("r1", spec=self.spec_json(mode="socket", listen="tcp"))
         plain = await client.create_bottle("plain", alias="127.77.0.5")
         ep = await client.add_forward(
-            "plain", "web", f"127.0.0.1:{self.registry.get_bottle('r1').machine().raw_ports[0]}"
+            "plain", "web", f"127.0.0.1:{self.registry.get_bottle('r1').require_vms().raw_ports[0]}"
         )
         # a labelled machine of ours that no bottle claims, one of another owner, one unlabelled
         env = self.fake.environ(SMOLVM_DATA_DIR=self.fake.path)
@@ -127,7 +127,7 @@ class RestartTests(DaemonCase):
     async def test_restart_tears_down_bottle_whose_sidecar_is_gone(self) -> None:
         client = await self.start("--unsafe-skip-isolation-probe")
         await client.create_bottle("g1", spec=self.spec_json(mode="socket"))
-        sidecar_pid = self.registry.list_bottles()[0].machine().sidecar_pid
+        sidecar_pid = self.registry.list_bottles()[0].require_vms().sidecar_pid
         await self.stop()
         os.kill(sidecar_pid, 9)
         client = await self.start("--unsafe-skip-isolation-probe")

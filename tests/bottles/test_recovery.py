@@ -19,7 +19,7 @@ from twisted.internet.defer import Deferred, fail
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMOptions
-from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
+from bottlenet.bottles.model import LABEL_OWNER, Bottle, Source
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import State, StateStore
@@ -64,7 +64,7 @@ def vm_with_plain(rigs: Rigs, tmp: str) -> Rig:
     rig = rigs()
     rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
     rig.run(rig.registry.create_bottle("plain", ipaddress.IPv4Address("127.79.0.5")))
-    raw = rig.registry.get_bottle("r1").machine().raw_ports[0]
+    raw = rig.registry.get_bottle("r1").require_vms().raw_ports[0]
     rig.run(rig.registry.add_forward("plain", "web", parse_target(f"127.0.0.1:{raw}")))
     return rig
 
@@ -86,7 +86,7 @@ def test_restart_restores_vm_and_forward_only_bottles(rigs: Rigs, tmp: str) -> N
     assert {n: endpoints(rig, n) for n in ("r1", "plain")} == before
     assert all(isinstance(f.bound, UNIXListen) for f in rig.table.list("r1"))
     again = rig.registry.get_bottle("r1")
-    assert again == bottle and again.machine().env == bottle.machine().env
+    assert again == bottle and again.require_vms().env == bottle.require_vms().env
     assert rig.registry.get_bottle("plain").alias == "127.79.0.5"
     assert rig.smolvm.names() == ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
     assert sorted(rig.state()) == ["plain", "r1"]
@@ -186,12 +186,12 @@ def test_malformed_and_shadowed_records(rigs: Rigs, tmp: str) -> None:
     rig = rigs(smolvm=first.smolvm)
     rig.run(
         rig.registry.create_bottle(
-            "plain", ipaddress.IPv4Address("127.79.0.9"), source=SOURCE_CONFIG
+            "plain", ipaddress.IPv4Address("127.79.0.9"), source=Source.CONFIG
         )
     )
     rig.recover()
     assert [b.name for b in rig.registry.list_bottles()] == ["plain", "r1"]
-    assert rig.registry.get_bottle("plain").source == SOURCE_CONFIG  # the config's wins
+    assert rig.registry.get_bottle("plain").source == Source.CONFIG  # the config's wins
     assert sorted(rig.state()) == ["r1"]  # dropped and shadowed records are not kept
 
 
@@ -232,11 +232,11 @@ def test_verify_records_the_verdict(rigs: Rigs, tmp: str) -> None:
     rig = rigs()
     rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
     b, verdict = rig.run(rig.registry.verify_bottle("r1"))
-    assert verdict.passed and b.machine().probe == "PASS"
+    assert verdict.passed and b.require_vms().probe == "PASS"
     rig.smolvm.on_exec = leak
     with pytest.raises(IsolationFailed, match="reachable"):
         rig.run(rig.registry.verify_bottle("r1"))
-    assert rig.registry.get_bottle("r1").machine().probe == "FAIL"
+    assert rig.registry.get_bottle("r1").require_vms().probe == "FAIL"
     assert rig.state()["r1"]["probe"] == "FAIL"
 
 
@@ -258,7 +258,7 @@ def test_failed_reload_keeps_the_previous_policy(rigs: Rigs, tmp: str) -> None:
     with pytest.raises(BottlenetError, match="reload") as info:
         rig.run(rig.registry.set_egress_policy("r1", ("evil.example",)))
     assert info.value.code == "SMOLVM_FAILED"
-    assert rig.registry.get_bottle("r1").machine().policy == hosts
+    assert rig.registry.get_bottle("r1").require_vms().policy == hosts
     assert rig.state()["r1"]["policy"] == list(hosts)
     writes = [argv for name, argv in rig.smolvm.execs if argv[0] == "/bin/sh" and "-c" in argv]
     assert len(writes) == 4  # create, first policy, the failed one, the previous put back
@@ -309,7 +309,7 @@ def test_forward_only_bottle_keeps_its_forwards_with_real_ports(rigs: Rigs, tmp:
     assert again == rig.registry.get_bottle("p1")
     rig.run(rig.registry.remove_forward("p1", "web"))
     assert rig.state()["p1"]["forwards"] == [] and rig.table.list() == []
-    rig.run(rig.registry.create_bottle("c1", source=SOURCE_CONFIG))
+    rig.run(rig.registry.create_bottle("c1", source=Source.CONFIG))
     assert sorted(rig.state()) == ["p1"]  # config bottles are made again at start, not kept
 
 

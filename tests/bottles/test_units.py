@@ -13,13 +13,14 @@ from twisted.internet.task import Clock
 
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
-from bottlenet.bottles.model import Bottle, Endpoint, machine_name
+from bottlenet.bottles.model import Bottle, TCPEndpoint, machine_name
 from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
+from bottlenet.probe.plan import IsolationMode
 from tests.bottles.harness import socket_bottle, spec_doc
 from vmctl.smolvm import SmolvmVersion
 from vmctl.spec import Volume, validate_name
@@ -76,15 +77,15 @@ def test_machine_names_follow_smolvm_rules() -> None:
 
 
 ENDPOINTS = (
-    Endpoint("egress", 3128, 40001, host="127.77.0.3", port=43001),
-    Endpoint("git", 9418, 40002, host="127.77.0.3", port=43002),
+    TCPEndpoint("egress", 3128, "/s/egress.sock", "/run/bottle/egress.sock", 40001),
+    TCPEndpoint("git", 9418, "/s/git.sock", "/run/bottle/git.sock", 40002),
 )
 
 
 def test_gate_plan_covers_every_required_check() -> None:
     plan = plan_gate(
         ENDPOINTS,
-        mode="alias",
+        mode=IsolationMode.SOCKET,
         nonce="ab" * 16,
         other_bottle="127.77.0.4:43001",
         settings=GateSettings(
@@ -93,7 +94,10 @@ def test_gate_plan_covers_every_required_check() -> None:
         absent=("/s/.bottlenet-gate-marker-x",),
         volumes=[Volume("/h/ro", "/work/ro", True), Volume("/h/rw", "/work/rw")],
     )
-    assert [str(t) for t in plan.own] == ["tcp:127.77.0.3:43001", "tcp:127.77.0.3:43002"]
+    assert [str(t) for t in plan.own] == [
+        "unix:/run/bottle/egress.sock",
+        "unix:/run/bottle/git.sock",
+    ]
     assert [str(t) for t in plan.deny] == ["tcp:127.77.0.4:43001"]
     # raw ports, the daemon's own services, then the well-known host ports
     assert plan.host_ports[:3] == (40001, 40002, 9100) and 22 in plan.host_ports
@@ -101,15 +105,19 @@ def test_gate_plan_covers_every_required_check() -> None:
     assert str(plan.outside) == "tcp:198.18.0.1:9" and plan.dns == ("gate.invalid",)
     assert plan.absent == ("/s/.bottlenet-gate-marker-x",)
     assert (plan.ro, plan.rw) == (("/work/ro",), ("/work/rw",))
-    assert plan.mode == "alias" and plan.witness
+    assert plan.mode == "socket" and plan.witness
 
 
 def test_stamped_env_uses_agent_endpoints_only(tmp_path: object) -> None:
-    spec = parse_bottle_spec("b1", spec_doc(str(tmp_path), mode="alias"))
-    env = dict(stamp_env(spec, "alias", ENDPOINTS))
-    assert env["HTTPS_PROXY"] == "http://127.77.0.3:43001"
-    assert env["GIT_GATE_URL"] == "http://127.77.0.3:43002/"
-    assert env["GIT_GATE_SOCKET"] == ""
+    """The env names the guest ports (served by the bridge) and mounted sockets, never a raw
+    port."""
+    spec = parse_bottle_spec("b1", spec_doc(str(tmp_path)))
+    env = dict(stamp_env(spec, IsolationMode.SOCKET, ENDPOINTS))
+    assert env["HTTPS_PROXY"] == "http://127.0.0.1:3128"
+    assert env["GIT_GATE_URL"] == "http://127.0.0.1:9418/"
+    assert env["GIT_GATE_SOCKET"] == "/run/bottle/git.sock"
+    assert env["BOTTLENET_BRIDGES"] == "3128=/run/bottle/egress.sock 9418=/run/bottle/git.sock"
+    assert env["BOTTLENET_MODE"] == "socket"
     assert env["BOTTLENET_BOTTLE"] == "b1" and env["LANG"] == "C.UTF-8"
     assert not any(str(e.raw_port) in value for e in ENDPOINTS for value in env.values())
 
@@ -119,7 +127,7 @@ def test_vm_record_round_trips(tmp_path: object) -> None:
     record = json.loads(json.dumps(bottle.to_state()))
     assert record["spec"] == spec_doc(str(tmp_path))  # the document the spec was read from
     again = Bottle.from_state("b1", record, unix_root=str(tmp_path))
-    assert again == bottle and again.machine().spec == bottle.machine().spec
+    assert again == bottle and again.require_vms().spec == bottle.require_vms().spec
     with pytest.raises(StateError, match="bottle b1: probe: missing"):
         Bottle.from_state("b1", {**record, "probe": None}, unix_root=str(tmp_path))
     with pytest.raises(StateError, match="bottle b1: sidecar_pid: must be an integer"):
@@ -174,7 +182,7 @@ def test_map_vmctl_tells_precheck_from_smolvm_failure() -> None:
 
 
 def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
-    sock = Endpoint("egress", 3128, 40001, path="/s/e.sock", guest_path="/run/bottle/egress.sock")
+    sock = TCPEndpoint("egress", 3128, "/s/e.sock", "/run/bottle/egress.sock", 40001)
     plan = plan_gate(
         [sock],
         mode="socket",

@@ -29,7 +29,7 @@ class SocketModeTests(DaemonCase):
         self.assertIn("--mount-socket", b.isolation or "")
         self.assertEqual(b.warnings, ())
         self.assertEqual(b.agent_vm, "bn-b1-agent")
-        vb = self.registry.list_bottles()[0].machine()
+        vb = self.registry.list_bottles()[0].require_vms()
         # bytes through each agent endpoint reach the sidecar's guest service (the fake echoes)
         for ep in b.endpoints:
             assert ep.host_path is not None
@@ -116,7 +116,7 @@ class SidecarSocketTests(DaemonCase):
         self.fake.set_faults("exec-netns")
         client = await self.start()
         b = await client.create_bottle("s1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.list_bottles()[0].machine()
+        vb = self.registry.list_bottles()[0].require_vms()
         self.assertEqual(vb.raw_ports, ())
         self.assertNotIn("raw TCP", b.isolation or "")
         creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
@@ -152,7 +152,9 @@ class SidecarSocketTests(DaemonCase):
         self.assertEqual(len(set(every)), 4)
         self.assertTrue(all(u >= 2_000_000 for u in every))
         own = {n: [e.host_path for e in b.endpoints if e.host_path] for n, b in bottles.items()}
-        behind = {n: list(self.registry.get_bottle(n).machine().sidecar_sockets) for n in bottles}
+        behind = {
+            n: list(self.registry.get_bottle(n).require_vms().sidecar_sockets) for n in bottles
+        }
         for n in bottles:
             agent, sidecar = uids[n]["agent"], uids[n]["sidecar"]
             other = "u2" if n == "u1" else "u1"
@@ -247,7 +249,7 @@ class SidecarSocketTests(DaemonCase):
         self.fake.set_faults("exec-netns")
         client = await self.start()
         b = await client.create_bottle("t1", spec=self.spec_json(mode="socket", listen="tcp"))
-        vb = self.registry.list_bottles()[0].machine()
+        vb = self.registry.list_bottles()[0].require_vms()
         self.assertEqual(len(vb.raw_ports), 2)
         self.assertIn("every local user can connect", b.isolation or "")
         for ep in b.endpoints:
@@ -417,7 +419,7 @@ class DegradedTests(DaemonCase):
 
         client = await self.start("--unsafe-skip-isolation-probe")
         b = await client.create_bottle("d1", spec=self.spec_json(mode="socket"))
-        vb = self.registry.list_bottles()[0].machine()
+        vb = self.registry.list_bottles()[0].require_vms()
         ep = b.endpoints[0].host_path
         assert ep is not None
         held = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

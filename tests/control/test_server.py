@@ -11,7 +11,7 @@ from twisted.logger import LogEvent
 from twisted.protocols import amp
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.model import Bottle, Endpoint
+from bottlenet.bottles.model import Bottle, TCPEndpoint
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.control import commands as C
 from bottlenet.control.codec import RemoteError
@@ -352,9 +352,7 @@ def test_vm_bottle_record_is_a_view_without_raw_ports(tmp_path: Any) -> None:
     bottle = socket_bottle(
         str(tmp_path),
         mechanism="socket: --mount-socket",
-        endpoints=(
-            Endpoint("git", 9418, 40999, path="/s/git.sock", guest_path="/run/bottle/git.sock"),
-        ),
+        endpoints=(TCPEndpoint("git", 9418, "/s/git.sock", "/run/bottle/git.sock", 40999),),
         env=(("GIT_GATE_SOCKET", "/run/bottle/git.sock"),),
     )
     record = bottle_record(bottle, 1)

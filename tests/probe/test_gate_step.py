@@ -13,15 +13,13 @@ from typing import Any
 from twisted.internet import defer
 from twisted.internet.task import Clock
 
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import TCPEndpoint
 from bottlenet.bottles.probe import MARKER_PREFIX, Gate, GateSettings
 from bottlenet.probe.witness import WitnessFactory
 from tests.probe.guests import pass_transcript
 from vmctl.smolvm import ExecResult
 
-ENDPOINT = Endpoint(
-    "egress", 3128, 40001, path="/s/egress.sock", guest_path="/run/bottle/egress.sock"
-)
+ENDPOINT = TCPEndpoint("egress", 3128, "/s/egress.sock", "/run/bottle/egress.sock", 40001)
 
 
 class Table:

@@ -30,7 +30,7 @@ from typing import Any
 from twisted.internet import defer, protocol
 from twisted.internet.error import ProcessDone
 
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import TCPEndpoint
 from bottlenet.bottles.probe import GateSettings, Markers, collect_rw, plan_gate
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
@@ -285,7 +285,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
             "rvm", "egress", listen, TCPTarget(ipaddress.IPv4Address("127.0.0.1"), RAW_PORT)
         )
     )
-    endpoint = Endpoint("egress", 3128, RAW_PORT, path=info.bound.path, guest_path=GUEST_SOCKET)  # type: ignore[union-attr]
+    endpoint = TCPEndpoint("egress", 3128, listen.path, GUEST_SOCKET, RAW_PORT)
 
     shares: list[tuple[str, str, bool]] = []
     volumes: list[Volume] = []

@@ -32,7 +32,7 @@ from bottlenet.bottles.lifecycle import (
     sidecar_machine_spec,
     sidecar_socket_path,
 )
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
@@ -282,8 +282,8 @@ def agent_spec(tmp: Path) -> MachineSpec:
     assert bottle.agent is not None
     state = str(tmp / "st")
     endpoints = [
-        Endpoint(svc, port, 0, path=os.path.join(bottle_dir(state, "b1"), f"{svc}.sock"),
-                 guest_path=f"/run/bottle/{svc}.sock")
+        SocketEndpoint(svc, port, os.path.join(bottle_dir(state, "b1"), f"{svc}.sock"),
+                       f"/run/bottle/{svc}.sock", f"/s/sidecar/{svc}.sock")
         for svc, port in (("proxy", 3128), ("git", 9418))
     ]  # fmt: skip
     env = (("HTTPS_PROXY", "http://127.0.0.1:3128"),)
