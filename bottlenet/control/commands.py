@@ -193,7 +193,7 @@ class Ping(ControlCommand):
 class CreateBottle(ControlCommand):
     """Create a bottle: forward-only, or with VMs when ``spec`` (a JSON bottle spec) is given.
 
-    The alias is drawn from the pool when omitted (forward-only and alias-mode bottles).
+    The alias (forward-only bottles) is drawn from the pool when omitted; a VM bottle has none.
     """
 
     commandName = b"bottlenet.CreateBottle"

@@ -10,6 +10,7 @@ path through the fake smolvm executable is kept end to end in ``test_vm_e2e.py``
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -90,6 +91,21 @@ def test_alias_mode_fails_closed_before_any_machine(rigs: Callable[..., Rig], tm
     rig = rigs()
     error = create_fails(rig, "ISOLATION_UNAVAILABLE", spec(tmp, mode="alias"))
     assert "alias" in error.message
+    assert not [c for c in rig.smolvm.calls if c[0] in ("create", "start")]
+
+
+def test_an_alias_for_a_vm_bottle_is_refused_before_any_machine(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """An alias belongs to forward-only bottles: with a VM spec it is INVALID_ARGUMENT."""
+    rig = rigs()
+    bottle_spec = spec(tmp)
+    with pytest.raises(BottlenetError) as info:
+        rig.run(
+            rig.registry.create_bottle("rb", ipaddress.IPv4Address("127.77.0.9"), spec=bottle_spec)
+        )
+    assert info.value.code == "INVALID_ARGUMENT" and "--alias" in info.value.message
+    assert_nothing_left(rig)
     assert not [c for c in rig.smolvm.calls if c[0] in ("create", "start")]
 
 

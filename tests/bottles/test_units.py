@@ -13,13 +13,21 @@ from twisted.internet.task import Clock
 
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
-from bottlenet.bottles.model import Bottle, TCPEndpoint, machine_name
+from bottlenet.bottles.model import (
+    Bottle,
+    SocketEndpoint,
+    TCPEndpoint,
+    endpoint_from_json,
+    machine_name,
+)
 from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
+from bottlenet.bottles.workload import WorkloadState
 from bottlenet.cli.main import main
 from bottlenet.errors import IsolationUnavailable
+from bottlenet.probe.judge import ProbeResult
 from bottlenet.probe.plan import IsolationMode
 from tests.bottles.harness import socket_bottle, spec_doc
 from vmctl.smolvm import SmolvmVersion
@@ -136,6 +144,54 @@ def test_vm_record_round_trips(tmp_path: object) -> None:
         Bottle.from_state("b1", {**record, "spec": {"mode": "x"}}, unix_root=str(tmp_path))
     with pytest.raises(StateError, match="bottle b1: kind: unknown"):
         Bottle.from_state("b1", {**record, "kind": "other"}, unix_root=str(tmp_path))
+
+
+def test_vm_record_keeps_todays_strings(tmp_path: object) -> None:
+    """The typed values are written as the same plain strings the state file always held."""
+    bottle = socket_bottle(
+        str(tmp_path), probe=ProbeResult.PASS, probe_skipped=False, workload=WorkloadState.RUNNING
+    )
+    text = json.dumps(bottle.to_state())
+    assert '"mode": "socket"' in text and '"probe": "PASS"' in text
+    assert '"workload": "running"' in text
+    record = json.loads(text)
+    again = Bottle.from_state("b1", record, unix_root=str(tmp_path)).require_vms()
+    assert (again.mode, again.probe, again.workload) == (
+        IsolationMode.SOCKET,
+        ProbeResult.PASS,
+        WorkloadState.RUNNING,
+    )
+    assert [sorted(e) for e in record["endpoints"]] == [
+        ["guest_path", "guest_port", "path", "raw_port", "service", "sidecar_path"]
+    ]
+    for key, value in (("probe", "MAYBE"), ("mode", "tunnel"), ("workload", "paused")):
+        with pytest.raises(StateError, match=f"bottle b1: {key}: must be one of"):
+            Bottle.from_state("b1", {**record, key: value}, unix_root=str(tmp_path))
+
+
+def test_both_endpoint_kinds_round_trip() -> None:
+    """A sidecar socket and a raw port endpoint each come back as their own kind."""
+    sock = SocketEndpoint("git", 9418, "/s/git.sock", "/run/bottle/git.sock", "/s/sidecar/git.sock")
+    raw = TCPEndpoint("egress", 3128, "/s/e.sock", "/run/bottle/egress.sock", 40001)
+    assert sock.to_json()["raw_port"] == 0 and raw.to_json()["sidecar_path"] is None
+    assert [endpoint_from_json(e.to_json()) for e in (sock, raw)] == [sock, raw]
+    assert sock.agent_address() == "unix:/run/bottle/git.sock"
+
+
+def test_an_old_state_record_with_alias_keys_still_loads(tmp_path: object) -> None:
+    """A record written before alias mode was removed (``host``/``port`` null) still loads;
+    an alias-mode endpoint is a typed StateError, not a traceback."""
+    bottle = socket_bottle(str(tmp_path))
+    record = json.loads(json.dumps(bottle.to_state()))
+    old = {**record, "endpoints": [{**e, "host": None, "port": None} for e in record["endpoints"]]}
+    assert Bottle.from_state("b1", old, unix_root=str(tmp_path)) == bottle
+    alias = {
+        **record,
+        "mode": "alias",
+        "endpoints": [{**e, "host": "127.77.0.3", "port": 43001} for e in record["endpoints"]],
+    }
+    with pytest.raises(StateError, match=r"endpoints\[0\]\.host: an alias-mode endpoint"):
+        Bottle.from_state("b1", alias, unix_root=str(tmp_path))
 
 
 def test_watch_fallback_timer_fires_once_when_pid_dies() -> None:
