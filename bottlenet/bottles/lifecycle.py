@@ -180,10 +180,7 @@ def agent_machine_spec(
 ) -> MachineSpec:
     """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
     and bottlenet's wait command as the workload (it replaces the image's ENTRYPOINT+CMD)."""
-    mounts: list[MountSocket] = []
-    for e in endpoints:
-        assert e.path is not None and e.guest_path is not None
-        mounts.append(MountSocket(e.path, e.guest_path))
+    mounts = tuple(MountSocket(e.path, e.guest_path) for e in endpoints)
     fields: dict[str, Any] = {
         **image_fields(agent.image),
         "labels": labels,
@@ -191,7 +188,7 @@ def agent_machine_spec(
         "mem": agent.mem,
         "volumes": tuple(Volume.parse(v) for v in agent.volumes),
         "env": env,
-        "mount_sockets": tuple(mounts),
+        "mount_sockets": mounts,
         "workload": AGENT_WAIT_COMMAND,
     }
     return MachineSpec(name, net=False, **fields)

@@ -248,7 +248,7 @@ class ControlLocator(SafeCommandLocator):
     async def verify_bottle(self, name: str) -> dict[str, Any]:
         name = check_bottle_name(name)
         bottle, verdict = await self._mutate("VerifyBottle", name, self.backend.verify_bottle(name))
-        return {"bottle": self._record(bottle), "result": "PASS" if verdict.passed else "FAIL"}
+        return {"bottle": self._record(bottle), "result": verdict.result.value}
 
     @C.SetEgressPolicy.responder
     async def set_egress_policy(self, bottle: str, allow_hosts: list[str]) -> dict[str, Any]:
