@@ -371,6 +371,7 @@ def _choice(f: Fields, key: str, kind: type[_E], *, optional: bool = False) -> _
     value = f.value(key, str, optional=optional)
     if value is None:
         return None
-    if value not in kind._value2member_map_:
-        raise f.fail(key, f"must be one of {', '.join(kind)}")
-    return kind(value)
+    try:
+        return kind(value)
+    except ValueError:
+        raise f.fail(key, f"must be one of {', '.join(kind)}") from None

@@ -91,6 +91,8 @@ ENDPOINTS = (
 
 
 def test_gate_plan_covers_every_required_check() -> None:
+    """Own sockets, raw ports, the daemon's and the well-known ports, the outside address,
+    DNS, markers and volumes are all in the plan."""
     plan = plan_gate(
         ENDPOINTS,
         mode=IsolationMode.SOCKET,
