@@ -77,43 +77,37 @@ def machine_name(bottle: str, role: Role) -> str:
 
 
 @frozen
-class SocketEndpoint:
-    """One service of a VM bottle behind the sidecar's exposed UNIX socket (the default).
-
-    ``path`` is the host UNIX socket (bottlenet's listener) and ``guest_path`` where it is
-    mounted in the agent VM; behind it is ``sidecar_path``, the sidecar service's socket
-    exposed into the bottle's own directory. It is never given to the agent.
-    """
+class _AgentSocket:
+    """The agent side of a VM bottle's endpoint for ``service``: ``path`` is the host UNIX
+    socket (bottlenet's listener), mounted in the agent VM at ``guest_path``."""
 
     service: str
     guest_port: int
     path: str
     guest_path: str
-    sidecar_path: str
 
     def agent_address(self) -> str:
         """What the agent dials: the socket path inside the guest."""
         return f"unix:{self.guest_path}"
+
+
+@frozen
+class SocketEndpoint(_AgentSocket):
+    """An endpoint behind ``sidecar_path``, the sidecar service's socket exposed into the
+    bottle's own directory (the default). It is never given to the agent."""
+
+    sidecar_path: str
 
     def to_json(self) -> dict[str, Any]:
         return _endpoint_json(self, raw_port=0, sidecar_path=self.sidecar_path)
 
 
 @frozen
-class TCPEndpoint:
-    """One service of a VM bottle behind the sidecar's published port ``raw_port`` on
-    127.0.0.1 (the ``sidecar.listen = "tcp"`` opt-in); the agent side is as for
-    :class:`SocketEndpoint`. The raw port is never given to the agent."""
+class TCPEndpoint(_AgentSocket):
+    """An endpoint behind ``raw_port``, the sidecar's published port on 127.0.0.1 (the
+    ``sidecar.listen = "tcp"`` opt-in). It is never given to the agent."""
 
-    service: str
-    guest_port: int
-    path: str
-    guest_path: str
     raw_port: int
-
-    def agent_address(self) -> str:
-        """What the agent dials: the socket path inside the guest."""
-        return f"unix:{self.guest_path}"
 
     def to_json(self) -> dict[str, Any]:
         return _endpoint_json(self, raw_port=self.raw_port, sidecar_path=None)
