@@ -30,6 +30,7 @@ from bottlenet.cli.output import (
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, is_slow
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError, InvalidArgument
 
@@ -322,6 +323,18 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(self, message)
 
 
+#: ``add(parent, name, handler, help)``: a subcommand that runs ``handler`` with a client.
+AddCommand = Callable[[Any, str, Handler, str], argparse.ArgumentParser]
+
+
+def _add_command(
+    parent: Any, name: str, handler: Handler, help: str, *, json_flag: argparse.ArgumentParser
+) -> argparse.ArgumentParser:
+    sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
+    sp.set_defaults(handler=handler)
+    return sp
+
+
 def build_parser() -> argparse.ArgumentParser:
     json_flag = _Parser(add_help=False)
     json_flag.add_argument(
@@ -351,15 +364,22 @@ def build_parser() -> argparse.ArgumentParser:
         " start or stop VMs: bottle create --spec, bottle rm, bottle verify, egress set, down)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(parent: Any, name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
-        sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
-        sp.set_defaults(handler=handler)
-        return sp
-
+    add: AddCommand = partial(_add_command, json_flag=json_flag)
     add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
     add(sub, "ping", cmd_ping, "check that the daemon answers")
+    _add_bottle_commands(sub, add, json_flag)
+    _add_forward_commands(sub, add)
+    add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
+    sp.add_argument("--bottle", help="only this bottle's events")
+    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
+    _add_top(sub, json_flag)
+    down.register(sub, add)
+    return p
 
+
+def _add_bottle_commands(sub: Any, add: AddCommand, json_flag: argparse.ArgumentParser) -> None:
+    """``bottle ...`` (with exec, shell and logs) and ``egress set``."""
     bottle = sub.add_parser("bottle", help="create, remove, list bottles").add_subparsers(
         dest="bottle_command", required=True, metavar="ACTION"
     )
@@ -380,6 +400,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("name")
     sp.add_argument("hosts", nargs="*", metavar="HOST")
 
+
+def _add_forward_commands(sub: Any, add: AddCommand) -> None:
+    """``forward add``, ``forward rm`` and ``forward ls``."""
     forward = sub.add_parser("forward", help="add, remove, list forwards").add_subparsers(
         dest="forward_command", required=True, metavar="ACTION"
     )
@@ -392,10 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("bottle")
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
-    add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
-    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
-    sp.add_argument("--bottle", help="only this bottle's events")
-    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
+
+
+def _add_top(sub: Any, json_flag: argparse.ArgumentParser) -> None:
+    """``top``: a subcommand with a connection loop of its own (no handler)."""
     sp = sub.add_parser(
         "top",
         help="live view of bottles, forwards, relays and throughput",
@@ -416,8 +439,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
     )
     sp.set_defaults(standalone=_run_top)
-    down.register(sub, add)
-    return p
 
 
 DEFAULT_INTERVAL = 1.0
@@ -441,15 +462,31 @@ def _run_top(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
     return top.run(args, path, out, err)
 
 
-DEFAULT_TIMEOUT = 10.0
-#: Calls that wait on smolvm (create/start/stop/delete/exec) take as long as smolvm does.
-VM_TIMEOUT = 300.0
+#: The call that sets each handler's default timeout (``calls.is_slow`` of it with the
+#: handler's arguments: ``bottle create`` is slow only with ``--spec``).
+HANDLER_CALLS: dict[Handler, str] = {
+    cmd_status: "Hello",
+    cmd_ping: "Ping",
+    cmd_bottle_create: "CreateBottle",
+    cmd_bottle_rm: "DestroyBottle",
+    cmd_bottle_ls: "ListBottles",
+    cmd_bottle_status: "BottleStatus",
+    cmd_bottle_verify: "VerifyBottle",
+    cmd_egress_set: "SetEgressPolicy",
+    cmd_forward_add: "AddForward",
+    cmd_forward_rm: "RemoveForward",
+    cmd_forward_ls: "ListForwards",
+    cmd_stats: "Stats",
+    cmd_events: "Watch",  # events then wait without limit
+    down.cmd_down: "DestroyBottle",
+}
 
 
-def _vm_handlers() -> frozenset[Handler]:
-    return frozenset(
-        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
-    )
+def _default_timeout(args: argparse.Namespace) -> float:
+    """The timeout of a command run without ``--timeout``: its call's."""
+    handler = getattr(args, "handler", None)  # None: top, its own loop of quick calls
+    command = HANDLER_CALLS[handler] if handler is not None else "Stats"
+    return VM_TIMEOUT if is_slow(command, vars(args)) else DEFAULT_TIMEOUT
 
 
 def main(
@@ -503,14 +540,8 @@ def main(
             return usage_error(err, "--timeout must be positive", as_json=args.json)
         args.timeout = explicit_timeout or VM_TIMEOUT
         return attach.run_exec(partial(_exec_client, path, args, connect), args, err)
-    if args.timeout is None and getattr(args, "handler", None) is cmd_events:
-        args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
-        handler = getattr(args, "handler", None)
-        slow = handler in _vm_handlers() and (
-            handler is not cmd_bottle_create or getattr(args, "spec", None)
-        )
-        args.timeout = VM_TIMEOUT if slow else DEFAULT_TIMEOUT
+        args.timeout = _default_timeout(args)
     if args.timeout <= 0:
         return usage_error(err, "--timeout must be positive", as_json=args.json)
     standalone = getattr(args, "standalone", None)

@@ -205,7 +205,32 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
     assert timeout_for("ping") == cli.DEFAULT_TIMEOUT
     assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
     assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
+    assert timeout_for("bottle", "create", "b1") == cli.DEFAULT_TIMEOUT
+    assert timeout_for("down", "--all") == cli.VM_TIMEOUT
+    assert timeout_for("events") == cli.DEFAULT_TIMEOUT
     assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
+
+
+def test_every_handler_names_its_call() -> None:
+    """Each subcommand's handler maps to a declared call, whose pace sets its default timeout."""
+    import argparse
+
+    from bottlenet.cli import main as cli
+    from bottlenet.control.calls import PACE
+
+    handlers = set()
+    parsers = [cli.build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    parsers.append(sub)
+                    handler = sub.get_default("handler")
+                    if handler is not None:
+                        handlers.add(handler)
+    assert len(handlers) == 14
+    assert handlers == set(cli.HANDLER_CALLS)
+    assert all(command in PACE for command in cli.HANDLER_CALLS.values())
 
 
 def test_bottle_status_table_shows_the_isolation_probe() -> None:
