@@ -30,7 +30,7 @@ from bottlenet.cli.output import (
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, is_slow
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, count_bottles, is_slow
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError, InvalidArgument
 
@@ -82,7 +82,7 @@ Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     hello = c.hello()
-    bottles = c.list_bottles(limit=1).total
+    bottles = c.call(count_bottles())  # a one-item page: only its total is read
     if a.json:
         _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
         return

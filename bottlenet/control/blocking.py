@@ -393,10 +393,10 @@ class BlockingControlClient(ExecOpener):
     # -- every page ----------------------------------------------------------------------
 
     def all_bottles(self) -> Iterator[BottleRecord]:
-        return calls.every_item(self.call, lambda o: calls.list_bottles(o))
+        return calls.every_item(lambda o: self.list_bottles(o))
 
     def all_forwards(self, bottle: str | None = None) -> Iterator[ForwardRecord]:
-        return calls.every_item(self.call, lambda o: calls.list_forwards(bottle, o))
+        return calls.every_item(lambda o: self.list_forwards(bottle, o))
 
     def all_stats(self, bottle: str | None = None) -> Iterator[StatsRecord]:
-        return calls.every_item(self.call, lambda o: calls.stats(bottle, o))
+        return calls.every_item(lambda o: self.stats(bottle, o))

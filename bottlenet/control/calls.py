@@ -270,13 +270,11 @@ class ExecOpener:
         return self.start_exec(request, timeout=timeout)
 
 
-def every_item(
-    run: Callable[[Call[Page[T]]], Page[T]], page: Callable[[int], Call[Page[T]]]
-) -> Iterator[T]:
-    """Every item of a paged listing, for a blocking client's ``run`` (its ``call``):
-    ``page(offset)`` is the call of one page; asks again while ``next_offset`` is not None."""
+def every_item(fetch: Callable[[int], Page[T]]) -> Iterator[T]:
+    """Every item of a paged listing, for a blocking client: ``fetch(offset)`` is one page;
+    asks again while ``next_offset`` is not None."""
     offset: int | None = 0
     while offset is not None:
-        answer = run(page(offset))
-        yield from answer.items
-        offset = answer.next_offset
+        page = fetch(offset)
+        yield from page.items
+        offset = page.next_offset

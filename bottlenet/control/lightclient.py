@@ -16,19 +16,18 @@ import socket
 from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bottlenet import __version__
 from bottlenet.control import calls
 from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.results import HelloResult, Page
+from bottlenet.control.results import BottleRow, HelloResult, Page, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
     from bottlenet.control.execsession import ExecSession
-    from bottlenet.control.records import BottleRecord
 
 T = TypeVar("T")
 CLIENT_VERSION = f"bottlenet-light/{__version__}"
@@ -138,9 +137,7 @@ def decode_value(kind: Kind, data: bytes) -> Any:
         return [i.decode("utf-8") for i in _unlist(data)]
     if kind is Kind.INTEGER_LIST:
         return [_integer(i) for i in _unlist(data)]
-    from bottlenet.control.records import BottleRecord, decode_records  # attrs: only for ls
-
-    return decode_records(data, BottleRecord)  # its RecordError is a ValueError
+    return [BottleRow.from_json(i) for i in record_objects(data)]  # RecordError: a ValueError
 
 
 def request_bytes(name: str, tag: bytes, arguments: Mapping[str, Any]) -> bytes:
@@ -251,8 +248,9 @@ class LightControlClient(ExecOpener):
     def ping(self) -> None:
         self.call(calls.ping())
 
-    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRecord]:
-        return self.call(calls.list_bottles(offset, limit))
+    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRow]:
+        """One page; this client reads bottles as rows (a record's fields, without attrs)."""
+        return cast("Page[BottleRow]", self.call(calls.list_bottles(offset, limit)))
 
     def start_exec(self, request: ExecRequest, *, timeout: float | None = None) -> ExecSession:
         """Start an exec; this connection becomes the session's (with ``fds`` and no
@@ -270,5 +268,5 @@ class LightControlClient(ExecOpener):
             sock, self._parser.take_rest(), tty=request.tty, stdin=request.stdin, fds=fds
         )
 
-    def all_bottles(self) -> Iterator[BottleRecord]:
-        return calls.every_item(self.call, lambda o: calls.list_bottles(o))
+    def all_bottles(self) -> Iterator[BottleRow]:
+        return calls.every_item(lambda o: self.list_bottles(o))
