@@ -335,7 +335,30 @@ def _add_command(
     return sp
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: The global options that take a value (``build_parser`` declares them).
+VALUE_OPTIONS = ("--control", "--cert", "--key", "--ca", "--timeout")
+
+
+def command_word(words: Sequence[str]) -> str | None:
+    """The subcommand named in ``words``: the first word that is neither an option nor the
+    value of a global one (as argparse reads it, abbreviations included); None if there is none."""
+    rest = iter(words)
+    for word in rest:
+        if (
+            word.startswith("--")
+            and "=" not in word
+            and any(option.startswith(word) for option in VALUE_OPTIONS)
+        ):
+            next(rest, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """bottlenetctl's parser; given the ``command`` word, the actions of the other command
+    groups (``bottle``, ``egress``, ``forward``) are left out: a parser per action costs
+    start-up time, and the words cannot reach them."""
     json_flag = _Parser(add_help=False)
     json_flag.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
@@ -367,8 +390,8 @@ def build_parser() -> argparse.ArgumentParser:
     add: AddCommand = partial(_add_command, json_flag=json_flag)
     add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
     add(sub, "ping", cmd_ping, "check that the daemon answers")
-    _add_bottle_commands(sub, add, json_flag)
-    _add_forward_commands(sub, add)
+    _add_bottle_commands(sub, add, json_flag, command)
+    _add_forward_commands(sub, add, command)
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
     sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
     sp.add_argument("--bottle", help="only this bottle's events")
@@ -378,11 +401,22 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _add_bottle_commands(sub: Any, add: AddCommand, json_flag: argparse.ArgumentParser) -> None:
+def _add_bottle_commands(
+    sub: Any, add: AddCommand, json_flag: argparse.ArgumentParser, command: str | None
+) -> None:
     """``bottle ...`` (with exec, shell and logs) and ``egress set``."""
     bottle = sub.add_parser("bottle", help="create, remove, list bottles").add_subparsers(
         dest="bottle_command", required=True, metavar="ACTION"
     )
+    egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
+        dest="egress_command", required=True, metavar="ACTION"
+    )
+    if command in (None, "egress"):
+        sp = add(egress, "set", cmd_egress_set, "replace the allow-list (no hosts: deny all)")
+        sp.add_argument("name")
+        sp.add_argument("hosts", nargs="*", metavar="HOST")
+    if command not in (None, "bottle"):
+        return
     sp = add(bottle, "create", cmd_bottle_create, "create a bottle (with VMs given --spec)")
     sp.add_argument("name")
     sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
@@ -393,19 +427,14 @@ def _add_bottle_commands(sub: Any, add: AddCommand, json_flag: argparse.Argument
     add(bottle, "verify", cmd_bottle_verify, "run the isolation probe again").add_argument("name")
     attach.register(bottle, json_flag)
 
-    egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
-        dest="egress_command", required=True, metavar="ACTION"
-    )
-    sp = add(egress, "set", cmd_egress_set, "replace the allow-list (no hosts: deny all)")
-    sp.add_argument("name")
-    sp.add_argument("hosts", nargs="*", metavar="HOST")
 
-
-def _add_forward_commands(sub: Any, add: AddCommand) -> None:
+def _add_forward_commands(sub: Any, add: AddCommand, command: str | None) -> None:
     """``forward add``, ``forward rm`` and ``forward ls``."""
     forward = sub.add_parser("forward", help="add, remove, list forwards").add_subparsers(
         dest="forward_command", required=True, metavar="ACTION"
     )
+    if command not in (None, "forward"):
+        return
     sp = add(forward, "add", cmd_forward_add, "add a forward; prints the agent endpoint")
     sp.add_argument("bottle")
     sp.add_argument("label")
@@ -499,8 +528,8 @@ def main(
     out = out or sys.stdout
     err = err or sys.stderr
     environ = dict(os.environ) if env is None else env
-    parser = build_parser()
     words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(command_word(words))
     as_json = "--json" in words  # known before parsing, so even a usage error is JSON
     try:
         args = parser.parse_args(words)

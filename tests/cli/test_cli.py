@@ -233,6 +233,41 @@ def test_every_handler_names_its_call() -> None:
     assert all(command in PACE for command in cli.HANDLER_CALLS.values())
 
 
+PARSE_CASES = [
+    ["status"],
+    ["--json", "--timeout", "5", "bottle", "ls"],
+    ["--control", "bottle", "forward", "ls", "b1"],
+    ["--cont", "forward", "bottle", "rm", "b1"],
+    ["--control=/x.sock", "egress", "set", "b1", "a.example"],
+    ["--cert", "c", "--key", "k", "--ca", "a", "bottle", "exec", "b1", "-t"],
+    ["forward", "add", "b1", "web", "--to", "127.0.0.1:80", "--port", "81"],
+    ["top", "--once"],
+    ["down", "--all"],
+]
+
+
+def test_the_parser_for_a_command_reads_it_as_the_whole_parser() -> None:
+    """Leaving the other command groups' actions out changes no parse (abbreviations too)."""
+    from bottlenet.cli import main as cli
+
+    for words in PARSE_CASES:
+        whole = vars(cli.build_parser().parse_args(words))
+        assert vars(cli.build_parser(cli.command_word(words)).parse_args(words)) == whole
+
+
+def test_value_options_are_the_parsers() -> None:
+    """command_word skips the values of exactly the global options that take one."""
+    from bottlenet.cli import main as cli
+
+    takes_value = {
+        option
+        for action in cli.build_parser()._actions
+        if action.nargs is None and action.option_strings and action.const is None
+        for option in action.option_strings
+    }
+    assert takes_value == set(cli.VALUE_OPTIONS)
+
+
 def test_bottle_status_table_shows_the_isolation_probe() -> None:
     """A failed ``bottle verify`` is in the human ``bottle status`` table, not only in --json."""
     from bottlenet.cli.main import _bottle_rows
