@@ -316,8 +316,32 @@ class ArgumentError(Exception):
         self.message = message
 
 
+def _terminal_columns() -> int:
+    """What ``shutil.get_terminal_size`` answers: ``$COLUMNS``, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    """argparse's formatter with the width given (as argparse computes it), so argparse does
+    not import ``shutil`` (and through it ``bz2`` and ``lzma``) for every argument added."""
+    return argparse.HelpFormatter(prog, width=_terminal_columns() - 2)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises its usage errors instead of printing them and exiting."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ArgumentError(self, message)
