@@ -7,8 +7,6 @@ bytes (use :func:`safe_repr` to mention a bad value) and never carries a secret.
 
 from __future__ import annotations
 
-import hashlib
-
 _SAFE = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-:/[]@+=,")
 
 
@@ -139,5 +137,7 @@ def safe_repr(value: object, limit: int = 64) -> str:
         raw = text.encode("utf-8", "surrogatepass")
     if text is not None and 0 < len(text) <= limit and all(c in _SAFE for c in text):
         return repr(text)
+    import hashlib  # here, not at import: bottlenetctl's start needs no OpenSSL digests
+
     digest = hashlib.sha256(raw).hexdigest()[:12]
     return f"<{len(raw)} bytes sha256:{digest}>"

@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean, report_control_error, write_error
+from bottlenet.control.calls import ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
 
@@ -53,19 +54,19 @@ def run_exec(
     if args.tty and size is None:
         size = (24, 80)
     forward = args.interactive or (args.tty and terminal is not None)
+    request = ExecRequest(
+        args.name,
+        tuple(args.argv),
+        env=tuple(args.env),
+        user=args.user,
+        workdir=args.workdir,
+        stdin=forward,
+        tty=args.tty,
+        size=size,
+    )
     client = connect()
     try:
-        session = client.open_exec(
-            args.name,
-            args.argv,
-            env=args.env,
-            user=args.user,
-            workdir=args.workdir,
-            stdin=forward,
-            tty=args.tty,
-            size=size,
-            timeout=args.timeout,
-        )
+        session = client.start_exec(request, timeout=args.timeout)
     except (ControlConnectionError, BottlenetError) as e:
         return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
     finally:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control.calls import every_item
 from bottlenet.errors import BottlenetError, NotFound
 
 if TYPE_CHECKING:
@@ -25,13 +26,7 @@ MAX_PASSES = 5
 
 def bottle_names(client: BlockingControlClient, page_size: int | None = None) -> list[str]:
     """Every bottle's name, following ``next_offset`` until the last page."""
-    names: list[str] = []
-    offset: int | None = 0
-    while offset is not None:
-        page = client.list_bottles(offset, limit=page_size)
-        names += [b.name for b in page.items]
-        offset = page.next_offset
-    return names
+    return [b.name for b in every_item(lambda o: client.list_bottles(o, limit=page_size))]
 
 
 def destroy_all(

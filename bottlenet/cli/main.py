@@ -30,6 +30,7 @@ from bottlenet.cli.output import (
     write_table,
 )
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, count_bottles, is_slow
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError, InvalidArgument
 
@@ -81,7 +82,7 @@ Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     hello = c.hello()
-    bottles = c.list_bottles(limit=1).total
+    bottles = c.call(count_bottles())  # a one-item page: only its total is read
     if a.json:
         _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
         return
@@ -315,14 +316,73 @@ class ArgumentError(Exception):
         self.message = message
 
 
+def _terminal_columns() -> int:
+    """What ``shutil.get_terminal_size`` answers: ``$COLUMNS``, else stdout's terminal, else 80."""
+    try:
+        columns = int(os.environ.get("COLUMNS", "0"))
+    except ValueError:
+        columns = 0
+    if columns <= 0:
+        try:
+            columns = os.get_terminal_size(sys.__stdout__.fileno()).columns  # type: ignore[union-attr]
+        except (AttributeError, ValueError, OSError):
+            columns = 0
+    return columns or 80
+
+
+def _formatter(prog: str) -> argparse.HelpFormatter:
+    """argparse's formatter with the width given (as argparse computes it), so argparse does
+    not import ``shutil`` (and through it ``bz2`` and ``lzma``) for every argument added."""
+    return argparse.HelpFormatter(prog, width=_terminal_columns() - 2)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse that raises its usage errors instead of printing them and exiting."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _formatter)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise ArgumentError(self, message)
 
 
-def build_parser() -> argparse.ArgumentParser:
+#: ``add(parent, name, handler, help)``: a subcommand that runs ``handler`` with a client.
+AddCommand = Callable[[Any, str, Handler, str], argparse.ArgumentParser]
+
+
+def _add_command(
+    parent: Any, name: str, handler: Handler, help: str, *, json_flag: argparse.ArgumentParser
+) -> argparse.ArgumentParser:
+    sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
+    sp.set_defaults(handler=handler)
+    return sp
+
+
+#: The global options that take a value (``build_parser`` declares them).
+VALUE_OPTIONS = ("--control", "--cert", "--key", "--ca", "--timeout")
+
+
+def command_word(words: Sequence[str]) -> str | None:
+    """The subcommand named in ``words``: the first word that is neither an option nor the
+    value of a global one (as argparse reads it, abbreviations included); None if there is none."""
+    rest = iter(words)
+    for word in rest:
+        if (
+            word.startswith("--")
+            and "=" not in word
+            and any(option.startswith(word) for option in VALUE_OPTIONS)
+        ):
+            next(rest, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """bottlenetctl's parser; given the ``command`` word, the actions of the other command
+    groups (``bottle``, ``egress``, ``forward``) are left out: a parser per action costs
+    start-up time, and the words cannot reach them."""
     json_flag = _Parser(add_help=False)
     json_flag.add_argument(
         "--json", action="store_true", default=argparse.SUPPRESS, help="machine-readable output"
@@ -351,18 +411,36 @@ def build_parser() -> argparse.ArgumentParser:
         " start or stop VMs: bottle create --spec, bottle rm, bottle verify, egress set, down)",
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    def add(parent: Any, name: str, handler: Handler, help: str) -> argparse.ArgumentParser:
-        sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
-        sp.set_defaults(handler=handler)
-        return sp
-
+    add: AddCommand = partial(_add_command, json_flag=json_flag)
     add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
     add(sub, "ping", cmd_ping, "check that the daemon answers")
+    _add_bottle_commands(sub, add, json_flag, command)
+    _add_forward_commands(sub, add, command)
+    add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
+    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
+    sp.add_argument("--bottle", help="only this bottle's events")
+    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
+    _add_top(sub, json_flag)
+    down.register(sub, add)
+    return p
 
+
+def _add_bottle_commands(
+    sub: Any, add: AddCommand, json_flag: argparse.ArgumentParser, command: str | None
+) -> None:
+    """``bottle ...`` (with exec, shell and logs) and ``egress set``."""
     bottle = sub.add_parser("bottle", help="create, remove, list bottles").add_subparsers(
         dest="bottle_command", required=True, metavar="ACTION"
     )
+    egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
+        dest="egress_command", required=True, metavar="ACTION"
+    )
+    if command in (None, "egress"):
+        sp = add(egress, "set", cmd_egress_set, "replace the allow-list (no hosts: deny all)")
+        sp.add_argument("name")
+        sp.add_argument("hosts", nargs="*", metavar="HOST")
+    if command not in (None, "bottle"):
+        return
     sp = add(bottle, "create", cmd_bottle_create, "create a bottle (with VMs given --spec)")
     sp.add_argument("name")
     sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
@@ -373,16 +451,14 @@ def build_parser() -> argparse.ArgumentParser:
     add(bottle, "verify", cmd_bottle_verify, "run the isolation probe again").add_argument("name")
     attach.register(bottle, json_flag)
 
-    egress = sub.add_parser("egress", help="egress policy of a bottle's sidecar").add_subparsers(
-        dest="egress_command", required=True, metavar="ACTION"
-    )
-    sp = add(egress, "set", cmd_egress_set, "replace the allow-list (no hosts: deny all)")
-    sp.add_argument("name")
-    sp.add_argument("hosts", nargs="*", metavar="HOST")
 
+def _add_forward_commands(sub: Any, add: AddCommand, command: str | None) -> None:
+    """``forward add``, ``forward rm`` and ``forward ls``."""
     forward = sub.add_parser("forward", help="add, remove, list forwards").add_subparsers(
         dest="forward_command", required=True, metavar="ACTION"
     )
+    if command not in (None, "forward"):
+        return
     sp = add(forward, "add", cmd_forward_add, "add a forward; prints the agent endpoint")
     sp.add_argument("bottle")
     sp.add_argument("label")
@@ -392,10 +468,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("bottle")
     sp.add_argument("label")
     add(forward, "ls", cmd_forward_ls, "list forwards").add_argument("bottle", nargs="?")
-    add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
-    sp = add(sub, "events", cmd_events, "print bottle events as they happen, one per line")
-    sp.add_argument("--bottle", help="only this bottle's events")
-    sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
+
+
+def _add_top(sub: Any, json_flag: argparse.ArgumentParser) -> None:
+    """``top``: a subcommand with a connection loop of its own (no handler)."""
     sp = sub.add_parser(
         "top",
         help="live view of bottles, forwards, relays and throughput",
@@ -416,8 +492,6 @@ def build_parser() -> argparse.ArgumentParser:
         help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
     )
     sp.set_defaults(standalone=_run_top)
-    down.register(sub, add)
-    return p
 
 
 DEFAULT_INTERVAL = 1.0
@@ -441,15 +515,31 @@ def _run_top(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
     return top.run(args, path, out, err)
 
 
-DEFAULT_TIMEOUT = 10.0
-#: Calls that wait on smolvm (create/start/stop/delete/exec) take as long as smolvm does.
-VM_TIMEOUT = 300.0
+#: The call that sets each handler's default timeout (``calls.is_slow`` of it with the
+#: handler's arguments: ``bottle create`` is slow only with ``--spec``).
+HANDLER_CALLS: dict[Handler, str] = {
+    cmd_status: "Hello",
+    cmd_ping: "Ping",
+    cmd_bottle_create: "CreateBottle",
+    cmd_bottle_rm: "DestroyBottle",
+    cmd_bottle_ls: "ListBottles",
+    cmd_bottle_status: "BottleStatus",
+    cmd_bottle_verify: "VerifyBottle",
+    cmd_egress_set: "SetEgressPolicy",
+    cmd_forward_add: "AddForward",
+    cmd_forward_rm: "RemoveForward",
+    cmd_forward_ls: "ListForwards",
+    cmd_stats: "Stats",
+    cmd_events: "Watch",  # events then wait without limit
+    down.cmd_down: "DestroyBottle",
+}
 
 
-def _vm_handlers() -> frozenset[Handler]:
-    return frozenset(
-        {cmd_bottle_create, cmd_bottle_rm, cmd_bottle_verify, cmd_egress_set, down.cmd_down}
-    )
+def _default_timeout(args: argparse.Namespace) -> float:
+    """The timeout of a command run without ``--timeout``: its call's."""
+    handler = getattr(args, "handler", None)  # None: top, its own loop of quick calls
+    command = HANDLER_CALLS[handler] if handler is not None else "Stats"
+    return VM_TIMEOUT if is_slow(command, vars(args)) else DEFAULT_TIMEOUT
 
 
 def main(
@@ -462,8 +552,8 @@ def main(
     out = out or sys.stdout
     err = err or sys.stderr
     environ = dict(os.environ) if env is None else env
-    parser = build_parser()
     words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
+    parser = build_parser(command_word(words))
     as_json = "--json" in words  # known before parsing, so even a usage error is JSON
     try:
         args = parser.parse_args(words)
@@ -503,14 +593,8 @@ def main(
             return usage_error(err, "--timeout must be positive", as_json=args.json)
         args.timeout = explicit_timeout or VM_TIMEOUT
         return attach.run_exec(partial(_exec_client, path, args, connect), args, err)
-    if args.timeout is None and getattr(args, "handler", None) is cmd_events:
-        args.timeout = DEFAULT_TIMEOUT  # for the Watch call; events then wait without limit
     if args.timeout is None:
-        handler = getattr(args, "handler", None)
-        slow = handler in _vm_handlers() and (
-            handler is not cmd_bottle_create or getattr(args, "spec", None)
-        )
-        args.timeout = VM_TIMEOUT if slow else DEFAULT_TIMEOUT
+        args.timeout = _default_timeout(args)
     if args.timeout <= 0:
         return usage_error(err, "--timeout must be positive", as_json=args.json)
     standalone = getattr(args, "standalone", None)

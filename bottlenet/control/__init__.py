@@ -15,6 +15,8 @@
 - :mod:`~bottlenet.control.execbroker`: the daemon's half of an exec session (smolvm child
   on one side, the switched connection on the other).
 - :mod:`~bottlenet.control.events`: bottle events pushed to watchers, bounded per watcher.
+- :mod:`~bottlenet.control.calls`: each call declared once (command, arguments, pace, answer
+  conversion; no AMP), run by every client.
 - :mod:`~bottlenet.control.client` / :mod:`~bottlenet.control.blocking`: the async and the
   blocking client (the client side: imports no daemon module), with
   :mod:`~bottlenet.control.address` (``PATH`` or ``tls:HOST:PORT`` and the client

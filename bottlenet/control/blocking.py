@@ -4,8 +4,10 @@ Plain ``socket`` (AF_UNIX, or TCP with TLS and a client certificate), socket tim
 same Command definitions and the same bounded box parser as the daemon; ``_error`` boxes come
 back as the typed exceptions of :mod:`bottlenet.errors` (by code).
 
-Every call has a timeout: ``timeout=`` on the call, else the command's default (calls that
-wait on smolvm, :data:`VM_COMMANDS`, get ``vm_timeout``: 300 s), else ``timeout``.
+Every call has a timeout: ``timeout=`` on the call, else the call's own (slow calls,
+:func:`~bottlenet.control.calls.is_slow`: those that wait on smolvm, get ``vm_timeout``: 300 s),
+else ``timeout``. ``call(c)`` runs a call of :mod:`bottlenet.control.calls`; the named methods
+are one-line wrappers.
 """
 
 from __future__ import annotations
@@ -14,16 +16,17 @@ import collections
 import os
 import socket
 import ssl
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from types import TracebackType
-from typing import IO, Any
+from typing import IO, Any, TypeVar, overload
 
 from twisted.protocols import amp
 
 from bottlenet import __version__
-from bottlenet.control import codec
+from bottlenet.control import calls, codec
 from bottlenet.control import commands as C
 from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, Call, ExecOpener, ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable
 from bottlenet.control.execsession import ExecSession
 from bottlenet.control.framing import BoxParser, FramingError
@@ -31,17 +34,19 @@ from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, 
 from bottlenet.control.results import AgentEndpoint, HelloResult, Page
 from bottlenet.errors import InvalidArgument
 
+T = TypeVar("T")
 CLIENT_VERSION = f"bottlenet-blocking/{__version__}"
-DEFAULT_TIMEOUT = 10.0
-#: Calls that wait on smolvm (create with a spec, destroy, verify, egress, exec's start).
-VM_TIMEOUT = 300.0
-__all__ = ["BlockingControlClient", "ControlConnectionError", "DaemonUnreachable", "ExecSession"]
-VM_COMMANDS: frozenset[type[amp.Command]] = frozenset(
-    {C.DestroyBottle, C.VerifyBottle, C.SetEgressPolicy, C.Exec}
-)
+__all__ = [
+    "DEFAULT_TIMEOUT",
+    "VM_TIMEOUT",
+    "BlockingControlClient",
+    "ControlConnectionError",
+    "DaemonUnreachable",
+    "ExecSession",
+]
 
 
-class BlockingControlClient:
+class BlockingControlClient(ExecOpener):
     """One connection to the control socket; use as a context manager.
 
     ``control`` is a socket path, ``unix:PATH`` or ``tls:HOST:PORT`` (then ``tls`` gives
@@ -128,30 +133,41 @@ class BlockingControlClient:
         self.close()
 
     def timeout_for(self, command: type[amp.Command], arguments: dict[str, Any]) -> float:
-        if command in VM_COMMANDS or (command is C.CreateBottle and arguments.get("spec")):
-            return self.vm_timeout
-        return self.timeout
+        """The default limit of ``command`` with ``arguments`` (the calls' slow rule)."""
+        return calls.raw(C.short_name(command), arguments).limit(self.timeout, self.vm_timeout)
 
     # -- one request ---------------------------------------------------------------------------
 
+    @overload
+    def call(self, c: Call[T], *, timeout: float | None = None) -> T: ...
+
+    @overload
     def call(
-        self, command: type[amp.Command], *, timeout: float | None = None, **arguments: Any
-    ) -> dict[str, Any]:
-        """Send one command and wait for its answer (or raise its typed error)."""
+        self, c: type[amp.Command], *, timeout: float | None = None, **arguments: Any
+    ) -> dict[str, Any]: ...
+
+    def call(
+        self, c: Call[Any] | type[amp.Command], *, timeout: float | None = None, **arguments: Any
+    ) -> Any:
+        """Send one call (or a Command with its arguments) and wait for its converted answer
+        (or raise its typed error)."""
+        if not isinstance(c, Call):
+            c = calls.raw(C.short_name(c), arguments)
         if self._sock is None:
             self.connect()
         assert self._sock is not None
-        limit = self.timeout_for(command, arguments) if timeout is None else timeout
+        command = C.BY_NAME[c.command]
+        limit = c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout
         self._tag += 1
         tag = b"%x" % self._tag
-        data = codec.encode_request(command, tag, arguments)
+        data = codec.encode_request(command, tag, c.arguments)
         try:
             self._sock.settimeout(limit)
             self._sock.sendall(data)
             while True:
                 box = self._next_box(self._sock)
                 if box is not None and box.get(amp.ANSWER, box.get(amp.ERROR)) == tag:
-                    return codec.decode_answer(command, box)
+                    return c.convert(codec.decode_answer(command, box))
         except TimeoutError:
             self.close()
             raise ControlConnectionError(f"no answer within {limit:g}s") from None
@@ -194,8 +210,7 @@ class BlockingControlClient:
 
     def watch(self, bottle: str | None = None) -> int:
         """Start receiving bottle events on this connection; the daemon's current seq."""
-        seq: int = self.call(C.Watch, bottle=bottle)["seq"]
-        return seq
+        return self.call(calls.watch(bottle))
 
     def events(
         self, bottle: str | None = None, *, idle: float | None = None
@@ -221,75 +236,36 @@ class BlockingControlClient:
 
     # -- exec --------------------------------------------------------------------------------
 
-    def open_exec(
-        self,
-        bottle: str,
-        argv: Sequence[str],
-        *,
-        env: Sequence[str] = (),
-        user: str | None = None,
-        workdir: str | None = None,
-        stdin: bool = False,
-        tty: bool = False,
-        size: tuple[int, int] | None = None,
-        timeout: float | None = None,
-        fds: bool = True,
-        time_limit: int | None = None,
-    ) -> ExecSession:
-        """Start ``argv`` in the bottle's agent VM on a connection of its own.
-
-        ``fds``: on a UNIX socket without a terminal, take the command's stdio pipes from the
-        daemon (False: frames through the daemon). ``time_limit``: the daemon ends the
-        command after that many seconds (exit code 124)."""
-        rows, cols = size if size is not None else (None, None)
+    def start_exec(self, request: ExecRequest, *, timeout: float | None = None) -> ExecSession:
+        """Start an exec on a connection of its own (``open_exec``'s fields as one value)."""
         return self._open_stream(
-            C.Exec,
-            timeout,
-            tty=tty,
-            stdin=stdin,
-            bottle=bottle,
-            argv=list(argv),
-            env=list(env) if env else None,
-            user=user,
-            workdir=workdir,
-            rows=rows,
-            cols=cols,
-            fds=fds,
-            time_limit=time_limit,
+            lambda local: request.call(local=local), timeout, tty=request.tty, stdin=request.stdin
         )
 
     def _open_stream(
         self,
-        command: type[amp.Command],
+        make: Callable[[bool], Call[bool]],
         timeout: float | None,
         *,
         tty: bool,
         stdin: bool,
-        **arguments: Any,
     ) -> ExecSession:
-        """Send ``command`` on a connection of its own; its answer switches it to frames."""
-        limit = self.vm_timeout if timeout is None else timeout
+        """Send ``make(local)`` on a connection of its own (``local``: a UNIX socket); its
+        answer (whether the stdio came as file descriptors) switches it to frames."""
         session = BlockingControlClient(
             self.address, self.timeout, vm_timeout=self.vm_timeout, tls=self.tls
         )
+        c = make(self.address.kind == "unix")
+        limit = c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout
         session._sock = self._open(limit)
-        assert session._sock is not None
-        if command is C.Exec:
-            # File descriptors travel only over a UNIX socket (the daemon checks it too).
-            local = session._sock.family == socket.AF_UNIX and not tty
-            arguments.update(stdin=stdin, tty=tty, fds=(arguments.get("fds") and local) or None)
         try:
-            answer = session.call(command, timeout=limit, **arguments)
+            fds = session.call(c, timeout=limit)
         except BaseException:
             session.close()
             raise
         assert session._sock is not None
         return ExecSession(
-            session._sock,
-            session._parser.take_rest(),
-            tty=tty,
-            stdin=stdin,
-            fds=bool(answer.get("fds")),
+            session._sock, session._parser.take_rest(), tty=tty, stdin=stdin, fds=fds
         )
 
     def logs(
@@ -304,9 +280,8 @@ class BlockingControlClient:
     ) -> int:
         """Write the workload's output (its last ``tail`` lines, default 200) to ``stdout``;
         with ``follow``, keep writing until the connection is closed. ``tail``'s exit code."""
-        session = self._open_stream(
-            C.Logs, timeout, tty=False, stdin=False, bottle=bottle, tail=tail, follow=follow
-        )
+        call = calls.logs(bottle, tail, follow)
+        session = self._open_stream(lambda _: call, timeout, tty=False, stdin=False)
         with session:
             return session.run(None, stdout, stderr)
 
@@ -349,16 +324,13 @@ class BlockingControlClient:
         with session:
             return session.run(stdin, stdout, stderr)
 
-    # -- one typed method per command ---------------------------------------------------
+    # -- one typed method per call (calls.py declares each) -----------------------------
 
     def hello(self, client_version: str = CLIENT_VERSION) -> HelloResult:
-        answer = self.call(
-            C.Hello, client_version=client_version, protocols=list(C.SUPPORTED_PROTOCOLS)
-        )
-        return HelloResult.from_answer(answer)
+        return self.call(calls.hello(client_version))
 
     def ping(self, *, timeout: float | None = None) -> None:
-        self.call(C.Ping, timeout=timeout)
+        self.call(calls.ping(), timeout=timeout)
 
     def create_bottle(
         self,
@@ -369,51 +341,34 @@ class BlockingControlClient:
         timeout: float | None = None,
     ) -> BottleRecord:
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-        answer = self.call(C.CreateBottle, timeout=timeout, name=name, alias=alias, spec=spec)
-        bottle: BottleRecord = answer["bottle"]
-        return bottle
+        return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
 
     def verify_bottle(self, name: str, *, timeout: float | None = None) -> tuple[BottleRecord, str]:
-        answer = self.call(C.VerifyBottle, timeout=timeout, name=name)
-        return answer["bottle"], answer["result"]
+        return self.call(calls.verify_bottle(name), timeout=timeout)
 
     def set_egress_policy(
         self, bottle: str, hosts: list[str], *, timeout: float | None = None
     ) -> tuple[str, ...]:
-        answer = self.call(
-            C.SetEgressPolicy, timeout=timeout, bottle=bottle, allow_hosts=list(hosts)
-        )
-        return tuple(answer["allow_hosts"])
+        return self.call(calls.set_egress_policy(bottle, hosts), timeout=timeout)
 
     def destroy_bottle(self, name: str, *, timeout: float | None = None) -> None:
-        self.call(C.DestroyBottle, timeout=timeout, name=name)
+        self.call(calls.destroy_bottle(name), timeout=timeout)
 
     def list_bottles(
         self, offset: int = 0, limit: int | None = None, *, timeout: float | None = None
     ) -> Page[BottleRecord]:
-        answer = self.call(C.ListBottles, timeout=timeout, offset=offset, limit=limit)
-        return Page.from_answer(answer, "bottles")
+        return self.call(calls.list_bottles(offset, limit), timeout=timeout)
 
     def bottle_status(self, name: str, *, timeout: float | None = None) -> BottleRecord:
-        bottle: BottleRecord = self.call(C.BottleStatus, timeout=timeout, name=name)["bottle"]
-        return bottle
+        return self.call(calls.bottle_status(name), timeout=timeout)
 
     def add_forward(
-        self,
-        bottle: str,
-        label: str,
-        target: str,
-        port: int = 0,
-        *,
-        timeout: float | None = None,
+        self, bottle: str, label: str, target: str, port: int = 0, *, timeout: float | None = None
     ) -> AgentEndpoint:
-        answer = self.call(
-            C.AddForward, timeout=timeout, bottle=bottle, label=label, target=target, port=port
-        )
-        return AgentEndpoint.from_answer(answer)
+        return self.call(calls.add_forward(bottle, label, target, port), timeout=timeout)
 
     def remove_forward(self, bottle: str, label: str, *, timeout: float | None = None) -> None:
-        self.call(C.RemoveForward, timeout=timeout, bottle=bottle, label=label)
+        self.call(calls.remove_forward(bottle, label), timeout=timeout)
 
     def list_forwards(
         self,
@@ -423,10 +378,7 @@ class BlockingControlClient:
         *,
         timeout: float | None = None,
     ) -> Page[ForwardRecord]:
-        answer = self.call(
-            C.ListForwards, timeout=timeout, bottle=bottle, offset=offset, limit=limit
-        )
-        return Page.from_answer(answer, "forwards")
+        return self.call(calls.list_forwards(bottle, offset, limit), timeout=timeout)
 
     def stats(
         self,
@@ -436,28 +388,15 @@ class BlockingControlClient:
         *,
         timeout: float | None = None,
     ) -> Page[StatsRecord]:
-        answer = self.call(C.Stats, timeout=timeout, bottle=bottle, offset=offset, limit=limit)
-        return Page.from_answer(answer, "stats")
+        return self.call(calls.stats(bottle, offset, limit), timeout=timeout)
 
     # -- every page ----------------------------------------------------------------------
 
     def all_bottles(self) -> Iterator[BottleRecord]:
-        offset: int | None = 0
-        while offset is not None:
-            page = self.list_bottles(offset)
-            yield from page.items
-            offset = page.next_offset
+        return calls.every_item(lambda o: self.list_bottles(o))
 
     def all_forwards(self, bottle: str | None = None) -> Iterator[ForwardRecord]:
-        offset: int | None = 0
-        while offset is not None:
-            page = self.list_forwards(bottle, offset)
-            yield from page.items
-            offset = page.next_offset
+        return calls.every_item(lambda o: self.list_forwards(bottle, o))
 
     def all_stats(self, bottle: str | None = None) -> Iterator[StatsRecord]:
-        offset: int | None = 0
-        while offset is not None:
-            page = self.stats(bottle, offset)
-            yield from page.items
-            offset = page.next_offset
+        return calls.every_item(lambda o: self.stats(bottle, o))

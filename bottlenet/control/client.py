@@ -1,7 +1,8 @@
-"""The async control client: one typed method per command, a timeout on every call.
+"""The async control client: ``call(c) -> Deferred[T]`` for each call of
+:mod:`bottlenet.control.calls`, one typed method per call, a timeout on every call.
 
-Each call takes ``timeout=``; without it, calls that wait on smolvm (:data:`VM_COMMANDS`, and
-a create with a spec) get ``vm_timeout`` (300 s), the rest ``timeout`` (10 s). Bottle events
+Each call takes ``timeout=``; without it, slow calls (:func:`~bottlenet.control.calls.is_slow`:
+those that wait on smolvm) get ``vm_timeout`` (300 s), the rest ``timeout`` (10 s). Bottle events
 come as a callback (:meth:`ControlClient.watch`) or an async iterator
 (:meth:`ControlClient.events`).
 """
@@ -20,11 +21,12 @@ from twisted.internet.endpoints import (
     wrapClientTLS,
 )
 from twisted.internet.interfaces import IReactorTime, IReactorUNIX, IStreamClientEndpoint
-from twisted.protocols import amp
 
 from bottlenet import __version__
+from bottlenet.control import calls
 from bottlenet.control import commands as C
 from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, Call
 from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
 from bottlenet.control.results import AgentEndpoint, HelloResult, Page
@@ -33,12 +35,6 @@ from bottlenet.errors import InvalidArgument
 T = TypeVar("T")
 CLIENT_VERSION = f"bottlenet-async/{__version__}"
 
-
-DEFAULT_TIMEOUT = 10.0
-VM_TIMEOUT = 300.0
-VM_COMMANDS: frozenset[type[amp.Command]] = frozenset(
-    {C.DestroyBottle, C.VerifyBottle, C.SetEgressPolicy, C.Exec}
-)
 #: Events received but not yet taken from an :class:`EventStream`; beyond it the stream ends.
 MAX_QUEUED_EVENTS = 4096
 
@@ -109,21 +105,14 @@ class ControlClient:
         self.timeout = timeout
         self.vm_timeout = vm_timeout
 
-    def timeout_for(self, command: type[amp.Command], kw: dict[str, Any]) -> float:
-        if command in VM_COMMANDS or (command is C.CreateBottle and kw.get("spec")):
-            return self.vm_timeout
-        return self.timeout
-
-    def _call(
-        self,
-        command: type[amp.Command],
-        convert: Callable[[dict[str, Any]], T],
-        timeout: float | None = None,
-        **kw: Any,
-    ) -> Deferred[T]:
-        d: Deferred[dict[str, Any]] = self.proto.callRemote(command, **kw)
-        d.addTimeout(self.timeout_for(command, kw) if timeout is None else timeout, self.clock)
-        return d.addCallback(convert)
+    def call(self, c: Call[T], *, timeout: float | None = None) -> Deferred[T]:
+        """Run one call: its converted answer, or its typed error (TimeoutError after
+        ``timeout``, else the call's own limit: ``vm_timeout`` when it is slow)."""
+        d: Deferred[dict[str, Any]] = self.proto.callRemote(C.BY_NAME[c.command], **c.arguments)
+        d.addTimeout(
+            c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout, self.clock
+        )
+        return d.addCallback(c.convert)
 
     # -- events ------------------------------------------------------------------------
 
@@ -135,7 +124,7 @@ class ControlClient:
         if not isinstance(locator, ClientLocator):
             raise TypeError("this connection was not made by connect_control")
         locator.listeners.append((listener, bottle))
-        return self._call(C.Watch, lambda a: int(a["seq"]), bottle=bottle)
+        return self.call(calls.watch(bottle))
 
     def events(self, bottle: str | None = None) -> Deferred[EventStream]:
         """An async iterator of bottle events (subscribed once this fires)."""
@@ -144,37 +133,39 @@ class ControlClient:
 
     # -- every page --------------------------------------------------------------------
 
-    async def _all(self, fetch: Callable[[int], Deferred[Page[Any]]]) -> list[Any]:
-        items: list[Any] = []
-        offset: int | None = 0
-        while offset is not None:
-            page = await fetch(offset)
-            items.extend(page.items)
-            offset = page.next_offset
-        return items
+    def every_item(self, page: Callable[[int], Call[Page[T]]]) -> Deferred[list[T]]:
+        """Every item of a paged listing: ``page(offset)`` is the call of one page."""
+
+        async def every() -> list[T]:
+            items: list[T] = []
+            offset: int | None = 0
+            while offset is not None:
+                answer = await self.call(page(offset))
+                items.extend(answer.items)
+                offset = answer.next_offset
+            return items
+
+        return Deferred.fromCoroutine(every())
 
     def all_bottles(self) -> Deferred[list[BottleRecord]]:
-        return Deferred.fromCoroutine(self._all(lambda o: self.list_bottles(o)))
+        return self.every_item(lambda o: calls.list_bottles(o))
 
     def all_forwards(self, bottle: str | None = None) -> Deferred[list[ForwardRecord]]:
-        return Deferred.fromCoroutine(self._all(lambda o: self.list_forwards(bottle, o)))
+        return self.every_item(lambda o: calls.list_forwards(bottle, o))
 
     def all_stats(self, bottle: str | None = None) -> Deferred[list[StatsRecord]]:
-        return Deferred.fromCoroutine(self._all(lambda o: self.stats(bottle, o)))
+        return self.every_item(lambda o: calls.stats(bottle, o))
 
     def close(self) -> None:
         self.proto.close()
 
+    # -- one typed method per call (calls.py declares each) -----------------------------
+
     def hello(self, client_version: str = CLIENT_VERSION) -> Deferred[HelloResult]:
-        return self._call(
-            C.Hello,
-            HelloResult.from_answer,
-            client_version=client_version,
-            protocols=list(C.SUPPORTED_PROTOCOLS),
-        )
+        return self.call(calls.hello(client_version))
 
     def ping(self, *, timeout: float | None = None) -> Deferred[None]:
-        return self._call(C.Ping, lambda _: None, timeout)
+        return self.call(calls.ping(), timeout=timeout)
 
     def create_bottle(
         self,
@@ -185,60 +176,38 @@ class ControlClient:
         timeout: float | None = None,
     ) -> Deferred[BottleRecord]:
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-        return self._call(
-            C.CreateBottle, lambda a: a["bottle"], timeout, name=name, alias=alias, spec=spec
-        )
+        return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
 
     def verify_bottle(
         self, name: str, *, timeout: float | None = None
     ) -> Deferred[tuple[BottleRecord, str]]:
-        return self._call(C.VerifyBottle, lambda a: (a["bottle"], a["result"]), timeout, name=name)
+        return self.call(calls.verify_bottle(name), timeout=timeout)
 
     def set_egress_policy(
         self, bottle: str, hosts: list[str], *, timeout: float | None = None
     ) -> Deferred[tuple[str, ...]]:
-        return self._call(
-            C.SetEgressPolicy,
-            lambda a: tuple(a["allow_hosts"]),
-            timeout,
-            bottle=bottle,
-            allow_hosts=list(hosts),
-        )
+        return self.call(calls.set_egress_policy(bottle, hosts), timeout=timeout)
 
     def destroy_bottle(self, name: str, *, timeout: float | None = None) -> Deferred[None]:
-        return self._call(C.DestroyBottle, lambda _: None, timeout, name=name)
+        return self.call(calls.destroy_bottle(name), timeout=timeout)
 
     def list_bottles(
         self, offset: int = 0, limit: int | None = None, *, timeout: float | None = None
     ) -> Deferred[Page[BottleRecord]]:
-        return self._call(
-            C.ListBottles,
-            lambda a: Page.from_answer(a, "bottles"),
-            timeout,
-            offset=offset,
-            limit=limit,
-        )
+        return self.call(calls.list_bottles(offset, limit), timeout=timeout)
 
     def bottle_status(self, name: str, *, timeout: float | None = None) -> Deferred[BottleRecord]:
-        return self._call(C.BottleStatus, lambda a: a["bottle"], timeout, name=name)
+        return self.call(calls.bottle_status(name), timeout=timeout)
 
     def add_forward(
         self, bottle: str, label: str, target: str, port: int = 0, *, timeout: float | None = None
     ) -> Deferred[AgentEndpoint]:
-        return self._call(
-            C.AddForward,
-            AgentEndpoint.from_answer,
-            timeout,
-            bottle=bottle,
-            label=label,
-            target=target,
-            port=port,
-        )
+        return self.call(calls.add_forward(bottle, label, target, port), timeout=timeout)
 
     def remove_forward(
         self, bottle: str, label: str, *, timeout: float | None = None
     ) -> Deferred[None]:
-        return self._call(C.RemoveForward, lambda _: None, timeout, bottle=bottle, label=label)
+        return self.call(calls.remove_forward(bottle, label), timeout=timeout)
 
     def list_forwards(
         self,
@@ -248,14 +217,7 @@ class ControlClient:
         *,
         timeout: float | None = None,
     ) -> Deferred[Page[ForwardRecord]]:
-        return self._call(
-            C.ListForwards,
-            lambda a: Page.from_answer(a, "forwards"),
-            timeout,
-            bottle=bottle,
-            offset=offset,
-            limit=limit,
-        )
+        return self.call(calls.list_forwards(bottle, offset, limit), timeout=timeout)
 
     def stats(
         self,
@@ -265,14 +227,7 @@ class ControlClient:
         *,
         timeout: float | None = None,
     ) -> Deferred[Page[StatsRecord]]:
-        return self._call(
-            C.Stats,
-            lambda a: Page.from_answer(a, "stats"),
-            timeout,
-            bottle=bottle,
-            offset=offset,
-            limit=limit,
-        )
+        return self.call(calls.stats(bottle, offset, limit), timeout=timeout)
 
 
 def connect_control(

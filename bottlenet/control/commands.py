@@ -13,10 +13,13 @@ Rules that keep old clients and daemons talking (see docs/protocol.md):
 from __future__ import annotations
 
 import re
-from typing import Any, Generic
+from typing import Any, ClassVar, Generic
 
 from twisted.protocols import amp
 
+# The protocol versions are defined with the client-side calls (which import no AMP).
+from bottlenet.control.calls import SUPPORTED_PROTOCOLS as SUPPORTED_PROTOCOLS
+from bottlenet.control.calls import Pace
 from bottlenet.control.framing import MAX_VALUE_LENGTH
 from bottlenet.control.records import (
     BottleRecord,
@@ -31,7 +34,6 @@ from bottlenet.control.records import (
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 PROTOCOL_VERSION = 1
-SUPPORTED_PROTOCOLS = (1,)
 # Server-side cap on page sizes; each page is also trimmed to a byte budget.
 MAX_PAGE = 100
 FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify", "exec", "events", "logs")
@@ -155,10 +157,15 @@ def _page_response(key: bytes, arg: amp.Argument) -> list[tuple[bytes, amp.Argum
 
 
 class ControlCommand(amp.Command):
-    """Base of every bottlenet command: maps every typed error code both ways."""
+    """Base of every bottlenet command: maps every typed error code both ways.
+
+    ``pace`` is the client-side policy (as amp's ``requiresAnswer``): whether a call waits on
+    smolvm, so clients give it the VM timeout (:func:`bottlenet.control.calls.is_slow`).
+    """
 
     commandName = b"bottlenet.ControlCommand"
     errors = {cls: cls.code.encode("ascii") for cls in CONTROL_ERRORS}
+    pace: ClassVar[Pace] = Pace.QUICK
 
 
 class Hello(ControlCommand):
@@ -197,6 +204,7 @@ class CreateBottle(ControlCommand):
     """
 
     commandName = b"bottlenet.CreateBottle"
+    pace = Pace.VM_WITH_SPEC
     arguments = [
         (b"name", amp.Unicode()),
         (b"alias", amp.Unicode(optional=True)),
@@ -207,6 +215,7 @@ class CreateBottle(ControlCommand):
 
 class DestroyBottle(ControlCommand):
     commandName = b"bottlenet.DestroyBottle"
+    pace = Pace.VM
     arguments = [(b"name", amp.Unicode())]
     response = []
 
@@ -260,6 +269,7 @@ class VerifyBottle(ControlCommand):
     """Run the isolation probe in the bottle's agent VM again (ISOLATION_FAILED on a leak)."""
 
     commandName = b"bottlenet.VerifyBottle"
+    pace = Pace.VM
     arguments = [(b"name", amp.Unicode())]
     response = [
         (b"bottle", Record(BottleRecord)),
@@ -271,6 +281,7 @@ class SetEgressPolicy(ControlCommand):
     """Replace a VM bottle's egress allow-list (recorded only once the sidecar reloaded it)."""
 
     commandName = b"bottlenet.SetEgressPolicy"
+    pace = Pace.VM
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"allow_hosts", StrictListOf(amp.Unicode())),
@@ -297,6 +308,7 @@ class Exec(ControlCommand):
     """
 
     commandName = b"bottlenet.Exec"
+    pace = Pace.VM
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"argv", StrictListOf(amp.Unicode())),
@@ -318,6 +330,7 @@ class Logs(ControlCommand):
     switches the connection to exec frames, as ``Exec`` does (STDOUT, STDERR, EXIT)."""
 
     commandName = b"bottlenet.Logs"
+    pace = Pace.VM
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"tail", StrictInteger(optional=True)),
@@ -368,3 +381,14 @@ PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
 MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
     {CreateBottle, DestroyBottle, AddForward, RemoveForward, VerifyBottle, SetEgressPolicy}
 )
+
+
+def short_name(command: type[amp.Command]) -> str:
+    """A command's name without ``bottlenet.``, as a :class:`~.calls.Call` names it."""
+    return command.commandName.decode("ascii").removeprefix("bottlenet.")
+
+
+#: Every command by its short name.
+BY_NAME: dict[str, type[ControlCommand]] = {
+    short_name(c): c for c in (*ALL_COMMANDS, *PUSHED_COMMANDS)
+}

@@ -13,24 +13,24 @@ mutating calls) goes through :class:`~bottlenet.control.blocking.BlockingControl
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from enum import StrEnum
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from bottlenet import __version__
+from bottlenet.control import calls
+from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.results import HelloResult, Page
+from bottlenet.control.results import BottleRow, HelloResult, Page, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
     from bottlenet.control.execsession import ExecSession
-    from bottlenet.control.records import BottleRecord
 
+T = TypeVar("T")
 CLIENT_VERSION = f"bottlenet-light/{__version__}"
-#: The protocol versions this client speaks (the same as commands.SUPPORTED_PROTOCOLS).
-PROTOCOLS = (1,)
 _ERRORS: dict[str, type[BottlenetError]] = {e.code: e for e in ALL_ERRORS}
 
 
@@ -137,9 +137,7 @@ def decode_value(kind: Kind, data: bytes) -> Any:
         return [i.decode("utf-8") for i in _unlist(data)]
     if kind is Kind.INTEGER_LIST:
         return [_integer(i) for i in _unlist(data)]
-    from bottlenet.control.records import BottleRecord, decode_records  # attrs: only for ls
-
-    return decode_records(data, BottleRecord)  # its RecordError is a ValueError
+    return [BottleRow.from_json(i) for i in record_objects(data)]  # RecordError: a ValueError
 
 
 def request_bytes(name: str, tag: bytes, arguments: Mapping[str, Any]) -> bytes:
@@ -176,12 +174,13 @@ def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
     return out
 
 
-class LightControlClient:
+class LightControlClient(ExecOpener):
     """One connection to a UNIX control socket for Hello, Ping, ListBottles and Exec."""
 
-    def __init__(self, path: str, timeout: float) -> None:
+    def __init__(self, path: str, timeout: float, *, vm_timeout: float = VM_TIMEOUT) -> None:
         self.path = path
         self.timeout = timeout
+        self.vm_timeout = vm_timeout
         self._sock: socket.socket | None = None
         self._parser = BoxParser(box_type=dict)
         self._tag = 0
@@ -216,17 +215,17 @@ class LightControlClient:
     ) -> None:
         self.close()
 
-    def call(self, name: str, *, timeout: float | None = None, **arguments: Any) -> dict[str, Any]:
-        """Send one command, wait for its answer (or raise its typed error)."""
+    def call(self, c: Call[T], *, timeout: float | None = None) -> T:
+        """Send one call, wait for its converted answer (or raise its typed error)."""
         if self._sock is None:
             self.connect()
         assert self._sock is not None
-        limit = self.timeout if timeout is None else timeout
+        limit = c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout
         self._sock.settimeout(limit)
         self._tag += 1
         tag = b"%x" % self._tag
         try:
-            self._sock.sendall(request_bytes(name, tag, arguments))
+            self._sock.sendall(request_bytes(c.command, tag, c.arguments))
             while True:
                 box = self._parser.next_box()
                 if box is None:
@@ -235,7 +234,7 @@ class LightControlClient:
                         raise ControlConnectionError("the daemon closed the connection")
                     self._parser.feed(chunk)
                 elif box.get(b"_answer", box.get(b"_error")) == tag:
-                    return decode_answer(name, box)
+                    return c.convert(decode_answer(c.command, box))
         except TimeoutError:
             raise ControlConnectionError(f"no answer within {limit:g}s") from None
         except FramingError as e:
@@ -244,50 +243,20 @@ class LightControlClient:
             raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
 
     def hello(self) -> HelloResult:
-        return HelloResult.from_answer(
-            self.call("Hello", client_version=CLIENT_VERSION, protocols=list(PROTOCOLS))
-        )
+        return self.call(calls.hello(CLIENT_VERSION))
 
     def ping(self) -> None:
-        self.call("Ping")
+        self.call(calls.ping())
 
-    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRecord]:
-        return Page.from_answer(self.call("ListBottles", offset=offset, limit=limit), "bottles")
+    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRow]:
+        """One page; this client reads bottles as rows (a record's fields, without attrs)."""
+        return cast("Page[BottleRow]", self.call(calls.list_bottles(offset, limit)))
 
-    def open_exec(
-        self,
-        bottle: str,
-        argv: Sequence[str],
-        *,
-        env: Sequence[str] = (),
-        user: str | None = None,
-        workdir: str | None = None,
-        stdin: bool = False,
-        tty: bool = False,
-        size: tuple[int, int] | None = None,
-        timeout: float | None = None,
-        fds: bool = True,
-        time_limit: int | None = None,
-    ) -> ExecSession:
-        """Start ``argv`` in the bottle's agent VM; this connection becomes the session's
-        (with ``fds`` and no terminal, the command's stdio pipes are handed to us)."""
-        rows, cols = size if size is not None else (None, None)
+    def start_exec(self, request: ExecRequest, *, timeout: float | None = None) -> ExecSession:
+        """Start an exec; this connection becomes the session's (with ``fds`` and no
+        terminal, the command's stdio pipes are handed to us)."""
         try:
-            answer = self.call(
-                "Exec",
-                timeout=timeout,
-                bottle=bottle,
-                argv=list(argv),
-                env=list(env) if env else None,
-                user=user,
-                workdir=workdir,
-                stdin=stdin,
-                tty=tty,
-                rows=rows,
-                cols=cols,
-                fds=(fds and not tty) or None,
-                time_limit=time_limit,
-            )
+            fds = self.call(request.call(local=True), timeout=timeout)
         except BaseException:
             self.close()
             raise
@@ -296,12 +265,8 @@ class LightControlClient:
         sock, self._sock = self._sock, None
         assert sock is not None
         return ExecSession(
-            sock, self._parser.take_rest(), tty=tty, stdin=stdin, fds=bool(answer["fds"])
+            sock, self._parser.take_rest(), tty=request.tty, stdin=request.stdin, fds=fds
         )
 
-    def all_bottles(self) -> Iterator[BottleRecord]:
-        offset: int | None = 0
-        while offset is not None:
-            page = self.list_bottles(offset)
-            yield from page.items
-            offset = page.next_offset
+    def all_bottles(self) -> Iterator[BottleRow]:
+        return calls.every_item(lambda o: self.list_bottles(o))

@@ -18,19 +18,13 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import attrs
 from attrs import field, frozen
 
-from bottlenet.bottles.fields import FieldError, Fields
+from bottlenet.control.results import BottleRow, EndpointRow, record_objects
+from bottlenet.control.results import RecordError as RecordError  # raised by the readers
+from bottlenet.control.results import record_fields as _fields
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
-
-
-class RecordError(FieldError):
-    """A JSON record did not have the expected shape (message names no peer value)."""
-
-
-def _fields(d: object, what: str) -> Fields:
-    return Fields(d, what, error=RecordError, what="an object")
 
 
 @frozen
@@ -43,12 +37,7 @@ class EndpointRecord:
 
     @classmethod
     def from_json(cls, d: object) -> EndpointRecord:
-        f = _fields(d, "endpoint")
-        return cls(
-            service=f.value("service", str),
-            endpoint=f.value("endpoint", str),
-            host_path=f.value("host_path", str, optional=True),
-        )
+        return cls(*EndpointRow.from_json(d))
 
 
 @frozen
@@ -79,30 +68,10 @@ class BottleRecord:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
-        f = _fields(d, "bottle")
-        return cls(
-            name=f.value("name", str),
-            alias=f.value("alias", str, optional=True),
-            source=f.value("source", str),
-            state=f.value("state", str),
-            created_at=f.number("created_at"),
-            forwards=f.value("forwards", int),
-            mode=f.value("mode", str, optional=True),
-            isolation=f.value("isolation", str, optional=True),
-            sidecar_vm=f.value("sidecar_vm", str, optional=True),
-            agent_vm=f.value("agent_vm", str, optional=True),
-            endpoints=tuple(
-                EndpointRecord.from_json(e) for e in f.items("endpoints", optional=True)
-            ),
-            env=f.str_map("env"),
-            policy=f.strings("policy", optional=True),
-            probe=f.value("probe", str, optional=True),
-            warnings=f.strings("warnings", optional=True) or (),
-            detail=f.value("detail", str, optional=True),
-            workload=f.value("workload", str, optional=True),
-            workload_exit_code=f.value("workload_exit_code", int, optional=True),
-            bridge=f.value("bridge", str, optional=True),
-        )
+        """Read as the client's :class:`~bottlenet.control.results.BottleRow` is (one reader)."""
+        row = BottleRow.from_json(d)
+        endpoints = tuple(EndpointRecord(*e) for e in row.endpoints)
+        return cls(**{**row._asdict(), "endpoints": endpoints, "env": dict(row.env)})
 
 
 @frozen
@@ -275,16 +244,6 @@ def encode_records(records: list[Any]) -> bytes:
     ).encode("utf-8")
 
 
-def _reject_constant(name: str) -> Any:
-    raise RecordError("NaN and Infinity are not allowed")
-
-
 def decode_records(data: bytes, record: type[R]) -> list[R]:
     """A JSON list of records (as :func:`encode_records` writes it) back to records."""
-    try:
-        items = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (ValueError, RecursionError):  # bad UTF-8, bad JSON, an over-long integer
-        raise RecordError("record list is not valid JSON") from None
-    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
-        raise RecordError("record list must be a JSON list of objects")
-    return [record.from_json(i) for i in items]
+    return [record.from_json(i) for i in record_objects(data)]

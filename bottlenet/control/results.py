@@ -1,12 +1,19 @@
-"""Typed results shared by the async and the blocking client.
+"""Typed results shared by the clients, and the JSON reading of the wire's record lists.
 
-``HelloResult`` and ``Page`` are ``NamedTuple``s (client-side values): ``bottlenetctl status``
-and ``ping`` read them without importing attrs.
+``HelloResult``, ``Page`` and ``BottleRow`` are ``NamedTuple``s (client-side values):
+``bottlenetctl status``, ``ping`` and ``bottle ls`` read them without importing attrs.
+:class:`BottleRow` is how the light client reads a bottle; the daemon's attrs record
+(:class:`~bottlenet.control.records.BottleRecord`) is built from one, so both read the JSON
+the same way (``tests/control/test_lightclient.py`` checks that their fields agree).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+from bottlenet.bottles.fields import FieldError, Fields
 
 if TYPE_CHECKING:
     from bottlenet.control.records import ForwardRecord
@@ -62,3 +69,93 @@ class AgentEndpoint(NamedTuple):
 
     def describe(self) -> str:
         return self.forward.endpoint
+
+
+class RecordError(FieldError):
+    """A JSON record did not have the expected shape (message names no peer value)."""
+
+
+def record_fields(d: object, what: str) -> Fields:
+    """The typed fields of one JSON record (``what`` names it in an error)."""
+    return Fields(d, what, error=RecordError, what="an object")
+
+
+def _reject_constant(name: str) -> Any:
+    raise RecordError("NaN and Infinity are not allowed")
+
+
+def record_objects(data: bytes) -> list[dict[str, Any]]:
+    """A JSON list of record objects (UTF-8, no NaN), as the daemon encodes records."""
+    try:
+        items = json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
+    except (ValueError, RecursionError):  # bad UTF-8, bad JSON, an over-long integer
+        raise RecordError("record list is not valid JSON") from None
+    if not isinstance(items, list) or not all(isinstance(i, dict) for i in items):
+        raise RecordError("record list must be a JSON list of objects")
+    return items
+
+
+class EndpointRow(NamedTuple):
+    """One agent endpoint of a VM bottle (the fields of ``EndpointRecord``)."""
+
+    service: str
+    endpoint: str
+    host_path: str | None = None
+
+    @classmethod
+    def from_json(cls, d: object) -> EndpointRow:
+        f = record_fields(d, "endpoint")
+        return cls(
+            service=f.value("service", str),
+            endpoint=f.value("endpoint", str),
+            host_path=f.value("host_path", str, optional=True),
+        )
+
+
+class BottleRow(NamedTuple):
+    """A bottle as a client reads it (the fields of ``BottleRecord``, in order)."""
+
+    name: str
+    alias: str | None
+    source: str
+    state: str
+    created_at: float
+    forwards: int
+    mode: str | None = None
+    isolation: str | None = None
+    sidecar_vm: str | None = None
+    agent_vm: str | None = None
+    endpoints: tuple[EndpointRow, ...] = ()
+    env: Mapping[str, str] = {}
+    policy: tuple[str, ...] | None = None
+    probe: str | None = None
+    warnings: tuple[str, ...] = ()
+    detail: str | None = None
+    workload: str | None = None
+    workload_exit_code: int | None = None
+    bridge: str | None = None
+
+    @classmethod
+    def from_json(cls, d: object) -> BottleRow:
+        f = record_fields(d, "bottle")
+        return cls(
+            name=f.value("name", str),
+            alias=f.value("alias", str, optional=True),
+            source=f.value("source", str),
+            state=f.value("state", str),
+            created_at=f.number("created_at"),
+            forwards=f.value("forwards", int),
+            mode=f.value("mode", str, optional=True),
+            isolation=f.value("isolation", str, optional=True),
+            sidecar_vm=f.value("sidecar_vm", str, optional=True),
+            agent_vm=f.value("agent_vm", str, optional=True),
+            endpoints=tuple(EndpointRow.from_json(e) for e in f.items("endpoints", optional=True)),
+            env=f.str_map("env"),
+            policy=f.strings("policy", optional=True),
+            probe=f.value("probe", str, optional=True),
+            warnings=f.strings("warnings", optional=True) or (),
+            detail=f.value("detail", str, optional=True),
+            workload=f.value("workload", str, optional=True),
+            workload_exit_code=f.value("workload_exit_code", int, optional=True),
+            bridge=f.value("bridge", str, optional=True),
+        )

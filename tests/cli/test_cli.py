@@ -205,7 +205,67 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
     assert timeout_for("ping") == cli.DEFAULT_TIMEOUT
     assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
     assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
+    assert timeout_for("bottle", "create", "b1") == cli.DEFAULT_TIMEOUT
+    assert timeout_for("down", "--all") == cli.VM_TIMEOUT
+    assert timeout_for("events") == cli.DEFAULT_TIMEOUT
     assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
+
+
+def test_every_handler_names_its_call() -> None:
+    """Each subcommand's handler maps to a declared call, whose pace sets its default timeout."""
+    import argparse
+
+    from bottlenet.cli import main as cli
+    from bottlenet.control.calls import PACE
+
+    handlers = set()
+    parsers = [cli.build_parser()]
+    while parsers:
+        for action in parsers.pop()._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    parsers.append(sub)
+                    handler = sub.get_default("handler")
+                    if handler is not None:
+                        handlers.add(handler)
+    assert len(handlers) == 14
+    assert handlers == set(cli.HANDLER_CALLS)
+    assert all(command in PACE for command in cli.HANDLER_CALLS.values())
+
+
+PARSE_CASES = [
+    ["status"],
+    ["--json", "--timeout", "5", "bottle", "ls"],
+    ["--control", "bottle", "forward", "ls", "b1"],
+    ["--cont", "forward", "bottle", "rm", "b1"],
+    ["--control=/x.sock", "egress", "set", "b1", "a.example"],
+    ["--cert", "c", "--key", "k", "--ca", "a", "bottle", "exec", "b1", "-t"],
+    ["forward", "add", "b1", "web", "--to", "127.0.0.1:80", "--port", "81"],
+    ["top", "--once"],
+    ["down", "--all"],
+]
+
+
+def test_the_parser_for_a_command_reads_it_as_the_whole_parser() -> None:
+    """Leaving the other command groups' actions out changes no parse (abbreviations too)."""
+    from bottlenet.cli import main as cli
+
+    for words in PARSE_CASES:
+        whole = vars(cli.build_parser().parse_args(words))
+        assert vars(cli.build_parser(cli.command_word(words)).parse_args(words)) == whole
+
+
+def test_value_options_are_the_parsers() -> None:
+    """command_word skips the values of exactly the global options that take one."""
+    from bottlenet.cli import main as cli
+
+    takes_value = {
+        option
+        for action in cli.build_parser()._actions
+        if action.nargs is None and action.option_strings and action.const is None
+        for option in action.option_strings
+    }
+    assert takes_value == set(cli.VALUE_OPTIONS)
 
 
 def test_bottle_status_table_shows_the_isolation_probe() -> None:

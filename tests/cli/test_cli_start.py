@@ -3,10 +3,20 @@
 from __future__ import annotations
 
 import json
+import os
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
+from collections.abc import Iterator
 
 import pytest
+from twisted.protocols import amp
+
+from bottlenet.control import commands as C
+from bottlenet.control.framing import BoxParser
+from bottlenet.control.records import BottleRecord
 
 PROBE = """
 import json, sys
@@ -104,3 +114,83 @@ def test_version_prints_the_package_version() -> None:
         timeout=60,
     )
     assert (done.returncode, done.stdout) == (0, f"bottlenetctl {__version__}\n")
+
+
+ANSWERS = {
+    b"bottlenet.Hello": C.Hello.makeResponse(
+        {
+            "server_version": "0.1.0",
+            "protocol": 1,
+            "features": ["bottles"],
+            "smolvm_available": False,
+            "smolvm_version": None,
+        },
+        None,
+    ),
+    b"bottlenet.Ping": amp.AmpBox(),
+    b"bottlenet.ListBottles": C.ListBottles.makeResponse(
+        {
+            "bottles": [BottleRecord("b1", "127.77.0.1", "api", "ready", 1.5, 0)],
+            "total": 1,
+            "next_offset": None,
+        },
+        None,
+    ),
+}
+
+
+def _answer_connection(conn: socket.socket) -> None:
+    parser = BoxParser()
+    with conn:
+        while chunk := conn.recv(65536):
+            parser.feed(chunk)
+            while (box := parser.next_box()) is not None:
+                answer = amp.AmpBox(ANSWERS[box[amp.COMMAND]])
+                answer[amp.ANSWER] = box[amp.ASK]
+                conn.sendall(answer.serialize())
+
+
+@pytest.fixture
+def daemon() -> Iterator[str]:
+    """A stand-in daemon on a UNIX socket that answers Hello, Ping and ListBottles (one bottle)."""
+    where = tempfile.mkdtemp(prefix="bnt-start-", dir="/tmp")
+    path = os.path.join(where, "c.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(8)
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            _answer_connection(conn)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        yield path
+    finally:
+        server.shutdown(socket.SHUT_RDWR)
+        server.close()
+        thread.join(10)
+        os.unlink(path)
+        os.rmdir(where)
+
+
+@pytest.mark.parametrize("argv", [["status"], ["bottle", "ls"], ["bottle", "ls", "--json"]])
+def test_status_and_ls_read_answers_without_attrs(daemon: str, argv: list[str]) -> None:
+    """status and bottle ls decode a daemon's real answers (a bottle record) without attrs."""
+    code, modules = imported_by(["--control", daemon, *argv])
+    assert code == 0
+    assert [m for m in modules if m.split(".")[0] in ("attr", "attrs", "twisted")] == []
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["status"], ["ping"], ["bottle", "ls"]])
+def test_simple_commands_import_no_shutil_or_hashlib(daemon: str, argv: list[str]) -> None:
+    """argparse is given the terminal width (no shutil, bz2, lzma); errors hash only when
+    they digest a value (no hashlib)."""
+    code, modules = imported_by(["--control", daemon, *argv])
+    assert code == 0
+    assert [m for m in modules if m in ("shutil", "lzma", "bz2", "hashlib")] == []

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+import attrs
 import pytest
 from twisted.protocols import amp
 
+from bottlenet.cli.main import _plain
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control import lightclient as L
 from bottlenet.control.clienterrors import RemoteError
 from bottlenet.control.framing import BoxParser, encode_box
-from bottlenet.control.records import BottleRecord
+from bottlenet.control.records import BottleRecord, EndpointRecord, decode_records, encode_records
+from bottlenet.control.results import BottleRow, EndpointRow
 from bottlenet.errors import NotFound
 
 
@@ -108,7 +112,60 @@ def test_light_answers_decode_as_the_codec_does() -> None:
     for name, values in cases:
         command = getattr(C, name)
         box = _answer(command, values)
-        assert L.decode_answer(name, box) == codec.decode_answer(command, amp.AmpBox(box))
+        light = _as_json(L.decode_answer(name, box))
+        assert light == _as_json(codec.decode_answer(command, amp.AmpBox(box)))
+
+
+def _as_json(answer: dict[str, Any]) -> dict[str, Any]:
+    """An answer with its bottles (client rows or attrs records) as bottlenetctl's --json
+    writes them (objects and lists)."""
+
+    def plain(b: Any) -> Any:
+        return json.loads(json.dumps(_plain(b) if isinstance(b, tuple) else attrs.asdict(b)))
+
+    return {k: [plain(b) for b in v] if k == "bottles" else v for k, v in answer.items()}
+
+
+def test_bottle_rows_are_the_records_fields() -> None:
+    """The light client's BottleRow/EndpointRow have the records' fields, order and defaults."""
+    for row, record in ((BottleRow, BottleRecord), (EndpointRow, EndpointRecord)):
+        fields = attrs.fields(record)
+        assert row._fields == tuple(f.name for f in fields)
+        defaults = {
+            f.name: f.default.factory() if isinstance(f.default, attrs.Factory) else f.default  # type: ignore[arg-type]
+            for f in fields
+            if f.default is not attrs.NOTHING
+        }
+        assert row._field_defaults == defaults
+
+
+def test_a_vm_bottle_reads_the_same_as_row_and_record() -> None:
+    """Every field of a full VM bottle (endpoints, env, policy, warnings) reads the same."""
+    record = BottleRecord(
+        name="b1",
+        alias=None,
+        source="config",
+        state="degraded",
+        created_at=2.0,
+        forwards=1,
+        mode="socket",
+        isolation="verified",
+        sidecar_vm="bn-b1-sidecar",
+        agent_vm="bn-b1-agent",
+        endpoints=(EndpointRecord("egress", "unix:/run/bottle/egress.sock", "/h/e.sock"),),
+        env={"HTTPS_PROXY": "http://127.0.0.1:3128"},
+        policy=("example.com",),
+        probe="PASS",
+        warnings=("w1",),
+        detail="sidecar gone",
+        workload="exited",
+        workload_exit_code=3,
+        bridge="running (3128)",
+    )
+    data = encode_records([record])
+    assert _as_json({"bottles": decode_records(data, BottleRecord)}) == _as_json(
+        {"bottles": L.decode_value(L.Kind.BOTTLE_RECORDS, data)}
+    )
 
 
 def test_light_error_boxes_are_typed() -> None:
