@@ -360,7 +360,7 @@ def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) ->
 def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     from twisted.logger import LogLevel
 
-    from bottlenet.tap import logs_relay_ends
+    from bottlenet.settings import logs_relay_ends
 
     assert logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.debug})
     assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})
