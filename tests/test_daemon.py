@@ -370,6 +370,33 @@ def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) ->
     StateDirLock(str(state)).acquire()
 
 
+def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``build_service`` in process, every optional child on: the children are in the order
+    docs/architecture.md gives (start in this order, stop in reverse); nothing starts."""
+    config = _write_config(tmp_path, "[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n")
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    options = Options()
+    options.parseOptions(
+        ["--state-dir", str(tmp_path / "s"), "--config", config,
+         "--control", f"unix:{tmp_path / 'c.sock'}", "--metrics", "tcp:0:interface=127.0.0.1",
+         "--control-tls-port", "9443", "--control-tls-interface", "127.0.0.1",
+         "--control-tls-key", str(pem), "--control-tls-cert", str(pem),
+         "--control-tls-ca", str(pem)]
+    )  # fmt: skip
+    root = build_service(options, MemoryReactorClock())
+    try:
+        assert [type(child).__name__ for child in root] == [
+            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService",
+            "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
+        ]  # fmt: skip
+        assert root.getServiceNamed("forwards") is root.table
+        assert not root.running and len(root.control_factories) == 2
+    finally:
+        assert root.state_lock is not None
+        root.state_lock.release()
+
+
 class _BrokenSmolvm:
     """A smolvm whose version call fails with something that is not smolvm's own error."""
 
