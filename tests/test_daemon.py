@@ -344,6 +344,30 @@ def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: 
     assert sorted(os.listdir(shared)) == ["other-users-file"]
 
 
+@pytest.mark.parametrize(
+    ("interface", "why"),
+    [
+        ("0.0.0.0", "a wildcard listens on every address"),
+        ("::", "a wildcard listens on every address"),
+        ("127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
+        ("::ffff:127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
+        ("localhost", "must be one IP address"),
+    ],
+)
+def test_tls_interface_is_never_a_wildcard_or_in_the_pool(
+    tmp_path, interface: str, why: str
+) -> None:  # type: ignore[no-untyped-def]
+    """Issue 13 item 9 (TLS): refused at start, before anything is bound."""
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    tls = ["--control-tls-port", "9443", "--control-tls-interface", interface]
+    for n in ("key", "cert", "ca"):
+        tls += [f"--control-tls-{n}", str(pem)]
+    line = _build_fails("--state-dir", str(tmp_path / "s"), *tls)
+    assert "\n" not in line
+    assert line.startswith("bottlenet: error: --control-tls-interface:") and why in line
+
+
 def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Issue 13 item 9: recovery would tear down (or drop) every bottle outside the new pool."""
     import json

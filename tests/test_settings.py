@@ -152,24 +152,6 @@ def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert _settings(long_dir).metrics is None
 
 
-@pytest.mark.parametrize(
-    ("interface", "why"),
-    [
-        ("0.0.0.0", "a wildcard listens on every address"),
-        ("::", "a wildcard listens on every address"),
-        ("127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
-        ("::ffff:127.77.0.5", "is inside the alias pool 127.77.0.0/16"),
-        ("localhost", "must be one IP address"),
-    ],
-)
-def test_tls_interface_is_never_a_wildcard_or_in_the_pool(  # type: ignore[no-untyped-def]
-    tmp_path, interface: str, why: str
-) -> None:
-    """Issue 13 item 9 (TLS): refused while the settings are checked, before anything binds."""
-    message = _error(tmp_path, *_tls(tmp_path, interface=interface))
-    assert message.startswith("--control-tls-interface:") and why in message
-
-
 def test_tls_options_all_or_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """All five ``--control-tls-*`` options or none; each PEM must be a file."""
     pem = str(tmp_path / "x.pem")
