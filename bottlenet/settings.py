@@ -31,21 +31,14 @@ from bottlenet.control.endpoints import (
     parse_control_description,
 )
 from bottlenet.control.peercred import default_allowed_uids
-from bottlenet.control.server import (
-    DEFAULT_MAX_CONTROL_CONNECTIONS,
-    MAX_CONTROL_CONNECTIONS,
-)
+from bottlenet.control.server import DEFAULT_MAX_CONTROL_CONNECTIONS, MAX_CONTROL_CONNECTIONS
 from bottlenet.errors import BottlenetError
 from bottlenet.forward import fastreactor
 from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE, reserved_fds
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.splice import check_engine
 from bottlenet.ops import logs, metrics
-from bottlenet.paths import (
-    MAX_SUN_PATH,
-    default_control_endpoint,
-    default_state_dir,
-)
+from bottlenet.paths import MAX_SUN_PATH, default_control_endpoint, default_state_dir
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl.service import SmolvmChoice, StartupRefused, choose_smolvm
 
@@ -63,10 +56,6 @@ class StartupError(SystemExit):
     def __init__(self, message: str) -> None:
         super().__init__(f"bottlenet: error: {message}")
         self.message = message
-
-
-def _fail(message: str) -> StartupError:
-    return StartupError(message)
 
 
 def bounded_int(lo: int, hi: int, noun: str = "an integer") -> Callable[[str], int]:
@@ -122,7 +111,7 @@ def _flagged(name: str, coerce: Callable[[str], T]) -> Callable[[str], T]:
         try:
             return coerce(value)
         except ValueError as e:
-            raise _fail(f"--{name}: {e}") from None
+            raise StartupError(f"--{name}: {e}") from None
 
     return checked
 
@@ -362,21 +351,21 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
     try:
         pool = AliasPool.parse(options["alias-pool"])
     except BottlenetError as e:
-        raise _fail(f"--alias-pool: {e.message}") from None
+        raise StartupError(f"--alias-pool: {e.message}") from None
     state_dir = options["state-dir"] or default_state_dir(env)
     config, config_path = DaemonConfig(()), options["config"]
     if config_path is not None:
         try:
             config = load_config(config_path, pool, state_dir)
         except ConfigError as e:
-            raise _fail(str(e)) from None
+            raise StartupError(str(e)) from None
     metrics_spec = _metrics_option(options, pool, state_dir)
     tls = _tls_options(options, pool)
     control = options["control"] or default_control_endpoint(env, state_dir)
     try:  # a bad --control stops the daemon here, before any listener is bound
         parse_control_description(control)
     except ControlListenError as e:
-        raise _fail(str(e)) from None
+        raise StartupError(str(e)) from None
     try:
         smolvm = choose_smolvm(
             options["smolvm"],
@@ -385,7 +374,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
             default_data_dir=os.path.join(state_dir, "smolvm"),
         )
     except StartupRefused as e:
-        raise _fail(e.message) from None
+        raise StartupError(e.message) from None
     control_cap = options["control-max-connections"]
     return DaemonSettings(
         state_dir=state_dir,
@@ -434,7 +423,7 @@ def _metrics_option(
     try:
         return metrics.parse_metrics_endpoint(text, pool)
     except BottlenetError as e:
-        raise _fail(f"--metrics: {e.message}") from None
+        raise StartupError(f"--metrics: {e.message}") from None
 
 
 def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:
@@ -477,7 +466,7 @@ def _gate_settings(
         outside = Target.parse(f"tcp:{options['gate-outside']}")
         dns_name = check_dns_name(options["gate-dns-name"])
     except BottlenetError as e:
-        raise _fail(f"--gate-outside/--gate-dns-name: {e.message}") from None
+        raise StartupError(f"--gate-outside/--gate-dns-name: {e.message}") from None
     ports = []
     if tls is not None:
         ports.append(tls.port)
@@ -500,19 +489,21 @@ def _tls_options(options: Options, pool: AliasPool) -> TLSSettings | None:
         return None
     missing = [f"--control-tls-{n}" for n in names if values[n] is None]
     if missing:
-        raise _fail(f"--control-tls-{given[0]} also needs {', '.join(missing)}")
+        raise StartupError(f"--control-tls-{given[0]} also needs {', '.join(missing)}")
     try:
         interface = ipaddress.ip_address(values["interface"])
     except ValueError:
-        raise _fail("--control-tls-interface: must be one IP address") from None
+        raise StartupError("--control-tls-interface: must be one IP address") from None
     mapped = getattr(interface, "ipv4_mapped", None) or interface
     if interface.is_unspecified:
-        raise _fail("--control-tls-interface: a wildcard listens on every address; name one")
+        raise StartupError("--control-tls-interface: a wildcard listens on every address; name one")
     if isinstance(mapped, ipaddress.IPv4Address) and mapped in pool.network:
-        raise _fail(f"--control-tls-interface: {interface} is inside the alias pool {pool.network}")
+        raise StartupError(
+            f"--control-tls-interface: {interface} is inside the alias pool {pool.network}"
+        )
     for n in ("key", "cert", "ca"):
         if not os.path.isfile(values[n]):
-            raise _fail(f"--control-tls-{n}: {values[n]} is not a readable file")
+            raise StartupError(f"--control-tls-{n}: {values[n]} is not a readable file")
     return TLSSettings(
         values["port"], values["interface"], values["key"], values["cert"], values["ca"]
     )

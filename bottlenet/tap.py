@@ -29,14 +29,9 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
-from bottlenet.control.endpoints import (
-    control_endpoint,
-    tls_control_endpoint,
-)
+from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
-from bottlenet.control.server import (
-    ControlServerFactory,
-)
+from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import metrics, rlimits, sdnotify
@@ -56,7 +51,17 @@ from vmctl.errors import VmctlError
 from vmctl.service import build_smolvm
 from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
 
-__all__ = ["DaemonSettings", "Options", "build_service", "compose", "makeService", "settings_from"]
+__all__ = [
+    "BottlenetService",
+    "DaemonSettings",
+    "Options",
+    "StartupError",
+    "build_service",
+    "compose",
+    "control_service",
+    "makeService",
+    "settings_from",
+]
 
 
 class BottlenetService(MultiService):
