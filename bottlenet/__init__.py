@@ -5,8 +5,10 @@ The ground floor and the composition root:
 - :mod:`~bottlenet.errors`: typed errors with their wire codes.
 - :mod:`~bottlenet.paths`: where the daemon keeps things (state dir, control socket path,
   private directories).
-- :mod:`~bottlenet.tap`: the ``twist``/``twistd`` options and the one place that composes
-  the service tree.
+- :mod:`~bottlenet.settings`: the ``twist``/``twistd`` options, checked into one frozen
+  ``DaemonSettings`` (:func:`~bottlenet.settings.settings_from`).
+- :mod:`~bottlenet.tap`: the one place that composes the service tree (the disk step, then
+  :func:`~bottlenet.tap.compose`).
 
 The rooms: :mod:`bottlenet.forward` (data plane), :mod:`bottlenet.bottles` (bottle model,
 lifecycle, recovery), :mod:`bottlenet.control` (AMP contract, responder, clients),

@@ -1,4 +1,5 @@
-"""The daemon as a person runs it: `twist bottlenet` / `twistd -n bottlenet` in a subprocess."""
+"""The daemon as a person runs it: `twist bottlenet` / `twistd -n bottlenet` in a subprocess,
+and its start-up refusals (``bottlenet: error: ...``) built in process."""
 
 from __future__ import annotations
 
@@ -8,9 +9,15 @@ import signal
 import socket
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+from twisted.internet.testing import MemoryReactorClock
+from twisted.logger import Logger, formatEvent, globalLogPublisher
 
+from bottlenet.paths import StateDirLock
+from bottlenet.settings import Options, StartupError
+from bottlenet.tap import BottlenetService, build_service
 from tests.netio import OutputReader, roundtrip
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,31 +48,58 @@ def _run_fail(args: list[str]) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_bad_config_is_one_line_and_nonzero(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    config = _write_config(tmp_path, "[[bottle]]\nname = 'demo'\nalias = '127.0.0.1'\n")
-    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--config", config])
-    assert out.returncode != 0
-    assert out.stderr.strip().splitlines() == [
-        f"bottlenet: error: {config}: bottle[0].alias: alias 127.0.0.1 is not in the alias pool "
-        "127.77.0.0/16"
-    ]
-    assert "Traceback" not in out.stdout + out.stderr
-
-
-def test_bad_option_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--alias-pool", "0.0.0.0/0"])
-    assert out.returncode != 0
-    assert len(out.stderr.strip().splitlines()) == 1
-    assert out.stderr.startswith("bottlenet: error: --alias-pool:")
-
-
-@pytest.mark.parametrize("value", ["0", "4097", "many", "-1"])
-def test_bad_control_cap_is_one_line(tmp_path, value: str) -> None:  # type: ignore[no-untyped-def]
-    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--control-max-connections", value])
+def test_bad_value_is_one_line_on_stderr_and_exit_status_1(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The contract every start-up check keeps (the in-process tests below show each check's
+    text): under ``twist``, a bad value is exactly one line on stderr and exit status 1, not
+    Twisted's usage error (status 64 and the whole help text), and no traceback."""
+    out = _run_fail(["--state-dir", str(tmp_path / "s"), "--control-max-connections", "0"])
     assert out.returncode == 1
     assert out.stderr.strip().splitlines() == [
         "bottlenet: error: --control-max-connections: must be an integer 1-4096"
     ]
+    assert "Traceback" not in out.stdout + out.stderr
+    assert not (tmp_path / "s").exists()
+
+
+def _build_fails(*args: str) -> str:
+    """The one line ``twist bottlenet ARGS`` would end with, from building the daemon in
+    process (options parsed, settings checked, the disk step run; nothing is composed)."""
+    with pytest.raises(StartupError) as e:
+        options = Options()
+        options.parseOptions(list(args))
+        build_service(options, MemoryReactorClock())
+    assert isinstance(e.value.code, str)
+    return e.value.code
+
+
+@pytest.fixture(autouse=True)
+def _no_runtime_dir(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """As in ``_env``: the default control socket goes into each test's state dir."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+
+
+def test_bad_config_is_one_line_and_nonzero(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A config file with a bad key stops the daemon with one line naming file and key."""
+    config = _write_config(tmp_path, "[[bottle]]\nname = 'demo'\nalias = '127.0.0.1'\n")
+    line = _build_fails("--state-dir", str(tmp_path / "s"), "--config", config)
+    assert line == (
+        f"bottlenet: error: {config}: bottle[0].alias: alias 127.0.0.1 is not in the alias pool "
+        "127.77.0.0/16"
+    )
+
+
+def test_bad_option_is_one_line(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A bad ``--alias-pool`` is one line naming the flag."""
+    line = _build_fails("--state-dir", str(tmp_path / "s"), "--alias-pool", "0.0.0.0/0")
+    assert "\n" not in line
+    assert line.startswith("bottlenet: error: --alias-pool:")
+
+
+@pytest.mark.parametrize("value", ["0", "4097", "many", "-1"])
+def test_bad_control_cap_is_one_line(tmp_path, value: str) -> None:  # type: ignore[no-untyped-def]
+    """``--control-max-connections`` out of 1-4096 is one line with the range."""
+    line = _build_fails("--state-dir", str(tmp_path / "s"), "--control-max-connections", value)
+    assert line == "bottlenet: error: --control-max-connections: must be an integer 1-4096"
 
 
 def _bad_smolvm(tmp_path, kind: str) -> str:  # type: ignore[no-untyped-def]
@@ -104,12 +138,11 @@ def test_bad_smolvm_stops_the_daemon_before_anything_is_bound(  # type: ignore[n
     given = _bad_smolvm(tmp_path, kind)
     control = tmp_path / "run" / "c.sock"
     metrics = tmp_path / "run" / "m.sock"
-    out = _run_fail(
-        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
-         "--metrics", f"unix:{metrics}", "--smolvm", given],
+    line = _build_fails(
+        "--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
+        "--metrics", f"unix:{metrics}", "--smolvm", given,
     )  # fmt: skip
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [f"bottlenet: error: --smolvm {given}: {reason}"]
+    assert line == f"bottlenet: error: --smolvm {given}: {reason}"
     assert not control.exists() and not metrics.exists()
 
 
@@ -119,15 +152,14 @@ def test_long_smolvm_data_dir_stops_the_daemon(tmp_path) -> None:  # type: ignor
     size = len(os.fsencode(data_dir))
     assert size > 61
     control = tmp_path / "run" / "c.sock"
-    out = _run_fail(
-        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
-         "--smolvm-data-dir", data_dir],
+    line = _build_fails(
+        "--state-dir", str(tmp_path / "s"), "--control", f"unix:{control}",
+        "--smolvm-data-dir", data_dir,
     )  # fmt: skip
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
+    assert line == (
         f"bottlenet: error: --smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): "
         "smolvm binds per-machine UNIX sockets below it"
-    ]
+    )
     assert not control.exists() and not os.path.exists(data_dir)
 
 
@@ -135,14 +167,19 @@ def test_bad_control_is_one_line_before_anything_binds(tmp_path) -> None:  # typ
     """A --control that is neither unix:PATH, an absolute PATH nor systemd: stops the daemon
     with one line before the metrics socket is bound (none is left or logged)."""
     state = tmp_path / "s"
-    out = _run_fail(["--state-dir", str(state), "--control", "relative/c.sock"])
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
+    events: list[dict[str, object]] = []
+    globalLogPublisher.addObserver(events.append)
+    try:
+        line = _build_fails("--state-dir", str(state), "--control", "relative/c.sock")
+    finally:
+        globalLogPublisher.removeObserver(events.append)
+    assert line == (
         "bottlenet: error: --control must be unix:PATH, an absolute PATH or"
         " systemd:domain=UNIX:name=N, not 'relative/c.sock': use the TLS options for remote"
         " control"
-    ]
-    assert "metrics" not in out.stdout
+    )
+    assert not any("metrics" in (formatEvent(e) or "") for e in events)
+    assert not (state / "metrics.sock").exists()
 
 
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -295,13 +332,14 @@ def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: 
     shared.mkdir()
     os.chmod(shared, 0o1777)
     (shared / "other-users-file").write_text("")
-    out = _run_fail(["--state-dir", str(shared), "--control", f"unix:{tmp_path / 'c' / 'c.sock'}"])
-    assert out.returncode == 1
-    assert out.stderr.strip().splitlines() == [
+    line = _build_fails(
+        "--state-dir", str(shared), "--control", f"unix:{tmp_path / 'c' / 'c.sock'}"
+    )
+    assert line == (
         f"bottlenet: error: --state-dir: {shared} is mode 1777; it must be a 0700 directory "
         "of this user's (0701 too: smolvm adds o+x when it starts a VM as root; a new path is "
         "created 0700)"
-    ]
+    )
     assert os.stat(shared).st_mode & 0o7777 == 0o1777
     assert sorted(os.listdir(shared)) == ["other-users-file"]
 
@@ -325,9 +363,8 @@ def test_tls_interface_is_never_a_wildcard_or_in_the_pool(
     tls = ["--control-tls-port", "9443", "--control-tls-interface", interface]
     for n in ("key", "cert", "ca"):
         tls += [f"--control-tls-{n}", str(pem)]
-    out = _run_fail(["--state-dir", str(tmp_path / "s"), *tls])
-    assert out.returncode == 1
-    (line,) = out.stderr.strip().splitlines()
+    line = _build_fails("--state-dir", str(tmp_path / "s"), *tls)
+    assert "\n" not in line
     assert line.startswith("bottlenet: error: --control-tls-interface:") and why in line
 
 
@@ -349,18 +386,68 @@ def test_changed_alias_pool_refuses_to_start_and_keeps_every_bottle(tmp_path) ->
     (state / "state.json").write_text(json.dumps(doc))
     os.chmod(state / "state.json", 0o600)
     before = (state / "state.json").read_bytes()
-    out = _run_fail(["--state-dir", str(state), "--alias-pool", "127.88.0.0/16"])
-    assert out.returncode == 1, out.stderr
-    (line,) = out.stderr.strip().splitlines()
+    line = _build_fails("--state-dir", str(state), "--alias-pool", "127.88.0.0/16")
     assert line.startswith("bottlenet: error: --alias-pool 127.88.0.0/16: persisted bottle(s)")
     assert "'kept' ('127.77.0.9')" in line
     assert (state / "state.json").read_bytes() == before
+    # The lock was let go: the next start may take it.
+    StateDirLock(str(state)).acquire()
+
+
+def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``build_service`` in process, every optional child on: the children are in the order
+    docs/architecture.md gives (start in this order, stop in reverse); nothing starts."""
+    config = _write_config(tmp_path, "[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n")
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    options = Options()
+    options.parseOptions(
+        ["--state-dir", str(tmp_path / "s"), "--config", config,
+         "--control", f"unix:{tmp_path / 'c.sock'}", "--metrics", "tcp:0:interface=127.0.0.1",
+         "--control-tls-port", "9443", "--control-tls-interface", "127.0.0.1",
+         "--control-tls-key", str(pem), "--control-tls-cert", str(pem),
+         "--control-tls-ca", str(pem)]
+    )  # fmt: skip
+    root = build_service(options, MemoryReactorClock())
+    try:
+        assert [type(child).__name__ for child in root] == [
+            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService",
+            "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
+        ]  # fmt: skip
+        assert root.getServiceNamed("forwards") is root.table
+        assert not root.running and len(root.control_factories) == 2
+    finally:
+        assert root.state_lock is not None
+        root.state_lock.release()
+
+
+class _BrokenSmolvm:
+    """A smolvm whose version call fails with something that is not smolvm's own error."""
+
+    async def version(self) -> None:
+        raise RuntimeError("probe exploded")
+
+
+def test_a_failed_smolvm_probe_is_logged_not_dropped() -> None:
+    """The root's smolvm version probe: a failure other than smolvm's own is logged with its
+    traceback (architecture-2.md 5.5), never left as an unhandled Deferred."""
+    parts: Any = None  # the probe touches neither table, registry nor control factory
+    smolvm: Any = _BrokenSmolvm()
+    root = BottlenetService(MemoryReactorClock(), parts, parts, smolvm, parts, "/")
+    events: list[dict[str, Any]] = []
+    root.log = Logger(observer=events.append)
+    done: list[object] = []
+    root.probe_smolvm().addBoth(done.append)
+    assert done == [None]
+    (event,) = events
+    assert event["log_format"] == "the smolvm version probe failed"
+    assert event["log_failure"].check(RuntimeError)
 
 
 def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     from twisted.logger import LogLevel
 
-    from bottlenet.tap import logs_relay_ends
+    from bottlenet.settings import logs_relay_ends
 
     assert logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.debug})
     assert not logs_relay_ends({"fileLogObserverFactory": None, "logLevel": LogLevel.info})

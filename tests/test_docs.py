@@ -345,7 +345,7 @@ def test_readme_options_table_names_every_daemon_option() -> None:
     names += ["allow-uid", "version"]
     for name in names:
         assert f"`--{name}" in table, f"README options table lacks --{name}"
-    for name, _, default, _ in o.optParameters:
+    for name, _, default, *_ in o.optParameters:
         if default is not None:
             assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
 

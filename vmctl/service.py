@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
+from attrs import frozen
 from twisted.application.service import Service
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorProcess, IReactorTime
@@ -50,6 +51,69 @@ class VmctlService(Service):
         return self.runner.shutdown(self.stop_deadline)
 
 
+@frozen
+class SmolvmChoice:
+    """Which smolvm the daemon runs and where its state goes: found and checked once, up front."""
+
+    install: SmolvmInstall | None
+    data_dir: str | None
+    environ: Mapping[str, str]
+
+
+def choose_smolvm(
+    smolvm_option: str | None,
+    data_dir_option: str | None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    default_data_dir: str | None = None,
+    wheel: Callable[[], SmolvmInstall | None] = find_wheel,
+) -> SmolvmChoice:
+    """Check the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options (StartupRefused).
+
+    The binary is found once, here (:func:`vmctl.install.discover`: the option, then PATH,
+    then the ``bottlenet[vm]`` wheel). When none is found the daemon still runs and every VM
+    call fails with SMOLVM_UNAVAILABLE. smolvm's state goes to ``--smolvm-data-dir`` or else
+    ``default_data_dir`` (the daemon passes ``<state-dir>/smolvm``), so bottlenet's machines
+    never mix with a user's own.
+    """
+    env = dict(os.environ if environ is None else environ)
+    if data_dir_option:
+        check_data_dir_option(data_dir_option)
+    install = discover(smolvm_option, env.get("PATH"), wheel=wheel)
+    if smolvm_option:
+        install = check_smolvm_option(smolvm_option, install, env)
+    if install is None:
+        VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
+    else:
+        VmctlService.log.info("smolvm: {where}", where=install.describe())
+    chosen = data_dir_option or default_data_dir
+    return SmolvmChoice(install, os.path.abspath(chosen) if chosen else None, env)
+
+
+def build_smolvm(
+    reactor: IReactorProcess,
+    choice: SmolvmChoice,
+    *,
+    clock: IReactorTime | None = None,
+    timeouts: Timeouts = Timeouts(),  # noqa: B008 - frozen value
+    device_budget: int = DEFAULT_DEVICE_BUDGET,
+    stop_deadline: float = DEFAULT_STOP_DEADLINE,
+    on_call: CallObserver | None = None,
+) -> tuple[VmctlService, Smolvm]:
+    """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call)."""
+    runner = ProcessRunner(reactor, clock)
+    smolvm = Smolvm(
+        runner,
+        choice.install,
+        choice.data_dir,
+        environ=dict(choice.environ),
+        timeouts=timeouts,
+        device_budget=device_budget,
+        on_call=on_call,
+    )
+    return VmctlService(runner, stop_deadline), smolvm
+
+
 def make_smolvm(
     reactor: IReactorProcess,
     smolvm_option: str | None,
@@ -64,38 +128,23 @@ def make_smolvm(
     default_data_dir: str | None = None,
     wheel: Callable[[], SmolvmInstall | None] = find_wheel,
 ) -> tuple[VmctlService, Smolvm]:
-    """Wire the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options into a Smolvm.
-
-    The binary is found once, here (:func:`vmctl.install.discover`: the option, then PATH,
-    then the ``bottlenet[vm]`` wheel). When none is found the daemon still runs and every VM
-    call fails with SMOLVM_UNAVAILABLE. smolvm's state goes to ``--smolvm-data-dir`` or else
-    ``default_data_dir`` (the daemon passes ``<state-dir>/smolvm``), so bottlenet's machines
-    never mix with a user's own. ``on_call`` is passed on to :class:`Smolvm` (the daemon's
-    metrics hear every call through it).
-    """
-    env = dict(os.environ if environ is None else environ)
-    if data_dir_option:
-        check_data_dir_option(data_dir_option)
-    install = discover(smolvm_option, env.get("PATH"), wheel=wheel)
-    if smolvm_option:
-        install = check_smolvm_option(smolvm_option, install, env)
-    if install is None:
-        VmctlService.log.warn("no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)")
-    else:
-        VmctlService.log.info("smolvm: {where}", where=install.describe())
-    chosen = data_dir_option or default_data_dir
-    data_dir = os.path.abspath(chosen) if chosen else None
-    runner = ProcessRunner(reactor, clock)
-    smolvm = Smolvm(
-        runner,
-        install,
-        data_dir,
-        environ=env,
+    """:func:`choose_smolvm` then :func:`build_smolvm`, in one call."""
+    choice = choose_smolvm(
+        smolvm_option,
+        data_dir_option,
+        environ=environ,
+        default_data_dir=default_data_dir,
+        wheel=wheel,
+    )
+    return build_smolvm(
+        reactor,
+        choice,
+        clock=clock,
         timeouts=timeouts,
         device_budget=device_budget,
+        stop_deadline=stop_deadline,
         on_call=on_call,
     )
-    return VmctlService(runner, stop_deadline), smolvm
 
 
 def check_data_dir_option(option: str) -> None:

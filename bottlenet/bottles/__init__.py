@@ -2,7 +2,8 @@
 
 - :mod:`~bottlenet.bottles.spec`: the bottle spec a launcher sends, validated field by field;
   :mod:`~bottlenet.bottles.specrules`: its pure value rules (a leaf launchers import too).
-- :mod:`~bottlenet.bottles.config`: the daemon's TOML file of forward-only bottles.
+- :mod:`~bottlenet.bottles.config`: the daemon's TOML file of forward-only bottles;
+  :mod:`~bottlenet.bottles.services`: ``ConfigBottles``, which binds them at start.
 - :mod:`~bottlenet.bottles.model`: the one ``Bottle`` value (forward-only = no VMs) and its
   state-file record.
 - :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).

@@ -628,13 +628,18 @@ def engine_factory(reactor: Any, engine: str = "auto") -> EngineFactory:
     ``auto`` = splice where supported (Linux with ``os.splice``), portable elsewhere.
     ``splice`` where unsupported raises ValueError (an explicit choice should not degrade).
     """
+    if check_engine(engine) == "portable" or (engine == "auto" and not splice_supported()):
+        return TransportRelay
+    return SpliceEngines(reactor)
+
+
+def check_engine(engine: str) -> str:
+    """``engine`` if it names an engine this host runs (ValueError saying why not)."""
     if engine not in ENGINES:
         raise ValueError(f"unknown relay engine {engine!r} (choose from {', '.join(ENGINES)})")
-    if engine == "portable" or (engine == "auto" and not splice_supported()):
-        return TransportRelay
-    if not splice_supported():
+    if engine == "splice" and not splice_supported():
         raise ValueError("the splice relay engine needs Linux and os.splice (Python 3.10+)")
-    return SpliceEngines(reactor)
+    return engine
 
 
 __all__ = [
@@ -644,6 +649,7 @@ __all__ = [
     "POOL_MAX",
     "SpliceEngines",
     "SpliceRelay",
+    "check_engine",
     "engine_factory",
     "splice_supported",
 ]

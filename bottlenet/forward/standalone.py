@@ -14,6 +14,7 @@ import argparse
 import resource
 import sys
 import tempfile
+from typing import Any
 
 from twisted.logger import (
     FilteringLogObserver,
@@ -36,7 +37,7 @@ def _raise_nofile() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--listen", required=True, help="ALIAS:PORT (an alias of the pool)")
     parser.add_argument("--to", required=True, help="target HOST:PORT (loopback literal)")
@@ -58,9 +59,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="connect with Twisted's TCP4ClientEndpoint (implies the portable engine)",
     )
-    args = parser.parse_args(argv)
+    return parser
 
-    if args.reactor == "quiet":
+
+def _install_reactor(which: str) -> Any:
+    """Install the chosen epoll reactor (before anything imports one) and return it."""
+    if which == "quiet":
         from bottlenet.forward import fastreactor
 
         fastreactor.install()
@@ -70,8 +74,10 @@ def main(argv: list[str] | None = None) -> int:
         epollreactor.install()
     from twisted.internet import reactor
 
-    from bottlenet.forward.table import ForwardTable
+    return reactor
 
+
+def _log_warnings_only() -> None:
     globalLogBeginner.beginLoggingTo(
         [
             FilteringLogObserver(
@@ -81,21 +87,36 @@ def main(argv: list[str] | None = None) -> int:
         ],
         redirectStandardIO=False,
     )
+
+
+def _forward(args: argparse.Namespace) -> tuple[AliasRegistry, ForwardSpec]:
+    """The alias registry and the one forward the arguments name (BottlenetError if bad)."""
+    pool = AliasPool.parse(args.alias_pool)
+    host, _, port_text = args.listen.rpartition(":")
+    registry = AliasRegistry(pool)
+    alias = registry.claim(args.bottle, host)
+    if not port_text.isdigit():
+        raise SystemExit(f"--listen: bad port in {args.listen!r}")
+    spec = ForwardSpec(
+        args.bottle,
+        args.label,
+        TCPListen(alias, int(port_text)),
+        parse_target(args.to),
+        max_connections=args.max_connections,
+    )
+    return registry, spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    reactor = _install_reactor(args.reactor)
+
+    from bottlenet.forward.table import ForwardTable
+
+    _log_warnings_only()
     _raise_nofile()
     try:
-        pool = AliasPool.parse(args.alias_pool)
-        host, _, port_text = args.listen.rpartition(":")
-        registry = AliasRegistry(pool)
-        alias = registry.claim(args.bottle, host)
-        if not port_text.isdigit():
-            raise SystemExit(f"--listen: bad port in {args.listen!r}")
-        spec = ForwardSpec(
-            args.bottle,
-            args.label,
-            TCPListen(alias, int(port_text)),
-            parse_target(args.to),
-            max_connections=args.max_connections,
-        )
+        registry, spec = _forward(args)
     except BottlenetError as e:
         print(f"standalone: {e}", file=sys.stderr)
         return 2

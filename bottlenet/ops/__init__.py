@@ -2,6 +2,7 @@
 
 - :mod:`~bottlenet.ops.logs`: log formats (text, JSON), escaping, rate-limited and aggregated lines.
 - :mod:`~bottlenet.ops.metrics`: the Prometheus ``/metrics`` site and the daemon's recorders.
+- :mod:`~bottlenet.ops.metricsservice`: the ``/metrics`` listener behind its connection cap.
 - :mod:`~bottlenet.ops.sdnotify`: systemd readiness (``READY=1``, ``STOPPING=1``).
 - :mod:`~bottlenet.ops.rlimits`: raising ``RLIMIT_NOFILE`` to what the reactor can use.
 - :mod:`~bottlenet.ops.fatal`: the one way the daemon stops on an error it must not run on with.

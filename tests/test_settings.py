@@ -1,0 +1,220 @@
+"""``settings_from(parsed options)`` in process: every check of the daemon's settings, with a
+good and a bad value, and the exact ``bottlenet: error: ...`` line a bad one ends in.
+
+The numeric flags are checked by their coerce functions while the options are parsed; the
+rest by :func:`bottlenet.settings.settings_from`. Both raise :class:`StartupError` (a
+``SystemExit``), which the runner prints as one line with exit status 1 (the one subprocess
+test of that contract is in ``tests/test_daemon.py``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from bottlenet.settings import (
+    DaemonSettings,
+    Options,
+    StartupError,
+    TLSSettings,
+    bounded_int,
+    bounded_seconds,
+    settings_from,
+)
+
+
+def _settings(tmp_path, *args: str) -> DaemonSettings:  # type: ignore[no-untyped-def]
+    options = Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "s"), *args])
+    return settings_from(options, {"PATH": os.environ.get("PATH", "")})
+
+
+def _error(tmp_path, *args: str) -> str:  # type: ignore[no-untyped-def]
+    with pytest.raises(StartupError) as e:
+        _settings(tmp_path, *args)
+    assert e.value.code == f"bottlenet: error: {e.value.message}"
+    return e.value.message
+
+
+def _tls(tmp_path, **given: str) -> list[str]:  # type: ignore[no-untyped-def]
+    pem = tmp_path / "x.pem"
+    pem.write_text("")
+    values = {"port": "9443", "interface": "127.0.0.1", "key": str(pem), "cert": str(pem)}
+    values |= {"ca": str(pem), **given}
+    return [a for n, v in values.items() for a in (f"--control-tls-{n}", v)]
+
+
+def test_defaults_are_typed_values(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """With no flag, every numeric setting is its default as a number, not the flag's text."""
+    s = _settings(tmp_path)
+    assert (s.connect_timeout, s.max_bottles, s.control_cap, s.metrics_cap) == (10.0, 256, 64, 16)
+    assert (s.budgets.per_bottle_connections, s.budgets.max_connections) == (4096, None)
+    assert s.budgets.idle_timeout == 900.0 and s.budgets.reserved_fds == 256
+    assert s.tls is None and s.relay_engine == "auto" and not s.skip_probe
+    assert s.state_dir == str(tmp_path / "s")
+    assert not os.path.exists(s.state_dir)  # settings touch nothing on disk
+
+
+@pytest.mark.parametrize(
+    ("flag", "good", "bad", "why"),
+    [
+        ("control-max-connections", "4096", ["0", "4097", "many", "-1"], "an integer 1-4096"),
+        ("metrics-max-connections", "1024", ["0", "1025", "1e3"], "an integer 1-1024"),
+        ("max-bottles", "65536", ["0", "65537", "+5", " 5"], "an integer 1-65536"),
+        ("max-bottle-connections", "1048576", ["0", "1048577", "5_0"], "an integer 1-1048576"),
+        ("max-connections", "1", ["0", "1048577", "²"], "an integer 1-1048576"),
+        ("control-tls-port", "65535", ["0", "65536", "https"], "a port 1-65535"),
+        ("connect-timeout", "600", ["0", "600.5", "-1", "nan", "soon"], "in (0, 600]"),
+        ("idle-timeout", "0", ["-1", "604801", "nan", "inf", "x"], "0-604800 (0: off)"),
+    ],
+)
+def test_numeric_flags_are_checked_while_parsing(  # type: ignore[no-untyped-def]
+    tmp_path, flag: str, good: str, bad: list[str], why: str
+) -> None:
+    """A numeric flag out of its range is one typed line naming the flag and its range."""
+    options = Options()
+    options.parseOptions([f"--{flag}", good])
+    assert options[flag] == float(good)
+    for value in bad:
+        with pytest.raises(StartupError) as e:
+            Options().parseOptions([f"--{flag}", value])
+        noun = "a number of seconds" if "timeout" in flag else "must be"
+        assert e.value.message.startswith(f"--{flag}: must be ") and why in e.value.message
+        assert noun in e.value.message
+
+
+def test_numeric_flags_reach_the_settings(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Each checked number lands in its setting, and a TLS listener doubles the fd reserve."""
+    s = _settings(
+        tmp_path,
+        *["--connect-timeout", "2.5", "--max-bottles", "7", "--control-max-connections", "100"],
+        *["--metrics-max-connections", "3", "--max-bottle-connections", "9"],
+        *["--max-connections", "11", "--idle-timeout", "0"],
+        *_tls(tmp_path),
+    )
+    assert (s.connect_timeout, s.max_bottles, s.control_cap, s.metrics_cap) == (2.5, 7, 100, 3)
+    budgets = s.budgets
+    assert (budgets.per_bottle_connections, budgets.max_connections) == (9, 11)
+    assert budgets.idle_timeout == 0.0
+    assert budgets.reserved_fds == 4 * 100 * 2
+
+
+def test_coerce_functions_document_their_range() -> None:
+    """``--help`` shows each coerce function's range (Twisted prints ``coerceDoc``)."""
+    assert bounded_int(1, 9).coerceDoc == "An integer 1-9."  # type: ignore[attr-defined]
+    assert bounded_int(1, 9, "a port").coerceDoc == "A port 1-9."  # type: ignore[attr-defined]
+    off = bounded_seconds(5, zero_is_off=True)
+    assert off.coerceDoc == "Seconds 0-5 (0: off)."  # type: ignore[attr-defined]
+    assert "Seconds in (0, 600]." in str(Options())
+
+
+def test_relay_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--relay-engine`` names one of the engines; anything else is refused while parsing."""
+    assert _settings(tmp_path, "--relay-engine", "portable").relay_engine == "portable"
+    with pytest.raises(StartupError) as e:
+        Options().parseOptions(["--relay-engine", "fast"])
+    assert e.value.message == (
+        "--relay-engine: unknown relay engine 'fast' (choose from auto, splice, portable)"
+    )
+
+
+def test_alias_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--alias-pool`` must be a loopback network; a good one is the settings' pool."""
+    assert str(_settings(tmp_path, "--alias-pool", "127.88.0.0/16").pool.network) == "127.88.0.0/16"
+    assert _error(tmp_path, "--alias-pool", "0.0.0.0/0").startswith("--alias-pool: ")
+
+
+def test_config_file(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--config`` is read and checked here: a bad key is one line naming file and key."""
+    good = tmp_path / "good.toml"
+    good.write_text("[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n")
+    s = _settings(tmp_path, "--config", str(good))
+    assert [b.name for b in s.config.bottles] == ["demo"] and s.config_path == str(good)
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[[bottle]]\nname = 'demo'\nalias = '127.0.0.1'\n")
+    assert _error(tmp_path, "--config", str(bad)) == (
+        f"{bad}: bottle[0].alias: alias 127.0.0.1 is not in the alias pool 127.77.0.0/16"
+    )
+
+
+def test_metrics_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--metrics``: a UNIX socket in the state dir by default, ``none``, a loopback TCP
+    port, or one typed line; a state dir too long for a socket path serves none."""
+    s = _settings(tmp_path)
+    assert s.metrics is not None and s.metrics.kind == "unix"
+    assert s.metrics.path == str(tmp_path / "s" / "metrics.sock")
+    assert _settings(tmp_path, "--metrics", "none").metrics is None
+    tcp = _settings(tmp_path, "--metrics", "tcp:9100:interface=127.0.0.1").metrics
+    assert tcp is not None and (tcp.kind, tcp.port) == ("tcp", 9100)
+    assert _error(tmp_path, "--metrics", "tcp:9100").startswith("--metrics: metrics endpoint")
+    long_dir = tmp_path / ("d" * 120)
+    assert _settings(long_dir).metrics is None
+
+
+def test_tls_options_all_or_none(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """All five ``--control-tls-*`` options or none; each PEM must be a file."""
+    pem = str(tmp_path / "x.pem")
+    s = _settings(tmp_path, *_tls(tmp_path))
+    assert s.tls == TLSSettings(9443, "127.0.0.1", pem, pem, pem)
+    assert _error(tmp_path, "--control-tls-port", "9443") == (
+        "--control-tls-port also needs --control-tls-interface, --control-tls-key, "
+        "--control-tls-cert, --control-tls-ca"
+    )
+    missing = str(tmp_path / "nope.pem")
+    assert _error(tmp_path, *_tls(tmp_path, ca=missing)) == (
+        f"--control-tls-ca: {missing} is not a readable file"
+    )
+
+
+def test_gate_targets(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The gate's outside target and DNS name are checked; the daemon's own TCP ports (TLS,
+    metrics) are the ports the gate must find closed."""
+    s = _settings(
+        tmp_path,
+        *["--gate-outside", "192.0.2.7:80", "--gate-dns-name", "example.test"],
+        *["--metrics", "tcp:9100:interface=127.0.0.1", *_tls(tmp_path)],
+    )
+    assert (s.gate.outside, s.gate.dns_name, s.gate.host_ports) == (
+        "192.0.2.7:80",
+        "example.test",
+        (9443, 9100),
+    )
+    for flag, value in (("--gate-outside", "nowhere"), ("--gate-dns-name", "Not A Name")):
+        assert _error(tmp_path, flag, value).startswith("--gate-outside/--gate-dns-name: ")
+
+
+def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A ``--control`` that is neither unix:PATH, an absolute PATH nor systemd: is one line;
+    a good one gives its socket path (which no forward may target)."""
+    path = str(tmp_path / "run" / "c.sock")
+    s = _settings(tmp_path, "--control", f"unix:{path}")
+    assert (s.control, s.control_path) == (f"unix:{path}", path)
+    assert os.path.dirname(path) in s.protected_dirs
+    assert _settings(tmp_path, "--control", "systemd:domain=UNIX:name=c").control_path is None
+    assert _error(tmp_path, "--control", "relative/c.sock") == (
+        "--control must be unix:PATH, an absolute PATH or systemd:domain=UNIX:name=N, not "
+        "'relative/c.sock': use the TLS options for remote control"
+    )
+
+
+def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--smolvm`` and ``--smolvm-data-dir`` are checked here (the binary is found once)."""
+    data_dir = str(tmp_path / "smolvm-data")  # pytest's tmp_path is over 50 bytes
+    size = len(os.fsencode(data_dir))
+    assert _error(tmp_path, "--smolvm-data-dir", data_dir) == (
+        f"--smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): smolvm binds "
+        "per-machine UNIX sockets below it"
+    )
+    assert not os.path.exists(data_dir)
+    missing = str(tmp_path / "smolvm-typo")
+    assert _error(tmp_path, "--smolvm", missing) == f"--smolvm {missing}: no such file"
+    s = _settings(tmp_path, "--smolvm-data-dir", "/tmp/sv")
+    assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_dirs
+    assert _settings(tmp_path).smolvm.data_dir == str(tmp_path / "s" / "smolvm")
+
+
+def test_allowed_uids_and_skip_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--allow-uid`` adds to the daemon's own uid; the unsafe flag reaches the settings."""
+    s = _settings(tmp_path, "--allow-uid", "4242", "--unsafe-skip-isolation-probe")
+    assert s.allowed_uids == {os.geteuid(), 4242} and s.skip_probe
