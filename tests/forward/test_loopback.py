@@ -155,7 +155,7 @@ class Base(unittest.TestCase):
         assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
 
     def sessions(self, label: str = "web") -> list[Any]:
-        return list(self.table._forwards[("b1", label)].sessions)
+        return list(self.table.sessions("b1", label))
 
     async def until(self, cond: Any, what: str) -> None:
         for _ in range(500):
@@ -337,10 +337,10 @@ class LimitTests(Base):
         info = await self.forward(target)
         assert isinstance(info.bound, TCPListen)
         clients = [await self._echo_client(info) for _ in range(2)]
-        fwd = self.table._forwards[("b1", "web")]
-        relay_sockets = {os.readlink(f"/proc/self/fd/{fwd.port.fileno()}")}  # type: ignore[union-attr]
+        port = self.table.port("b1", "web")
+        relay_sockets = {os.readlink(f"/proc/self/fd/{port.fileno()}")}  # type: ignore[union-attr]
         self.check_engine()
-        for s in fwd.sessions:
+        for s in self.table.sessions("b1", "web"):
             for sk in relay_socks(s):
                 relay_sockets.add(os.readlink(f"/proc/self/fd/{sk.fileno()}"))
         assert len(relay_sockets) == 5
@@ -363,7 +363,7 @@ class SocketOptionTests(Base):
         info = await self.forward(self.target(Echo))
         assert isinstance(info.bound, TCPListen) and info.bound.port != 0
         assert info.bound.alias == ipaddress.IPv4Address(ALIAS)
-        port = self.table._forwards[("b1", "web")].port
+        port = self.table.port("b1", "web")
         lsock = port.socket  # type: ignore[union-attr]
         assert lsock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
         assert lsock.getsockname() == (ALIAS, info.bound.port)

@@ -133,9 +133,9 @@ def test_refusal_logs_are_rate_limited() -> None:
     clock = Clock()
     table = ForwardTable(clock, registry_with(("b1", OWN)), state_dir="/nonexistent")
     spec = ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(OWN), 0), TCPTarget(LOOP, 9), 1)
-    from bottlenet.forward.table import _Forward
+    from bottlenet.forward.table import _ForwardFactory
 
-    fwd = _Forward(table, spec, table._target_endpoint(spec), table.engine_factory)
+    fwd = _ForwardFactory(table, spec, table._target_endpoint(spec), table.engine_factory)
     with capturedLogs() as events:
         assert fwd.buildProtocol(None) is not None
         for _ in range(100):
