@@ -49,6 +49,8 @@ from bottlenet.waiters import OneShot
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress, IReactorTime
 
+    from bottlenet.forward.capabilities import SocketStartingEngine
+
 #: Largest single read from a leg (also the per-leg write high-water mark, see ``bufferSize``).
 READ_SIZE = 256 * 1024
 
@@ -571,7 +573,8 @@ class RelaySession:
                 sock.setblocking(False)
                 engine = self._engine_factory(self._engine_ended)
                 self.engine = engine
-                engine.start_sockets(sock, out)  # type: ignore[attr-defined]
+                starter: SocketStartingEngine = engine  # type: ignore[assignment]
+                starter.start_sockets(sock, out)
             except BaseException:
                 out.close()
                 raise

@@ -209,6 +209,7 @@ class SpliceEngines:
         self._closing: list[tuple[SpliceRelay, Outcome]] = []
         self._close_call: IDelayedCall | None = None
         self._close_after_batch = False
+        # capabilities.BatchingReactor, each method where the reactor has it (fastreactor).
         self._after_batch: Callable[[Callable[[], object]], bool] | None = getattr(
             reactor, "call_after_batch", None
         )
@@ -620,6 +621,7 @@ class SpliceRelay:
 
 
 def _detachable(transport: object) -> bool:
+    """Whether ``transport`` is a ``capabilities.DetachableTransport`` ready to hand over."""
     check = getattr(transport, "detachable", None)
     return check is not None and bool(check())
 

@@ -49,6 +49,11 @@ from bottlenet.forward.budget import (
     ConnectionBudget,
     IdleSweep,
 )
+from bottlenet.forward.capabilities import (
+    ClosableEngines,
+    FdBudgetedEngines,
+    SocketStartingEngines,
+)
 from bottlenet.forward.connect import FastClientEndpoint
 from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
 from bottlenet.forward.ratelimit import RateLimitedLogger
@@ -179,13 +184,18 @@ class _ForwardFactory(Factory):
         self.diverted: Factory | None = None
         #: Offered to the listener: accepted sockets skip transports when the engine can start
         #: from bare sockets (splice) and the target endpoint can hand one over (fast connect).
+        engines: object = engine_factory  # a callable that may offer more (see capabilities)
         self.accept_socket: (
             Callable[[socket.socket, Callable[[Leg], object]], bool | None] | None
         ) = (
             self._accept_socket
-            if hasattr(engine_factory, "start_sockets_supported")
-            and isinstance(target, FastClientEndpoint)
+            if isinstance(engines, SocketStartingEngines) and isinstance(target, FastClientEndpoint)
             else None
+        )
+        #: Offered to the listener: the SO_PEERCRED check, only where it can apply (a UNIX
+        #: endpoint on a platform that has it); TCP listeners never call it.
+        self.admit_peer: Callable[[socket.socket], bool] | None = (
+            self._admit_peer if isinstance(spec.listen, UNIXListen) and HAS_PEERCRED else None
         )
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
@@ -222,12 +232,12 @@ class _ForwardFactory(Factory):
         self.table.idle.started(session)
         return session
 
-    def admit_peer(self, sock: socket.socket) -> bool:
-        """The listener's peer check: a UNIX endpoint of a bottle with admitted uids takes a
-        connection only from one of them (``SO_PEERCRED``), as the control socket does."""
+    def _admit_peer(self, sock: socket.socket) -> bool:
+        """The listener's peer check (UNIX endpoints only): a bottle with admitted uids takes
+        a connection only from one of them (``SO_PEERCRED``), as the control socket does."""
         uids = self.table.peers.get(self.spec.bottle)
-        if uids is None or not isinstance(self.spec.listen, UNIXListen) or not HAS_PEERCRED:
-            return True  # no SO_PEERCRED (macOS): the file modes decide, as before
+        if uids is None:
+            return True  # no uids given for this bottle: the file modes decide, as before
         if peer_uid(sock) in uids:
             return True
         self.refused += 1
@@ -282,7 +292,7 @@ class _ForwardFactory(Factory):
                 # The connect could not get a socket: stop accepting for a while (the
                 # listener's EMFILE backoff) so further clients wait in the backlog instead of
                 # being accepted only to be reset.
-                exhausted = getattr(self.port, "exhausted", None)
+                exhausted = getattr(self.port, "exhausted", None)  # ExhaustiblePort
                 if exhausted is not None:
                     exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
@@ -390,14 +400,16 @@ class ForwardTable(Service):
         self._removing: dict[Key, OneShot[None]] = {}
         self._stopping = False
         clock = reactor if clock is None else clock
+        engines: object = self.engine_factory
+        budgeted = engines if isinstance(engines, FdBudgetedEngines) else None
         self.budget = ConnectionBudget(
             per_bottle=per_bottle_connections,
             total=max_connections,
             listeners=lambda: len(self._forwards),
             bottles=lambda: len({b for b, _ in self._forwards}),
             reserved=reserved_fds,
-            fds_per_relay=getattr(self.engine_factory, "fds_per_relay", 2),
-            engine_fds=getattr(self.engine_factory, "engine_fds", 0),
+            fds_per_relay=budgeted.fds_per_relay if budgeted is not None else 2,
+            engine_fds=budgeted.engine_fds if budgeted is not None else 0,
         )
         self.idle = IdleSweep(clock, idle_timeout, self._relay_idle)
         #: Relays aborted by the idle timeout.
@@ -433,9 +445,9 @@ class ForwardTable(Service):
 
         def stopped(_: object) -> None:
             self.idle.stop()
-            close = getattr(self.engine_factory, "close", None)
-            if close is not None:
-                close()  # pooled pipes: no relay is left that could use them
+            engines: object = self.engine_factory
+            if isinstance(engines, ClosableEngines):
+                engines.close()  # pooled pipes: no relay is left that could use them
 
         return defer.gatherResults(waits, consumeErrors=True).addCallback(stopped)
 
