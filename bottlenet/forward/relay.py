@@ -573,12 +573,13 @@ class RelaySession:
                 sock.setblocking(False)
                 engine = self._engine_factory(self._engine_ended)
                 self.engine = engine
+                # RELAYING before the start: an engine that ended inside it stays ENDED.
+                self.phase = _RELAYING
                 starter: SocketStartingEngine = engine  # type: ignore[assignment]
                 starter.start_sockets(sock, out)
             except BaseException:
                 out.close()
                 raise
-            self.phase = _RELAYING
             if self._paused:
                 engine.pauseProducing()
             return
@@ -679,8 +680,8 @@ class RelaySession:
             return
         engine = self._engine_factory(self._engine_ended)
         self.engine = engine
+        self.phase = _RELAYING  # before the start, as in start_accepted
         engine.start(self.inbound, leg)
-        self.phase = _RELAYING
         if self._paused:
             engine.pauseProducing()
 
