@@ -7,6 +7,7 @@ command's own exit code from ``exec`` is a result, not an error.
 from __future__ import annotations
 
 import fcntl
+import functools
 import json
 import math
 import os
@@ -15,7 +16,7 @@ import struct
 import termios
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
@@ -48,6 +49,7 @@ from vmctl.spec import (
 )
 
 T = TypeVar("T")
+P = ParamSpec("P")
 
 #: The oldest smolvm vmctl drives. 1.8.0 is the first with ``machine create --label`` and
 #: ``labels`` in ``ls --json`` (every create sends labels, recovery finds our machines by
@@ -289,8 +291,17 @@ def machine_argv(
     return [*args, *rest]
 
 
-def _coro(c: Coroutine[Deferred[Any], Any, T]) -> Deferred[T]:
-    return Deferred.fromCoroutine(c)
+def as_deferred(
+    method: Callable[P, Coroutine[Deferred[Any], Any, T]],
+) -> Callable[P, Deferred[T]]:
+    """The API's one wrapper: a coroutine method called as a method that returns a Deferred
+    (callers add callbacks, cancel it, or await it; a bad argument fails the Deferred)."""
+
+    @functools.wraps(method)
+    def call(*args: P.args, **kwargs: P.kwargs) -> Deferred[T]:
+        return Deferred.fromCoroutine(method(*args, **kwargs))
+
+    return call
 
 
 class Smolvm:
@@ -504,18 +515,15 @@ class Smolvm:
 
     # -- API --------------------------------------------------------------------------
 
-    def version(self) -> Deferred[SmolvmVersion]:
+    @as_deferred
+    async def version(self) -> SmolvmVersion:
         """Run ``smolvm --version`` (and learn its features); UnsupportedVersion below
         MIN_VERSION."""
-
-        async def go() -> SmolvmVersion:
-            if not self.check_version:
-                return await self._version_call()
-            await self._learned()  # shared with the gate: each probe runs once
-            assert self._version is not None
-            return self._version
-
-        return _coro(go())
+        if not self.check_version:
+            return await self._version_call()
+        await self._learned()  # shared with the gate: each probe runs once
+        assert self._version is not None
+        return self._version
 
     @property
     def known_version(self) -> SmolvmVersion | None:
@@ -527,87 +535,71 @@ class Smolvm:
         """What the CLI offers, once the gate has run."""
         return self._features
 
-    def create(self, spec: MachineSpec) -> Deferred[None]:
+    @as_deferred
+    async def create(self, spec: MachineSpec) -> None:
         """``machine create``: validates ``spec`` (including the device budget) first."""
+        validate_spec(spec, self.device_budget)
+        await self._gate()
+        features = self._features
+        if features is not None:
+            if spec.expose_sockets and not features.expose_socket:
+                raise UnsupportedVersion(f"smolvm {self._version} has no --expose-socket")
+            if spec.user is not None and not features.user:
+                raise UnsupportedVersion(f"smolvm {self._version} has no create --user")
+            if spec.block_private and not features.block_private:
+                raise UnsupportedVersion(f"smolvm {self._version} has no --block-private")
+        await self._call("create", create_args(spec)[2:], self.timeouts.create)
 
-        async def go() -> None:
-            validate_spec(spec, self.device_budget)
-            await self._gate()
-            features = self._features
-            if features is not None:
-                if spec.expose_sockets and not features.expose_socket:
-                    raise UnsupportedVersion(f"smolvm {self._version} has no --expose-socket")
-                if spec.user is not None and not features.user:
-                    raise UnsupportedVersion(f"smolvm {self._version} has no create --user")
-                if spec.block_private and not features.block_private:
-                    raise UnsupportedVersion(f"smolvm {self._version} has no --block-private")
-            await self._call("create", create_args(spec)[2:], self.timeouts.create)
-
-        return _coro(go())
-
-    def start(self, name: str) -> Deferred[int | None]:
+    @as_deferred
+    async def start(self, name: str) -> int | None:
         """``machine start``: fires with the VM process pid once smolvm reports it ready.
 
         A start that fails, times out or is cancelled may leave a VMM behind whose record is
         not ``running``; only ``stop`` kills it, so undo with :meth:`remove`, never a bare
         :meth:`delete`.
         """
+        validate_name(name)
+        result = await self._call("start", ["--name", name], self.timeouts.start)
+        m = _PID.search(result.stdout.decode("utf-8", "replace"))
+        return int(m.group(1)) if m else None
 
-        async def go() -> int | None:
-            validate_name(name)
-            result = await self._call("start", ["--name", name], self.timeouts.start)
-            m = _PID.search(result.stdout.decode("utf-8", "replace"))
-            return int(m.group(1)) if m else None
-
-        return _coro(go())
-
-    def stop(self, name: str) -> Deferred[None]:
+    @as_deferred
+    async def stop(self, name: str) -> None:
         """``machine stop``: succeeds too when the machine was not running, and kills a VMM
         left behind by a start that never finished."""
+        validate_name(name)
+        await self._call("stop", ["--name", name], self.timeouts.stop)
 
-        async def go() -> None:
-            validate_name(name)
-            await self._call("stop", ["--name", name], self.timeouts.stop)
-
-        return _coro(go())
-
-    def delete(self, name: str) -> Deferred[None]:
+    @as_deferred
+    async def delete(self, name: str) -> None:
         """``machine delete -f`` (always forced: without it smolvm stops, then prompts).
 
         It kills nothing when the record is not ``running``: use :meth:`remove`.
         """
+        validate_name(name)
+        await self._call("delete", ["--name", name, "-f"], self.timeouts.delete)
 
-        async def go() -> None:
-            validate_name(name)
-            await self._call("delete", ["--name", name, "-f"], self.timeouts.delete)
-
-        return _coro(go())
-
-    def remove(self, name: str) -> Deferred[bool]:
+    @as_deferred
+    async def remove(self, name: str) -> bool:
         """Stop, then ``delete -f``: no VMM outlives its record. Fires True if it existed.
 
         A failed stop does not prevent the delete (the machine must not stay listed), but it
         is logged; NotFound at either step means the machine is already gone.
         """
+        try:
+            await self.stop(name)
+        except NotFound:
+            return False
+        except VmctlError as e:
+            self.log.warn("stop of {name} failed: {err}; deleting anyway", name=name, err=e.message)
+        try:
+            await self.delete(name)
+        except NotFound:
+            return False
+        return True
 
-        async def go() -> bool:
-            try:
-                await self.stop(name)
-            except NotFound:
-                return False
-            except VmctlError as e:
-                self.log.warn(
-                    "stop of {name} failed: {err}; deleting anyway", name=name, err=e.message
-                )
-            try:
-                await self.delete(name)
-            except NotFound:
-                return False
-            return True
-
-        return _coro(go())
-
-    def exec(
+    @as_deferred
+    async def exec(
         self,
         name: str,
         argv: Sequence[str],
@@ -617,7 +609,7 @@ class Smolvm:
         workdir: str | None = None,
         detach: bool = False,
         user: str | None = None,
-    ) -> Deferred[ExecResult]:
+    ) -> ExecResult:
         """``machine exec``: the guest's exit code is returned, smolvm's failures raised.
 
         With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
@@ -629,62 +621,55 @@ class Smolvm:
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
         (or a clap usage error, exit 2).
         """
+        # Refuse bad values before anything is spawned (the gate included).
+        exec_args(name, argv, env, workdir, stdin is not None, detach, user)
+        await self._gate()
+        features = self._features or Features()
+        if user is not None and not features.exec_user:
+            raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+        seconds = timeout or self.timeouts.exec
+        guest_timeout = max(1, math.ceil(seconds)) if features.exec_timeout and not detach else None
+        rest = exec_args(
+            name,
+            argv,
+            env,
+            workdir,
+            interactive=stdin is not None,
+            detach=detach,
+            user=user,
+            guest_timeout=guest_timeout,
+        )[2:]
 
-        async def go() -> ExecResult:
-            # Refuse bad values before anything is spawned (the gate included).
-            exec_args(name, argv, env, workdir, stdin is not None, detach, user)
-            await self._gate()
-            features = self._features or Features()
-            if user is not None and not features.exec_user:
-                raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
-            seconds = timeout or self.timeouts.exec
-            guest_timeout = (
-                max(1, math.ceil(seconds)) if features.exec_timeout and not detach else None
-            )
-            rest = exec_args(
-                name,
-                argv,
-                env,
-                workdir,
-                interactive=stdin is not None,
-                detach=detach,
-                user=user,
-                guest_timeout=guest_timeout,
-            )[2:]
+        def check(result: ProcResult) -> None:
+            # A guest's non-zero exit is a result ("ok"); only smolvm's own failure raises.
+            if result.exit_code is None:
+                raise classify(result.stderr, result.exit_code, "machine exec", result.signal)
+            if _exec_smolvm_failure(result, name):
+                raise _exec_error(result, name)
 
-            def check(result: ProcResult) -> None:
-                # A guest's non-zero exit is a result ("ok"); only smolvm's own failure raises.
-                if result.exit_code is None:
-                    raise classify(result.stderr, result.exit_code, "machine exec", result.signal)
-                if _exec_smolvm_failure(result, name):
-                    raise _exec_error(result, name)
+        # vmctl's own timeout only backs up smolvm's: a little later, so the guest's 124
+        # is seen rather than a killed CLI.
+        budget = seconds + (EXEC_TIMEOUT_MARGIN if guest_timeout is not None else 0.0)
+        result = await self._run(self.machine_args("exec", *rest), budget, stdin=stdin, check=check)
+        assert result.exit_code is not None
+        self.log.info(
+            "exec in {name}: guest exit {code}, out={nout}B err={nerr}B",
+            name=name,
+            code=result.exit_code,
+            nout=len(result.stdout),
+            nerr=len(result.stderr),
+        )
+        return ExecResult(
+            exit_code=result.exit_code,
+            stdout=result.stdout,
+            stderr=result.stderr,
+            duration=result.duration,
+            stdout_truncated=result.stdout_truncated,
+            stderr_truncated=result.stderr_truncated,
+        )
 
-            # vmctl's own timeout only backs up smolvm's: a little later, so the guest's 124
-            # is seen rather than a killed CLI.
-            budget = seconds + (EXEC_TIMEOUT_MARGIN if guest_timeout is not None else 0.0)
-            result = await self._run(
-                self.machine_args("exec", *rest), budget, stdin=stdin, check=check
-            )
-            assert result.exit_code is not None
-            self.log.info(
-                "exec in {name}: guest exit {code}, out={nout}B err={nerr}B",
-                name=name,
-                code=result.exit_code,
-                nout=len(result.stdout),
-                nerr=len(result.stderr),
-            )
-            return ExecResult(
-                exit_code=result.exit_code,
-                stdout=result.stdout,
-                stderr=result.stderr,
-                duration=result.duration,
-                stdout_truncated=result.stdout_truncated,
-                stderr_truncated=result.stderr_truncated,
-            )
-
-        return _coro(go())
-
-    def spawn_exec(
+    @as_deferred
+    async def spawn_exec(
         self,
         name: str,
         argv: Sequence[str],
@@ -696,7 +681,7 @@ class Smolvm:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         stdio: tuple[int, int, int] | None = None,
-    ) -> Deferred[IProcessTransport]:
+    ) -> IProcessTransport:
         """``machine exec -i [-t]`` attached to ``protocol``: the caller streams its stdio.
 
         With ``stdio`` (no ``tty``) the child's fds 0, 1, 2 are copies of those fds instead:
@@ -709,93 +694,80 @@ class Smolvm:
         line or its output is logged here. The caller ends the child (``signalProcess``)
         when its client goes away; smolvm then ends the guest command.
         """
-
-        async def go() -> IProcessTransport:
-            exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
-            await self._gate()
-            if user is not None and not (self._features or Features()).exec_user:
-                raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
-            if self.binary is None:
-                raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
-            reactor: Any = self.runner.reactor
-            rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
-            full = [self.binary, *self.machine_args("exec", *rest)]
-            self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)
-            if not tty:
-                fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r"}
-                if stdio is not None:
-                    fds = dict(enumerate(stdio))
-                transport: IProcessTransport = reactor.spawnProcess(
-                    protocol, self.binary, full, env=self.env, childFDs=fds
-                )
-                return transport
-            master, slave = os.openpty()
-            try:
-                if size is not None:
-                    set_pty_size(slave, *size)
-                transport = reactor.spawnProcess(
-                    protocol,
-                    self.binary,
-                    full,
-                    env=self.env,
-                    usePTY=(master, slave, os.ttyname(slave)),
-                )
-            except BaseException:
-                os.close(master)
-                os.close(slave)
-                raise
+        exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
+        await self._gate()
+        if user is not None and not (self._features or Features()).exec_user:
+            raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+        if self.binary is None:
+            raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
+        reactor: Any = self.runner.reactor
+        rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
+        full = [self.binary, *self.machine_args("exec", *rest)]
+        self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)
+        if not tty:
+            fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r"}
+            if stdio is not None:
+                fds = dict(enumerate(stdio))
+            transport: IProcessTransport = reactor.spawnProcess(
+                protocol, self.binary, full, env=self.env, childFDs=fds
+            )
             return transport
+        master, slave = os.openpty()
+        try:
+            if size is not None:
+                set_pty_size(slave, *size)
+            transport = reactor.spawnProcess(
+                protocol,
+                self.binary,
+                full,
+                env=self.env,
+                usePTY=(master, slave, os.ttyname(slave)),
+            )
+        except BaseException:
+            os.close(master)
+            os.close(slave)
+            raise
+        return transport
 
-        return _coro(go())
-
-    def list(
+    @as_deferred
+    async def list(
         self, labels: Mapping[str, str] | None = None, include_ephemeral: bool = False
-    ) -> Deferred[list[Machine]]:
+    ) -> list[Machine]:
         """``machine ls --json``, keeping machines that carry every ``labels`` pair."""
+        result = await self._call("ls", ["--json"], self.timeouts.query)
+        data = _json(result, "machine ls")
+        if not isinstance(data, list):
+            raise SmolvmFailed("smolvm machine ls --json did not print a JSON array")
+        machines = [m for m in map(Machine.from_json, data) if m is not None]
+        if len(machines) != len(data):
+            self.log.warn("ignored {n} malformed ls entries", n=len(data) - len(machines))
+        want = dict(labels or {})
+        return [
+            m
+            for m in machines
+            if (include_ephemeral or not m.ephemeral)
+            and all(m.labels.get(k) == v for k, v in want.items())
+        ]
 
-        async def go() -> list[Machine]:
-            result = await self._call("ls", ["--json"], self.timeouts.query)
-            data = _json(result, "machine ls")
-            if not isinstance(data, list):
-                raise SmolvmFailed("smolvm machine ls --json did not print a JSON array")
-            machines = [m for m in map(Machine.from_json, data) if m is not None]
-            if len(machines) != len(data):
-                self.log.warn("ignored {n} malformed ls entries", n=len(data) - len(machines))
-            want = dict(labels or {})
-            return [
-                m
-                for m in machines
-                if (include_ephemeral or not m.ephemeral)
-                and all(m.labels.get(k) == v for k, v in want.items())
-            ]
-
-        return _coro(go())
-
-    def status(self, name: str) -> Deferred[Machine]:
+    @as_deferred
+    async def status(self, name: str) -> Machine:
         """``machine status --json`` for one machine (NotFound when it does not exist)."""
+        validate_name(name)
+        result = await self._call("status", ["--name", name, "--json"], self.timeouts.query)
+        machine = Machine.from_json(_json(result, "machine status"))
+        if machine is None or machine.name != name:
+            raise SmolvmFailed(f"smolvm machine status --json gave no record for {name}")
+        return machine
 
-        async def go() -> Machine:
-            validate_name(name)
-            result = await self._call("status", ["--name", name, "--json"], self.timeouts.query)
-            machine = Machine.from_json(_json(result, "machine status"))
-            if machine is None or machine.name != name:
-                raise SmolvmFailed(f"smolvm machine status --json gave no record for {name}")
-            return machine
-
-        return _coro(go())
-
-    def data_dir(self, name: str) -> Deferred[str]:
+    @as_deferred
+    async def data_dir(self, name: str) -> str:
         """``machine data-dir``: the machine's per-VM state directory on the host."""
-
-        async def go() -> str:
-            validate_name(name)
-            result = await self._call("data-dir", ["--name", name], self.timeouts.query)
-            path = result.stdout.decode("utf-8", "replace").strip()
-            if not path or "\n" in path or not os.path.isabs(path):
-                raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
-            return path
-
-        return _coro(go())
+        validate_name(name)
+        result = await self._call("data-dir", ["--name", name], self.timeouts.query)
+        path = result.stdout.decode("utf-8", "replace").strip()
+        if not path or "\n" in path or not os.path.isabs(path):
+            raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
+        return path
 
 
 _EXEC_FAILURES = re.compile(

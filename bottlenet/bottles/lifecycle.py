@@ -964,6 +964,10 @@ class VMLifecycle:
             w.cancel()
         self.bridges.stop(name)
 
+    def watched(self) -> frozenset[str]:
+        """The bottles whose sidecar VM is watched now."""
+        return frozenset(self._watches)
+
     def unwatch_all(self) -> None:
         for name in list(self._watches):
             self.unwatch(name)

@@ -60,7 +60,8 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
-from bottlenet.forward.table import ForwardInfo, ForwardTable, LazyView
+from bottlenet.forward.table import ForwardInfo, ForwardTable
+from bottlenet.views import LazyView
 
 T = TypeVar("T")
 

@@ -27,6 +27,7 @@ from bottlenet.bottles.specrules import (
     SIDECAR_CPUS,
     SIDECAR_MEM,
     USER_RE,
+    ListenKind,
     check_abs_path,
     check_allow_hosts,
     check_egress_host,
@@ -85,7 +86,7 @@ class SidecarSpec:
     mem: int
     services: tuple[ServiceSpec, ...]
     egress: EgressSpec | None
-    listen: str = LISTEN_UNIX
+    listen: ListenKind = LISTEN_UNIX
 
 
 class BridgeMode(StrEnum):
@@ -229,6 +230,7 @@ def _sidecar(raw: object) -> SidecarSpec:
             'sidecar.listen: must be "unix" (services on guest UNIX sockets, the default) '
             'or "tcp" (raw ports on host 127.0.0.1 that every local user can reach)'
         )
+    listen = ListenKind(listen)
     cpus = f.integer("cpus", SIDECAR_CPUS[0], SIDECAR_CPUS[1], default=SIDECAR_CPUS[2])
     mem = f.integer("mem", SIDECAR_MEM[0], SIDECAR_MEM[1], default=SIDECAR_MEM[2])
     raw_services = f.get("service", [])

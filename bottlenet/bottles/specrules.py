@@ -16,6 +16,7 @@ import os
 import re
 import string
 from collections.abc import Iterable, Mapping
+from enum import StrEnum
 
 import idna
 
@@ -24,9 +25,17 @@ from bottlenet.forward.spec import check_label as check_label
 from bottlenet.paths import MAX_SUN_PATH
 
 MODES = ("auto", "alias", "socket", "none")
-#: ``sidecar.listen``: services on guest UNIX sockets (the default) or raw host TCP ports.
-LISTEN_UNIX = "unix"
-LISTEN_TCP = "tcp"
+
+
+class ListenKind(StrEnum):
+    """``sidecar.listen``: services on guest UNIX sockets (the default) or raw host TCP ports."""
+
+    UNIX = "unix"
+    TCP = "tcp"
+
+
+LISTEN_UNIX = ListenKind.UNIX
+LISTEN_TCP = ListenKind.TCP
 #: ``agent.user``: a user name of the image or ``uid[:gid]`` (smolvm's ``exec -u``).
 USER_RE = re.compile(r"([a-z_][a-z0-9_-]{0,31}|[0-9]{1,10})(:[0-9]{1,10})?")
 MAX_ALLOW_HOSTS = 256

@@ -60,7 +60,7 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
-from bottlenet.forward.table import LazyView
+from bottlenet.views import LazyView
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle

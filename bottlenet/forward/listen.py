@@ -145,8 +145,9 @@ class _BackoffAccept(_PortBase):
         family, type_, proto = self._sock_args
         factory = self.factory
         assert factory is not None
-        fast = getattr(factory, "accept_socket", None)
-        # Who may connect at all (a UNIX endpoint's SO_PEERCRED uid), before any relay.
+        fast = getattr(factory, "accept_socket", None)  # capabilities.SocketAcceptingFactory
+        # Who may connect at all (a UNIX endpoint's SO_PEERCRED uid), before any relay
+        # (capabilities.PeerCheckingFactory).
         peer_ok = getattr(factory, "admit_peer", None)
         limit = self.numberAccepts
         accepted = 0

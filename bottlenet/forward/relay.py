@@ -23,6 +23,7 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Callable
+from enum import Enum, StrEnum
 from typing import TYPE_CHECKING, cast
 from typing import Protocol as TypingProtocol
 
@@ -43,9 +44,12 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 import twisted
+from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress, IReactorTime
+
+    from bottlenet.forward.capabilities import SocketStartingEngine
 
 #: Largest single read from a leg (also the per-leg write high-water mark, see ``bufferSize``).
 READ_SIZE = 256 * 1024
@@ -54,10 +58,41 @@ READ_SIZE = 256 * 1024
 #: (see ``tests/forward/test_eager_pin.py``). Any other version falls back to plain write().
 EAGER_VERIFIED_TWISTED = frozenset({"26.10.0"})
 
-OUTCOME_CLOSED = "closed"  # both directions finished with FIN
-OUTCOME_RESET = "reset"  # a leg failed (RST, write error): the other leg was reset too
-OUTCOME_CONNECT_FAILED = "connect-failed"  # target refused, unreachable or timed out
-OUTCOME_ABORTED = "aborted"  # torn down by the table (remove / stop)
+
+class Outcome(StrEnum):
+    """How a relay ended (the strings are what logs and counters show)."""
+
+    CLOSED = "closed"  # both directions finished with FIN
+    RESET = "reset"  # a leg failed (RST, write error): the other leg was reset too
+    CONNECT_FAILED = "connect-failed"  # target refused, unreachable or timed out
+    ABORTED = "aborted"  # torn down by the table (remove / stop)
+
+
+# The members as module constants (what the relay and its owners use at run time: cheaper
+# than ``Outcome.CLOSED`` on Python 3.11, see ``_ENDED`` below).
+OUTCOME_CLOSED = Outcome.CLOSED
+OUTCOME_RESET = Outcome.RESET
+OUTCOME_CONNECT_FAILED = Outcome.CONNECT_FAILED
+OUTCOME_ABORTED = Outcome.ABORTED
+
+
+class Phase(Enum):
+    """Where a :class:`RelaySession` is: once per connection, so a field, not a machine.
+
+    ``CONNECTING`` (accepted, the target connect running), then ``RELAYING`` (an engine moves
+    the bytes), then ``ENDED`` (every socket closed, the owner told). A session can also go
+    from ``CONNECTING`` straight to ``ENDED`` (the agent left, the connect failed, an abort).
+    """
+
+    CONNECTING = "connecting"
+    RELAYING = "relaying"
+    ENDED = "ended"
+
+
+# Module-level names for the members: on Python 3.11 ``Phase.ENDED`` is a class attribute
+# lookup through the enum machinery, several times the cost of a global (once per connection,
+# but the accept path is measured in microseconds).
+_CONNECTING, _RELAYING, _ENDED = Phase.CONNECTING, Phase.RELAYING, Phase.ENDED
 
 
 def _eager_supported() -> bool:
@@ -152,8 +187,8 @@ class RelayEngine(TypingProtocol):
 
     ``start`` is called once with the accepted (agent) leg and the outbound (target) leg, the
     accepted leg's transport still paused. The engine calls the ``on_end`` callback it was
-    built with exactly once, after both legs' connections are lost, with an outcome string
-    (``OUTCOME_CLOSED`` or ``OUTCOME_RESET``; ``OUTCOME_ABORTED`` after :meth:`abort`).
+    built with exactly once, after both legs' connections are lost, with an :class:`Outcome`
+    (``CLOSED`` or ``RESET``; ``ABORTED`` after :meth:`abort`).
     """
 
     @property
@@ -176,7 +211,7 @@ class RelayEngine(TypingProtocol):
     def resumeProducing(self) -> None: ...
 
 
-EngineFactory = Callable[[Callable[[str], None]], RelayEngine]
+EngineFactory = Callable[[Callable[[Outcome], None]], RelayEngine]
 
 
 @implementer(IPushProducer)
@@ -224,7 +259,17 @@ def _idle(d: tcp.Connection) -> bool:
 class _Side:
     """One leg as seen by :class:`TransportRelay`: reads from it go to ``dst`` (the peer)."""
 
-    __slots__ = ("closing", "dst", "engine", "gone", "leg", "nbytes", "rd", "throttle", "wr")
+    __slots__ = (
+        "closed",
+        "closing",
+        "dst",
+        "engine",
+        "eof_read",
+        "fin_sent",
+        "leg",
+        "nbytes",
+        "throttle",
+    )
 
     def __init__(self, engine: TransportRelay, leg: Leg, dst: _Transport) -> None:
         self.engine = engine
@@ -232,10 +277,11 @@ class _Side:
         self.dst = dst
         self.throttle = _Throttle(engine, leg.transport)  # registered on dst: gates our reads
         self.nbytes = 0
-        self.rd = False  # read EOF seen
-        self.wr = False  # our write side shut down (FIN sent)
-        self.closing = False  # we called loseConnection after rd and wr
-        self.gone = False  # connectionLost seen
+        # Half-close, in the words splice.py's _Dir uses too:
+        self.eof_read = False  # read EOF seen
+        self.fin_sent = False  # our write side shut down (FIN sent)
+        self.closing = False  # we called loseConnection after eof_read and fin_sent
+        self.closed = False  # connectionLost seen
 
     def made(self) -> None:
         pass
@@ -248,6 +294,7 @@ class _Side:
             # bytes to the kernel now instead of waiting for the next writable event; only the
             # remainder goes through Twisted's buffer (which keeps ordering and backpressure).
             d: tcp.Connection = dst  # type: ignore[assignment]
+            # _idle(d), inlined on purpose: this runs per read and a call costs measurably here.
             if (
                 not d._tempDataLen
                 and d.offset == len(d.dataBuffer)
@@ -270,10 +317,10 @@ class _Side:
         dst.write(data)
 
     def read_eof(self) -> None:
-        self.rd = True
+        self.eof_read = True
         dst = self.dst
         peer = self.engine._peer_of(self)
-        if not peer.gone:
+        if not peer.closed:
             # Trap: unregister first, else a paused producer would be resumed by doWrite
             # instead of the FIN being sent (and reading would resume on a socket at EOF).
             dst.unregisterProducer()
@@ -295,19 +342,19 @@ class _Side:
         self.engine._maybe_close(self)
 
     def write_shut(self) -> None:
-        self.wr = True
+        self.fin_sent = True
         self.engine._maybe_close(self)
 
     def lost(self, reason: Failure) -> None:
-        self.gone = True
+        self.closed = True
         self.engine._lost(self, reason)
 
 
 class TransportRelay:
     """:class:`RelayEngine` over Twisted transports: producers wired both ways, eager send."""
 
-    def __init__(self, on_end: Callable[[str], None], *, eager: bool | None = None) -> None:
-        self._on_end: Callable[[str], None] | None = on_end
+    def __init__(self, on_end: Callable[[Outcome], None], *, eager: bool | None = None) -> None:
+        self._on_end: Callable[[Outcome], None] | None = on_end
         self._eager_wanted = EAGER_SEND if eager is None else eager
         self.eager = False
         self._in: _Side | None = None
@@ -342,7 +389,7 @@ class TransportRelay:
     def pauseProducing(self) -> None:
         self.paused = True
         for side in (self._in, self._out):
-            if side is not None and not side.gone and not side.rd:
+            if side is not None and not side.closed and not side.eof_read:
                 side.leg.transport.pauseProducing()
 
     def resumeProducing(self) -> None:
@@ -350,19 +397,24 @@ class TransportRelay:
         for side in (self._in, self._out):
             # Never resume a leg at read EOF (it would read the EOF again), nor one whose
             # peer's write buffer is still over its high-water mark.
-            if side is not None and not side.gone and not side.rd and not side.throttle.held:
+            if (
+                side is not None
+                and not side.closed
+                and not side.eof_read
+                and not side.throttle.held
+            ):
                 side.leg.transport.resumeProducing()
 
     def abort(self) -> None:
         self._aborted = True
         for side in (self._in, self._out):
-            if side is not None and not side.gone:
+            if side is not None and not side.closed:
                 side.leg.transport.abortConnection()
 
     def _send_failed(self) -> None:
         self._failed = True
         for side in (self._in, self._out):
-            if side is not None and not side.gone:
+            if side is not None and not side.closed:
                 side.leg.transport.abortConnection()
 
     def _peer_of(self, side: _Side) -> _Side:
@@ -371,7 +423,7 @@ class TransportRelay:
         return peer
 
     def _maybe_close(self, side: _Side) -> None:
-        if side.rd and side.wr and not side.closing and not side.gone:
+        if side.eof_read and side.fin_sent and not side.closing and not side.closed:
             side.closing = True
             t = side.leg.transport
             if self.eager:
@@ -387,10 +439,10 @@ class TransportRelay:
             # its end sees the truncation (RST) rather than a clean EOF.
             self._failed = True
             peer = self._peer_of(side)
-            if not peer.gone:
+            if not peer.closed:
                 peer.leg.transport.abortConnection()
         assert self._in is not None and self._out is not None
-        if self._in.gone and self._out.gone and self._on_end is not None:
+        if self._in.closed and self._out.closed and self._on_end is not None:
             on_end, self._on_end = self._on_end, None
             if self._aborted:
                 on_end(OUTCOME_ABORTED)
@@ -440,7 +492,7 @@ class RelayOwner(TypingProtocol):
     """Told once when a session is over (all its sockets closed)."""
 
     def relay_ended(
-        self, session: RelaySession, outcome: str, reason: RelayFailure | None
+        self, session: RelaySession, outcome: Outcome, reason: RelayFailure | None
     ) -> None: ...
 
 
@@ -484,15 +536,14 @@ class RelaySession:
         self._tune_out = tune_outbound
         self._inbound: Leg | None = None
         self._started: tuple[socket.socket | None, int] | None = None
-        self._connecting: Deferred[Leg] | None = None
+        self.phase: Phase = _CONNECTING
+        self._connect: Deferred[Leg] | None = None  # the target connect, while it runs
         self.engine: RelayEngine | None = None
-        self._in_gone = False
         self._aborted = False
         # (outcome, reason) decided before the end
-        self._failure: tuple[str, RelayFailure] | None = None
-        self._ended = False
+        self._failure: tuple[Outcome, RelayFailure] | None = None
         self._paused = False
-        self._waiters: list[Deferred[None]] = []
+        self._end: OneShot[None] | None = None  # built by the first when_ended()
 
     @property
     def inbound(self) -> Leg:
@@ -522,7 +573,10 @@ class RelaySession:
                 sock.setblocking(False)
                 engine = self._engine_factory(self._engine_ended)
                 self.engine = engine
-                engine.start_sockets(sock, out)  # type: ignore[attr-defined]
+                # RELAYING before the start: an engine that ended inside it stays ENDED.
+                self.phase = _RELAYING
+                starter: SocketStartingEngine = engine  # type: ignore[assignment]
+                starter.start_sockets(sock, out)
             except BaseException:
                 out.close()
                 raise
@@ -543,16 +597,17 @@ class RelaySession:
 
     @property
     def ended(self) -> bool:
-        return self._ended
+        return self.phase is _ENDED
 
     def when_ended(self) -> Deferred[None]:
         """A Deferred that fires once every socket of this session is closed."""
-        d: Deferred[None] = Deferred()
-        if self._ended:
-            d.callback(None)
-        else:
-            self._waiters.append(d)
-        return d
+        end = self._end
+        if end is None:
+            # Built on demand: most sessions end with nobody waiting (table removal waits).
+            end = self._end = OneShot()
+            if self.phase is _ENDED:
+                end.fire(None)
+        return end.when_fired()
 
     # IPushProducer: lets outside code stop a relay's traffic without closing it.
     def pauseProducing(self) -> None:
@@ -571,15 +626,15 @@ class RelaySession:
 
     def abort(self) -> None:
         """Tear the session down now (RST both ways); the end is still reported once."""
-        if self._ended or self._aborted:
+        if self.phase is _ENDED or self._aborted:
             return
         self._aborted = True
         if self.engine is not None:
             self.engine.abort()
             return
-        if self._connecting is not None:
-            self._connecting.cancel()
-        if not self._in_gone:
+        if self._connect is not None:
+            self._connect.cancel()
+        if self.phase is not _ENDED:
             self.inbound.transport.abortConnection()
 
     # LegSink for the accepted leg during the connect phase.
@@ -595,7 +650,7 @@ class RelaySession:
         if d.called:
             d.addCallbacks(self._connected, self._connect_failed)
             return
-        self._connecting = d
+        self._connect = d
         d.addCallbacks(self._connected, self._connect_failed)
 
     def data(self, data: bytes) -> None:
@@ -609,45 +664,49 @@ class RelaySession:
         pass
 
     def lost(self, reason: Failure) -> None:
-        self._in_gone = True
-        if self._connecting is not None:
-            self._connecting.cancel()
-        self._finish(OUTCOME_ABORTED if self._aborted else OUTCOME_RESET)
+        # The accepted leg is gone (it is ours only while CONNECTING): end, cancelling the
+        # connect first (a cancel is not a failure, see _connect_failed).
+        if self.phase is _ENDED:
+            return
+        self.phase = _ENDED
+        if self._connect is not None:
+            self._connect.cancel()
+        self._report(OUTCOME_ABORTED if self._aborted else OUTCOME_RESET)
 
     def _connected(self, leg: Leg) -> None:
-        self._connecting = None
-        if self._in_gone or self._aborted:
+        self._connect = None
+        if self.phase is _ENDED or self._aborted:
             leg.transport.abortConnection()
             return
         engine = self._engine_factory(self._engine_ended)
         self.engine = engine
+        self.phase = _RELAYING  # before the start, as in start_accepted
         engine.start(self.inbound, leg)
         if self._paused:
             engine.pauseProducing()
 
     def _connect_failed(self, failure: Failure) -> None:
-        self._connecting = None
+        self._connect = None
         if failure.check(CancelledError, ierror.ConnectingCancelledError):
             return
         self._failure = (OUTCOME_CONNECT_FAILED, RelayFailure.of(failure))
-        if not self._in_gone:
+        if self.phase is not _ENDED:
             self.inbound.transport.abortConnection()
 
-    def _engine_ended(self, outcome: str) -> None:
-        self._in_gone = True
-        self._finish(outcome)
-
-    def _finish(self, outcome: str) -> None:
-        if self._ended:
+    def _engine_ended(self, outcome: Outcome) -> None:
+        if self.phase is _ENDED:
             return
-        self._ended = True
+        self.phase = _ENDED
+        self._report(outcome)
+
+    def _report(self, outcome: Outcome) -> None:
+        """Tell the owner (once: every caller has just moved to ENDED), then the waiters."""
         reason: RelayFailure | None = None
         if self._failure is not None:
             outcome, reason = self._failure
         self._owner.relay_ended(self, outcome, reason)
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            d.callback(None)
+        if self._end is not None:
+            self._end.fire(None)
 
 
 __all__ = [
@@ -660,6 +719,8 @@ __all__ = [
     "EngineFactory",
     "Leg",
     "LegSink",
+    "Outcome",
+    "Phase",
     "RelayEngine",
     "RelayFailure",
     "RelayOwner",

@@ -61,6 +61,7 @@ from bottlenet.forward.relay import (
     OUTCOME_RESET,
     EngineFactory,
     Leg,
+    Outcome,
     RelayEngine,
     TransportRelay,
 )
@@ -205,9 +206,10 @@ class SpliceEngines:
         self._clock: IReactorTime = reactor
         self._scratch: _Pipe | None = None
         self._pool: list[_Pipe] = []
-        self._closing: list[tuple[SpliceRelay, str]] = []
+        self._closing: list[tuple[SpliceRelay, Outcome]] = []
         self._close_call: IDelayedCall | None = None
         self._close_after_batch = False
+        # capabilities.BatchingReactor, each method where the reactor has it (fastreactor).
         self._after_batch: Callable[[Callable[[], object]], bool] | None = getattr(
             reactor, "call_after_batch", None
         )
@@ -228,7 +230,7 @@ class SpliceEngines:
     fds_per_relay = FDS_PER_RELAY
     engine_fds = ENGINE_FDS
 
-    def __call__(self, on_end: Callable[[str], None]) -> RelayEngine:
+    def __call__(self, on_end: Callable[[Outcome], None]) -> RelayEngine:
         return SpliceRelay(self, on_end)
 
     # Pipes
@@ -271,7 +273,7 @@ class SpliceEngines:
         self._close_now()
 
     # Deferred close (trap 4)
-    def close_later(self, relay: SpliceRelay, outcome: str) -> None:
+    def close_later(self, relay: SpliceRelay, outcome: Outcome) -> None:
         """Close after the current epoll batch: at its end on the quiet reactor, else on the
         next pass (``callLater(0)``). Inside a batch the after-batch call is always used (a
         relay may have let the reactor forget its sockets, see ``_finish``)."""
@@ -334,7 +336,7 @@ _NO_DIR: _Dir = None  # type: ignore[assignment]
 class _Dir:
     """One direction: ``src`` socket -> pipe -> ``dst`` socket."""
 
-    __slots__ = ("dst", "eof", "inpipe", "nbytes", "pipe", "shut", "src", "window")
+    __slots__ = ("dst", "eof_read", "fin_sent", "inpipe", "nbytes", "pipe", "src", "window")
 
     def __init__(self, src: _End, dst: _End) -> None:
         self.src = src
@@ -345,8 +347,9 @@ class _Dir:
         self.pipe: _Pipe | None = None  # private pipe, only while bytes wait in it
         self.inpipe = 0
         self.nbytes = 0
-        self.eof = False  # read EOF seen on src
-        self.shut = False  # FIN sent on dst
+        # Half-close, in the words relay.py's _Side uses too:
+        self.eof_read = False  # read EOF seen on src
+        self.fin_sent = False  # FIN sent on dst
 
 
 @implementer(IPushProducer)
@@ -355,15 +358,15 @@ class SpliceRelay:
 
     log = Logger(namespace="bottlenet.forward")
 
-    def __init__(self, engines: SpliceEngines, on_end: Callable[[str], None]) -> None:
+    def __init__(self, engines: SpliceEngines, on_end: Callable[[Outcome], None]) -> None:
         self._engines = engines
         self._reactor = engines.reactor
-        self._on_end: Callable[[str], None] | None = on_end
+        self._on_end: Callable[[Outcome], None] | None = on_end
         self._fallback: TransportRelay | None = None
         self._up: _Dir | None = None  # agent -> target
         self._down: _Dir | None = None  # target -> agent
         self._paused = False
-        self._over = False  # finished: sockets unregistered, close pending or done
+        self._closing = False  # finished: sockets unregistered, close pending or done
         self._aborted = False
 
     @property
@@ -465,7 +468,7 @@ class SpliceRelay:
             self._fail()
             return
         if n == 0:
-            d.eof = True
+            d.eof_read = True
             self._reading(d.src, False)
             self._shut(d)
             return
@@ -514,20 +517,20 @@ class SpliceRelay:
             return
         d.pipe = None
         self._engines.release(pipe)
-        if not (d.eof or self._paused):
+        if not (d.eof_read or self._paused):
             # Under bulk the source has more already: move it now (one more pump, still
             # bounded) instead of swapping the registrations and waiting for another pass.
             self._pump(d)
-            if self._over or d.inpipe:
+            if self._closing or d.inpipe:
                 return  # finished, or blocked again and still registered for writing
         self._writing(d.dst, False)
-        if d.eof:
+        if d.eof_read:
             self._shut(d)
         else:
             self._update(d)
 
     def _update(self, d: _Dir) -> None:
-        self._reading(d.src, not (self._paused or self._over or d.eof or d.inpipe))
+        self._reading(d.src, not (self._paused or self._closing or d.eof_read or d.inpipe))
 
     def _reading(self, end: _End, on: bool) -> None:
         if end.reading != on:
@@ -550,17 +553,17 @@ class SpliceRelay:
     def _track(self, end: _End) -> None:
         """The agent's socket, when no longer polled, is watched for a reset (and back)."""
         up = self._up
-        if not self._over and up is not None and end is up.src:
+        if not self._closing and up is not None and end is up.src:
             self._engines.hangups.track(end)
 
     def _shut(self, d: _Dir) -> None:
         """EOF seen and the pipe drained: pass the FIN on; close once both ways are done."""
-        if d.shut or self._over:
+        if d.fin_sent or self._closing:
             return
-        d.shut = True
+        d.fin_sent = True
         up, down = self._up, self._down
         assert up is not None and down is not None
-        if up.shut and down.shut:
+        if up.fin_sent and down.fin_sent:
             # The last FIN: close() sends it (both receive queues are empty: both sources
             # reached EOF), so skip the shutdown() syscall.
             self._finish(OUTCOME_CLOSED)
@@ -573,11 +576,11 @@ class SpliceRelay:
     def _fail(self) -> None:
         self._finish(OUTCOME_RESET)
 
-    def _finish(self, outcome: str) -> None:
+    def _finish(self, outcome: Outcome) -> None:
         """Unregister now; close (RST unless clean) on the next pass; then report the end."""
-        if self._over or self._up is None:
+        if self._closing or self._up is None:
             return
-        self._over = True
+        self._closing = True
         self._engines.hangups.unwatch(self._up.src)
         forget = self._engines.forget
         for end in (self._up.src, self._down.src):  # type: ignore[union-attr]
@@ -597,7 +600,7 @@ class SpliceRelay:
                 d.inpipe = 0  # type: ignore[union-attr]
         self._engines.close_later(self, outcome)
 
-    def _closed(self, outcome: str) -> None:
+    def _closed(self, outcome: Outcome) -> None:
         assert self._up is not None and self._down is not None
         for end in (self._up.src, self._down.src):
             sock = end.sock
@@ -611,13 +614,14 @@ class SpliceRelay:
         if on_end is not None:
             on_end(outcome)
 
-    def _fallback_ended(self, outcome: str) -> None:
+    def _fallback_ended(self, outcome: Outcome) -> None:
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
             on_end(outcome)
 
 
 def _detachable(transport: object) -> bool:
+    """Whether ``transport`` is a ``capabilities.DetachableTransport`` ready to hand over."""
     check = getattr(transport, "detachable", None)
     return check is not None and bool(check())
 

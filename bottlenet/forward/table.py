@@ -14,7 +14,7 @@ import os
 import socket
 import struct
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, TypeVar, cast, overload
+from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
 from twisted.application.service import Service
@@ -49,6 +49,11 @@ from bottlenet.forward.budget import (
     ConnectionBudget,
     IdleSweep,
 )
+from bottlenet.forward.capabilities import (
+    ClosableEngines,
+    FdBudgetedEngines,
+    SocketStartingEngines,
+)
 from bottlenet.forward.connect import FastClientEndpoint
 from bottlenet.forward.listen import BackoffTCP4ServerEndpoint, BackoffUNIXServerEndpoint
 from bottlenet.forward.ratelimit import RateLimitedLogger
@@ -57,6 +62,7 @@ from bottlenet.forward.relay import (
     OUTCOME_CLOSED,
     EngineFactory,
     Leg,
+    Outcome,
     RelayFailure,
     RelaySession,
     TransportRelay,
@@ -80,6 +86,8 @@ from bottlenet.forward.spec import (
 from bottlenet.forward.splice import engine_factory
 from bottlenet.forward.targets import CheckedUNIXTarget, OwnSockets, check_target
 from bottlenet.paths import ensure_private_dir, unix_path_state
+from bottlenet.views import LazyView
+from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IAddress
@@ -136,7 +144,7 @@ class ForwardInfo:
 Key = tuple[str, str]
 
 
-class _Forward(Factory):
+class _ForwardFactory(Factory):
     """One forward's listener factory, relay owner and counters.
 
     The connection cap is enforced here in ``buildProtocol`` (None = refused and closed with a
@@ -159,7 +167,7 @@ class _Forward(Factory):
         self.spec = spec
         self.bound: ListenSpec = spec.listen
         self.port: IListeningPort | None = None
-        self._target = target
+        self.target = target
         self._engine_factory = engine_factory
         # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener; the fast
         # endpoint sets both before connecting, Twisted's endpoints need the Leg to do it.
@@ -172,18 +180,22 @@ class _Forward(Factory):
         self.done_in = 0
         self.done_out = 0
         self.closing = False
-        self._closed_waiters: list[defer.Deferred[None]] | None = None
         #: While set, accepted connections go to this factory instead of a relay.
         self.diverted: Factory | None = None
         #: Offered to the listener: accepted sockets skip transports when the engine can start
         #: from bare sockets (splice) and the target endpoint can hand one over (fast connect).
+        engines: object = engine_factory  # a callable that may offer more (see capabilities)
         self.accept_socket: (
             Callable[[socket.socket, Callable[[Leg], object]], bool | None] | None
         ) = (
             self._accept_socket
-            if hasattr(engine_factory, "start_sockets_supported")
-            and isinstance(target, FastClientEndpoint)
+            if isinstance(engines, SocketStartingEngines) and isinstance(target, FastClientEndpoint)
             else None
+        )
+        #: Offered to the listener: the SO_PEERCRED check, only where it can apply (a UNIX
+        #: endpoint on a platform that has it); TCP listeners never call it.
+        self.admit_peer: Callable[[socket.socket], bool] | None = (
+            self._admit_peer if isinstance(spec.listen, UNIXListen) and HAS_PEERCRED else None
         )
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
@@ -210,7 +222,7 @@ class _Forward(Factory):
         self.accepted += 1
         session = RelaySession(
             self._clock,
-            self._target,
+            self.target,
             self,
             tune_inbound=False,
             tune_outbound=self._tune_outbound,
@@ -220,12 +232,12 @@ class _Forward(Factory):
         self.table.idle.started(session)
         return session
 
-    def admit_peer(self, sock: socket.socket) -> bool:
-        """The listener's peer check: a UNIX endpoint of a bottle with admitted uids takes a
-        connection only from one of them (``SO_PEERCRED``), as the control socket does."""
+    def _admit_peer(self, sock: socket.socket) -> bool:
+        """The listener's peer check (UNIX endpoints only): a bottle with admitted uids takes
+        a connection only from one of them (``SO_PEERCRED``), as the control socket does."""
         uids = self.table.peers.get(self.spec.bottle)
-        if uids is None or not isinstance(self.spec.listen, UNIXListen) or not HAS_PEERCRED:
-            return True  # no SO_PEERCRED (macOS): the file modes decide, as before
+        if uids is None:
+            return True  # no uids given for this bottle: the file modes decide, as before
         if peer_uid(sock) in uids:
             return True
         self.refused += 1
@@ -242,7 +254,7 @@ class _Forward(Factory):
         if session is None:
             return False
         try:
-            session.start_accepted(sock, adopt, self._target)  # type: ignore[arg-type]
+            session.start_accepted(sock, adopt, self.target)  # type: ignore[arg-type]
         except BaseException:
             self.sessions.discard(session)
             self.table.budget.release(self.spec.bottle)
@@ -263,7 +275,9 @@ class _Forward(Factory):
         )
 
     # RelayOwner
-    def relay_ended(self, session: RelaySession, outcome: str, reason: RelayFailure | None) -> None:
+    def relay_ended(
+        self, session: RelaySession, outcome: Outcome, reason: RelayFailure | None
+    ) -> None:
         if session in self.sessions:
             self.sessions.discard(session)
             self.table.budget.release(self.spec.bottle)
@@ -278,7 +292,7 @@ class _Forward(Factory):
                 # The connect could not get a socket: stop accepting for a while (the
                 # listener's EMFILE backoff) so further clients wait in the backlog instead of
                 # being accepted only to be reset.
-                exhausted = getattr(self.port, "exhausted", None)
+                exhausted = getattr(self.port, "exhausted", None)  # ExhaustiblePort
                 if exhausted is not None:
                     exhausted(reason.errno)
         elif not self.table.log_clean_relay_ends:
@@ -304,7 +318,7 @@ class _Forward(Factory):
         self.table.limited_log.emit(level, key, format, **kwargs)
 
     @staticmethod
-    def log_level(outcome: str) -> LogLevel:
+    def log_level(outcome: Outcome) -> LogLevel:
         """Clean ends are debug (one per connection adds up); failures are info."""
         return LogLevel.debug if outcome in (OUTCOME_CLOSED, OUTCOME_ABORTED) else LogLevel.info
 
@@ -337,42 +351,6 @@ class _Forward(Factory):
             session.abort()
         d = defer.gatherResults(waits, consumeErrors=True)
         return d.addCallback(lambda _: None)
-
-
-K = TypeVar("K")
-T = TypeVar("T")
-
-
-class LazyView(Sequence[T]):
-    """``[get(k) for k in keys]``, but each item is built only when read: a page of a listing
-    costs the page. Used by the table's, the registry's and the control plane's listings."""
-
-    def __init__(self, keys: Sequence[K], get: Callable[[K], T]) -> None:
-        self._keys = keys
-        self._get = get
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __eq__(self, other: object) -> bool:
-        """Equal to a list (or another view) with the same items, like the list it stands for."""
-        if isinstance(other, list | LazyView):
-            return list(self) == list(other)
-        return NotImplemented
-
-    __hash__ = None  # type: ignore[assignment]
-
-    @overload
-    def __getitem__(self, index: int) -> T: ...
-
-    @overload
-    def __getitem__(self, index: slice) -> list[T]: ...
-
-    def __getitem__(self, index: int | slice) -> T | list[T]:
-        if isinstance(index, slice):
-            get = self._get
-            return [get(k) for k in self._keys[index]]
-        return self._get(self._keys[index])
 
 
 class ForwardTable(Service):
@@ -414,22 +392,24 @@ class ForwardTable(Service):
         #: The relay engine for new connections (see ``splice.engine_factory``).
         self.engine_factory: EngineFactory = engine_factory(reactor, engine)
         self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
-        self._forwards: dict[Key, _Forward] = {}
+        self._forwards: dict[Key, _ForwardFactory] = {}
         #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
         self._labels: dict[str, set[str]] = {}
         self._sorted_keys: list[Key] | None = None  # sorted(self._forwards), until it changes
         self._pending: set[Key] = set()
-        self._removing: dict[Key, list[defer.Deferred[None]]] = {}
+        self._removing: dict[Key, OneShot[None]] = {}
         self._stopping = False
         clock = reactor if clock is None else clock
+        engines: object = self.engine_factory
+        budgeted = engines if isinstance(engines, FdBudgetedEngines) else None
         self.budget = ConnectionBudget(
             per_bottle=per_bottle_connections,
             total=max_connections,
             listeners=lambda: len(self._forwards),
             bottles=lambda: len({b for b, _ in self._forwards}),
             reserved=reserved_fds,
-            fds_per_relay=getattr(self.engine_factory, "fds_per_relay", 2),
-            engine_fds=getattr(self.engine_factory, "engine_fds", 0),
+            fds_per_relay=budgeted.fds_per_relay if budgeted is not None else 2,
+            engine_fds=budgeted.engine_fds if budgeted is not None else 0,
         )
         self.idle = IdleSweep(clock, idle_timeout, self._relay_idle)
         #: Relays aborted by the idle timeout.
@@ -465,9 +445,9 @@ class ForwardTable(Service):
 
         def stopped(_: object) -> None:
             self.idle.stop()
-            close = getattr(self.engine_factory, "close", None)
-            if close is not None:
-                close()  # pooled pipes: no relay is left that could use them
+            engines: object = self.engine_factory
+            if isinstance(engines, ClosableEngines):
+                engines.close()  # pooled pipes: no relay is left that could use them
 
         return defer.gatherResults(waits, consumeErrors=True).addCallback(stopped)
 
@@ -480,10 +460,27 @@ class ForwardTable(Service):
 
     # Queries
     def get(self, bottle: str, label: str) -> ForwardInfo:
-        fwd = self._forwards.get((bottle, label))
-        if fwd is None:
-            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
-        return fwd.info()
+        return self._forward(bottle, label).info()
+
+    def keys(self) -> list[Key]:
+        """The (bottle, label) of every listening forward, sorted."""
+        return sorted(self._forwards)
+
+    def sessions(self, bottle: str, label: str) -> frozenset[RelaySession]:
+        """The forward's live relays."""
+        return frozenset(self._forward(bottle, label).sessions)
+
+    def port(self, bottle: str, label: str) -> IListeningPort | None:
+        """The forward's listening port (None once it is closing)."""
+        return self._forward(bottle, label).port
+
+    def target(self, bottle: str, label: str) -> IStreamClientEndpoint:
+        """The endpoint the forward's relays connect through."""
+        return self._forward(bottle, label).target
+
+    def diverted_to(self, bottle: str, label: str) -> Factory | None:
+        """The factory the forward's new connections go to instead of a relay (see divert)."""
+        return self._forward(bottle, label).diverted
 
     def list(self, bottle: str | None = None) -> list[ForwardInfo]:
         return list(self.view(bottle))
@@ -507,10 +504,7 @@ class ForwardTable(Service):
         traffic (the launch gate's host-side witness); live relays are not touched, and the
         relay path itself never looks at a diverted forward.
         """
-        fwd = self._forwards.get((bottle, label))
-        if fwd is None:
-            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
-        fwd.diverted = factory
+        self._forward(bottle, label).diverted = factory
 
     # Changes
     def admit_peers(self, bottle: str, uids: frozenset[int] | None) -> None:
@@ -529,7 +523,7 @@ class ForwardTable(Service):
             return defer.fail(e)
         except OSError as e:  # preparing the bottle dir or probing a stale socket
             return defer.fail(_bind_error(spec.listen, e))
-        fwd = _Forward(
+        fwd = _ForwardFactory(
             self,
             spec,
             self._target_endpoint(spec),
@@ -584,6 +578,12 @@ class ForwardTable(Service):
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
     # Internals
+    def _forward(self, bottle: str, label: str) -> _ForwardFactory:
+        fwd = self._forwards.get((bottle, label))
+        if fwd is None:
+            raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
+        return fwd
+
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
         fwd = self._forwards.pop(key)
         self._sorted_keys = None
@@ -592,24 +592,22 @@ class ForwardTable(Service):
             labels.discard(key[1])
             if not labels:
                 del self._labels[key[0]]
-        self._removing[key] = []
+        removed: OneShot[None] = OneShot()
+        self._removing[key] = removed
         d = fwd.shutdown()
 
         def done(result: object) -> object:
-            waiters = self._removing.pop(key, [])
+            self._removing.pop(key, None)
             self.log.info(
                 "forward {bottle}/{label} removed", bottle=fwd.spec.bottle, label=fwd.spec.label
             )
-            for w in waiters:
-                w.callback(None)
+            removed.fire(None)
             return result
 
         return d.addBoth(done)
 
     def _wait_removal(self, key: Key) -> defer.Deferred[None]:
-        d: defer.Deferred[None] = defer.Deferred()
-        self._removing[key].append(d)
-        return d
+        return self._removing[key].when_fired()
 
     def _check_new(self, spec: ForwardSpec) -> Key:
         if self._stopping:
@@ -735,4 +733,4 @@ def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
     return BindRefused(f"cannot listen on {listen.describe()}: {reason}")
 
 
-__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable", "LazyView"]
+__all__ = ["ForwardCounters", "ForwardInfo", "ForwardTable"]

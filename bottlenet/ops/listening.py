@@ -18,6 +18,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bottlenet.errors import ListenError
+from bottlenet.waiters import OneShot
 
 #: Builds the endpoint at start (a description is parsed then, so its error is a listen error).
 EndpointMaker = Callable[[], IStreamServerEndpoint]
@@ -61,28 +62,17 @@ class ListeningService(Service):
         self._on_fatal = on_fatal
         self.port: IListeningPort | None = None
         self.failed: str | None = None
-        self._outcome: IListeningPort | Failure | None = None
-        self._waiters: list[Deferred[IListeningPort]] = []
+        self._listened: OneShot[IListeningPort] = OneShot()
 
     def when_listening(self) -> Deferred[IListeningPort]:
         """Fires with the listening port, or fails with the listen error (each caller its own)."""
-        d: Deferred[IListeningPort] = Deferred()
-        if self._outcome is None:
-            self._waiters.append(d)
-        elif isinstance(self._outcome, Failure):
-            d.errback(self._outcome)
-        else:
-            d.callback(self._outcome)
-        return d
+        return self._listened.when_fired()
 
     def _settle(self, outcome: IListeningPort | Failure) -> None:
-        self._outcome = outcome
-        waiters, self._waiters = self._waiters, []
-        for d in waiters:
-            if isinstance(outcome, Failure):
-                d.errback(outcome)
-            else:
-                d.callback(outcome)
+        if self._listened.fired:
+            # A restart: the earlier outcome stayed readable until this one replaces it.
+            self._listened = OneShot()
+        self._listened.fire(outcome)
 
     def startService(self) -> None:
         super().startService()

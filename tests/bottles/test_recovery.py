@@ -91,7 +91,7 @@ def test_restart_restores_vm_and_forward_only_bottles(rigs: Rigs, tmp: str) -> N
     assert rig.smolvm.names() == ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
     assert sorted(rig.state()) == ["plain", "r1"]
     assert not rig.registry.recovering
-    assert "r1" in rig.vms._watches  # the sidecar is watched again
+    assert "r1" in rig.vms.watched()  # the sidecar is watched again
 
 
 def test_state_records_round_trip_through_recovery(rigs: Rigs, tmp: str) -> None:
@@ -159,7 +159,7 @@ def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp:
     rig.recover()
     (kept,) = rig.registry.list_bottles()
     assert kept.state == "degraded" and rig.state()["r1"]["state"] == "degraded"
-    assert rig.table.list() == [] and "r1" not in rig.vms._watches
+    assert rig.table.list() == [] and "r1" not in rig.vms.watched()
 
 
 def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None:
@@ -222,7 +222,7 @@ def test_sidecar_exit_degrades_the_bottle(rigs: Rigs, tmp: str) -> None:
     rig.clock.advance(0)
     b = rig.registry.get_bottle("r1")
     assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
-    assert rig.table.list("r1") == [] and "r1" not in rig.vms._watches
+    assert rig.table.list("r1") == [] and "r1" not in rig.vms.watched()
     assert rig.state()["r1"]["state"] == "degraded"
     rig.run(rig.registry.destroy_bottle("r1"))
     assert rig.smolvm.machines == {} and rig.state() == {}

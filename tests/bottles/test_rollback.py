@@ -56,7 +56,7 @@ def assert_nothing_left(rig: Rig) -> None:
     assert rig.registry.list_bottles() == []
     assert rig.aliases.alias_of("rb") is None
     assert "rb" not in rig.registry._busy
-    assert rig.vms._watches == {}
+    assert rig.vms.watched() == frozenset()
 
 
 def fail_after(vms: VMLifecycle, step: str) -> None:

@@ -35,7 +35,7 @@ def main() -> None:
 
     def listening(info: object) -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
-        port = table._forwards[("b1", "web")].port
+        port = table.port("b1", "web")
         print(f"port {table.get('b1', 'web').bound.port}", flush=True)  # type: ignore[union-attr]
         task.LoopingCall(
             lambda: print(f"stats {port.exhausted_count}", flush=True)  # type: ignore[union-attr]

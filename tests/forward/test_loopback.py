@@ -31,7 +31,7 @@ from bottlenet.forward.spec import (
     unix_listen_for,
 )
 from bottlenet.forward.splice import PIPE_MAX, SpliceRelay, splice_supported
-from bottlenet.forward.table import ForwardInfo, ForwardTable
+from bottlenet.forward.table import ForwardInfo, ForwardTable, _ForwardFactory
 from tests.forward.netutil import (
     Collector,
     Echo,
@@ -155,7 +155,7 @@ class Base(unittest.TestCase):
         assert c.reason is not None and c.reason.check(ConnectionLost), c.reason
 
     def sessions(self, label: str = "web") -> list[Any]:
-        return list(self.table._forwards[("b1", label)].sessions)
+        return list(self.table.sessions("b1", label))
 
     async def until(self, cond: Any, what: str) -> None:
         for _ in range(500):
@@ -337,10 +337,10 @@ class LimitTests(Base):
         info = await self.forward(target)
         assert isinstance(info.bound, TCPListen)
         clients = [await self._echo_client(info) for _ in range(2)]
-        fwd = self.table._forwards[("b1", "web")]
-        relay_sockets = {os.readlink(f"/proc/self/fd/{fwd.port.fileno()}")}  # type: ignore[union-attr]
+        port = self.table.port("b1", "web")
+        relay_sockets = {os.readlink(f"/proc/self/fd/{port.fileno()}")}  # type: ignore[union-attr]
         self.check_engine()
-        for s in fwd.sessions:
+        for s in self.table.sessions("b1", "web"):
             for sk in relay_socks(s):
                 relay_sockets.add(os.readlink(f"/proc/self/fd/{sk.fileno()}"))
         assert len(relay_sockets) == 5
@@ -363,7 +363,7 @@ class SocketOptionTests(Base):
         info = await self.forward(self.target(Echo))
         assert isinstance(info.bound, TCPListen) and info.bound.port != 0
         assert info.bound.alias == ipaddress.IPv4Address(ALIAS)
-        port = self.table._forwards[("b1", "web")].port
+        port = self.table.port("b1", "web")
         lsock = port.socket  # type: ignore[union-attr]
         assert lsock.getsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT) == 0
         assert lsock.getsockname() == (ALIAS, info.bound.port)
@@ -377,6 +377,34 @@ class SocketOptionTests(Base):
             assert s.engine.eager is EAGER_SEND
         c.transport.loseConnection()  # type: ignore[union-attr]
         await c.done
+
+
+class PeerCheckTests(Base):
+    async def test_only_unix_listeners_ask_for_the_peer_uid(self) -> None:
+        """SO_PEERCRED is asked on a UNIX endpoint's accept only; a TCP forward never calls it."""
+        asked: list[str] = []
+        real = _ForwardFactory._admit_peer
+
+        def spy(fwd: _ForwardFactory, sock: socket.socket) -> bool:
+            asked.append(fwd.spec.label)
+            return real(fwd, sock)
+
+        self.patch(_ForwardFactory, "_admit_peer", spy)
+        self.table.admit_peers("b1", frozenset({os.getuid()}))
+        info = await self.forward(self.target(Echo), label="tcp")
+        c = await self.client(info, Collector(b"over tcp", fin=True))
+        await c.done
+        assert bytes(c.received) == b"over tcp" and asked == []
+        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
+        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
+        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(tport.stopListening)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        u = Collector(b"over unix", fin=True)
+        await connect_unix(listen.path, u)
+        await u.done
+        assert bytes(u.received) == b"over unix" and asked == ["agent"]
 
 
 class UnixTests(Base):

@@ -22,6 +22,8 @@ from bottlenet.forward.relay import (
     OUTCOME_CLOSED,
     OUTCOME_CONNECT_FAILED,
     OUTCOME_RESET,
+    Outcome,
+    Phase,
     RelayFailure,
     RelaySession,
 )
@@ -188,6 +190,35 @@ def test_abort_running_relay() -> None:
     rig.tick()
     assert rig.A.close_how == rig.B.close_how == "abort"
     assert [e[1] for e in rig.owner.ends] == [OUTCOME_ABORTED]
+
+
+def test_outcomes_keep_the_strings_logs_and_counters_show() -> None:
+    """The Outcome StrEnum is today's strings (logs, rate-limit keys and tests read them)."""
+    assert [str(o) for o in Outcome] == ["closed", "reset", "connect-failed", "aborted"]
+    assert OUTCOME_CONNECT_FAILED == "connect-failed" and f"{OUTCOME_RESET}" == "reset"
+
+
+def test_a_session_goes_connecting_relaying_ended() -> None:
+    """The phase read-out follows the connection: connecting, relaying, then ended once."""
+    rig = Rig()
+    assert rig.session.phase is Phase.CONNECTING and not rig.session.ended
+    rig.connect()
+    assert rig.session.phase is Phase.RELAYING
+    rig.session.abort()
+    rig.tick()
+    assert rig.session.phase is Phase.ENDED and rig.session.ended
+    assert [e[1] for e in rig.owner.ends] == [OUTCOME_ABORTED]
+
+
+def test_when_ended_fires_for_early_and_late_waiters() -> None:
+    """A waiter from before the end and one from after both fire, each with its own Deferred."""
+    rig = Rig()
+    early = rig.session.when_ended()
+    assert not early.called
+    rig.A.remote_reset()
+    late = rig.session.when_ended()
+    assert early.called and late.called and early is not late
+    assert rig.session.phase is Phase.ENDED
 
 
 class RelayMachine(RuleBasedStateMachine):

@@ -194,13 +194,13 @@ class SpliceTests(Base):
         (s,) = self.sessions()
         socks = s.engine.sockets()
         seen: list[list[int]] = []
-        real_finish = s._finish
+        real_report = s._report
 
         def spy(outcome: str) -> None:
             seen.append([sk.fileno() for sk in socks])
-            real_finish(outcome)
+            real_report(outcome)
 
-        s._finish = spy
+        s._report = spy
         c.transport.loseConnection()  # type: ignore[union-attr]
         await c.done
         await s.when_ended()
@@ -230,8 +230,7 @@ class SpliceTests(Base):
                 super().connectionMade()
 
         info = await self.forward(self.target(Counting))
-        fwd = self.table._forwards[("b1", "web")]
-        endpoint = fwd._target
+        endpoint: Any = self.table.target("b1", "web")
         real_open = endpoint.open
 
         def in_progress() -> tuple[socket.socket | None, int]:
@@ -245,7 +244,8 @@ class SpliceTests(Base):
         assert sha(bytes(c.received)) == sha(data) and c.clean
         assert len(accepted) == 1  # the started connect was used, not a second one
         assert (self.engines.taken_over, self.engines.fallbacks) == (1, 0)
-        assert fwd.accepted == 1 and fwd.failed == 0
+        counters = self.table.get("b1", "web").counters
+        assert counters.accepted == 1 and counters.failed == 0
         # The endpoint's shared timeout timer (armed for the attempt) is not needed any more.
         if endpoint._timer is not None and endpoint._timer.active():
             endpoint._timer.cancel()
@@ -256,10 +256,14 @@ class SpliceTests(Base):
         port = probe.getsockname()[1]
         probe.close()  # nothing listens there: the connect fails inside the accept
         info = await self.forward(port)
-        fwd = self.table._forwards[("b1", "web")]
         await self.assert_reset(info)
-        await self.until(lambda: fwd.failed == 1 and not fwd.sessions, "connect failure counted")
-        assert fwd.accepted == 1
+
+        def counted() -> bool:
+            c = self.table.get("b1", "web").counters
+            return c.failed == 1 and c.active == 0
+
+        await self.until(counted, "connect failure counted")
+        assert self.table.get("b1", "web").counters.accepted == 1
 
     async def test_transport_that_cannot_hand_over_falls_back_to_portable(self) -> None:
         self.table.fast_connect = False  # Twisted's client transports have no detach_socket

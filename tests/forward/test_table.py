@@ -15,7 +15,7 @@ from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 from twisted.trial import unittest
 
-from bottlenet.errors import AlreadyExists, BindRefused, InvalidArgument, NotFound
+from bottlenet.errors import AlreadyExists, BindRefused, Busy, InvalidArgument, NotFound
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TCPListen, TCPTarget
 from bottlenet.forward.table import ForwardTable
@@ -133,9 +133,9 @@ def test_refusal_logs_are_rate_limited() -> None:
     clock = Clock()
     table = ForwardTable(clock, registry_with(("b1", OWN)), state_dir="/nonexistent")
     spec = ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(OWN), 0), TCPTarget(LOOP, 9), 1)
-    from bottlenet.forward.table import _Forward
+    from bottlenet.forward.table import _ForwardFactory
 
-    fwd = _Forward(table, spec, table._target_endpoint(spec), table.engine_factory)
+    fwd = _ForwardFactory(table, spec, table._target_endpoint(spec), table.engine_factory)
     with capturedLogs() as events:
         assert fwd.buildProtocol(None) is not None
         for _ in range(100):
@@ -198,6 +198,21 @@ class BindTests(unittest.TestCase):
         await self.table.remove_bottle("b1")
         assert [(i.spec.bottle, i.spec.label) for i in self.table.list()] == [("b2", "web")]
         await self.table.remove_bottle("nobody")  # fine: nothing to remove
+
+    async def test_remove_bottle_waits_for_a_removal_already_under_way(self) -> None:
+        """A forward being removed blocks its key (Busy) and holds remove_bottle until closed."""
+        await self.table.add(self.spec("web"))
+        first = self.table.remove("b1", "web")
+        assert not first.called  # the listener closes on a later reactor turn
+        assert self.table.keys() == []
+        waiting = self.table.remove_bottle("b1")
+        assert not waiting.called
+        with self.assertRaises(Busy):
+            await self.table.add(self.spec("web"))
+        await first
+        assert waiting.called
+        await self.table.add(self.spec("web"))
+        assert self.table.keys() == [("b1", "web")]
 
     async def test_stop_service_removes_everything(self) -> None:
         info = await self.table.add(self.spec("web"))

@@ -60,8 +60,8 @@ def pass_transcript(script: bytes, leaks: tuple[str, ...] = ()) -> tuple[int, by
 def witness_own_endpoints(table: Any) -> int:
     """Connect to every diverted forward's witness with its expected line; how many."""
     seen = 0
-    for fwd in list(table._forwards.values()):  # the table's own record of its forwards
-        factory = getattr(fwd, "diverted", None)
+    for key in table.keys():
+        factory = table.diverted_to(*key)
         if isinstance(factory, WitnessFactory):
             proto = factory.buildProtocol(None)
             proto.makeConnection(StringTransport())
