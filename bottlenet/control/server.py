@@ -528,12 +528,6 @@ class ControlServerProtocol(HardenedAMP):
             return {"peer": "unauthenticated"}
         return {"peer": peer.describe(), "uid": peer.uid, "pid": peer.pid}
 
-    def may_parse(self) -> bool:
-        if self.peer is None:
-            self.drop("data before authentication")
-            return False
-        return True
-
     def connectionMade(self) -> None:
         if self.factory.transport_kind == "tls":
             # Authenticated in handshakeCompleted, before any application data flows; until
@@ -542,7 +536,7 @@ class ControlServerProtocol(HardenedAMP):
                 self.factory.admission.admit(
                     self, peer_source(self.transport), self._abort_unauthenticated
                 )
-            super().connectionMade()
+            self.ctransport.registerProducer(self, True)
             return
         handle = self.ctransport.getHandle()
         if not isinstance(handle, socket.socket) or handle.family != socket.AF_UNIX:
@@ -554,7 +548,6 @@ class ControlServerProtocol(HardenedAMP):
             self.drop("could not read peer credentials")
             return
         if cred.uid not in self.factory.allowed_uids:
-            self._closing = True
             self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
@@ -562,10 +555,15 @@ class ControlServerProtocol(HardenedAMP):
                 uid=cred.uid,
                 pid=cred.pid,
             )
-            self.ctransport.abortConnection()
+            self.abort()
             return
-        self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
-        super().connectionMade()
+        self.ctransport.registerProducer(self, True)
+        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid))
+
+    def authenticated_as(self, peer: PeerIdentity) -> None:
+        """The peer is who it may be: its boxes are parsed from now on."""
+        self.control.peer = peer
+        self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
         """Told by the TLS layer: this peer is not silent (see the handshake admission)."""
@@ -574,9 +572,7 @@ class ControlServerProtocol(HardenedAMP):
 
     def _abort_unauthenticated(self) -> None:
         """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
-        self._closing = True
-        if self.transport is not None:
-            self.ctransport.abortConnection()
+        self.abort()
 
     def handshakeCompleted(self) -> None:
         if self.factory.admission is not None:
@@ -591,8 +587,9 @@ class ControlServerProtocol(HardenedAMP):
         self._holds_slot = True
         names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         subject = str(names[0].value) if names else ""
-        self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
-        self.log.info("control: TLS peer {peer} authenticated", peer=self.control.peer.describe())
+        peer = PeerIdentity("tls", subject=safe_repr(subject))
+        self.authenticated_as(peer)
+        self.log.info("control: TLS peer {peer} authenticated", peer=peer.describe())
 
 
 class ControlServerFactory(Factory):

@@ -188,7 +188,7 @@ class UNIXControlTests(unittest.TestCase):
         # Unbounded, this would be ~100 MB of answers queued in the daemon.
         self.assertLess(sent, len(data))
         self.assertLess(max_buffer, 1024 * 1024)
-        self.assertIn("write", protos[0]._pause_reasons)
+        self.assertIn("write", protos[0].pause_reasons)
 
         def good() -> None:
             with BlockingControlClient(self.path, timeout=5) as c:
