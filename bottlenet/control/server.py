@@ -30,6 +30,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
@@ -39,7 +40,12 @@ from bottlenet.control.backend import ControlBackend
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
+from bottlenet.control.protocol import (
+    CommandObserver,
+    HardenedAMP,
+    SafeCommandLocator,
+    amp_private_names_verified,
+)
 from bottlenet.control.records import (
     BottleRecord,
     ForwardRecord,
@@ -686,6 +692,15 @@ class ControlServerFactory(Factory):
                 peer=bridge.peer,
             )
             bridge.terminate()
+
+    def startFactory(self) -> None:
+        if not amp_private_names_verified():
+            # HardenedAMP overrides and reads private AMP names (protocol.AMP_PRIVATE_NAMES).
+            self.log.warn(
+                "control: Twisted {version} is not one HardenedAMP was checked against"
+                " (AMP_VERIFIED_TWISTED): its private AMP names may have changed",
+                version=twisted.__version__,
+            )
 
     def stopFactory(self) -> None:
         self.end_exec_sessions()
