@@ -11,7 +11,6 @@ import hashlib
 import json
 import re
 import socket
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -97,13 +96,6 @@ REFUSED_PEER_LOG_INTERVAL = 10.0
 DEFAULT_MAX_CONTROL_CONNECTIONS = 64
 #: Highest cap ``--control-max-connections`` accepts (1 GiB of boxes at the worst).
 MAX_CONTROL_CONNECTIONS = 4096
-
-
-class _MonotonicClock:
-    """``seconds()`` only: enough for rate limiting when no reactor is passed in."""
-
-    def seconds(self) -> float:
-        return time.monotonic()
 
 
 @frozen
@@ -604,9 +596,8 @@ class ControlServerFactory(Factory):
     ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``).
     ``transport_kind="tls"`` is for the optional TLS listener, where the client certificate
     (verified by the TLS layer) stands in for peer credentials.
-    ``clock`` (the reactor) rate-limits the refused-peer log per uid and flushes the
-    suppressed counts periodically; without it a monotonic clock is used and counts are
-    reported with that uid's next refusal or when the listener stops.
+    ``clock`` (the reactor; a ``Clock`` in tests) rate-limits the refused-peer log per uid,
+    flushes the suppressed counts, times the TLS handshake deadline and exec time limits.
     ``on_command(command, result)`` hears every handled command (the daemon's metrics).
     """
 
@@ -623,8 +614,8 @@ class ControlServerFactory(Factory):
         smolvm_available: bool | None = None,
         peer_credentials: PeerCredentials = get_peer_credentials,
         unix_target_root: str | None = None,
+        clock: IReactorTime,
         transport_kind: Literal["unix", "tls"] = "unix",
-        clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
         on_command: CommandObserver | None = None,
         event_hub: EventHub | None = None,
@@ -655,27 +646,19 @@ class ControlServerFactory(Factory):
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
         self.transport_kind: Literal["unix", "tls"] = transport_kind
-        self._clock = clock
+        self.clock = clock
         self.refused_log = refused_log or RateLimitedLogger(
             self.log,
-            clock if clock is not None else cast(IReactorTime, _MonotonicClock()),
+            clock,
             interval=REFUSED_PEER_LOG_INTERVAL,
             max_keys=1024,
             # A one-shot timer only while refusals were dropped: no periodic wakeup.
-            auto_flush=clock is not None,
+            auto_flush=True,
         )
         #: TLS only: the handshake deadline and the caps on unauthenticated connections.
         self.admission: HandshakeAdmission | None = None
         if transport_kind == "tls":
             self.admission = HandshakeAdmission(self.clock, self.refused_log)
-
-    @property
-    def clock(self) -> Any:
-        if self._clock is not None:
-            return self._clock
-        from twisted.internet import reactor
-
-        return reactor
 
     def end_exec_sessions(self) -> None:
         """The daemon stops: end every command still running for a client."""
@@ -717,7 +700,7 @@ class ControlServerFactory(Factory):
             peer_credentials=self.peer_credentials,
             unix_target_root=self.unix_target_root,
             transport_kind="tls",
-            clock=self._clock,
+            clock=self.clock,
             refused_log=self.refused_log,
             on_command=self.on_command,
             event_hub=self.event_hub,
