@@ -179,9 +179,6 @@ class ConnectionMode(enum.StrEnum):
 class _ModeInputs(Protocol):
     """The inputs of a connection's mode machine (see ``docs/architecture.md``)."""
 
-    def mode(self) -> ConnectionMode:
-        """Which state the machine is in."""
-
     def authenticated(self) -> None:
         """The peer is who it may be: its boxes are parsed from now on."""
 
@@ -200,21 +197,30 @@ class _ModeInputs(Protocol):
 
 @dataclass
 class _ModeCore:
-    """The mode machine's data: the stream sink, once a command asked for a switch.
+    """The mode machine's data: the state it entered last, and the stream sink once a
+    command asked for a switch.
 
-    Outputs only touch this and tell the sink ``client_lost``; the protocol does the rest
-    (attaching, pausing) after an input returns, so no output re-enters the machine.
+    Only the machine's outputs write it. The protocol reads ``mode`` here on every box and
+    read (an automat input per read would cost a scan of every transition), and does the
+    rest (attaching, pausing) after an input returns, so no output re-enters the machine.
     """
 
+    mode: ConnectionMode = ConnectionMode.AUTHENTICATING
     sink: StreamSink | None = None
-
-    def hold(self, sink: StreamSink) -> None:
-        self.sink = sink
 
     def tell_lost(self) -> None:
         sink, self.sink = self.sink, None
         if sink is not None:
             sink.client_lost()
+
+
+def _entering(mode: ConnectionMode) -> Callable[[_ModeInputs, _ModeCore], None]:
+    """The output of a transition whose only effect is the state it enters."""
+
+    def enter(inputs: _ModeInputs, core: _ModeCore) -> None:
+        core.mode = mode
+
+    return enter
 
 
 def _build_mode_machine() -> Callable[[_ModeCore], _ModeInputs]:
@@ -224,33 +230,29 @@ def _build_mode_machine() -> Callable[[_ModeCore], _ModeInputs]:
     switch_pending = builder.state("switch_pending")
     switched = builder.state("switched")
     closing = builder.state("closing")
-    states = (
-        (authenticating, ConnectionMode.AUTHENTICATING),
-        (amp_, ConnectionMode.AMP),
-        (switch_pending, ConnectionMode.SWITCH_PENDING),
-        (switched, ConnectionMode.SWITCHED),
-        (closing, ConnectionMode.CLOSING),
-    )
-    for state, name in states:
-        state.upon(_ModeInputs.mode).loop().returns(name)
-        if state is not closing:
-            state.upon(_ModeInputs.close).to(closing).returns(None)
 
-    authenticating.upon(_ModeInputs.authenticated).to(amp_).returns(None)
-    closing.upon(_ModeInputs.authenticated).loop().returns(None)
-    closing.upon(_ModeInputs.close).loop().returns(None)
+    authenticating.upon(_ModeInputs.authenticated).to(amp_)(_entering(ConnectionMode.AMP))
+    for state in (authenticating, amp_, switch_pending, switched):
+        state.upon(_ModeInputs.close).to(closing)(_entering(ConnectionMode.CLOSING))
+    for state in (authenticating, amp_):
+        state.upon(_ModeInputs.connection_lost).to(closing)(_entering(ConnectionMode.CLOSING))
     amp_.upon(_ModeInputs.answer_sent).loop().returns(None)
     switched.upon(_ModeInputs.answer_sent).loop().returns(None)
-    authenticating.upon(_ModeInputs.connection_lost).to(closing).returns(None)
-    amp_.upon(_ModeInputs.connection_lost).to(closing).returns(None)
+    closing.upon(_ModeInputs.authenticated).loop().returns(None)
+    closing.upon(_ModeInputs.close).loop().returns(None)
 
     @amp_.upon(_ModeInputs.switch_after_answer).to(switch_pending)
-    @closing.upon(_ModeInputs.switch_after_answer).loop()
     def hold(inputs: _ModeInputs, core: _ModeCore, sink: StreamSink) -> None:
-        core.hold(sink)  # closing: told client_lost once answered, or at connection_lost
+        core.mode = ConnectionMode.SWITCH_PENDING
+        core.sink = sink
+
+    @closing.upon(_ModeInputs.switch_after_answer).loop()
+    def hold_orphan(inputs: _ModeInputs, core: _ModeCore, sink: StreamSink) -> None:
+        core.sink = sink  # told client_lost once answered, or at connection_lost
 
     @switch_pending.upon(_ModeInputs.answer_sent).to(switched)
     def hand_over(inputs: _ModeInputs, core: _ModeCore) -> StreamSink | None:
+        core.mode = ConnectionMode.SWITCHED
         return core.sink
 
     @closing.upon(_ModeInputs.answer_sent).loop()
@@ -260,8 +262,12 @@ def _build_mode_machine() -> Callable[[_ModeCore], _ModeInputs]:
 
     @switch_pending.upon(_ModeInputs.connection_lost).to(closing)
     @switched.upon(_ModeInputs.connection_lost).to(closing)
-    @closing.upon(_ModeInputs.connection_lost).loop()
     def lost(inputs: _ModeInputs, core: _ModeCore) -> None:
+        core.mode = ConnectionMode.CLOSING
+        core.tell_lost()
+
+    @closing.upon(_ModeInputs.connection_lost).loop()
+    def lost_while_closing(inputs: _ModeInputs, core: _ModeCore) -> None:
         core.tell_lost()
 
     return builder.build()
@@ -302,7 +308,7 @@ class HardenedAMP(amp.AMP):
     @property
     def mode(self) -> ConnectionMode:
         """The connection's state: authenticating, amp, switch_pending, switched, closing."""
-        return self._mode.mode()
+        return self._core.mode
 
     @property
     def pause_reasons(self) -> frozenset[str]:
@@ -511,7 +517,8 @@ class HardenedAMP(amp.AMP):
                 self._drain()
 
         def switch(_: object) -> None:
-            self._answer_sent()
+            if self._core.mode is not ConnectionMode.AMP:  # amp loops: skipped per command
+                self._answer_sent()
 
         d = self.dispatchCommand(box)
         d.addCallbacks(answer, error)
