@@ -34,12 +34,13 @@ class WatchingConnection(Protocol):
 
 
 class _Watcher:
+    """One watching connection; a dropped one is simply no longer in the hub's table."""
+
     def __init__(self, connection: WatchingConnection) -> None:
         self.connection = connection
         #: Bottles watched on this connection; None stands for every bottle.
         self.bottles: set[str | None] = set()
         self.unanswered = 0
-        self.dropped = False
 
 
 class EventHub:
@@ -104,7 +105,6 @@ class EventHub:
                 continue
             if w.unanswered >= self.max_unanswered:
                 self._watchers.pop(key, None)
-                w.dropped = True
                 w.connection.drop(
                     f"event watcher has {w.unanswered} unanswered events (it reads too slowly)"
                 )

@@ -13,9 +13,12 @@ What stock ``amp.AMP`` does that we must not (reliability catalogue finding 5, t
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
+from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred, fail, maybeDeferred
 from twisted.internet.interfaces import IConsumer, IPushProducer, ISystemHandle, ITCPTransport
 from twisted.internet.protocol import connectionDone
@@ -24,6 +27,7 @@ from twisted.protocols import amp
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+import twisted
 from bottlenet.control.commands import InternalError
 from bottlenet.control.framing import BoxParser, FramingError
 from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
@@ -34,6 +38,25 @@ MAX_IN_FLIGHT = 16
 MAX_UNPARSED = 1024 * 1024
 
 _INTERNAL = InternalError.code.encode("ascii")
+
+#: Twisted versions whose private AMP names this module was checked against (see
+#: ``tests/control/test_amp_pin.py``). It overrides ``CommandLocator._wrapWithSerialization``,
+#: reads ``BoxDispatcher._outstandingRequests``, calls ``BoxDispatcher._safeEmit`` and sets
+#: ``_transportPeer``/``_transportHost`` as ``AMP.makeConnection`` does (without its log line).
+AMP_VERIFIED_TWISTED = frozenset({"26.10.0"})
+#: The class-level private names of ``twisted.protocols.amp`` used here, with their owners.
+AMP_PRIVATE_NAMES = (
+    ("CommandLocator", "_wrapWithSerialization"),
+    ("BoxDispatcher", "_outstandingRequests"),
+    ("BoxDispatcher", "_safeEmit"),
+)
+
+
+def amp_private_names_verified() -> bool:
+    """This Twisted is one the private AMP names were checked against, and it has them."""
+    return twisted.__version__ in AMP_VERIFIED_TWISTED and all(
+        hasattr(getattr(amp, owner), name) for owner, name in AMP_PRIVATE_NAMES
+    )
 
 
 class IControlTransport(ITCPTransport, IConsumer, IPushProducer, ISystemHandle):
@@ -138,9 +161,130 @@ class StreamSink(Protocol):
     def client_lost(self) -> None: ...
 
 
+class ConnectionMode(enum.StrEnum):
+    """What a control connection is doing with the bytes it reads."""
+
+    #: Connected, peer not yet authenticated: any byte from it drops the connection.
+    AUTHENTICATING = "authenticating"
+    #: Parsing AMP boxes and answering commands.
+    AMP = "amp"
+    #: A command asked to switch to a stream: still AMP until its answer is written.
+    SWITCH_PENDING = "switch_pending"
+    #: Every byte goes to the stream sink; none is parsed as a box.
+    SWITCHED = "switched"
+    #: Dropped, stopped or lost: nothing more is parsed, paused or forwarded.
+    CLOSING = "closing"
+
+
+class _ModeInputs(Protocol):
+    """The inputs of a connection's mode machine (see ``docs/architecture.md``)."""
+
+    def authenticated(self) -> None:
+        """The peer is who it may be: its boxes are parsed from now on."""
+
+    def switch_after_answer(self, sink: StreamSink) -> None:
+        """The command being handled hands the connection to ``sink`` once answered."""
+
+    def answer_sent(self) -> StreamSink | None:
+        """A command's answer was written; returns the sink to attach, if one waits."""
+
+    def close(self) -> None:
+        """The connection is being dropped or stopped: parse and forward nothing more."""
+
+    def connection_lost(self) -> None:
+        """The transport is gone; a sink that was handed the connection is told."""
+
+
+@dataclass
+class _ModeCore:
+    """The mode machine's data: the state it entered last, and the stream sink once a
+    command asked for a switch.
+
+    Only the machine's outputs write it. The protocol reads ``mode`` here on every box and
+    read (an automat input per read would cost a scan of every transition), and does the
+    rest (attaching, pausing) after an input returns, so no output re-enters the machine.
+    """
+
+    mode: ConnectionMode = ConnectionMode.AUTHENTICATING
+    sink: StreamSink | None = None
+
+    def tell_lost(self) -> None:
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            sink.client_lost()
+
+
+def _entering(mode: ConnectionMode) -> Callable[[_ModeInputs, _ModeCore], None]:
+    """The output of a transition whose only effect is the state it enters."""
+
+    def enter(inputs: _ModeInputs, core: _ModeCore) -> None:
+        core.mode = mode
+
+    return enter
+
+
+def _build_mode_machine() -> Callable[[_ModeCore], _ModeInputs]:
+    builder = TypeMachineBuilder(_ModeInputs, _ModeCore)
+    authenticating = builder.state("authenticating")
+    amp_ = builder.state("amp")
+    switch_pending = builder.state("switch_pending")
+    switched = builder.state("switched")
+    closing = builder.state("closing")
+
+    authenticating.upon(_ModeInputs.authenticated).to(amp_)(_entering(ConnectionMode.AMP))
+    for state in (authenticating, amp_, switch_pending, switched):
+        state.upon(_ModeInputs.close).to(closing)(_entering(ConnectionMode.CLOSING))
+    for state in (authenticating, amp_):
+        state.upon(_ModeInputs.connection_lost).to(closing)(_entering(ConnectionMode.CLOSING))
+    amp_.upon(_ModeInputs.answer_sent).loop().returns(None)
+    switched.upon(_ModeInputs.answer_sent).loop().returns(None)
+    closing.upon(_ModeInputs.authenticated).loop().returns(None)
+    closing.upon(_ModeInputs.close).loop().returns(None)
+
+    @amp_.upon(_ModeInputs.switch_after_answer).to(switch_pending)
+    def hold(inputs: _ModeInputs, core: _ModeCore, sink: StreamSink) -> None:
+        core.mode = ConnectionMode.SWITCH_PENDING
+        core.sink = sink
+
+    @closing.upon(_ModeInputs.switch_after_answer).loop()
+    def hold_orphan(inputs: _ModeInputs, core: _ModeCore, sink: StreamSink) -> None:
+        core.sink = sink  # told client_lost once answered, or at connection_lost
+
+    @switch_pending.upon(_ModeInputs.answer_sent).to(switched)
+    def hand_over(inputs: _ModeInputs, core: _ModeCore) -> StreamSink | None:
+        core.mode = ConnectionMode.SWITCHED
+        return core.sink
+
+    @closing.upon(_ModeInputs.answer_sent).loop()
+    def orphaned(inputs: _ModeInputs, core: _ModeCore) -> StreamSink | None:
+        core.tell_lost()  # the switch never happens: the sink's client is gone
+        return None
+
+    @switch_pending.upon(_ModeInputs.connection_lost).to(closing)
+    @switched.upon(_ModeInputs.connection_lost).to(closing)
+    def lost(inputs: _ModeInputs, core: _ModeCore) -> None:
+        core.mode = ConnectionMode.CLOSING
+        core.tell_lost()
+
+    @closing.upon(_ModeInputs.connection_lost).loop()
+    def lost_while_closing(inputs: _ModeInputs, core: _ModeCore) -> None:
+        core.tell_lost()
+
+    return builder.build()
+
+
+_ModeMachine = _build_mode_machine()
+#: The modes in which boxes are parsed.
+_PARSING = frozenset({ConnectionMode.AMP, ConnectionMode.SWITCH_PENDING})
+
+
 @implementer(IPushProducer)
 class HardenedAMP(amp.AMP):
-    """AMP with bounded parsing, value-free errors and read back-pressure."""
+    """AMP with bounded parsing, value-free errors and read back-pressure.
+
+    Its connection mode is a declared state (:class:`ConnectionMode`); why reading is paused
+    is data (:attr:`pause_reasons`), a set of reasons, not a state.
+    """
 
     log = Logger()
 
@@ -156,10 +300,29 @@ class HardenedAMP(amp.AMP):
         self._parser = BoxParser()
         self._pause_reasons: set[str] = set()
         self._in_flight = 0
-        self._closing = False
-        self._reading_enabled = True
-        self._pending_switch: StreamSink | None = None
-        self._switched: StreamSink | None = None
+        self._core = _ModeCore()
+        self._mode = _ModeMachine(self._core)
+
+    # -- read-outs -------------------------------------------------------------------
+
+    @property
+    def mode(self) -> ConnectionMode:
+        """The connection's state: authenticating, amp, switch_pending, switched, closing."""
+        return self._core.mode
+
+    @property
+    def pause_reasons(self) -> frozenset[str]:
+        """Why parsing (and, off TLS, reading) is paused: "write", "in-flight", or none."""
+        return frozenset(self._pause_reasons)
+
+    @property
+    def unparsed(self) -> int:
+        """Bytes received and not yet parsed into boxes."""
+        return self._parser.buffered
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
 
     # -- connection life -------------------------------------------------------------
 
@@ -179,7 +342,13 @@ class HardenedAMP(amp.AMP):
         amp.BinaryBoxProtocol.makeConnection(self, transport)
 
     def connectionMade(self) -> None:
+        """Whoever connected may talk (the client's side); the server checks first."""
         self.ctransport.registerProducer(self, True)
+        self.peer_authenticated()
+
+    def peer_authenticated(self) -> None:
+        """The peer is authenticated: its boxes are parsed from now on."""
+        self._mode.authenticated()
 
     def close(self) -> None:
         """Close cleanly. Unregister first: TLS waits for that before its close_notify."""
@@ -190,10 +359,14 @@ class HardenedAMP(amp.AMP):
 
     def drop(self, why: str) -> None:
         """Close this connection now, for a reason we wrote (never peer bytes)."""
-        if self._closing:
+        if self.mode is ConnectionMode.CLOSING:
             return
-        self._closing = True
         self.log.warn("control: closing connection ({peer}): {why}", why=why, **self.log_fields())
+        self.abort()
+
+    def abort(self) -> None:
+        """Close this connection now; whoever calls this has logged why (or must not)."""
+        self._mode.close()
         if self.transport is not None:
             self.ctransport.abortConnection()
 
@@ -203,37 +376,23 @@ class HardenedAMP(amp.AMP):
 
     # -- switching away from AMP (exec sessions) -----------------------------------------
 
-    @property
-    def in_flight(self) -> int:
-        return self._in_flight
-
     def switch_after_answer(self, sink: StreamSink) -> None:
         """Once the answer of the command being handled is written, the connection stops
         speaking AMP: every later byte goes to ``sink`` (and none is parsed as a box)."""
-        self._pending_switch = sink
+        self._mode.switch_after_answer(sink)
 
-    def _switch(self) -> None:
-        sink, self._pending_switch = self._pending_switch, None
-        if sink is None or self.transport is None or self._closing:
-            if sink is not None:
-                sink.client_lost()
+    def _answer_sent(self) -> None:
+        sink = self._mode.answer_sent()
+        if sink is None:
             return
-        self._switched = sink
         self.ctransport.unregisterProducer()
-        if not self._reading_enabled:
-            self._reading_enabled = True
+        if self._pause_reading and self._pause_reasons:
             self.ctransport.resumeProducing()
         self._pause_reasons.clear()
         sink.attach(self.transport, self._parser.take_rest())
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
-        self._closing = True
-        sink, self._switched = self._switched, None
-        if sink is not None:
-            sink.client_lost()
-        pending, self._pending_switch = self._pending_switch, None
-        if pending is not None:
-            pending.client_lost()
+        self._mode.connection_lost()
         if self._parser.mid_box and self._parser.failed is None:
             self.log.info("control: connection closed mid-box (truncated frame)")
         amp.BinaryBoxProtocol.connectionLost(self, reason)  # not AMP's: it logs a line
@@ -242,25 +401,26 @@ class HardenedAMP(amp.AMP):
     # -- producer (the transport pauses us when its write buffer is full) ---------------
 
     def _set_paused(self, reason: str, paused: bool) -> None:
-        if self._switched is not None:
+        mode = self.mode
+        if mode is ConnectionMode.SWITCHED:
             return
+        was_paused = bool(self._pause_reasons)
         if paused:
             self._pause_reasons.add(reason)
         else:
             self._pause_reasons.discard(reason)
-        want_reading = not self._pause_reasons
+        # While the mode is not closing the transport reads exactly when no reason is left.
         if (
             not self._pause_reading
             or self.transport is None
-            or self._closing
-            or want_reading == self._reading_enabled
+            or mode is ConnectionMode.CLOSING
+            or was_paused == bool(self._pause_reasons)
         ):
             return
-        self._reading_enabled = want_reading
-        if want_reading:
-            self.ctransport.resumeProducing()
-        else:
+        if self._pause_reasons:
             self.ctransport.pauseProducing()
+        else:
+            self.ctransport.resumeProducing()
 
     def pauseProducing(self) -> None:
         self._set_paused("write", True)
@@ -270,19 +430,20 @@ class HardenedAMP(amp.AMP):
         self._drain()
 
     def stopProducing(self) -> None:
-        self._closing = True
+        self._mode.close()
 
     # -- input ------------------------------------------------------------------------
 
-    def may_parse(self) -> bool:
-        """Subclasses refuse parsing until the peer is authenticated."""
-        return True
-
     def dataReceived(self, data: bytes) -> None:
-        if self._switched is not None:
-            self._switched.client_data(data)
+        mode = self.mode
+        if mode is ConnectionMode.SWITCHED:
+            assert self._core.sink is not None
+            self._core.sink.client_data(data)
             return
-        if self._closing or not self.may_parse():
+        if mode is ConnectionMode.CLOSING:
+            return
+        if mode is ConnectionMode.AUTHENTICATING:
+            self.drop("data before authentication")
             return
         self._parser.feed(data)
         if self._pause_reasons and self._parser.buffered > MAX_UNPARSED:
@@ -291,7 +452,7 @@ class HardenedAMP(amp.AMP):
         self._drain()
 
     def _drain(self) -> None:
-        while not self._closing and not self._pause_reasons and self._switched is None:
+        while not self._pause_reasons and self.mode in _PARSING:
             if self._in_flight >= MAX_IN_FLIGHT:
                 self._set_paused("in-flight", True)
                 return
@@ -356,8 +517,8 @@ class HardenedAMP(amp.AMP):
                 self._drain()
 
         def switch(_: object) -> None:
-            if self._pending_switch is not None:
-                self._switch()
+            if self._core.mode is not ConnectionMode.AMP:  # amp loops: skipped per command
+                self._answer_sent()
 
         d = self.dispatchCommand(box)
         d.addCallbacks(answer, error)

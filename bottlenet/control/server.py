@@ -11,7 +11,6 @@ import hashlib
 import json
 import re
 import socket
-import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
@@ -30,6 +29,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
+import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
@@ -39,7 +39,12 @@ from bottlenet.control.backend import ControlBackend
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.protocol import CommandObserver, HardenedAMP, SafeCommandLocator
+from bottlenet.control.protocol import (
+    CommandObserver,
+    HardenedAMP,
+    SafeCommandLocator,
+    amp_private_names_verified,
+)
 from bottlenet.control.records import (
     BottleRecord,
     ForwardRecord,
@@ -91,13 +96,6 @@ REFUSED_PEER_LOG_INTERVAL = 10.0
 DEFAULT_MAX_CONTROL_CONNECTIONS = 64
 #: Highest cap ``--control-max-connections`` accepts (1 GiB of boxes at the worst).
 MAX_CONTROL_CONNECTIONS = 4096
-
-
-class _MonotonicClock:
-    """``seconds()`` only: enough for rate limiting when no reactor is passed in."""
-
-    def seconds(self) -> float:
-        return time.monotonic()
 
 
 @frozen
@@ -528,12 +526,6 @@ class ControlServerProtocol(HardenedAMP):
             return {"peer": "unauthenticated"}
         return {"peer": peer.describe(), "uid": peer.uid, "pid": peer.pid}
 
-    def may_parse(self) -> bool:
-        if self.peer is None:
-            self.drop("data before authentication")
-            return False
-        return True
-
     def connectionMade(self) -> None:
         if self.factory.transport_kind == "tls":
             # Authenticated in handshakeCompleted, before any application data flows; until
@@ -542,7 +534,7 @@ class ControlServerProtocol(HardenedAMP):
                 self.factory.admission.admit(
                     self, peer_source(self.transport), self._abort_unauthenticated
                 )
-            super().connectionMade()
+            self.ctransport.registerProducer(self, True)
             return
         handle = self.ctransport.getHandle()
         if not isinstance(handle, socket.socket) or handle.family != socket.AF_UNIX:
@@ -554,7 +546,6 @@ class ControlServerProtocol(HardenedAMP):
             self.drop("could not read peer credentials")
             return
         if cred.uid not in self.factory.allowed_uids:
-            self._closing = True
             self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
@@ -562,10 +553,15 @@ class ControlServerProtocol(HardenedAMP):
                 uid=cred.uid,
                 pid=cred.pid,
             )
-            self.ctransport.abortConnection()
+            self.abort()
             return
-        self.control.peer = PeerIdentity("unix", uid=cred.uid, pid=cred.pid)
-        super().connectionMade()
+        self.ctransport.registerProducer(self, True)
+        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid))
+
+    def authenticated_as(self, peer: PeerIdentity) -> None:
+        """The peer is who it may be: its boxes are parsed from now on."""
+        self.control.peer = peer
+        self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
         """Told by the TLS layer: this peer is not silent (see the handshake admission)."""
@@ -574,9 +570,7 @@ class ControlServerProtocol(HardenedAMP):
 
     def _abort_unauthenticated(self) -> None:
         """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
-        self._closing = True
-        if self.transport is not None:
-            self.ctransport.abortConnection()
+        self.abort()
 
     def handshakeCompleted(self) -> None:
         if self.factory.admission is not None:
@@ -591,8 +585,9 @@ class ControlServerProtocol(HardenedAMP):
         self._holds_slot = True
         names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
         subject = str(names[0].value) if names else ""
-        self.control.peer = PeerIdentity("tls", subject=safe_repr(subject))
-        self.log.info("control: TLS peer {peer} authenticated", peer=self.control.peer.describe())
+        peer = PeerIdentity("tls", subject=safe_repr(subject))
+        self.authenticated_as(peer)
+        self.log.info("control: TLS peer {peer} authenticated", peer=peer.describe())
 
 
 class ControlServerFactory(Factory):
@@ -601,9 +596,8 @@ class ControlServerFactory(Factory):
     ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``).
     ``transport_kind="tls"`` is for the optional TLS listener, where the client certificate
     (verified by the TLS layer) stands in for peer credentials.
-    ``clock`` (the reactor) rate-limits the refused-peer log per uid and flushes the
-    suppressed counts periodically; without it a monotonic clock is used and counts are
-    reported with that uid's next refusal or when the listener stops.
+    ``clock`` (the reactor; a ``Clock`` in tests) rate-limits the refused-peer log per uid,
+    flushes the suppressed counts, times the TLS handshake deadline and exec time limits.
     ``on_command(command, result)`` hears every handled command (the daemon's metrics).
     """
 
@@ -620,8 +614,8 @@ class ControlServerFactory(Factory):
         smolvm_available: bool | None = None,
         peer_credentials: PeerCredentials = get_peer_credentials,
         unix_target_root: str | None = None,
+        clock: IReactorTime,
         transport_kind: Literal["unix", "tls"] = "unix",
-        clock: IReactorTime | None = None,
         refused_log: RateLimitedLogger | None = None,
         on_command: CommandObserver | None = None,
         event_hub: EventHub | None = None,
@@ -652,27 +646,19 @@ class ControlServerFactory(Factory):
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
         self.transport_kind: Literal["unix", "tls"] = transport_kind
-        self._clock = clock
+        self.clock = clock
         self.refused_log = refused_log or RateLimitedLogger(
             self.log,
-            clock if clock is not None else cast(IReactorTime, _MonotonicClock()),
+            clock,
             interval=REFUSED_PEER_LOG_INTERVAL,
             max_keys=1024,
             # A one-shot timer only while refusals were dropped: no periodic wakeup.
-            auto_flush=clock is not None,
+            auto_flush=True,
         )
         #: TLS only: the handshake deadline and the caps on unauthenticated connections.
         self.admission: HandshakeAdmission | None = None
         if transport_kind == "tls":
             self.admission = HandshakeAdmission(self.clock, self.refused_log)
-
-    @property
-    def clock(self) -> Any:
-        if self._clock is not None:
-            return self._clock
-        from twisted.internet import reactor
-
-        return reactor
 
     def end_exec_sessions(self) -> None:
         """The daemon stops: end every command still running for a client."""
@@ -690,6 +676,15 @@ class ControlServerFactory(Factory):
             )
             bridge.terminate()
 
+    def startFactory(self) -> None:
+        if not amp_private_names_verified():
+            # HardenedAMP overrides and reads private AMP names (protocol.AMP_PRIVATE_NAMES).
+            self.log.warn(
+                "control: Twisted {version} is not one HardenedAMP was checked against"
+                " (AMP_VERIFIED_TWISTED): its private AMP names may have changed",
+                version=twisted.__version__,
+            )
+
     def stopFactory(self) -> None:
         self.end_exec_sessions()
         self.refused_log.flush()
@@ -705,7 +700,7 @@ class ControlServerFactory(Factory):
             peer_credentials=self.peer_credentials,
             unix_target_root=self.unix_target_root,
             transport_kind="tls",
-            clock=self._clock,
+            clock=self.clock,
             refused_log=self.refused_log,
             on_command=self.on_command,
             event_hub=self.event_hub,

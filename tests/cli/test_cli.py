@@ -86,6 +86,7 @@ class CLITests(unittest.TestCase):
             server_version="1.2.3",
             smolvm_version=None,
             allowed_uids=default_allowed_uids(),
+            clock=reactor,
         )
         svc = control_service(reactor, f"unix:{self.path}", factory, self.fail)
         svc.startService()

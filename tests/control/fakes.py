@@ -7,6 +7,7 @@ import socket
 from typing import Any
 
 from twisted.internet.address import UNIXAddress
+from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.protocols import amp
 
@@ -133,6 +134,7 @@ def make_factory(
     kw.setdefault("allowed_uids", frozenset({OWN_UID}))
     kw.setdefault("server_version", "0.1.0")
     kw.setdefault("smolvm_version", None)
+    kw.setdefault("clock", Clock())
     return ControlServerFactory(backend or FakeBackend(), peer_credentials=creds, **kw)
 
 

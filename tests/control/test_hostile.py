@@ -86,7 +86,7 @@ def test_unterminated_box_is_capped_with_bounded_memory(conn: Conn) -> None:
         tracemalloc.stop()
     assert conn.transport.aborted
     assert peak < 5 * 1024 * 1024
-    assert conn.proto._parser.buffered == 0
+    assert conn.proto.unparsed == 0
 
 
 def test_too_many_small_keys() -> None:
@@ -303,7 +303,7 @@ def test_tls_mode_stops_parsing_but_not_reading_and_caps_input() -> None:
     transport = UNIXStringTransport()
     proto = factory.buildProtocol(None)
     proto.makeConnection(transport)
-    proto.control.peer = PeerIdentity("tls", subject="'t'")
+    proto.authenticated_as(PeerIdentity("tls", subject="'t'"))
     proto.pauseProducing()  # the TLS layer is buffering our writes (e.g. mid-handshake)
     assert transport.producerState == "producing"  # reading is never paused under TLS
     proto.dataReceived(raw_command(b"bottlenet.Ping", b"1"))

@@ -15,6 +15,7 @@ from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrap
 from twisted.internet.interfaces import IListeningPort
 from twisted.internet.task import deferLater
 from twisted.internet.threads import deferToThread
+from twisted.logger import Logger
 from twisted.python.systemd import ListenFDs
 from twisted.trial import unittest
 
@@ -24,8 +25,9 @@ from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.control.endpoints import tls_control_endpoint
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
-from bottlenet.control.server import ControlServerFactory
+from bottlenet.control.server import REFUSED_PEER_LOG_INTERVAL, ControlServerFactory
 from bottlenet.errors import NotFound
+from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.tap import control_service
 
 from . import certs
@@ -60,6 +62,7 @@ class UNIXControlTests(unittest.TestCase):
             server_version="9.9",
             smolvm_version=None,
             allowed_uids=default_allowed_uids(),
+            clock=reactor,
         )
         self.fatal: list[str] = []
         self.service = control_service(
@@ -188,7 +191,7 @@ class UNIXControlTests(unittest.TestCase):
         # Unbounded, this would be ~100 MB of answers queued in the daemon.
         self.assertLess(sent, len(data))
         self.assertLess(max_buffer, 1024 * 1024)
-        self.assertIn("write", protos[0]._pause_reasons)
+        self.assertIn("write", protos[0].pause_reasons)
 
         def good() -> None:
             with BlockingControlClient(self.path, timeout=5) as c:
@@ -230,6 +233,7 @@ class SystemdTests(unittest.TestCase):
             server_version="sd",
             smolvm_version="1.0",
             allowed_uids=default_allowed_uids(),
+            clock=reactor,
         )
         fatal: list[str] = []
         svc = control_service(
@@ -266,7 +270,14 @@ class TLSTests(unittest.TestCase):
         self.ca_path = certs.write(self.dir, "ca", self.ca)[1]
         self.backend = FakeBackend()
         factory = ControlServerFactory(
-            self.backend, server_version="tls", smolvm_version=None, allowed_uids=frozenset()
+            self.backend,
+            server_version="tls",
+            smolvm_version=None,
+            allowed_uids=frozenset(),
+            clock=reactor,
+            # Refusals logged without the flush timer, which outlives the listener (until the
+            # reactor stops) while a refused key is still within its interval.
+            refused_log=RateLimitedLogger(Logger(), reactor, REFUSED_PEER_LOG_INTERVAL),
         ).for_tls()
         self.server_protos: list[Any] = []
         build = factory.buildProtocol
