@@ -26,8 +26,7 @@ Nothing here knows about sockets or reactors; both clients and the daemon use it
 from __future__ import annotations
 
 import struct
-
-from attrs import frozen
+from typing import NamedTuple
 
 STDIN = 1
 STDIN_EOF = 2
@@ -56,8 +55,10 @@ class StreamError(Exception):
     """A frame that breaks the rules (unknown kind, too long, malformed payload)."""
 
 
-@frozen
-class Frame:
+class Frame(NamedTuple):
+    """One frame: its kind and its payload (a NamedTuple: ``bottlenetctl bottle exec``
+    imports this module, and attrs costs its start-up)."""
+
     kind: int
     payload: bytes = b""
 
