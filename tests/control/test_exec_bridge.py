@@ -11,17 +11,27 @@ from __future__ import annotations
 import fcntl
 import os
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from twisted.internet.error import ProcessDone
+from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
 from twisted.python.failure import Failure
 
 from bottlenet.control import stream
-from bottlenet.control.execbroker import KILL_GRACE, REACTOR_READ, TURN_READ, ExecBridge
+from bottlenet.control.execbroker import (
+    KILL_GRACE,
+    REACTOR_READ,
+    TIMEOUT_EXIT,
+    TURN_READ,
+    ChildState,
+    ExecBridge,
+    ExecState,
+)
 
 
 class Child:
@@ -126,8 +136,6 @@ def test_a_resize_payload_of_the_wrong_size_is_a_stream_error() -> None:
 
 def test_a_child_killed_by_a_signal_exits_128_plus_the_signal() -> None:
     """E02: the shell convention, so ``exec`` of a killed command reports 137 for SIGKILL."""
-    from twisted.internet.error import ProcessTerminated
-
     b, _, _ = bridge()
     client = StringTransport()
     b.attach(client, b"")
@@ -209,3 +217,172 @@ def test_a_client_that_pauses_stops_the_reading_mid_turn(child_stdout: Any) -> N
     b.childDataReceived(1, os.read(r, REACTOR_READ))
     assert stdout_frames(client) == [stream.MAX_FRAME]
     assert len(os.read(r, 1 << 20)) == TURN_READ - stream.MAX_FRAME
+
+
+def test_a_framed_session_walks_its_declared_states() -> None:
+    """starting -> attached -> closing -> closed, the child running -> ended; on_end once."""
+    ended: list[ExecBridge] = []
+    b = ExecBridge(
+        bottle="b1",
+        peer="p",
+        tty=False,
+        stdin=True,
+        clock=Clock(),
+        resize=lambda *a: None,
+        on_end=ended.append,
+    )
+    assert (b.state, b.child_state) == (ExecState.STARTING, ChildState.UNSTARTED)
+    b.makeConnection(Child())  # type: ignore[arg-type]
+    client = StringTransport()
+    b.attach(client, b"")
+    assert (b.state, b.child_state) == (ExecState.ATTACHED, ChildState.RUNNING)
+    b.processEnded(Failure(ProcessDone(0)))
+    assert (b.state, b.child_state, b.exit_code) == (ExecState.CLOSING, ChildState.ENDED, 0)
+    assert ended == []  # the client is still attached
+    b.client_lost()
+    b.client_lost()
+    assert b.state is ExecState.CLOSED and ended == [b]
+
+
+def test_an_exit_before_the_client_attaches_waits_for_it() -> None:
+    """exited: output and EXIT wait; the client then gets both and the connection closes."""
+    b, _, _ = bridge()
+    b.childDataReceived(1, b"early")
+    b.processEnded(Failure(ProcessDone(0)))
+    assert b.state is ExecState.EXITED
+    client = StringTransport()
+    b.attach(client, stream.encode(stream.STDIN, b"late"))  # too late: not applied
+    assert client.value() == stream.encode(stream.STDOUT, b"early") + stream.encode_exit(0)
+    assert b.state is ExecState.CLOSING and client.disconnecting
+
+
+def test_a_client_gone_first_puts_the_child_through_its_grace() -> None:
+    """client-gone: TERM and the KILL timer (terminating), KILL (killed), exit (closed)."""
+    ended: list[ExecBridge] = []
+    clock = Clock()
+    b = ExecBridge(
+        bottle="b1",
+        peer="p",
+        tty=False,
+        stdin=False,
+        clock=clock,
+        resize=lambda *a: None,
+        on_end=ended.append,
+    )
+    child = Child()
+    b.makeConnection(child)  # type: ignore[arg-type]
+    b.attach(StringTransport(), b"")
+    b.client_lost()
+    assert (b.state, b.child_state) == (ExecState.CLIENT_GONE, ChildState.TERMINATING)
+    assert len(clock.getDelayedCalls()) == 1 and b.client is None
+    b.childDataReceived(1, b"nobody reads this")  # dropped, not buffered
+    clock.advance(KILL_GRACE)
+    assert b.child_state is ChildState.KILLED and child.signals == ["TERM", "KILL"]
+    assert ended == []
+    b.processEnded(Failure(ProcessDone(0)))
+    assert (b.state, b.child_state) == (ExecState.CLOSED, ChildState.ENDED) and ended == [b]
+
+
+def test_a_time_limit_ends_the_child_with_exit_124() -> None:
+    """The deadline: terminating (TERM, then KILL), exit code TIMEOUT_EXIT whatever it said."""
+    b, child, clock = bridge()
+    client = StringTransport()
+    b.attach(client, b"")
+    b.set_deadline(5)
+    clock.advance(5)
+    assert b.child_state is ChildState.TERMINATING and child.signals == ["TERM"]
+    b.processEnded(Failure(ProcessDone(0)))
+    assert client.value().endswith(stream.encode_exit(TIMEOUT_EXIT))
+    assert clock.getDelayedCalls() == []
+
+
+def test_a_terminate_before_the_child_runs_or_after_it_ended_sends_nothing() -> None:
+    """unstarted and ended: nothing to signal (the destroy of a bottle may come at any time)."""
+    b = ExecBridge(bottle="b1", peer="p", tty=False, stdin=False, clock=Clock(), resize=print)
+    b.terminate()
+    assert b.child_state is ChildState.UNSTARTED
+    child = Child()
+    b.makeConnection(child)  # type: ignore[arg-type]
+    b.processEnded(Failure(ProcessDone(0)))
+    b.terminate()
+    assert b.child_state is ChildState.ENDED and child.signals == []
+
+
+class FdClient(StringTransport):
+    """A client connection that can carry file descriptors (their numbers recorded)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fds: list[int] = []
+
+    def sendFileDescriptor(self, fd: int) -> None:
+        self.fds.append(fd)
+
+
+def fd_bridge() -> tuple[ExecBridge, FdClient]:
+    b = ExecBridge(
+        bottle="b1", peer="p", tty=False, stdin=True, clock=Clock(), resize=print, fds=True
+    )
+    b.make_stdio()
+    b.spawned()
+    b.makeConnection(Child())  # type: ignore[arg-type]
+    client = FdClient()
+    b.attach(client, b"")
+    return b, client
+
+
+def test_an_fd_session_hands_over_in_order() -> None:
+    """attached -> fds-offered -> fds-taken -> closing; the exit code only after the take."""
+    b, client = fd_bridge()
+    b.client_data(stream.encode(stream.FDS_READY))
+    assert b.state is ExecState.FDS_OFFERED and len(client.fds) == 3
+    b.client_data(stream.encode(stream.FDS_TAKEN))
+    assert b.state is ExecState.FDS_TAKEN
+    b.processEnded(Failure(ProcessTerminated(exitCode=3)))
+    assert b.state is ExecState.CLOSING and client.value().endswith(stream.encode_exit(3))
+
+
+def test_an_fd_session_whose_command_ends_while_offered_waits_for_the_take() -> None:
+    """exited-fds-offered: the output is still in the pipes, so EXIT waits for FDS_TAKEN."""
+    b, client = fd_bridge()
+    b.client_data(stream.encode(stream.FDS_READY))
+    b.processEnded(Failure(ProcessDone(0)))
+    assert b.state is ExecState.EXITED_FDS_OFFERED and not client.disconnecting
+    b.client_data(stream.encode(stream.FDS_TAKEN))
+    assert b.state is ExecState.CLOSING and client.value().endswith(stream.encode_exit(0))
+
+
+@pytest.mark.parametrize(
+    "frames",
+    [
+        [stream.FDS_TAKEN],
+        [stream.FDS_READY, stream.FDS_READY],
+        [stream.FDS_READY, stream.FDS_TAKEN, stream.FDS_TAKEN],
+    ],
+)
+def test_a_handover_frame_out_of_order_aborts_the_session(frames: list[int]) -> None:
+    """The named refusals: a take before the offer, or a second of either, is a stream error."""
+    b, client = fd_bridge()
+    b.client_data(b"".join(stream.encode(kind) for kind in frames))
+    assert client.disconnecting
+
+
+def test_the_wire_bytes_of_each_frame_are_pinned() -> None:
+    """Kind byte, 4-byte big-endian length, payload; EXIT a signed 4-byte code."""
+    assert stream.encode(stream.STDOUT, b"hi") == b"\x10\x00\x00\x00\x02hi"
+    assert stream.encode_exit(-1) == b"\x12\x00\x00\x00\x04\xff\xff\xff\xff"
+    assert stream.encode_resize(24, 80) == b"\x03\x00\x00\x00\x04\x00\x18\x00\x50"
+    assert stream.decode_exit(b"\xff\xff\xff\xff") == -1
+    assert stream.FrameParser(stream.DAEMON_KINDS).feed(b"\x11\x00\x00\x00\x01e") == [
+        stream.Frame(stream.STDERR, b"e")
+    ]
+
+
+def test_the_client_side_of_exec_imports_no_attrs() -> None:
+    """``bottlenetctl bottle exec`` loads stream and execsession: neither pulls attrs in."""
+    probe = (
+        "import sys, bottlenet.control.execsession, bottlenet.control.stream;"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('attr', 'attrs')))"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout == "[]\n"
