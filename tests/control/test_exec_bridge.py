@@ -373,6 +373,7 @@ def test_the_wire_bytes_of_each_frame_are_pinned() -> None:
     assert stream.encode_exit(-1) == b"\x12\x00\x00\x00\x04\xff\xff\xff\xff"
     assert stream.encode_resize(24, 80) == b"\x03\x00\x00\x00\x04\x00\x18\x00\x50"
     assert stream.decode_exit(b"\xff\xff\xff\xff") == -1
+    assert stream.encode_resize(70000, -3) == b"\x03\x00\x00\x00\x04\xff\xff\x00\x00"
     assert stream.FrameParser(stream.DAEMON_KINDS).feed(b"\x11\x00\x00\x00\x01e") == [
         stream.Frame(stream.STDERR, b"e")
     ]
