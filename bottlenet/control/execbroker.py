@@ -221,6 +221,7 @@ class ExecBridge(ProcessProtocol):
             return  # the child's stdio are the client's pipes, not ours
         if not self.stdin and not self.tty:
             self.transport.closeStdin()
+        _widen_pipes(self.transport)
         # The child's stdin (its pipe, or the pty master for a tty) tells us when it is full:
         # reading from the client stops until it drains, so the daemon buffers at most about
         # one write buffer plus one read of the client per session, whatever the client sends.
@@ -237,7 +238,11 @@ class ExecBridge(ProcessProtocol):
         while True:
             if fd is not None:
                 data = _fill(fd, data, stream.MAX_FRAME)
-            self._out(stream.encode(kind, data))
+            if len(data) <= stream.MAX_FRAME:  # the header, then the payload as it came
+                self._out(stream.header(kind, len(data)))
+                self._out(data)
+            else:
+                self._out(stream.encode(kind, data))
             sent += len(data)
             if fd is None or len(data) < stream.MAX_FRAME or sent >= TURN_READ:
                 return
@@ -444,6 +449,11 @@ def _drop(data: bytes) -> None:
 def _connect(m: _Session, b: ExecBridge, transport: Any) -> None:
     """The client is attached: what waited goes out, and output streams to it."""
     b._client = transport
+    if getattr(transport, "bufferSize", None) is not None:
+        # Twisted pauses a producer once its buffer holds more than ``bufferSize`` (64 KiB):
+        # one 64 KiB frame did, so each turn of the reactor moved one frame. Now a turn
+        # moves up to TURN_READ; the bound per session holds (TURN_READ more, at most).
+        transport.bufferSize = TURN_READ
     transport.registerProducer(b, True)
     pending, b._pending, b._pending_size = b._pending, [], 0
     for chunk in pending:
@@ -655,6 +665,18 @@ def _fill(fd: int, data: bytes, size: int) -> bytes:
         parts.append(more)
         have += len(more)
     return data if len(parts) == 1 else b"".join(parts)
+
+
+def _widen_pipes(transport: object) -> None:
+    """The child's pipes (not a pty) hold :data:`PIPE_SIZE`: while the daemon waits for its
+    turn on a busy machine the command keeps running, and each turn then reads whole frames
+    (up to :data:`TURN_READ`) instead of the 64 KiB a default pipe holds."""
+    pipes = getattr(transport, "pipes", None) or {}
+    for end in pipes.values():
+        try:
+            fcntl.fcntl(end.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except (OSError, ValueError):  # a refusal (the user's pipe quota) only costs speed
+            pass
 
 
 def _close_all(fds: list[int]) -> None:

@@ -180,13 +180,19 @@ class ExecSession:
                 self._receive(chunk, stdout, stderr)
 
     def _receive(self, data: bytes, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
-        for frame in self._parser.feed(data):
-            if frame.kind == stream.EXIT:
-                self.exit_code = stream.decode_exit(frame.payload)
-                return
-            sink = stderr if frame.kind == stream.STDERR else stdout
-            if sink is not None:
-                sink.write(frame.payload)
+        """Write what ``data`` carries; each sink is flushed once per read, not per frame."""
+        written: set[IO[bytes]] = set()
+        try:
+            for frame in self._parser.feed(data):
+                if frame.kind == stream.EXIT:
+                    self.exit_code = stream.decode_exit(frame.payload)
+                    return
+                sink = stderr if frame.kind == stream.STDERR else stdout
+                if sink is not None:
+                    sink.write(frame.payload)
+                    written.add(sink)
+        finally:
+            for sink in written:
                 sink.flush()
 
     # -- file descriptors ---------------------------------------------------------------

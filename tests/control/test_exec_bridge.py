@@ -17,6 +17,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from twisted.internet.error import ProcessDone, ProcessTerminated
 from twisted.internet.task import Clock
 from twisted.internet.testing import StringTransport
@@ -387,3 +389,37 @@ def test_the_client_side_of_exec_imports_no_attrs() -> None:
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout == "[]\n"
+
+
+@given(
+    frames=st.lists(
+        st.tuples(st.sampled_from(sorted(stream.DAEMON_KINDS)), st.binary(max_size=300)),
+        max_size=8,
+    ),
+    cuts=st.lists(st.integers(min_value=0, max_value=3000), max_size=12),
+)
+def test_the_parser_gives_the_same_frames_however_the_reads_are_cut(
+    frames: list[tuple[int, bytes]], cuts: list[int]
+) -> None:
+    """A frame cut by the end of a read (in its header or its payload) waits for the rest."""
+    wire = b"".join(stream.encode(kind, payload) for kind, payload in frames)
+    parser = stream.FrameParser(stream.DAEMON_KINDS)
+    got: list[stream.Frame] = []
+    last = 0
+    for cut in [*sorted({min(c, len(wire)) for c in cuts}), len(wire)]:
+        got += parser.feed(wire[last:cut])
+        last = cut
+    assert got == [stream.Frame(kind, payload) for kind, payload in frames]
+    assert parser.buffered == 0 and all(type(f.payload) is bytes for f in got)
+
+
+def test_a_bad_header_cut_before_its_payload_is_refused_at_once() -> None:
+    """The kind and the length are checked as soon as the header is in, payload or not."""
+    parser = stream.FrameParser(stream.CLIENT_KINDS)
+    assert parser.feed(stream.encode(stream.STDIN, b"ok")[:3]) == []
+    with pytest.raises(stream.StreamError, match="too long"):
+        stream.FrameParser(stream.CLIENT_KINDS).feed(b"\x01\x00\x01\x00\x01")
+    parser = stream.FrameParser(stream.CLIENT_KINDS)
+    parser.feed(b"\x10\x00")
+    with pytest.raises(stream.StreamError, match="unexpected frame kind 16"):
+        parser.feed(b"\x00\x00\x01")
