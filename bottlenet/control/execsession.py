@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 MAX_OUTGOING = 256 * 1024
 #: One read from a pipe of the command (or from our stdin, for it).
 CHUNK = 256 * 1024
+#: What a UNIX socket may hold unsent: the daemon then reads our stdin's frames in bulk.
+SEND_BUFFER = 1024 * 1024
 
 
 def _tls_of(sock: socket.socket) -> tuple[ssl.SSLSocket | None, tuple[type[OSError], ...]]:
@@ -131,6 +133,8 @@ class ExecSession:
             except (AttributeError, OSError, ValueError):
                 out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
         self.sock.setblocking(False)
+        if self.sock.family == socket.AF_UNIX:
+            stream.widen_send_buffer(self.sock, SEND_BUFFER)
         if self._leftover:
             self._receive(self._leftover, stdout, stderr)
             self._leftover = b""

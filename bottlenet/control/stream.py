@@ -20,11 +20,12 @@ the command's stdio is framed: the client sends ``FDS_READY`` once it reads with
 stderr as ``SCM_RIGHTS``), the client sends ``FDS_TAKEN`` (the daemon then closes its
 copies), and the daemon sends ``EXIT`` when the command has ended and the fds were taken.
 
-Nothing here knows about sockets or reactors; both clients and the daemon use it.
+Nothing here knows about reactors; both clients and the daemon use it.
 """
 
 from __future__ import annotations
 
+import socket
 import struct
 from typing import NamedTuple
 
@@ -49,6 +50,15 @@ FD_COUNT = 3
 MAX_FRAME = 65536
 _HEADER = struct.Struct(">BI")
 HEADER_SIZE = _HEADER.size
+
+
+def widen_send_buffer(sock: socket.socket, size: int) -> None:
+    """Let a UNIX socket hold ``size`` bytes unsent, so bulk frames move in fewer, larger
+    reads at the other end; a refusal (a lower ``wmem_max``) only costs speed."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except OSError:
+        pass
 
 
 class StreamError(Exception):

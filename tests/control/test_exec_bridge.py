@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 from bottlenet.control import stream
 from bottlenet.control.execbroker import (
     KILL_GRACE,
+    MAX_PENDING,
     REACTOR_READ,
     TIMEOUT_EXIT,
     TURN_READ,
@@ -423,3 +424,40 @@ def test_a_bad_header_cut_before_its_payload_is_refused_at_once() -> None:
     parser.feed(b"\x10\x00")
     with pytest.raises(stream.StreamError, match="unexpected frame kind 16"):
         parser.feed(b"\x00\x00\x01")
+
+
+def test_stdin_frames_after_the_exit_are_not_written() -> None:
+    """E04: the child ended (its stdin is gone): a late STDIN frame is not written to it."""
+    b, child, _ = bridge(stdin=True)
+    b.attach(StringTransport(), b"")
+    b.processEnded(Failure(ProcessDone(0)))
+    b.client_data(stream.encode(stream.STDIN, b"late"))
+    assert child.written == []
+
+
+class PausableChild(Child):
+    """A child whose output can be paused (as Twisted's process transport)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused = False
+
+    def pauseProducing(self) -> None:
+        self.paused = True
+
+    def resumeProducing(self) -> None:
+        self.paused = False
+
+
+def test_output_before_the_client_is_bounded_and_resumed_on_attach() -> None:
+    """E07, E08: past MAX_PENDING the child is paused; the client's attach resumes it."""
+    b = ExecBridge(bottle="b1", peer="p", tty=False, stdin=False, clock=Clock(), resize=print)
+    child = PausableChild()
+    b.makeConnection(child)  # type: ignore[arg-type]
+    b.childDataReceived(1, bytes(MAX_PENDING // 2))
+    assert not child.paused
+    b.childDataReceived(1, bytes(MAX_PENDING // 2 + 1))
+    assert child.paused
+    client = StringTransport()
+    b.attach(client, b"")
+    assert not child.paused and len(client.value()) > MAX_PENDING
