@@ -36,6 +36,8 @@ from bottlenet.control.execbroker import (
     ExecState,
 )
 
+from .test_exec_sessions import UnixClient
+
 
 class Child:
     """What the bridge does to its smolvm child's process transport, recorded."""
@@ -311,25 +313,14 @@ def test_a_terminate_before_the_child_runs_or_after_it_ended_sends_nothing() -> 
     assert b.child_state is ChildState.ENDED and child.signals == []
 
 
-class FdClient(StringTransport):
-    """A client connection that can carry file descriptors (their numbers recorded)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fds: list[int] = []
-
-    def sendFileDescriptor(self, fd: int) -> None:
-        self.fds.append(fd)
-
-
-def fd_bridge() -> tuple[ExecBridge, FdClient]:
+def fd_bridge() -> tuple[ExecBridge, UnixClient]:
     b = ExecBridge(
         bottle="b1", peer="p", tty=False, stdin=True, clock=Clock(), resize=print, fds=True
     )
     b.make_stdio()
     b.spawned()
     b.makeConnection(Child())  # type: ignore[arg-type]
-    client = FdClient()
+    client = UnixClient()
     b.attach(client, b"")
     return b, client
 
@@ -338,7 +329,7 @@ def test_an_fd_session_hands_over_in_order() -> None:
     """attached -> fds-offered -> fds-taken -> closing; the exit code only after the take."""
     b, client = fd_bridge()
     b.client_data(stream.encode(stream.FDS_READY))
-    assert b.state is ExecState.FDS_OFFERED and len(client.fds) == 3
+    assert b.state is ExecState.FDS_OFFERED and len(client.sent_fds) == 3
     b.client_data(stream.encode(stream.FDS_TAKEN))
     assert b.state is ExecState.FDS_TAKEN
     b.processEnded(Failure(ProcessTerminated(exitCode=3)))
