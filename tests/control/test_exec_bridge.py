@@ -452,3 +452,21 @@ def test_output_before_the_client_is_bounded_and_resumed_on_attach() -> None:
     client = StringTransport()
     b.attach(client, b"")
     assert not child.paused and len(client.value()) > MAX_PENDING
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_a_resize_frame_reaches_the_terminal_only_with_one(tty: bool) -> None:
+    """E11: RESIZE sets the child's terminal size; without a terminal it is ignored."""
+    sizes: list[tuple[int, int]] = []
+    b = ExecBridge(
+        bottle="b1",
+        peer="p",
+        tty=tty,
+        stdin=True,
+        clock=Clock(),
+        resize=lambda process, rows, cols: sizes.append((rows, cols)),
+    )
+    b.makeConnection(Child())  # type: ignore[arg-type]
+    b.attach(StringTransport(), b"")
+    b.client_data(stream.encode_resize(41, 123))
+    assert sizes == ([(41, 123)] if tty else [])
