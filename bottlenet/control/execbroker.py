@@ -14,6 +14,11 @@ With ``fds`` (a local client on the UNIX socket asked for them, and no terminal)
 stdin, stdout and stderr are pipes whose other ends the client takes over ``SCM_RIGHTS``: the
 command's bytes never pass through the daemon, which still owns the child (its end, its
 exit code, its log line) and tells the exit code over the connection.
+
+The session's lifecycle is declared: two typed machines (``automat``), the session
+(:class:`ExecState`: starting, attached, the fd handover, exited, client gone, closing,
+closed) and the child's end (:class:`ChildState`: the TERM, then the KILL grace as a state
+with its timer); ``docs/architecture.md`` draws both. The per-byte path feeds neither.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ from bottlenet.control.stream import FrameParser, StreamError, widen_send_buffer
 
 #: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
 KILL_GRACE = 3.0
-#: The size asked for each pipe handed to a client (Linux's default cap for a user).
+#: The size asked for each pipe of the child (handed to a client, or read by the daemon) and
+#: for a UNIX connection's send buffer (Linux's default cap for a user's pipe).
 PIPE_SIZE = 1024 * 1024
 #: The exit code of a command its Exec's ``time_limit`` ended (as timeout(1), smolvm --timeout).
 TIMEOUT_EXIT = 124
