@@ -16,9 +16,10 @@ command's bytes never pass through the daemon, which still owns the child (its e
 exit code, its log line) and tells the exit code over the connection.
 
 The session's lifecycle is declared: two typed machines (``automat``), the session
-(:class:`ExecState`: starting, attached, the fd handover, exited, client gone, closing,
-closed) and the child's end (:class:`ChildState`: the TERM, then the KILL grace as a state
-with its timer); ``docs/architecture.md`` draws both. The per-byte path feeds neither.
+(:class:`ExecState`: starting, attached, input closed, the fd handover, exited, client
+gone, closing, closed) and the child's end (:class:`ChildState`: the TERM, then the KILL
+grace as a state with its timer); ``docs/architecture.md`` draws both. The per-byte path
+feeds neither.
 """
 
 from __future__ import annotations
@@ -71,6 +72,9 @@ class ExecState(StrEnum):
     STARTING = "starting"
     #: The client is attached and the command runs: bytes stream both ways.
     ATTACHED = "attached"
+    #: Framed sessions: the client's input ended (STDIN_EOF; the child's stdin is closed),
+    #: the command's output still streams: the session's one half-close.
+    INPUT_CLOSED = "input-closed"
     #: fd sessions: the command's pipes went out on ``FDS``, the client has not said it took them.
     FDS_OFFERED = "fds-offered"
     #: fd sessions: the client holds the command's pipes.
@@ -111,6 +115,9 @@ class _Session(Protocol):
 
     def child_exited(self, code: int) -> None:
         """The command ended with ``code``."""
+
+    def stdin_ended(self) -> None:
+        """Framed sessions: the client's input ended (STDIN_EOF)."""
 
     def fds_ready(self) -> bool:
         """fd sessions: the client reads with ``recvmsg`` (False: not now)."""
@@ -325,14 +332,8 @@ class ExecBridge(ProcessProtocol):
                 if self.stdin or self.tty:
                     process.write(frame.payload)
             elif frame.kind == stream.STDIN_EOF:
-                if not self.tty:
-                    # A pipe with a producer registered never closes: unregister first.
-                    unregister = getattr(process, "unregisterProducer", None)
-                    if unregister is not None and self.stdin:
-                        unregister()
-                        if self._client is not None:
-                            self._client.resumeProducing()
-                    process.closeStdin()
+                if not self.tty:  # a terminal's end of input is in its bytes (Ctrl-D)
+                    self._session.stdin_ended()
             elif frame.kind == stream.RESIZE:
                 rows, cols = stream.decode_resize(frame.payload)
                 if self.tty:
@@ -493,6 +494,20 @@ def _tell_exit(m: _Session, b: ExecBridge, code: int | None = None) -> None:
     _close_client(b)
 
 
+def _close_stdin(m: _Session, b: ExecBridge) -> None:
+    """The half-close: the child's stdin ends; its output goes on."""
+    process = b._child
+    if process is None:
+        return
+    # A pipe with a producer registered never closes: unregister first.
+    unregister = getattr(process, "unregisterProducer", None)
+    if unregister is not None and b.stdin:
+        unregister()
+        if b._client is not None:
+            b._client.resumeProducing()
+    process.closeStdin()
+
+
 def _abandon(m: _Session, b: ExecBridge) -> None:
     """The client left before the command ended: its pipes close and the command ends."""
     b._client = None
@@ -556,9 +571,15 @@ def _session_machine(fds: bool) -> Callable[[ExecBridge], _Session]:
     for state in (gone, closed):
         state.upon(_Session.client_lost).loop().returns(None)
     if not fds:
+        input_closed = builder.state(ExecState.INPUT_CLOSED)
+        everywhere.append(input_closed)
         starting.upon(_Session.child_exited).to(exited)(_queue_exit)
         exited.upon(_Session.client_attached).to(closing)(_connect_and_close)
-        attached.upon(_Session.child_exited).to(closing)(_tell_exit)
+        attached.upon(_Session.stdin_ended).to(input_closed)(_close_stdin)
+        input_closed.upon(_Session.stdin_ended).loop().returns(None)
+        for state in (attached, input_closed):
+            state.upon(_Session.child_exited).to(closing)(_tell_exit)
+        input_closed.upon(_Session.client_lost).to(gone)(_abandon)
     else:
         offered = builder.state(ExecState.FDS_OFFERED)
         taken = builder.state(ExecState.FDS_TAKEN)

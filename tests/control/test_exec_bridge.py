@@ -470,3 +470,26 @@ def test_a_resize_frame_reaches_the_terminal_only_with_one(tty: bool) -> None:
     b.attach(StringTransport(), b"")
     b.client_data(stream.encode_resize(41, 123))
     assert sizes == ([(41, 123)] if tty else [])
+
+
+def test_the_clients_end_of_input_is_a_half_close() -> None:
+    """input-closed: the child's stdin closes once, its output still streams, then EXIT."""
+    b, child, _ = bridge(stdin=True)
+    client = StringTransport()
+    b.attach(client, b"")
+    b.client_data(stream.encode(stream.STDIN, b"in") + stream.encode(stream.STDIN_EOF))
+    assert b.state is ExecState.INPUT_CLOSED and child.stdin_closed
+    assert child.written == [b"in"]
+    b.client_data(stream.encode(stream.STDIN_EOF))  # a second end changes nothing
+    b.childDataReceived(1, b"out")
+    b.processEnded(Failure(ProcessDone(0)))
+    assert client.value() == stream.encode(stream.STDOUT, b"out") + stream.encode_exit(0)
+    assert b.state is ExecState.CLOSING
+
+
+def test_a_terminal_has_no_half_close() -> None:
+    """With a tty the end of input is Ctrl-D in its bytes: STDIN_EOF leaves it open."""
+    b, child, _ = bridge(tty=True)
+    b.attach(StringTransport(), b"")
+    b.client_data(stream.encode(stream.STDIN_EOF))
+    assert b.state is ExecState.ATTACHED and not child.stdin_closed
