@@ -1,4 +1,5 @@
-"""``ExecBridge`` and ``FrameParser`` as units: the rules the end-to-end exec tests left open.
+"""``ExecBridge``, ``FrameParser`` and the client's stdin copy as units: the rules the
+end-to-end exec tests left open.
 
 Mutants T01, E01, E03 and E06 of ``tests-2.md`` survived every test: the frame length cap, the
 child's stdin closed when the client sends none, the connection closed after EXIT, and SIGKILL
@@ -8,7 +9,9 @@ transport; the client side is Twisted's ``StringTransport``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
+import io
 import os
 import struct
 import subprocess
@@ -35,6 +38,7 @@ from bottlenet.control.execbroker import (
     ExecBridge,
     ExecState,
 )
+from bottlenet.control.execsession import _Input, _StdinCopy
 
 from .test_exec_sessions import UnixClient
 
@@ -493,3 +497,56 @@ def test_a_terminal_has_no_half_close() -> None:
     b.attach(StringTransport(), b"")
     b.client_data(stream.encode(stream.STDIN_EOF))
     assert b.state is ExecState.ATTACHED and not child.stdin_closed
+
+
+@pytest.fixture
+def command_stdin() -> Iterator[tuple[int, int]]:
+    """The command's stdin pipe as the client holds it: (read end, the client's write end)."""
+    r, w = os.pipe()
+    yield r, w
+    for fd in (r, w):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def test_the_stdin_copy_drains_held_input_then_closes(command_stdin: Any) -> None:
+    """Input without an fd is held (draining), written when the pipe has room, then closed."""
+    r, w = command_stdin
+    copy = _StdinCopy(w)
+    copy.open(io.BytesIO(b"held input"))
+    assert copy.state is _Input.DRAINING and copy.readers() == [] and copy.writers() == [w]
+    assert copy.write([w]) is True and copy.state is _Input.CLOSED
+    assert os.read(r, 100) == b"held input"
+
+
+def test_the_stdin_copy_splices_to_the_end_of_its_source(command_stdin: Any) -> None:
+    """A pipe into a pipe: the kernel moves the bytes; the source's end closes the copy."""
+    r, w = command_stdin
+    src_r, src_w = os.pipe()
+    os.write(src_w, b"spliced")
+    os.close(src_w)
+    with os.fdopen(src_r, "rb", buffering=0) as source:
+        copy = _StdinCopy(w)
+        copy.open(source)
+        assert copy.state is _Input.READING and copy.readers() == [src_r]
+        copy.read()
+        copy.read()  # the source's EOF
+        assert copy.state is _Input.DRAINING and copy.write([]) is True
+    assert os.read(r, 100) == b"spliced"
+
+
+def test_the_stdin_copy_stops_when_the_command_closed_its_stdin(command_stdin: Any) -> None:
+    """A broken pipe (the command stopped reading) drops what is held and ends the copy,
+    whatever is left to read."""
+    r, w = command_stdin
+    src_r, src_w = os.pipe()
+    os.write(src_w, b"nobody reads this")
+    with os.fdopen(src_r, "rb", buffering=0) as source:
+        copy = _StdinCopy(w)
+        copy.open(source)
+        copy.splice = False  # copied through the client (a source that is not a pipe)
+        copy.read()
+        assert copy.pending == b"nobody reads this"
+        os.close(r)
+        assert copy.write([w]) is True and copy.state is _Input.CLOSED and not copy.pending
+    os.close(src_w)
