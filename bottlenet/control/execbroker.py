@@ -460,7 +460,8 @@ def _connect(m: _Session, b: ExecBridge, transport: Any) -> None:
     if getattr(transport, "bufferSize", None) is not None:
         # Twisted pauses a producer once its buffer holds more than ``bufferSize`` (64 KiB):
         # one 64 KiB frame did, so each turn of the reactor moved one frame. Now a turn
-        # moves up to TURN_READ; the bound per session holds (TURN_READ more, at most).
+        # moves up to TURN_READ (the buffer's bound: TURN_READ more, at most), and a read
+        # of the client's frames takes up to TURN_READ too.
         transport.bufferSize = TURN_READ
     _widen_send_buffer(transport)
     transport.registerProducer(b, True)
