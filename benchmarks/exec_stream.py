@@ -1,6 +1,7 @@
 """What the daemon's exec broker costs a launcher (a benchmark, not a test).
 
-    .venv/bin/python benchmarks/exec_stream.py [--runs 30] [--mib 256] [--events 5] [--json F]
+    .venv/bin/python benchmarks/exec_stream.py [--runs 30] [--mib 256] [--events 5]
+        [--rounds 3] [--json F]
 
 Needs root (the fake smolvm runs each "guest" command in a network-less namespace). It starts
 the daemon with the fake smolvm (``tests/fakes/smolvm``, a TEST DOUBLE: its VMs are host
@@ -17,7 +18,8 @@ measures, in one run, each figure two ways:
 Figures: the round trip of ``exec -- true`` (p50, p90 of ``--runs``), the throughput of
 ``head -c MIB`` out of the command (stdout, read to the end) and into it (``cat >/dev/null``
 fed from here), and the time from killing a bottle's sidecar VMM to the ``degraded`` event
-(``--events`` bottles). Ratios are within this run; the machine is shared and noisy.
+(``--events`` bottles). Ratios are within this run; the machine is shared and noisy, so the
+throughputs are measured ``--rounds`` times and each ratio is the median of the rounds' own.
 """
 
 from __future__ import annotations
@@ -177,6 +179,18 @@ def in_throughput(d: VMDaemon, mib: int) -> dict[str, float]:
     }
 
 
+def rounds(measure: Any, d: VMDaemon, mib: int, n: int) -> dict[str, float]:
+    """``measure`` ``n`` times: the median of each rate, and of each path's ratio to smolvm
+    directly within a round (a paired figure: a round's paths share the machine's load)."""
+    runs = [measure(d, mib) for _ in range(n)]
+    out = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    for path in ("fds", "framed"):
+        out[f"{path}_ratio"] = statistics.median(
+            r[f"{path}_mib_s"] / r["direct_mib_s"] for r in runs
+        )
+    return out
+
+
 def kill_when_watched(d: VMDaemon, watching: int, pid: int, killed: list[float]) -> None:
     """SIGKILL ``pid`` once the daemon has logged the ``watching``-th watch (the events
     iterator subscribes on its first use)."""
@@ -212,6 +226,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=30)
     ap.add_argument("--mib", type=int, default=256)
     ap.add_argument("--events", type=int, default=5)
+    ap.add_argument(
+        "--rounds", type=int, default=3, help="throughput rounds (medians are reported)"
+    )
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -222,8 +239,8 @@ def main() -> int:
     try:
         d.create_vm_bottle("b1")
         trips = round_trips(d, args.runs)
-        out = out_throughput(d, args.mib)
-        inp = in_throughput(d, args.mib)
+        out = rounds(out_throughput, d, args.mib, args.rounds)
+        inp = rounds(in_throughput, d, args.mib, args.rounds)
         lat = degraded_latency(d, args.events)
     finally:
         left = d.cleanup()
@@ -238,12 +255,12 @@ def main() -> int:
     for k in ("direct", "client", "client_framed", "bottlenetctl"):
         p50, floor = statistics.median(ms[k]), statistics.median(ms["direct"])
         print(f"  {k:13s} {p50:7.1f} / {pct(ms[k], 90):7.1f}   {p50 / floor:.2f}x")
+    print(f"throughput, median of {args.rounds} rounds (ratio: median of each round's)")
     for what, r in (("stdout", out), ("stdin", inp)):
-        direct_rate = r["direct_mib_s"]
         print(
-            f"{what} {args.mib} MiB: smolvm directly {direct_rate:.0f} MiB/s; "
-            f"fds {r['fds_mib_s']:.0f} MiB/s ({r['fds_mib_s'] / direct_rate:.2f}x), "
-            f"framed {r['framed_mib_s']:.0f} MiB/s ({r['framed_mib_s'] / direct_rate:.2f}x)"
+            f"{what} {args.mib} MiB: smolvm directly {r['direct_mib_s']:.0f} MiB/s; "
+            f"fds {r['fds_mib_s']:.0f} MiB/s ({r['fds_ratio']:.2f}x), "
+            f"framed {r['framed_mib_s']:.0f} MiB/s ({r['framed_ratio']:.2f}x)"
         )
     if lat:
         print(

@@ -14,28 +14,43 @@ With ``fds`` (a local client on the UNIX socket asked for them, and no terminal)
 stdin, stdout and stderr are pipes whose other ends the client takes over ``SCM_RIGHTS``: the
 command's bytes never pass through the daemon, which still owns the child (its end, its
 exit code, its log line) and tells the exit code over the connection.
+
+The session's lifecycle is declared: two typed machines (``automat``), the session
+(:class:`ExecState`: starting, attached, input closed, the fd handover, exited, client
+gone, closing, closed) and the child's end (:class:`ChildState`: the TERM, then the KILL
+grace as a state with its timer); ``docs/architecture.md`` draws both. The per-byte path
+feeds neither.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import socket
 from collections.abc import Callable
-from typing import Any
+from enum import StrEnum
+from typing import Any, Protocol
 
+from automat import TypeMachineBuilder
 from twisted.internet.error import ProcessDone, ProcessExitedAlready, ProcessTerminated
-from twisted.internet.interfaces import IDelayedCall, IProcessTransport, IPushProducer
+from twisted.internet.interfaces import (
+    IDelayedCall,
+    IProcessTransport,
+    IPushProducer,
+    IReactorTime,
+)
 from twisted.internet.protocol import ProcessProtocol
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from bottlenet.control import stream
-from bottlenet.control.stream import FrameParser, StreamError
+from bottlenet.control.stream import FrameParser, StreamError, widen_send_buffer
 
 #: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
 KILL_GRACE = 3.0
-#: The size asked for each pipe handed to a client (Linux's default cap for a user).
+#: The size asked for each pipe of the child (handed to a client, or read by the daemon) and
+#: for a UNIX connection's send buffer (Linux's default cap for a user's pipe).
 PIPE_SIZE = 1024 * 1024
 #: The exit code of a command its Exec's ``time_limit`` ended (as timeout(1), smolvm --timeout).
 TIMEOUT_EXIT = 124
@@ -47,12 +62,107 @@ REACTOR_READ = 8192
 TURN_READ = 4 * stream.MAX_FRAME
 
 
+class ExecState(StrEnum):
+    """Where an exec session is: the client's side and the command's end, declared.
+
+    Read with :attr:`ExecBridge.state`; the transitions are in :func:`_session_machine`
+    and ``docs/architecture.md`` (Declared states, the exec session)."""
+
+    #: The client is not attached yet: the command's output waits in a bounded buffer.
+    STARTING = "starting"
+    #: The client is attached and the command runs: bytes stream both ways.
+    ATTACHED = "attached"
+    #: Framed sessions: the client's input ended (STDIN_EOF; the child's stdin is closed),
+    #: the command's output still streams: the session's one half-close.
+    INPUT_CLOSED = "input-closed"
+    #: fd sessions: the command's pipes went out on ``FDS``, the client has not said it took them.
+    FDS_OFFERED = "fds-offered"
+    #: fd sessions: the client holds the command's pipes.
+    FDS_TAKEN = "fds-taken"
+    #: The command ended; the client is not attached yet (or has not taken its pipes).
+    EXITED = "exited"
+    #: fd sessions: the command ended while its pipes were offered.
+    EXITED_FDS_OFFERED = "exited-fds-offered"
+    #: The client went away first: the command is being ended (see :class:`ChildState`).
+    CLIENT_GONE = "client-gone"
+    #: The exit code is written and the connection is closing.
+    CLOSING = "closing"
+    #: Both ends are done; ``on_end`` was told.
+    CLOSED = "closed"
+
+
+class ChildState(StrEnum):
+    """Where the smolvm child is: the TERM, then KILL after a grace, as states with a timer.
+
+    Read with :attr:`ExecBridge.child_state`; transitions in :func:`_child_machine`."""
+
+    #: Not spawned yet (smolvm is being started).
+    UNSTARTED = "unstarted"
+    RUNNING = "running"
+    #: SIGTERM sent; SIGKILL follows after :data:`KILL_GRACE` (its timer is armed).
+    TERMINATING = "terminating"
+    #: SIGKILL sent.
+    KILLED = "killed"
+    #: It ended (its exit code is known); every timer is cancelled.
+    ENDED = "ended"
+
+
+class _Session(Protocol):
+    """The inputs of an exec session (one machine per session)."""
+
+    def client_attached(self, transport: Any) -> None:
+        """The connection switched to frames: the client is there."""
+
+    def child_exited(self, code: int) -> None:
+        """The command ended with ``code``."""
+
+    def stdin_ended(self) -> None:
+        """Framed sessions: the client's input ended (STDIN_EOF)."""
+
+    def fds_ready(self) -> bool:
+        """fd sessions: the client reads with ``recvmsg`` (False: not now)."""
+
+    def fds_taken(self) -> bool:
+        """fd sessions: the client has the pipes (False: not now)."""
+
+    def client_lost(self) -> None:
+        """The connection is gone (told once or twice: producer stop, then connection lost)."""
+
+    def state(self) -> ExecState:
+        """The read-out."""
+
+
+class _Child(Protocol):
+    """The inputs of the child's end (one machine per session)."""
+
+    def started(self) -> None:
+        """The smolvm child runs (its process transport is connected)."""
+
+    def terminate(self) -> None:
+        """End it: SIGTERM now, SIGKILL after the grace."""
+
+    def expire(self) -> None:
+        """Its time limit is over: end it, and its exit code is :data:`TIMEOUT_EXIT`."""
+
+    def kill_timer_fired(self) -> None:
+        """The grace is over."""
+
+    def exited(self) -> None:
+        """It ended."""
+
+    def state(self) -> ChildState:
+        """The read-out."""
+
+
 @implementer(IPushProducer)
 class ExecBridge(ProcessProtocol):
     """One exec: process protocol of the smolvm child, and the stream end of the connection.
 
     ``resize(process, rows, cols)`` applies a terminal size; ``on_end()`` is told once the
-    session is over (child gone and client detached).
+    session is over (child gone and client detached). Its lifecycle is two declared
+    machines (:class:`ExecState`, :class:`ChildState`); the per-byte path (output frames,
+    stdin writes, back-pressure) feeds neither: it writes through ``_out``, which the
+    session's transitions point at the pending buffer, the client, or nowhere.
     """
 
     log = Logger()
@@ -64,7 +174,7 @@ class ExecBridge(ProcessProtocol):
         peer: str,
         tty: bool,
         stdin: bool,
-        clock: Any,
+        clock: IReactorTime,
         resize: Callable[[IProcessTransport, int, int], None],
         on_end: Callable[[ExecBridge], None] = lambda _: None,
         fds: bool = False,
@@ -81,18 +191,35 @@ class ExecBridge(ProcessProtocol):
         #: fd mode: the child's ends (closed once it runs), the client's (until it took them).
         self._child_fds: list[int] = []
         self._client_fds: list[int] = []
-        self._fds_sent = False
-        self._fds_taken = False
-        self._client: Any = None  # the connection's transport, once switched
+        #: The command's exit code, once it ended (a value; the states say what it means).
+        self.exit_code: int | None = None
+        # Data of the per-byte path, pointed by the machines' transitions:
+        self._client: Any = None  # the connection's transport, from attached until lost
+        self._child: IProcessTransport | None = None  # the running child (None once ended)
+        self._out: Callable[[bytes], None] = self._buffer  # where an output frame goes
         self._pending: list[bytes] = []
         self._pending_size = 0
-        self._child_paused = False
-        self._exit_code: int | None = None
-        self._client_gone = False
+        self._child_paused = False  # back-pressure: the connection's buffer is full
         self._kill_timer: IDelayedCall | None = None
         self._deadline: IDelayedCall | None = None
-        self._timed_out = False
-        self._ended = False
+        self._timed_out = False  # why it ended: its exit code is TIMEOUT_EXIT
+        self._session = (_HANDOVER_SESSION if self.fds else _FRAMED_SESSION)(self)
+        self._ending = _CHILD(self)
+
+    @property
+    def state(self) -> ExecState:
+        """Where the session is (client side and exit)."""
+        return self._session.state()
+
+    @property
+    def child_state(self) -> ChildState:
+        """Where the child is (running, terminating in its grace, killed, ended)."""
+        return self._ending.state()
+
+    @property
+    def client(self) -> Any:
+        """The client's transport while it is attached (None before and after)."""
+        return self._client
 
     # -- the smolvm child ---------------------------------------------------------------
 
@@ -103,10 +230,12 @@ class ExecBridge(ProcessProtocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
+        self._ending.started()
         if self.fds:
             return  # the child's stdio are the client's pipes, not ours
         if not self.stdin and not self.tty:
             self.transport.closeStdin()
+        _widen_pipes(self.transport)
         # The child's stdin (its pipe, or the pty master for a tty) tells us when it is full:
         # reading from the client stops until it drains, so the daemon buffers at most about
         # one write buffer plus one read of the client per session, whatever the client sends.
@@ -123,11 +252,15 @@ class ExecBridge(ProcessProtocol):
         while True:
             if fd is not None:
                 data = _fill(fd, data, stream.MAX_FRAME)
-            self._send(stream.encode(kind, data))
+            if len(data) <= stream.MAX_FRAME:  # the header, then the payload as it came
+                self._out(stream.header(kind, len(data)))
+                self._out(data)
+            else:
+                self._out(stream.encode(kind, data))
             sent += len(data)
             if fd is None or len(data) < stream.MAX_FRAME or sent >= TURN_READ:
                 return
-            if self._child_paused or self._client_gone:  # back-pressure holds mid-turn too
+            if self._child_paused or self._out is _drop:  # back-pressure holds mid-turn too
                 return
             data = _fill(fd, b"", stream.MAX_FRAME)
             if not data:
@@ -143,6 +276,7 @@ class ExecBridge(ProcessProtocol):
         return end.fileno() if end is not None else None
 
     def processEnded(self, reason: Failure) -> None:
+        self._ending.exited()
         code = 255
         exc = reason.value
         if isinstance(exc, ProcessDone):
@@ -154,11 +288,7 @@ class ExecBridge(ProcessProtocol):
                 code = 128 + exc.signal
         if self._timed_out:
             code = TIMEOUT_EXIT
-        self._exit_code = code
-        for timer in (self._kill_timer, self._deadline):
-            if timer is not None and timer.active():
-                timer.cancel()
-        self._kill_timer = self._deadline = None
+        self.exit_code = code
         self.log.info(
             "exec in bottle {bottle} by {peer} ended: exit {code} (tty={tty})",
             bottle=self.bottle,
@@ -166,35 +296,14 @@ class ExecBridge(ProcessProtocol):
             code=code,
             tty=self.tty,
         )
-        self._finish()
-
-    def _finish(self) -> None:
-        """The exit code to the client, then the connection closed; with fds only once the
-        client has taken them (or its output, still in the pipes, would be lost)."""
-        if self._exit_code is None or (self.fds and not self._fds_taken and not self._client_gone):
-            return
-        self._send(stream.encode_exit(self._exit_code))
-        if self._client is not None:
-            self._client.unregisterProducer()
-            self._client.loseConnection()
-        self._maybe_end()
+        self._session.child_exited(code)
 
     # -- the switched connection ----------------------------------------------------------
 
     def attach(self, transport: Any, leftover: bytes) -> None:
         """The connection now carries frames; ``leftover`` is what arrived after Exec."""
-        self._client = transport
-        transport.registerProducer(self, True)
-        pending, self._pending, self._pending_size = self._pending, [], 0
-        for chunk in pending:
-            transport.write(chunk)
-        if self._child_paused:
-            self._resume_child()
-        if self._exit_code is not None and not self.fds:
-            transport.unregisterProducer()
-            transport.loseConnection()
-            return
-        if leftover:
+        self._session.client_attached(transport)
+        if leftover and self._session.state() is not ExecState.CLOSING:
             self.client_data(leftover)
 
     def client_data(self, data: bytes) -> None:
@@ -215,26 +324,27 @@ class ExecBridge(ProcessProtocol):
             for frame in frames:
                 self._fd_frame(frame)
             return
-        process = self.process
+        process = self._child
+        if process is None:  # not started, or ended: its stdin is gone
+            return
         for frame in frames:
-            if process is None or self._exit_code is not None:
-                return
             if frame.kind == stream.STDIN:
                 if self.stdin or self.tty:
                     process.write(frame.payload)
             elif frame.kind == stream.STDIN_EOF:
-                if not self.tty:
-                    # A pipe with a producer registered never closes: unregister first.
-                    unregister = getattr(process, "unregisterProducer", None)
-                    if unregister is not None and self.stdin:
-                        unregister()
-                        if self._client is not None:
-                            self._client.resumeProducing()
-                    process.closeStdin()
+                if not self.tty:  # a terminal's end of input is in its bytes (Ctrl-D)
+                    self._session.stdin_ended()
             elif frame.kind == stream.RESIZE:
                 rows, cols = stream.decode_resize(frame.payload)
                 if self.tty:
                     self._resize(process, rows, cols)
+
+    def client_lost(self) -> None:
+        """The client went away: end the command (the child, hence the guest command).
+
+        Told once or twice (the connection's producer stops, then the connection is lost):
+        acted on once."""
+        self._session.client_lost()
 
     # -- file descriptors -----------------------------------------------------------------
 
@@ -267,107 +377,60 @@ class ExecBridge(ProcessProtocol):
         _close_all(self._client_fds)
 
     def _fd_frame(self, frame: stream.Frame) -> None:
-        if frame.kind == stream.FDS_READY and not self._fds_sent and self._client is not None:
-            # The client reads with recvmsg from now on: each fd rides on one byte of FDS.
-            self._fds_sent = True
-            for fd in self._client_fds:
-                self._client.sendFileDescriptor(fd)
-            self._client.write(stream.encode(stream.FDS, bytes(len(self._client_fds))))
-        elif frame.kind == stream.FDS_TAKEN and self._fds_sent and not self._fds_taken:
-            # It has them (the kernel holds in-flight copies once sendmsg returned, and the
-            # client saw the bytes): the daemon's copies go, so the child sees stdin's EOF.
-            self._fds_taken = True
-            _close_all(self._client_fds)
-            self._finish()
+        if frame.kind == stream.FDS_READY:
+            done = self._session.fds_ready()
+        elif frame.kind == stream.FDS_TAKEN:
+            done = self._session.fds_taken()
         else:
+            done = False
+        if not done:
             raise StreamError(f"unexpected frame kind {frame.kind} in this state")
 
-    def client_lost(self) -> None:
-        """The client went away: end the command (the child, hence the guest command).
-
-        Told once or twice (the connection's producer stops, then the connection is lost):
-        acted on once."""
-        if self._client_gone:
-            return
-        self._client_gone = True
-        self._client = None
-        self.close_fds()
-        if self._exit_code is None and self.process is not None:
-            self.log.info(
-                "exec in bottle {bottle}: client {peer} went away; ending the command",
-                bottle=self.bottle,
-                peer=self.peer,
-            )
-            self.terminate()
-        self._maybe_end()
+    # -- the child's end ------------------------------------------------------------------
 
     def set_deadline(self, seconds: float) -> None:
         """The command is ended after ``seconds`` (Exec's ``time_limit``), whoever holds its
         stdio; its exit code is then :data:`TIMEOUT_EXIT`."""
-        if self._exit_code is None and self._deadline is None:
+        if self._ending.state() is not ChildState.ENDED and self._deadline is None:
             self._deadline = self._clock.callLater(seconds, self._expire)
 
     def _expire(self) -> None:
         self._deadline = None
-        if self._exit_code is not None or self.process is None:
-            return
-        self._timed_out = True
-        self.log.info(
-            "exec in bottle {bottle} by {peer}: timeout; ending the command",
-            bottle=self.bottle,
-            peer=self.peer,
-        )
-        self.terminate()
+        self._ending.expire()
 
     def terminate(self) -> None:
         """SIGTERM now, SIGKILL after :data:`KILL_GRACE` (idempotent)."""
-        process = self.process
-        if process is None or self._exit_code is not None or self._kill_timer is not None:
-            return
-        self._signal("TERM")
-        self._kill_timer = self._clock.callLater(KILL_GRACE, self._signal, "KILL")
+        self._ending.terminate()
 
     def _signal(self, name: str) -> None:
-        process = self.process
-        if process is None or self._exit_code is not None:
+        process = self._child
+        if process is None:
             return
         try:
             process.signalProcess(name)
         except (ProcessExitedAlready, OSError):
             pass
 
-    def _maybe_end(self) -> None:
-        if self._ended or self._exit_code is None:
-            return
-        if self._client is not None and not self._client_gone:
-            return
-        self._ended = True
-        self._on_end(self)
-
     # -- flow control -------------------------------------------------------------------
 
-    def _send(self, data: bytes) -> None:
-        if self._client is not None:
-            self._client.write(data)
-            return
-        if self._client_gone:
-            return
+    def _buffer(self, data: bytes) -> None:
+        """Output while no client is attached: kept, up to about :data:`MAX_PENDING`."""
         self._pending.append(data)
         self._pending_size += len(data)
         if self._pending_size > MAX_PENDING:
             self._pause_child()
 
     def _pause_child(self) -> None:
-        process = self.process
-        if not self._child_paused and process is not None and self._exit_code is None:
+        process = self._child
+        if not self._child_paused and process is not None:
             self._child_paused = True
             pause = getattr(process, "pauseProducing", None)
             if pause is not None:
                 pause()
 
     def _resume_child(self) -> None:
-        process = self.process
-        if self._child_paused and process is not None and self._exit_code is None:
+        process = self._child
+        if self._child_paused and process is not None:
             self._child_paused = False
             resume = getattr(process, "resumeProducing", None)
             if resume is not None:
@@ -382,6 +445,239 @@ class ExecBridge(ProcessProtocol):
 
     def stopProducing(self) -> None:
         self.client_lost()
+
+
+def _drop(data: bytes) -> None:
+    """Where output goes once the client is gone."""
+
+
+# -- the session's outputs (what a transition does) --------------------------------------
+
+
+def _connect(m: _Session, b: ExecBridge, transport: Any) -> None:
+    """The client is attached: what waited goes out, and output streams to it."""
+    b._client = transport
+    if getattr(transport, "bufferSize", None) is not None:
+        # Twisted pauses a producer once its buffer holds more than ``bufferSize`` (64 KiB):
+        # one 64 KiB frame did, so each turn of the reactor moved one frame. Now a turn
+        # moves up to TURN_READ (the buffer's bound: TURN_READ more, at most), and a read
+        # of the client's frames takes up to TURN_READ too.
+        transport.bufferSize = TURN_READ
+    _widen_send_buffer(transport)
+    transport.registerProducer(b, True)
+    pending, b._pending, b._pending_size = b._pending, [], 0
+    for chunk in pending:
+        transport.write(chunk)
+    if b._child_paused:
+        b._resume_child()
+    b._out = transport.write
+
+
+def _close_client(b: ExecBridge) -> None:
+    """The exit code is out: the connection closes (a client reading to EOF is not held)."""
+    if b._client is not None:
+        b._client.unregisterProducer()
+        b._client.loseConnection()
+
+
+def _connect_and_close(m: _Session, b: ExecBridge, transport: Any) -> None:
+    _connect(m, b, transport)
+    _close_client(b)
+
+
+def _queue_exit(m: _Session, b: ExecBridge, code: int) -> None:
+    b._pending.append(stream.encode_exit(code))
+
+
+def _tell_exit(m: _Session, b: ExecBridge, code: int | None = None) -> None:
+    assert b.exit_code is not None
+    b._out(stream.encode_exit(b.exit_code))
+    _close_client(b)
+
+
+def _close_stdin(m: _Session, b: ExecBridge) -> None:
+    """The half-close: the child's stdin ends; its output goes on."""
+    process = b._child
+    if process is None:
+        return
+    # A pipe with a producer registered never closes: unregister first.
+    unregister = getattr(process, "unregisterProducer", None)
+    if unregister is not None and b.stdin:
+        unregister()
+        if b._client is not None:
+            b._client.resumeProducing()
+    process.closeStdin()
+
+
+def _abandon(m: _Session, b: ExecBridge) -> None:
+    """The client left before the command ended: its pipes close and the command ends."""
+    b._client = None
+    b._out = _drop
+    b.close_fds()
+    if b.process is not None:
+        b.log.info(
+            "exec in bottle {bottle}: client {peer} went away; ending the command",
+            bottle=b.bottle,
+            peer=b.peer,
+        )
+        b._ending.terminate()
+
+
+def _close(m: _Session, b: ExecBridge, code: int | None = None) -> None:
+    """Both ends are done."""
+    b._client = None
+    b._out = _drop
+    b.close_fds()
+    b._on_end(b)
+
+
+def _offer_fds(m: _Session, b: ExecBridge) -> bool:
+    # The client reads with recvmsg from now on: each fd rides on one byte of FDS.
+    for fd in b._client_fds:
+        b._client.sendFileDescriptor(fd)
+    b._client.write(stream.encode(stream.FDS, bytes(len(b._client_fds))))
+    return True
+
+
+def _fds_gone(m: _Session, b: ExecBridge) -> bool:
+    # It has them (the kernel holds in-flight copies once sendmsg returned, and the client
+    # saw the bytes): the daemon's copies go, so the child sees stdin's EOF.
+    _close_all(b._client_fds)
+    return True
+
+
+def _fds_gone_then_exit(m: _Session, b: ExecBridge) -> bool:
+    _fds_gone(m, b)
+    _tell_exit(m, b)
+    return True
+
+
+def _session_machine(fds: bool) -> Callable[[ExecBridge], _Session]:
+    """The session's transitions: one table for framed sessions, one for fd sessions (whose
+    exit code waits until the client holds the pipes, or its output would be lost)."""
+    builder = TypeMachineBuilder(_Session, ExecBridge)
+    starting = builder.state(ExecState.STARTING)
+    attached = builder.state(ExecState.ATTACHED)
+    exited = builder.state(ExecState.EXITED)
+    gone = builder.state(ExecState.CLIENT_GONE)
+    closing = builder.state(ExecState.CLOSING)
+    closed = builder.state(ExecState.CLOSED)
+    everywhere = [starting, attached, exited, gone, closing, closed]
+    starting.upon(_Session.client_attached).to(attached)(_connect)
+    for state in (starting, attached):
+        state.upon(_Session.client_lost).to(gone)(_abandon)
+    gone.upon(_Session.child_exited).to(closed)(_close)
+    exited.upon(_Session.client_lost).to(closed)(_close)
+    closing.upon(_Session.client_lost).to(closed)(_close)
+    for state in (gone, closed):
+        state.upon(_Session.client_lost).loop().returns(None)
+    if not fds:
+        input_closed = builder.state(ExecState.INPUT_CLOSED)
+        everywhere.append(input_closed)
+        starting.upon(_Session.child_exited).to(exited)(_queue_exit)
+        exited.upon(_Session.client_attached).to(closing)(_connect_and_close)
+        attached.upon(_Session.stdin_ended).to(input_closed)(_close_stdin)
+        input_closed.upon(_Session.stdin_ended).loop().returns(None)
+        for state in (attached, input_closed):
+            state.upon(_Session.child_exited).to(closing)(_tell_exit)
+        input_closed.upon(_Session.client_lost).to(gone)(_abandon)
+    else:
+        offered = builder.state(ExecState.FDS_OFFERED)
+        taken = builder.state(ExecState.FDS_TAKEN)
+        exited_offered = builder.state(ExecState.EXITED_FDS_OFFERED)
+        everywhere += [offered, taken, exited_offered]
+        for state in (starting, attached):
+            state.upon(_Session.child_exited).to(exited).returns(None)
+        exited.upon(_Session.client_attached).loop()(_connect)
+        attached.upon(_Session.fds_ready).to(offered)(_offer_fds)
+        exited.upon(_Session.fds_ready).to(exited_offered)(_offer_fds)
+        offered.upon(_Session.fds_taken).to(taken)(_fds_gone)
+        exited_offered.upon(_Session.fds_taken).to(closing)(_fds_gone_then_exit)
+        offered.upon(_Session.child_exited).to(exited_offered).returns(None)
+        taken.upon(_Session.child_exited).to(closing)(_tell_exit)
+        for state in (offered, taken):
+            state.upon(_Session.client_lost).to(gone)(_abandon)
+        exited_offered.upon(_Session.client_lost).to(closed)(_close)
+        # Named refusals: a handover frame out of its order is the client's error.
+        refusals = {
+            _Session.fds_ready: [starting, offered, taken, exited_offered, gone, closing, closed],
+            _Session.fds_taken: [starting, attached, taken, exited, gone, closing, closed],
+        }
+        for request, states in refusals.items():
+            for state in states:
+                state.upon(request).loop().returns(False)
+    for state in everywhere:
+        state.upon(_Session.state).loop().returns(ExecState(state.name))
+    return builder.build()
+
+
+# -- the child's outputs ------------------------------------------------------------------
+
+
+def _run(m: _Child, b: ExecBridge) -> None:
+    b._child = b.process
+
+
+def _send_term(m: _Child, b: ExecBridge) -> None:
+    b._signal("TERM")
+    b._kill_timer = b._clock.callLater(KILL_GRACE, m.kill_timer_fired)
+
+
+def _note_timeout(m: _Child, b: ExecBridge) -> None:
+    b._timed_out = True
+    b.log.info(
+        "exec in bottle {bottle} by {peer}: timeout; ending the command",
+        bottle=b.bottle,
+        peer=b.peer,
+    )
+
+
+def _time_out(m: _Child, b: ExecBridge) -> None:
+    _note_timeout(m, b)
+    _send_term(m, b)
+
+
+def _send_kill(m: _Child, b: ExecBridge) -> None:
+    b._kill_timer = None
+    b._signal("KILL")
+
+
+def _ended(m: _Child, b: ExecBridge) -> None:
+    """It is gone: no signal after this, no timer left, no stdin to write."""
+    b._child = None
+    for timer in (b._kill_timer, b._deadline):
+        if timer is not None and timer.active():
+            timer.cancel()
+    b._kill_timer = b._deadline = None
+
+
+def _child_machine() -> Callable[[ExecBridge], _Child]:
+    builder = TypeMachineBuilder(_Child, ExecBridge)
+    unstarted = builder.state(ChildState.UNSTARTED)
+    running = builder.state(ChildState.RUNNING)
+    terminating = builder.state(ChildState.TERMINATING)
+    killed = builder.state(ChildState.KILLED)
+    ended = builder.state(ChildState.ENDED)
+    unstarted.upon(_Child.started).to(running)(_run)
+    running.upon(_Child.terminate).to(terminating)(_send_term)
+    running.upon(_Child.expire).to(terminating)(_time_out)
+    terminating.upon(_Child.kill_timer_fired).to(killed)(_send_kill)
+    for state in (terminating, killed):
+        state.upon(_Child.expire).loop()(_note_timeout)
+    for state in (unstarted, running, terminating, killed):
+        state.upon(_Child.exited).to(ended)(_ended)
+    # Nothing to end before it runs or after it ended; ending twice is ending once.
+    for state, inputs in [
+        (unstarted, [_Child.terminate, _Child.expire]),
+        (terminating, [_Child.terminate]),
+        (killed, [_Child.terminate]),
+        (ended, [_Child.terminate, _Child.expire, _Child.kill_timer_fired]),
+    ]:
+        for loop in inputs:
+            state.upon(loop).loop().returns(None)
+    for state in (unstarted, running, terminating, killed, ended):
+        state.upon(_Child.state).loop().returns(ChildState(state.name))
+    return builder.build()
 
 
 def _fill(fd: int, data: bytes, size: int) -> bytes:
@@ -401,6 +697,28 @@ def _fill(fd: int, data: bytes, size: int) -> bytes:
     return data if len(parts) == 1 else b"".join(parts)
 
 
+def _widen_pipes(transport: object) -> None:
+    """The child's pipes (not a pty) hold :data:`PIPE_SIZE`: while the daemon waits for its
+    turn on a busy machine the command keeps running, and each turn then reads whole frames
+    (up to :data:`TURN_READ`) instead of the 64 KiB a default pipe holds."""
+    pipes = getattr(transport, "pipes", None) or {}
+    for end in pipes.values():
+        try:
+            fcntl.fcntl(end.fileno(), fcntl.F_SETPIPE_SZ, PIPE_SIZE)
+        except (OSError, ValueError):  # a refusal (the user's pipe quota) only costs speed
+            pass
+
+
+def _widen_send_buffer(transport: Any) -> None:
+    """A UNIX socket's connection may hold :data:`PIPE_SIZE` unsent (its default is about
+    200 KiB): while the client waits for its turn the daemon keeps sending, and the client
+    then reads more at a time (its CPU per byte halved). TCP (TLS) keeps its autotuning."""
+    handle = getattr(transport, "getHandle", None)
+    sock = handle() if handle is not None else None
+    if isinstance(sock, socket.socket) and sock.family == socket.AF_UNIX:
+        widen_send_buffer(sock, PIPE_SIZE)
+
+
 def _close_all(fds: list[int]) -> None:
     while fds:
         try:
@@ -417,14 +735,19 @@ class _ClientPauser:
         self.bridge = bridge
 
     def pauseProducing(self) -> None:
-        client = self.bridge._client
+        client = self.bridge.client
         if client is not None:
             client.pauseProducing()
 
     def resumeProducing(self) -> None:
-        client = self.bridge._client
+        client = self.bridge.client
         if client is not None:
             client.resumeProducing()
 
     def stopProducing(self) -> None:
         pass
+
+
+_FRAMED_SESSION = _session_machine(fds=False)
+_HANDOVER_SESSION = _session_machine(fds=True)
+_CHILD = _child_machine()

@@ -15,6 +15,7 @@ import os
 import select
 import socket
 import sys
+from enum import StrEnum
 from typing import IO, TYPE_CHECKING, Any
 
 from bottlenet.control import stream
@@ -27,6 +28,8 @@ if TYPE_CHECKING:
 MAX_OUTGOING = 256 * 1024
 #: One read from a pipe of the command (or from our stdin, for it).
 CHUNK = 256 * 1024
+#: What a UNIX socket may hold unsent: the daemon then reads our stdin's frames in bulk.
+SEND_BUFFER = 1024 * 1024
 
 
 def _tls_of(sock: socket.socket) -> tuple[ssl.SSLSocket | None, tuple[type[OSError], ...]]:
@@ -130,6 +133,8 @@ class ExecSession:
             except (AttributeError, OSError, ValueError):
                 out += stream.encode(stream.STDIN, stdin.read()) + stream.encode(stream.STDIN_EOF)
         self.sock.setblocking(False)
+        if self.sock.family == socket.AF_UNIX:
+            stream.widen_send_buffer(self.sock, SEND_BUFFER)
         if self._leftover:
             self._receive(self._leftover, stdout, stderr)
             self._leftover = b""
@@ -179,13 +184,19 @@ class ExecSession:
                 self._receive(chunk, stdout, stderr)
 
     def _receive(self, data: bytes, stdout: IO[bytes] | None, stderr: IO[bytes] | None) -> None:
-        for frame in self._parser.feed(data):
-            if frame.kind == stream.EXIT:
-                self.exit_code = stream.decode_exit(frame.payload)
-                return
-            sink = stderr if frame.kind == stream.STDERR else stdout
-            if sink is not None:
-                sink.write(frame.payload)
+        """Write what ``data`` carries; each sink is flushed once per read, not per frame."""
+        written: set[IO[bytes]] = set()
+        try:
+            for frame in self._parser.feed(data):
+                if frame.kind == stream.EXIT:
+                    self.exit_code = stream.decode_exit(frame.payload)
+                    return
+                sink = stderr if frame.kind == stream.STDERR else stdout
+                if sink is not None:
+                    sink.write(frame.payload)
+                    written.add(sink)
+        finally:
+            for sink in written:
                 sink.flush()
 
     # -- file descriptors ---------------------------------------------------------------
@@ -225,54 +236,21 @@ class ExecSession:
         stderr: IO[bytes] | None,
     ) -> None:
         """Copy until the exit code is in and both output pipes are at their end."""
-        pending = bytearray()
-        stdin_fd: int | None = None
-        writer: int | None = in_w
+        copy = _StdinCopy(in_w)
         if stdin is not None and self.forward_stdin:
-            try:
-                stdin_fd = stdin.fileno()
-            except (AttributeError, OSError, ValueError):
-                pending += stdin.read()
-                stdin_fd = -1  # nothing more to read: EOF once pending is written
-        if stdin_fd is None:
+            copy.open(stdin)
+        if copy.state is _Input.CLOSED:
             self._close_pipe(in_w)
-            writer = None
-        else:
-            os.set_blocking(in_w, False)
         sinks = {out_r: stdout, err_r: stderr}
-        # Pipe to pipe, the kernel moves stdin's bytes (splice); ``full``: the command's
-        # stdin pipe refused the last move, so wait until it has room.
-        splice, full = hasattr(os, "splice"), False
         while self.exit_code is None or sinks:
-            readers: list[int] = [*sinks]
+            readers: list[int] = [*sinks, *copy.readers()]
             if self.exit_code is None:
                 readers.append(self.sock.fileno())
-            if stdin_fd is not None and stdin_fd >= 0 and not pending and not full:
-                readers.append(stdin_fd)
-            writers = [writer] if writer is not None and (pending or full) else []
-            ready, writable, _ = select.select(readers, writers, [])
-            if full and writer in writable:
-                full = False
+            ready, writable, _ = select.select(readers, copy.writers(), [])
+            copy.room(writable)
             for fd in ready:
-                if fd == stdin_fd and splice and writer is not None:
-                    try:
-                        moved = os.splice(fd, writer, CHUNK, flags=os.SPLICE_F_NONBLOCK)
-                    except BlockingIOError:
-                        full = True
-                        continue
-                    except BrokenPipeError:
-                        moved = 0
-                    except OSError:  # not pipes (a file, a socket): copy through here
-                        splice = False
-                        continue
-                    if not moved:
-                        stdin_fd = -1
-                elif fd == stdin_fd:
-                    data = _read(fd)
-                    if data:
-                        pending += data
-                    else:
-                        stdin_fd = -1
+                if fd == copy.source:
+                    copy.read()
                 elif fd in sinks:
                     data = _read(fd)
                     sink = sinks[fd]
@@ -281,29 +259,114 @@ class ExecSession:
                     elif sink is not None:
                         sink.write(data)
                         sink.flush()
-                else:
-                    chunk = self.sock.recv(64)
-                    if not chunk:
-                        return  # the daemon went away (or closed after EXIT)
-                    for frame in self._parser.feed(chunk):
-                        if frame.kind != stream.EXIT:
-                            raise stream.StreamError(f"unexpected frame kind {frame.kind}")
-                        self.exit_code = stream.decode_exit(frame.payload)
-            if writer is not None and writer in writable:
-                try:
-                    del pending[: os.write(writer, pending)]
-                except BlockingIOError:
-                    pass
-                except BrokenPipeError:  # the command closed its stdin: no more input
-                    pending.clear()
-                    stdin_fd = -1
-            if writer is not None and stdin_fd == -1 and not pending:
-                self._close_pipe(writer)
-                writer = stdin_fd = None
+                elif not self._exit_frame():
+                    return  # the daemon went away (or closed after EXIT)
+            if copy.write(writable):
+                self._close_pipe(in_w)
+
+    def _exit_frame(self) -> bool:
+        """Read the connection (only EXIT may come); False when the daemon closed it."""
+        chunk = self.sock.recv(64)
+        if not chunk:
+            return False
+        for frame in self._parser.feed(chunk):
+            if frame.kind != stream.EXIT:
+                raise stream.StreamError(f"unexpected frame kind {frame.kind}")
+            self.exit_code = stream.decode_exit(frame.payload)
+        return True
 
     def _close_pipe(self, fd: int) -> None:
         self._pipes.remove(fd)
         os.close(fd)
+
+
+class _Input(StrEnum):
+    """Where the copy of our stdin into the command's stdin pipe is."""
+
+    #: Reading our stdin (and, pipe to pipe, letting the kernel move it: splice).
+    READING = "reading"
+    #: The command's stdin pipe refused the last splice: wait until it has room.
+    FULL = "full"
+    #: Our stdin is at its end: what is still held is written, then the pipe closes.
+    DRAINING = "draining"
+    #: No input (none forwarded, or all of it written and the pipe closed).
+    CLOSED = "closed"
+
+
+class _StdinCopy:
+    """Our stdin into the command's stdin pipe (fd sessions), in named states."""
+
+    def __init__(self, pipe: int) -> None:
+        self.pipe = pipe
+        self.state = _Input.CLOSED
+        self.source: int | None = None  # our stdin's fd while reading it
+        self.pending = bytearray()  # read, not yet written (copies that are not splices)
+        self.splice = hasattr(os, "splice")
+
+    def open(self, stdin: IO[bytes]) -> None:
+        os.set_blocking(self.pipe, False)
+        try:
+            self.source = stdin.fileno()
+            self.state = _Input.READING
+        except (AttributeError, OSError, ValueError):
+            self.pending += stdin.read()
+            self.state = _Input.DRAINING  # nothing more to read: EOF once pending is written
+
+    def readers(self) -> list[int]:
+        reading = self.state is _Input.READING and not self.pending
+        return [self.source] if reading and self.source is not None else []
+
+    def writers(self) -> list[int]:
+        if self.state is _Input.FULL or (self.state is not _Input.CLOSED and self.pending):
+            return [self.pipe]
+        return []
+
+    def room(self, writable: list[int]) -> None:
+        if self.state is _Input.FULL and self.pipe in writable:
+            self.state = _Input.READING
+
+    def read(self) -> None:
+        """Our stdin is readable: splice it into the pipe, or hold what it gave."""
+        assert self.source is not None
+        if self.splice:
+            try:
+                moved = os.splice(self.source, self.pipe, CHUNK, flags=os.SPLICE_F_NONBLOCK)
+            except BlockingIOError:
+                self.state = _Input.FULL
+                return
+            except BrokenPipeError:
+                moved = 0
+            except OSError:  # not pipes (a file, a socket): copy through here
+                self.splice = False
+                return
+            if not moved:
+                self._at_end()
+            return
+        data = _read(self.source)
+        if data:
+            self.pending += data
+        else:
+            self._at_end()
+
+    def _at_end(self) -> None:
+        self.state, self.source = _Input.DRAINING, None
+
+    def write(self, writable: list[int]) -> bool:
+        """Write what is held if the pipe has room; True when the pipe is to close now."""
+        if self.state is _Input.CLOSED:
+            return False
+        if self.pipe in writable:
+            try:
+                del self.pending[: os.write(self.pipe, self.pending)]
+            except BlockingIOError:
+                pass
+            except BrokenPipeError:  # the command closed its stdin: no more input
+                self.pending.clear()
+                self._at_end()
+        if self.state is _Input.DRAINING and not self.pending:
+            self.state = _Input.CLOSED
+            return True
+        return False
 
 
 def _read(fd: int) -> bytes:

@@ -20,14 +20,14 @@ the command's stdio is framed: the client sends ``FDS_READY`` once it reads with
 stderr as ``SCM_RIGHTS``), the client sends ``FDS_TAKEN`` (the daemon then closes its
 copies), and the daemon sends ``EXIT`` when the command has ended and the fds were taken.
 
-Nothing here knows about sockets or reactors; both clients and the daemon use it.
+Nothing here knows about reactors; both clients and the daemon use it.
 """
 
 from __future__ import annotations
 
+import socket
 import struct
-
-from attrs import frozen
+from typing import NamedTuple
 
 STDIN = 1
 STDIN_EOF = 2
@@ -52,14 +52,31 @@ _HEADER = struct.Struct(">BI")
 HEADER_SIZE = _HEADER.size
 
 
+def widen_send_buffer(sock: socket.socket, size: int) -> None:
+    """Let a UNIX socket hold ``size`` bytes unsent, so bulk frames move in fewer, larger
+    reads at the other end; a refusal (a lower ``wmem_max``) only costs speed."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, size)
+    except OSError:
+        pass
+
+
 class StreamError(Exception):
     """A frame that breaks the rules (unknown kind, too long, malformed payload)."""
 
 
-@frozen
-class Frame:
+class Frame(NamedTuple):
+    """One frame: its kind and its payload (a NamedTuple: ``bottlenetctl bottle exec``
+    imports this module, and attrs costs its start-up)."""
+
     kind: int
     payload: bytes = b""
+
+
+def header(kind: int, length: int) -> bytes:
+    """The 5 bytes before a payload of ``length`` (at most :data:`MAX_FRAME`): a sender that
+    writes them and the payload apart saves copying the payload into one frame."""
+    return _HEADER.pack(kind, length)
 
 
 def encode(kind: int, payload: bytes = b"") -> bytes:
@@ -101,27 +118,63 @@ def clamp_size(n: int) -> int:
 
 
 class FrameParser:
-    """Incremental parser; ``allowed`` is the set of kinds the peer may send."""
+    """Incremental parser; ``allowed`` is the set of kinds the peer may send.
+
+    Each payload is copied once, straight out of the data fed: only a frame cut by the end
+    of one read waits in a buffer (bulk output reads many frames at a time, and copying
+    every read into a buffer cost more CPU than the rest of the client together)."""
 
     def __init__(self, allowed: frozenset[int]) -> None:
         self._allowed = allowed
         self._buf = bytearray()
 
     def feed(self, data: bytes) -> list[Frame]:
-        self._buf += data
-        frames = []
-        while len(self._buf) >= HEADER_SIZE:
-            kind, length = _HEADER.unpack_from(self._buf)
-            if kind not in self._allowed:
-                raise StreamError(f"unexpected frame kind {kind}")
-            if length > MAX_FRAME:
-                raise StreamError("frame too long")
-            if len(self._buf) < HEADER_SIZE + length:
+        frames: list[Frame] = []
+        pos = 0
+        if self._buf:  # complete the frame cut by the last read first
+            pos = self._complete(data, frames)
+            if self._buf:
+                return frames
+        end = len(data)
+        unpack = _HEADER.unpack_from
+        while end - pos >= HEADER_SIZE:
+            kind, length = unpack(data, pos)
+            self._check(kind, length)
+            start = pos + HEADER_SIZE
+            if end - start < length:
                 break
-            payload = bytes(self._buf[HEADER_SIZE : HEADER_SIZE + length])
-            del self._buf[: HEADER_SIZE + length]
-            frames.append(Frame(kind, payload))
+            pos = start + length
+            frames.append(Frame(kind, data[start:pos]))
+        if pos < end:
+            self._buf += data[pos:]
+            if len(self._buf) >= HEADER_SIZE:  # a bad header is refused before its payload
+                self._check(*_HEADER.unpack_from(self._buf))
         return frames
+
+    def _complete(self, data: bytes, frames: list[Frame]) -> int:
+        """Add to the buffered frame what it lacks from ``data``; how much of it was used."""
+        buf = self._buf
+        used = 0
+        if len(buf) < HEADER_SIZE:
+            used = min(HEADER_SIZE - len(buf), len(data))
+            buf += data[:used]
+            if len(buf) < HEADER_SIZE:
+                return used
+        kind, length = _HEADER.unpack_from(buf)
+        self._check(kind, length)
+        take = min(HEADER_SIZE + length - len(buf), len(data) - used)
+        buf += data[used : used + take]
+        used += take
+        if len(buf) == HEADER_SIZE + length:
+            frames.append(Frame(kind, bytes(buf[HEADER_SIZE:])))
+            self._buf = bytearray()
+        return used
+
+    def _check(self, kind: int, length: int) -> None:
+        if kind not in self._allowed:
+            raise StreamError(f"unexpected frame kind {kind}")
+        if length > MAX_FRAME:
+            raise StreamError("frame too long")
 
     @property
     def buffered(self) -> int:

@@ -118,7 +118,7 @@ def test_exec_whose_spawn_outlasts_the_destroy_is_ended() -> None:
     assert backend.child.signals == ["TERM"]
 
 
-class _UnixClient(StringTransport):
+class UnixClient(StringTransport):
     """A client connection that can carry file descriptors: records the ones it is given."""
 
     def __init__(self) -> None:
@@ -137,7 +137,7 @@ def _open(fd: int) -> bool:
     return True
 
 
-def _fd_session() -> tuple[ExecBridge, _Child, _UnixClient, list[int]]:
+def _fd_session() -> tuple[ExecBridge, _Child, UnixClient, list[int]]:
     bridge = ExecBridge(
         bottle="b1",
         peer="uid=0",
@@ -151,7 +151,7 @@ def _fd_session() -> tuple[ExecBridge, _Child, _UnixClient, list[int]]:
     bridge.spawned()
     child = _Child()
     bridge.makeConnection(child)  # type: ignore[arg-type]
-    client = _UnixClient()
+    client = UnixClient()
     bridge.attach(client, b"")
     return bridge, child, client, child_ends
 
