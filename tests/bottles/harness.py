@@ -13,8 +13,10 @@ import tempfile
 from typing import Any
 
 from twisted.internet import reactor
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.interfaces import IAddress
 from twisted.internet.task import deferLater
+from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 from twisted.trial.unittest import TestCase
 
 from bottlenet.bottles.model import Bottle, BottleVMs, Endpoint
@@ -23,9 +25,12 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.peercred import default_allowed_uids
+from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
 from bottlenet.ops.listening import ListeningService
-from bottlenet.tap import BottlenetService, Options, build_service
+from bottlenet.tap import BottlenetService, Options, build_service, control_service
 from tests import netguard
+from tests.control.fakes import FakeBackend
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
 
 GATE_STAND_INS = netguard.GATE_STAND_INS
@@ -134,9 +139,42 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         self.control = os.path.join(self.tmp, "c.sock")
         self.root: BottlenetService | None = None
         self.clients: list[ControlClient] = []
+        self.logged: list[LogEvent] = []
+        self._log_waits: list[tuple[str, Deferred[None]]] = []
+        globalLogPublisher.addObserver(self._observe)
+        self.addCleanup(globalLogPublisher.removeObserver, self._observe)
 
-    async def start(self, *extra: str) -> ControlClient:
-        if "--unsafe-skip-isolation-probe" not in extra and not netguard.active():
+    def _observe(self, event: LogEvent) -> None:
+        self.logged.append(event)
+        text = formatEvent(event)
+        waits, self._log_waits = self._log_waits, []
+        for needle, d in waits:
+            if needle in text:  # fired on the next turn: no test code runs inside an observer
+                reactor.callLater(0, d.callback, None)
+            else:
+                self._log_waits.append((needle, d))
+
+    def log_text(self) -> str:
+        """Every line logged since setUp (what the daemon process would have written)."""
+        return "\n".join(formatEvent(e) for e in self.logged)
+
+    def when_logged(self, needle: str) -> Deferred[None]:
+        """Fires when a line containing ``needle`` is logged (at once if one already was)."""
+        if needle in self.log_text():
+            return succeed(None)
+        d: Deferred[None] = Deferred()
+        self._log_waits.append((needle, d))
+        return d
+
+    def failures_logged(self) -> list[str]:
+        """Logged failures (a daemon process would have printed a Traceback for each)."""
+        return [formatEvent(e) for e in self.logged if "log_failure" in e]
+
+    async def start(self, *extra: str, vm_bottles: bool = True) -> ControlClient:
+        """Start the daemon in process. ``vm_bottles=False``: the test creates no VM bottle, so
+        the launch gate never probes and the netguard is not needed."""
+        gated = vm_bottles and "--unsafe-skip-isolation-probe" not in extra
+        if gated and not netguard.active():
             # With the fake, the gate's probe runs on the host: only the suite's own network
             # namespace keeps its outside and DNS checks from leaving the machine.
             self.skipTest("the launch gate with the fake smolvm needs the netguard (root)")
@@ -194,3 +232,59 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
     def machines(self) -> dict[str, Any]:
         machines: dict[str, Any] = self.fake.state()["machines"]
         return machines
+
+
+class _TrackingFactory(ControlServerFactory):
+    """The daemon's control factory, remembering its connections (a test can drop them all)."""
+
+    built: list[ControlServerProtocol]
+
+    def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
+        proto = super().buildProtocol(addr)
+        if proto is not None:
+            self.built.append(proto)
+        return proto
+
+
+class ControlSocketCase(TestCase):
+    """The daemon's own control listener and server factory in process, over ``FakeBackend``:
+    for tests of a client (``bottlenetctl``) that need a daemon to answer, not bottles."""
+
+    timeout = 60
+
+    def setUp(self) -> None:
+        d = tempfile.mkdtemp(prefix="bcs-", dir="/tmp")
+        self.addCleanup(shutil.rmtree, d, True)
+        self.path = os.path.join(d, "control.sock")
+        self.backend = FakeBackend()
+        self.listener: ListeningService | None = None
+        self.addCleanup(self.go_away)
+
+    async def serve(self) -> None:
+        """Listen on ``self.path`` (again, after :meth:`go_away`) and wait until it does."""
+        backend: Any = self.backend
+        factory = _TrackingFactory(
+            backend,
+            server_version="0.1.0",
+            smolvm_version=None,
+            allowed_uids=default_allowed_uids(),
+            clock=reactor,
+        )
+        factory.built = []
+        self._factory = factory
+        self.listener = control_service(reactor, f"unix:{self.path}", factory, self.fail)
+        self.listener.startService()
+        await self.listener.when_listening()
+
+    async def go_away(self) -> None:
+        """What a daemon's exit does to its clients: no listener, every connection dropped."""
+        listener, self.listener = self.listener, None
+        if listener is None:
+            return
+        stopped = listener.stopService()
+        if stopped is not None:
+            await stopped
+        for proto in self._factory.built:
+            transport: Any = proto.transport
+            if transport is not None:
+                transport.abortConnection()
