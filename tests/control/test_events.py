@@ -125,6 +125,7 @@ def drain_until_closed(sock: socket.socket) -> None:
 
 class EventFlowTests(DaemonCase):
     timeout = 180  # a VM bottle through the fake: slow on a loaded machine
+
     async def test_events_json_created_ready_degraded_destroyed(self) -> None:
         """``bottlenetctl events --json`` prints created, ready, degraded (its sidecar VMM
         killed) and destroyed for a VM bottle, numbered in order."""
