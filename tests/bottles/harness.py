@@ -30,6 +30,7 @@ from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
 from bottlenet.ops.listening import ListeningService
 from bottlenet.tap import BottlenetService, Options, build_service, control_service
 from tests import netguard
+from tests.control.daemon_helpers import ENV as PROCESS_ENV
 from tests.control.fakes import FakeBackend
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
 
@@ -178,6 +179,11 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
             # With the fake, the gate's probe runs on the host: only the suite's own network
             # namespace keeps its outside and DNS checks from leaving the machine.
             self.skipTest("the launch gate with the fake smolvm needs the netguard (root)")
+        # The environment a daemon process gets (tests/control/daemon_helpers.py): this
+        # interpreter's directory first on PATH, so the fake smolvm's ``env python3`` is this
+        # Python, not a version manager's shim script (~150 ms a call). The daemon copies
+        # its environment when it is built; the test's own is restored after.
+        self._use_path(PROCESS_ENV["PATH"])
         options = Options()
         options.parseOptions(
             [
@@ -208,6 +214,20 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         client = await connect_control(reactor, self.control, timeout=30)
         self.clients.append(client)
         return client
+
+    def _use_path(self, path: str) -> None:
+        saved = os.environ.get("PATH")
+        if saved == path:
+            return
+        os.environ["PATH"] = path
+
+        def restore() -> None:
+            if saved is None:
+                os.environ.pop("PATH", None)
+            else:
+                os.environ["PATH"] = saved
+
+        self.addCleanup(restore)
 
     async def stop(self) -> None:
         for c in self.clients:
