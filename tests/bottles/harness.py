@@ -9,7 +9,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from twisted.internet import reactor
@@ -31,6 +34,7 @@ from bottlenet.ops.listening import ListeningService
 from bottlenet.tap import BottlenetService, Options, build_service, control_service
 from tests import netguard
 from tests.control.daemon_helpers import ENV as PROCESS_ENV
+from tests.control.daemon_helpers import REPO
 from tests.control.fakes import FakeBackend
 from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin
 
@@ -111,6 +115,15 @@ def in_thread(f: Any, *args: Any) -> Deferred[Any]:
     from twisted.internet.threads import deferToThread
 
     return deferToThread(f, *args)
+
+
+def bottlenetctl(*args: str) -> Deferred[subprocess.CompletedProcess[bytes]]:
+    """``bottlenetctl ARGS`` as a person runs it, in its own process (waited for off the
+    reactor, which keeps serving the in-process daemon meanwhile)."""
+    argv = [sys.executable, "-m", "bottlenet.cli", *args]
+    return in_thread(
+        lambda: subprocess.run(argv, env=PROCESS_ENV, cwd=REPO, capture_output=True, timeout=120)
+    )
 
 
 def sleep(seconds: float) -> Deferred[None]:
@@ -236,6 +249,36 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
         root, self.root = self.root, None
         if root is not None and root.running:
             await root.stopService()
+
+    def ctl_argv(self, *args: str) -> list[str]:
+        """``bottlenetctl --control C ARGS``'s argv (for a test that runs it itself)."""
+        return [sys.executable, "-m", "bottlenet.cli", "--control", self.control, *args]
+
+    def ctl(self, *args: str) -> Deferred[subprocess.CompletedProcess[bytes]]:
+        """``bottlenetctl --control C ARGS`` in its own process."""
+        return bottlenetctl("--control", self.control, *args)
+
+    async def create_vm_bottle(
+        self, name: str = "b1", workload: Sequence[str] = (), user: str | None = None
+    ) -> dict[str, Any]:
+        """``bottlenetctl --json bottle create NAME --spec FILE.toml`` for a socket-mode VM
+        bottle with one sidecar service (and a workload, as ``user``, if given): its record."""
+        from tests.control.vmdaemon import SPEC_TOML
+
+        image = os.path.join(self.tmp, "agent.tar")
+        if not os.path.exists(image):
+            open(image, "wb").close()
+        spec = os.path.join(self.tmp, f"{name}.toml")
+        with open(spec, "w") as f:
+            f.write(SPEC_TOML.format(image=image))
+            if workload:
+                f.write(f"workload = {json.dumps(list(workload))}\n")
+            if user is not None:
+                f.write(f"user = {json.dumps(user)}\n")
+        r = await self.ctl("--json", "bottle", "create", name, "--spec", spec)
+        assert r.returncode == 0, (r.stdout, r.stderr, self.log_text())
+        record: dict[str, Any] = json.loads(r.stdout)
+        return record
 
     @property
     def registry(self) -> BottleRegistry:

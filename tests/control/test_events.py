@@ -11,7 +11,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import time
 from typing import Any
 
@@ -22,7 +21,7 @@ from bottlenet.bottles.events import BottleEvent, EventBus
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.events import EventHub
-from tests.bottles.harness import DaemonCase, in_thread, spec_doc
+from tests.bottles.harness import DaemonCase, in_thread
 
 from .daemon_helpers import ENV, REPO
 
@@ -106,12 +105,6 @@ class JSONLines:
         return event
 
 
-def vm_spec(tmp: str) -> str:
-    """A socket-mode VM bottle with one sidecar service and no egress policy."""
-    services = (("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),)
-    return json.dumps(spec_doc(tmp, egress=False, services=services, bridge=None))
-
-
 def drain_until_closed(sock: socket.socket) -> None:
     """Read until the daemon closes ``sock`` (after what was already in flight)."""
     sock.settimeout(30)
@@ -124,7 +117,7 @@ def drain_until_closed(sock: socket.socket) -> None:
 
 
 class EventFlowTests(DaemonCase):
-    timeout = 180  # a VM bottle through the fake: slow on a loaded machine
+    timeout = 300  # a VM bottle through the fake: slow on a loaded machine
 
     async def test_events_json_created_ready_degraded_destroyed(self) -> None:
         """``bottlenetctl events --json`` prints created, ready, degraded (its sidecar VMM
@@ -132,14 +125,14 @@ class EventFlowTests(DaemonCase):
         if os.geteuid() != 0:
             self.skipTest("exec-netns (unshare) needs root")
         self.fake.set_faults("exec-netns", version="1.32.2")
-        client = await self.start()
-        argv = [sys.executable, "-m", "bottlenet.cli", "--control", self.control, "events"]
-        watcher = subprocess.Popen([*argv, "--json"], env=ENV, cwd=REPO, stdout=subprocess.PIPE)
+        await self.start()
+        argv = self.ctl_argv("events", "--json")
+        watcher = subprocess.Popen(argv, env=ENV, cwd=REPO, stdout=subprocess.PIPE)
         try:
             assert watcher.stdout is not None
             lines = JSONLines(watcher.stdout.fileno())
             await self.when_logged("watches events")
-            await client.create_bottle("b1", spec=vm_spec(self.tmp))
+            await self.create_vm_bottle("b1")
             created, ready = await in_thread(lines.next), await in_thread(lines.next)
             assert (created["kind"], created["bottle"], created["state"]) == (
                 "created",
@@ -155,7 +148,8 @@ class EventFlowTests(DaemonCase):
             assert (degraded["kind"], degraded["bottle"]) == ("degraded", "b1")
             assert degraded["detail"] == "sidecar VM process exited"
             print(f"degraded event {latency * 1000:.0f} ms after the sidecar VMM was killed")
-            await client.destroy_bottle("b1")
+            r = await self.ctl("bottle", "rm", "b1")
+            assert r.returncode == 0, r.stderr
             destroyed = await in_thread(lines.next)
             assert (destroyed["kind"], destroyed["bottle"]) == ("destroyed", "b1")
         finally:

@@ -6,22 +6,17 @@ process (``tests/bottles/harness.py``, the fake smolvm, a TEST DOUBLE, with ``ex
 from __future__ import annotations
 
 import io
-import json
 import os
 import socket
-import subprocess
-import sys
-from typing import Any
 
 import pytest
 
 from bottlenet.control import commands as C
 from bottlenet.control.address import TLSCredentials
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from tests.bottles.harness import DaemonCase, in_thread, spec_doc
+from tests.bottles.harness import DaemonCase, in_thread
 
 from . import certs
-from .daemon_helpers import ENV, REPO
 
 REMOTE = "127.0.0.2"
 
@@ -61,14 +56,7 @@ def foreign_ca_refused(control: str, tls: TLSCredentials) -> None:
 
 
 class RemoteTests(DaemonCase):
-    timeout = 180  # a VM bottle through the fake and bottlenetctl processes: slow when loaded
-
-    async def ctl(self, *args: str) -> Any:
-        """``bottlenetctl ARGS`` as a person runs it (off the reactor)."""
-        argv = [sys.executable, "-m", "bottlenet.cli", *args]
-        return await in_thread(
-            lambda: subprocess.run(argv, env=ENV, cwd=REPO, capture_output=True, timeout=120)
-        )
+    timeout = 300  # a VM bottle through the fake and bottlenetctl processes: slow when loaded
 
     async def test_bottlenetctl_over_tls_to_another_address(self) -> None:
         """bottlenetctl and the blocking client reach the daemon over TLS on 127.0.0.2 with a
@@ -85,7 +73,7 @@ class RemoteTests(DaemonCase):
         other = certs.make_ca("other CA")
         bkey, bcert = certs.write(d, "intruder", certs.issue(other, "intruder", server=False))
         port = free_port(REMOTE)
-        client = await self.start(
+        await self.start(
             "--control-tls-port",
             str(port),
             "--control-tls-interface",
@@ -97,9 +85,7 @@ class RemoteTests(DaemonCase):
             "--control-tls-ca",
             ca_path,
         )
-        services = (("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),)
-        doc = spec_doc(self.tmp, egress=False, services=services, bridge=None)
-        await client.create_bottle("b1", spec=json.dumps(doc))
+        await self.create_vm_bottle("b1")
         control = f"tls:{REMOTE}:{port}"
         tls = ["--control", control, "--cert", ccert, "--key", ckey, "--ca", ca_path]
         r = await self.ctl(*tls, "--json", "bottle", "ls")

@@ -14,14 +14,13 @@ import json
 import os
 import select
 import subprocess
-import sys
-from collections.abc import Sequence
+import time
 from typing import Any
 
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.client import ControlClient
-from bottlenet.control.records import BottleRecord, EventRecord
-from tests.bottles.harness import DaemonCase, in_thread, spec_doc
+from bottlenet.control.records import EventRecord
+from tests.bottles.harness import DaemonCase, in_thread
 
 from .daemon_helpers import ENV, REPO
 from .vmdaemon import wait_for
@@ -37,8 +36,6 @@ def read_line(proc: subprocess.Popen[bytes], timeout: float) -> bytes:
 
 def read_until_exited(watcher: subprocess.Popen[bytes], timeout: float = 60) -> list[Any]:
     """``events --json`` lines until the workload_exited one (blocking: off the reactor)."""
-    import time
-
     kinds: list[Any] = []
     deadline = time.monotonic() + timeout
     while not kinds or kinds[-1]["kind"] != "workload_exited":
@@ -50,20 +47,14 @@ def read_until_exited(watcher: subprocess.Popen[bytes], timeout: float = 60) -> 
 
 def logs_of(control: str, name: str) -> bytes:
     """The workload's output as ``bottle logs`` reads it."""
-    out = io.BytesIO()
+    out, err = io.BytesIO(), io.BytesIO()
     with BlockingControlClient(control, timeout=10) as c:
-        c.logs(name, stdout=out, stderr=out)
+        c.logs(name, stdout=out, stderr=err)
     return out.getvalue()
 
 
-def exec_in(control: str, name: str, argv: Sequence[str]) -> int:
-    """``bottle exec NAME -- ARGV``'s exit code."""
-    with BlockingControlClient(control, timeout=60) as c:
-        return c.exec(name, list(argv))
-
-
 class WorkloadTests(DaemonCase):
-    timeout = 240  # VM bottles through the fake and bottlenetctl processes: slow when loaded
+    timeout = 480  # VM bottles through the fake and bottlenetctl processes: slow when loaded
 
     def setUp(self) -> None:
         super().setUp()
@@ -71,39 +62,17 @@ class WorkloadTests(DaemonCase):
             self.skipTest("exec-netns (unshare) needs root")
         self.fake.set_faults("exec-netns", version="1.32.2")
 
-    def ctl_argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "bottlenet.cli", "--control", self.control, *args]
-
-    async def ctl(self, *args: str) -> Any:
-        """``bottlenetctl --control C ARGS`` as a person runs it (off the reactor)."""
-        argv = self.ctl_argv(*args)
-        return await in_thread(
-            lambda: subprocess.run(argv, env=ENV, cwd=REPO, capture_output=True, timeout=120)
-        )
-
-    async def create_vm_bottle(
-        self,
-        client: ControlClient,
-        name: str,
-        workload: Sequence[str] = (),
-        user: str | None = None,
-    ) -> BottleRecord:
-        """A socket-mode VM bottle with one sidecar service and, if given, a workload."""
-        services = (("egress", 3128, ["HTTPS_PROXY=http://{host}:{port}"]),)
-        doc = spec_doc(
-            self.tmp,
-            egress=False,
-            services=services,
-            bridge=None,
-            workload=tuple(workload),
-            user=user,
-        )
-        return await client.create_bottle(name, spec=json.dumps(doc))
+    async def status(self, name: str) -> dict[str, Any]:
+        """``bottlenetctl --json bottle status NAME``'s bottle."""
+        r = await self.ctl("--json", "bottle", "status", name)
+        assert r.returncode == 0, r.stderr
+        bottle: dict[str, Any] = json.loads(r.stdout)["bottle"]
+        return bottle
 
     async def release(self, name: str, gate: str) -> None:
         """Make ``gate`` in the bottle's agent VM (the file its workload waits for)."""
-        code = await in_thread(exec_in, self.control, name, ["/bin/sh", "-c", f': > "{gate}"'])
-        assert code == 0
+        r = await self.ctl("bottle", "exec", name, "--", "/bin/sh", "-c", f': > "{gate}"')
+        assert r.returncode == 0, r.stderr
 
     async def release_and_wait_exit(
         self, client: ControlClient, name: str, gate: str
@@ -119,7 +88,7 @@ class WorkloadTests(DaemonCase):
     async def test_workload_exit_turns_the_bottle_exited_and_keeps_it_up(self) -> None:
         """A workload's exit makes the bottle ``exited`` with its code (an event says so); both
         VMs stay up, and logs, exec and status still answer."""
-        client = await self.start()
+        await self.start()
         gate = "/tmp/bottlenet-test-go"
         script = (
             "echo hello from the agent; echo oops >&2; "
@@ -134,9 +103,9 @@ class WorkloadTests(DaemonCase):
         )
         try:
             await self.when_logged("watches events")
-            record = await self.create_vm_bottle(client, "b1", ["/bin/sh", "-c", script])
-            assert record.workload == "running"
-            assert (await client.bottle_status("b1")).workload == "running"
+            record = await self.create_vm_bottle("b1", workload=["/bin/sh", "-c", script])
+            assert record["workload"] == "running"
+            assert (await self.status("b1"))["workload"] == "running"
             await in_thread(
                 wait_for,
                 lambda: b"hello from the agent" in logs_of(self.control, "b1"),
@@ -153,8 +122,8 @@ class WorkloadTests(DaemonCase):
             watcher.wait()
             if watcher.stdout is not None:
                 watcher.stdout.close()
-        b = await client.bottle_status("b1")
-        assert (b.state, b.workload, b.workload_exit_code) == ("exited", "exited", 4)
+        b = await self.status("b1")
+        assert (b["state"], b["workload"], b["workload_exit_code"]) == ("exited", "exited", 4)
         # nothing was torn down: both machines run, exec and logs still work
         assert sorted(self.machines()) == ["bn-b1-agent", "bn-b1-sidecar"]
         r = await self.ctl("bottle", "logs", "b1")
@@ -171,14 +140,14 @@ class WorkloadTests(DaemonCase):
         client = await self.start()
         gate = "/tmp/bottlenet-test-go2"
         script = f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 9"
-        await self.create_vm_bottle(client, "b2", ["/bin/sh", "-c", script])
+        await self.create_vm_bottle("b2", workload=["/bin/sh", "-c", script])
         await self.stop()
         client = await self.start()  # returns once recovery is done
-        assert (await client.bottle_status("b2")).workload == "running"
+        assert (await self.status("b2"))["workload"] == "running"
         await self.release_and_wait_exit(client, "b2", gate)
-        b = await client.bottle_status("b2")
-        assert b.state == "exited"
-        assert b.workload_exit_code == 9
+        b = await self.status("b2")
+        assert b["state"] == "exited"
+        assert b["workload_exit_code"] == 9
 
     async def test_t12_a_workload_with_a_user_cannot_forge_its_exit(self) -> None:
         """T12: a workload run as agent.user cannot write its exit file (the directory is the
@@ -192,7 +161,7 @@ class WorkloadTests(DaemonCase):
             f"&& echo forged || echo forge refused; "
             f"while [ ! -e {gate} ]; do sleep 0.05; done; exit 5"
         )
-        await self.create_vm_bottle(client, "b3", ["/bin/sh", "-c", script], user="65534")
+        await self.create_vm_bottle("b3", workload=["/bin/sh", "-c", script], user="65534")
         logs = await in_thread(
             wait_for,
             lambda: (out := logs_of(self.control, "b3")) and b"forge" in out and out,
@@ -200,21 +169,21 @@ class WorkloadTests(DaemonCase):
             "the workload's forge attempt",
         )
         assert logs == b"65534\nforge refused\n"
-        check = ["/bin/sh", "-c", f'[ ! -e "{guest}/exit" ]']
-        assert await in_thread(exec_in, self.control, "b3", check) == 0, (
-            "an exit file exists while the workload runs"
+        r = await self.ctl(
+            "bottle", "exec", "b3", "--", "/bin/sh", "-c", f'[ ! -e "{guest}/exit" ]'
         )
-        assert (await client.bottle_status("b3")).workload == "running"
+        assert r.returncode == 0, "an exit file exists while the workload runs"
+        assert (await self.status("b3"))["workload"] == "running"
         await self.release_and_wait_exit(client, "b3", gate)
-        b = await client.bottle_status("b3")
-        assert b.state == "exited"
-        assert b.workload_exit_code == 5
+        b = await self.status("b3")
+        assert b["state"] == "exited"
+        assert b["workload_exit_code"] == 5
 
     async def test_logs_usage_and_errors(self) -> None:
         """``bottle logs``: a bottle with no workload, an unknown bottle and a negative --tail
         are each a clear error (exit 1)."""
-        client = await self.start()
-        await self.create_vm_bottle(client, "b1")  # no workload in its spec
+        await self.start()
+        await self.create_vm_bottle("b1")  # no workload in its spec
         r = await self.ctl("bottle", "logs", "b1")
         assert r.returncode == 1 and b"runs no workload" in r.stderr
         r = await self.ctl("bottle", "logs", "nope")
