@@ -1,4 +1,10 @@
-"""bottlenetctl top and down --all against the real daemon, plus the rate arithmetic."""
+"""bottlenetctl top and down --all against a daemon in process, plus the rate arithmetic.
+
+The throughput test runs the tap's real service tree (``tests/bottles/harness.py``, with the
+fake smolvm, a TEST DOUBLE) for its real relays; the others need a daemon that answers, the
+daemon's own control listener over ``FakeBackend``. ``top``'s live loop runs as the process a
+person starts (signals, a pseudo-terminal, a closed stdout); ``top --once`` and ``down`` run
+``main()`` as tests/cli/test_cli.py does."""
 
 from __future__ import annotations
 
@@ -11,10 +17,10 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 
@@ -23,7 +29,8 @@ from bottlenet.cli.main import main
 from bottlenet.cli.top import Snapshot, human_bytes, rates, render
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
-from tests.control.daemon_helpers import CLEAN_EXIT, ENV, start_daemon, stop, wait_ready
+from tests.bottles.harness import ControlSocketCase, DaemonCase, in_thread
+from tests.control.daemon_helpers import ENV
 from tests.sigdefault import sigint_default
 
 
@@ -122,30 +129,10 @@ def test_top_once_unreachable_exits_3() -> None:
     assert code == 3 and "hint:" in err.getvalue() and out.getvalue() == ""
 
 
-# -- against the real daemon ----------------------------------------------------------------
+# -- against a daemon in process ------------------------------------------------------------
 
 
-@pytest.fixture
-def tmp() -> Iterator[str]:
-    d = tempfile.mkdtemp(prefix="bno-")
-    yield d
-    subprocess.run(["rm", "-rf", d], check=False)
-
-
-@pytest.fixture
-def daemon(tmp: str) -> Iterator[str]:
-    path = os.path.join(tmp, "run", "control.sock")
-    proc = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
-    try:
-        wait_ready(path, proc)
-        yield path
-    finally:
-        out = stop(proc)
-    assert proc.returncode in CLEAN_EXIT, out
-    assert "Traceback" not in out
-
-
-@pytest.fixture
+@contextmanager
 def sink() -> Iterator[int]:
     """Reads and discards everything: a target for a steady upload."""
     srv = socket.create_server(("127.0.0.1", 0))
@@ -164,31 +151,34 @@ def sink() -> Iterator[int]:
 
     t = threading.Thread(target=serve, daemon=True)
     t.start()
-    yield srv.getsockname()[1]
-    done.set()
-    t.join(2)
-    srv.close()
+    try:
+        yield srv.getsockname()[1]
+    finally:
+        done.set()
+        t.join(2)
+        srv.close()
 
 
-def ctl(path: str, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "bottlenet.cli", "--control", path, *argv],
-        env=ENV,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def ctl(path: str, *argv: str) -> tuple[int, str, str]:
+    """``bottlenetctl --control PATH ARGV``: its exit code, stdout and stderr."""
+    out, err = io.StringIO(), io.StringIO()
+    code = main(["--control", path, *argv], env={}, out=out, err=err)
+    return code, out.getvalue(), err.getvalue()
 
 
-def test_top_once_shows_throughput(daemon: str, sink: int) -> None:
-    with BlockingControlClient(daemon, timeout=5) as c:
+def top_during_upload(
+    path: str, sink_port: int
+) -> tuple[tuple[int, str, str], tuple[int, str, str], tuple[str, int]]:
+    """``top --once`` twice (text, then --json) while a client uploads through a forward."""
+    with BlockingControlClient(path, timeout=5) as c:
         c.create_bottle("topb")
-        ep = c.add_forward("topb", "up", f"127.0.0.1:{sink}")
+        ep = c.add_forward("topb", "up", f"127.0.0.1:{sink_port}")
     assert ep.host is not None and ep.port is not None
+    address = (ep.host, ep.port)
     stop_upload = threading.Event()
 
     def upload() -> None:
-        with socket.create_connection((ep.host, ep.port), timeout=5) as s:  # type: ignore[arg-type]
+        with socket.create_connection(address, timeout=5) as s:
             while not stop_upload.is_set():
                 s.sendall(b"x" * 16384)
                 time.sleep(0.005)
@@ -197,21 +187,31 @@ def test_top_once_shows_throughput(daemon: str, sink: int) -> None:
     t.start()
     try:
         time.sleep(0.2)
-        res = ctl(daemon, "top", "--once", "--interval", "0.5")
-        as_json = ctl(daemon, "top", "--once", "--interval", "0.5", "--json")
+        res = ctl(path, "top", "--once", "--interval", "0.5")
+        as_json = ctl(path, "top", "--once", "--interval", "0.5", "--json")
     finally:
         stop_upload.set()
         t.join(5)
-    assert res.returncode == 0, res.stderr
-    assert "\x1b" not in res.stdout  # not a terminal: no escape sequences
-    lines = res.stdout.splitlines()
-    assert lines[1].startswith("bottles 1  forwards 1  active relays 1  in ")
-    row = next(line for line in lines if line.startswith("topb ") and " up " in line)
-    assert f"{ep.host}:{ep.port}" in row and f"127.0.0.1:{sink}" in row
-    assert "KiB/s" in row or "MiB/s" in row
-    frame = json.loads(as_json.stdout)
-    (stat,) = frame["stats"]
-    assert stat["active"] == 1 and stat["in_rate"] > 0 and stat["out_rate"] == 0
+    return res, as_json, address
+
+
+class TopThroughputTests(DaemonCase):
+    async def test_top_once_shows_throughput(self) -> None:
+        """``top --once`` shows a steady upload through a real relay as a rate (text and --json)."""
+        await self.start(vm_bottles=False)
+        with sink() as sink_port:
+            res, as_json, (host, port) = await in_thread(top_during_upload, self.control, sink_port)
+        code, stdout, stderr = res
+        assert code == 0, stderr
+        assert "\x1b" not in stdout  # not a terminal: no escape sequences
+        lines = stdout.splitlines()
+        assert lines[1].startswith("bottles 1  forwards 1  active relays 1  in ")
+        row = next(line for line in lines if line.startswith("topb ") and " up " in line)
+        assert f"{host}:{port}" in row and f"127.0.0.1:{sink_port}" in row
+        assert "KiB/s" in row or "MiB/s" in row
+        frame = json.loads(as_json[1])
+        (stat,) = frame["stats"]
+        assert stat["active"] == 1 and stat["in_rate"] > 0 and stat["out_rate"] == 0
 
 
 def _wait_for(fd: int, needle: bytes, timeout: float = 30) -> bytes:
@@ -230,9 +230,14 @@ def _wait_for(fd: int, needle: bytes, timeout: float = 30) -> bytes:
     return seen
 
 
-@pytest.mark.parametrize("terminal", [False, True], ids=["pipe", "pty"])
-def test_top_live_exits_0_on_sigint(daemon: str, terminal: bool) -> None:
-    argv = [sys.executable, "-m", "bottlenet.cli", "--control", daemon, "top", "--interval", "0.1"]
+def top_argv(path: str, interval: str) -> list[str]:
+    """``bottlenetctl top`` as a person runs it (its own process: signals, terminal, stdout)."""
+    return [sys.executable, "-m", "bottlenet.cli", "--control", path, "top", "--interval", interval]
+
+
+def top_live_until_sigint(path: str, terminal: bool) -> None:
+    """Live ``top`` on a pipe or a pseudo-terminal: two frames, SIGINT, a clean exit 0."""
+    argv = top_argv(path, "0.1")
     if terminal:
         master, slave = pty.openpty()
         proc = subprocess.Popen(
@@ -274,9 +279,11 @@ def test_top_live_exits_0_on_sigint(daemon: str, terminal: bool) -> None:
         assert b"\x1b" not in seen
 
 
-def test_top_live_exits_0_when_stdout_closes(daemon: str) -> None:
-    argv = [sys.executable, "-m", "bottlenet.cli", "--control", daemon, "top", "--interval", "0.05"]
-    proc = subprocess.Popen(argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+def top_live_until_stdout_closes(path: str) -> None:
+    """Live ``top`` whose reader goes away after one line: exit 0, nothing on stderr."""
+    proc = subprocess.Popen(
+        top_argv(path, "0.05"), env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
     assert proc.stdout is not None and proc.stderr is not None
     proc.stdout.readline()
     proc.stdout.close()  # the reader goes away, as with `bottlenetctl top | head -1`
@@ -290,34 +297,10 @@ def test_top_live_exits_0_when_stdout_closes(daemon: str) -> None:
     assert err == ""
 
 
-def test_top_live_survives_the_daemon_going_away(tmp: str) -> None:
-    path = os.path.join(tmp, "run", "control.sock")
-    daemon = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
-    argv = [sys.executable, "-m", "bottlenet.cli", "--control", path, "top", "--interval", "0.1"]
-    top = subprocess.Popen(
-        argv, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, preexec_fn=sigint_default
-    )
-    assert top.stdout is not None
-    try:
-        wait_ready(path, daemon)
-        assert b"bottles 0" in _wait_for(top.stdout.fileno(), b"bottles 0")
-        stop(daemon)
-        assert b"daemon unreachable" in _wait_for(top.stdout.fileno(), b"daemon unreachable")
-        assert top.poll() is None  # still retrying
-        daemon = start_daemon(os.path.join(tmp, "state"), f"unix:{path}")
-        wait_ready(path, daemon)
-        assert b"bottles 0" in _wait_for(top.stdout.fileno(), b"bottles 0")
-        top.send_signal(signal.SIGINT)
-        assert top.wait(15) == 0
-    finally:
-        for p in (top, daemon):
-            if p.poll() is None:
-                p.kill() if p is top else stop(p)
-
-
-def test_down_all_destroys_every_bottle(daemon: str) -> None:
+def down_session(path: str) -> None:
+    """``down --all`` over pages, as a library call and as the command (text, --json, usage)."""
     names = [f"d{i}" for i in range(7)]
-    with BlockingControlClient(daemon, timeout=5) as c:
+    with BlockingControlClient(path, timeout=5) as c:
         for n in names:
             c.create_bottle(n)
         c.add_forward("d0", "web", "127.0.0.1:9")
@@ -328,20 +311,72 @@ def test_down_all_destroys_every_bottle(daemon: str) -> None:
         assert list(c.all_bottles()) == []
         for n in names[:3]:
             c.create_bottle(n)
-    res = ctl(daemon, "down", "--all")
-    assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == [
+    code, out, err = ctl(path, "down", "--all")
+    assert code == 0, err
+    assert out.splitlines() == [
         "destroyed d0",
         "destroyed d1",
         "destroyed d2",
         "3 destroyed, 0 failed",
     ]
-    again = ctl(daemon, "down", "--all", "--json")
-    assert again.returncode == 0 and json.loads(again.stdout) == {"destroyed": [], "failed": []}
-    assert ctl(daemon, "down", "--all").stdout == "no bottles\n"
-    with BlockingControlClient(daemon, timeout=5) as c:
+    code, out, _ = ctl(path, "down", "--all", "--json")
+    assert code == 0 and json.loads(out) == {"destroyed": [], "failed": []}
+    assert ctl(path, "down", "--all")[1] == "no bottles\n"
+    with BlockingControlClient(path, timeout=5) as c:
         c.create_bottle("j1")
-    res = ctl(daemon, "--json", "down", "--all")
-    assert res.returncode == 0 and json.loads(res.stdout) == {"destroyed": ["j1"], "failed": []}
-    usage = ctl(daemon, "down")
-    assert usage.returncode == 2 and "--all" in usage.stderr
+    code, out, _ = ctl(path, "--json", "down", "--all")
+    assert code == 0 and json.loads(out) == {"destroyed": ["j1"], "failed": []}
+    code, _, err = ctl(path, "down")
+    assert code == 2 and "--all" in err
+
+
+class TopAndDownTests(ControlSocketCase):
+    async def test_top_live_exits_0_on_sigint_pipe(self) -> None:
+        """Live ``top`` on a pipe exits 0 on SIGINT, with no escape sequences."""
+        await self.serve()
+        await in_thread(top_live_until_sigint, self.path, False)
+
+    async def test_top_live_exits_0_on_sigint_pty(self) -> None:
+        """Live ``top`` on a terminal exits 0 on SIGINT and shows the cursor again."""
+        await self.serve()
+        await in_thread(top_live_until_sigint, self.path, True)
+
+    async def test_top_live_exits_0_when_stdout_closes(self) -> None:
+        """Live ``top`` exits 0, silently, when its reader goes away (``| head -1``)."""
+        await self.serve()
+        await in_thread(top_live_until_stdout_closes, self.path)
+
+    async def test_top_live_survives_the_daemon_going_away(self) -> None:
+        """Live ``top`` shows the daemon unreachable while it is gone, keeps retrying, and
+        draws again once it is back; SIGINT then exits 0."""
+        top = subprocess.Popen(
+            top_argv(self.path, "0.1"),
+            env=ENV,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            preexec_fn=sigint_default,
+        )
+        assert top.stdout is not None
+        fd = top.stdout.fileno()
+        try:
+            await self.serve()
+            assert b"bottles 0" in await in_thread(_wait_for, fd, b"bottles 0")
+            await self.go_away()
+            assert b"daemon unreachable" in await in_thread(_wait_for, fd, b"daemon unreachable")
+            assert top.poll() is None  # still retrying
+            await self.serve()
+            assert b"bottles 0" in await in_thread(_wait_for, fd, b"bottles 0")
+            top.send_signal(signal.SIGINT)
+            assert await in_thread(top.wait, 15) == 0
+        finally:
+            if top.poll() is None:
+                top.kill()
+                top.wait()
+            top.stdout.close()
+            if top.stderr is not None:
+                top.stderr.close()
+
+    async def test_down_all_destroys_every_bottle(self) -> None:
+        """``down --all`` reads every page, then destroys each bottle once (text and --json)."""
+        await self.serve()
+        await in_thread(down_session, self.path)

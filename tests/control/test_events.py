@@ -1,5 +1,7 @@
-"""Bottle events: the hub's bounds (unit), and watchers over real sockets against the real
-daemon with the fake smolvm (a TEST DOUBLE: a "VMM" is a host process the test can kill)."""
+"""Bottle events: the hub's bounds (unit), and watchers over real sockets against the daemon
+in process (``tests/bottles/harness.py``: the tap's real service tree) with the fake smolvm (a
+TEST DOUBLE: a "VMM" is a host process the test can kill). The watcher in the event flow is
+``bottlenetctl events --json`` as a person runs it."""
 
 from __future__ import annotations
 
@@ -19,9 +21,9 @@ from bottlenet.bottles.events import BottleEvent, EventBus
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.events import EventHub
+from tests.bottles.harness import DaemonCase, in_thread
 
 from .daemon_helpers import ENV, REPO
-from .vmdaemon import VMDaemon, wait_for
 
 
 class FakeConnection:
@@ -81,83 +83,97 @@ def test_a_connection_watches_a_bounded_number_of_bottles_by_name() -> None:
     hub.watch(FakeConnection(), "one-more")  # the bound is per connection
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="exec-netns (unshare) needs root")
-def test_events_json_created_ready_degraded_destroyed() -> None:
-    d = VMDaemon().start()
-    watcher: subprocess.Popen[bytes] | None = None
-    try:
-        watcher = subprocess.Popen(
-            d.ctl_argv("events", "--json"), env=ENV, cwd=REPO, stdout=subprocess.PIPE
-        )
-        assert watcher.stdout is not None
-        fd = watcher.stdout.fileno()
-        buf = bytearray()
+class JSONLines:
+    """Reads one JSON document a line from a child's stdout (blocking: call it off the reactor)."""
 
-        def next_event(timeout: float = 60) -> dict[str, Any]:
-            deadline = time.monotonic() + timeout
-            while b"\n" not in buf:
-                left = deadline - time.monotonic()
-                assert left > 0, "no event"
-                if select.select([fd], [], [], left)[0]:
-                    chunk = os.read(fd, 65536)
-                    assert chunk, "bottlenetctl events ended"
-                    buf.extend(chunk)
-            line, _, rest = bytes(buf).partition(b"\n")
-            buf[:] = rest
-            event: dict[str, Any] = json.loads(line)
-            return event
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.buf = bytearray()
 
-        wait_for(lambda: "watches events" in d.log(), 30, "the watcher to subscribe")
-        d.create_vm_bottle("b1")
-        created, ready = next_event(), next_event()
-        assert (created["kind"], created["bottle"], created["state"]) == (
-            "created",
-            "b1",
-            "creating",
-        )
-        assert (ready["kind"], ready["state"]) == ("ready", "ready")
-        assert ready["seq"] == created["seq"] + 1
-        os.kill(d.machine_pid("bn-b1-sidecar"), signal.SIGKILL)
-        killed = time.monotonic()
-        degraded = next_event()
-        latency = time.monotonic() - killed
-        assert (degraded["kind"], degraded["bottle"]) == ("degraded", "b1")
-        assert degraded["detail"] == "sidecar VM process exited"
-        print(f"degraded event {latency * 1000:.0f} ms after the sidecar VMM was killed")
-        r = d.ctl("bottle", "rm", "b1")
-        assert r.returncode == 0, r.stderr
-        destroyed = next_event()
-        assert (destroyed["kind"], destroyed["bottle"]) == ("destroyed", "b1")
-    finally:
-        if watcher is not None:
+    def next(self, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            assert left > 0, "no event"
+            if select.select([self.fd], [], [], left)[0]:
+                chunk = os.read(self.fd, 65536)
+                assert chunk, "bottlenetctl events ended"
+                self.buf.extend(chunk)
+        line, _, rest = bytes(self.buf).partition(b"\n")
+        self.buf[:] = rest
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+
+def drain_until_closed(sock: socket.socket) -> None:
+    """Read until the daemon closes ``sock`` (after what was already in flight)."""
+    sock.settimeout(30)
+    while True:
+        try:
+            if not sock.recv(65536):
+                break
+        except ConnectionResetError:
+            break
+
+
+class EventFlowTests(DaemonCase):
+    timeout = 300  # a VM bottle through the fake: slow on a loaded machine
+
+    async def test_events_json_created_ready_degraded_destroyed(self) -> None:
+        """``bottlenetctl events --json`` prints created, ready, degraded (its sidecar VMM
+        killed) and destroyed for a VM bottle, numbered in order."""
+        if os.geteuid() != 0:
+            self.skipTest("exec-netns (unshare) needs root")
+        self.fake.set_faults("exec-netns", version="1.32.2")
+        await self.start()
+        argv = self.ctl_argv("events", "--json")
+        watcher = subprocess.Popen(argv, env=ENV, cwd=REPO, stdout=subprocess.PIPE)
+        try:
+            assert watcher.stdout is not None
+            lines = JSONLines(watcher.stdout.fileno())
+            await self.when_logged("watches events")
+            await self.create_vm_bottle("b1")
+            created, ready = await in_thread(lines.next), await in_thread(lines.next)
+            assert (created["kind"], created["bottle"], created["state"]) == (
+                "created",
+                "b1",
+                "creating",
+            )
+            assert (ready["kind"], ready["state"]) == ("ready", "ready")
+            assert ready["seq"] == created["seq"] + 1
+            os.kill(self.machines()["bn-b1-sidecar"]["pid"], signal.SIGKILL)
+            killed = time.monotonic()
+            degraded = await in_thread(lines.next)
+            latency = time.monotonic() - killed
+            assert (degraded["kind"], degraded["bottle"]) == ("degraded", "b1")
+            assert degraded["detail"] == "sidecar VM process exited"
+            print(f"degraded event {latency * 1000:.0f} ms after the sidecar VMM was killed")
+            r = await self.ctl("bottle", "rm", "b1")
+            assert r.returncode == 0, r.stderr
+            destroyed = await in_thread(lines.next)
+            assert (destroyed["kind"], destroyed["bottle"]) == ("destroyed", "b1")
+        finally:
             watcher.kill()
             watcher.wait()
-        assert not d.cleanup()
+            if watcher.stdout is not None:
+                watcher.stdout.close()
 
-
-def test_a_watcher_that_never_reads_is_cut_off() -> None:
-    d = VMDaemon().start()
-    try:
+    async def test_a_watcher_that_never_reads_is_cut_off(self) -> None:
+        """A watcher that never reads is dropped at 64 unanswered events; the daemon serves on."""
+        client = await self.start(vm_bottles=False)
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(d.control)
-        sock.sendall(codec.encode_request(C.Watch, b"1", {}))
-        with d.client() as c:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(self.control)
+            sock.sendall(codec.encode_request(C.Watch, b"1", {}))
             for i in range(60):  # 120 events; the bound is 64 unanswered
-                c.create_bottle(f"f{i}")
-                c.destroy_bottle(f"f{i}")
-                if "unanswered events" in d.log():
+                await client.create_bottle(f"f{i}")
+                await client.destroy_bottle(f"f{i}")
+                if "unanswered events" in self.log_text():
                     break
-            assert "unanswered events (it reads too slowly)" in d.log()
-            c.ping()  # the daemon is fine
-        # the slow watcher's connection is closed (after what was already in flight)
-        sock.settimeout(30)
-        while True:
-            try:
-                if not sock.recv(65536):
-                    break
-            except ConnectionResetError:
-                break
-        sock.close()
-    finally:
-        assert not d.cleanup()
+            assert "unanswered events (it reads too slowly)" in self.log_text()
+            await client.ping()  # the daemon is fine
+            # the slow watcher's connection is closed (after what was already in flight)
+            await in_thread(drain_until_closed, sock)
+        finally:
+            sock.close()

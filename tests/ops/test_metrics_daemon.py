@@ -1,30 +1,29 @@
-"""The real daemon with ``--metrics``: the recorders are fed by smolvm calls and control commands.
+"""The daemon with ``--metrics``: the recorders are fed by smolvm calls and control commands.
 
-``twist bottlenet --metrics tcp:0:interface=127.0.0.1`` logs the port it bound; the test
-drives a control command, a relay and the fake smolvm's ``--version`` (which the daemon runs
-at start), then scrapes ``/metrics`` and parses it with ``prometheus_client``.
+The daemon runs in process (``tests/bottles/harness.py``: the tap's real service tree, the fake
+smolvm, a TEST DOUBLE). ``--metrics tcp:0:interface=127.0.0.1`` logs the port it bound; the test
+drives a control command, a relay and the fake smolvm's ``--version`` (which the daemon runs at
+start), then scrapes ``/metrics`` and parses it with ``prometheus_client``.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import tempfile
+import socket
+import stat
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import AlreadyExists
-from tests.control.daemon_helpers import CLEAN_EXIT, start_daemon, stop, wait_ready
-from tests.fakes import FAKE_SMOLVM, FakeSmolvm
-from tests.netio import OutputReader, roundtrip
+from tests.bottles.harness import DaemonCase, in_thread
+from tests.netio import echo_server, roundtrip
 
-METRICS_ON = re.compile(rb"metrics: listening on 127\.0\.0\.1:(\d+)")
+METRICS_ON = re.compile(r"metrics: listening on 127\.0\.0\.1:(\d+)")
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 
@@ -48,43 +47,52 @@ def scrape_until(port: int, key: tuple[str, tuple[tuple[str, str], ...]]) -> Sam
         time.sleep(0.1)
 
 
-def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(
-    tmp_path: Path, echo_server: int, request: pytest.FixtureRequest
-) -> None:
-    state = str(tmp_path / "state")
-    control = str(tmp_path / "run" / "control.sock")
-    # smolvm's data dir has at most 61 bytes (checked at start-up): not under pytest's tmp_path.
-    short = tempfile.mkdtemp(prefix="bnm-", dir="/tmp")
-    request.addfinalizer(lambda: shutil.rmtree(short, ignore_errors=True))
-    fake = FakeSmolvm(os.path.join(short, "smolvm-data"))
-    extra = ["--metrics", "tcp:0:interface=127.0.0.1", "--smolvm", FAKE_SMOLVM]
-    extra += ["--smolvm-data-dir", fake.path]
-    proc = start_daemon(state, f"unix:{control}", extra=extra)
-    try:
-        assert proc.stdout is not None
-        port = int(OutputReader(proc.stdout.fileno()).wait_for(METRICS_ON, 60).group(1))
-        wait_ready(control, proc)
+def drive(control: str, echo_port: int) -> None:
+    """A created bottle, a refused duplicate, a forward and one relay, as a client does them."""
+    with BlockingControlClient(control, timeout=10) as c:
+        c.create_bottle("m")
+        with pytest.raises(AlreadyExists):
+            c.create_bottle("m")
+        ep = c.add_forward("m", "echo", f"127.0.0.1:{echo_port}")
+        assert ep.host is not None and ep.port is not None
+        payload = os.urandom(10_000)
+        assert roundtrip(ep.host, ep.port, payload) == payload
+
+
+def get_metrics_over_unix(path: str) -> bytes:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(path)
+        s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
+        got = b""
+        while chunk := s.recv(65536):
+            got += chunk
+    return got
+
+
+class MetricsDaemonTests(DaemonCase):
+    async def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(self) -> None:
+        """Scraped /metrics count the start-up smolvm probe, each control command by result,
+        the bottle and the relay's connection and bytes."""
+        await self.start("--metrics", "tcp:0:interface=127.0.0.1", vm_bottles=False)
+        found = METRICS_ON.search(self.log_text())
+        assert found is not None, self.log_text()
+        port = int(found.group(1))
         version = (("result", "ok"), ("subcommand", "version"))
         count = "bottlenet_smolvm_call_duration_seconds_count"
-        before = scrape_until(port, (count, version))
+        before = await in_thread(scrape_until, port, (count, version))
         assert before[(count, version)] >= 1  # the start-up probe (recovery may race it)
         commands = "bottlenet_control_commands_total"
         create_ok = (commands, (("command", "CreateBottle"), ("result", "OK")))
         create_dup = (commands, (("command", "CreateBottle"), ("result", "ALREADY_EXISTS")))
         assert create_ok not in before
 
-        with BlockingControlClient(control, timeout=10) as c:
-            c.create_bottle("m")
-            with pytest.raises(AlreadyExists):
-                c.create_bottle("m")
-            ep = c.add_forward("m", "echo", f"127.0.0.1:{echo_server}")
-            assert ep.host is not None and ep.port is not None
-            payload = os.urandom(10_000)
-            assert roundtrip(ep.host, ep.port, payload) == payload
+        with echo_server() as echo_port:
+            await in_thread(drive, self.control, echo_port)
 
         fwd = (("bottle", "m"), ("forward", "echo"))
         accepted = ("bottlenet_relays_accepted_total", fwd)
-        after = scrape_until(port, accepted)
+        after = await in_thread(scrape_until, port, accepted)
         assert after[create_ok] == 1
         assert after[create_dup] == 1
         assert after[(commands, (("command", "AddForward"), ("result", "OK")))] == 1
@@ -93,35 +101,16 @@ def test_metrics_count_smolvm_calls_control_commands_bottles_and_relays(
         assert after[("bottlenet_bottles", (("state", "ready"),))] == 1
         assert after[(count, version)] >= before[(count, version)]
         assert after[("bottlenet_metrics_invalid_series", ())] == 0
-    finally:
-        out = stop(proc)
-        fake.cleanup()
-    assert proc.returncode in CLEAN_EXIT, out
-    assert "Traceback" not in out
+        await self.stop()
+        assert self.failures_logged() == []
 
-
-def test_metrics_default_to_a_private_unix_socket(tmp_path: Path) -> None:
-    """Issue 13 item 6: no --metrics: /metrics is a 0600 socket in the 0700 state dir, so no
-    other local user reads bottle names or byte counts; TCP needs an explicit --metrics."""
-    import socket
-    import stat
-
-    state = str(tmp_path / "s")
-    control = str(tmp_path / "run" / "control.sock")
-    proc = start_daemon(state, f"unix:{control}")
-    try:
-        wait_ready(control, proc)
-        path = os.path.join(state, "metrics.sock")
+    async def test_metrics_default_to_a_private_unix_socket(self) -> None:
+        """Issue 13 item 6: no --metrics: /metrics is a 0600 socket in the 0700 state dir, so no
+        other local user reads bottle names or byte counts; TCP needs an explicit --metrics."""
+        await self.start(vm_bottles=False)
+        path = os.path.join(self.state_dir, "metrics.sock")
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(state).st_mode) == 0o700
-        with socket.socket(socket.AF_UNIX) as s:
-            s.settimeout(10)
-            s.connect(path)
-            s.sendall(b"GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n")
-            got = b""
-            while chunk := s.recv(65536):
-                got += chunk
+        assert stat.S_IMODE(os.stat(self.state_dir).st_mode) == 0o700
+        got = await in_thread(get_metrics_over_unix, path)
         assert got.startswith(b"HTTP/1.0 200") or got.startswith(b"HTTP/1.1 200"), got[:80]
         assert b"bottlenet_build_info" in got
-    finally:
-        stop(proc)
