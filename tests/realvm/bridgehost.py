@@ -376,9 +376,9 @@ def report_lines(results: dict[str, list[str]]) -> list[str]:
         if set(local) == {"direct", "least", "bridge"}:
             lines.append(
                 "bridge hop alone (in-guest UNIX echo): round trip direct "
-                f"{local['direct'] * 1e3:.2f} ms, through the least relay there can be "
-                f"{local['least'] * 1e3:.2f} ms, through the bridge {local['bridge'] * 1e3:.2f}"
-                f" ms; the least relay's hop on the socket path would be "
+                f"{local['direct'] * 1e3:.2f} ms, through the least blocking relay "
+                f"(ping-pong only) {local['least'] * 1e3:.2f} ms, through the bridge "
+                f"{local['bridge'] * 1e3:.2f} ms; that relay's hop on the socket path would be "
                 f"{c['rtt_least_ratio']:.2f}x"
             )
     return lines
