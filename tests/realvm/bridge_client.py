@@ -7,6 +7,7 @@ bridge (TCP 127.0.0.1:3128) and on the mounted socket directly, in alternating r
 """
 
 import os
+import select
 import socket
 import ssl
 import sys
@@ -118,6 +119,42 @@ def least_relay(path):
     return srv.getsockname()[1], child(serve)
 
 
+def select_relay(path):
+    """The least generic relay on the full path: TCP 127.0.0.1 to the UNIX socket at
+    ``path``, one thread, one ``select`` for both directions, half-close passed on. Any
+    relay a guest could run does at least this (it carries a CONNECT tunnel and a bulk
+    read); it is the floor an extra guest process puts under the bridge's ratios."""
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+
+    def serve():
+        buf = bytearray(262144)
+        view = memoryview(buf)
+        while True:
+            c, _ = srv.accept()
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            u = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            u.connect(path)
+            peer = {c: u, u: c}
+            open_ = [c, u]
+            while open_:
+                for src in select.select(open_, [], [])[0]:
+                    n = src.recv_into(buf)
+                    if n:
+                        peer[src].sendall(view[:n])
+                    else:
+                        open_.remove(src)
+                        try:
+                            peer[src].shutdown(socket.SHUT_WR)
+                        except OSError:
+                            open_.clear()
+            c.close()
+            u.close()
+
+    return srv.getsockname()[1], child(serve)
+
+
 def tcp(port):
     def connect():
         s = socket.create_connection(("127.0.0.1", port), timeout=60)
@@ -199,8 +236,11 @@ def main():
     port, pid = least_relay(local)
     pids.append(pid)
     hops = (("direct", unix(local)), ("least", tcp(port)), ("bridge", tcp(CONF["local_port"])))
+    full_port, pid = select_relay(CONF["socket"])
+    pids.append(pid)
+    paths = (("bridge", via_bridge), ("least", tcp(full_port)), ("socket", via_socket))
     for _ in range(CONF["rounds"]):
-        for label, connect in (("bridge", via_bridge), ("socket", via_socket)):
+        for label, connect in paths:
             rtt = round_trips(connect, CONF["trips"])
             rate = bulk(connect)
             say("cost", label, "%.6f" % rtt, "%.0f" % rate)
