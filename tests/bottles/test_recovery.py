@@ -16,17 +16,21 @@ from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     BindRefused,
     BottlenetError,
+    Busy,
+    Degraded,
     InvalidArgument,
     IsolationFailed,
     ResourceExhausted,
@@ -443,3 +447,61 @@ def test_t6_no_orphan_sweep_when_a_record_was_unreadable(rigs: Rigs, tmp: str) -
     rig.recover()
     assert rig.registry.list_bottles() == []
     assert {"bn-r1-agent", "bn-r1-sidecar"} <= set(rig.smolvm.names())
+
+
+# -- the lifecycle machine, through the registry --------------------------------------------
+
+
+def test_a_degrade_during_an_operation_outlasts_it(rigs: Rigs, tmp: str) -> None:
+    """A sidecar that dies while verify runs leaves the bottle degraded once verify ends."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    held = rig.smolvm.hold("exec", "bn-r1-agent")
+    verify = rig.start(rig.registry.verify_bottle("r1"))
+    assert rig.registry.state_of("r1") is Lifecycle.BUSY
+    rig.registry._sidecar_exited("r1")
+    rig.clock.advance(0)
+    assert rig.registry.state_of("r1") is Lifecycle.BUSY  # the operation still holds it
+    with pytest.raises(Degraded):
+        rig.registry.exec_target("r1")
+    with pytest.raises(Busy):
+        rig.run(rig.registry.destroy_bottle("r1"))
+    held.callback(None)
+    rig.result(verify)
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.registry.get_bottle("r1").state == "degraded"
+    assert rig.state()["r1"]["state"] == "degraded"
+
+
+def test_a_degrade_that_fails_in_a_watch_callback_is_logged(rigs: Rigs, tmp: str) -> None:
+    """Nobody awaits a watch's degrade: its failure is logged with the bottle, not dropped."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+
+    def broken(bottle: str) -> Deferred[None]:
+        return fail(OSError("remove failed"))
+
+    rig.table.remove_bottle = broken  # type: ignore[method-assign]
+    with capturedLogs() as events:
+        rig.registry._sidecar_exited("r1")
+        rig.clock.advance(0)
+    failures = [e for e in events if "log_failure" in e]
+    assert [(e["log_format"], e["bottle"]) for e in failures] == [
+        ("bottle {bottle}: degrading it failed", "r1")
+    ]
+    assert isinstance(failures[0]["log_failure"].value, OSError)
+
+
+def test_a_restored_bottle_is_idle_in_its_kept_state(rigs: Rigs, tmp: str) -> None:
+    """Recovery adopts each bottle idle in its kept state: a degraded one refuses an Exec."""
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
+    rig = restart(rigs, first)
+    rig.smolvm.fail_on("stop", "bn-r1-agent", VmUnavailable("injected"))
+    rig.smolvm.fail_on("delete", "bn-r1-agent", VmUnavailable("injected"))
+    assert rig.registry.state_of("r1") is None  # nothing until recovery runs
+    rig.recover()
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    with pytest.raises(Degraded):
+        rig.registry.exec_target("r1")
