@@ -42,6 +42,7 @@ from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
 from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
+from bottlenet.bottles.workloadwatch import WorkloadWatches
 from bottlenet.errors import (
     AlreadyExists,
     BottlenetError,
@@ -110,7 +111,7 @@ class BottleRegistry:
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        self._waiters: dict[str, workload.WorkloadWaiter] = {}
+        self._workloads = WorkloadWatches(self._workload_exited)
         self._unsynced: dict[str, _Unsynced] = {}
         self._resync_call: Any = None
 
@@ -544,44 +545,17 @@ class BottleRegistry:
         return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
 
     def _wait_for_workload(self, bottle: Bottle) -> None:
-        vm = bottle.vms
-        name = bottle.name
-        if self.vms is None or vm is None or vm.workload != workload.STATE_RUNNING:
-            return
-        if name in self._waiters:
-            return
-
-        def lost() -> None:
-            if self._waiters.get(name) is waiter:
-                del self._waiters[name]
-
-        waiter = workload.WorkloadWaiter(lambda code: self._workload_exited(name, code), lost)
-        self._waiters[name] = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)))
-
-        def failed(f: Failure) -> None:
-            lost()
-            self.log.warn(
-                "bottle {bottle}: cannot watch its workload: {err}",
-                bottle=name,
-                err=getattr(f.value, "message", type(f.value).__name__),
-            )
-
-        d = Deferred.fromCoroutine(attach.spawn_exec(self.vms, bottle, request, waiter))
-        d.addErrback(failed)
+        if self.vms is not None:
+            self._workloads.watch(self.vms, bottle)
 
     def _stop_waiting(self, name: str) -> None:
-        waiter = self._waiters.pop(name, None)
-        if waiter is not None:
-            waiter.cancel()
+        self._workloads.stop(name)
 
     def stop_watching(self) -> None:
         """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
-        for name in list(self._waiters):
-            self._stop_waiting(name)
+        self._workloads.stop_all()
 
     def _workload_exited(self, name: str, code: int) -> None:
-        self._waiters.pop(name, None)
         bottle = self._bottles.get(name)
         if bottle is None or bottle.vms is None or bottle.vms.workload != workload.STATE_RUNNING:
             return
