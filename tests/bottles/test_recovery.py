@@ -154,6 +154,7 @@ def test_endpoint_that_cannot_be_rebound_tears_the_bottle_down(rigs: Rigs, tmp: 
 
 
 def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp: str) -> None:
+    """A bottle recovery cannot tear down is kept, degraded, and refuses an Exec."""
     first = rigs()
     first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
     first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
@@ -164,6 +165,10 @@ def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp:
     (kept,) = rig.registry.list_bottles()
     assert kept.state == "degraded" and rig.state()["r1"]["state"] == "degraded"
     assert rig.table.list() == [] and "r1" not in rig.vms._watches
+    # adopted idle in its kept state (its machine says so too): an Exec is DEGRADED
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    with pytest.raises(Degraded):
+        rig.registry.exec_target("r1")
 
 
 def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None:
@@ -490,18 +495,3 @@ def test_a_degrade_that_fails_in_a_watch_callback_is_logged(rigs: Rigs, tmp: str
         ("bottle {bottle}: degrading it failed", "r1")
     ]
     assert isinstance(failures[0]["log_failure"].value, OSError)
-
-
-def test_a_restored_bottle_is_idle_in_its_kept_state(rigs: Rigs, tmp: str) -> None:
-    """Recovery adopts each bottle idle in its kept state: a degraded one refuses an Exec."""
-    first = rigs()
-    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
-    first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
-    rig = restart(rigs, first)
-    rig.smolvm.fail_on("stop", "bn-r1-agent", VmUnavailable("injected"))
-    rig.smolvm.fail_on("delete", "bn-r1-agent", VmUnavailable("injected"))
-    assert rig.registry.state_of("r1") is None  # nothing until recovery runs
-    rig.recover()
-    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
-    with pytest.raises(Degraded):
-        rig.registry.exec_target("r1")
