@@ -495,3 +495,20 @@ def test_a_degrade_that_fails_in_a_watch_callback_is_logged(rigs: Rigs, tmp: str
         ("bottle {bottle}: degrading it failed", "r1")
     ]
     assert isinstance(failures[0]["log_failure"].value, OSError)
+
+
+def test_a_degraded_bottle_stays_degraded_and_says_so_once(rigs: Rigs, tmp: str) -> None:
+    """A second failure and a late workload exit change nothing: one DEGRADED, first detail kept."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp, workload=("/agent", "run"))))
+    events: list[tuple[str, str | None]] = []
+    rig.registry.events.subscribe(lambda e: events.append((e.kind, e.state)))
+    rig.registry._sidecar_exited("r1")
+    rig.registry._bridge_failed("r1", "bridge gave up")
+    rig.clock.advance(0)
+    rig.registry._workload_exited("r1", 3)  # its waiter, reporting after the sidecar died
+    assert events == [("degraded", "degraded")]
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.state()["r1"]["state"] == "degraded"
