@@ -22,6 +22,7 @@ from twisted.python.failure import Failure
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, SOURCE_CONFIG, Bottle
 from bottlenet.bottles.recovery import Recovery
+from bottlenet.bottles.registry import RESYNC_INTERVAL
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
@@ -34,6 +35,7 @@ from bottlenet.errors import (
     InvalidArgument,
     IsolationFailed,
     ResourceExhausted,
+    Unavailable,
 )
 from bottlenet.forward.spec import TCPListen, UNIXListen, parse_target
 from tests.bottles.harness import spec_doc
@@ -512,3 +514,24 @@ def test_a_degraded_bottle_stays_degraded_and_says_so_once(rigs: Rigs, tmp: str)
     assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
     assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
     assert rig.state()["r1"]["state"] == "degraded"
+
+
+def test_a_destroy_made_durable_by_the_timer_frees_the_name(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A destroy the resync timer completes removes the bottle's machine: the name is free."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("fo1", ipaddress.IPv4Address("127.79.0.7")))
+
+    def enospc(doc: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.store, "_append", enospc)
+    with pytest.raises(Unavailable, match="destroy is done"):
+        rig.run(rig.registry.destroy_bottle("fo1"))
+    assert rig.registry.state_of("fo1") is Lifecycle.READY  # listed, idle, until durable
+    monkeypatch.undo()
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.state_of("fo1") is None and not rig.registry.has_bottle("fo1")
+    again = rig.run(rig.registry.create_bottle("fo1"))
+    assert rig.registry.state_of("fo1") is Lifecycle.READY and again.name == "fo1"
