@@ -535,3 +535,19 @@ def test_a_destroy_made_durable_by_the_timer_frees_the_name(
     assert rig.registry.state_of("fo1") is None and not rig.registry.has_bottle("fo1")
     again = rig.run(rig.registry.create_bottle("fo1"))
     assert rig.registry.state_of("fo1") is Lifecycle.READY and again.name == "fo1"
+
+
+def test_a_degrade_during_a_policy_push_is_not_overwritten(rigs: Rigs, tmp: str) -> None:
+    """The pushed policy's record keeps the degrade that happened while the push ran."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    held = rig.smolvm.hold("exec", "bn-r1-sidecar")
+    push = rig.start(rig.registry.set_egress_policy("r1", ("example.com",)))
+    rig.registry._sidecar_exited("r1")
+    rig.clock.advance(0)
+    held.callback(None)
+    assert rig.result(push) == ("example.com",)
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.machine().policy) == ("degraded", ("example.com",))
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.state()["r1"]["state"] == "degraded"
