@@ -20,7 +20,7 @@ from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.workload import WorkloadState
-from bottlenet.errors import InvalidArgument
+from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import (
     TargetSpec,
     check_bottle_name,
@@ -52,10 +52,22 @@ LABEL_OWNER = "bottlenet.owner"
 LABEL_BOTTLE = "bottlenet.bottle"
 LABEL_ROLE = "bottlenet.role"
 
-STATE_READY = "ready"
-STATE_DEGRADED = "degraded"
-#: The workload ended; the VMs and endpoints stay up until the bottle is destroyed.
-STATE_EXITED = "exited"
+
+class BottleState(enum.StrEnum):
+    """A bottle's state as the state file, the events and ``bottle status`` spell it."""
+
+    READY = "ready"
+    DEGRADED = "degraded"
+    #: The workload ended; the VMs and endpoints stay up until the bottle is destroyed.
+    EXITED = "exited"
+    #: Only in events (a VM bottle's CREATED): never kept in the state file.
+    CREATING = "creating"
+
+
+_KEPT_STATES = frozenset({BottleState.READY, BottleState.DEGRADED, BottleState.EXITED})
+STATE_READY = BottleState.READY
+STATE_DEGRADED = BottleState.DEGRADED
+STATE_EXITED = BottleState.EXITED
 KIND_FORWARD = "forward"
 KIND_VM = "vm"
 PROBE_SKIPPED_WARNING = (
@@ -210,7 +222,7 @@ class Bottle:
     alias: str | None
     created_at: float
     source: Source = Source.CONTROL
-    state: str = STATE_READY  # "ready" | "degraded"
+    state: BottleState = BottleState.READY  # kept: ready, degraded or exited
     detail: str | None = None
     forwards: tuple[Forward, ...] = ()
     vms: BottleVMs | None = None
@@ -339,7 +351,7 @@ class Bottle:
                 name=name,
                 alias=f.value("alias", str, optional=True),
                 created_at=created_at,
-                state=f.value("state", str),
+                state=_kept_state(f.value("state", str)),
                 detail=f.value("detail", str, optional=True),
                 vms=vms,
             )
@@ -347,6 +359,13 @@ class Bottle:
             raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
             raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
+
+
+def _kept_state(value: str) -> BottleState:
+    """A recorded state: one of the states the state file keeps (never ``creating``)."""
+    if value not in _KEPT_STATES:
+        raise StateError(f"state: {safe_repr(value)} is not a state a bottle is kept in")
+    return BottleState(value)
 
 
 def _fields(d: object, where: str) -> Fields:

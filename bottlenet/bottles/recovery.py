@@ -24,7 +24,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMLifecycle, remove_bottle_dir
-from bottlenet.bottles.model import LABEL_OWNER, STATE_DEGRADED, Bottle
+from bottlenet.bottles.model import LABEL_OWNER, Bottle, BottleState
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateError
 from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
@@ -49,14 +49,14 @@ class Recovery:
         self.dropped = False
 
     async def run(self) -> None:
-        self.registry.recovering = True
+        self.registry.begin_restore()
         try:
             bottles = self._load()
             await self._forward_only([b for b in bottles if not b.has_vms])
             await self._vm_bottles([b for b in bottles if b.has_vms])
             self._remove_unclaimed_dirs()
         finally:
-            self.registry.recovering = False
+            self.registry.end_restore()
         try:
             self.registry.save()
         except BottlenetError:
@@ -117,7 +117,7 @@ class Recovery:
         for bottle in bottles:
             if self.vms is None:
                 self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=bottle.name)
-                self.registry.adopt(evolve(bottle, state=STATE_DEGRADED))
+                self.registry.adopt(evolve(bottle, state=BottleState.DEGRADED))
                 continue
             await self._restore(self.vms, bottle, by_name if machines is not None else None)
             # kept, or torn down (its machines removed by the teardown): not orphans either way
@@ -178,7 +178,7 @@ class Recovery:
                 bottle=bottle.name,
                 err=e.message,
             )
-            self.registry.adopt(evolve(bottle, state=STATE_DEGRADED))
+            self.registry.adopt(evolve(bottle, state=BottleState.DEGRADED))
             return True
         return False
 
@@ -240,7 +240,7 @@ class RecoveryService(Service):
 
     def startService(self) -> None:
         super().startService()
-        self.recovery.registry.recovering = True
+        self.recovery.registry.begin_restore()
         gate: Deferred[None] = Deferred()
 
         def after_config(result: object) -> object:
@@ -260,7 +260,7 @@ class RecoveryService(Service):
     def _failed(self, failure: Any) -> None:
         # Fail closed: no READY, and the daemon stops with the state file as it was (the
         # final save is skipped), rather than serving half-recovered state.
-        self.recovery.registry.recovering = False
+        self.recovery.registry.end_restore()
         self.log.failure("recovery failed", failure)
         self.ready.errback(failure)
         if self.on_fatal is not None:

@@ -6,15 +6,16 @@ drawn from the pool, and its forwards) or with VMs (sidecar VM + agent VM, see
 lower layers do not know: bottle names (unique across both kinds), one operation at a time per
 bottle (BUSY), a limit on the number of bottles, and persistence: every change to a
 control-created bottle is written to the state file (one bottle's record at a time), so a
-restarted daemon can restore it. Arguments arrive validated and typed (the control responder
-and the config reader parse them once); the registry re-checks only what its own table decides.
+restarted daemon can restore it. Each bottle's lifecycle is a declared machine, one per bottle
+(:mod:`bottlenet.bottles.states`), kept beside the bottles; the registry feeds it inputs and
+acts on its answers. Arguments arrive validated and typed (the control responder and the
+config reader parse them once); the registry re-checks only what its own table decides.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 from attrs import evolve, frozen
@@ -23,7 +24,7 @@ from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IRe
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from bottlenet.bottles import attach, workload
+from bottlenet.bottles import attach, states, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
@@ -36,16 +37,12 @@ from bottlenet.bottles.events import (
     EventBus,
 )
 from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.bottles.model import (
-    STATE_DEGRADED,
-    STATE_EXITED,
-    Bottle,
-    Forward,
-    Source,
-)
+from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
+from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
+from bottlenet.bottles.workloadwatch import WorkloadWatches
 from bottlenet.errors import (
     AlreadyExists,
     BottlenetError,
@@ -110,15 +107,12 @@ class BottleRegistry:
         self.vms = vms
         self._names: list[str] | None = None  # sorted(self._bottles), until a name changes
         self._bottles: _BottleDict = _BottleDict(self._names_changed)
-        self._busy: set[str] = set()
-        self._creating: set[str] = set()
-        #: Bottles whose DestroyBottle is running: an Exec into one is BUSY.
-        self._destroying: set[str] = set()
-        self._recovering = False
-        self._recovery_waiters: list[Deferred[None]] = []
+        #: One lifecycle machine per bottle, and per name a create is making.
+        self._machines: dict[str, BottleMachine] = {}
+        self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        self._waiters: dict[str, workload.WorkloadWaiter] = {}
+        self._workloads = WorkloadWatches(self._workload_exited)
         self._unsynced: dict[str, _Unsynced] = {}
         self._resync_call: Any = None
 
@@ -138,37 +132,51 @@ class BottleRegistry:
     @property
     def recovering(self) -> bool:
         """True while the daemon restores its state; changes wait until it is done."""
-        return self._recovering
+        return not self._gate.serving()
 
-    @recovering.setter
-    def recovering(self, value: bool) -> None:
-        self._recovering = value
-        if not value:
-            waiters, self._recovery_waiters = self._recovery_waiters, []
-            for d in waiters:
-                d.callback(None)
+    def begin_restore(self) -> None:
+        """Recovery starts: every change waits until :meth:`end_restore`."""
+        self._gate.restore()
+
+    def end_restore(self) -> None:
+        """Recovery is done (or failed): the waiting changes run."""
+        waiting = self._gate.restored()
+        if waiting is not None:
+            waiting.fire(None)
+
+    @property
+    def aliases(self) -> AliasRegistry:
+        """The alias pool's claims (forward-only bottles hold one each)."""
+        return self._aliases
+
+    def state_of(self, name: str) -> Lifecycle | None:
+        """Where the bottle ``name`` is in its lifecycle (None: the registry has no such name)."""
+        machine = self._machines.get(name)
+        return None if machine is None else machine.lifecycle()
 
     # -- bookkeeping --------------------------------------------------------------------
 
-    @contextmanager
-    def _operation(self, name: str) -> Iterator[None]:
-        """One operation at a time per bottle: a second one gets BUSY instead of racing."""
-        if name in self._busy:
+    async def _locked(
+        self, name: str, op: Callable[[], Awaitable[T]], *, create: bool = False
+    ) -> T:
+        """One operation at a time per bottle: a second one gets BUSY instead of racing.
+        ``create`` makes a new name's machine; any other operation needs the bottle."""
+        while not self._gate.serving():
+            await self._gate.when_serving()
+        machine = self._machines.get(name)
+        if machine is None:
+            if not create:
+                self._require(name)  # NOT_FOUND: no machine, no bottle
+            machine = self._machines[name] = states.creating()
+        elif not machine.begin():
             raise Busy(f"bottle {name} has another operation in progress")
-        self._busy.add(name)
         try:
-            yield
-        finally:
-            self._busy.discard(name)
-
-    async def _locked(self, name: str, op: Callable[[], Awaitable[T]]) -> T:
-        while self._recovering:
-            waiter: Deferred[None] = Deferred()
-            self._recovery_waiters.append(waiter)
-            await waiter
-        with self._operation(name):
             self._sync_pending(name)
             return await op()
+        finally:
+            machine.finish()
+            if machine.lifecycle() is Lifecycle.GONE and self._machines.get(name) is machine:
+                del self._machines[name]
 
     def _require(self, name: str) -> Bottle:
         try:
@@ -251,6 +259,7 @@ class BottleRegistry:
             self._write(lambda store: store.remove(name))
         del self._unsynced[name]
         del self._bottles[name]
+        self._machines.pop(name).removed()
         if bottle.vms is None:
             self._aliases.release(name)
         self.log.info("bottle {bottle} destroyed", bottle=name)
@@ -275,7 +284,7 @@ class BottleRegistry:
     def resync(self) -> None:
         """Write every pending revocation again (the timer, and the daemon's stop)."""
         for name in list(self._unsynced):
-            if name in self._busy:
+            if self._machines[name].lifecycle() in states.IN_FLIGHT:
                 continue  # its operation syncs it first
             try:
                 self._sync(name)
@@ -334,12 +343,12 @@ class BottleRegistry:
         async def create() -> Bottle:
             if name in self._bottles:
                 raise AlreadyExists(f"bottle {name} already exists")
-            if len(self._bottles) + len(self._creating) >= self._max_bottles:
+            if len(self._bottles) + self._others_creating(name) >= self._max_bottles:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self._max_bottles} bottles"
                 )
             if spec is not None and spec.has_vms:
-                self.emit(CREATED, name, "creating")
+                self.emit(CREATED, name, BottleState.CREATING)
                 try:
                     created = await self._create_vm(name, alias, spec)
                 except BaseException as e:
@@ -359,12 +368,22 @@ class BottleRegistry:
                 del self._bottles[name]
                 self._aliases.release(name)
                 raise
+            self._machines[name].created()
             self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
             self.emit(CREATED, name, bottle.state)
             self.emit(READY, name, bottle.state)
             return bottle
 
-        return await self._locked(name, create)
+        return await self._locked(name, create, create=True)
+
+    def _others_creating(self, name: str) -> int:
+        """Creates in flight for other names: they count against the limit (a committed
+        one is counted with the bottles too, until its create returns)."""
+        return sum(
+            1
+            for other, machine in self._machines.items()
+            if other != name and machine.lifecycle() is Lifecycle.CREATING
+        )
 
     async def _create_vm(
         self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
@@ -380,11 +399,9 @@ class BottleRegistry:
                 del self._bottles[name]
                 raise
 
-        self._creating.add(name)
-        try:
-            bottle = await self.vms.create(spec, alias, commit)
-        finally:
-            self._creating.discard(name)
+        bottle = await self.vms.create(spec, alias, commit)
+        # The last step committed it; an Exec was BUSY ("being created") until now.
+        self._machines[name].created()
         self.watch(bottle)
         return bottle
 
@@ -399,20 +416,22 @@ class BottleRegistry:
             bottle = self._require(name)  # (inside the lock: a bottle being created is BUSY)
             if bottle.vms is not None:
                 assert self.vms is not None
+                machine = self._machines[name]
                 self._stop_waiting(name)
-                self._destroying.add(name)
+                machine.tearing_down()
                 try:
                     await self.vms.teardown(bottle)
                 except Exception as e:
                     detail = f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
-                    degraded = evolve(bottle, state=STATE_DEGRADED, detail=detail)
+                    degraded = evolve(bottle, state=BottleState.DEGRADED, detail=detail)
+                    newly = machine.teardown_failed()
                     self._bottles[name] = degraded
                     self._persist_quietly(degraded)
-                    if bottle.state != STATE_DEGRADED:
-                        self.emit(DEGRADED, name, STATE_DEGRADED, detail)
+                    if newly:
+                        self.emit(DEGRADED, name, BottleState.DEGRADED, detail)
                     raise
                 finally:
-                    self._destroying.discard(name)
+                    machine.torn_down()  # (after a failure: already busy, degraded)
             else:
                 await self._table.remove_bottle(name)
             # The record goes first, then the bottle and its alias (_sync).
@@ -461,6 +480,8 @@ class BottleRegistry:
         async def push() -> tuple[str, ...]:
             current, vms = self._require_vms(name)
             updated = await vms.set_policy(current, hosts)
+            # Its kept state is the machine's (it may have degraded while the push ran).
+            updated = evolve(updated, state=self._machines[name].kept_state())
             self._bottles[name] = updated
             self._persist(updated)
             self.log.info(
@@ -473,12 +494,13 @@ class BottleRegistry:
     def exec_target(self, name: str) -> Bottle:
         """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
         BUSY (being created or destroyed) or DEGRADED otherwise."""
-        if name in self._creating:
+        now = self.state_of(name)
+        if now is Lifecycle.CREATING:
             raise Busy(f"bottle {name} is being created")
-        if name in self._destroying:
+        if now is Lifecycle.DESTROYING:
             raise Busy(f"bottle {name} is being destroyed")
         bottle, _ = self._require_vms(name)
-        if bottle.state == STATE_DEGRADED:
+        if self._machines[name].kept_state() is BottleState.DEGRADED:
             raise Degraded(f"bottle {name} is degraded: {bottle.detail or 'no detail'}")
         return bottle
 
@@ -498,9 +520,11 @@ class BottleRegistry:
     def watch(self, bottle: Bottle) -> None:
         """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
         its workload ends."""
-        if self.vms is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
-            return
         name = bottle.name
+        if self.vms is None or bottle.vms is None:
+            return
+        if self._machines[name].kept_state() is BottleState.DEGRADED:
+            return  # nothing left to watch: its endpoints are gone
         self.vms.watch(
             bottle,
             lambda: self._sidecar_exited(name),
@@ -521,77 +545,64 @@ class BottleRegistry:
         return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
 
     def _wait_for_workload(self, bottle: Bottle) -> None:
-        vm = bottle.vms
-        name = bottle.name
-        if self.vms is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
-            return
-        if name in self._waiters:
-            return
-
-        def lost() -> None:
-            if self._waiters.get(name) is waiter:
-                del self._waiters[name]
-
-        waiter = workload.WorkloadWaiter(lambda code: self._workload_exited(name, code), lost)
-        self._waiters[name] = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)))
-
-        def failed(f: Failure) -> None:
-            lost()
-            self.log.warn(
-                "bottle {bottle}: cannot watch its workload: {err}",
-                bottle=name,
-                err=getattr(f.value, "message", type(f.value).__name__),
-            )
-
-        d = Deferred.fromCoroutine(attach.spawn_exec(self.vms, bottle, request, waiter))
-        d.addErrback(failed)
+        if self.vms is not None:
+            self._workloads.watch(self.vms, bottle)
 
     def _stop_waiting(self, name: str) -> None:
-        waiter = self._waiters.pop(name, None)
-        if waiter is not None:
-            waiter.cancel()
+        self._workloads.stop(name)
 
     def stop_watching(self) -> None:
         """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
-        for name in list(self._waiters):
-            self._stop_waiting(name)
+        self._workloads.stop_all()
 
     def _workload_exited(self, name: str, code: int) -> None:
-        self._waiters.pop(name, None)
         bottle = self._bottles.get(name)
-        if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
+        if (
+            bottle is None
+            or bottle.vms is None
+            or bottle.vms.workload != workload.WorkloadState.RUNNING
+        ):
             return
-        if bottle.vms.workload != workload.WorkloadState.RUNNING:
-            return
+        if not self._machines[name].workload_exited():
+            return  # degraded: it stays so
         detail = f"workload exited with code {code}"
         exited = evolve(
             bottle,
-            state=STATE_EXITED,
+            state=BottleState.EXITED,
             detail=detail,
             vms=evolve(bottle.vms, workload=workload.WorkloadState.EXITED, workload_exit_code=code),
         )
         self._bottles[name] = exited
         self.log.info("bottle {bottle}: {detail}", bottle=name, detail=detail)
         self._persist_quietly(exited)
-        self.emit(WORKLOAD_EXITED, name, STATE_EXITED, detail, code)
+        self.emit(WORKLOAD_EXITED, name, BottleState.EXITED, detail, code)
 
     def _bridge_failed(self, name: str, why: str) -> None:
-        Deferred.fromCoroutine(self.degrade(name, why))
+        self._degrade_later(name, why)
 
     def _sidecar_exited(self, name: str) -> None:
-        Deferred.fromCoroutine(self.degrade(name, "sidecar VM process exited"))
+        self._degrade_later(name, "sidecar VM process exited")
+
+    def _degrade_later(self, name: str, why: str) -> None:
+        """From a watch's callback: nobody awaits the result, so a failure is logged here."""
+
+        def failed(f: Failure) -> None:
+            self.log.failure("bottle {bottle}: degrading it failed", f, bottle=name)
+
+        Deferred.fromCoroutine(self.degrade(name, why)).addErrback(failed)
 
     async def degrade(self, name: str, why: str) -> None:
         """Reset live relays, refuse new connections (listeners removed), record and log."""
         bottle = self._bottles.get(name)
-        if bottle is None or bottle.vms is None or bottle.state == STATE_DEGRADED:
+        if bottle is None or bottle.vms is None:
             return
-        degraded = evolve(bottle, state=STATE_DEGRADED, detail=why)
+        if not self._machines[name].degrade():
+            return  # already degraded (or still being created)
+        degraded = evolve(bottle, state=BottleState.DEGRADED, detail=why)
         self._stop_waiting(name)
         self._bottles[name] = degraded
         self.log.warn("bottle {bottle} is degraded: {why}", bottle=name, why=why)
-        self.emit(DEGRADED, name, STATE_DEGRADED, why)
+        self.emit(DEGRADED, name, BottleState.DEGRADED, why)
         if self.vms is not None:
             self.vms.unwatch(name)
         await self._table.remove_bottle(name)
@@ -600,8 +611,10 @@ class BottleRegistry:
     # -- recovery -----------------------------------------------------------------------
 
     def adopt(self, bottle: Bottle) -> None:
-        """Recovery: take a restored bottle into the table (its listeners are bound)."""
+        """Recovery: take a restored bottle into the table (its listeners are bound), idle
+        in the state it was kept in."""
         self._bottles[bottle.name] = bottle
+        self._machines[bottle.name] = states.adopted(bottle.state)
 
     async def restore_forward_only(self, bottle: Bottle) -> Bottle:
         """Recovery: claim the recorded alias and re-bind every recorded forward on its port.

@@ -377,7 +377,7 @@ def render_metrics(
 
     states: dict[str, int] = {}
     for bottle_info in source.bottles():
-        state = bottle_info.state
+        state: str = bottle_info.state
         if not isinstance(state, str) or not STATE_RE.fullmatch(state):
             state = OTHER
         states[state] = states.get(state, 0) + 1

@@ -17,6 +17,7 @@ import pytest
 from bottlenet.bottles import workload
 from bottlenet.bottles.model import LABEL_BOTTLE, LABEL_OWNER, LABEL_ROLE
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.errors import Busy, InvalidArgument, ResourceExhausted
 from bottlenet.forward.spec import UNIXListen
 from tests.bottles.harness import spec_doc
@@ -73,7 +74,7 @@ def test_one_operation_per_bottle_and_creates_count_against_the_limit(rigs: Rigs
     rig = rigs(max_bottles=2)
     gate = rig.smolvm.hold("start", "bn-m1-agent")
     first = rig.start(rig.registry.create_bottle("m1", spec=spec(tmp, name="m1")))
-    assert not first.called and "m1" in rig.registry._busy
+    assert not first.called and rig.registry.state_of("m1") is Lifecycle.CREATING
     with pytest.raises(Busy):
         rig.run(rig.registry.destroy_bottle("m1"))
     with pytest.raises(Busy):
@@ -83,7 +84,7 @@ def test_one_operation_per_bottle_and_creates_count_against_the_limit(rigs: Rigs
         rig.run(rig.registry.create_bottle("m3"))
     gate.callback(None)
     assert rig.result(first).state == "ready"
-    assert "m1" not in rig.registry._busy
+    assert rig.registry.state_of("m1") is Lifecycle.READY
     rig.run(rig.registry.destroy_bottle("m1"))
     rig.run(rig.registry.create_bottle("m3"))
 

@@ -7,6 +7,7 @@ import subprocess
 
 from twisted.logger import capturedLogs
 
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.errors import BottlenetError, Busy, InvalidArgument, ResourceExhausted
 from tests.bottles.harness import DaemonCase, in_thread, sleep
 from tests.fakes import FAKE_SMOLVM
@@ -60,7 +61,7 @@ class LimitTests(DaemonCase):
         client = await self.start("--unsafe-skip-isolation-probe", "--max-bottles", "2")
         first = client.create_bottle("m1", spec=self.spec_json())
         # while m1 is being created: BUSY for a second operation on it
-        await self._until(lambda: "m1" in self.registry._busy)
+        await self._until(lambda: self.registry.state_of("m1") is Lifecycle.CREATING)
         with self.assertRaises(Busy):
             await client.destroy_bottle("m1")
         with self.assertRaises(Busy):

@@ -16,20 +16,26 @@ from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
+from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, Bottle, Source
 from bottlenet.bottles.recovery import Recovery
+from bottlenet.bottles.registry import RESYNC_INTERVAL
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import (
     AlreadyExists,
     BindRefused,
     BottlenetError,
+    Busy,
+    Degraded,
     InvalidArgument,
     IsolationFailed,
     ResourceExhausted,
+    Unavailable,
 )
 from bottlenet.forward.spec import TCPListen, UNIXListen, parse_target
 from tests.bottles.harness import spec_doc
@@ -150,6 +156,7 @@ def test_endpoint_that_cannot_be_rebound_tears_the_bottle_down(rigs: Rigs, tmp: 
 
 
 def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp: str) -> None:
+    """A bottle recovery cannot tear down is kept, degraded, and refuses an Exec."""
     first = rigs()
     first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
     first.smolvm.machines["bn-r1-sidecar"].state = "stopped"
@@ -160,6 +167,10 @@ def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp:
     (kept,) = rig.registry.list_bottles()
     assert kept.state == "degraded" and rig.state()["r1"]["state"] == "degraded"
     assert rig.table.list() == [] and "r1" not in rig.vms.watched()
+    # adopted idle in its kept state (its machine says so too): an Exec is DEGRADED
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    with pytest.raises(Degraded):
+        rig.registry.exec_target("r1")
 
 
 def test_without_a_listing_the_sidecar_pid_decides(rigs: Rigs, tmp: str) -> None:
@@ -443,3 +454,100 @@ def test_t6_no_orphan_sweep_when_a_record_was_unreadable(rigs: Rigs, tmp: str) -
     rig.recover()
     assert rig.registry.list_bottles() == []
     assert {"bn-r1-agent", "bn-r1-sidecar"} <= set(rig.smolvm.names())
+
+
+# -- the lifecycle machine, through the registry --------------------------------------------
+
+
+def test_a_degrade_during_an_operation_outlasts_it(rigs: Rigs, tmp: str) -> None:
+    """A sidecar that dies while verify runs leaves the bottle degraded once verify ends."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    held = rig.smolvm.hold("exec", "bn-r1-agent")
+    verify = rig.start(rig.registry.verify_bottle("r1"))
+    assert rig.registry.state_of("r1") is Lifecycle.BUSY
+    rig.registry._sidecar_exited("r1")
+    rig.clock.advance(0)
+    assert rig.registry.state_of("r1") is Lifecycle.BUSY  # the operation still holds it
+    with pytest.raises(Degraded):
+        rig.registry.exec_target("r1")
+    with pytest.raises(Busy):
+        rig.run(rig.registry.destroy_bottle("r1"))
+    held.callback(None)
+    rig.result(verify)
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.registry.get_bottle("r1").state == "degraded"
+    assert rig.state()["r1"]["state"] == "degraded"
+
+
+def test_a_degrade_that_fails_in_a_watch_callback_is_logged(rigs: Rigs, tmp: str) -> None:
+    """Nobody awaits a watch's degrade: its failure is logged with the bottle, not dropped."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+
+    def broken(bottle: str) -> Deferred[None]:
+        return fail(OSError("remove failed"))
+
+    rig.table.remove_bottle = broken  # type: ignore[method-assign]
+    with capturedLogs() as events:
+        rig.registry._sidecar_exited("r1")
+        rig.clock.advance(0)
+    failures = [e for e in events if "log_failure" in e]
+    assert [(e["log_format"], e["bottle"]) for e in failures] == [
+        ("bottle {bottle}: degrading it failed", "r1")
+    ]
+    assert isinstance(failures[0]["log_failure"].value, OSError)
+
+
+def test_a_degraded_bottle_stays_degraded_and_says_so_once(rigs: Rigs, tmp: str) -> None:
+    """A second failure and a late workload exit change nothing: one DEGRADED, first detail kept."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp, workload=("/agent", "run"))))
+    events: list[tuple[str, str | None]] = []
+    rig.registry.events.subscribe(lambda e: events.append((e.kind, e.state)))
+    rig.registry._sidecar_exited("r1")
+    rig.registry._bridge_failed("r1", "bridge gave up")
+    rig.clock.advance(0)
+    rig.registry._workload_exited("r1", 3)  # its waiter, reporting after the sidecar died
+    assert events == [("degraded", "degraded")]
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.state()["r1"]["state"] == "degraded"
+
+
+def test_a_destroy_made_durable_by_the_timer_frees_the_name(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A destroy the resync timer completes removes the bottle's machine: the name is free."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("fo1", ipaddress.IPv4Address("127.79.0.7")))
+
+    def enospc(doc: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.store, "_append", enospc)
+    with pytest.raises(Unavailable, match="destroy is done"):
+        rig.run(rig.registry.destroy_bottle("fo1"))
+    assert rig.registry.state_of("fo1") is Lifecycle.READY  # listed, idle, until durable
+    monkeypatch.undo()
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.state_of("fo1") is None and not rig.registry.has_bottle("fo1")
+    again = rig.run(rig.registry.create_bottle("fo1"))
+    assert rig.registry.state_of("fo1") is Lifecycle.READY and again.name == "fo1"
+
+
+def test_a_degrade_during_a_policy_push_is_not_overwritten(rigs: Rigs, tmp: str) -> None:
+    """The pushed policy's record keeps the degrade that happened while the push ran."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
+    held = rig.smolvm.hold("exec", "bn-r1-sidecar")
+    push = rig.start(rig.registry.set_egress_policy("r1", ("example.com",)))
+    rig.registry._sidecar_exited("r1")
+    rig.clock.advance(0)
+    held.callback(None)
+    assert rig.result(push) == ("example.com",)
+    b = rig.registry.get_bottle("r1")
+    assert (b.state, b.require_vms().policy) == ("degraded", ("example.com",))
+    assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
+    assert rig.state()["r1"]["state"] == "degraded"

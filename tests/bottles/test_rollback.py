@@ -55,7 +55,7 @@ def assert_nothing_left(rig: Rig) -> None:
     assert rig.state() == {}
     assert rig.registry.list_bottles() == []
     assert rig.aliases.alias_of("rb") is None
-    assert "rb" not in rig.registry._busy
+    assert rig.registry.state_of("rb") is None  # no machine left: nothing in flight
     assert rig.vms.watched() == frozenset()
 
 

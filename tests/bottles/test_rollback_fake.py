@@ -39,8 +39,8 @@ class RollbackTests(DaemonCase):
         self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "rb")))
         self.assertEqual(self.state_file()["bottles"], {})
         self.assertEqual((await client.list_bottles()).total, 0)
-        self.assertIsNone(self.registry._aliases.alias_of("rb"))
-        self.assertNotIn("rb", self.registry._busy)
+        self.assertIsNone(self.registry.aliases.alias_of("rb"))
+        self.assertIsNone(self.registry.state_of("rb"))  # no machine left: nothing in flight
 
     async def test_alias_mode_fails_closed_before_anything_exists(self) -> None:
         client = await self.start("--unsafe-skip-isolation-probe")

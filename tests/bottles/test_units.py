@@ -11,10 +11,12 @@ import sys
 import pytest
 from twisted.internet.task import Clock
 
+from bottlenet.bottles import states
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
 from bottlenet.bottles.model import (
     Bottle,
+    BottleState,
     SocketEndpoint,
     TCPEndpoint,
     endpoint_from_json,
@@ -22,6 +24,7 @@ from bottlenet.bottles.model import (
 )
 from bottlenet.bottles.probe import GateSettings, plan_gate
 from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.bottles.workload import WorkloadState
@@ -263,3 +266,62 @@ def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
         allow_hosts=("*.github.com",),
     )
     assert (allowed.connect_ok, allowed.connect_no) == ((), ("bottlenet-gate.invalid:443",))
+
+
+def test_a_bottle_machine_walks_its_declared_lifecycle() -> None:
+    """Create, an operation, workload exit, teardown failure: each input lands where declared."""
+    m = states.creating()
+    assert (m.lifecycle(), m.begin()) == (Lifecycle.CREATING, False)  # a second op: BUSY
+    m.created()
+    assert (m.lifecycle(), m.kept_state()) == (Lifecycle.BUSY, BottleState.READY)
+    m.finish()
+    assert m.lifecycle() is Lifecycle.READY and m.begin() and not m.begin()
+    assert m.workload_exited() and not m.workload_exited()  # exited once
+    m.tearing_down()
+    assert m.lifecycle() is Lifecycle.DESTROYING and not m.begin()
+    assert m.teardown_failed()  # exited -> degraded: news
+    m.torn_down()
+    m.finish()
+    assert (m.lifecycle(), m.kept_state()) == (Lifecycle.DEGRADED, BottleState.DEGRADED)
+    assert not m.degrade() and not m.workload_exited()  # degraded stays degraded
+    m.begin()
+    m.removed()
+    m.finish()
+    assert m.lifecycle() is Lifecycle.GONE
+
+
+def test_a_create_that_fails_leaves_its_machine_gone() -> None:
+    """A create that never commits ends gone; an adopted degraded bottle fails no teardown twice."""
+    m = states.creating()
+    m.finish()
+    assert m.lifecycle() is Lifecycle.GONE
+    kept = states.adopted(BottleState.DEGRADED)
+    assert kept.lifecycle() is Lifecycle.DEGRADED and kept.begin()
+    kept.tearing_down()
+    assert not kept.teardown_failed()  # already degraded: no second DEGRADED event
+
+
+def test_the_registry_gate_releases_every_waiter_once_restored() -> None:
+    """restoring -> serving: changes wait, then all run; a gate that serves answers at once."""
+    gate = states.registry_gate()
+    assert gate.serving() and gate.when_serving().called and gate.restored() is None
+    gate.restore()
+    gate.restore()  # the service and the pass both say so: still one restore
+    waiting = [gate.when_serving(), gate.when_serving()]
+    assert not gate.serving() and not any(d.called for d in waiting)
+    done = gate.restored()
+    assert done is not None and gate.serving() and gate.restored() is None
+    done.fire(None)
+    assert all(d.called for d in waiting)
+
+
+@pytest.mark.parametrize("state", ["creating", "busy", "Ready", ""])
+def test_a_record_keeps_only_a_kept_state(tmp_path: object, state: str) -> None:
+    """The state file holds ready, degraded or exited; anything else is a StateError."""
+    record = json.loads(json.dumps(socket_bottle(str(tmp_path)).to_state()))
+    assert record["state"] == "ready"  # the string, unchanged
+    for kept in ("ready", "degraded", "exited"):
+        again = Bottle.from_state("b1", {**record, "state": kept}, unix_root=str(tmp_path))
+        assert again.state is BottleState(kept)
+    with pytest.raises(StateError, match="not a state a bottle is kept in"):
+        Bottle.from_state("b1", {**record, "state": state}, unix_root=str(tmp_path))
