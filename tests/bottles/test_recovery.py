@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
-from twisted.logger import capturedLogs
+from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.lifecycle import VMOptions
@@ -41,6 +41,7 @@ from bottlenet.forward.spec import TCPListen, UNIXListen, parse_target
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import MemMachine, Rig, exits, leak
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
+from vmctl.errors import SmolvmUnavailable
 from vmctl.errors import Unavailable as VmUnavailable
 from vmctl.ports import Ownership, PortCheck
 from vmctl.spec import MachineSpec
@@ -551,3 +552,29 @@ def test_a_degrade_during_a_policy_push_is_not_overwritten(rigs: Rigs, tmp: str)
     assert (b.state, b.require_vms().policy) == ("degraded", ("example.com",))
     assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
     assert rig.state()["r1"]["state"] == "degraded"
+
+
+def test_a_daemon_without_smolvm_and_no_vm_bottles_says_why_it_reconciles_nothing(
+    rigs: Rigs,
+) -> None:
+    """No VM bottle recorded and no smolvm: one info line naming why, no error."""
+    rig = rigs()
+    rig.smolvm.fail_on("list", "", SmolvmUnavailable("smolvm not found: /opt/none/smolvm"))
+    with capturedLogs() as events:
+        rig.recover()
+    said = [(e["log_level"].name, formatEvent(e)) for e in events if "log_format" in e]
+    assert ("info", "no machines to reconcile: smolvm not found: /opt/none/smolvm") in said
+    assert [line for level, line in said if level in ("error", "critical")] == []
+
+
+def test_a_vm_bottle_recorded_and_no_smolvm_is_an_error(rigs: Rigs, tmp: str) -> None:
+    """With a VM bottle to bring back, a smolvm that cannot list is an error, not a shrug."""
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    rig = restart(rigs, first)
+    rig.smolvm.fail_on("list", "", SmolvmUnavailable("smolvm not found: /opt/none/smolvm"))
+    with capturedLogs() as events:
+        rig.recover()
+    said = [(e["log_level"].name, formatEvent(e)) for e in events if "log_format" in e]
+    assert ("error", "cannot list smolvm machines: smolvm not found: /opt/none/smolvm") in said
+    assert not [line for _, line in said if line.startswith("no machines to reconcile")]
