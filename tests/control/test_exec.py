@@ -27,7 +27,7 @@ from bottlenet.control import stream
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.errors import Busy, Degraded, InvalidArgument, NotFound
 
-from .vmdaemon import VMDaemon, run_in_pty, wait_for
+from .vmdaemon import VMDaemon, read_until_closed, run_in_pty, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="exec-netns (unshare) needs root")
 
@@ -183,13 +183,7 @@ def test_exec_frames_are_checked(daemon: VMDaemon) -> None:
     with daemon.client() as c:
         session = c.open_exec("b1", ["sleep", "1000"], stdin=True, fds=False)
         session.sock.sendall(stream.encode(stream.EXIT, b"\0\0\0\0"))
-        session.sock.settimeout(30)
-        while True:  # the daemon closes the connection
-            try:
-                if not session.sock.recv(4096):
-                    break
-            except ConnectionResetError:
-                break
+        read_until_closed(session.sock)  # the daemon closes the connection
         session.close()
     wait_for(lambda: "unexpected frame kind" in daemon.log(), 30, "the warning")
     wait_for(lambda: not (set(daemon.exec_pids()) - before), 30, "the command to end")

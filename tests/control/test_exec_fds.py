@@ -16,7 +16,7 @@ import pytest
 
 from bottlenet.control import stream
 
-from .vmdaemon import VMDaemon, wait_for
+from .vmdaemon import VMDaemon, read_until_closed, wait_for
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="exec-netns (unshare) needs root")
 
@@ -114,13 +114,7 @@ def test_fd_session_frames_are_checked(daemon: VMDaemon) -> None:
         session = c.open_exec("b1", ["sleep", "1000"], stdin=True)
         assert session.fds
         session.sock.sendall(stream.encode(stream.STDIN, b"x"))
-        session.sock.settimeout(30)
-        while True:  # the daemon closes the connection
-            try:
-                if not session.sock.recv(4096):
-                    break
-            except ConnectionResetError:
-                break
+        read_until_closed(session.sock)  # the daemon closes the connection
         session.close()
     wait_for(lambda: "unexpected frame kind 1" in daemon.log(), 30, "the warning")
     wait_for(lambda: not (set(daemon.exec_pids()) - before), 30, "the command to end")

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -47,6 +48,17 @@ def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "c
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         time.sleep(0.02)
+
+
+def read_until_closed(sock: socket.socket, timeout: float = 30.0) -> None:
+    """Read and discard until the daemon closes ``sock`` (an end of stream or a reset)."""
+    sock.settimeout(timeout)
+    while True:
+        try:
+            if not sock.recv(4096):
+                return
+        except ConnectionResetError:
+            return
 
 
 class VMDaemon:
