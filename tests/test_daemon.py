@@ -117,7 +117,7 @@ def test_listen_failure_at_start_is_one_line_once(tmp_path, kind: str) -> None: 
             args += ["--metrics", f"tcp:{port}:interface=127.0.0.1"]
             want = f"metrics: cannot listen on 127.0.0.1:{port}: EADDRINUSE ("
         else:
-            body = f"[[bottle]]\nname = 'b'\nalias = '127.77.0.9'\n[[bottle.forward]]\n"
+            body = "[[bottle]]\nname = 'b'\nalias = '127.77.0.9'\n[[bottle.forward]]\n"
             body += f"label = 'web'\nport = {port}\ntarget = '127.0.0.1:9'\n"
             args += ["--config", _write_config(tmp_path, body)]
             want = f"bottle[0].forward[0]: cannot listen on 127.77.0.9:{port}: EADDRINUSE ("

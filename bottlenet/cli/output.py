@@ -58,14 +58,14 @@ def usage_error(err: TextIO, message: str, *, as_json: bool, prog: str = "bottle
 
 
 def _unreachable_hint(e: ControlConnectionError, path: str) -> str:
-    """``hint: ...``, where to look: a daemon that ended the connection unanswered refused this peer (it
-    runs, so "is it running?" would point the wrong way); anything else, is it running."""
+    """``hint: ...``, where to look: a daemon that ended the connection unanswered refused
+    this peer (it runs: "is it running?" would point the wrong way); else, is it running."""
     if isinstance(e, ClosedBeforeAnswer):
         uid = os.geteuid()
         return (
-            f"hint: the daemon refused this connection: it accepts only its own uid and the uids it "
-            f"was started with --allow-uid, and this is uid {uid} (start it with --allow-uid "
-            f"{uid}; its log says 'control: refused peer uid={uid}'), or it was at its "
+            "hint: the daemon refused this connection: it accepts only its own uid and the "
+            f"uids it was started with --allow-uid, and this is uid {uid} (start it with "
+            f"--allow-uid {uid}; its log says 'control: refused peer uid={uid}'), or it was at its "
             "--control-max-connections cap"
         )
     return (

@@ -23,8 +23,8 @@ from twisted.trial import unittest
 from bottlenet.bottles.model import Bottle
 from bottlenet.cli.main import main as cli_main
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.control.clienterrors import ClosedBeforeAnswer
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.clienterrors import ClosedBeforeAnswer
 from bottlenet.control.endpoints import tls_control_endpoint
 from bottlenet.control.lightclient import LightControlClient
 from bottlenet.control.peercred import default_allowed_uids
