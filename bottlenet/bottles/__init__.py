@@ -7,8 +7,14 @@
 - :mod:`~bottlenet.bottles.model`: the one ``Bottle`` value (forward-only = no VMs) and its
   state-file record.
 - :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).
-- :mod:`~bottlenet.bottles.registry`: the bottles the daemon knows; one operation per bottle.
-- :mod:`~bottlenet.bottles.lifecycle`: VM create steps with their undos, verify, teardown.
+- :mod:`~bottlenet.bottles.registry`: the table of the bottles the daemon knows; one operation
+  per bottle, each delegated to the bottle's owner.
+- :mod:`~bottlenet.bottles.bottle`: one owner per bottle (its value, its machine whose
+  transitions do the work, its runtime handles); :mod:`~bottlenet.bottles.states`: the
+  lifecycle's states and the registry's gate.
+- :mod:`~bottlenet.bottles.creation`: a VM create's steps with their undos.
+- :mod:`~bottlenet.bottles.lifecycle`: verify, egress, teardown, liveness and rebind.
+- :mod:`~bottlenet.bottles.vmerrors`: vmctl's errors as the control plane's.
 - :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start.
 - :mod:`~bottlenet.bottles.isolation`: which isolation mode, which mechanism, which VM flags.
 - :mod:`~bottlenet.bottles.probe`: the launch gate step (markers, witness, exec, verdict) around

@@ -14,6 +14,7 @@ from typing import Any
 from attrs import frozen
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
+from bottlenet.bottles import workload
 from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
 from bottlenet.bottles.vmerrors import map_vmctl
@@ -111,6 +112,14 @@ def parse_exec_request(
         size = (rows, cols)
     pairs = tuple((k, v) for k, _, v in (e.partition("=") for e in entries))
     return ExecRequest(words, pairs, user, workdir, stdin, tty, size)
+
+
+def logs_request(bottle: Bottle, tail: int, follow: bool) -> ExecRequest:
+    """The command that shows the workload's log (INVALID_ARGUMENT: the bottle runs none)."""
+    vm = bottle.require_vms()
+    if vm.workload is None:
+        raise InvalidArgument(f"bottle {bottle.name} runs no workload (its spec names none)")
+    return ExecRequest(tuple(workload.logs_argv(vm.agent_vm, tail, follow)))
 
 
 async def spawn_exec(

@@ -1,63 +1,54 @@
-"""The bottles the daemon knows, and the operations the control plane and the config run.
+"""The table of the bottles the daemon knows; each operation is delegated to its owner.
 
 A bottle is one :class:`~bottlenet.bottles.model.Bottle` value: forward-only (a name, an alias
-drawn from the pool, and its forwards) or with VMs (sidecar VM + agent VM, see
-:mod:`bottlenet.bottles.lifecycle`). The registry keeps them in one table and adds what the
-lower layers do not know: bottle names (unique across both kinds), one operation at a time per
-bottle (BUSY), a limit on the number of bottles, and persistence: every change to a
-control-created bottle is written to the state file (one bottle's record at a time), so a
-restarted daemon can restore it. Each bottle's lifecycle is a declared machine, one per bottle
-(:mod:`bottlenet.bottles.states`), kept beside the bottles; the registry feeds it inputs and
-acts on its answers. Arguments arrive validated and typed (the control responder and the
-config reader parse them once); the registry re-checks only what its own table decides.
+drawn from the pool, and its forwards) or with VMs (sidecar VM + agent VM). Each has one
+owner (:mod:`bottlenet.bottles.bottle`) that holds the value in its lifecycle machine and does
+the work. The registry is only the table: the map of owners, one operation at a time per
+bottle (BUSY), the restoring -> serving gate, the limit on the number of bottles (a count kept
+as creates come and go, no scan per create), the state file and the event bus. Arguments
+arrive validated and typed (the control responder and the config reader parse them once); the
+registry re-checks only what its own table decides.
 """
 
 from __future__ import annotations
 
+import bisect
 import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 
-from attrs import evolve, frozen
-from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 from twisted.logger import Logger
-from twisted.python.failure import Failure
 
-from bottlenet.bottles import attach, states, workload
+from bottlenet.bottles import attach, states
 from bottlenet.bottles.attach import ExecRequest
-from bottlenet.bottles.creation import create_vm
-from bottlenet.bottles.events import (
-    BRIDGE_RESTARTED,
-    CREATED,
-    DEGRADED,
-    DESTROYED,
-    READY,
-    WORKLOAD_EXITED,
-    BottleEvent,
-    EventBus,
+from bottlenet.bottles.bottle import (
+    BottleOwner,
+    ForwardBottle,
+    Hands,
+    Resync,
+    VMBottle,
+    emit,
+    write,
 )
+from bottlenet.bottles.events import CREATED, DESTROYED, READY, EventBus
 from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
+from bottlenet.bottles.model import Bottle, BottleState, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
-from bottlenet.bottles.states import BottleMachine, Lifecycle
+from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
-from bottlenet.bottles.workloadwatch import WorkloadWatches
 from bottlenet.errors import (
     AlreadyExists,
-    BottlenetError,
     Busy,
-    Degraded,
     InvalidArgument,
     IsolationFailed,
     NotFound,
     ResourceExhausted,
     SmolvmUnavailable,
-    Unavailable,
 )
 from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
+from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, TargetSpec
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 from bottlenet.views import LazyView
 
@@ -66,15 +57,6 @@ T = TypeVar("T")
 DEFAULT_MAX_BOTTLES = 256
 #: A revocation that could not be made durable is written again this often until it is.
 RESYNC_INTERVAL = 5.0
-
-
-@frozen
-class _Unsynced:
-    """A revocation done in memory (listeners closed) whose record is not yet on disk."""
-
-    what: str  # for the bottle's detail and the answer: "removal of forward 'db'", "destroy"
-    detail: str | None  # the bottle's own detail, which the record on disk keeps
-    remove: bool  # the bottle is being destroyed: its record goes, then the bottle
 
 
 class BottleRegistry:
@@ -98,40 +80,27 @@ class BottleRegistry:
         self._clock = clock
         self._table = table
         self._aliases = aliases
-        self._state_dir = state_dir
         #: The daemon's own directories, which no agent volume may overlap (tap adds more).
         self.protected_dirs: tuple[str, ...] = (state_dir,)
         self._max_bottles = max_bottles
-        self._max_connections = max_connections
         self._store = store
         self.instance_id = instance_id
         self.vms = vms
-        self._names: list[str] | None = None  # sorted(self._bottles), until a name changes
-        self._bottles: _BottleDict = _BottleDict(self._names_changed)
-        #: One lifecycle machine per bottle, and per name a create is making.
-        self._machines: dict[str, BottleMachine] = {}
-        #: The names whose create is in flight (their machine is creating): a count kept as
-        #: creates begin and end, so the bottle cap costs no scan of the machines.
+        #: One owner per name: every bottle, and per name a create is making.
+        self._owners: dict[str, BottleOwner] = {}
+        #: The names of the bottles made (not those being created), sorted as they come and go.
+        self._names: list[str] = []
+        #: The names whose create is in flight: the cap counts them without a scan.
         self._creating: set[str] = set()
+        #: The revocations not yet durable, retried until they are.
+        self._resync = Resync(clock, self._owners, RESYNC_INTERVAL)
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        self._workloads = WorkloadWatches(self._workload_exited)
-        self._unsynced: dict[str, _Unsynced] = {}
-        self._resync_call: Any = None
-
-    def emit(
-        self,
-        kind: str,
-        name: str,
-        state: str | None = None,
-        detail: str | None = None,
-        exit_code: int | None = None,
-    ) -> None:
-        self.events.emit(BottleEvent(kind, name, self._clock.seconds(), state, detail, exit_code))
-
-    def _names_changed(self) -> None:
-        self._names = None
+        self._hands = Hands(
+            clock, table, aliases, vms, store, self.events, max_connections, self._resync.arm,
+            self._forget,
+        )  # fmt: skip
 
     @property
     def recovering(self) -> bool:
@@ -155,179 +124,101 @@ class BottleRegistry:
 
     def state_of(self, name: str) -> Lifecycle | None:
         """Where the bottle ``name`` is in its lifecycle (None: the registry has no such name)."""
-        machine = self._machines.get(name)
-        return None if machine is None else machine.lifecycle()
+        owner = self._owners.get(name)
+        return None if owner is None else owner.machine.lifecycle()
 
-    # -- bookkeeping --------------------------------------------------------------------
+    # -- the table ------------------------------------------------------------------------
 
     async def _locked(
-        self, name: str, op: Callable[[], Awaitable[T]], *, create: bool = False
+        self,
+        name: str,
+        op: Callable[[], Awaitable[T]],
+        *,
+        make: Callable[[], BottleOwner] | None = None,
     ) -> T:
         """One operation at a time per bottle: a second one gets BUSY instead of racing.
-        ``create`` makes a new name's machine; any other operation needs the bottle."""
+        ``make`` (a create) makes a new name's owner; any other operation needs the bottle."""
         while not self._gate.serving():
             await self._gate.when_serving()
-        machine = self._machines.get(name)
-        if machine is None:
-            if not create:
-                self._require(name)  # NOT_FOUND: no machine, no bottle
-            machine = self._machines[name] = states.creating()
+        owner = self._owners.get(name)
+        if owner is None:
+            if make is None:
+                raise NotFound(f"bottle {name} does not exist")
+            owner = self._owners[name] = make()
             self._creating.add(name)
-        elif not machine.begin():
+        elif not owner.machine.begin():
             raise Busy(f"bottle {name} has another operation in progress")
         try:
-            self._sync_pending(name)
+            self._sync_pending(owner)
             return await op()
         finally:
-            if create:
+            if make is not None:
                 self._creating.discard(name)
-            machine.finish()
-            if machine.lifecycle() is Lifecycle.GONE and self._machines.get(name) is machine:
-                del self._machines[name]
+            owner.machine.finish()
+            if owner.machine.lifecycle() is Lifecycle.GONE and self._owners.get(name) is owner:
+                del self._owners[name]
+
+    def _named(self, owner: BottleOwner) -> None:
+        """The owner's bottle is made (created or restored): listed from now on."""
+        self._owners[owner.name] = owner
+        bisect.insort(self._names, owner.name)
+
+    def _forget(self, name: str) -> None:
+        """The bottle and its record are gone (its owner's ``gone``)."""
+        del self._owners[name]
+        i = bisect.bisect_left(self._names, name)
+        if i < len(self._names) and self._names[i] == name:
+            del self._names[i]
+
+    def _owner(self, name: str) -> BottleOwner:
+        owner = self._owners.get(name)
+        if owner is None or owner.value is None:
+            raise NotFound(f"bottle {name} does not exist")
+        return owner
 
     def _require(self, name: str) -> Bottle:
-        try:
-            return self._bottles[name]
-        except KeyError:
-            raise NotFound(f"bottle {name} does not exist") from None
+        return self._owner(name).require()
+
+    def _vm_owner(self, name: str) -> VMBottle:
+        owner = self._owner(name)
+        if not isinstance(owner, VMBottle):
+            raise InvalidArgument(f"bottle {name} is forward-only: it has no VMs")
+        return owner
 
     def _require_vms(self, name: str) -> tuple[Bottle, VMLifecycle]:
-        bottle = self._require(name)
-        if bottle.vms is None:
-            raise InvalidArgument(f"bottle {name} is forward-only: it has no VMs")
+        bottle = self._vm_owner(name).require()
         assert self.vms is not None
         return bottle, self.vms
 
-    def _require_forward_only(self, name: str) -> Bottle:
-        bottle = self._require(name)
-        if bottle.has_vms:
+    def _forward_owner(self, name: str) -> ForwardBottle:
+        owner = self._owner(name)
+        if not isinstance(owner, ForwardBottle):
             raise InvalidArgument(f"bottle {name} has VMs: its forwards are managed by the daemon")
-        return bottle
+        return owner
 
     def state_records(self) -> dict[str, dict[str, object]]:
         """What the state file holds: every control-created bottle, by name."""
-        return {n: b.to_state() for n, b in sorted(self._bottles.items()) if b.persisted}
+        bottles = (self._owners[n].require() for n in self._names)
+        return {b.name: b.to_state() for b in bottles if b.persisted}
 
     def save(self) -> None:
         """Write the whole state file (atomic); an I/O failure is UNAVAILABLE to the caller."""
-        if self._store is None:
-            return
-        self._write(lambda store: store.save(State(self.instance_id, self.state_records())))
+        if self._store is not None:
+            state = State(self.instance_id, self.state_records())
+            write(self._store, lambda store: store.save(state))
 
-    def _persist(self, bottle: Bottle) -> None:
-        """Write one control-created bottle's record (UNAVAILABLE when it cannot be written)."""
-        if self._store is None or not bottle.persisted:
-            return
-        pending = self._unsynced.get(bottle.name)
-        if pending is not None and pending.remove:
-            return  # being destroyed: its record must go (resync), never be written again
-        if pending is not None:  # the "not yet durable" note is never written
-            bottle = evolve(bottle, detail=pending.detail)
-        record = bottle.to_state()
-        self._write(lambda store: store.put(bottle.name, record))
-        if pending is not None and not pending.remove:
-            # This write holds the earlier revocation too: it is durable now.
-            del self._unsynced[bottle.name]
-            current = self._bottles.get(bottle.name)
-            if current is not None:
-                self._bottles[bottle.name] = evolve(current, detail=pending.detail)
+    # -- revocations that must be durable (the owner makes them; the table retries) -------
 
-    # -- revocations that must be durable ------------------------------------------------
-
-    def _revoke(self, name: str, what: str, *, remove: bool = False) -> None:
-        """Make a revocation durable. It already happened (listeners closed) and stands
-        whatever the disk says; when its record cannot be written the bottle stays revoked,
-        says so in its detail (``bottle status``/``ls``), and the write is retried every
-        RESYNC_INTERVAL and before any other operation on the bottle, until it is durable
-        (a destroyed bottle stays listed until then). The caller gets UNAVAILABLE."""
-        bottle = self._bottles[name]
-        earlier = self._unsynced.get(name)
-        before = bottle.detail if earlier is None else earlier.detail
-        self._unsynced[name] = _Unsynced(what, before, remove)
-        try:
-            self._sync(name)
-        except Unavailable as e:
-            note = f"{what} is not yet durable ({e.message}); retried"
-            self._bottles[name] = evolve(self._bottles[name], detail=note)
-            self._arm_resync()
-            raise Unavailable(
-                f"bottle {name}: {what} is done (its listeners are closed) but not yet "
-                f"durable: {e.message}; the daemon retries until it is"
-            ) from None
-
-    def _sync(self, name: str) -> None:
-        """Write the pending revocation of ``name`` (UNAVAILABLE when it still cannot be)."""
-        pending = self._unsynced[name]
-        bottle = self._bottles[name]
-        if not pending.remove:
-            self._persist(bottle)  # clears the pending entry and the note
-            return
-        if self._store is not None and bottle.persisted:
-            self._write(lambda store: store.remove(name))
-        del self._unsynced[name]
-        del self._bottles[name]
-        self._machines.pop(name).removed()
-        if bottle.vms is None:
-            self._aliases.release(name)
-        self.log.info("bottle {bottle} destroyed", bottle=name)
-        self.emit(DESTROYED, name)
-
-    def _sync_pending(self, name: str) -> None:
-        """Before another operation on ``name``: its earlier revocation must be durable."""
-        if name not in self._unsynced:
-            return
-        try:
-            self._sync(name)
-        except Unavailable as e:
-            raise Unavailable(
-                f"bottle {name}: an earlier {self._unsynced[name].what} is not yet durable: "
-                f"{e.message}"
-            ) from None
-
-    def _arm_resync(self) -> None:
-        if self._resync_call is None or not self._resync_call.active():
-            self._resync_call = self._clock.callLater(RESYNC_INTERVAL, self.resync)
+    def _sync_pending(self, owner: BottleOwner) -> None:
+        owner.sync_pending()
 
     def resync(self) -> None:
         """Write every pending revocation again (the timer, and the daemon's stop)."""
-        for name in list(self._unsynced):
-            if self._machines[name].lifecycle() in states.IN_FLIGHT:
-                continue  # its operation syncs it first
-            try:
-                self._sync(name)
-            except Unavailable:
-                pass
-        if self._unsynced:
-            self._arm_resync()
+        self._resync.resync()
 
     def stop_resync(self) -> None:
         """The daemon stops: one last write of what is pending, and no more timer."""
-        call, self._resync_call = self._resync_call, None
-        if call is not None and call.active():
-            call.cancel()
-        for name in list(self._unsynced):
-            try:
-                self._sync(name)
-            except Unavailable:
-                self.log.error(
-                    "bottle {bottle}: {what} is still not durable at stop",
-                    bottle=name,
-                    what=self._unsynced[name].what,
-                )
-
-    def _write(self, change: Callable[[StateStore], None]) -> None:
-        assert self._store is not None
-        try:
-            change(self._store)
-        except OSError as e:
-            self.log.error("cannot write the state file: {err}", err=e.strerror)
-            raise Unavailable(f"cannot write the state file: {e.strerror}") from None
-
-    def _persist_quietly(self, bottle: Bottle) -> None:
-        try:
-            self._persist(bottle)
-        except Unavailable:
-            pass
+        self._resync.stop()
 
     # -- bottles ------------------------------------------------------------------------
 
@@ -340,134 +231,96 @@ class BottleRegistry:
         source: Source = Source.CONTROL,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
-        if spec is not None:
-            check_create(name, alias, spec, self.protected_dirs)
+        with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
 
         async def create() -> Bottle:
-            if name in self._bottles:
+            if self._owners[name].value is not None:
                 raise AlreadyExists(f"bottle {name} already exists")
-            if len(self._bottles) + self._others_creating(name) >= self._max_bottles:
+            if len(self._names) + self._others_creating(name) >= self._max_bottles:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self._max_bottles} bottles"
                 )
-            if spec is not None and spec.has_vms:
-                self.emit(CREATED, name, BottleState.CREATING)
-                try:
-                    created = await self._create_vm(name, spec)
-                except BaseException as e:
-                    code = getattr(e, "code", "INTERNAL")
-                    self.emit(DESTROYED, name, None, f"create failed: {code}")
-                    raise
-                self.emit(READY, name, created.state)
-                return created
-            addr = self._aliases.claim(name, None if alias is None else str(alias))
-            bottle = Bottle(
-                name=name, alias=str(addr), created_at=self._clock.seconds(), source=source
-            )
-            self._bottles[name] = bottle
-            try:
-                self._persist(bottle)
-            except Unavailable:
-                del self._bottles[name]
-                self._aliases.release(name)
-                raise
-            self._created(name)
-            self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
-            self.emit(CREATED, name, bottle.state)
-            self.emit(READY, name, bottle.state)
+            owner = self._owners[name]
+            if isinstance(owner, VMBottle):
+                assert spec is not None
+                return await self._create_vm(owner, spec)
+            assert isinstance(owner, ForwardBottle)
+            bottle = owner.create(alias, source)
+            self._named(owner)
+            self._created(owner)
+            emit(self._hands, CREATED, name, bottle.state)
+            emit(self._hands, READY, name, bottle.state)
             return bottle
 
-        return await self._locked(name, create, create=True)
+        owner_class = VMBottle if with_vms else ForwardBottle
+        return await self._locked(name, create, make=lambda: owner_class(name, self._hands))
 
     def _others_creating(self, name: str) -> int:
         """Creates in flight for other names: they count against the limit (a committed
         one is counted with the bottles too, until its create returns)."""
         return len(self._creating) - (name in self._creating)
 
-    def _created(self, name: str) -> None:
-        """The create of ``name`` made its bottle: no longer a create in flight."""
-        self._machines[name].created()
-        self._creating.discard(name)
+    def _created(self, owner: BottleOwner) -> None:
+        """The create made its bottle: no longer a create in flight."""
+        owner.machine.created()
+        self._creating.discard(owner.name)
 
-    async def _create_vm(self, name: str, spec: BottleSpec) -> Bottle:
-        if self.vms is None:
-            raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
-
-        def commit(bottle: Bottle) -> None:
-            self._bottles[name] = bottle
-            try:
-                self._persist(bottle)
-            except Unavailable:
-                del self._bottles[name]
-                raise
-
-        bottle = await create_vm(self.vms, spec, commit)
+    async def _create_vm(self, owner: VMBottle, spec: BottleSpec) -> Bottle:
+        name = owner.name
+        emit(self._hands, CREATED, name, BottleState.CREATING)
+        try:
+            if self.vms is None:
+                raise SmolvmUnavailable(
+                    "this daemon runs without smolvm: VM bottles are unavailable"
+                )
+            created = await owner.create(self.vms, spec, self._named)
+        except BaseException as e:
+            emit(
+                self._hands,
+                DESTROYED,
+                name,
+                None,
+                f"create failed: {getattr(e, 'code', 'INTERNAL')}",
+            )
+            raise
         # The last step committed it; an Exec was BUSY ("being created") until now.
-        self._created(name)
-        self.watch(bottle)
-        return bottle
+        self._created(owner)
+        owner.watch()
+        emit(self._hands, READY, name, created.state)
+        return created
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
-
-        resuming = name in self._unsynced
+        earlier = self._owners.get(name)
+        resuming = earlier is not None and earlier.pending is not None
 
         async def destroy() -> None:
-            if resuming and name not in self._bottles:
+            if resuming and not self.has_bottle(name):
                 return  # an earlier destroy of it became durable just now (_locked)
-            bottle = self._require(name)  # (inside the lock: a bottle being created is BUSY)
-            if bottle.vms is not None:
-                assert self.vms is not None
-                machine = self._machines[name]
-                self._stop_waiting(name)
-                machine.tearing_down()
-                try:
-                    await self.vms.teardown(bottle)
-                except Exception as e:
-                    detail = f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
-                    degraded = evolve(bottle, state=BottleState.DEGRADED, detail=detail)
-                    newly = machine.teardown_failed()
-                    self._bottles[name] = degraded
-                    self._persist_quietly(degraded)
-                    if newly:
-                        self.emit(DEGRADED, name, BottleState.DEGRADED, detail)
-                    raise
-                finally:
-                    machine.torn_down()  # (after a failure: already busy, degraded)
-            else:
-                await self._table.remove_bottle(name)
-            # The record goes first, then the bottle and its alias (_sync).
-            self._revoke(name, "destroy", remove=True)
+            await self._owner(name).destroy()  # (inside the lock: one being created is BUSY)
 
         await self._locked(name, destroy)
 
     def list_bottles(self) -> Sequence[Bottle]:
-        """Every bottle by name. The sorted names are kept until a bottle comes or goes, so a
-        page of a listing costs the page, not a sort of every bottle."""
-        names = self._names
-        if names is None:
-            names = self._names = sorted(self._bottles)
-        return LazyView(names, self._bottles.__getitem__)
+        """Every bottle by name. The names are kept sorted as bottles come and go, so a page
+        of a listing costs the page, not a sort of every bottle."""
+        return LazyView(self._names, lambda n: self._owners[n].require())
 
     def get_bottle(self, name: str) -> Bottle:
         return self._require(name)
 
     def has_bottle(self, name: str) -> bool:
-        return name in self._bottles
+        owner = self._owners.get(name)
+        return owner is not None and owner.value is not None
 
     # -- VM bottles ---------------------------------------------------------------------
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
         """Run the isolation probe in the agent VM again; ISOLATION_FAILED names the leak."""
-        bottle, vms = self._require_vms(name)
+        _, vms = self._require_vms(name)
 
         async def verify() -> tuple[Bottle, ProbeVerdict]:
-            verdict = await vms.verify(bottle)
-            current = self._bottles.get(name)
-            if current is not None and current.vms is not None:
-                current = evolve(current, vms=evolve(current.vms, probe=verdict.result))
-                self._bottles[name] = current
-                self._persist_quietly(current)
+            verdict = await self._vm_owner(name).verify(vms)
             if not verdict.passed:
                 raise IsolationFailed(f"bottle {name}: {verdict.describe()}")
             return self._require(name), verdict
@@ -477,15 +330,10 @@ class BottleRegistry:
     async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new (validated) allow-list; the record changes only after the sidecar
         reloaded it."""
-        self._require_vms(name)
+        _, vms = self._require_vms(name)
 
         async def push() -> tuple[str, ...]:
-            current, vms = self._require_vms(name)
-            updated = await vms.set_policy(current, hosts)
-            # Its kept state is the machine's (it may have degraded while the push ran).
-            updated = evolve(updated, state=self._machines[name].kept_state())
-            self._bottles[name] = updated
-            self._persist(updated)
+            await self._vm_owner(name).set_policy(vms, hosts)
             self.log.info(
                 "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(hosts)
             )
@@ -496,15 +344,9 @@ class BottleRegistry:
     def exec_target(self, name: str) -> Bottle:
         """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
         BUSY (being created or destroyed) or DEGRADED otherwise."""
-        now = self.state_of(name)
-        if now is Lifecycle.CREATING:
+        if self.state_of(name) is Lifecycle.CREATING:
             raise Busy(f"bottle {name} is being created")
-        if now is Lifecycle.DESTROYING:
-            raise Busy(f"bottle {name} is being destroyed")
-        bottle, _ = self._require_vms(name)
-        if self._machines[name].kept_state() is BottleState.DEGRADED:
-            raise Degraded(f"bottle {name} is degraded: {bottle.detail or 'no detail'}")
-        return bottle
+        return self._vm_owner(name).exec_target()
 
     async def spawn_exec(
         self,
@@ -519,139 +361,54 @@ class BottleRegistry:
             self.vms, self.exec_target(name), request, protocol, stdio=stdio
         )
 
-    def watch(self, bottle: Bottle) -> None:
-        """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
-        its workload ends."""
-        name = bottle.name
-        if self.vms is None or bottle.vms is None:
-            return
-        if self._machines[name].kept_state() is BottleState.DEGRADED:
-            return  # nothing left to watch: its endpoints are gone
-        self.vms.watch(
-            bottle,
-            lambda: self._sidecar_exited(name),
-            on_bridge_restarted=lambda detail: self.emit(BRIDGE_RESTARTED, name, None, detail),
-            on_bridge_failed=lambda why: self._bridge_failed(name, why),
-        )
-        self._wait_for_workload(bottle)
-
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport:
         """``tail`` of the workload's log in the agent VM, ``protocol`` attached."""
         bottle = self.exec_target(name)
-        vm = bottle.require_vms()
-        if vm.workload is None:
-            raise InvalidArgument(f"bottle {name} runs no workload (its spec names none)")
-        argv = workload.logs_argv(vm.agent_vm, tail, follow)
-        return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
+        request = attach.logs_request(bottle, tail, follow)
+        return await attach.spawn_exec(self.vms, bottle, request, protocol)
 
-    def _wait_for_workload(self, bottle: Bottle) -> None:
-        if self.vms is not None:
-            self._workloads.watch(self.vms, bottle)
-
-    def _stop_waiting(self, name: str) -> None:
-        self._workloads.stop(name)
+    def watch(self, bottle: Bottle) -> None:
+        """Recovery: watch a restored VM bottle (its sidecar, bridge and workload)."""
+        owner = self._owners.get(bottle.name)
+        if isinstance(owner, VMBottle):
+            owner.watch()
 
     def stop_watching(self) -> None:
         """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
-        self._workloads.stop_all()
-
-    def _workload_exited(self, name: str, code: int) -> None:
-        bottle = self._bottles.get(name)
-        if (
-            bottle is None
-            or bottle.vms is None
-            or bottle.vms.workload != workload.WorkloadState.RUNNING
-        ):
-            return
-        if not self._machines[name].workload_exited():
-            return  # degraded: it stays so
-        detail = f"workload exited with code {code}"
-        exited = evolve(
-            bottle,
-            state=BottleState.EXITED,
-            detail=detail,
-            vms=evolve(bottle.vms, workload=workload.WorkloadState.EXITED, workload_exit_code=code),
-        )
-        self._bottles[name] = exited
-        self.log.info("bottle {bottle}: {detail}", bottle=name, detail=detail)
-        self._persist_quietly(exited)
-        self.emit(WORKLOAD_EXITED, name, BottleState.EXITED, detail, code)
-
-    def _bridge_failed(self, name: str, why: str) -> None:
-        self._degrade_later(name, why)
+        for owner in list(self._owners.values()):
+            if isinstance(owner, VMBottle):
+                owner.stop_waiting()
 
     def _sidecar_exited(self, name: str) -> None:
-        self._degrade_later(name, "sidecar VM process exited")
+        self._vm_owner(name).sidecar_exited()
 
-    def _degrade_later(self, name: str, why: str) -> None:
-        """From a watch's callback: nobody awaits the result, so a failure is logged here."""
+    def _workload_exited(self, name: str, code: int) -> None:
+        self._vm_owner(name).workload_ended(code)
 
-        def failed(f: Failure) -> None:
-            self.log.failure("bottle {bottle}: degrading it failed", f, bottle=name)
-
-        Deferred.fromCoroutine(self.degrade(name, why)).addErrback(failed)
-
-    async def degrade(self, name: str, why: str) -> None:
-        """Reset live relays, refuse new connections (listeners removed), record and log."""
-        bottle = self._bottles.get(name)
-        if bottle is None or bottle.vms is None:
-            return
-        if not self._machines[name].degrade():
-            return  # already degraded (or still being created)
-        degraded = evolve(bottle, state=BottleState.DEGRADED, detail=why)
-        self._stop_waiting(name)
-        self._bottles[name] = degraded
-        self.log.warn("bottle {bottle} is degraded: {why}", bottle=name, why=why)
-        self.emit(DEGRADED, name, BottleState.DEGRADED, why)
-        if self.vms is not None:
-            self.vms.unwatch(name)
-        await self._table.remove_bottle(name)
-        self._persist_quietly(degraded)
+    def _bridge_failed(self, name: str, why: str) -> None:
+        self._vm_owner(name).degrade_later(why)
 
     # -- recovery -----------------------------------------------------------------------
 
     def adopt(self, bottle: Bottle) -> None:
         """Recovery: take a restored bottle into the table (its listeners are bound), idle
         in the state it was kept in."""
-        self._bottles[bottle.name] = bottle
-        self._machines[bottle.name] = states.adopted(bottle.state)
+        owner_class = ForwardBottle if bottle.vms is None else VMBottle
+        owner = owner_class(bottle.name, self._hands, bottle.state)
+        owner.set_value(bottle)
+        self._named(owner)
 
     async def restore_forward_only(self, bottle: Bottle) -> Bottle:
         """Recovery: claim the recorded alias and re-bind every recorded forward on its port.
 
         A forward that cannot be re-bound is logged and left out; the bottle is kept.
         """
-        addr = self._aliases.claim(bottle.name, bottle.alias)
-        restored: list[Forward] = []
-        for fwd in bottle.forwards:
-            try:
-                info = await self._table.add(self._forward_spec(bottle.name, addr, fwd))
-            except BottlenetError as e:
-                self.log.error(
-                    "forward of {bottle} not restored: {err}", bottle=bottle.name, err=e.message
-                )
-                continue
-            restored.append(_kept(fwd, info))
-        kept = evolve(bottle, alias=str(addr), forwards=tuple(restored))
-        self.adopt(kept)
+        owner = ForwardBottle(bottle.name, self._hands, bottle.state)
+        kept = await owner.restore(bottle)
+        self._named(owner)
         return kept
-
-    def _forward_spec(
-        self,
-        bottle: str,
-        alias: ipaddress.IPv4Address,
-        fwd: Forward,
-        max_connections: int | None = None,
-    ) -> ForwardSpec:
-        return ForwardSpec(
-            bottle=bottle,
-            label=fwd.label,
-            listen=TCPListen(alias, fwd.port),
-            target=fwd.target,
-            max_connections=max_connections or self._max_connections,
-        )
 
     # -- forwards -----------------------------------------------------------------------
 
@@ -665,44 +422,18 @@ class BottleRegistry:
         max_connections: int | None = None,
     ) -> ForwardInfo:
         """Bind a new agent endpoint on the bottle's alias that relays to ``target``."""
-        self._require_forward_only(bottle)
-        alias = self._aliases.alias_of(bottle)
-        if alias is None:
-            raise InvalidArgument(f"bottle {bottle} has no alias")
-        fwd = Forward(label, target, port)
-        spec = self._forward_spec(bottle, alias, fwd, max_connections)
+        spec, fwd = self._forward_owner(bottle).forward(label, target, port, max_connections)
 
         async def add() -> ForwardInfo:
-            info = await self._table.add(spec)
-            current = self._require(bottle)
-            updated = evolve(current, forwards=(*current.forwards, _kept(fwd, info)))
-            self._bottles[bottle] = updated
-            try:
-                self._persist(updated)
-            except Unavailable:
-                self._bottles[bottle] = current
-                await self._table.remove(bottle, label)
-                raise
-            return info
+            return await self._forward_owner(bottle).add_forward(spec, fwd)
 
         return await self._locked(bottle, add)
 
     async def remove_forward(self, bottle: str, label: str) -> None:
-        self._require_forward_only(bottle)
-
-        resuming = bottle in self._unsynced
+        resuming = self._forward_owner(bottle).pending is not None
 
         async def remove() -> None:
-            current = self._require(bottle)
-            if resuming and all(f.label != label for f in current.forwards):
-                return  # its earlier removal became durable just now (_locked)
-            await self._table.remove(bottle, label)  # closed now, whatever the disk says
-            current = self._require(bottle)
-            updated = evolve(
-                current, forwards=tuple(f for f in current.forwards if f.label != label)
-            )
-            self._bottles[bottle] = updated
-            self._revoke(bottle, f"removal of forward {label!r}")
+            await self._forward_owner(bottle).remove_forward(label, resuming=resuming)
 
         await self._locked(bottle, remove)
 
@@ -716,32 +447,3 @@ class BottleRegistry:
         if bottle is not None:
             self._require(bottle)
         return self._table.view(bottle)
-
-
-class _BottleDict(dict[str, Bottle]):
-    """The registry's name -> Bottle dict; says when a name comes or goes (wherever it is
-    changed), which keeps the sorted-name cache of ``list_bottles`` honest."""
-
-    def __init__(self, changed: Callable[[], None]) -> None:
-        super().__init__()
-        self._changed = changed
-
-    def __setitem__(self, key: str, value: Bottle) -> None:
-        if key not in self:
-            self._changed()
-        super().__setitem__(key, value)
-
-    def __delitem__(self, key: str) -> None:
-        super().__delitem__(key)
-        self._changed()
-
-    def pop(self, key: str, *default: Any) -> Any:
-        if key in self:
-            self._changed()
-        return super().pop(key, *default)
-
-
-def _kept(fwd: Forward, info: ForwardInfo) -> Forward:
-    """The forward as it is kept: with the port it really bound (port 0 resolved)."""
-    bound = info.bound
-    return evolve(fwd, port=bound.port) if isinstance(bound, TCPListen) else fwd

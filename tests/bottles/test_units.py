@@ -13,6 +13,7 @@ from twisted.internet.task import Clock
 
 from bottlenet.bottles import states
 from bottlenet.bottles.agentenv import stamp_env
+from bottlenet.bottles.bottle import adopted, creating
 from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
 from bottlenet.bottles.model import (
     Bottle,
@@ -233,7 +234,7 @@ def test_cli_spec_file_is_sent_as_json(tmp_path: object) -> None:
 
 
 def test_map_vmctl_tells_precheck_from_smolvm_failure() -> None:
-    from bottlenet.bottles.lifecycle import map_vmctl
+    from bottlenet.bottles.vmerrors import map_vmctl
     from bottlenet.errors import InvalidArgument, SmolvmFailed, SmolvmUnavailable
     from vmctl import errors as v
 
@@ -270,7 +271,7 @@ def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
 
 def test_a_bottle_machine_walks_its_declared_lifecycle() -> None:
     """Create, an operation, workload exit, teardown failure: each input lands where declared."""
-    m = states.creating()
+    m = creating()
     assert (m.lifecycle(), m.begin()) == (Lifecycle.CREATING, False)  # a second op: BUSY
     m.created()
     assert (m.lifecycle(), m.kept_state()) == (Lifecycle.BUSY, BottleState.READY)
@@ -292,10 +293,10 @@ def test_a_bottle_machine_walks_its_declared_lifecycle() -> None:
 
 def test_a_create_that_fails_leaves_its_machine_gone() -> None:
     """A create that never commits ends gone; an adopted degraded bottle fails no teardown twice."""
-    m = states.creating()
+    m = creating()
     m.finish()
     assert m.lifecycle() is Lifecycle.GONE
-    kept = states.adopted(BottleState.DEGRADED)
+    kept = adopted(BottleState.DEGRADED)
     assert kept.lifecycle() is Lifecycle.DEGRADED and kept.begin()
     kept.tearing_down()
     assert not kept.teardown_failed()  # already degraded: no second DEGRADED event

@@ -25,7 +25,7 @@ import pytest
 from bottlenet.control import commands as C
 from bottlenet.control import stream
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
-from bottlenet.errors import Busy, Degraded, InvalidArgument, NotFound
+from bottlenet.errors import InvalidArgument, NotFound
 
 from .vmdaemon import VMDaemon, read_until_closed, run_in_pty, wait_for
 
@@ -241,46 +241,8 @@ def test_tty_terminal_restored_when_the_daemon_dies_mid_session() -> None:
         assert not d.cleanup()
 
 
-def test_exec_on_a_degraded_bottle_is_refused() -> None:
-    d = VMDaemon().start()
-    try:
-        d.create_vm_bottle("b1")
-        with d.client() as c:
-            os.kill(d.machine_pid("bn-b1-sidecar"), signal.SIGKILL)
-            wait_for(lambda: c.bottle_status("b1").state == "degraded", 30, "degraded")
-            with pytest.raises(Degraded, match="sidecar VM process exited"):
-                c.exec("b1", ["true"])
-        r = d.ctl("bottle", "exec", "b1", "--", "true")
-        assert r.returncode == 1 and b"DEGRADED" in r.stderr
-    finally:
-        assert not d.cleanup()
-
-
-def test_exec_while_the_bottle_is_created_is_busy() -> None:
-    d = VMDaemon().start()
-    try:
-        faults = {"fail": ["exec-netns", "slow-start"], "slow_start": 3.0}
-        d.fake.set_faults(*faults["fail"], slow_start=faults["slow_start"], version="1.32.2")
-        import threading
-
-        done: list[object] = []
-        creator = threading.Thread(target=lambda: done.append(d.create_vm_bottle("b2")))
-        creator.start()
-        with d.client() as c:
-            # (not "machine create" in the log: the daemon's start runs `machine create --help`)
-            wait_for(
-                lambda: any(
-                    a[:2] == ["machine", "create"] and "bn-b2-sidecar" in a for a in d.fake.argvs()
-                ),
-                30,
-                "the create to begin",
-            )
-            with pytest.raises(Busy, match="being created"):
-                c.exec("b2", ["true"])
-        creator.join(120)
-        assert done
-    finally:
-        assert not d.cleanup()
+# Exec on a degraded bottle (DEGRADED) and while it is created (BUSY) are the registry's rules:
+# tests/bottles/test_exec_target.py checks them in process.
 
 
 def test_exec_needs_a_connection_of_its_own(daemon: VMDaemon) -> None:

@@ -1,0 +1,173 @@
+"""One VM bottle's owner driven directly: its machine's transitions do the work (unit seam).
+
+Procmon's test style (``twisted.runner.test.test_procmon``): the owner is built on a clock
+with the in-memory smolvm (``memsmolvm``, a test double of vmctl's typed API) and real
+listeners on loopback; no registry, no daemon. Each test gives an input and checks every
+effect the transition owes: the value, the listeners, the watches, the record, the event.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+from twisted.internet.defer import Deferred, succeed
+from twisted.internet.error import ProcessDone
+from twisted.internet.interfaces import IProcessProtocol
+from twisted.python.failure import Failure
+
+from bottlenet.bottles.bottle import Hands, VMBottle
+from bottlenet.bottles.events import DEGRADED, WORKLOAD_EXITED, BottleEvent, EventBus
+from bottlenet.bottles.model import BottleState
+from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.states import Lifecycle
+from bottlenet.errors import SmolvmFailed
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import MemorySmolvm, Rig
+from vmctl.errors import SmolvmFailed as VmSmolvmFailed
+
+Event = tuple[str, str, Any, Any, Any]
+
+
+class Attached:
+    """The in-memory smolvm's attached execs (a workload waiter), ended by the test."""
+
+    def __init__(self) -> None:
+        self.protocols: list[IProcessProtocol] = []
+
+    def spawn_exec(self, name: str, argv: list[str], protocol: Any, **kw: Any) -> Deferred[Any]:
+        self.protocols.append(protocol)
+        protocol.makeConnection(_Transport())
+        return succeed(protocol)
+
+
+class _Transport:
+    signals: list[str]
+
+    def __init__(self) -> None:
+        self.signals = []
+
+    def signalProcess(self, sig: str) -> None:
+        self.signals.append(sig)
+
+
+class Owned:
+    """A VMBottle on a rig's parts, with the events it emits."""
+
+    def __init__(self, rig: Rig, attached: Attached) -> None:
+        self.rig = rig
+        self.attached = attached
+        self.events: list[Event] = []
+        self.forgotten: list[str] = []
+        rig.vms.smolvm = _WithAttach(rig.smolvm, attached)  # type: ignore[assignment]
+        bus = EventBus()
+        bus.subscribe(self.heard)
+        hands = Hands(
+            rig.clock, rig.table, rig.aliases, rig.vms, rig.store, bus, 64,
+            lambda name: None, self.forgotten.append,
+        )  # fmt: skip
+        self.owner = VMBottle("b1", hands)
+
+    def heard(self, e: BottleEvent) -> None:
+        self.events.append((e.kind, e.bottle, e.state, e.detail, e.exit_code))
+
+    def create(self, tmp: str, **kw: Any) -> None:
+        doc = spec_doc(tmp, mode="socket", listen="tcp", **kw)
+        listed: list[Any] = []
+        self.rig.run(self.owner.create(self.rig.vms, parse_bottle_spec("b1", doc), listed.append))
+        assert listed == [self.owner]
+        self.owner.machine.created()
+        self.owner.machine.finish()
+        self.owner.watch()
+
+
+class _WithAttach:
+    """The rig's smolvm with ``spawn_exec`` (the in-memory double has none)."""
+
+    def __init__(self, smolvm: MemorySmolvm, attached: Attached) -> None:
+        self._smolvm = smolvm
+        self.spawn_exec = attached.spawn_exec
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._smolvm, name)
+
+
+@pytest.fixture
+def owned(rigs: Callable[..., Rig]) -> Iterator[Owned]:
+    yield Owned(rigs(), Attached())
+
+
+def end_workload(protocol: IProcessProtocol, code: int) -> None:
+    protocol.childDataReceived(1, f"{code}\n".encode())
+    protocol.processEnded(Failure(ProcessDone(0)))
+
+
+def test_degrade_does_its_work_once(owned: Owned, tmp: str) -> None:
+    """A sidecar's exit: waiter, watch and listeners go, the record and DEGRADED follow."""
+    owned.create(tmp, workload=("/agent", "run"))
+    owner, rig = owned.owner, owned.rig
+    [waiter] = owned.attached.protocols
+    assert rig.table.list("b1") and "b1" in rig.vms.watched()
+    owner.sidecar_exited()
+    rig.settle()
+    assert owner.require().state is BottleState.DEGRADED
+    assert owner.machine.lifecycle() is Lifecycle.DEGRADED
+    assert rig.table.list("b1") == [] and "b1" not in rig.vms.watched()
+    assert waiter.transport.signals == ["TERM"]  # type: ignore[attr-defined]
+    assert rig.state()["b1"]["state"] == "degraded"
+    assert owned.events == [
+        (DEGRADED, "b1", BottleState.DEGRADED, "sidecar VM process exited", None)
+    ]
+    owner.degrade_later("bridge failed: again")
+    rig.settle()
+    assert len(owned.events) == 1 and owner.require().detail == "sidecar VM process exited"
+
+
+def test_workload_exit_is_recorded_and_emitted(owned: Owned, tmp: str) -> None:
+    """The waiter's exit code turns a ready bottle exited, once; its record keeps the code."""
+    owned.create(tmp, workload=("/agent", "run"))
+    owner, rig = owned.owner, owned.rig
+    [waiter] = owned.attached.protocols
+    end_workload(waiter, 7)
+    vm = owner.require().require_vms()
+    assert (owner.require().state, vm.workload_exit_code) == (BottleState.EXITED, 7)
+    assert rig.state()["b1"]["workload_exit_code"] == 7
+    assert owned.events == [
+        (WORKLOAD_EXITED, "b1", BottleState.EXITED, "workload exited with code 7", 7)
+    ]
+    owner.workload_ended(9)  # a second word from a waiter is not news
+    assert len(owned.events) == 1
+
+
+def test_a_failed_teardown_degrades_once(owned: Owned, tmp: str) -> None:
+    """A teardown that fails leaves the bottle degraded (recorded, one DEGRADED event)."""
+    owned.create(tmp)
+    owner, rig = owned.owner, owned.rig
+    rig.smolvm.fail_on("delete", "bn-b1-agent", VmSmolvmFailed("delete failed"))
+    for attempt in range(2):
+        assert owner.machine.begin()
+        with pytest.raises(SmolvmFailed):
+            rig.run(owner.destroy())
+        owner.machine.finish()
+        assert owner.machine.lifecycle() is Lifecycle.DEGRADED, attempt
+    assert rig.state()["b1"]["detail"] == "teardown incomplete: SMOLVM_FAILED"
+    assert [e[0] for e in owned.events] == [DEGRADED]
+
+
+def test_a_removed_bottle_ignores_late_callbacks(owned: Owned, tmp: str) -> None:
+    """After its destroy, a late sidecar exit or workload exit changes nothing."""
+    owned.create(tmp, workload=("/agent", "run"))
+    owner, rig = owned.owner, owned.rig
+    [waiter] = owned.attached.protocols
+    assert owner.machine.begin()
+    rig.run(owner.destroy())
+    owner.machine.finish()
+    assert owned.forgotten == ["b1"] and owner.machine.lifecycle() is Lifecycle.GONE
+    assert "b1" not in rig.state() and rig.smolvm.machines == {}
+    owner.sidecar_exited()
+    end_workload(waiter, 3)
+    rig.settle()
+    assert [e[0] for e in owned.events] == ["destroyed"]
+    assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "b1"))
