@@ -92,6 +92,7 @@ from bottlenet.forward.spec import (
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import ProbeResult, Verdict
 from bottlenet.probe.plan import IsolationMode
+from bottlenet.probe.script import KIT_DIR
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.ports import (
@@ -289,6 +290,8 @@ class VMLifecycle:
     ) -> None:
         self.reactor = reactor
         self.smolvm = smolvm
+        # The session wrapper prefers the trusted probe kit's python3, as the gate does.
+        smolvm.session_pythons = (f"{KIT_DIR}/bin/python3", "python3")
         self.table = table
         self.aliases = aliases
         self.state_dir = state_dir
