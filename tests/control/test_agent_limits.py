@@ -1,0 +1,93 @@
+"""The agent VM's limits end to end (issue 27 item 4): a real daemon, ``bottlenetctl``'s
+blocking client, the fake smolvm (a TEST DOUBLE) with ``exec-netns`` and its model of smolvm's
+guest agent, which serves 8 connections at once (the 9th waits; ``ls`` then says
+``unreachable``). Needs root (``unshare``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from typing import Any
+
+import pytest
+
+from bottlenet.bottles.sessions import SESSION_CAP
+from bottlenet.control.execsession import ExecSession
+from bottlenet.errors import Busy
+from tests import netguard
+from tests.fakes import FAKE_SMOLVM, FAST_PATH
+
+from .test_bridge import create, daemon, fetch, page_server
+from .vmdaemon import VMDaemon, wait_for
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or not netguard.active(), reason="exec-netns needs root and the netguard"
+)
+
+#: The workload ends with code 5 once the host drops ``stop`` into the guest's /tmp.
+WORKLOAD = 'workload = ["sh", "-c", "while [ ! -e /tmp/stop ]; do sleep 0.1; done; exit 5"]'
+
+
+def machines(d: VMDaemon) -> list[dict[str, Any]]:
+    """``machine ls --json`` as smolvm's own state ping sees the machines."""
+    r = subprocess.run(
+        [FAKE_SMOLVM, "machine", "ls", "--json"],
+        env={"PATH": FAST_PATH, "SMOLVM_DATA_DIR": d.fake.path},
+        capture_output=True,
+        timeout=30,
+        check=True,
+    )
+    found: list[dict[str, Any]] = json.loads(r.stdout)
+    return found
+
+
+def agent_vm(d: VMDaemon) -> str:
+    [name] = [m["name"] for m in machines(d) if m["labels"].get("bottlenet.role") == "agent"]
+    return name
+
+
+def test_ten_sessions_past_the_cap_are_busy_and_bottlenet_keeps_its_own() -> None:
+    """Ten concurrent ``bottle exec`` sessions: the ones past the cap get BUSY naming it at
+    once; the VM stays reachable, the bridge still carries a fetch and the workload waiter
+    still reports the exit; no call hangs."""
+    with page_server() as port:
+        d = daemon(port).start()
+        held: list[ExecSession] = []
+        try:
+            r = create(d, "b1", extra=WORKLOAD)
+            assert r.returncode == 0, (r.stderr, d.log())
+            busy = []
+            for _ in range(10):
+                client = d.client(timeout=30)
+                try:
+                    held.append(client.open_exec("b1", ["sleep", "300"], fds=False))
+                except Busy as e:
+                    busy.append(str(e))
+                    client.close()
+            assert (len(held), len(busy)) == (SESSION_CAP, 10 - SESSION_CAP), busy
+            assert all(f"already has {SESSION_CAP} exec/logs sessions open" in m for m in busy)
+            assert {m["state"] for m in machines(d)} == {"running"}, machines(d)
+            held.pop().close()
+            got = wait_for(lambda: _fetched(d), 60, "a fetch through the bridge")
+            assert got.stdout == b"page for http://pages.test/hello\n", got
+            stop = os.path.join(d.fake.vm_dir(agent_vm(d)), "guest-tmp", "stop")
+            open(stop, "w").close()
+            wait_for(lambda: _exited(d), 60, "the waiter to report the workload's exit")
+        finally:
+            for session in held:
+                session.close()
+            assert not d.cleanup()
+
+
+def _fetched(d: VMDaemon) -> Any:
+    """A fetch once the closed session's slot is free again (the daemon frees it when the
+    session's smolvm child has ended)."""
+    got = fetch(d)
+    return got if got.returncode == 0 else None
+
+
+def _exited(d: VMDaemon) -> bool:
+    r = d.ctl("--json", "bottle", "status", "b1")
+    record = json.loads(r.stdout)["bottle"]
+    return bool(record["state"] == "exited" and record["workload_exit_code"] == 5)
