@@ -30,6 +30,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.model import Endpoint
 from bottlenet.bottles.probe import divert_to_witness
+from bottlenet.bottles.vmloss import lost_reason
 from bottlenet.bridge.script import (
     ARGV,
     EXIT_BIND,
@@ -273,6 +274,19 @@ class Bridges:
             return
         ran = self.reactor.seconds() - kept.started_at
         kept.failures = 1 if ran >= STABLE_SECONDS else kept.failures + 1
+        Deferred.fromCoroutine(self._after_end(kept, code))
+
+    async def _after_end(self, kept: _Kept, code: int | None) -> None:
+        """A bridge whose VM is gone is not restarted: the bottle is degraded with why."""
+        gone = await lost_reason(self.smolvm, kept.agent_vm)
+        if self._kept.get(kept.bottle) is not kept:
+            return
+        if gone is not None:
+            kept.state = BridgeState.FAILED
+            kept.detail = gone
+            self.log.warn("bottle {bottle}: {detail}", bottle=kept.bottle, detail=gone)
+            kept.on_failed(gone)
+            return
         self._failed_once(kept, f"the bridge ended (exit {code})")
 
     def _failed_once(self, kept: _Kept, why: str) -> None:

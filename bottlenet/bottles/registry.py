@@ -113,7 +113,7 @@ class BottleRegistry:
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        self._workloads = WorkloadWatches(self._workload_exited)
+        self._workloads = WorkloadWatches(self._workload_exited, self._degrade_later)
         #: Launcher sessions (Exec, Logs) per bottle, capped below the guest agent's limit.
         self.sessions = SessionSlots()
         self._unsynced: dict[str, _Unsynced] = {}

@@ -24,7 +24,7 @@ from bottlenet.bottles.bridge import (
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
-from vmctl.smolvm import ExecResult
+from vmctl.smolvm import ExecResult, Machine
 
 ENDPOINTS = (
     SocketEndpoint(
@@ -51,6 +51,7 @@ class StubSmolvm:
     def __init__(self) -> None:
         self.sessions: list[tuple[BridgeSession, _Transport]] = []
         self.execs: list[bytes | None] = []
+        self.state = "running"
 
     def spawn_exec(self, name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
         assert list(argv) == ["/bin/sh", "-s"]
@@ -58,6 +59,9 @@ class StubSmolvm:
         protocol.makeConnection(t)
         self.sessions.append((protocol, t))
         return succeed(t)
+
+    def status(self, name: str) -> Deferred[Machine]:
+        return succeed(Machine(name, self.state))
 
     def exec(self, name: str, argv: Sequence[str], **kw: Any) -> Deferred[ExecResult]:
         self.execs.append(kw.get("stdin"))
@@ -198,3 +202,21 @@ def test_stop_ends_the_session_and_nothing_restarts(rig: Any) -> None:
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
     assert bridges.status("b1").state is BridgeState.STOPPED
+
+
+def test_a_bridge_whose_vm_died_is_not_restarted_and_says_why(rig: Any) -> None:
+    """The session ended because the agent VM stopped (smolvm: connection to VM lost, exit
+    1): on_failed is told at once that the VM is gone, and nothing is restarted against it."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    told: list[str] = []
+    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    smolvm.state = "stopped"
+    end(smolvm.sessions[0][0], 1)
+    assert told == [
+        "agent VM bn-b1-agent is stopped (it stopped or crashed): its sessions ended with it "
+        "(connection to VM lost)"
+    ]
+    assert bridges.status("b1").state is BridgeState.FAILED
+    clock.advance(3600)
+    assert len(smolvm.sessions) == 1

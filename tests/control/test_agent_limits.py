@@ -1,12 +1,14 @@
-"""The agent VM's limits end to end (issue 27 item 4): a real daemon, ``bottlenetctl``'s
-blocking client, the fake smolvm (a TEST DOUBLE) with ``exec-netns`` and its model of smolvm's
+"""The agent VM's limits and its death, end to end (issue 27 items 4 and 6): a real daemon,
+``bottlenetctl``, the fake smolvm (a TEST DOUBLE) with ``exec-netns`` and its models of smolvm's
 guest agent, which serves 8 connections at once (the 9th waits; ``ls`` then says
-``unreachable``). Needs root (``unshare``)."""
+``unreachable``), and of a VM's death, which ends every attached session with ``connection to
+VM lost`` (exit 1) and every guest process. Needs root (``unshare``)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 from typing import Any
 
@@ -18,6 +20,7 @@ from bottlenet.errors import Busy
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
 
+from .daemon_helpers import ENV, REPO
 from .test_bridge import create, daemon, fetch, page_server
 from .vmdaemon import VMDaemon, wait_for
 
@@ -91,3 +94,37 @@ def _exited(d: VMDaemon) -> bool:
     r = d.ctl("--json", "bottle", "status", "b1")
     record = json.loads(r.stdout)["bottle"]
     return bool(record["state"] == "exited" and record["workload_exit_code"] == 5)
+
+
+def test_an_agent_vm_that_dies_takes_its_sessions_and_degrades_the_bottle() -> None:
+    """The agent VM crashes (its VMM killed): an open ``bottle exec`` ends with smolvm's
+    ``connection to VM lost`` (exit 1) rather than hanging, the bottle turns degraded naming
+    the agent VM at once (no bridge restarts against a dead VM), and the workload waiter says
+    it lost the workload."""
+    with page_server() as port:
+        d = daemon(port).start()
+        try:
+            r = create(d, "b1", extra=WORKLOAD)
+            assert r.returncode == 0, (r.stderr, d.log())
+            ctl = subprocess.Popen(
+                d.ctl_argv("bottle", "exec", "b1", "--", "sh", "-c", "echo up; exec sleep 300"),
+                env=ENV,
+                cwd=REPO,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+            assert ctl.stdout is not None and ctl.stdout.readline() == b"up\n"
+            os.killpg(d.machine_pid(agent_vm(d)), signal.SIGKILL)
+            _, err = ctl.communicate(timeout=60)
+            assert ctl.returncode == 1 and b"connection to VM lost" in err, err
+            record = wait_for(lambda: _degraded(d), 60, "the bottle to be degraded")
+            assert record["detail"].startswith("agent VM bn-b1-agent is stopped"), record
+            assert "its workload waiter ended without an exit code (agent VM" in d.log()
+            assert "restarting it in" not in d.log()
+        finally:
+            assert not d.cleanup()
+
+
+def _degraded(d: VMDaemon) -> dict[str, Any] | None:
+    record: dict[str, Any] = json.loads(d.ctl("--json", "bottle", "status", "b1").stdout)["bottle"]
+    return record if record["state"] == "degraded" else None
