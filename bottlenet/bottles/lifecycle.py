@@ -29,7 +29,7 @@ from attrs import evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, workload
+from bottlenet.bottles import egress, readiness, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
@@ -92,7 +92,6 @@ from bottlenet.forward.spec import (
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import ProbeResult, Verdict
 from bottlenet.probe.plan import IsolationMode
-from bottlenet.probe.script import KIT_DIR
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.ports import (
@@ -207,6 +206,8 @@ class VMOptions:
     allow_unverifiable_ports: bool = False
     #: smolvm's privilege model (``per-VM uids`` as root): who the VMMs run as.
     vm_uids: VmUids = VmUids.ONE
+    #: Seconds a new sidecar's services get to answer (``readiness.py``).
+    sidecar_ready_timeout: float = readiness.TIMEOUT
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
@@ -287,11 +288,11 @@ class VMLifecycle:
         options: VMOptions,
         check_port: Checker = check_port_owner,
         check_socket: SocketChecker = check_socket_owner,
+        service_ready: readiness.Answers = readiness.answers,
     ) -> None:
         self.reactor = reactor
+        self.service_ready = service_ready
         self.smolvm = smolvm
-        # The session wrapper prefers the trusted probe kit's python3, as the gate does.
-        smolvm.session_pythons = (f"{KIT_DIR}/bin/python3", "python3")
         self.table = table
         self.aliases = aliases
         self.state_dir = state_dir
@@ -371,6 +372,7 @@ class VMLifecycle:
         try:
             await self.step_allocate(c)
             sidecar = await self.step_sidecar(c)
+            await self.step_sidecar_ready(c, sidecar)
             bound = await self.step_bind(c, sidecar)
             egress_set = await self.step_egress(c, sidecar)
             agent = await self.step_agent(c, bound, egress_set)
@@ -487,6 +489,20 @@ class VMLifecycle:
             self._closed.pop(name, None)
         c.undo.append(("sidecar", remove))
         return SidecarStarted(name, started.pid, tuple(paths))
+
+    async def step_sidecar_ready(self, c: _Creation, sidecar: SidecarStarted) -> None:
+        """3b. Every service answers before the egress reload, the endpoints and the gate
+        use it (``readiness.py``: smolvm binds the sockets before the apps listen)."""
+        services = [
+            (svc.name, behind)
+            for svc, behind in zip(c.sidecar.services, sidecar.behind, strict=True)
+        ]
+        await readiness.wait_ready(
+            self.reactor,
+            services,
+            probe=self.service_ready,
+            timeout=self.options.sidecar_ready_timeout,
+        )
 
     async def _start_raw_sidecar(
         self, c: _Creation, name: str, features: Features
