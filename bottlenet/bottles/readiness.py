@@ -61,14 +61,19 @@ async def answers(reactor: Any, target: str | int) -> bool:
         await connectProtocol(endpoint, held)
     except Exception:
         return False
-    timer = reactor.callLater(SETTLE, lambda: held.lost.called or held.lost.callback(True))
+    def settled() -> None:
+        if not held.lost.called:
+            held.lost.callback(True)
+
+    timer = reactor.callLater(SETTLE, settled)
     try:
         return await held.lost
     finally:
         if timer.active():
             timer.cancel()
-        if held.transport is not None:
-            held.transport.abortConnection()
+        transport: Any = held.transport
+        if transport is not None:
+            transport.abortConnection()
 
 
 async def wait_ready(
