@@ -61,6 +61,7 @@ async def answers(reactor: Any, target: str | int) -> bool:
         await connectProtocol(endpoint, held)
     except Exception:
         return False
+
     def settled() -> None:
         if not held.lost.called:
             held.lost.callback(True)
