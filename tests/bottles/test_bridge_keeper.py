@@ -5,6 +5,7 @@ giving up after repeated failure."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.bridge import (
     BACKOFF_FIRST,
+    CHECK_AFTER,
     MAX_FAILURES,
     START_TIMEOUT,
     Bridges,
@@ -24,6 +26,7 @@ from bottlenet.bottles.bridge import (
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
+from bottlenet.forward.table import ForwardCounters
 from vmctl.smolvm import ExecResult, Machine
 
 ENDPOINTS = (
@@ -71,6 +74,10 @@ class StubSmolvm:
 class StubTable:
     def __init__(self) -> None:
         self.diverted: list[tuple[str, Any]] = []
+        self.seen = 0  # connections the endpoint's listener saw (accepted or refused)
+
+    def get(self, bottle: str, label: str) -> Any:
+        return SimpleNamespace(counters=ForwardCounters(self.seen, 0, 0, 0, 0, 0))
 
     def divert(self, bottle: str, label: str, factory: Any) -> None:
         self.diverted.append((label, factory))
@@ -220,3 +227,22 @@ def test_a_bridge_whose_vm_died_is_not_restarted_and_says_why(rig: Any) -> None:
     assert bridges.status("b1").state is BridgeState.FAILED
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
+
+
+def test_connections_the_host_never_saw_are_ended_and_seen_ones_are_not(rig: Any) -> None:
+    """The bridge reports each connection; the host's listener saw the first but not the two
+    after it: ``down 3128`` goes to the bridge (its unanswered clients get EOF), once."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    session, t = smolvm.sessions[0]
+    sent = len(t.written)
+    session.childDataReceived(1, b"BNB conn 3128\n")
+    bridges.table.seen += 1
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b""  # seen: nothing to do
+    session.childDataReceived(1, b"BNB conn 3128\nBNB co")
+    session.childDataReceived(1, b"nn 3128\nBNB conn 99999999\n")
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b"down 3128\n"
+    clock.advance(CHECK_AFTER * 10)
+    assert t.written[sent:] == b"down 3128\n"  # nothing new was reported

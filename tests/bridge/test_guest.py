@@ -259,3 +259,33 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """A malformed service is a clear error, no traceback."""
     assert main(["script", "egress"]) == 2
     assert "is not PORT=PATH" in capsys.readouterr().err
+
+
+def test_down_ends_only_the_unanswered_connections_of_its_port(sock_path: str) -> None:
+    """Issue 27 item 3: every connection is reported (``BNB conn PORT``); ``down PORT`` on
+    stdin ends that port's connections the socket never answered (the client gets EOF, as it
+    would not from a real VM whose host side could not connect), and not an answered one."""
+    port = free_port()
+
+    def greet_if_asked(conn: socket.socket) -> None:
+        while data := conn.recv(65536):
+            if data.startswith(b"hi"):
+                conn.sendall(b"hello")
+
+    with unix_server(sock_path, greet_if_asked), running_bridge([Bridge(port, sock_path)]) as p:
+        assert p.stdin is not None and p.stdout is not None
+        out = OutputReader(p.stdout.fileno())
+        answered = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        silent.sendall(b"anyone?")
+        p.stdin.write(b"down %d\n" % port)
+        p.stdin.flush()
+        assert silent.recv(16) == b""  # EOF, not a hang (the socket's own 30 s timeout)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent.close()
+        answered.close()

@@ -128,3 +128,35 @@ def test_an_agent_vm_that_dies_takes_its_sessions_and_degrades_the_bottle() -> N
 def _degraded(d: VMDaemon) -> dict[str, Any] | None:
     record: dict[str, Any] = json.loads(d.ctl("--json", "bottle", "status", "b1").stdout)["bottle"]
     return record if record["state"] == "degraded" else None
+
+
+#: In the guest: one round trip through the bridged port (the fake sidecar's service echoes).
+PING = (
+    "import socket; s = socket.create_connection(('127.0.0.1', 3128), timeout=20); "
+    "s.sendall(b'ping'); print(s.recv(4) or b'EOF')"
+)
+
+
+def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -> None:
+    """Issue 27 item 3, per-VM uids (the fake's ``uid-drop``: its VMM connects each mounted
+    socket as its own uid, and a connect it cannot make hangs in the guest as libkrun's does).
+    The endpoint's grant is broken after the create: a round trip through the bridge ends
+    with EOF in a few seconds rather than waiting out its own timeout, and the daemon's log
+    names the endpoint and the grant problem."""
+    d = VMDaemon()
+    d.fake.set_faults("exec-netns", "uid-drop", version="1.32.2")
+    d.start()
+    try:
+        d.create_vm_bottle("b1")
+        ping = ["bottle", "exec", "b1", "--", "python3", "-I", "-c", PING]
+        assert d.ctl(*ping).stdout == b"b'ping'\n"
+        endpoint = os.path.join(d.state, "bottles", "b1", "egress.sock")
+        os.chmod(endpoint, 0o600)  # the agent VMM's uid may no longer connect
+        got = d.ctl(*ping)
+        assert got.stdout == b"b'EOF'\n", got
+        log = d.log()
+        assert "bridged connection(s) to egress (guest port 3128) never reached" in log
+        assert f"bottlenet's listener at {endpoint} never saw the connection" in log
+        assert "cannot write the socket (0600 0:2000" in log
+    finally:
+        assert not d.cleanup()
