@@ -160,3 +160,57 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
         assert "cannot write the socket (0600 0:2000" in log
     finally:
         assert not d.cleanup()
+
+
+#: A guest command that ignores stdin and never writes (its sleep is found by its odd length).
+QUIET = ["sh", "-c", "echo started; exec sleep 3017"]
+
+
+def _quiet_ones() -> list[int]:
+    """Every process on the host running QUIET's sleep (an orphan included)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == SLEEP]
+
+
+SLEEP = b"sleep\x003017\x00"
+
+
+def test_time_limit_and_daemon_stop_end_quiet_guest_commands() -> None:
+    """Issue 27 item 5: smolvm ends a session by killing only ``crun exec``; the session
+    wrapper ends the command itself. A quiet command past its ``time_limit`` ends (exit
+    124), and at the daemon's stop another one and the workload waiter's loop end too."""
+    d = VMDaemon().start()
+    try:
+        d.create_vm_bottle("b1", workload=["sleep", "301"])
+        with d.client(timeout=60) as c:
+            session = c.open_exec("b1", QUIET, fds=False, time_limit=3)
+            wait_for(_quiet_ones, 30, "the quiet command")
+            wait_for(lambda: "ended: exit 124" in d.log(), 60, "the time limit")
+            wait_for(lambda: not _quiet_ones(), 30, "the timed-out command to end")
+            session.close()
+        ctl = subprocess.Popen(
+            d.ctl_argv("bottle", "exec", "b1", "--", *QUIET),
+            env=ENV,
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
+        assert ctl.stdout is not None and ctl.stdout.readline() == b"started\n"
+        waiter = wait_for(
+            lambda: [p for p in d.guest_pids() if b"bottlenet-wait" in _cmdline(p)],
+            30,
+            "the workload waiter",
+        )
+        d.stop()
+        ctl.communicate(timeout=60)
+        wait_for(lambda: not _quiet_ones(), 30, "the command to end with the daemon")
+        wait_for(lambda: not set(waiter) & set(d.guest_pids()), 30, "the waiter to end")
+    finally:
+        assert not d.cleanup()
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
