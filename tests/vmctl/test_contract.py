@@ -12,6 +12,7 @@ Where they disagree the fake is wrong and gets fixed.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -679,3 +680,27 @@ def test_vm_lost_text_is_the_real_binarys(tmp_path: Path) -> None:
         if session.poll() is None:
             session.kill()
         fake("delete", "--name", "m1", "-f")
+
+
+def _agent_binary() -> bytes:
+    """The 1.32.2 guest agent (``usr/local/bin/smolvm-agent`` in the wheel's agent rootfs)."""
+    assert WHEEL is not None
+    archive = os.path.join(os.path.dirname(WHEEL.binary), "agent-rootfs.tar.zst")
+    unpacked = subprocess.run(["zstd", "-dc", archive], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(unpacked)) as tf:
+        member = tf.extractfile("./usr/local/bin/smolvm-agent")
+        assert member is not None
+        return member.read()
+
+
+@needs_wheel
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd CLI")
+def test_interactive_session_end_spares_the_command_in_the_real_agent() -> None:
+    """Fidelity item 5, as far as strings show it: the 1.32.2 agent still ends a container's
+    interactive session by killing its process (``crun exec``), as 1.9.3's
+    ``run_interactive_loop`` does, while only its direct VM exec kills a process group. The
+    fake models the former (``end_session``); bottlenet's session wrapper answers it."""
+    agent = _agent_binary()
+    assert b"interactive command timed out, killing process" in agent
+    assert b"host disconnected during interactive exec" in agent
+    assert b"VM exec command timed out, killing process group" in agent
