@@ -154,7 +154,11 @@ def test_the_proof_fails_when_the_host_saw_nothing(rig: Any) -> None:
     f = d.result
     d.addErrback(lambda _: None)
     assert isinstance(f.value, BridgeFailed)
-    assert "127.0.0.1:3128 (egress)" in f.value.message
+    # the port, its service, and the cause the host can see (issue 27 item 3)
+    assert f.value.message.endswith(
+        "127.0.0.1:3128 (egress): bottlenet's listener at /s/egress.sock never saw the "
+        "connection (a grant or uid problem)"
+    )
     assert smolvm.execs and b"BNP-WITNESS" in (smolvm.execs[0] or b"")
     # diverted to the witness, then back to the relay
     assert [label for label, _ in bridges.table.diverted] == ["egress", "egress"]
