@@ -1,0 +1,110 @@
+"""What smolvm's per-VM uid model can leave behind: reservations and processes without a VM.
+
+A teardown is complete only when no uid entry in smolvm's registry names a VM whose directory
+is gone, and no process runs as a per-VM uid that no entry holds (such a process could reach
+what the next VM under that uid is given). ``bottlenetctl selftest`` asks for this after its
+throwaway bottle is destroyed. Blocking file calls: run them off the reactor thread.
+
+Every file here may be written by a VMM uid, so nothing is followed or read whole: entries are
+opened ``O_NOFOLLOW|O_NONBLOCK`` (a FIFO never blocks), only regular files are read, and at most
+64 bytes of each.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+
+from vmctl.uids import FIRST_VM_UID, LAST_VM_UID
+
+#: Where smolvm keeps its VM dirs and its uid registry, under its data dir.
+SMOLVM_TREE = (".cache", "smolvm")
+#: The most entries of a directory looked at (a registry holds at most 65,536 uids).
+MAX_ENTRIES = 70_000
+
+
+def _read_small(path: str) -> str | None:
+    """The first 64 bytes of the regular file ``path`` (stripped), or None."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        return os.read(fd, 64).decode("ascii", "replace").strip()
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
+def _entries(path: str) -> list[str]:
+    try:
+        with os.scandir(path) as it:
+            return [e.name for _, e in zip(range(MAX_ENTRIES), it, strict=False)]
+    except OSError:
+        return []
+
+
+def stale_reservations(data_dir: str) -> dict[int, str]:
+    """Registry entries (uid -> VM id) whose VM directory no longer exists."""
+    tree = os.path.join(data_dir, *SMOLVM_TREE)
+    registry, vms = os.path.join(tree, "uids"), os.path.join(tree, "vms")
+    stale: dict[int, str] = {}
+    for entry in _entries(registry):
+        if not entry.isdigit():
+            continue
+        vm_id = _read_small(os.path.join(registry, entry))
+        if vm_id is None or "/" in vm_id or vm_id in ("", ".", ".."):
+            stale[int(entry)] = vm_id or "?"
+        elif not os.path.isdir(os.path.join(vms, vm_id)):
+            stale[int(entry)] = vm_id
+    return stale
+
+
+def held_uids(data_dir: str) -> set[int]:
+    """The uids the registry holds for a VM that still has its directory."""
+    registry = os.path.join(data_dir, *SMOLVM_TREE, "uids")
+    stale = stale_reservations(data_dir)
+    return {int(e) for e in _entries(registry) if e.isdigit() and int(e) not in stale}
+
+
+def _real_uid(status_text: str) -> int | None:
+    for line in status_text.splitlines():
+        if line.startswith("Uid:"):
+            fields = line.split()
+            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return None
+
+
+def orphan_processes(data_dir: str, proc_root: str = "/proc") -> dict[int, int]:
+    """Processes (pid -> uid) running as a per-VM uid that no live registry entry holds."""
+    held = held_uids(data_dir)
+    orphans: dict[int, int] = {}
+    for entry in _entries(proc_root):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(
+                os.path.join(proc_root, entry, "status"), encoding="ascii", errors="replace"
+            ) as f:
+                uid = _real_uid(f.read(4096))
+        except OSError:
+            continue  # gone meanwhile
+        if uid is not None and FIRST_VM_UID <= uid <= LAST_VM_UID and uid not in held:
+            orphans[int(entry)] = uid
+    return orphans
+
+
+def uid_leftovers(data_dir: str, proc_root: str = "/proc") -> list[str]:
+    """Each leftover of the per-VM uid model, said in one line (empty: none)."""
+    lines = [
+        f"uid {uid} is still reserved for VM {vm_id}, whose directory is gone"
+        for uid, vm_id in sorted(stale_reservations(data_dir).items())
+    ]
+    lines += [
+        f"pid {pid} still runs as VM uid {uid}, which no machine holds"
+        for pid, uid in sorted(orphan_processes(data_dir, proc_root).items())
+    ]
+    return lines
