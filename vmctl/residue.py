@@ -1,9 +1,11 @@
 """What smolvm's per-VM uid model can leave behind: reservations and processes without a VM.
 
 A teardown is complete only when no uid entry in smolvm's registry names a VM whose directory
-is gone, and no process runs as a per-VM uid that no entry holds (such a process could reach
-what the next VM under that uid is given). ``bottlenetctl selftest`` asks for this after its
-throwaway bottle is destroyed. Blocking file calls: run them off the reactor thread.
+is gone, and no process runs as such a uid (it could reach what the next VM under that uid is
+given). Only this data dir's registry is read: another smolvm data dir on the host hands out
+the same uids for its own VMs, so a per-VM uid seen in ``/proc`` alone proves nothing.
+``bottlenetctl selftest`` asks for this after its throwaway bottle is destroyed. Blocking
+file calls: run them off the reactor thread.
 
 Every file here may be written by a VMM uid, so nothing is followed or read whole: entries are
 opened ``O_NOFOLLOW|O_NONBLOCK`` (a FIFO never blocks), only regular files are read, and at most
@@ -14,8 +16,6 @@ from __future__ import annotations
 
 import os
 import stat
-
-from vmctl.uids import FIRST_VM_UID, LAST_VM_UID
 
 #: Where smolvm keeps its VM dirs and its uid registry, under its data dir.
 SMOLVM_TREE = (".cache", "smolvm")
@@ -63,13 +63,6 @@ def stale_reservations(data_dir: str) -> dict[int, str]:
     return stale
 
 
-def held_uids(data_dir: str) -> set[int]:
-    """The uids the registry holds for a VM that still has its directory."""
-    registry = os.path.join(data_dir, *SMOLVM_TREE, "uids")
-    stale = stale_reservations(data_dir)
-    return {int(e) for e in _entries(registry) if e.isdigit() and int(e) not in stale}
-
-
 def _real_uid(status_text: str) -> int | None:
     for line in status_text.splitlines():
         if line.startswith("Uid:"):
@@ -78,33 +71,34 @@ def _real_uid(status_text: str) -> int | None:
     return None
 
 
-def orphan_processes(data_dir: str, proc_root: str = "/proc") -> dict[int, int]:
-    """Processes (pid -> uid) running as a per-VM uid that no live registry entry holds."""
-    held = held_uids(data_dir)
-    orphans: dict[int, int] = {}
+def processes_of(uids: set[int], proc_root: str = "/proc") -> dict[int, int]:
+    """The processes (pid -> uid) whose real uid is one of ``uids``."""
+    found: dict[int, int] = {}
+    if not uids:
+        return found
     for entry in _entries(proc_root):
         if not entry.isdigit():
             continue
+        path = os.path.join(proc_root, entry, "status")
         try:
-            with open(
-                os.path.join(proc_root, entry, "status"), encoding="ascii", errors="replace"
-            ) as f:
+            with open(path, encoding="ascii", errors="replace") as f:
                 uid = _real_uid(f.read(4096))
         except OSError:
             continue  # gone meanwhile
-        if uid is not None and FIRST_VM_UID <= uid <= LAST_VM_UID and uid not in held:
-            orphans[int(entry)] = uid
-    return orphans
+        if uid is not None and uid in uids:
+            found[int(entry)] = uid
+    return found
 
 
 def uid_leftovers(data_dir: str, proc_root: str = "/proc") -> list[str]:
     """Each leftover of the per-VM uid model, said in one line (empty: none)."""
+    stale = stale_reservations(data_dir)
     lines = [
         f"uid {uid} is still reserved for VM {vm_id}, whose directory is gone"
-        for uid, vm_id in sorted(stale_reservations(data_dir).items())
+        for uid, vm_id in sorted(stale.items())
     ]
     lines += [
-        f"pid {pid} still runs as VM uid {uid}, which no machine holds"
-        for pid, uid in sorted(orphan_processes(data_dir, proc_root).items())
+        f"pid {pid} still runs as VM uid {uid}, whose machine is gone"
+        for pid, uid in sorted(processes_of(set(stale), proc_root).items())
     ]
     return lines
