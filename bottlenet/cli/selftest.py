@@ -74,8 +74,12 @@ CODE_STEP = {
 FIXES = {
     "smolvm": "install the vm extra (pip install 'bottlenet[vm]') or start the daemon with"
     " --smolvm /abs/path/smolvm (1.8.0 or newer; tested 1.32.2); docs/smolvm.md",
-    "kvm": "the VM process must open /dev/kvm: load kvm_intel/kvm_amd and, for a non-root"
-    " daemon, add its user to the kvm group (usermod -aG kvm USER) and restart the daemon;"
+    "kvm": "the VM process must open /dev/kvm: load kvm_intel or kvm_amd; for a non-root"
+    " daemon add its user to the kvm group (usermod -aG kvm USER) and restart the daemon;"
+    " docs/operations.md",
+    "kvm-per-vm": "the VM process must open /dev/kvm: load kvm_intel or kvm_amd; as root,"
+    " smolvm runs each VM under a uid of its own (2000000 and up), so /dev/kvm must be open"
+    " to them (crw-rw-rw-, as most distributions' udev rules make it; ls -l /dev/kvm);"
     " docs/operations.md",
     "sidecar": "the sidecar image must listen on /run/bottlenet/<service>.sock for each"
     " service (created by root: /run is a root 0755 tmpfs); docs/sidecar.md",
@@ -162,9 +166,10 @@ def judge_hello(hello: HelloResult, control: str) -> list[Check]:
     return checks
 
 
-def judge_create_error(error: BottlenetError) -> list[Check]:
+def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> list[Check]:
     """The create's steps when the create failed with ``error``: the steps before the one the
-    code names passed, that one failed, the rest were not reached."""
+    code names passed, that one failed, the rest were not reached. ``per_vm_uids``: the
+    daemon's VMs run under uids of their own (it changes the KVM fix)."""
     seen = f"{error.code}: {error.message}"
     failed = CODE_STEP.get(error.code)
     if failed is None and "volume" in error.message:
@@ -181,7 +186,8 @@ def judge_create_error(error: BottlenetError) -> list[Check]:
     checks = []
     for step in CREATE_STEPS:
         if step == failed:
-            checks.append(Check(step, Verdict.FAIL, seen, FIXES[step]))
+            fix = FIXES["kvm-per-vm" if step == "kvm" and per_vm_uids else step]
+            checks.append(Check(step, Verdict.FAIL, seen, fix))
             break
         checks.append(Check(step, Verdict.PASS, "passed (the create went on past it)"))
     return checks
@@ -349,21 +355,26 @@ class Run:
         self.control = control
         self.kinds: list[str] = []
         self.torn_down = False
+        self.per_vm_uids = False
 
     def checks(self) -> Iterator[Check]:
         """Every step once, in :data:`STEPS` order: those the run passed by are SKIP."""
         todo = list(STEPS)
+        reason = "not reached"
         for check in self._steps():
             while todo and todo[0] != check.step:
-                yield Check(todo.pop(0), Verdict.SKIP, "not reached")
+                yield Check(todo.pop(0), Verdict.SKIP, reason)
             if todo:
                 todo.pop(0)
+            if check.verdict is Verdict.FAIL and reason == "not reached":
+                reason = f"not reached ({check.step} failed)"
             yield check
         for step in todo:
-            yield Check(step, Verdict.SKIP, "not reached")
+            yield Check(step, Verdict.SKIP, reason)
 
     def _steps(self) -> Iterator[Check]:
         hello = self.c.hello()
+        self.per_vm_uids = (hello.vm_uids or "").startswith("per-VM")
         first = judge_hello(hello, self.control)
         yield from first
         if first[1].verdict is Verdict.FAIL:
@@ -376,7 +387,8 @@ class Run:
         )
         made = self.args.volume_dir is None
         try:
-            os.chmod(volume, 0o755)  # as a user's project directory usually is
+            if made:
+                os.chmod(volume, 0o755)  # as a user's project directory usually is
             yield from self._with_bottle(volume)
         finally:
             if made:
@@ -388,7 +400,7 @@ class Run:
         try:
             record = self.c.create_bottle(self.name, spec=json.dumps(spec))
         except BottlenetError as e:
-            yield from judge_create_error(e)
+            yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
             yield from self._teardown(destroy=False)
             return
         try:

@@ -243,3 +243,19 @@ def test_planted_entries_are_not_followed_or_waited_on(tmp_path: Any) -> None:
     with open(os.path.join(reg, "2000004"), "w") as f:
         f.write("../vms/live")
     assert set(residue.stale_reservations(str(tmp_path))) == {2000002, 2000003, 2000004}
+
+
+def test_kvm_fix_fits_the_privilege_model() -> None:
+    """Under per-VM uids the KVM fix speaks of smolvm's VM uids, else of the kvm group."""
+    error = KvmUnavailable("KVM is not usable on this host")
+    assert "kvm group" in st.judge_create_error(error)[0].fix
+    assert "2000000" in st.judge_create_error(error, per_vm_uids=True)[0].fix
+
+
+def test_skips_say_which_step_failed() -> None:
+    """A step not reached says which failed step stopped the run."""
+    run = _Scripted([Check("daemon", Verdict.PASS, ""), Check("kvm", Verdict.FAIL, "x")])
+    skipped = [c for c in run.checks() if c.verdict is Verdict.SKIP]
+    assert {c.seen for c in skipped if st.STEPS.index(c.step) > st.STEPS.index("kvm")} == {
+        "not reached (kvm failed)"
+    }
