@@ -106,7 +106,9 @@ class Namespace:
     def popen(self, argv: Sequence[str], **kw: Any) -> subprocess.Popen[bytes]:
         return subprocess.Popen(self.argv(argv), preexec_fn=_die_with_parent, **kw)
 
-    def run(self, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 120) -> str:
+    def run(
+        self, argv: Sequence[str], *, env: dict[str, str] | None = None, timeout: float = 120
+    ) -> str:
         done = subprocess.run(
             self.argv(argv), env=env, capture_output=True, timeout=timeout, cwd=REPO
         )
@@ -193,7 +195,7 @@ class Node:
             "--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path,
             "--unsafe-skip-isolation-probe", *extra,
         )  # fmt: skip
-        log = open(os.path.join(self.root, "daemon.log"), "ab")  # noqa: SIM115
+        log = open(os.path.join(self.root, "daemon.log"), "ab")
         self.daemon = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
         log.close()
         wait_until(f"{self.label}'s daemon answers", self._answers, 60)
@@ -337,7 +339,7 @@ class NetCluster:
             cwd=REPO,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            stderr=open(os.path.join(self.root, "driver.log"), "ab"),  # noqa: SIM115
+            stderr=open(os.path.join(self.root, "driver.log"), "ab"),
         )
         return Driver(proc)
 
