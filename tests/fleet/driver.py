@@ -62,7 +62,10 @@ def handle(req: dict[str, Any]) -> Any:
         pools[req["id"]] = pool
         return {"bottles": _describe(pool.bottles), "seconds": time.monotonic() - started}
     if op == "status":
-        return _each(req["id"], "state", timeout=req.get("timeout", 60))
+        # the daemon's record through each actor: a round trip to the bottle's own node
+        bottles = pools[req["id"]].bottles
+        results = _each(req["id"], "status", timeout=req.get("timeout", 60))
+        return [{"node_id": b.node_id, **r} for b, r in zip(bottles, results, strict=True)]
     if op == "exec":
         return [
             r if "error" in r else {"ok": r["ok"]}

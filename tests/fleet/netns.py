@@ -20,9 +20,11 @@ import contextlib
 import ctypes
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import sysconfig
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -217,35 +219,67 @@ class Node:
             self.daemon = None
 
 
+#: The uid Ray runs as (never root: docs/fleet.md); each daemon admits it scoped.
+RAY_UID = 4250
+#: Another scoped uid, the "other owner" of the scoped-uid check.
+OTHER_UID = 4251
+SYSTEM_PYTHON = "/usr/bin/python3"
+SITE = sysconfig.get_paths()["purelib"]
+_RAY_MAIN = "import sys; from ray.scripts.scripts import main; sys.exit(main())"
+
+
+def unprivileged_python_works(uid: int = RAY_UID) -> str | None:
+    """None when ``uid`` can run Ray and this tree with the system python (as the tier
+    runs Ray), else why not (a tree under a 0700 home, no setpriv)."""
+    probe = subprocess.run(
+        ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", SYSTEM_PYTHON,
+         "-c", "import ray, bottlenet.fleet"],
+        env={"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": f"{SITE}:{REPO}"},
+        capture_output=True, cwd="/", timeout=120,
+    )  # fmt: skip
+    if probe.returncode == 0:
+        return None
+    return probe.stderr.decode(errors="replace").strip().splitlines()[-1:][0][:200]
+
+
 @attrs.define
 class NetCluster:
-    """Switch, head (GCS + Redis), trainer and ``len(bottles)`` bottle nodes."""
+    """Switch, head (GCS + Redis), trainer and ``len(bottles)`` bottle nodes. Ray (head,
+    raylets, workers, the trainer) runs as ``ray_uid`` with the system python, or as this
+    process's uid with this interpreter when ``ray_uid`` is None."""
 
     root: str
     bottles: Sequence[int]
+    ray_uid: int | None = RAY_UID
+    lease_grace: float = 3.0
     token: str = "bottlenet-fleet-test-token-0123456789abcdef"
     switch: Namespace = attrs.field(factory=lambda: Namespace("switch", net_only=True))
     head: Namespace = attrs.field(factory=lambda: Namespace("head"))
     trainer: Namespace = attrs.field(factory=lambda: Namespace("trainer"))
-    nodes: list[Node] = attrs.field(factory=list)
     redis: Namespace = attrs.field(factory=lambda: Namespace("redis"))
+    nodes: list[Node] = attrs.field(factory=list)
+    head_kills: int = 0
 
     @property
     def address(self) -> str:
         return f"{HEAD_IP}:{GCS_PORT}"
 
+    @property
+    def home(self) -> str:
+        return os.path.join(self.root, "home")
+
     def env(self, **extra: str) -> dict[str, str]:
-        """Every process's environment: this venv first, Ray quiet and token-authenticated,
-        a HOME of the cluster's own (Ray's bootstrap-config stand-in, its token file)."""
-        home = os.path.join(self.root, "home")
+        """Every process's environment: this tree importable, Ray quiet and
+        token-authenticated, a HOME of the cluster's own (Ray's bootstrap-config stand-in)."""
+        path = "/usr/bin:/bin:/usr/sbin:/sbin" if self.ray_uid else f"{BIN}:/usr/bin:/bin"
         env = {
-            "PATH": f"{BIN}:/usr/sbin:/usr/bin:/sbin:/bin",
-            "HOME": home,
-            "PYTHONPATH": REPO,
+            "PATH": path,
+            "HOME": self.home,
+            "PYTHONPATH": f"{SITE}:{REPO}" if self.ray_uid else REPO,
             "LANG": "C.UTF-8",
             **QUIET_RAY,
             "RAY_AUTH_MODE": "token",
-            "RAY_AUTH_TOKEN_PATH": os.path.join(home, "token"),
+            "RAY_AUTH_TOKEN_PATH": os.path.join(self.home, "token"),
             # a lost node is declared dead after ~3 s (1 s checks, 3 misses), not 15+
             "RAY_health_check_period_ms": "1000",
             "RAY_health_check_timeout_ms": "1000",
@@ -255,34 +289,60 @@ class NetCluster:
         env.update(extra)
         return env
 
-    def start(self, daemon_extra: Sequence[str] = ()) -> None:
-        home = os.path.join(self.root, "home")
-        os.makedirs(home, exist_ok=True)
-        with open(os.path.join(home, "ray_bootstrap_config.yaml"), "w") as f:
+    def as_ray(self, argv: Sequence[str]) -> list[str]:
+        """``argv`` (a Python program's arguments) as Ray's uid runs it."""
+        if self.ray_uid is None:
+            return [sys.executable, *argv]
+        uid = str(self.ray_uid)
+        return ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
+                SYSTEM_PYTHON, *argv]  # fmt: skip
+
+    def _own(self, path: str) -> None:
+        if self.ray_uid is not None:
+            os.chown(path, self.ray_uid, self.ray_uid)
+
+    def start(self) -> None:
+        os.chmod(self.root, 0o711)
+        os.makedirs(self.home, exist_ok=True)
+        with open(os.path.join(self.home, "ray_bootstrap_config.yaml"), "w") as f:
             f.write("provider:\n  type: local\n")
-        with open(os.path.join(home, "token"), "w") as f:
+        token = os.path.join(self.home, "token")
+        with open(token, "w") as f:
             f.write(self.token)
-        os.chmod(os.path.join(home, "token"), 0o600)
+        os.chmod(token, 0o600)
+        self._own(self.home)
+        self._own(token)
         self.switch.start()
         self.switch.sh("ip link add br0 type bridge && ip link set br0 up")
-        self.redis.start()
         self._plug(self.redis, f"{SUBNET}.3", "vredis")
-        self._plug(self.head, HEAD_IP, "vhead")
-        self._plug(self.trainer, TRAINER_IP, "vtrainer")
         self.redis.popen(
             ["redis-server", "--port", str(REDIS_PORT), "--bind", f"{SUBNET}.3",
              "--save", "", "--appendonly", "no", "--protected-mode", "no"],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         self.start_head()
+        self._plug(self.trainer, TRAINER_IP, "vtrainer")
         self._ray_start(self.trainer, TRAINER_IP, "trainer", num_cpus=2, bottles=0)
         for i, count in enumerate(self.bottles):
             node = Node(i + 1, os.path.join(self.root, f"n{i + 1}"), count, Namespace(f"n{i + 1}"))
-            os.makedirs(node.root, mode=0o700, exist_ok=True)
+            os.makedirs(node.root, exist_ok=True)
+            os.chmod(node.root, 0o711)  # Ray's uid reaches the control socket (0666) in it
             self._plug(node.ns, node.ip, f"vn{node.index}")
-            node.start_daemon(self.env(), daemon_extra)
+            self.start_daemon(node)
             self.nodes.append(node)
             self.start_raylet(node)
+
+    def start_daemon(self, node: Node) -> None:
+        scoped: list[str] = []
+        for uid in (self.ray_uid, OTHER_UID):
+            if uid is not None:
+                scoped += ["--allow-uid", f"{uid}:scoped"]
+        extra = [
+            "--label", f"bottlenet-node={node.label}", "--lease-grace", f"{self.lease_grace:g}",
+            *scoped,
+        ]  # fmt: skip
+        node.start_daemon(self.env(PATH=f"{BIN}:/usr/bin:/bin", PYTHONPATH=REPO), extra)
+        os.chmod(node.control, 0o666)  # as a systemd socket's group would let Ray reach it
 
     def _plug(self, ns: Namespace, ip: str, veth: str) -> None:
         if not ns.pid:
@@ -297,29 +357,31 @@ class NetCluster:
         self, ns: Namespace, ip: str, label: str, *, num_cpus: int, bottles: int,
         head: bool = False, env: dict[str, str] | None = None,
     ) -> None:  # fmt: skip
+        temp = os.path.join(self.root, "ray-" + label)
+        os.makedirs(temp, exist_ok=True)
+        self._own(temp)
         argv = [
-            os.path.join(BIN, "ray"), "start", f"--node-ip-address={ip}",
+            "-c", _RAY_MAIN, "start", f"--node-ip-address={ip}",
             f"--num-cpus={num_cpus}", f"--resources={json.dumps({'bottle': bottles})}",
             f"--labels=bottlenet-node={label}", "--object-store-memory=80000000",
-            f"--temp-dir={os.path.join(self.root, 'ray-' + label)}", "--disable-usage-stats",
+            f"--temp-dir={temp}", "--disable-usage-stats",
         ]  # fmt: skip
         if head:
             argv += ["--head", f"--port={GCS_PORT}", "--include-dashboard=false"]
         else:
             argv += [f"--address={self.address}"]
-        ns.run(argv, env=env or self.env(), timeout=180)
+        ns.run(self.as_ray(argv), env=env or self.env(), timeout=180)
 
     def start_head(self) -> None:
-        if not self.head.pid:
-            self._plug(self.head, HEAD_IP, "vhead")
+        self._plug(self.head, HEAD_IP, "vhead")
         env = self.env(RAY_REDIS_ADDRESS=f"{SUBNET}.3:{REDIS_PORT}")
         self._ray_start(self.head, HEAD_IP, "head", num_cpus=0, bottles=0, head=True, env=env)
 
     def kill_head(self) -> None:
-        """The head's namespace goes (GCS, its raylet, everything); its veth with it."""
+        """The head's namespace goes (GCS, its raylet, everything; its veth with it)."""
         self.head.stop()
-        with contextlib.suppress(AssertionError):
-            self.switch.sh("ip link del vhead")
+        self.head = Namespace("head")
+        self.head_kills += 1
 
     def start_raylet(self, node: Node) -> None:
         env = self.env(BOTTLENET_CONTROL=f"unix:{node.control}")
@@ -329,18 +391,25 @@ class NetCluster:
         for pid in node.ns.pids("/raylet"):
             os.kill(pid, signal.SIGKILL)
 
+    def stop_ray(self, node: Node) -> None:
+        """Every Ray process of ``node`` (raylet, agents, workers) killed."""
+        for pid in node.ns.pids("ray"):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
     def partition(self, node: Node, up: bool = False) -> None:
         self.switch.sh(f"ip link set vn{node.index} {'up' if up else 'down'}")
 
     def driver(self) -> Driver:
-        proc = self.trainer.popen(
-            [sys.executable, "-m", "tests.fleet.driver", self.address],
-            env=self.env(),
-            cwd=REPO,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=open(os.path.join(self.root, "driver.log"), "ab"),
-        )
+        with open(os.path.join(self.root, "driver.log"), "ab") as log:
+            proc = self.trainer.popen(
+                self.as_ray(["-m", "tests.fleet.driver", self.address]),
+                env=self.env(),
+                cwd=REPO,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=log,
+            )
         return Driver(proc)
 
     def stop(self) -> None:
@@ -349,10 +418,6 @@ class NetCluster:
             node.ns.stop()
         for ns in (self.trainer, self.head, self.redis, self.switch):
             ns.stop()
-
-    def leftovers(self) -> list[str]:
-        """Processes still in any of the cluster's namespaces (none after stop)."""
-        return [ns.name for ns in (self.switch, self.head, self.trainer, self.redis) if ns.pid]
 
 
 @attrs.define
@@ -365,6 +430,9 @@ class Driver:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.proc.stdin.flush()
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        if not ready:
+            raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
         line = self.proc.stdout.readline()
         if not line:
             raise AssertionError(f"the driver ended during {op} (see driver.log)")
