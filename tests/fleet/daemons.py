@@ -8,6 +8,7 @@ import contextlib
 import os
 import subprocess
 from collections.abc import Iterator, Sequence
+from unittest import mock
 
 import attrs
 
@@ -81,13 +82,5 @@ def quiet_ray(root: str) -> Iterator[dict[str, str]]:
     with open(os.path.join(home, "ray_bootstrap_config.yaml"), "w") as f:
         f.write("provider:\n  type: local\n")
     env = {**QUIET_RAY, "HOME": home}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with mock.patch.dict(os.environ, env):
         yield env
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
