@@ -195,7 +195,7 @@ def test_tls_layer_reports_first_bytes_to_the_admission(tmp_path: Any) -> None:
 
     def connect() -> tuple[Any, _TLSStringTransport]:
         transport = _TLSStringTransport("10.8.0.1")
-        tls = tls_factory.buildProtocol(transport.getPeer())
+        tls: Any = tls_factory.buildProtocol(transport.getPeer())
         tls.makeConnection(transport)
         return tls, transport
 
