@@ -124,39 +124,40 @@ def test_a_private_dir_of_another_uid_is_refused(
 # the swap is simulated by making lstat report a regular file the path no longer names.
 
 
-def _swapped(monkeypatch: pytest.MonkeyPatch, path: Path, decoy: Path) -> None:
-    """lstat(path) answers as if ``decoy`` (a regular file) were still there."""
+def _swapped_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str) -> Path:
+    """A path whose lstat still answers for the regular file ``seen`` while a ``kind``
+    (a symlink to ``seen``, a FIFO, another regular file) is there now."""
+    seen, path = tmp_path / "seen", tmp_path / "swapped"
+    seen.write_text("checked")
+    if kind == "symlink":
+        path.symlink_to(seen)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("planted")
     real_lstat = os.lstat
-    before = real_lstat(decoy)
+    before = real_lstat(seen)
 
     def lstat(p: object, *a: object, **kw: object) -> os.stat_result:
         return before if str(p) == str(path) else real_lstat(p, *a, **kw)  # type: ignore[arg-type]
 
     monkeypatch.setattr(os, "lstat", lstat)
+    return path
 
 
 def test_open_regular_refuses_a_symlink_swapped_in_after_lstat(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A symlink that appears after the lstat is not followed, even to the file lstat saw."""
-    target = tmp_path / "target"
-    target.write_text("secret")
-    link = tmp_path / "link"
-    link.symlink_to(target)
-    _swapped(monkeypatch, link, target)
     with pytest.raises(OSError):
-        open_regular(str(link))
+        open_regular(str(_swapped_in(monkeypatch, tmp_path, "symlink")))
 
 
 def test_open_regular_refuses_a_fifo_swapped_in_after_lstat_without_blocking(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A FIFO that appears after the lstat is opened without blocking, then refused."""
-    decoy = tmp_path / "decoy"
-    decoy.write_text("x")
-    fifo = tmp_path / "fifo"
-    os.mkfifo(fifo)
-    _swapped(monkeypatch, fifo, decoy)
+    fifo = _swapped_in(monkeypatch, tmp_path, "fifo")
     outcome: list[BaseException | int] = []
     done = threading.Event()
 
@@ -185,10 +186,7 @@ def test_open_regular_refuses_another_file_swapped_in_and_leaks_nothing(
 ) -> None:
     """Another regular file (a hard link the guest planted) swapped in after the lstat is
     refused, and the refused descriptor is closed: 100 refusals leave no fd behind."""
-    seen, other = tmp_path / "seen", tmp_path / "other"
-    seen.write_text("checked")
-    other.write_text("planted")
-    _swapped(monkeypatch, other, seen)
+    other = _swapped_in(monkeypatch, tmp_path, "file")
     before = _open_fds()
     for _ in range(100):
         with pytest.raises(NotRegularFile):
