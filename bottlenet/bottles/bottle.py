@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
 from attrs import define, evolve, frozen
 from automat import TypeMachineBuilder
@@ -42,6 +42,7 @@ from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore
+from bottlenet.bottles.vmloss import lost_reason
 from bottlenet.errors import BottlenetError, Busy, Degraded, InvalidArgument, Unavailable
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
@@ -562,6 +563,8 @@ class VMBottle(BottleOwner):
         def lost() -> None:
             if self.core.waiter is waiter:
                 self.core.waiter = None
+                if not waiter.cancelled:
+                    Deferred.fromCoroutine(self._after_loss(vms.smolvm, vm.agent_vm))
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
@@ -578,6 +581,18 @@ class VMBottle(BottleOwner):
         assert bottle is not None
         d = Deferred.fromCoroutine(attach.spawn_exec(vms, bottle, request, waiter))
         d.addErrback(failed)
+
+    async def _after_loss(self, smolvm: Any, agent_vm: str) -> None:
+        """The waiter ended without a code: said so, and the VM's loss made the bottle's
+        (a real VM takes its sessions with it: ``bottles/vmloss.py``)."""
+        gone = await lost_reason(smolvm, agent_vm)
+        log.warn(
+            "bottle {bottle}: its workload waiter ended without an exit code ({why})",
+            bottle=self.name,
+            why=gone or "the agent VM runs; the workload's end will not be noticed",
+        )
+        if gone is not None:
+            self.degrade_later(gone)
 
     def workload_ended(self, code: int) -> None:
         self.core.waiter = None

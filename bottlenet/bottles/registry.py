@@ -32,9 +32,11 @@ from bottlenet.bottles.bottle import (
     write,
 )
 from bottlenet.bottles.events import CREATED, DESTROYED, READY, EventBus
+from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Source
 from bottlenet.bottles.probe import ProbeVerdict
+from bottlenet.bottles.sessions import CountedSession, SessionSlots
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
@@ -80,6 +82,7 @@ class BottleRegistry:
         self._clock = clock
         self._table = table
         self._aliases = aliases
+        self._state_dir = state_dir
         #: The daemon's own directories, which no agent volume may overlap (tap adds more).
         self.protected_dirs: tuple[str, ...] = (state_dir,)
         self._max_bottles = max_bottles
@@ -97,6 +100,8 @@ class BottleRegistry:
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
+        #: Launcher sessions (Exec, Logs) per bottle, capped below the guest agent's limit.
+        self.sessions = SessionSlots()
         self._hands = Hands(
             clock, table, aliases, vms, store, self.events, max_connections, self._resync.arm,
             self._forget,
@@ -313,6 +318,19 @@ class BottleRegistry:
         owner = self._owners.get(name)
         return owner is not None and owner.value is not None
 
+    async def leftovers(self, name: str) -> list[str]:
+        """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
+        if self.has_bottle(name):
+            return [f"bottle {name} still exists"]
+        vms = self.vms
+        return await find_leftovers(
+            name,
+            reactor=self._clock if vms is None else vms.reactor,
+            smolvm=None if vms is None else vms.smolvm,
+            state_dir=self._state_dir,
+            per_vm_uids=vms is not None and vms.access.per_vm,
+        )
+
     # -- VM bottles ---------------------------------------------------------------------
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
@@ -356,10 +374,27 @@ class BottleRegistry:
         stdio: tuple[int, int, int] | None = None,
     ) -> IProcessTransport:
         """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio
-        (or the command on the fds ``stdio``, ``protocol`` told only of its end)."""
-        return await attach.spawn_exec(
-            self.vms, self.exec_target(name), request, protocol, stdio=stdio
-        )
+        (or the command on the fds ``stdio``, ``protocol`` told only of its end); BUSY past
+        the bottle's session cap (``bottles/sessions.py``)."""
+        bottle = self.exec_target(name)
+        return await self._counted(bottle, request, protocol, stdio)
+
+    async def _counted(
+        self,
+        bottle: Bottle,
+        request: ExecRequest,
+        protocol: IProcessProtocol,
+        stdio: tuple[int, int, int] | None = None,
+    ) -> IProcessTransport:
+        """A launcher's session, holding one of the bottle's slots until its child ends."""
+        slot = self.sessions.take(bottle.name)
+        try:
+            return await attach.spawn_exec(
+                self.vms, bottle, request, CountedSession(protocol, slot), stdio=stdio
+            )
+        except BaseException:
+            slot.release()
+            raise
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
@@ -367,7 +402,7 @@ class BottleRegistry:
         """``tail`` of the workload's log in the agent VM, ``protocol`` attached."""
         bottle = self.exec_target(name)
         request = attach.logs_request(bottle, tail, follow)
-        return await attach.spawn_exec(self.vms, bottle, request, protocol)
+        return await self._counted(bottle, request, protocol)
 
     def watch(self, bottle: Bottle) -> None:
         """Recovery: watch a restored VM bottle (its sidecar, bridge and workload)."""
