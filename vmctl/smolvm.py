@@ -21,6 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from vmctl.errors import (
@@ -46,6 +47,13 @@ from vmctl.spec import (
     exec_args,
     validate_name,
     validate_spec,
+)
+from vmctl.uids import (
+    UidRegistryError,
+    UidReservation,
+    registered_vm_uid,
+    registry_of,
+    reserve_vm_uid,
 )
 
 T = TypeVar("T")
@@ -769,6 +777,32 @@ class Smolvm:
             raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
         return path
 
+    # -- per-VM uids (smolvm as root) -------------------------------------------------
+
+    async def _off_thread(self, fn: Callable[[str], T], vm_dir: str, name: str) -> T:
+        """A blocking registry call on the reactor's thread pool (the lock is smolvm's)."""
+        reactor: Any = self.runner.reactor
+        try:
+            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, vm_dir)
+        except UidRegistryError as e:
+            raise SmolvmFailed(f"the VM uid of {name}: {e}") from None
+        return result
+
+    @as_deferred
+    async def reserve_uid(self, name: str) -> UidReservation:
+        """The uid ``machine start`` will run ``name``'s VMM as (smolvm's per-VM uids, as
+        root), written into smolvm's root-owned registry now, never one handed out before."""
+        vm_dir = await self.data_dir(name)
+        uid = await self._off_thread(reserve_vm_uid, vm_dir, name)
+        return UidReservation(uid, registry_of(vm_dir), vm_dir)
+
+    @as_deferred
+    async def vmm_uid(self, name: str) -> int | None:
+        """The uid smolvm's root-owned registry holds for ``name``'s VMM (None: no entry).
+        Never the VM dir's ``.vm-uid``: the VMM's own uid can write that."""
+        vm_dir = await self.data_dir(name)
+        return await self._off_thread(registered_vm_uid, vm_dir, name)
+
 
 _EXEC_FAILURES = re.compile(
     r"^Error: (vm not found: |agent operation failed: |config operation failed: )"
@@ -842,5 +876,7 @@ __all__ = [
     "Smolvm",
     "SmolvmVersion",
     "Timeouts",
+    "UidReservation",
+    "VmUids",
     "set_pty_size",
 ]

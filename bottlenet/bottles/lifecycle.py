@@ -62,7 +62,7 @@ from bottlenet.bottles.spec import (
     image_fields,
     is_local_image,
 )
-from bottlenet.bottles.vmmaccess import VmmAccess
+from bottlenet.bottles.vmmaccess import VmmAccess, read_started_uid
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
@@ -104,9 +104,8 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion, VmUids
+from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
-from vmctl.uids import UidRegistryError, registry_of, reserve_vm_uid, started_vm_uid
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 WORKLOAD_TIMEOUT = 60.0
@@ -223,6 +222,8 @@ class _Creation:
     agent: AgentSpec
     plan: IsolationPlan
     undo: list[Undo] = field(factory=list)
+    #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
+    uids: dict[Role, int] = field(factory=dict)
 
 
 @frozen
@@ -300,6 +301,10 @@ class VMLifecycle:
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
+        #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
+        self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
+            reactor, reactor.getThreadPool(), fn, *args
+        )
         #: Per machine being started: a parent of the state dir its VMM cannot pass, if any.
         self._closed: dict[str, str | None] = {}
 
@@ -318,26 +323,35 @@ class VMLifecycle:
             (LABEL_ROLE, role),
         )
 
-    async def reserve_uid(self, machine: str) -> int | None:
+    async def reserve_uid(self, machine: str) -> UidReservation | None:
         """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
         into smolvm's registry now (honoured at start); None under one uid. Remembers a
         parent of the state dir the VMM could not pass, to say why a start then fails."""
         if not self.access.per_vm:
             return None
-        vm_dir = await self.smolvm.data_dir(machine)
-        self._closed[machine] = self.access.closed_ancestor(registry_of(vm_dir))
-        pool = self.reactor.getThreadPool()
-        try:
-            uid: int = await deferToThreadPool(self.reactor, pool, reserve_vm_uid, vm_dir)
-        except UidRegistryError as e:
-            raise SmolvmFailed(f"reserving the VM uid of {machine}: {e}") from None
-        return uid
+        reserved = await self.smolvm.reserve_uid(machine)
+        self._closed[machine] = self.access.closed_ancestor(reserved.registry)
+        return reserved
 
-    async def vmm_uid(self, machine: str) -> int | None:
-        """The uid a started machine's VMM runs as (its ``.vm-uid``); None: no drop."""
-        if not self.access.per_vm:
-            return None
-        return started_vm_uid(await self.smolvm.data_dir(machine))
+    async def check_started_uid(self, bottle: str, reserved: UidReservation) -> None:
+        """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
+        VMM. That file is the VMM's own, so it is read as hostile input (``open_regular``, off
+        the reactor thread); anything but the reserved uid fails the create. No file at all:
+        smolvm dropped no privileges (the fake smolvm's one-uid mode)."""
+        try:
+            started = await self.blocking(read_started_uid, reserved.started_file)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise IsolationFailed(
+                f"the agent VM of {bottle}: its .vm-uid is not a readable regular file "
+                f"({e.strerror}); bottle torn down"
+            ) from None
+        if started != reserved.uid:
+            raise IsolationFailed(
+                f"the agent VM of {bottle} runs as uid {started}, not the uid {reserved.uid} "
+                "reserved for it in smolvm's registry; bottle torn down"
+            )
 
     async def plan(self, spec: BottleSpec) -> IsolationPlan:
         _, agent = vm_parts(spec)
@@ -458,9 +472,10 @@ class VMLifecycle:
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
-            uid = await self.reserve_uid(name)
-            if uid is not None:
-                self.access.hand_sidecar_dir(sidecar_dir(self.state_dir, c.name), uid)
+            reserved = await self.reserve_uid(name)
+            if reserved is not None:
+                c.uids[Role.SIDECAR] = reserved.uid
+                self.access.hand_sidecar_dir(sidecar_dir(self.state_dir, c.name), reserved.uid)
 
         try:
             started = await start_with_sockets(
@@ -499,12 +514,20 @@ class VMLifecycle:
             ]
             return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
 
+        async def reserve() -> None:
+            # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
+            reserved = await self.reserve_uid(name)
+            self._closed.pop(name, None)
+            if reserved is not None:
+                c.uids[Role.SIDECAR] = reserved.uid
+
         return await start_with_raw_ports(
             self.smolvm,
             make_spec,
             len(sidecar.services),
             check=self.check_port,
             allow_unverifiable=self.options.allow_unverifiable_ports,
+            before_start=reserve,
         )
 
     async def step_bind(self, c: _Creation, sidecar: SidecarStarted) -> EndpointsBound:
@@ -560,12 +583,8 @@ class VMLifecycle:
         env = stamp_env(c.spec, c.plan.mode, endpoints)
         reserved = await self._create_agent(c, name, env, endpoints)
         await self.smolvm.start(name)
-        vmm_uid = await self.vmm_uid(name)
-        if vmm_uid is not None and vmm_uid != reserved:
-            raise IsolationFailed(
-                f"the agent VM of {c.name} runs as uid {vmm_uid}, not the uid {reserved} "
-                "reserved for it in smolvm's registry; bottle torn down"
-            )
+        if reserved is not None:
+            await self.check_started_uid(c.name, reserved)
         probe = await self.step_gate(c, name, endpoints, egress_set.policy)
         await self.step_bridge(c, name, endpoints)
         if agent.workload:
@@ -578,10 +597,10 @@ class VMLifecycle:
         name: str,
         env: tuple[tuple[str, str], ...],
         endpoints: Sequence[Endpoint],
-    ) -> int | None:
+    ) -> UidReservation | None:
         """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
-        reserved uid (None under one uid)."""
+        reservation (None under one uid)."""
         spec = agent_machine_spec(name, c.agent, self.labels(c.name, Role.AGENT), env, endpoints)
         if c.agent.user is not None:
             await self.version()
@@ -600,7 +619,8 @@ class VMLifecycle:
         reserved = await self.reserve_uid(name)
         self._closed.pop(name, None)
         if reserved is not None:
-            self.grant_agent(c.name, endpoints, reserved)
+            c.uids[Role.AGENT] = reserved.uid
+            self.grant_agent(c.name, endpoints, reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.smolvm.status(name)
@@ -721,6 +741,8 @@ class VMLifecycle:
                 probe_skipped=self.options.skip_probe,
                 probe=agent.probe,
                 workload=WorkloadState.RUNNING if c.agent.workload else None,
+                agent_uid=c.uids.get(Role.AGENT),
+                sidecar_uid=c.uids.get(Role.SIDECAR),
             ),
         )
 
@@ -906,23 +928,48 @@ class VMLifecycle:
                 return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
         return None
 
-    async def rebind(self, bottle: Bottle) -> None:
-        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
-        sidecar sockets or raw ports.
+    async def restored_uids(self, bottle: Bottle) -> BottleVMs:
+        """Under per-VM uids: the VMM uids the daemon reserved at create, checked against
+        smolvm's root-owned registry (a record older than them takes the registry's). Never
+        a VMM-writable file: a disagreement fails the bottle (ISOLATION_FAILED)."""
+        vm = bottle.require_vms()
+        if not self.access.per_vm:
+            return vm
+        found: dict[Role, int | None] = {}
+        for role, machine, kept in (
+            (Role.AGENT, vm.agent_vm, vm.agent_uid),
+            (Role.SIDECAR, vm.sidecar_vm, vm.sidecar_uid),
+        ):
+            registered = await self.smolvm.vmm_uid(machine)
+            if (kept is not None and registered != kept) or (role, registered) == (
+                Role.AGENT,
+                None,
+            ):
+                raise IsolationFailed(
+                    f"the {role} VM of {bottle.name} was reserved uid {kept} but smolvm's "
+                    f"registry holds {registered} for it; bottle torn down"
+                )
+            found[role] = registered
+        return evolve(vm, agent_uid=found[Role.AGENT], sidecar_uid=found[Role.SIDECAR])
 
-        On failure every listener it bound is removed again and the typed error raised.
+    async def rebind(self, bottle: Bottle) -> Bottle:
+        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
+        sidecar sockets or raw ports, granted to the agent VMM uid reserved at create.
+
+        Returns the bottle with its uids (an old record gains them). On failure every
+        listener it bound is removed again and the typed error raised.
         """
         vm = bottle.require_vms()
         try:
+            vm = await self.restored_uids(bottle)
             for e in vm.endpoints:
                 behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
                 await self.bind_endpoint(
                     bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
                 )
             self.table.admit_peers(bottle.name, self.access.peers(None))
-            uid = await self.vmm_uid(vm.agent_vm)
-            if uid is not None:
-                self.grant_agent(bottle.name, vm.endpoints, uid)
+            if vm.agent_uid is not None:
+                self.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
         except VmctlError as e:
             await self.table.remove_bottle(bottle.name)
             raise map_vmctl(e) from None
@@ -932,6 +979,7 @@ class VMLifecycle:
         except BottlenetError:
             await self.table.remove_bottle(bottle.name)
             raise
+        return evolve(bottle, vms=vm)
 
     # -- sidecar liveness ---------------------------------------------------------------
 

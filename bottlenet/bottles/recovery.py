@@ -159,7 +159,7 @@ class Recovery:
         why = vms.check_alive(bottle, machines)
         if why is None:
             try:
-                await vms.rebind(bottle)
+                bottle = await vms.rebind(bottle)
             except BottlenetError as e:
                 why = f"endpoint not restored: {e.message}"
         if why is None:

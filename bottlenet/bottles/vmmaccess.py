@@ -22,6 +22,7 @@ import os
 import stat
 from collections.abc import Iterable
 
+from bottlenet.paths import open_regular
 from vmctl.smolvm import VmUids
 
 #: Others may search (traverse) a directory with this bit, never list it.
@@ -95,3 +96,20 @@ class VmmAccess:
         """The uids the agent endpoints admit: the daemon's own, and the agent VMM's."""
         own = os.geteuid()
         return frozenset({own} if agent_uid is None else {own, agent_uid})
+
+
+#: More than any uid's digits: a longer ``.vm-uid`` is not smolvm's.
+VM_UID_MAX_BYTES = 16
+
+
+def read_started_uid(path: str) -> int | None:
+    """The uid in a started VM's ``.vm-uid`` (its VMM's uid owns that file and may have put
+    anything there): read through ``open_regular`` (no FIFO, no symlink, no device), at most
+    a few bytes; None when it holds no uid. Blocking: call it off the reactor thread.
+    Raises OSError (NotRegularFile, FileNotFoundError)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as fh:
+        text = fh.read(VM_UID_MAX_BYTES + 1)
+    if len(text) > VM_UID_MAX_BYTES or not text.strip().isdigit():
+        return None
+    return int(text.strip())
