@@ -17,10 +17,8 @@ owns no bottle table of its own except the sidecar pid watches.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import os
-import stat
 import sys
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
@@ -31,6 +29,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles import egress, workload
 from bottlenet.bottles.agentenv import stamp_env
+from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -78,7 +77,6 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
-    SIDECAR_DIR,
     ForwardSpec,
     TCPListen,
     TCPTarget,
@@ -434,10 +432,17 @@ class VMLifecycle:
         it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
         path = bottle_dir(self.state_dir, c.name)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        os.mkdir(path, 0o700)  # FileExistsError: a leftover; recovery removes those
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            # The registry holds the name, so no bottle owns this: a leftover (a cleanup
+            # that was cut short, or what a VMM uid left). It goes, whatever is in it.
+            self.log.warn("bottle {bottle}: clearing a leftover directory", bottle=c.name)
+            await self.blocking(remove_bottle_dir, self.state_dir, c.name)
+            os.mkdir(path, 0o700)
 
         async def remove() -> None:
-            remove_bottle_dir(path)
+            await self.blocking(remove_bottle_dir, self.state_dir, c.name)
 
         c.undo.append(("directory", remove))
         os.mkdir(sidecar_dir(self.state_dir, c.name), 0o700)
@@ -873,7 +878,7 @@ class VMLifecycle:
                 await self.remove_machine(name)
         except VmctlError as e:
             raise map_vmctl(e) from None
-        self.release(bottle)
+        await self.release(bottle)
 
     def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
         return (
@@ -882,9 +887,10 @@ class VMLifecycle:
             and machine.labels.get(LABEL_BOTTLE) == bottle
         )
 
-    def release(self, bottle: Bottle) -> None:
-        """The bottle's socket directory (its agent endpoints and its sidecar's sockets)."""
-        remove_bottle_dir(bottle_dir(self.state_dir, bottle.name))
+    async def release(self, bottle: Bottle) -> None:
+        """The bottle's socket directory (its agent endpoints and its sidecar's sockets), off
+        the reactor thread; never fails (``bottledirs``: what stays is moved aside)."""
+        await self.blocking(remove_bottle_dir, self.state_dir, bottle.name)
 
     # -- after a restart ----------------------------------------------------------------
 
@@ -1024,42 +1030,3 @@ class VMLifecycle:
 def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:
     """bottlenet runs its bridge for the agent's endpoints unless ``agent.bridge = "none"``."""
     return spec.agent is not None and spec.agent.bridge is BridgeMode.BOTTLENET and bool(endpoints)
-
-
-def remove_bottle_dir(path: str) -> None:
-    """Remove a bottle's socket directory: its sidecar's socket directory, its sockets, then
-    the directory (idempotent).
-
-    Anything that is not a socket is left in place (and the directory with it). A path that
-    is not a real directory (a symlink, a regular file) is never followed nor removed.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        Logger().warn(
-            "{path} is not a directory (symlinks are not followed); left in place", path=path
-        )
-        return
-    inner = os.path.join(path, SIDECAR_DIR)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISDIR(os.lstat(inner).st_mode):
-            remove_bottle_dir(inner)
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return
-    for n in names:
-        p = os.path.join(path, n)
-        try:
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
-                os.unlink(p)
-        except FileNotFoundError:
-            pass
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        Logger().warn("bottle directory {path} is not empty; left in place", path=path)

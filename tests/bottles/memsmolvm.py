@@ -19,7 +19,7 @@ from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from attrs import define, evolve, field
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
@@ -349,6 +349,7 @@ class Rig:
             check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
+        self.vms.blocking = maybeDeferred  # a Clock has no thread pool: run them in line
         if self.smolvm.guest is None:
             self.smolvm.guest = self.honest_guest
         self.registry = BottleRegistry(

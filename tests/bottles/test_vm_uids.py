@@ -14,7 +14,6 @@ import threading
 from collections.abc import Callable, Iterable
 
 import pytest
-from twisted.internet.defer import maybeDeferred
 
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.vmmaccess import VmmAccess
@@ -48,7 +47,6 @@ def per_vm(rigs: Callable[..., Rig], tmp: str, smolvm: MemorySmolvm | None = Non
     smolvm = smolvm or MemorySmolvm(vm_root=os.path.join(tmp, "vms"))
     rig = rigs(smolvm=smolvm, options=VMOptions(instance_id="", vm_uids=VmUids.PER_VM))
     rig.vms.access = RecordingAccess(rig.state_dir)
-    rig.vms.blocking = maybeDeferred
     return rig
 
 
