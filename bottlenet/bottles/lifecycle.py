@@ -78,6 +78,7 @@ from bottlenet.errors import (
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
     ForwardSpec,
+    HeldSocket,
     TCPListen,
     TCPTarget,
     UNIXListen,
@@ -555,9 +556,12 @@ class VMLifecycle:
         self, bottle: str, service: str, guest_port: int, behind: str | int, listen: UNIXListen
     ) -> Endpoint:
         """One agent endpoint (``listen``) relaying to the sidecar service ``behind``: its
-        exposed socket in the bottle's directory, else its raw port 127.0.0.1:RAW."""
+        exposed socket in the bottle's directory (pinned: the socket file the sidecar's VM was
+        just seen to hold, per connect), else its raw port 127.0.0.1:RAW."""
         target: TCPTarget | UNIXTarget = (
-            UNIXTarget(behind) if isinstance(behind, str) else TCPTarget(LOCALHOST, behind)
+            UNIXTarget(behind, held=HeldSocket.at(behind))
+            if isinstance(behind, str)
+            else TCPTarget(LOCALHOST, behind)
         )
         await self.table.add(ForwardSpec(bottle, service, listen, target))
         guest_path = guest_socket_path(service)

@@ -692,7 +692,9 @@ class ForwardTable(Service):
         endpoint = self._plain_target_endpoint(spec)
         if isinstance(spec.target, UNIXTarget):
             root = self._target_root(spec)
-            return CheckedUNIXTarget(endpoint, spec.target.path, root, self.own_sockets)
+            return CheckedUNIXTarget(
+                endpoint, spec.target.path, root, self.own_sockets, spec.target.held
+            )
         return endpoint
 
     def _target_root(self, spec: ForwardSpec) -> str:

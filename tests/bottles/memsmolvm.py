@@ -15,6 +15,7 @@ done, so every create, rollback and recovery runs synchronously in a few millise
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
@@ -86,6 +87,10 @@ class MemorySmolvm:
     #: What ``start`` writes to a machine's ``.vm-uid`` instead of its reserved uid (a
     #: smolvm that did not honour the reservation, or a VMM that rewrote its file).
     started_as: dict[str, str] = field(factory=dict)
+    #: With ``bind_exposed``, a started machine's "VMM" binds its ``--expose-socket`` host
+    #: paths (real sockets, closed at stop), as smolvm's does.
+    bind_exposed: bool = False
+    exposed: dict[str, list[socket.socket]] = field(factory=dict)
 
     @property
     def known_version(self) -> SmolvmVersion:
@@ -152,6 +157,8 @@ class MemorySmolvm:
         def start() -> int | None:
             m = self._machine(name)
             m.state, m.pid = "running", self.pid
+            if self.bind_exposed:
+                self.exposed[name] = [_bound(e.host) for e in m.spec.expose_sockets]
             if name in self.uids and self.vm_root:  # as smolvm: .vm-uid before the drop
                 text = self.started_as.get(name, str(self.uids[name]))
                 path = os.path.join(self.vm_dir(name), ".vm-uid")
@@ -168,6 +175,8 @@ class MemorySmolvm:
         def stop() -> None:
             m = self._machine(name)
             m.state, m.pid = "stopped", None
+            for sock in self.exposed.pop(name, []):
+                sock.close()
 
         return self._answer("stop", name, stop)
 
@@ -258,6 +267,13 @@ class MemorySmolvm:
 
     def vmm_uid(self, name: str) -> Deferred[int | None]:
         return self._answer("vmm_uid", name, lambda: self.uids.get(name))
+
+
+def _bound(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.listen(8)
+    return sock
 
 
 def exits(code: int, stdout: bytes = b"") -> ExecResult:

@@ -10,6 +10,7 @@ here a recording ``VmmAccess`` stands in for it, so a non-root run still pins th
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from collections.abc import Callable, Iterable
 
@@ -18,6 +19,8 @@ import pytest
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.errors import BottlenetError
+from bottlenet.forward.spec import HeldSocket, UNIXTarget
+from bottlenet.forward.targets import OwnSockets, unix_target_problem
 from tests.bottles.memsmolvm import FIFO, MemorySmolvm, Rig
 from tests.bottles.test_recovery import _store, _stored
 from tests.bottles.test_rollback import assert_nothing_left, spec
@@ -202,3 +205,31 @@ def test_an_old_record_whose_agent_has_no_registry_entry_fails(
     rig.recover()
     assert rig.registry.list_bottles() == []
     assert access(rig).granted == []
+
+
+def test_the_endpoints_relay_only_to_the_socket_file_the_sidecar_vm_holds(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """R2: each endpoint's target is pinned to the exposed socket the sidecar's VM holds
+    (device, inode, owner), at create and again at restart; a socket bound at the same path
+    by anyone else (a leftover of a deleted bottle's sidecar uid did that) is refused."""
+    smolvm = MemorySmolvm(vm_root=os.path.join(tmp, "vms"), bind_exposed=True)
+    first = per_vm(rigs, tmp, smolvm=smolvm)
+    first.run(first.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
+    info = first.table.list("rb")[0]
+    target = info.spec.target
+    assert isinstance(target, UNIXTarget)
+    assert target.held == HeldSocket.at(target.path) is not None
+    root = os.path.dirname(target.path)
+    assert unix_target_problem(target.path, root, OwnSockets(), target.held) is None
+    first.close()
+    rig = per_vm(rigs, tmp, smolvm=smolvm)
+    rig.recover()
+    info = rig.table.list("rb")[0]
+    assert isinstance(info.spec.target, UNIXTarget) and info.spec.target.held == target.held
+    os.unlink(target.path)
+    impostor = socket.socket(socket.AF_UNIX)
+    impostor.bind(target.path)
+    impostor.close()
+    problem = unix_target_problem(target.path, root, OwnSockets(), target.held)
+    assert problem == "is no longer the socket its sidecar holds"
