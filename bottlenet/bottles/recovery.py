@@ -14,6 +14,7 @@ label.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -196,8 +197,22 @@ class Recovery:
         for n in names:
             if self.registry.has_bottle(n):
                 continue
+            if not _is_dir(os.path.join(self.state_dir, BOTTLES, n)):
+                self.log.warn(
+                    "{name} in the bottle directories is not a directory (symlinks are not "
+                    "followed); left in place",
+                    name=safe_repr(n, 80),
+                )
+                continue
             self.log.info("removing unclaimed bottle directory {name}", name=safe_repr(n, 80))
             remove_bottle_dir(self.state_dir, n)
+
+
+def _is_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def aliases_outside(state: State, pool: AliasPool) -> list[str]:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import os
 import socket
+import stat
 import threading
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pytest
 
@@ -233,3 +235,26 @@ def test_the_endpoints_relay_only_to_the_socket_file_the_sidecar_vm_holds(
     impostor.close()
     problem = unix_target_problem(target.path, root, OwnSockets(), target.held)
     assert problem == "is no longer the socket its sidecar holds"
+
+
+def test_a_grant_never_goes_through_a_name_that_is_not_a_socket(tmp_path: Path) -> None:
+    """P07: a symlink (to a 0600 file) or a plain file at an endpoint path is left as it is;
+    the real socket next to it is granted (0660, the uid as its group). Runs without root:
+    the uid granted is the test's own gid."""
+    secret = tmp_path / "secret"
+    secret.write_text("x")
+    secret.chmod(0o600)
+    (tmp_path / "link.sock").symlink_to(secret)
+    plain = tmp_path / "plain.sock"
+    plain.write_text("")
+    plain.chmod(0o600)
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(tmp_path / "real.sock"))
+    sock.close()
+    access = VmmAccess(str(tmp_path), VmUids.PER_VM)
+    paths = [str(tmp_path / n) for n in ("link.sock", "plain.sock", "real.sock")]
+    access.grant_endpoints(paths, os.getgid())
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert stat.S_IMODE(plain.stat().st_mode) == 0o600
+    real = os.lstat(tmp_path / "real.sock")
+    assert (stat.S_IMODE(real.st_mode), real.st_gid) == (0o660, os.getgid())

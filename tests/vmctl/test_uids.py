@@ -147,3 +147,5 @@ def test_the_registered_uid_comes_from_the_registry_not_the_vm_dir(tmp_path: Pat
     assert registered_vm_uid(vm) == FIRST_VM_UID + 5
     (reg / str(FIRST_VM_UID + 5)).unlink()
     assert registered_vm_uid(vm) is None
+    (reg / "0").write_text("abc")  # outside smolvm's range: never a VMM's uid (root's here)
+    assert registered_vm_uid(vm) is None
