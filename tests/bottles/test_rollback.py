@@ -123,19 +123,6 @@ def test_raw_port_not_owned(rigs: Callable[..., Rig], tmp: str) -> None:
     assert "not held by its VM process" in error.message
 
 
-def test_directory_taken(rigs: Callable[..., Rig], tmp: str) -> None:
-    rig = rigs()
-    # a leftover socket directory (recovery removes those; create never reuses one)
-    keep = os.path.join(rig.state_dir, "bottles", "rb", "keep")
-    os.makedirs(os.path.dirname(keep), mode=0o700)
-    open(keep, "w").close()
-    with pytest.raises(BottlenetError) as info:
-        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
-    assert info.value.code == "SMOLVM_FAILED"
-    assert rig.smolvm.machines == {} and rig.smolvm.calls == []
-    assert os.path.exists(keep)
-
-
 def test_second_bind_refused(rigs: Callable[..., Rig], tmp: str) -> None:
     rig = rigs()
     original = rig.table.add
