@@ -51,6 +51,7 @@ from vmctl.spec import (
 from vmctl.uids import (
     UidRegistryError,
     UidReservation,
+    end_processes_of,
     registered_vm_uid,
     registry_of,
     reserve_vm_uid,
@@ -779,11 +780,11 @@ class Smolvm:
 
     # -- per-VM uids (smolvm as root) -------------------------------------------------
 
-    async def _off_thread(self, fn: Callable[[str], T], vm_dir: str, name: str) -> T:
+    async def _off_thread(self, fn: Callable[[Any], T], arg: Any, name: str) -> T:
         """A blocking registry call on the reactor's thread pool (the lock is smolvm's)."""
         reactor: Any = self.runner.reactor
         try:
-            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, vm_dir)
+            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, arg)
         except UidRegistryError as e:
             raise SmolvmFailed(f"the VM uid of {name}: {e}") from None
         return result
@@ -802,6 +803,12 @@ class Smolvm:
         Never the VM dir's ``.vm-uid``: the VMM's own uid can write that."""
         vm_dir = await self.data_dir(name)
         return await self._off_thread(registered_vm_uid, vm_dir, name)
+
+    @as_deferred
+    async def end_uid(self, uid: int) -> tuple[int, ...]:
+        """After a VM's delete: end every process still running as its per-VM uid (a
+        compromised VMM's leftovers); fires with the pids still alive (empty: none)."""
+        return tuple(await self._off_thread(end_processes_of, uid, f"uid {uid}"))
 
 
 _EXEC_FAILURES = re.compile(

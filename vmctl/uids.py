@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import signal
 import stat
 
 from attrs import frozen
@@ -163,3 +164,43 @@ def registered_vm_uid(vm_dir: str) -> int | None:
         if in_range(uid) and _read(os.path.join(reg, str(uid))) == vm_id:
             return uid
     return None
+
+
+def processes_of(uid: int, proc: str = "/proc") -> list[int]:
+    """Live (not zombie) processes with ``uid`` as their real, effective, saved or fs uid."""
+    found = []
+    for entry in os.listdir(proc):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(os.path.join(proc, entry, "status"), encoding="ascii", errors="replace") as f:
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
+        except OSError:
+            continue  # gone meanwhile
+        uids = fields.get("Uid", "").split()
+        if str(uid) in uids and not fields.get("State", "").strip().startswith(("Z", "X")):
+            found.append(int(entry))
+    return found
+
+
+def end_processes_of(uid: int, proc: str = "/proc") -> list[int]:
+    """Kill every process of a per-VM uid (what its VMM left behind: a ``setsid`` child), then
+    look again: the pids still alive (empty: none is left). Root only; blocking.
+
+    The kill is ``kill(-1, SIGKILL)`` from a child that has become ``uid``: the kernel
+    signals every process of that uid in one pass (no fork escapes it, unlike a kill per pid
+    found by a scan). Refuses root and the daemon's own uid."""
+    if uid in (0, os.geteuid()) or not in_range(uid):
+        raise UidRegistryError(f"refusing to end the processes of uid {uid}")
+    if processes_of(uid, proc):
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child: drop to the uid, signal, exit
+            try:
+                os.setgroups([])
+                os.setresgid(uid, uid, uid)
+                os.setresuid(uid, uid, uid)
+                os.kill(-1, signal.SIGKILL)
+            finally:
+                os._exit(0)
+        os.waitpid(pid, 0)
+    return processes_of(uid, proc)

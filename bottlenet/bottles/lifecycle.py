@@ -427,6 +427,7 @@ class VMLifecycle:
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
+        await self.end_uids(c.name, list(c.uids.values()))
 
     async def step_allocate(self, c: _Creation) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
@@ -869,8 +870,9 @@ class VMLifecycle:
         vm = bottle.require_vms()
         self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
+        removed = []
         try:
-            for name in (vm.agent_vm, vm.sidecar_vm):
+            for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
                 if listed is not None and not self._labelled_ours(listed.get(name), bottle.name):
                     if name in listed:
                         self.log.warn(
@@ -880,9 +882,31 @@ class VMLifecycle:
                         )
                     continue
                 await self.remove_machine(name)
+                removed.append(uid)
         except VmctlError as e:
             raise map_vmctl(e) from None
+        await self.end_uids(bottle.name, removed)
         await self.release(bottle)
+
+    async def end_uids(self, bottle: str, uids: Sequence[int | None]) -> None:
+        """Per-VM uids: after the VMs are deleted, end whatever still runs as their uids (what
+        a compromised VMM left behind); those uids are never handed out again either. A
+        failure is logged, never raised."""
+        for uid in uids:
+            if uid is None or not self.access.per_vm:
+                continue
+            try:
+                left = await self.smolvm.end_uid(uid)
+            except VmctlError as e:
+                self.log.error("bottle {bottle}: {err}", bottle=bottle, err=e.message)
+                continue
+            if left:
+                self.log.error(
+                    "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
+                    bottle=bottle,
+                    n=len(left),
+                    uid=uid,
+                )
 
     def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
         return (

@@ -268,6 +268,10 @@ class MemorySmolvm:
     def vmm_uid(self, name: str) -> Deferred[int | None]:
         return self._answer("vmm_uid", name, lambda: self.uids.get(name))
 
+    def end_uid(self, uid: int) -> Deferred[tuple[int, ...]]:
+        """Recorded (as ``("end_uid", "<uid>")``): the processes of a per-VM uid ended."""
+        return self._answer("end_uid", str(uid), tuple)
+
 
 def _bound(path: str) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX)

@@ -258,3 +258,23 @@ def test_a_grant_never_goes_through_a_name_that_is_not_a_socket(tmp_path: Path) 
     assert stat.S_IMODE(plain.stat().st_mode) == 0o600
     real = os.lstat(tmp_path / "real.sock")
     assert (stat.S_IMODE(real.st_mode), real.st_gid) == (0o660, os.getgid())
+
+
+def test_the_vm_uids_processes_are_ended_once_its_machines_are_deleted(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """R2: destroy ends whatever still runs as both VMM uids, after the machines are gone;
+    a create that fails does the same for the uids it reserved."""
+    rig = created(rigs, tmp)
+    agent, sidecar = rig.smolvm.uids[AGENT], rig.smolvm.uids[SIDECAR]
+    rig.run(rig.registry.destroy_bottle("rb"))
+    calls = rig.smolvm.calls
+    ended = [c for c in calls if c[0] == "end_uid"]
+    assert ended == [("end_uid", str(agent)), ("end_uid", str(sidecar))]
+    assert calls.index(ended[0]) > calls.index(("delete", SIDECAR))
+    before = len(calls)
+    rig.smolvm.started_as[AGENT] = "65534"  # the next create fails after both starts
+    with pytest.raises(BottlenetError):
+        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
+    again = [c for c in rig.smolvm.calls[before:] if c[0] == "end_uid"]
+    assert sorted(again) == sorted(("end_uid", str(u)) for u in (agent + 2, sidecar + 2))

@@ -5,7 +5,9 @@ from __future__ import annotations
 import fcntl
 import os
 import stat
+import subprocess
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,8 @@ from vmctl.uids import (
     LAST_VM_UID,
     LOCK_NAME,
     UidRegistryError,
+    end_processes_of,
+    processes_of,
     registered_vm_uid,
     registry_of,
     reserve_vm_uid,
@@ -149,3 +153,40 @@ def test_the_registered_uid_comes_from_the_registry_not_the_vm_dir(tmp_path: Pat
     assert registered_vm_uid(vm) is None
     (reg / "0").write_text("abc")  # outside smolvm's range: never a VMM's uid (root's here)
     assert registered_vm_uid(vm) is None
+
+
+def test_ending_a_uid_refuses_root_the_daemon_and_uids_outside_the_range() -> None:
+    """Never ``kill(-1)`` as a uid that is not a per-VM one."""
+    for uid in (0, os.geteuid(), 65534, LAST_VM_UID + 1):
+        with pytest.raises(UidRegistryError, match="refusing"):
+            end_processes_of(uid)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root runs processes as another uid")
+def test_every_process_of_a_vm_uid_is_ended_and_checked_gone() -> None:
+    """R2: what a VMM left running (a ``setsid`` child, and its own child) ends; a process of
+    another VM uid is untouched."""
+    uid, other = LAST_VM_UID - 7, LAST_VM_UID - 8
+
+    def as_uid(u: int) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            ["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups", "sh", "-c",
+             "sleep 300 & exec sleep 300"],
+            start_new_session=True,
+        )  # fmt: skip
+
+    left, keep = as_uid(uid), as_uid(other)
+    try:
+        for _ in range(500):  # wait until both children run as their uids (setpriv's exec)
+            if len(processes_of(uid)) == 2 and len(processes_of(other)) == 2:
+                break
+            time.sleep(0.01)
+        assert len(processes_of(uid)) == 2
+        assert end_processes_of(uid) == []
+        assert left.wait(10) == -9
+        assert len(processes_of(other)) == 2
+    finally:
+        for p in (left, keep):
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+                p.wait()
