@@ -100,3 +100,27 @@ def test_recovery_tears_down_a_degraded_bottle_whose_tree_is_deep(
     rig.recover()
     assert rig.registry.list_bottles() == []
     assert _bottles(rig.state_dir) == []
+
+
+def test_an_oserror_from_one_bottles_teardown_never_stops_recovery(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """R3: whatever a teardown at recovery raises from the filesystem, that bottle is kept as
+    degraded and the others are restored: the daemon's start goes on."""
+    first = rigs()
+    for name in ("ra", "rb"):
+        first.run(first.registry.create_bottle(name, spec=spec(tmp, name)))
+    first.run(first.registry.degrade("ra", "test"))
+    first.close()
+    rig = rigs(smolvm=first.smolvm)
+
+    async def failing_release(bottle: object) -> None:
+        raise OSError(36, "File name too long")
+
+    rig.vms.release = failing_release  # type: ignore[method-assign]
+    rig.recover()
+    assert {b.name: b.state for b in rig.registry.list_bottles()} == {
+        "ra": "degraded",
+        "rb": "ready",
+    }
+    assert not rig.registry.recovering
