@@ -37,6 +37,7 @@ from bottlenet.bottles.events import (
     BottleEvent,
     EventBus,
 )
+from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
@@ -454,6 +455,19 @@ class BottleRegistry:
 
     def has_bottle(self, name: str) -> bool:
         return name in self._bottles
+
+    async def leftovers(self, name: str) -> list[str]:
+        """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
+        if name in self._bottles:
+            return [f"bottle {name} still exists"]
+        vms = self.vms
+        return await find_leftovers(
+            name,
+            reactor=self._clock if vms is None else vms.reactor,
+            smolvm=None if vms is None else vms.smolvm,
+            state_dir=self._state_dir,
+            per_vm_uids=vms is not None and vms.access.per_vm,
+        )
 
     # -- VM bottles ---------------------------------------------------------------------
 
