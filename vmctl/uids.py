@@ -31,6 +31,8 @@ import stat
 
 from attrs import frozen
 
+from vmctl.residue import processes_of
+
 #: The first uid smolvm 1.32.2 hands out.
 FIRST_VM_UID = 2_000_000
 #: Our bound (65536 VMs per data dir, over its whole life); past it a reservation is refused.
@@ -166,23 +168,6 @@ def registered_vm_uid(vm_dir: str) -> int | None:
     return None
 
 
-def processes_of(uid: int, proc: str = "/proc") -> list[int]:
-    """Live (not zombie) processes with ``uid`` as their real, effective, saved or fs uid."""
-    found = []
-    for entry in os.listdir(proc):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(os.path.join(proc, entry, "status"), encoding="ascii", errors="replace") as f:
-                fields = dict(line.split(":", 1) for line in f if ":" in line)
-        except OSError:
-            continue  # gone meanwhile
-        uids = fields.get("Uid", "").split()
-        if str(uid) in uids and not fields.get("State", "").strip().startswith(("Z", "X")):
-            found.append(int(entry))
-    return found
-
-
 def end_processes_of(uid: int, proc: str = "/proc") -> list[int]:
     """Kill every process of a per-VM uid (what its VMM left behind: a ``setsid`` child), then
     look again: the pids still alive (empty: none is left). Root only; blocking.
@@ -192,7 +177,7 @@ def end_processes_of(uid: int, proc: str = "/proc") -> list[int]:
     found by a scan). Refuses root and the daemon's own uid."""
     if uid in (0, os.geteuid()) or not in_range(uid):
         raise UidRegistryError(f"refusing to end the processes of uid {uid}")
-    if processes_of(uid, proc):
+    if processes_of({uid}, proc):
         pid = os.fork()
         if pid == 0:  # pragma: no cover - the child: drop to the uid, signal, exit
             try:
@@ -203,4 +188,4 @@ def end_processes_of(uid: int, proc: str = "/proc") -> list[int]:
             finally:
                 os._exit(0)
         os.waitpid(pid, 0)
-    return processes_of(uid, proc)
+    return sorted(processes_of({uid}, proc))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from vmctl.residue import processes_of
 from vmctl.uids import (
     FIRST_VM_UID,
     LAST_RESERVED,
@@ -19,7 +20,6 @@ from vmctl.uids import (
     LOCK_NAME,
     UidRegistryError,
     end_processes_of,
-    processes_of,
     registered_vm_uid,
     registry_of,
     reserve_vm_uid,
@@ -178,13 +178,13 @@ def test_every_process_of_a_vm_uid_is_ended_and_checked_gone() -> None:
     left, keep = as_uid(uid), as_uid(other)
     try:
         for _ in range(500):  # wait until both children run as their uids (setpriv's exec)
-            if len(processes_of(uid)) == 2 and len(processes_of(other)) == 2:
+            if len(processes_of({uid})) == 2 and len(processes_of({other})) == 2:
                 break
             time.sleep(0.01)
-        assert len(processes_of(uid)) == 2
+        assert len(processes_of({uid})) == 2
         assert end_processes_of(uid) == []
         assert left.wait(10) == -9
-        assert len(processes_of(other)) == 2
+        assert len(processes_of({other})) == 2
     finally:
         for p in (left, keep):
             if p.poll() is None:
