@@ -92,6 +92,12 @@ class Degraded(BottlenetError):
     code = "DEGRADED"
 
 
+class Draining(BottlenetError):
+    """The node is draining (``Drain``): it refuses new bottles; existing ones keep running."""
+
+    code = "DRAINING"
+
+
 class Unavailable(BottlenetError):
     """The daemon is shutting down or a dependency is not ready."""
 
@@ -113,6 +119,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     IsolationFailed,
     Unavailable,
     Degraded,
+    Draining,
 )
 
 

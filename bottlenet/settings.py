@@ -23,6 +23,7 @@ from twisted.python import usage
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
+from bottlenet.bottles.node import check_labels, parse_label
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
 from bottlenet.control.endpoints import (
@@ -267,6 +268,15 @@ class Options(usage.Options):
     def __init__(self) -> None:
         super().__init__()
         self["allow-uid"] = []
+        self["label"] = []
+
+    def opt_label(self, value: str) -> None:
+        """A label of this node, KEY=VALUE, reported by NodeInfo (repeatable)."""
+        try:
+            parse_label(value)
+        except BottlenetError as e:
+            raise usage.UsageError(f"--label: {e.message}") from None
+        self["label"].append(value)
 
     def opt_allow_uid(self, value: str) -> None:
         """Also accept control connections from this uid (repeatable)."""
@@ -340,6 +350,8 @@ class DaemonSettings:
     #: The daemon's own directories: no agent volume may be, hold or lie inside one.
     protected_dirs: tuple[str, ...]
     log_relay_ends: bool
+    #: ``--label KEY=VALUE``s, sorted by key (NodeInfo).
+    labels: tuple[tuple[str, str], ...] = ()
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -376,6 +388,10 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
     except StartupRefused as e:
         raise StartupError(e.message) from None
     control_cap = options["control-max-connections"]
+    try:
+        labels = check_labels(options["label"])
+    except BottlenetError as e:
+        raise StartupError(f"--label: {e.message}") from None
     return DaemonSettings(
         state_dir=state_dir,
         pool=pool,
@@ -403,6 +419,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         smolvm=smolvm,
         protected_dirs=_own_dirs(state_dir, control, options["smolvm-data-dir"]),
         log_relay_ends=logs_relay_ends(options.parent),
+        labels=labels,
     )
 
 

@@ -115,6 +115,8 @@ class BottleRegistry:
         self._workloads = WorkloadWatches(self._workload_exited)
         self._unsynced: dict[str, _Unsynced] = {}
         self._resync_call: Any = None
+        #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
+        self.admission: Callable[[Source], None] | None = None
 
     def emit(
         self,
@@ -341,6 +343,8 @@ class BottleRegistry:
             check_local_images(spec)
 
         async def create() -> Bottle:
+            if self.admission is not None:
+                self.admission(source)
             if name in self._bottles:
                 raise AlreadyExists(f"bottle {name} already exists")
             if len(self._bottles) + self._others_creating(name) >= self._max_bottles:
@@ -375,6 +379,14 @@ class BottleRegistry:
             return bottle
 
         return await self._locked(name, create, create=True)
+
+    @property
+    def max_bottles(self) -> int:
+        return self._max_bottles
+
+    def held(self) -> int:
+        """The bottles the node holds, creates in flight included (``bottles.drain``)."""
+        return len(self._bottles) + self._others_creating("")
 
     def _others_creating(self, name: str) -> int:
         """Creates in flight for other names: they count against the limit (a committed

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
 from bottlenet.cli import attach, down
+from bottlenet.cli import node as node_cli
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
@@ -37,6 +38,7 @@ from bottlenet.errors import BottlenetError, InvalidArgument
 if TYPE_CHECKING:
     from bottlenet.control.address import TLSCredentials
     from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.results import NodeInfoRecord
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -83,10 +85,12 @@ Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     hello = c.hello()
     bottles = c.call(count_bottles())  # a one-item page: only its total is read
+    node = _node_info(c) if "node" in hello.features else None
     if a.json:
-        _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
+        _json({"daemon": hello, "bottles": bottles, "control": c.path, "node": node}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
+    node_rows = [] if node is None else node_cli.node_rows(node)[:3]  # host, draining, health
     write_table(
         ["FIELD", "VALUE"],
         [
@@ -98,9 +102,18 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             ["VM uids", hello.vm_uids or "-"],
             ["bottles", bottles],
             ["control", c.path],
+            *node_rows,
         ],
         out,
     )
+
+
+def _node_info(c: BlockingControlClient) -> NodeInfoRecord | None:
+    """NodeInfo for ``status``; None from a daemon without the node contract."""
+    try:
+        return c.node_info()
+    except BottlenetError:
+        return None
 
 
 def cmd_ping(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -412,7 +425,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add: AddCommand = partial(_add_command, json_flag=json_flag)
-    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
+    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count, draining")
     add(sub, "ping", cmd_ping, "check that the daemon answers")
     _add_bottle_commands(sub, add, json_flag, command)
     _add_forward_commands(sub, add, command)
@@ -422,6 +435,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
     _add_top(sub, json_flag)
     down.register(sub, add)
+    node_cli.register(sub, add)
     return p
 
 
@@ -532,6 +546,9 @@ HANDLER_CALLS: dict[Handler, str] = {
     cmd_stats: "Stats",
     cmd_events: "Watch",  # events then wait without limit
     down.cmd_down: "DestroyBottle",
+    node_cli.cmd_node_info: "NodeInfo",
+    node_cli.cmd_node_drain: "Drain",
+    node_cli.cmd_node_undrain: "Undrain",
 }
 
 
@@ -618,7 +635,9 @@ def main(
     return EXIT_OK
 
 
-LIGHT_HANDLERS: frozenset[Handler] = frozenset({cmd_status, cmd_ping, cmd_bottle_ls})
+LIGHT_HANDLERS: frozenset[Handler] = frozenset(
+    {cmd_status, cmd_ping, cmd_bottle_ls, node_cli.cmd_node_info}
+)
 
 
 def _client_for(

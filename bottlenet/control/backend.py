@@ -20,6 +20,7 @@ if TYPE_CHECKING:
 
     from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.model import Bottle
+    from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.forward.spec import TargetSpec
@@ -73,3 +74,24 @@ class ControlBackend(Protocol):
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport: ...
+
+
+class NodeControl(Protocol):
+    """What the control plane needs of the node (``bottlenet.bottles.node.Node``)."""
+
+    def report(self) -> NodeReport: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    def held(self) -> int:
+        """Bottles the node holds (creates in flight too)."""
+        ...
+
+    def drain(self) -> None: ...
+
+    def undrain(self) -> None: ...
+
+    async def when_empty(self, timeout: float) -> bool:
+        """True once the node holds no bottle; False after ``timeout`` or an undrain."""
+        ...

@@ -31,7 +31,13 @@ from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreach
 from bottlenet.control.execsession import ExecSession
 from bottlenet.control.framing import BoxParser, FramingError
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
-from bottlenet.control.results import AgentEndpoint, HelloResult, Page
+from bottlenet.control.results import (
+    AgentEndpoint,
+    DrainResult,
+    HelloResult,
+    NodeInfoRecord,
+    Page,
+)
 from bottlenet.errors import InvalidArgument
 
 T = TypeVar("T")
@@ -379,6 +385,18 @@ class BlockingControlClient(ExecOpener):
         timeout: float | None = None,
     ) -> Page[ForwardRecord]:
         return self.call(calls.list_forwards(bottle, offset, limit), timeout=timeout)
+
+    def node_info(self, *, timeout: float | None = None) -> NodeInfoRecord:
+        """This node for a placer: identity, labels, capacity, health, draining."""
+        return self.call(calls.node_info(), timeout=timeout)
+
+    def drain(self, *, wait: bool = False, timeout: float | None = None) -> DrainResult:
+        """Refuse new bottles (``DRAINING``); ``wait``: answer once the node holds none, or
+        ``timeout`` seconds passed (``empty`` says which)."""
+        return self.call(calls.drain(wait, timeout))
+
+    def undrain(self, *, timeout: float | None = None) -> None:
+        self.call(calls.undrain(), timeout=timeout)
 
     def stats(
         self,

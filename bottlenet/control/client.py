@@ -29,7 +29,13 @@ from bottlenet.control.address import ControlAddress, TLSCredentials, parse_cont
 from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, Call
 from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
-from bottlenet.control.results import AgentEndpoint, HelloResult, Page
+from bottlenet.control.results import (
+    AgentEndpoint,
+    DrainResult,
+    HelloResult,
+    NodeInfoRecord,
+    Page,
+)
 from bottlenet.errors import InvalidArgument
 
 T = TypeVar("T")
@@ -218,6 +224,18 @@ class ControlClient:
         timeout: float | None = None,
     ) -> Deferred[Page[ForwardRecord]]:
         return self.call(calls.list_forwards(bottle, offset, limit), timeout=timeout)
+
+    def node_info(self, *, timeout: float | None = None) -> Deferred[NodeInfoRecord]:
+        """This node for a placer: identity, labels, capacity, health, draining."""
+        return self.call(calls.node_info(), timeout=timeout)
+
+    def drain(self, *, wait: bool = False, timeout: float | None = None) -> Deferred[DrainResult]:
+        """Refuse new bottles (``DRAINING``); ``wait``: answer once the node holds none, or
+        ``timeout`` seconds passed (``empty`` says which)."""
+        return self.call(calls.drain(wait, timeout))
+
+    def undrain(self, *, timeout: float | None = None) -> Deferred[None]:
+        return self.call(calls.undrain(), timeout=timeout)
 
     def stats(
         self,

@@ -35,7 +35,8 @@ from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.admission import HandshakeAdmission, peer_source
-from bottlenet.control.backend import ControlBackend
+from bottlenet.control.backend import ControlBackend, NodeControl
+from bottlenet.control.calls import MAX_WAIT
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
@@ -223,6 +224,60 @@ class ControlLocator(SafeCommandLocator):
     @C.Ping.responder
     def ping(self) -> dict[str, Any]:
         return {}
+
+    def _node(self) -> NodeControl:
+        node = self.factory.node
+        if node is None:
+            raise Unavailable("this daemon has no node contract")
+        return node
+
+    @C.NodeInfo.responder
+    def node_info(self) -> dict[str, Any]:
+        r = self._node().report()
+        c = r.capacity
+        return {
+            "server_version": self.factory.server_version,
+            "protocol": C.PROTOCOL_VERSION,
+            "host": r.host,
+            "labels": [f"{k}={v}" for k, v in r.labels],
+            "privilege": r.privilege,
+            "smolvm": r.smolvm,
+            "vm_possible": r.vm_possible,
+            "vm_why_not": r.vm_why_not,
+            "kvm": r.kvm,
+            "max_bottles": c.max_bottles,
+            "bottles": c.bottles,
+            "vm_bottles": c.vm_bottles,
+            "connections_used": c.connections_used,
+            "connections_total": c.connections_total,
+            "health": r.health,
+            "health_reasons": list(r.reasons),
+            "draining": r.draining,
+        }
+
+    @C.Drain.responder
+    async def drain(self, wait: bool | None, timeout: float | None) -> dict[str, Any]:
+        if timeout is not None and not 0 < timeout <= MAX_WAIT:
+            raise InvalidArgument(f"timeout: more than 0 and at most {MAX_WAIT:g} seconds")
+        node = self._node()
+
+        async def drain() -> None:
+            node.drain()
+
+        await self._mutate("Drain", "node", drain())
+        # A wait without a timeout is bounded too (a week), as every Deferred held for a peer.
+        empty = await node.when_empty(timeout or MAX_WAIT) if wait else node.held() == 0
+        return {"draining": node.draining, "held": node.held(), "empty": empty}
+
+    @C.Undrain.responder
+    async def undrain(self) -> dict[str, Any]:
+        node = self._node()
+
+        async def undrain() -> None:
+            node.undrain()
+
+        await self._mutate("Undrain", "node", undrain())
+        return {"draining": node.draining}
 
     def _record(self, bottle: Bottle) -> BottleRecord:
         return bottle_record(
@@ -621,8 +676,11 @@ class ControlServerFactory(Factory):
         event_hub: EventHub | None = None,
         exec_sessions: set[ExecBridge] | None = None,
         max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
+        node: NodeControl | None = None,
     ) -> None:
         self.backend = backend
+        #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
+        self.node = node
         self.event_hub = event_hub
         #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
         self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
@@ -706,6 +764,7 @@ class ControlServerFactory(Factory):
             event_hub=self.event_hub,
             exec_sessions=self.exec_sessions,
             max_connections=self.max_connections,
+            node=self.node,
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids
