@@ -23,6 +23,7 @@ from twisted.python import usage
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
+from bottlenet.bottles.lease import DEFAULT_GRACE
 from bottlenet.bottles.node import check_labels, parse_label
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
@@ -219,6 +220,14 @@ class Options(usage.Options):
                 bounded_int(1, 65536),
             ],
             [
+                "lease-grace",
+                None,
+                f"{DEFAULT_GRACE:g}",
+                "Seconds a bottle whose lease ran out is kept before the daemon destroys it "
+                "(its owner may still renew it).",
+                bounded_seconds(86400, zero_is_off=True),
+            ],
+            [
                 "max-bottle-connections",
                 None,
                 str(DEFAULT_PER_BOTTLE),
@@ -352,6 +361,8 @@ class DaemonSettings:
     log_relay_ends: bool
     #: ``--label KEY=VALUE``s, sorted by key (NodeInfo).
     labels: tuple[tuple[str, str], ...] = ()
+    #: ``--lease-grace``: seconds between a lease running out and its bottle's reap.
+    lease_grace: float = DEFAULT_GRACE
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -420,6 +431,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         protected_dirs=_own_dirs(state_dir, control, options["smolvm-data-dir"]),
         log_relay_ends=logs_relay_ends(options.parent),
         labels=labels,
+        lease_grace=options["lease-grace"],
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -164,6 +165,8 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
+        if self.node is not None:
+            self.node.leases.stop()
         try:
             await super().stopService()
         finally:
@@ -255,6 +258,8 @@ def compose(
         Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
+    if root.node is not None:
+        recovery.ready.addCallback(_leases_restored, root.node)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -290,6 +295,12 @@ def compose(
         ready, status=count_of(len(settings.config.bottles), "configured bottle")
     ).setServiceParent(root)
     return root
+
+
+def _leases_restored(result: object, node: Node) -> object:
+    """Recovery is done: the restored bottles' leases count on (their grace again)."""
+    node.leases.restore()
+    return result
 
 
 def _core(
@@ -385,6 +396,8 @@ def _node(
         table.budget,
         store,
         state,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
         host=socket.gethostname(),
         labels=settings.labels,
         privilege=f"{who}; smolvm VMs run with {VmUids.for_euid(euid)}",

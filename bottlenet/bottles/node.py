@@ -11,7 +11,7 @@ registry, the relay budget, the drain gate, smolvm and ``/dev/kvm`` as last seen
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from attrs import frozen
 from twisted.internet.defer import Deferred
@@ -20,6 +20,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles.drain import DRAINING_KEY, DrainGate, node_recorder
 from bottlenet.bottles.events import DESTROYED, READY, BottleEvent
+from bottlenet.bottles.lease import DEFAULT_GRACE, LeaseKeeper
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import InvalidArgument, ResourceExhausted, safe_repr
@@ -111,6 +112,7 @@ class Node:
         registry: BottleRegistry,
         budget: ConnectionBudget,
         drain: DrainGate,
+        leases: LeaseKeeper,
         *,
         host: str,
         labels: tuple[tuple[str, str], ...] = (),
@@ -120,6 +122,7 @@ class Node:
         self._registry = registry
         self._budget = budget
         self.gate = drain
+        self.leases = leases
         self.host = host
         self.labels = labels
         self.privilege = privilege
@@ -186,6 +189,9 @@ class Node:
     def drain(self) -> None:
         self.gate.drain()
 
+    def renew_lease(self, name: str, seconds: float) -> None:
+        self.leases.renew(name, seconds)
+
     def undrain(self) -> None:
         self.gate.undrain()
 
@@ -209,12 +215,15 @@ def build_node(
     store: StateStore,
     state: State,
     *,
+    monotonic: Callable[[], float],
+    lease_grace: float = DEFAULT_GRACE,
     host: str,
     labels: tuple[tuple[str, str], ...] = (),
     privilege: str,
 ) -> Node:
     """The node over ``registry``: its drain gate (as ``state`` recorded it, asked by the
-    registry before each create) and its report."""
+    registry before each create), its lease keeper (``restore()`` it after recovery) and
+    its report."""
     gate = DrainGate(
         clock,
         registry.events,
@@ -223,4 +232,7 @@ def build_node(
         draining=(state.node or {}).get(DRAINING_KEY) is True,
     )
     registry.admission = gate.admit
-    return Node(clock, registry, budget, gate, host=host, labels=labels, privilege=privilege)
+    leases = LeaseKeeper(clock, monotonic, registry, grace=lease_grace)
+    return Node(
+        clock, registry, budget, gate, leases, host=host, labels=labels, privilege=privilege
+    )

@@ -172,6 +172,10 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     ]
     if b.detail:
         rows.append(["detail", b.detail])
+    if b.owner:
+        rows.append(["owner", b.owner])
+    if b.lease_seconds is not None:
+        rows.append(["lease", f"{b.lease_seconds:g}s, runs out at {b.lease_expires_at:.0f}"])
     if b.bridge:
         rows.append(["bridge", b.bridge])
     if b.workload:
@@ -193,13 +197,23 @@ def _bottle_rows(b: Any) -> list[list[object]]:
 
 
 def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.create_bottle(a.name, alias=a.alias, spec=a.spec_json)
+    b = c.create_bottle(
+        a.name, alias=a.alias, spec=a.spec_json, owner=a.owner, lease_seconds=a.lease
+    )
     if a.json:
         _json(b, out)
     elif b.mode:
         write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
+
+
+def cmd_bottle_renew(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    b = c.renew_lease(a.name, a.seconds)
+    if a.json:
+        _json(b, out)
+    else:
+        out.write(f"{_clean(b.name)}: lease renewed for {a.seconds:g}s\n")
 
 
 def cmd_bottle_verify(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -459,6 +473,17 @@ def _add_bottle_commands(
     sp.add_argument("name")
     sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
     sp.add_argument("--spec", metavar="FILE.toml", help="bottle spec: sidecar and agent VMs")
+    sp.add_argument("--owner", help="an owner label recorded with the bottle")
+    sp.add_argument(
+        "--lease",
+        type=node_cli.seconds,
+        metavar="SECONDS",
+        help="the daemon destroys the bottle unless its lease is renewed within this long"
+        " (plus the daemon's --lease-grace)",
+    )
+    sp = add(bottle, "renew", cmd_bottle_renew, "renew a bottle's lease")
+    sp.add_argument("name")
+    sp.add_argument("seconds", type=node_cli.seconds, help="the new lease, from now")
     add(bottle, "rm", cmd_bottle_rm, "destroy a bottle and its forwards").add_argument("name")
     add(bottle, "ls", cmd_bottle_ls, "list bottles")
     add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
@@ -539,6 +564,7 @@ HANDLER_CALLS: dict[Handler, str] = {
     cmd_bottle_ls: "ListBottles",
     cmd_bottle_status: "BottleStatus",
     cmd_bottle_verify: "VerifyBottle",
+    cmd_bottle_renew: "RenewLease",
     cmd_egress_set: "SetEgressPolicy",
     cmd_forward_add: "AddForward",
     cmd_forward_rm: "RemoveForward",

@@ -78,7 +78,8 @@ def cmd_node_undrain(c: BlockingControlClient, a: argparse.Namespace, out: TextI
         out.write("undrained: new bottles are taken\n")
 
 
-def _seconds(text: str) -> float:
+def seconds(text: str) -> float:
+    """A positive, finite number of seconds (an argparse type)."""
     try:
         value = float(text)
     except ValueError:
@@ -98,7 +99,7 @@ def register(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     sp.add_argument("--wait", action="store_true", help="wait until the node holds no bottle")
     sp.add_argument(
         "--wait-timeout",
-        type=_seconds,
+        type=seconds,
         default=None,
         metavar="SECONDS",
         help="with --wait: give up after this long (exit 1, error TIMEOUT)",

@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.tenancy import Tenancy
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
@@ -36,6 +37,7 @@ class ControlBackend(Protocol):
         alias: ipaddress.IPv4Address | None = None,
         *,
         spec: BottleSpec | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Bottle: ...
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
@@ -91,6 +93,10 @@ class NodeControl(Protocol):
     def drain(self) -> None: ...
 
     def undrain(self) -> None: ...
+
+    def renew_lease(self, name: str, seconds: float) -> None:
+        """Extend ``name``'s lease (NOT_FOUND, INVALID_ARGUMENT without a lease)."""
+        ...
 
     async def when_empty(self, timeout: float) -> bool:
         """True once the node holds no bottle; False after ``timeout`` or an undrain."""

@@ -71,6 +71,7 @@ PACE: Mapping[str, Pace] = {
     "NodeInfo": Pace.QUICK,
     "Drain": Pace.WAIT,
     "Undrain": Pace.QUICK,
+    "RenewLease": Pace.QUICK,
 }
 #: The daemon's longest ``Drain`` wait (``bottles.node.MAX_DRAIN_WAIT``), and a wait's
 #: without a ``timeout``.
@@ -156,10 +157,27 @@ def ping() -> Call[None]:
 
 
 def create_bottle(
-    name: str, alias: str | None = None, spec: str | None = None
+    name: str,
+    alias: str | None = None,
+    spec: str | None = None,
+    owner: str | None = None,
+    lease_seconds: float | None = None,
 ) -> Call[BottleRecord]:
-    """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-    return Call("CreateBottle", {"name": name, "alias": alias, "spec": spec}, _bottle)
+    """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner`` a
+    label, ``lease_seconds`` a lease the owner renews (``renew_lease``) or the bottle goes."""
+    arguments = {
+        "name": name,
+        "alias": alias,
+        "spec": spec,
+        "owner": owner,
+        "lease_seconds": lease_seconds,
+    }
+    return Call("CreateBottle", arguments, _bottle)
+
+
+def renew_lease(name: str, seconds: float) -> Call[BottleRecord]:
+    """The bottle's lease, ``seconds`` from now."""
+    return Call("RenewLease", {"name": name, "seconds": seconds}, _bottle)
 
 
 def verify_bottle(name: str) -> Call[tuple[BottleRecord, str]]:

@@ -179,10 +179,20 @@ class ControlClient:
         alias: str | None = None,
         spec: str | None = None,
         *,
+        owner: str | None = None,
+        lease_seconds: float | None = None,
         timeout: float | None = None,
     ) -> Deferred[BottleRecord]:
-        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-        return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
+        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner``
+        a label; ``lease_seconds``: the daemon destroys the bottle unless ``renew_lease``
+        comes in time (plus its grace)."""
+        call = calls.create_bottle(name, alias, spec, owner, lease_seconds)
+        return self.call(call, timeout=timeout)
+
+    def renew_lease(
+        self, name: str, seconds: float, *, timeout: float | None = None
+    ) -> Deferred[BottleRecord]:
+        return self.call(calls.renew_lease(name, seconds), timeout=timeout)
 
     def verify_bottle(
         self, name: str, *, timeout: float | None = None

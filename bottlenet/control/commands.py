@@ -238,6 +238,9 @@ class CreateBottle(ControlCommand):
         (b"name", amp.Unicode()),
         (b"alias", amp.Unicode(optional=True)),
         (b"spec", amp.Unicode(optional=True)),
+        # Its owner label, and a lease: reaped unless renewed (``RenewLease``) in time.
+        (b"owner", amp.Unicode(optional=True)),
+        (b"lease_seconds", StrictFloat(optional=True)),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -388,6 +391,14 @@ class Event(ControlCommand):
     response = []
 
 
+class RenewLease(ControlCommand):
+    """Extend a bottle's lease to ``seconds`` from now (a bottle created with one)."""
+
+    commandName = b"bottlenet.RenewLease"
+    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat())]
+    response = [(b"bottle", Record(BottleRecord))]
+
+
 class NodeInfo(ControlCommand):
     """This node for a placer: identity, labels, whether VM bottles can run, capacity, health,
     draining (``bottlenet.bottles.node``)."""
@@ -459,6 +470,7 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     NodeInfo,
     Drain,
     Undrain,
+    RenewLease,
 )
 #: Commands the daemon calls on its clients (the client answers them).
 PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
@@ -472,6 +484,7 @@ MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
         SetEgressPolicy,
         Drain,
         Undrain,
+        RenewLease,
     }
 )
 

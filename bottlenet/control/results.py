@@ -175,6 +175,9 @@ class BottleRow(NamedTuple):
     workload: str | None = None
     workload_exit_code: int | None = None
     bridge: str | None = None
+    owner: str | None = None
+    lease_seconds: float | None = None
+    lease_expires_at: float | None = None
 
     @classmethod
     def from_json(cls, d: object) -> BottleRow:
@@ -199,4 +202,11 @@ class BottleRow(NamedTuple):
             workload=f.value("workload", str, optional=True),
             workload_exit_code=f.value("workload_exit_code", int, optional=True),
             bridge=f.value("bridge", str, optional=True),
+            owner=f.value("owner", str, optional=True),
+            lease_seconds=_optional_number(f, "lease_seconds"),
+            lease_expires_at=_optional_number(f, "lease_expires_at"),
         )
+
+
+def _optional_number(f: Fields, key: str) -> float | None:
+    return None if f.table.get(key) is None else f.number(key)

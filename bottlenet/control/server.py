@@ -32,6 +32,7 @@ from zope.interface import implementer
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.admission import HandshakeAdmission, peer_source
@@ -287,15 +288,32 @@ class ControlLocator(SafeCommandLocator):
         )
 
     @C.CreateBottle.responder
-    async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:
+    async def create_bottle(
+        self,
+        name: str,
+        alias: str | None,
+        spec: str | None,
+        owner: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> dict[str, Any]:
         name = check_bottle_name(name)
         addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
         # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
         parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
-        bottle = await self._mutate(
-            "CreateBottle", name, self.backend.create_bottle(name, addr, spec=parsed)
+        tenancy = Tenancy.requested(owner, lease_seconds, None)
+        create = (
+            self.backend.create_bottle(name, addr, spec=parsed)
+            if tenancy is None
+            else self.backend.create_bottle(name, addr, spec=parsed, tenancy=tenancy)
         )
+        bottle = await self._mutate("CreateBottle", name, create)
         return {"bottle": self._record(bottle)}
+
+    @C.RenewLease.responder
+    def renew_lease(self, name: str, seconds: float) -> dict[str, Any]:
+        name = check_bottle_name(name)
+        self._node().renew_lease(name, seconds)
+        return {"bottle": self._record(self.backend.get_bottle(name))}
 
     @C.VerifyBottle.responder
     async def verify_bottle(self, name: str) -> dict[str, Any]:

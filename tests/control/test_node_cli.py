@@ -58,3 +58,31 @@ class NodeCLITests(DaemonCase):
         await client.create_bottle("again")
         r = await self.ctl("status")
         self.assertRegex(r.stdout.decode(), r"draining\s+no")
+
+    async def test_lease_create_renew_and_reap(self) -> None:
+        """bottle create --owner --lease, bottle renew, bottle status shows them; the
+        daemon reaps the bottle its owner abandoned (lease_expired, then destroyed) and
+        leaves the one without a lease."""
+        client = await self.start("--lease-grace", "0", vm_bottles=False)
+        events = await client.events()
+        r = await self.ctl("--json", "bottle", "create", "leased", "--owner", "t1", "--lease", "2")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        record = json.loads(r.stdout)
+        self.assertEqual((record["owner"], record["lease_seconds"]), ("t1", 2.0))
+        await client.create_bottle("plain")
+        r = await self.ctl("bottle", "renew", "leased", "3")
+        self.assertEqual((r.returncode, r.stdout), (0, b"leased: lease renewed for 3s\n"))
+        r = await self.ctl("bottle", "status", "leased")
+        self.assertIn(b"owner", r.stdout)
+        self.assertRegex(r.stdout.decode(), r"lease\s+3s, runs out at")
+        r = await self.ctl("bottle", "renew", "plain", "3")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn(b"INVALID_ARGUMENT", r.stderr)
+        seen = []
+        async for event in events:
+            seen.append((event.kind, event.bottle))
+            if event.kind == "destroyed":
+                break
+        self.assertEqual(seen[-2:], [("lease_expired", "leased"), ("destroyed", "leased")])
+        self.assertEqual([b.name for b in await client.all_bottles()], ["plain"])
+        self.assertIn("bottle leased: lease of 3s ran out", self.log_text())
