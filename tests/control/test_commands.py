@@ -49,6 +49,18 @@ VM_RECORD_JSON = (
     b'"env":{"HTTPS_PROXY":"http://127.0.0.1:3128"},"policy":["example.org"],"probe":"PASS"}'
 )
 
+LEASED_RECORD = BottleRecord(
+    "b1",
+    "127.77.0.2",
+    "control",
+    "ready",
+    1700000000.5,
+    0,
+    owner="t1",
+    lease_seconds=60.0,
+    lease_expires_at=1700000060.5,
+)
+
 GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [
     (
         C.Hello,
@@ -279,6 +291,13 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x11bottlenet.Undrain\x00\x00",
         {"draining": False},
         b"\x00\x07_answer\x00\x011\x00\x08draining\x00\x05False\x00\x00",
+    ),
+    (
+        C.RenewLease,
+        {"name": "b1", "seconds": 60.0},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x14bottlenet.RenewLease\x00\x04name\x00\x02b1\x00\x07seconds\x00\x0460.0\x00\x00",
+        {"bottle": LEASED_RECORD},
+        b'\x00\x07_answer\x00\x011\x00\x06bottle\x00\xae{"name":"b1","alias":"127.77.0.2","source":"control","state":"ready","created_at":1700000000.5,"forwards":0,"owner":"t1","lease_seconds":60.0,"lease_expires_at":1700000060.5}\x00\x00',
     ),
 ]
 # Commands the daemon sends to its clients (pinned the same way).
