@@ -98,6 +98,12 @@ class Draining(BottlenetError):
     code = "DRAINING"
 
 
+class PermissionDenied(BottlenetError):
+    """The peer may not do this (a scoped peer asked for a full-control command)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Unavailable(BottlenetError):
     """The daemon is shutting down or a dependency is not ready."""
 
@@ -120,6 +126,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     Unavailable,
     Degraded,
     Draining,
+    PermissionDenied,
 )
 
 

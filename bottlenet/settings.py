@@ -278,6 +278,7 @@ class Options(usage.Options):
         super().__init__()
         self["allow-uid"] = []
         self["label"] = []
+        self["scoped-uid"] = []
 
     def opt_label(self, value: str) -> None:
         """A label of this node, KEY=VALUE, reported by NodeInfo (repeatable)."""
@@ -288,10 +289,14 @@ class Options(usage.Options):
         self["label"].append(value)
 
     def opt_allow_uid(self, value: str) -> None:
-        """Also accept control connections from this uid (repeatable)."""
-        if not value.isdigit() or int(value) > 2**32 - 2:
-            raise usage.UsageError(f"--allow-uid: {value!r} is not a uid")
-        self["allow-uid"].append(int(value))
+        """Also accept control connections from this uid (repeatable); UID:scoped lets it
+        see and act on the bottles it created only."""
+        uid, sep, scope = value.partition(":")
+        if not uid.isdigit() or int(uid) > 2**32 - 2:
+            raise usage.UsageError(f"--allow-uid: {uid!r} is not a uid")
+        if sep and scope != "scoped":
+            raise usage.UsageError(f"--allow-uid: {value!r}: UID or UID:scoped")
+        self["scoped-uid" if sep else "allow-uid"].append(int(uid))
 
     def postOptions(self) -> None:
         for name, _, default, _, *coerce in self.optParameters:
@@ -363,6 +368,8 @@ class DaemonSettings:
     labels: tuple[tuple[str, str], ...] = ()
     #: ``--lease-grace``: seconds between a lease running out and its bottle's reap.
     lease_grace: float = DEFAULT_GRACE
+    #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
+    scoped_uids: frozenset[int] = frozenset()
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -399,6 +406,13 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
     except StartupRefused as e:
         raise StartupError(e.message) from None
     control_cap = options["control-max-connections"]
+    scoped = frozenset(options["scoped-uid"])
+    both = scoped & default_allowed_uids(options["allow-uid"])
+    if both:
+        raise StartupError(
+            f"--allow-uid: uid {min(both)} is given both scoped and with full control (the "
+            "daemon's own uid always has full control)"
+        )
     try:
         labels = check_labels(options["label"])
     except BottlenetError as e:
@@ -432,6 +446,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         log_relay_ends=logs_relay_ends(options.parent),
         labels=labels,
         lease_grace=options["lease-grace"],
+        scoped_uids=scoped,
     )
 
 

@@ -34,6 +34,7 @@ from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
+from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
@@ -259,7 +260,7 @@ def compose(
     )
     recovery.setServiceParent(root)
     if root.node is not None:
-        recovery.ready.addCallback(_leases_restored, root.node)
+        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -297,9 +298,12 @@ def compose(
     return root
 
 
-def _leases_restored(result: object, node: Node) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again)."""
-    node.leases.restore()
+def _restored(result: object, root: BottlenetService) -> object:
+    """Recovery is done: the restored bottles' leases count on (their grace again), and
+    their scoped creators are known."""
+    assert root.node is not None
+    root.node.leases.restore()
+    root.control_factory.creators.restore(root.registry.list_bottles())
     return result
 
 
@@ -364,6 +368,8 @@ def _core(
         event_hub=EventHub(registry.events.subscribe),
         max_connections=settings.control_cap,
         node=node,
+        scoped_uids=settings.scoped_uids,
+        creators=Creators(registry.events.subscribe),
     )
     root = BottlenetService(
         reactor,
