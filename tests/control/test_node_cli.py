@@ -16,11 +16,12 @@ class NodeCLITests(DaemonCase):
         restart; undrain takes bottles again."""
         client = await self.start("--label", "zone=eu-1", "--label", "kvm=false", vm_bottles=False)
         await client.create_bottle("held")
+        await client.create_bottle("leased", lease_seconds=3600)  # counted on after a restart
         r = await self.ctl("--json", "node", "info")
         assert r.returncode == 0, r.stderr
         info = json.loads(r.stdout)
         self.assertEqual(info["labels"], {"kvm": "false", "zone": "eu-1"})
-        self.assertEqual((info["bottles"], info["vm_bottles"], info["draining"]), (1, 0, False))
+        self.assertEqual((info["bottles"], info["vm_bottles"], info["draining"]), (2, 0, False))
         self.assertEqual(info["max_bottles"], 256)
         self.assertIn(info["health"], ("ok", "degraded"))
         self.assertEqual(info["protocol"], 1)
@@ -28,7 +29,7 @@ class NodeCLITests(DaemonCase):
         events = await client.events()
         r = await self.ctl("node", "drain")
         self.assertEqual(r.returncode, 0, r.stderr)
-        self.assertIn(b"1 still held", r.stdout)
+        self.assertIn(b"2 still held", r.stdout)
         event = await events.__anext__()
         self.assertEqual((event.kind, event.bottle), ("drained", ""))
         r = await self.ctl("bottle", "create", "refused")
@@ -39,10 +40,13 @@ class NodeCLITests(DaemonCase):
         r = await self.ctl("status")
         self.assertRegex(r.stdout.decode(), r"draining\s+yes")
         # the bottle held keeps working: it is listed and destroyed as usual
-        self.assertEqual([b.name for b in await client.all_bottles()], ["held"])
+        self.assertEqual([b.name for b in await client.all_bottles()], ["held", "leased"])
 
         await self.stop()
         client = await self.start(vm_bottles=False)
+        assert self.root is not None and self.root.node is not None
+        self.assertEqual(self.root.node.leases.leased, 1)
+        await client.destroy_bottle("leased")
         r = await self.ctl("--json", "node", "info")
         self.assertTrue(json.loads(r.stdout)["draining"], "the drain survives a restart")
         with self.assertRaises(Draining):
@@ -65,19 +69,21 @@ class NodeCLITests(DaemonCase):
         leaves the one without a lease."""
         client = await self.start("--lease-grace", "0", vm_bottles=False)
         events = await client.events()
-        r = await self.ctl("--json", "bottle", "create", "leased", "--owner", "t1", "--lease", "2")
+        argv = ("--json", "bottle", "create", "leased", "--owner", "t1", "--lease", "600")
+        r = await self.ctl(*argv)
         self.assertEqual(r.returncode, 0, r.stderr)
         record = json.loads(r.stdout)
-        self.assertEqual((record["owner"], record["lease_seconds"]), ("t1", 2.0))
+        self.assertEqual((record["owner"], record["lease_seconds"]), ("t1", 600.0))
         await client.create_bottle("plain")
-        r = await self.ctl("bottle", "renew", "leased", "3")
-        self.assertEqual((r.returncode, r.stdout), (0, b"leased: lease renewed for 3s\n"))
         r = await self.ctl("bottle", "status", "leased")
-        self.assertIn(b"owner", r.stdout)
-        self.assertRegex(r.stdout.decode(), r"lease\s+3s, runs out at")
+        self.assertRegex(r.stdout.decode(), r"owner\s+t1")
+        self.assertRegex(r.stdout.decode(), r"lease\s+600s, runs out at")
         r = await self.ctl("bottle", "renew", "plain", "3")
         self.assertEqual(r.returncode, 1)
         self.assertIn(b"INVALID_ARGUMENT", r.stderr)
+        # the owner renews once more, for a second, then goes away
+        r = await self.ctl("bottle", "renew", "leased", "1")
+        self.assertEqual((r.returncode, r.stdout), (0, b"leased: lease renewed for 1s\n"))
         seen = []
         async for event in events:
             seen.append((event.kind, event.bottle))
@@ -85,4 +91,4 @@ class NodeCLITests(DaemonCase):
                 break
         self.assertEqual(seen[-2:], [("lease_expired", "leased"), ("destroyed", "leased")])
         self.assertEqual([b.name for b in await client.all_bottles()], ["plain"])
-        self.assertIn("bottle leased: lease of 3s ran out", self.log_text())
+        self.assertIn("bottle leased: lease of 1s ran out", self.log_text())
