@@ -105,30 +105,35 @@ class DrainGate:
 
     def drain(self) -> None:
         """Refuse new bottles (durable before it answers); a second drain changes nothing."""
-        if not self._machine.drain():
-            return
-        try:
-            self._record({DRAINING_KEY: True})
-        except BaseException:
-            self._machine.undrain()
-            raise
-        self.log.info("node: draining: new bottles are refused ({n} held)", n=self._held())
-        self._events.emit(BottleEvent(DRAINED, "", self._clock.seconds()))
+        if self._switch(draining=True):
+            self.log.info("node: draining: new bottles are refused ({n} held)", n=self._held())
 
     def undrain(self) -> None:
         """Take new bottles again (durable before it answers)."""
-        if not self._machine.undrain():
+        if not self._switch(draining=False):
             return
-        try:
-            self._record({DRAINING_KEY: False})
-        except BaseException:
-            self._machine.drain()
-            raise
         self.log.info("node: undrained: new bottles are taken again")
-        self._events.emit(BottleEvent(UNDRAINED, "", self._clock.seconds()))
         waiters, self._waiters = self._waiters, []
         for d in waiters:  # an undrain ends a drain's wait: the node will not empty now
             d.callback(False)
+
+    def _switch(self, *, draining: bool) -> bool:
+        """Drain or undrain: recorded, then announced; False when it already was so."""
+        machine = self._machine
+        forth, back = (
+            (machine.drain, machine.undrain) if draining else (machine.undrain, machine.drain)
+        )
+        if not forth():
+            return False
+        try:
+            self._record({DRAINING_KEY: draining})
+        except BaseException:
+            back()
+            raise
+        self._events.emit(
+            BottleEvent(DRAINED if draining else UNDRAINED, "", self._clock.seconds())
+        )
+        return True
 
     def when_empty(self, timeout: float) -> Deferred[bool]:
         """True once the node holds no bottle; False when ``timeout`` seconds pass first, or
