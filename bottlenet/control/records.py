@@ -82,8 +82,9 @@ class BottleRecord:
 @frozen
 class EventRecord:
     """One bottle event pushed to watchers: ``kind`` is ``created``, ``ready``,
-    ``degraded``, ``workload_exited``, ``destroyed`` or ``bridge_restarted``; ``seq`` grows
-    by one per event."""
+    ``degraded``, ``workload_exited``, ``destroyed``, ``bridge_restarted`` or
+    ``lease_expired``, or the node's ``drained``/``undrained`` (``bottle`` empty); ``seq``
+    grows by one per event."""
 
     seq: int
     kind: str
