@@ -65,7 +65,7 @@ def conn_for(uid: int = OWN_UID, **kw: Any) -> tuple[Conn, FakeNode]:
 
 def test_node_info_answers_the_report() -> None:
     """Every field of the report reaches the answer (labels as KEY=VALUE)."""
-    c, node = conn_for()
+    c, _node = conn_for()
     r = c.call(C.NodeInfo)
     assert (r["host"], r["labels"], r["draining"], r["protocol"]) == ("n1", ["zone=a"], False, 1)
     assert (r["max_bottles"], r["bottles"], r["connections_used"]) == (256, 1, 3)
