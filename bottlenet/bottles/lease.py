@@ -29,7 +29,7 @@ from twisted.python.failure import Failure
 from bottlenet.bottles.events import DESTROYED, LEASE_EXPIRED, READY, BottleEvent
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
-from bottlenet.errors import BottlenetError, Busy, InvalidArgument, NotFound
+from bottlenet.errors import BottlenetError, Busy, InvalidArgument, NotFound, safe_repr
 
 #: Seconds of grace after a lease runs out, unless ``--lease-grace`` says otherwise.
 DEFAULT_GRACE = 30.0
@@ -157,7 +157,7 @@ class LeaseKeeper:
             "bottle {bottle}: {detail} (owner {owner}): destroying it",
             bottle=name,
             detail=detail,
-            owner=tenancy.owner or "-",
+            owner="-" if tenancy.owner is None else safe_repr(tenancy.owner, 128),
         )
         self._registry.emit(LEASE_EXPIRED, name, None, detail)
         self._reap(name)

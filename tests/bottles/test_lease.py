@@ -72,7 +72,7 @@ def test_an_abandoned_bottle_is_reaped_and_only_it(rigs: Rigs, tmp: str) -> None
         assert kinds(seen, "gone")[-2:] == [LEASE_EXPIRED, "destroyed"]
         assert rig.smolvm.machines == {} or all("gone" not in m for m in rig.smolvm.machines)
         text = "\n".join(formatEvent(e) for e in logged)
-        assert "bottle gone: lease of 60s ran out" in text and "owner trainer-1" in text
+        assert "bottle gone: lease of 60s ran out" in text and "owner 'trainer-1'" in text
         assert rig.registry.has_bottle("kept") and rig.registry.has_bottle("plain")
         advance(rig, mono, 200)
         assert not rig.registry.has_bottle("kept")
