@@ -21,7 +21,7 @@ from typing import Any
 
 from attrs import evolve, frozen
 
-from bottlenet.bottles.fields import Fields
+from bottlenet.fields import Fields
 from bottlenet.errors import InvalidArgument, safe_repr
 
 #: A lease is 1 second to a week long (a renewal too).
