@@ -37,6 +37,7 @@ from bottlenet.bottles.events import (
     BottleEvent,
     EventBus,
 )
+from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
@@ -485,6 +486,19 @@ class BottleRegistry:
         bottle = evolve(self._require(name), tenancy=tenancy)
         self._bottles[name] = bottle
         self._persist(bottle)
+
+    async def leftovers(self, name: str) -> list[str]:
+        """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
+        if name in self._bottles:
+            return [f"bottle {name} still exists"]
+        vms = self.vms
+        return await find_leftovers(
+            name,
+            reactor=self._clock if vms is None else vms.reactor,
+            smolvm=None if vms is None else vms.smolvm,
+            state_dir=self._state_dir,
+            per_vm_uids=vms is not None and vms.access.per_vm,
+        )
 
     # -- VM bottles ---------------------------------------------------------------------
 

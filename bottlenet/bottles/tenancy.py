@@ -21,8 +21,8 @@ from typing import Any
 
 from attrs import evolve, frozen
 
-from bottlenet.fields import Fields
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.fields import Fields
 
 #: A lease is 1 second to a week long (a renewal too).
 MIN_LEASE = 1.0

@@ -19,7 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
-from bottlenet.cli import attach, down
+from bottlenet.cli import attach, down, selftest
 from bottlenet.cli import node as node_cli
 from bottlenet.cli.output import (
     EXIT_DAEMON,
@@ -450,6 +450,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_top(sub, json_flag)
     down.register(sub, add)
     node_cli.register(sub, add)
+    selftest.register(sub, add)
     return p
 
 
@@ -575,6 +576,7 @@ HANDLER_CALLS: dict[Handler, str] = {
     node_cli.cmd_node_info: "NodeInfo",
     node_cli.cmd_node_drain: "Drain",
     node_cli.cmd_node_undrain: "Undrain",
+    selftest.cmd_selftest: "Leftovers",  # every call of it may wait on VMs
 }
 
 

@@ -364,6 +364,9 @@ class BlockingControlClient(ExecOpener):
     ) -> BottleRecord:
         return self.call(calls.renew_lease(name, seconds), timeout=timeout)
 
+    def leftovers(self, name: str, *, timeout: float | None = None) -> tuple[str, ...]:
+        return self.call(calls.leftovers(name), timeout=timeout)
+
     def verify_bottle(self, name: str, *, timeout: float | None = None) -> tuple[BottleRecord, str]:
         return self.call(calls.verify_bottle(name), timeout=timeout)
 

@@ -72,6 +72,7 @@ PACE: Mapping[str, Pace] = {
     "Drain": Pace.WAIT,
     "Undrain": Pace.QUICK,
     "RenewLease": Pace.QUICK,
+    "Leftovers": Pace.VM,
 }
 #: The daemon's longest ``Drain`` wait (``bottles.node.MAX_DRAIN_WAIT``), and a wait's
 #: without a ``timeout``.
@@ -244,6 +245,14 @@ def drain(wait: bool = False, timeout: float | None = None) -> Call[DrainResult]
 
 def undrain() -> Call[None]:
     return Call("Undrain", {}, _none)
+
+
+def _lines(answer: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(answer["leftovers"])
+
+
+def leftovers(name: str) -> Call[tuple[str, ...]]:
+    return Call("Leftovers", {"name": name}, _lines)
 
 
 def logs(bottle: str, tail: int | None = None, follow: bool = False) -> Call[bool]:

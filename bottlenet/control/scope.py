@@ -6,8 +6,9 @@ must not reach another owner's bottle nor drain the node. ``--allow-uid UID:scop
 such a uid; its connections get a :class:`ScopedBackend` instead of the registry. Every bottle
 it creates records it as its creator (``uid:N``, in the bottle's state record, so it survives a
 restart); any other bottle's name answers ``NOT_FOUND`` exactly as a missing one does;
-listings, stats and events show its own bottles only; ``Drain``/``Undrain`` answer
-``PERMISSION_DENIED``. A plain ``--allow-uid UID`` keeps full control, as before.
+listings, stats and events show its own bottles only; ``Drain``, ``Undrain`` and
+``Leftovers`` (``bottlenetctl selftest``'s last step) answer ``PERMISSION_DENIED``. A plain
+``--allow-uid UID`` keeps full control, as before.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from attrs import evolve
 
 from bottlenet.bottles.events import DESTROYED, BottleEvent
 from bottlenet.bottles.tenancy import Tenancy
-from bottlenet.errors import NotFound
+from bottlenet.errors import NotFound, PermissionDenied
 
 if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
@@ -167,6 +168,10 @@ class ScopedBackend:
     ) -> IProcessTransport:
         self._mine(name)
         return await self._backend.spawn_exec(name, request, protocol, stdio)
+
+    async def leftovers(self, name: str) -> list[str]:
+        """A gone bottle's traces are the host's business, whoever made it: full control."""
+        raise PermissionDenied("Leftovers: a scoped peer may not ask for it")
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol

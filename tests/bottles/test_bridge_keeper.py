@@ -16,10 +16,12 @@ from twisted.python.failure import Failure
 from bottlenet.bottles.bridge import (
     BACKOFF_FIRST,
     MAX_FAILURES,
+    STABLE_SECONDS,
     START_TIMEOUT,
     Bridges,
     BridgeSession,
     BridgeState,
+    BridgeStatus,
 )
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
@@ -198,3 +200,87 @@ def test_stop_ends_the_session_and_nothing_restarts(rig: Any) -> None:
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
     assert bridges.status("b1").state is BridgeState.STOPPED
+
+
+def _restarts_after(clock: Clock, smolvm: StubSmolvm, delay: float) -> bool:
+    """The next restart comes exactly ``delay`` seconds on: not at half of it, at all of it
+    (halves of the power-of-two delays are exact on the Clock)."""
+    before = len(smolvm.sessions)
+    clock.advance(delay / 2)
+    if len(smolvm.sessions) != before:
+        return False
+    clock.advance(delay / 2)
+    return len(smolvm.sessions) == before + 1
+
+
+def test_a_bridge_that_ran_stable_between_deaths_is_never_given_up(rig: Any) -> None:
+    """A run of STABLE_SECONDS resets the count (tests-3 R02): a bridge that dies now and then
+    (here more than MAX_FAILURES times, each after a stable run) is restarted every time, each
+    after the first back-off again."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    failed: list[str] = []
+    bridges.keep(
+        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=failed.append
+    )
+    for death in range(1, MAX_FAILURES + 2):
+        clock.advance(STABLE_SECONDS)
+        end(smolvm.sessions[-1][0], 137)
+        assert bridges.status("b1").state is BridgeState.RESTARTING
+        assert _restarts_after(clock, smolvm, BACKOFF_FIRST)
+        ready(smolvm.sessions[-1][0])
+        assert bridges.status("b1") == BridgeStatus(BridgeState.RUNNING, restarts=death)
+    assert failed == []
+
+
+def test_the_back_off_doubles_between_deaths_in_a_row(rig: Any) -> None:
+    """Deaths in a row wait 0.5, 1, 2, 4 s (docs/sidecar.md: doubling, tests-3 R04); the
+    fifth in a row gives up (the 30 s cap is beyond MAX_FAILURES' reach)."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    bridges.keep(
+        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=lambda _: None
+    )
+    end(smolvm.sessions[-1][0], 137)
+    for delay in (0.5, 1.0, 2.0, 4.0):
+        assert _restarts_after(clock, smolvm, delay)
+        end(smolvm.sessions[-1][0], 1)  # dies before it is ready
+    assert bridges.status("b1").state is BridgeState.FAILED
+
+
+def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> None:
+    """The bottle's bridge is stopped while a restart is still spawning (before smolvm runs
+    the exec, so there is nothing to signal yet): once that session comes up it is ended
+    at once, never kept running for a bridge nobody watches (tests-3 R18)."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    told: list[str] = []
+    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    pending: list[tuple[Any, Deferred[Any]]] = []
+
+    def spawn_later(name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        pending.append((protocol, d))
+        return d
+
+    smolvm.spawn_exec = spawn_later  # type: ignore[method-assign]
+    end(smolvm.sessions[-1][0], 137)
+    clock.advance(BACKOFF_FIRST)
+    assert len(pending) == 1
+    bridges.stop("b1")
+    protocol, d = pending[0]
+    t = _Transport()
+    protocol.makeConnection(t)  # smolvm runs the exec only now
+    d.callback(t)
+    ready(protocol)
+    assert t.signals == ["TERM"]
+    assert told == [] and bridges.status("b1").state is BridgeState.STOPPED
+
+
+def test_a_bridges_output_is_kept_to_its_cap_whatever_one_read_brings() -> None:
+    """One 64 KiB read of the guest's output keeps MAX_OUTPUT bytes, not the read (R01)."""
+    session = BridgeSession(b"")
+    session.childDataReceived(1, b"x" * 65536)
+    session.childDataReceived(1, b"BNB ready 1\n")
+    assert len(session._out) == BridgeSession.MAX_OUTPUT
+    assert not session.ready.called  # past the cap nothing more is read

@@ -259,3 +259,68 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """A malformed service is a clear error, no traceback."""
     assert main(["script", "egress"]) == 2
     assert "is not PORT=PATH" in capsys.readouterr().err
+
+
+# The connection cap, in process: the guest program's own ``serve`` and ``relay`` with a
+# semaphore that says when it would make the accept loop wait (tests-3 R13, R14).
+
+
+class _WouldWait(Exception):
+    """The accept loop asked for a slot when none was free (it would block here)."""
+
+
+class _NoMore(Exception):
+    """The accept loop went on to accept a connection past the cap."""
+
+
+class _Slots(threading.Semaphore):
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if not super().acquire(blocking=False):
+            raise _WouldWait
+        return True
+
+
+def test_the_accept_loop_waits_for_a_free_slot(sock_path: str) -> None:
+    """With every slot held by a live connection the bridge accepts nothing more (the rest
+    wait in the backlog): two slots, three clients, two accepted, then a wait for a slot."""
+    from bottlenet.bridge import guest
+
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    upstream.bind(sock_path)
+    upstream.listen(8)  # connects complete in the backlog: each relay holds its slot
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+
+    class _Listener:
+        def accept(self) -> tuple[socket.socket, object]:
+            if len(accepted) == 2:
+                raise _NoMore
+            conn, addr = listener.accept()
+            accepted.append(conn)
+            return conn, addr
+
+    clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+    try:
+        with pytest.raises(_WouldWait):
+            guest.serve(_Listener(), sock_path, _Slots(2))
+        assert len(accepted) == 2
+    finally:
+        for s in [*clients, listener, upstream]:
+            s.close()
+
+
+def test_a_failed_socket_connect_gives_its_slot_back(sock_path: str) -> None:
+    """No socket behind the bridge: the connection ends and its slot is free again, so
+    failures never use up the cap."""
+    from bottlenet.bridge import guest
+
+    slots = threading.Semaphore(1)
+    for _ in range(3):
+        assert slots.acquire(blocking=False)  # as serve takes it before accept
+        a, b = socket.socketpair()
+        guest.relay(a, sock_path, slots)  # nothing listens at sock_path
+        assert b.recv(1) == b""  # the client's connection was closed
+        b.close()
+    assert slots.acquire(blocking=False)

@@ -299,6 +299,13 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         {"bottle": LEASED_RECORD},
         b'\x00\x07_answer\x00\x011\x00\x06bottle\x00\xae{"name":"b1","alias":"127.77.0.2","source":"control","state":"ready","created_at":1700000000.5,"forwards":0,"owner":"t1","lease_seconds":60.0,"lease_expires_at":1700000060.5}\x00\x00',
     ),
+    (
+        C.Leftovers,
+        {"name": "b1"},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x13bottlenet.Leftovers\x00\x04name\x00\x02b1\x00\x00",
+        {"leftovers": ["bn-b1-agent"]},
+        b"\x00\x07_answer\x00\x011\x00\tleftovers\x00\r\x00\x0bbn-b1-agent\x00\x00",
+    ),
 ]
 # Commands the daemon sends to its clients (pinned the same way).
 PUSHED_GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [

@@ -136,3 +136,11 @@ def test_scoped_peer_sees_only_its_own_bottles() -> None:
     assert sorted(backend.bottles) == ["theirs"]
     c.close()
     full.close()
+
+
+def test_scoped_peer_may_not_ask_leftovers() -> None:
+    """Leftovers (selftest) reports on any gone name: full control only."""
+    c, _node = conn_for(SCOPED_UID)
+    with pytest.raises(PermissionDenied):
+        c.call(C.Leftovers, name="gone")
+    c.close()
