@@ -365,7 +365,30 @@ def _core(
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
-    factory = ControlServerFactory(
+    factory = _control_factory(settings, reactor, registry, node, control_commands)
+    root = BottlenetService(
+        reactor,
+        table,
+        registry,
+        smolvm,
+        factory,
+        settings.state_dir,
+        smolvm_calls,
+        control_commands,
+    )
+    root.node = node
+    return root, vmctl_service, vms
+
+
+def _control_factory(
+    settings: DaemonSettings,
+    reactor: Any,
+    registry: BottleRegistry,
+    node: Node,
+    control_commands: metrics.CommandStats,
+) -> ControlServerFactory:
+    """The control socket's factory over the registry and the node (the TLS one copies it)."""
+    return ControlServerFactory(
         registry,
         server_version=__version__,
         smolvm_version=None,
@@ -379,18 +402,6 @@ def _core(
         scoped_uids=settings.scoped_uids,
         creators=Creators(registry.events.subscribe),
     )
-    root = BottlenetService(
-        reactor,
-        table,
-        registry,
-        smolvm,
-        factory,
-        settings.state_dir,
-        smolvm_calls,
-        control_commands,
-    )
-    root.node = node
-    return root, vmctl_service, vms
 
 
 def _node(
