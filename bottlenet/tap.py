@@ -46,6 +46,7 @@ from bottlenet.paths import (
     unix_path_state,
 )
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
+from bottlenet.waiters import OneShot
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.service import build_smolvm
@@ -109,12 +110,16 @@ class BottlenetService(MultiService):
         )
         super().startService()
         vm_uids = VmUids.for_euid(os.geteuid()) if self.smolvm.binary is not None else None
+        settled: OneShot[None] = OneShot()
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
             factory.vm_uids = vm_uids
-        if vm_uids is not None:
-            self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
-            self.probe_smolvm()
+            factory.smolvm_settled = settled  # Hello waits for the probe, not a guess
+        if vm_uids is None:
+            settled.fire(None)
+            return
+        self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
+        self.probe_smolvm().addBoth(lambda _: settled.fire(None))
 
     def probe_smolvm(self) -> Deferred[None]:
         """Learn the smolvm version once; a failure other than smolvm's own is logged."""

@@ -9,16 +9,23 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger, formatEvent, globalLogPublisher
 
+from bottlenet.control import commands as C
+from bottlenet.control.codec import decode_answer, encode_request
+from bottlenet.control.peercred import PeerCred
 from bottlenet.paths import StateDirLock
 from bottlenet.settings import Options, StartupError
 from bottlenet.tap import BottlenetService, build_service
+from tests.control.fakes import Conn
+from tests.vmctl.fakereactor import FakeProcessReactor
 from tests.netio import OutputReader, roundtrip
+from vmctl.smolvm import SmolvmVersion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
@@ -509,6 +516,56 @@ def test_a_failed_smolvm_probe_is_logged_not_dropped() -> None:
     (event,) = events
     assert event["log_format"] == "the smolvm version probe failed"
     assert event["log_failure"].check(RuntimeError)
+
+
+class _ProcessReactor(MemoryReactorClock, FakeProcessReactor):
+    """Memory sockets and a clock; processes recorded, never finished."""
+
+    def __init__(self) -> None:
+        MemoryReactorClock.__init__(self)
+        FakeProcessReactor.__init__(self)
+
+
+class _SlowSmolvm:
+    """A smolvm whose version probe answers only when the test says (``answer``)."""
+
+    binary = "/opt/smolvm"
+
+    def __init__(self) -> None:
+        self.pending: Deferred[SmolvmVersion] = Deferred()
+
+    def describe(self) -> str:
+        return "/opt/smolvm (from --smolvm)"
+
+    def version(self) -> Deferred[SmolvmVersion]:
+        return self.pending
+
+
+def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: a Hello that comes before the daemon's smolvm probe has settled (the first
+    call under socket activation) waits for it and reports smolvm, not ``unavailable``."""
+    options = Options()
+    options.parseOptions(
+        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path / 'c.sock'}"]
+    )
+    root = build_service(options, _ProcessReactor())  # recovery's smolvm ls stays pending
+    slow = _SlowSmolvm()
+    root.smolvm = cast(Any, slow)
+    factory = root.control_factory
+    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    root.startService()
+    try:
+        conn = Conn(factory)
+        conn.send(encode_request(C.Hello, b"1", {"client_version": "t", "protocols": [1]}))
+        assert conn.boxes() == []  # no answer while the probe runs
+        slow.pending.callback(SmolvmVersion(1, 32, 2))
+        (box,) = conn.boxes()
+        answer = decode_answer(C.Hello, box)
+        assert (answer["smolvm_available"], answer["smolvm_version"]) == (True, "1.32.2")
+        later = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        assert later["smolvm_version"] == "1.32.2"  # settled: answered at once
+    finally:
+        root.stopService()
 
 
 def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:

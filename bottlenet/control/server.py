@@ -66,6 +66,7 @@ from bottlenet.forward.spec import (
     targets_dir,
 )
 from bottlenet.views import LazyView
+from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -197,7 +198,7 @@ class ControlLocator(SafeCommandLocator):
         return result
 
     @C.Hello.responder
-    def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
+    async def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
         common = set(protocols) & set(C.SUPPORTED_PROTOCOLS)
         self.log.info(
             "control: hello from {peer} client={client} protocols={protocols}",
@@ -210,6 +211,8 @@ class ControlLocator(SafeCommandLocator):
                 f"no common protocol version: daemon speaks {list(C.SUPPORTED_PROTOCOLS)}"
             )
         f = self.factory
+        if not f.smolvm_settled.fired:  # the daemon's one smolvm probe is still running
+            await f.smolvm_settled.when_fired()
         return {
             "server_version": f.server_version,
             "protocol": max(common),
@@ -642,6 +645,11 @@ class ControlServerFactory(Factory):
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
+        #: Settled once the daemon's smolvm probe has (``tap.BottlenetService``): Hello waits
+        #: for it, so its smolvm fields are right from the first call (under socket
+        #: activation that call comes as soon as the reactor runs). Settled where none runs.
+        self.smolvm_settled: OneShot[None] = OneShot()
+        self.smolvm_settled.fire(None)
         self.allowed_uids = allowed_uids
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
@@ -709,6 +717,7 @@ class ControlServerFactory(Factory):
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids
+        tls.smolvm_settled = self.smolvm_settled
         return tls
 
     def take_slot(self) -> bool:
