@@ -23,8 +23,8 @@ from bottlenet.paths import StateDirLock
 from bottlenet.settings import Options, StartupError
 from bottlenet.tap import BottlenetService, build_service
 from tests.control.fakes import Conn
-from tests.vmctl.fakereactor import FakeProcessReactor
 from tests.netio import OutputReader, roundtrip
+from tests.vmctl.fakereactor import FakeProcessReactor
 from vmctl.smolvm import SmolvmVersion
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
