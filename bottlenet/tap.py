@@ -276,9 +276,8 @@ def compose(
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
-    sdnotify.SystemdNotifier(
-        ready, status=count_of(len(settings.config.bottles), "configured bottle")
-    ).setServiceParent(root)
+    status = partial(ready_status, registry, len(settings.config.bottles))
+    sdnotify.SystemdNotifier(ready, status=status).setServiceParent(root)
     return root
 
 
@@ -385,6 +384,13 @@ def control_service(
         factory,
         on_fatal,
     )
+
+
+def ready_status(registry: BottleRegistry, configured: int) -> str:
+    """``2 bottles (1 configured, 1 restored)``: asked when the daemon is ready, once recovery
+    has restored what the state file holds (a count made at start would say 0 restored)."""
+    total = len(registry.list_bottles())
+    return f"{count_of(total, 'bottle')} ({configured} configured, {total - configured} restored)"
 
 
 def count_of(n: int, noun: str) -> str:

@@ -17,6 +17,7 @@ from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger, formatEvent, globalLogPublisher
 
 from bottlenet.control import commands as C
+from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.codec import decode_answer, encode_request
 from bottlenet.control.peercred import PeerCred
 from bottlenet.paths import StateDirLock
@@ -607,28 +608,50 @@ def test_sigint_stops_a_daemon_started_with_sigint_ignored(tmp_path) -> None:  #
     assert b"Received SIGINT" in out
 
 
+def _run_until_ready(args: list[str], then: Any = None) -> str:
+    """The text log of ``twist bottlenet ARGS`` from start until stopped once ready (after
+    ``then()``, if given)."""
+    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", "bottlenet", *args])
+    assert proc.stdout is not None
+    reader = OutputReader(proc.stdout.fileno())
+    try:
+        reader.wait_for(rb"ready: .*\n", 90)
+        if then is not None:
+            then()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    return (reader.seen + proc.stdout.read()).decode(errors="replace")
+
+
 def test_start_and_stop_log_is_plain(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The start and stop log of the README's demo: no Twisted class names (``_Forward
     starting on``, ``_QuietSite (CappedFactory)``, ``Port N Closed``), no ``N -> N`` no-op,
-    and a count with its plural right (``1 configured bottle``)."""
+    and counts with their plurals right; after a restart the ready line counts the restored
+    bottle too (issue 30: it said ``0 configured bottles`` after ``1 bottle(s) restored``)."""
     config = _write_config(
         tmp_path,
         "[[bottle]]\nname = 'demo'\nalias = '127.77.0.3'\n"
         "[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:9'\n",
     )
-    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
-    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", *args])
-    assert proc.stdout is not None
-    reader = OutputReader(proc.stdout.fileno())
-    try:
-        reader.wait_for(rb"ready: .*\n", 90)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    rest = proc.stdout.read()
-    log = (reader.seen + rest).decode(errors="replace")
+    control = str(tmp_path / "s" / "control.sock")
+    args = ["--state-dir", str(tmp_path / "s"), "--config", config, "--max-connections", "9"]
+
+    def create() -> None:
+        with BlockingControlClient(control, timeout=30) as c:
+            c.create_bottle("extra")
+
+    log = _run_until_ready(args, create)
     assert "forward demo/web listening on 127.77.0.3:" in log
-    assert "ready: 1 configured bottle\n" in log
+    assert "ready: 1 bottle (1 configured, 0 restored)\n" in log
+    assert re.search(
+        r"relays: \w+ engine, at most 9 connections in all \(--max-connections\), 4096 per "
+        r"bottle \(capped by the total\), idle timeout 900s",
+        log,
+    ), log
     for noise in ("starting on", "Port", "CappedFactory", "_Forward", "_QuietSite"):
         assert noise not in log, log
     assert not re.search(r"\b(\d+) -> \1\b", log), log
+    again = _run_until_ready(args)
+    assert "recovery done: 1 bottle(s) restored" in again
+    assert "ready: 2 bottles (1 configured, 1 restored)\n" in again

@@ -109,6 +109,14 @@ def test_coerce_functions_document_their_range() -> None:
     assert "Seconds in (0, 600]." in str(Options())
 
 
+def test_help_says_what_the_daemon_does_now() -> None:
+    """``--help``: socket mode is the default (raw ports are opt-in) and the gate's outside
+    target is checked by TCP, UDP and ICMP, as the README says (issue 30, stale wording)."""
+    text = " ".join(str(Options()).split())
+    assert "raw ports." not in text and "exposed UNIX sockets; raw TCP ports only" in text
+    assert "(by TCP, UDP and ICMP)" in text
+
+
 def test_relay_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--relay-engine`` names one of the engines; anything else is refused while parsing."""
     assert _settings(tmp_path, "--relay-engine", "portable").relay_engine == "portable"
