@@ -287,8 +287,9 @@ def kvm_message(what: str, err: str, euid: int | None = None) -> str:
 
 
 def _advice(err: str) -> str:
-    """smolvm's own advice: the indented lines after its error line, sanitised, one line."""
-    lines = [line.strip() for line in err.splitlines()[1:] if line.startswith((" ", "\t"))]
+    """smolvm's own advice: the lines after its error line (1.32.2 prints ``Add your user to
+    the 'kvm' group:``, the ``usermod`` command and ``Then log out ...``), as one line."""
+    lines = [line.strip() for line in err.splitlines()[1:]]
     return sanitize(" ".join(line for line in lines if line), 200)
 
 

@@ -118,10 +118,11 @@ class ClassifyTests(SynchronousTestCase):
             b"KvmContext(KvmOpen(Error(13))) (boot process exited (code 1) before the agent "
             b"was ready)\n"
         )
-        user = (
+        user = (  # the real 1.32.2 as uid 65534 (setpriv), on a root:root 0600 /dev/kvm
             b"Error: agent operation failed: start machine: kvm permission denied: Cannot "
-            b"access /dev/kvm (permission denied).\n  Add your user to the kvm group: sudo "
-            b"usermod -aG kvm $USER\n"
+            b"access /dev/kvm (permission denied).\nAdd your user to the 'kvm' group:\n\n"
+            b"sudo usermod -aG kvm $USER\n\nThen log out and log back in for the change to "
+            b"take effect.\n"
         )
         as_root = E.kvm_message("machine start", E.error_text(root), euid=0)
         self.assertIn("the daemon runs as root", as_root)
@@ -130,7 +131,10 @@ class ClassifyTests(SynchronousTestCase):
         as_user = E.kvm_message("machine start", E.error_text(user), euid=4242)
         self.assertNotIn("root", as_user)
         self.assertIn("the daemon's user (uid 4242)", as_user)
-        self.assertIn("smolvm says: Add your user to the kvm group: sudo usermod -aG kvm", as_user)
+        self.assertIn(
+            "smolvm says: Add your user to the 'kvm' group: sudo usermod -aG kvm $USER Then log",
+            as_user,
+        )
         self.assertNotIn("\n", as_user)
         e = E.classify(user, 1, "machine start")  # the default: this process's uid
         self.assertIn(f"uid {os.geteuid()}" if os.geteuid() else "runs as root", e.message)
