@@ -28,6 +28,7 @@ from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outsid
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
+from bottlenet.bottles.vmmaccess import closed_parents
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
@@ -119,7 +120,25 @@ class BottlenetService(MultiService):
             settled.fire(None)
             return
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
+        self._say_what_smolvm_opens(vm_uids)
         self.probe_smolvm().addBoth(lambda _: settled.fire(None))
+
+    def _say_what_smolvm_opens(self, vm_uids: VmUids) -> None:
+        """As root, smolvm's first VM start adds ``o+x`` to every parent of its data dir,
+        outside the state dir too (issue 30: a surprise found only deep in the docs)."""
+        data_dir = self.smolvm.data_dir_root
+        if vm_uids is not VmUids.PER_VM or data_dir is None:
+            return
+        try:
+            closed = closed_parents(data_dir)
+        except OSError:
+            return  # a parent that cannot be read: smolvm's start will say more
+        if closed:
+            self.log.warn(
+                "smolvm runs VMs with per-VM uids: its first VM start adds o+x to {paths} "
+                "(docs/smolvm.md, Privilege model)",
+                paths=", ".join(closed),
+            )
 
     def probe_smolvm(self) -> Deferred[None]:
         """Learn the smolvm version once; a failure other than smolvm's own is logged."""

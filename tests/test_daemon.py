@@ -531,6 +531,7 @@ class _SlowSmolvm:
     """A smolvm whose version probe answers only when the test says (``answer``)."""
 
     binary = "/opt/smolvm"
+    data_dir_root: str | None = None
 
     def __init__(self) -> None:
         self.pending: Deferred[SmolvmVersion] = Deferred()
@@ -565,6 +566,29 @@ def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: igno
         assert (answer["smolvm_available"], answer["smolvm_version"]) == (True, "1.32.2")
         later = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
         assert later["smolvm_version"] == "1.32.2"  # settled: answered at once
+    finally:
+        root.stopService()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="smolvm uses per-VM uids only as root")
+def test_root_daemon_says_which_parents_smolvm_opens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: as root, the start log names the parents of smolvm's data dir that its first
+    VM start will make ``o+x`` (they may lie outside the state dir), and changes none."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    options = Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path}/c"])
+    root = build_service(options, _ProcessReactor())
+    slow = _SlowSmolvm()
+    slow.data_dir_root = str(closed / "d" / "smolvm")  # not made yet: its parents are read
+    root.smolvm = cast(Any, slow)
+    events: list[dict[str, Any]] = []
+    root.log = Logger(observer=events.append)
+    root.startService()
+    try:
+        said = [formatEvent(e) for e in events if "adds o+x" in e["log_format"]]
+        assert len(said) == 1 and f"adds o+x to {closed}" in said[0], said
+        assert os.stat(closed).st_mode & 0o777 == 0o700
     finally:
         root.stopService()
 
