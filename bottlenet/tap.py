@@ -115,6 +115,7 @@ class BottlenetService(MultiService):
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
             factory.vm_uids = vm_uids
+            factory.vm_uids_now = self.vm_uids_now
             factory.smolvm_settled = settled  # Hello waits for the probe, not a guess
         if vm_uids is None:
             settled.fire(None)
@@ -122,6 +123,24 @@ class BottlenetService(MultiService):
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
         self._say_what_smolvm_opens(vm_uids)
         self.probe_smolvm().addBoth(lambda _: settled.fire(None))
+
+    def vm_uids_now(self) -> tuple[str | None, str | None]:
+        """smolvm's privilege model and its basis: as seen at the last VM start (the VMM's
+        uid against the daemon's), else as expected from the daemon's uid (issue 30: the row
+        said ``per-VM uids`` for a fake that dropped no uid)."""
+        if self.smolvm.binary is None:
+            return None, None
+        euid = os.geteuid()
+        expected = VmUids.for_euid(euid)
+        seen = self.smolvm.vmm_seen
+        if seen is None:
+            who = "root" if euid == 0 else f"uid {euid}"
+            return str(expected), f"expected: the daemon runs as {who}; no VM start seen yet"
+        model = seen.model(euid)
+        basis = f"seen: {seen.machine}'s VM process ran as uid {seen.uid}"
+        if model is not expected:
+            basis += f", though a daemon of uid {euid} expects {expected}"
+        return str(model), basis
 
     def _say_what_smolvm_opens(self, vm_uids: VmUids) -> None:
         """As root, smolvm's first VM start adds ``o+x`` to every parent of its data dir,

@@ -16,6 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger, formatEvent, globalLogPublisher
 
+from bottlenet.cli.main import _vm_uids_row
 from bottlenet.control import commands as C
 from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.control.codec import decode_answer, encode_request
@@ -26,7 +27,7 @@ from bottlenet.tap import BottlenetService, build_service
 from tests.control.fakes import Conn
 from tests.netio import OutputReader, roundtrip
 from tests.vmctl.fakereactor import FakeProcessReactor
-from vmctl.smolvm import SmolvmVersion
+from vmctl.smolvm import SmolvmVersion, VmmSeen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
@@ -532,6 +533,7 @@ class _SlowSmolvm:
 
     binary = "/opt/smolvm"
     data_dir_root: str | None = None
+    vmm_seen: VmmSeen | None = None
 
     def __init__(self) -> None:
         self.pending: Deferred[SmolvmVersion] = Deferred()
@@ -566,6 +568,46 @@ def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: igno
         assert (answer["smolvm_available"], answer["smolvm_version"]) == (True, "1.32.2")
         later = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
         assert later["smolvm_version"] == "1.32.2"  # settled: answered at once
+    finally:
+        root.stopService()
+
+
+def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: Hello's ``vm_uids`` is expected from the daemon's uid only until a VM start
+    is seen; then it is the model that VMM's uid shows, with its basis, and the status row
+    prints both (a root daemon whose smolvm dropped no uid says ``one uid``)."""
+    options = Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path}/c"])
+    root = build_service(options, _ProcessReactor())
+    slow = _SlowSmolvm()
+    slow.pending.callback(SmolvmVersion(1, 32, 2))
+    root.smolvm = cast(Any, slow)
+    factory = root.control_factory
+    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    root.startService()
+    euid = os.geteuid()
+    try:
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        expected = "per-VM uids" if euid == 0 else "one uid"
+        who = "root" if euid == 0 else f"uid {euid}"
+        assert (hello["vm_uids"], hello["vm_uids_basis"]) == (
+            expected,
+            f"expected: the daemon runs as {who}; no VM start seen yet",
+        )
+        slow.vmm_seen = VmmSeen("bn-a-sidecar", euid)  # the VMM ran as the daemon's uid
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        basis = f"seen: bn-a-sidecar's VM process ran as uid {euid}"
+        if euid == 0:
+            basis += ", though a daemon of uid 0 expects per-VM uids"
+        assert (hello["vm_uids"], hello["vm_uids_basis"]) == ("one uid", basis)
+        slow.vmm_seen = VmmSeen("bn-a-agent", euid + 2_000_001)
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        assert hello["vm_uids"] == "per-VM uids"
+        assert _vm_uids_row(hello["vm_uids"], hello["vm_uids_basis"]) == (
+            f"per-VM uids (seen: bn-a-agent's VM process ran as uid {euid + 2_000_001}"
+            + ("" if euid == 0 else f", though a daemon of uid {euid} expects one uid")
+            + ")"
+        )
     finally:
         root.stopService()
 

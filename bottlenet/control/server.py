@@ -213,6 +213,7 @@ class ControlLocator(SafeCommandLocator):
         f = self.factory
         if not f.smolvm_settled.fired:  # the daemon's one smolvm probe is still running
             await f.smolvm_settled.when_fired()
+        vm_uids, basis = f.vm_uids_now() if f.vm_uids_now is not None else (f.vm_uids, None)
         return {
             "server_version": f.server_version,
             "protocol": max(common),
@@ -220,7 +221,8 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
             "smolvm_source": f.smolvm_source,
-            "vm_uids": f.vm_uids,
+            "vm_uids": vm_uids,
+            "vm_uids_basis": basis,
         }
 
     @C.Ping.responder
@@ -642,6 +644,8 @@ class ControlServerFactory(Factory):
         self.smolvm_source: str | None = None
         #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
         self.vm_uids: str | None = None
+        #: Set by the daemon: the model and its basis now (seen at a VM start, or expected).
+        self.vm_uids_now: Callable[[], tuple[str | None, str | None]] | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
@@ -717,6 +721,7 @@ class ControlServerFactory(Factory):
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids
+        tls.vm_uids_now = self.vm_uids_now
         tls.smolvm_settled = self.smolvm_settled
         return tls
 
