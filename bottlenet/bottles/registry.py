@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles import attach, states, workload
 from bottlenet.bottles.attach import ExecRequest
+from bottlenet.bottles.creation import create_vm
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -39,7 +40,7 @@ from bottlenet.bottles.events import (
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
+from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.bottles.workloadwatch import WorkloadWatches
@@ -339,12 +340,8 @@ class BottleRegistry:
         source: Source = Source.CONTROL,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
-        if spec is not None and spec.name != name:
-            raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
-        if spec is not None and spec.agent is not None:
-            check_volumes(spec.agent.volumes, self.protected_dirs)
         if spec is not None:
-            check_local_images(spec)
+            check_create(name, alias, spec, self.protected_dirs)
 
         async def create() -> Bottle:
             if name in self._bottles:
@@ -356,7 +353,7 @@ class BottleRegistry:
             if spec is not None and spec.has_vms:
                 self.emit(CREATED, name, BottleState.CREATING)
                 try:
-                    created = await self._create_vm(name, alias, spec)
+                    created = await self._create_vm(name, spec)
                 except BaseException as e:
                     code = getattr(e, "code", "INTERNAL")
                     self.emit(DESTROYED, name, None, f"create failed: {code}")
@@ -392,9 +389,7 @@ class BottleRegistry:
         self._machines[name].created()
         self._creating.discard(name)
 
-    async def _create_vm(
-        self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
-    ) -> Bottle:
+    async def _create_vm(self, name: str, spec: BottleSpec) -> Bottle:
         if self.vms is None:
             raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
 
@@ -406,7 +401,7 @@ class BottleRegistry:
                 del self._bottles[name]
                 raise
 
-        bottle = await self.vms.create(spec, alias, commit)
+        bottle = await create_vm(self.vms, spec, commit)
         # The last step committed it; an Exec was BUSY ("being created") until now.
         self._created(name)
         self.watch(bottle)
@@ -714,10 +709,7 @@ class BottleRegistry:
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         bottle = self._require(name)
-        if bottle.vms is None or self.vms is None:
-            return None
-        ports = [str(e.guest_port) for e in bottle.vms.endpoints if e.guest_path is not None]
-        return self.vms.bridge_status(bottle).describe(ports)
+        return None if self.vms is None else self.vms.describe_bridge(bottle)
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""
