@@ -225,9 +225,8 @@ def test_bad_smolvm_stops_the_daemon_before_anything_is_bound(  # type: ignore[n
 
 def test_long_smolvm_data_dir_stops_the_daemon(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Issue 19: a ``--smolvm-data-dir`` over smolvm's 61 bytes fails start-up, not a create."""
-    # over 61 bytes whatever the pytest temp root, and short enough that the message names it
-    # whole (a short --basetemp gives a short tmp_path, the default a long one)
-    data_dir = str(tmp_path / ("smolvm-data-" + "d" * max(0, 62 - len(os.fsencode(tmp_path)))))
+    # over the limit whatever pytest's temp root is, and under the 120 bytes a message shows
+    data_dir = str(tmp_path / ("d" * max(1, 62 - len(os.fsencode(str(tmp_path))))))
     size = len(os.fsencode(data_dir))
     control = tmp_path / "run" / "c.sock"
     line = _build_fails(

@@ -348,6 +348,9 @@ class BlockingControlClient(ExecOpener):
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
         return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
 
+    def leftovers(self, name: str, *, timeout: float | None = None) -> tuple[str, ...]:
+        return self.call(calls.leftovers(name), timeout=timeout)
+
     def verify_bottle(self, name: str, *, timeout: float | None = None) -> tuple[BottleRecord, str]:
         return self.call(calls.verify_bottle(name), timeout=timeout)
 
