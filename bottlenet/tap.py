@@ -126,9 +126,10 @@ class BottlenetService(MultiService):
         self.probe_smolvm().addBoth(lambda _: settled.fire(None))
 
     def vm_uids_now(self) -> tuple[str | None, str | None]:
-        """smolvm's privilege model and its basis: as seen at the last VM start (the VMM's
-        uid against the daemon's), else as expected from the daemon's uid (issue 30: the row
-        said ``per-VM uids`` for a fake that dropped no uid)."""
+        """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
+        launchers compare), and its basis: what the last VM start showed, the VMM's uid
+        against the daemon's (issue 30: the row said ``per-VM uids`` for a fake that dropped
+        no uid), else that nothing was seen yet."""
         if self.smolvm.binary is None:
             return None, None
         euid = os.geteuid()
@@ -137,11 +138,11 @@ class BottlenetService(MultiService):
         if seen is None:
             who = "root" if euid == 0 else f"uid {euid}"
             return str(expected), f"expected: the daemon runs as {who}; no VM start seen yet"
-        model = seen.model(euid)
         basis = f"seen: {seen.machine}'s VM process ran as uid {seen.uid}"
+        model = seen.model(euid)
         if model is not expected:
-            basis += f", though a daemon of uid {euid} expects {expected}"
-        return str(model), basis
+            basis += f": {model} in fact"
+        return str(expected), basis
 
     def _say_what_smolvm_opens(self, vm_uids: VmUids) -> None:
         """As root, smolvm's first VM start adds ``o+x`` to every parent of its data dir,

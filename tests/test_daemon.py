@@ -574,9 +574,10 @@ def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: igno
 
 
 def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Issue 30: Hello's ``vm_uids`` is expected from the daemon's uid only until a VM start
-    is seen; then it is the model that VMM's uid shows, with its basis, and the status row
-    prints both (a root daemon whose smolvm dropped no uid says ``one uid``)."""
+    """Issue 30: Hello's ``vm_uids_basis`` says what the last VM start showed (the VMM's uid
+    against the daemon's), else that nothing was seen; ``vm_uids`` stays the model the
+    daemon's uid implies, and the status row prints both (a root daemon whose smolvm dropped
+    no uid: ``per-VM uids (seen: ... ran as uid 0: one uid in fact)``)."""
     options = Options()
     options.parseOptions(["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path}/c"])
     root = build_service(options, _ProcessReactor())
@@ -587,9 +588,9 @@ def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-un
     factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
     root.startService()
     euid = os.geteuid()
+    expected = "per-VM uids" if euid == 0 else "one uid"
     try:
         hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
-        expected = "per-VM uids" if euid == 0 else "one uid"
         who = "root" if euid == 0 else f"uid {euid}"
         assert (hello["vm_uids"], hello["vm_uids_basis"]) == (
             expected,
@@ -599,14 +600,13 @@ def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-un
         hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
         basis = f"seen: bn-a-sidecar's VM process ran as uid {euid}"
         if euid == 0:
-            basis += ", though a daemon of uid 0 expects per-VM uids"
-        assert (hello["vm_uids"], hello["vm_uids_basis"]) == ("one uid", basis)
+            basis += ": one uid in fact"
+        assert (hello["vm_uids"], hello["vm_uids_basis"]) == (expected, basis)
         slow.vmm_seen = VmmSeen("bn-a-agent", euid + 2_000_001)
         hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
-        assert hello["vm_uids"] == "per-VM uids"
         assert _vm_uids_row(hello["vm_uids"], hello["vm_uids_basis"]) == (
-            f"per-VM uids (seen: bn-a-agent's VM process ran as uid {euid + 2_000_001}"
-            + ("" if euid == 0 else f", though a daemon of uid {euid} expects one uid")
+            f"{expected} (seen: bn-a-agent's VM process ran as uid {euid + 2_000_001}"
+            + ("" if euid == 0 else ": per-VM uids in fact")
             + ")"
         )
     finally:
