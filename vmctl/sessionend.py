@@ -13,7 +13,9 @@ leader of a process group, starts the command in that group, and waits. Its stdo
 stderr are the session's pipes; when the agent drops them, ``poll`` reports ``POLLERR`` (a
 pipe whose reader is gone) or ``POLLHUP`` (a terminal hung up, or ``SIGHUP``), and the
 wrapper ends the whole group: SIGTERM, then SIGKILL after :data:`GRACE` seconds. Otherwise it
-exits with the command's status (its code, or 128 + the signal, as smolvm reports it).
+exits with the command's status (its code, or 128 + the signal, as smolvm reports it). It
+ignores SIGINT and SIGQUIT (a terminal's Ctrl-C and Ctrl-\\ are the command's to handle: a
+REPL that catches Ctrl-C must not lose its session), which its command gets back as defaults.
 
 Why a wrapper and not smolvm's pid-file kill: smolvm kills by pid file only on the plain
 (non-``-i``) path (``run_in_keepalive_container`` -> ``ExecPidFile::kill_workload``); ``-i``
@@ -48,10 +50,12 @@ signal.set_wakeup_fd(w)
 signal.signal(signal.SIGCHLD, lambda *a: None)
 hup = []
 signal.signal(signal.SIGHUP, lambda *a: hup.append(1))
+for s in (signal.SIGINT, signal.SIGQUIT):
+    signal.signal(s, signal.SIG_IGN)
 pid = os.fork()
 if pid == 0:
     signal.set_wakeup_fd(-1)
-    for s in (signal.SIGCHLD, signal.SIGHUP):
+    for s in (signal.SIGCHLD, signal.SIGHUP, signal.SIGINT, signal.SIGQUIT):
         signal.signal(s, signal.SIG_DFL)
     os.close(r)
     os.close(w)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -132,3 +133,19 @@ class SessionEndAgainstTheFake(FakeSmolvmTestCase):
         transport.signalProcess("TERM")
         await session.ended
         self.assertTrue(wait_until(lambda: not process_alive(sleeper)), "the command lives on")
+
+
+def test_ctrl_c_is_the_commands_not_the_wrappers() -> None:
+    """A terminal's Ctrl-C reaches the whole foreground group: the wrapper ignores it, and a
+    command that handles it (a REPL) goes on in its session."""
+    p = start(
+        [sys.executable, "-c",
+         "import signal, time; got = []; signal.signal(signal.SIGINT, lambda *a: got.append(1))\n"
+         "print('ready', flush=True)\n"
+         "while not got: time.sleep(0.02)\n"
+         "print('after', flush=True)"]
+    )  # fmt: skip
+    assert first_line(p) == b"ready\n"
+    os.killpg(p.pid, signal.SIGINT)
+    out, _ = p.communicate(timeout=20)
+    assert (p.returncode, out) == (0, b"after\n")
