@@ -66,7 +66,7 @@ def test_text_output_one_line_a_check(daemon: VMDaemon) -> None:
     assert [line.split()[:2] for line in out][:3] == [
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
-    assert len(out) == 13 and all(line.startswith("PASS") for line in out)
+    assert len(out) == 14 and all(line.startswith("PASS") for line in out)
 
 
 def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
