@@ -228,3 +228,24 @@ def test_allowed_uids_and_skip_probe(tmp_path) -> None:  # type: ignore[no-untyp
     """``--allow-uid`` adds to the daemon's own uid; the unsafe flag reaches the settings."""
     s = _settings(tmp_path, "--allow-uid", "4242", "--unsafe-skip-isolation-probe")
     assert s.allowed_uids == {os.geteuid(), 4242} and s.skip_probe
+
+
+def test_node_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--label (repeatable, checked, one line each), --allow-uid UID:scoped, --lease-grace."""
+    s = _settings(tmp_path, "--label", "zone=eu-1", "--label", "kvm=", "--lease-grace", "5")
+    assert (s.labels, s.lease_grace, s.scoped_uids) == ((("kvm", ""), ("zone", "eu-1")), 5.0, set())
+    s = _settings(tmp_path, "--allow-uid", "4243:scoped", "--allow-uid", "4244")
+    assert s.scoped_uids == {4243} and 4244 in s.allowed_uids and 4243 not in s.allowed_uids
+    for bad, message in (
+        (["--label", "Zone=a"], "--label: label key 'Zone': 1-63 of a-z 0-9"),
+        (["--label", "zone"], "--label: label 'zone': must be KEY=VALUE"),
+        (["--label", "zone=a b"], "--label: label zone: value <3 bytes sha256:"),
+        (["--allow-uid", "5:owner"], "--allow-uid: '5:owner': UID or UID:scoped"),
+    ):
+        got = _error(tmp_path, *bad)
+        assert got.startswith(message) and "\n" not in got
+    assert _error(tmp_path, "--label", "a=1", "--label", "a=2") == "--label: label a: given twice"
+    own = str(os.geteuid())
+    assert "given both scoped and with full control" in _error(
+        tmp_path, "--allow-uid", f"{own}:scoped"
+    )
