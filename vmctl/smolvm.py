@@ -115,6 +115,31 @@ class VmUids(StrEnum):
         return cls.PER_VM if euid == 0 else cls.ONE
 
 
+@frozen
+class VmmSeen:
+    """The uid one started VM process (VMM) ran under, read from ``/proc`` right after its
+    ``machine start``: what the privilege model is, seen rather than assumed."""
+
+    machine: str
+    uid: int
+
+    def model(self, daemon_euid: int) -> VmUids:
+        """``per-VM uids`` if the VMM ran under a uid other than the daemon's, else one uid."""
+        return VmUids.PER_VM if self.uid != daemon_euid else VmUids.ONE
+
+
+def vmm_uid_of(pid: int, proc: str = "/proc") -> int | None:
+    """A process's effective uid from ``/proc/PID/status`` (its ``/proc/PID`` owner is root for
+    a process that changed uid, so the directory's owner would lie), or None if it is gone."""
+    try:
+        with open(os.path.join(proc, str(pid), "status"), "rb") as f:
+            status = f.read(8192)
+    except OSError:
+        return None
+    m = re.search(rb"^Uid:\s+\d+\s+(\d+)", status, re.M)
+    return int(m.group(1)) if m else None
+
+
 @frozen(order=True)
 class SmolvmVersion:
     """A parsed ``smolvm --version``; the properties say which features it has."""
@@ -351,6 +376,8 @@ class Smolvm:
         self.session_pythons = tuple(session_pythons)
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
+        #: The last started VM process's uid, as seen (None until a start reported a pid).
+        self.vmm_seen: VmmSeen | None = None
         #: The version+features run in flight; it fires with None or the exception it met (a
         #: value, so it never fails and every waiter sees the same outcome).
         self._learning: Deferred[Exception | None] | None = None
@@ -566,7 +593,11 @@ class Smolvm:
         validate_name(name)
         result = await self._call("start", ["--name", name], self.timeouts.start)
         m = _PID.search(result.stdout.decode("utf-8", "replace"))
-        return int(m.group(1)) if m else None
+        pid = int(m.group(1)) if m else None
+        uid = None if pid is None else vmm_uid_of(pid)
+        if uid is not None:
+            self.vmm_seen = VmmSeen(name, uid)
+        return pid
 
     @as_deferred
     async def stop(self, name: str) -> None:

@@ -207,11 +207,17 @@ class Creation:
             bottle = self.build(sidecar, bound, egress_set, agent)
             commit(bottle)  # 7. the registry records it (the state file)
         except BaseException as e:
-            await self._rollback(e)
+            undone = await self._rollback(e)
+            # A smolvm failure says what became of the bottle (an isolation failure's own
+            # message already says "bottle torn down").
+            after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
             if isinstance(e, VmctlError):
-                raise map_vmctl(e) from None
+                mapped = map_vmctl(e)
+                raise type(mapped)(f"{mapped.message}; {after}") from None
             if isinstance(e, OSError):
-                raise SmolvmFailed(f"creating bottle {self.name} failed: {e.strerror}") from None
+                raise SmolvmFailed(
+                    f"creating bottle {self.name} failed: {e.strerror}; {after}"
+                ) from None
             raise
         vm = bottle.require_vms()
         self.log.info(
@@ -229,24 +235,30 @@ class Creation:
             )
         return bottle
 
-    async def _rollback(self, why: BaseException) -> None:
+    async def _rollback(self, why: BaseException) -> bool:
+        """Undo every step done, last first; whether every undo succeeded."""
         code = getattr(why, "code", type(why).__name__)
         self.log.warn(
-            "bottle {bottle}: create failed ({code}); rolling back {n} step(s)",
+            "bottle {bottle}: create failed ({code}: {why}); rolling back {n} step(s)",
             bottle=self.name,
             code=code,
+            # a typed error's message is sanitised where it is made; anything else by type
+            why=getattr(why, "message", type(why).__name__),
             n=len(self.undo),
         )
+        undone = True
         for what, undo in reversed(self.undo):
             try:
                 await undo()
             except Exception as e:
+                undone = False
                 self.log.warn(
                     "bottle {bottle}: undo of {step} failed: {err}",
                     bottle=self.name,
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
+        return undone
 
     async def step_allocate(self) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
