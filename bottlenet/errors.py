@@ -78,6 +78,13 @@ class BridgeFailed(SmolvmFailed):
     code = "BRIDGE_FAILED"
 
 
+class SidecarNotReady(SmolvmFailed):
+    """A sidecar service never answered on its socket after the sidecar started (within the
+    bound); the create was rolled back."""
+
+    code = "SIDECAR_NOT_READY"
+
+
 class IsolationUnavailable(BottlenetError):
     code = "ISOLATION_UNAVAILABLE"
 
@@ -90,6 +97,18 @@ class Degraded(BottlenetError):
     """The bottle is degraded (its sidecar died or a teardown failed): only destroy works."""
 
     code = "DEGRADED"
+
+
+class Draining(BottlenetError):
+    """The node is draining (``Drain``): it refuses new bottles; existing ones keep running."""
+
+    code = "DRAINING"
+
+
+class PermissionDenied(BottlenetError):
+    """The peer may not do this (a scoped peer asked for a full-control command)."""
+
+    code = "PERMISSION_DENIED"
 
 
 class Unavailable(BottlenetError):
@@ -109,10 +128,13 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     SmolvmFailed,
     KvmUnavailable,
     BridgeFailed,
+    SidecarNotReady,
     IsolationUnavailable,
     IsolationFailed,
     Unavailable,
     Degraded,
+    Draining,
+    PermissionDenied,
 )
 
 

@@ -23,6 +23,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 from twisted.logger import Logger
 
+from vmctl import sessionend
 from vmctl.errors import (
     InvalidArgument,
     NotFound,
@@ -112,6 +113,31 @@ class VmUids(StrEnum):
     @classmethod
     def for_euid(cls, euid: int) -> VmUids:
         return cls.PER_VM if euid == 0 else cls.ONE
+
+
+@frozen
+class VmmSeen:
+    """The uid one started VM process (VMM) ran under, read from ``/proc`` right after its
+    ``machine start``: what the privilege model is, seen rather than assumed."""
+
+    machine: str
+    uid: int
+
+    def model(self, daemon_euid: int) -> VmUids:
+        """``per-VM uids`` if the VMM ran under a uid other than the daemon's, else one uid."""
+        return VmUids.PER_VM if self.uid != daemon_euid else VmUids.ONE
+
+
+def vmm_uid_of(pid: int, proc: str = "/proc") -> int | None:
+    """A process's effective uid from ``/proc/PID/status`` (its ``/proc/PID`` owner is root for
+    a process that changed uid, so the directory's owner would lie), or None if it is gone."""
+    try:
+        with open(os.path.join(proc, str(pid), "status"), "rb") as f:
+            status = f.read(8192)
+    except OSError:
+        return None
+    m = re.search(rb"^Uid:\s+\d+\s+(\d+)", status, re.M)
+    return int(m.group(1)) if m else None
 
 
 @frozen(order=True)
@@ -330,6 +356,7 @@ class Smolvm:
         device_budget: int = DEFAULT_DEVICE_BUDGET,
         check_version: bool = True,
         on_call: CallObserver | None = None,
+        session_pythons: Sequence[str] = ("python3",),
     ) -> None:
         if isinstance(binary, str):
             if not os.path.isabs(binary):
@@ -344,8 +371,13 @@ class Smolvm:
         self.device_budget = device_budget
         self.check_version = check_version
         self.on_call = on_call
+        #: The guest interpreters tried, in order, for the session wrapper
+        #: (:mod:`vmctl.sessionend`): every attached command ends with its session.
+        self.session_pythons = tuple(session_pythons)
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
+        #: The last started VM process's uid, as seen (None until a start reported a pid).
+        self.vmm_seen: VmmSeen | None = None
         #: The version+features run in flight; it fires with None or the exception it met (a
         #: value, so it never fails and every waiter sees the same outcome).
         self._learning: Deferred[Exception | None] | None = None
@@ -561,7 +593,11 @@ class Smolvm:
         validate_name(name)
         result = await self._call("start", ["--name", name], self.timeouts.start)
         m = _PID.search(result.stdout.decode("utf-8", "replace"))
-        return int(m.group(1)) if m else None
+        pid = int(m.group(1)) if m else None
+        uid = None if pid is None else vmm_uid_of(pid)
+        if uid is not None:
+            self.vmm_seen = VmmSeen(name, uid)
+        return pid
 
     @as_deferred
     async def stop(self, name: str) -> None:
@@ -615,7 +651,9 @@ class Smolvm:
         With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
         returns: the result's stdout holds that pid and the command keeps running. ``user``
         (``-u``) runs it as that user. Where smolvm has ``exec --timeout`` it gets the same
-        timeout, so the guest command dies with the call (exit 124) instead of running on.
+        timeout, so the guest command dies with the call (exit 124) instead of running on:
+        smolvm's pid-file kill on the plain path; with ``stdin`` (``-i``), where smolvm kills
+        only ``crun exec``, the session wrapper (:mod:`vmctl.sessionend`).
 
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
@@ -623,6 +661,8 @@ class Smolvm:
         """
         # Refuse bad values before anything is spawned (the gate included).
         exec_args(name, argv, env, workdir, stdin is not None, detach, user)
+        if stdin is not None:  # -i: smolvm's --timeout would kill only crun exec
+            argv = sessionend.wrap(argv, self.session_pythons)
         await self._gate()
         features = self._features or Features()
         if user is not None and not features.exec_user:
@@ -692,7 +732,8 @@ class Smolvm:
         smolvm reads the guest terminal's size from it and, on SIGWINCH, again, so a
         resize is :func:`set_pty_size` on the transport's ``fd``. Nothing of the command
         line or its output is logged here. The caller ends the child (``signalProcess``)
-        when its client goes away; smolvm then ends the guest command.
+        when its client goes away; smolvm then kills only ``crun exec``, and the session
+        wrapper (:mod:`vmctl.sessionend`) ends the guest command.
         """
         exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
         await self._gate()
@@ -701,6 +742,7 @@ class Smolvm:
         if self.binary is None:
             raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
         reactor: Any = self.runner.reactor
+        argv = sessionend.wrap(argv, self.session_pythons)
         rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
         full = [self.binary, *self.machine_args("exec", *rest)]
         self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)

@@ -24,7 +24,7 @@ from typing import Any
 from attrs import frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, workload
+from bottlenet.bottles import egress, readiness, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -200,17 +200,24 @@ class Creation:
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
+            await self.step_sidecar_ready(sidecar)
             bound = await self.step_bind(sidecar)
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
             commit(bottle)  # 7. the registry records it (the state file)
         except BaseException as e:
-            await self._rollback(e)
+            undone = await self._rollback(e)
+            # A smolvm failure says what became of the bottle (an isolation failure's own
+            # message already says "bottle torn down").
+            after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
             if isinstance(e, VmctlError):
-                raise map_vmctl(e) from None
+                mapped = map_vmctl(e)
+                raise type(mapped)(f"{mapped.message}; {after}") from None
             if isinstance(e, OSError):
-                raise SmolvmFailed(f"creating bottle {self.name} failed: {e.strerror}") from None
+                raise SmolvmFailed(
+                    f"creating bottle {self.name} failed: {e.strerror}; {after}"
+                ) from None
             raise
         vm = bottle.require_vms()
         self.log.info(
@@ -228,24 +235,30 @@ class Creation:
             )
         return bottle
 
-    async def _rollback(self, why: BaseException) -> None:
+    async def _rollback(self, why: BaseException) -> bool:
+        """Undo every step done, last first; whether every undo succeeded."""
         code = getattr(why, "code", type(why).__name__)
         self.log.warn(
-            "bottle {bottle}: create failed ({code}); rolling back {n} step(s)",
+            "bottle {bottle}: create failed ({code}: {why}); rolling back {n} step(s)",
             bottle=self.name,
             code=code,
+            # a typed error's message is sanitised where it is made; anything else by type
+            why=getattr(why, "message", type(why).__name__),
             n=len(self.undo),
         )
+        undone = True
         for what, undo in reversed(self.undo):
             try:
                 await undo()
             except Exception as e:
+                undone = False
                 self.log.warn(
                     "bottle {bottle}: undo of {step} failed: {err}",
                     bottle=self.name,
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
+        return undone
 
     async def step_allocate(self) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
@@ -338,6 +351,20 @@ class Creation:
             len(sidecar.services),
             check=self.vms.check_port,
             allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+        )
+
+    async def step_sidecar_ready(self, sidecar: SidecarStarted) -> None:
+        """3b. Every service answers before the egress reload, the endpoints and the gate
+        use it (``readiness.py``: smolvm binds the sockets before the apps listen)."""
+        services = [
+            (svc.name, behind)
+            for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True)
+        ]
+        await readiness.wait_ready(
+            self.vms.reactor,
+            services,
+            probe=self.vms.service_ready,
+            timeout=self.vms.options.sidecar_ready_timeout,
         )
 
     async def step_bind(self, sidecar: SidecarStarted) -> EndpointsBound:

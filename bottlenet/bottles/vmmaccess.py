@@ -46,6 +46,20 @@ def _ancestors(path: str) -> list[str]:
     return found
 
 
+def closed_parents(path: str) -> list[str]:
+    """``path``'s parents that lack ``o+x``: smolvm started as root adds it to each parent of
+    its data dir at its first VM start (``docs/smolvm.md``), which the daemon says at start."""
+    found = []
+    for parent in _ancestors(path):
+        try:
+            mode = os.stat(parent).st_mode
+        except FileNotFoundError:
+            continue  # not made yet (smolvm makes it, with o+x)
+        if not mode & TRAVERSE:
+            found.append(parent)
+    return found
+
+
 class VmmAccess:
     """The file modes and peer uids of a bottle's sockets, for the daemon's model."""
 
