@@ -660,7 +660,9 @@ class Smolvm:
         With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
         returns: the result's stdout holds that pid and the command keeps running. ``user``
         (``-u``) runs it as that user. Where smolvm has ``exec --timeout`` it gets the same
-        timeout, so the guest command dies with the call (exit 124) instead of running on.
+        timeout, so the guest command dies with the call (exit 124) instead of running on:
+        smolvm's pid-file kill on the plain path; with ``stdin`` (``-i``), where smolvm kills
+        only ``crun exec``, the session wrapper (:mod:`vmctl.sessionend`).
 
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
