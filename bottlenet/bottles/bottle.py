@@ -42,6 +42,7 @@ from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.vmloss import lost_reason
 from bottlenet.errors import BottlenetError, Busy, Degraded, InvalidArgument, Unavailable
 from bottlenet.forward.aliases import AliasRegistry
@@ -425,12 +426,20 @@ class ForwardBottle(BottleOwner):
         fwd = Forward(label, target, port)
         return self.forward_spec(alias, fwd, max_connections), fwd
 
-    def create(self, alias: ipaddress.IPv4Address | None, source: Source) -> Bottle:
+    def create(
+        self, alias: ipaddress.IPv4Address | None, source: Source, tenancy: Tenancy | None
+    ) -> Bottle:
         """Claim the alias (the one asked for, else the lowest free) and record the bottle."""
         hands = self.hands
         addr = hands.aliases.claim(self.name, None if alias is None else str(alias))
         now = hands.clock.seconds()
-        bottle = Bottle(name=self.name, alias=str(addr), created_at=now, source=source)
+        bottle = Bottle(
+            name=self.name,
+            alias=str(addr),
+            created_at=now,
+            source=source,
+            tenancy=None if tenancy is None else tenancy.started(now),
+        )
         try:
             self.commit(bottle)
         except Unavailable:
@@ -496,15 +505,23 @@ class VMBottle(BottleOwner):
     """A bottle with VMs: its sidecar watch and bridge keeper, its workload waiter."""
 
     async def create(
-        self, vms: VMLifecycle, spec: BottleSpec, listed: Callable[[BottleOwner], None]
+        self,
+        vms: VMLifecycle,
+        spec: BottleSpec,
+        listed: Callable[[BottleOwner], None],
+        tenancy: Tenancy | None = None,
     ) -> Bottle:
-        """Run the create's steps; the last one records the bottle and ``listed`` it."""
+        """Run the create's steps; the last one records the bottle (with its ``tenancy``,
+        its lease counted from then) and ``listed`` it."""
 
         def commit(bottle: Bottle) -> None:
+            if tenancy is not None:
+                bottle = evolve(bottle, tenancy=tenancy.started(self.hands.clock.seconds()))
             self.commit(bottle)
             listed(self)
 
-        return await create_vm(vms, spec, commit)
+        created = await create_vm(vms, spec, commit)
+        return self.core.value or created  # as committed (with its tenancy)
 
     async def verify(self, vms: VMLifecycle) -> ProbeVerdict:
         """The gate again; its verdict is recorded on the bottle."""

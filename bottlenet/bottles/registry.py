@@ -17,6 +17,7 @@ import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from attrs import evolve
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 from twisted.logger import Logger
 
@@ -40,6 +41,7 @@ from bottlenet.bottles.sessions import CountedSession, SessionSlots
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -102,10 +104,18 @@ class BottleRegistry:
         self.events = EventBus()
         #: Launcher sessions (Exec, Logs) per bottle, capped below the guest agent's limit.
         self.sessions = SessionSlots()
+        #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
+        self.admission: Callable[[Source], None] | None = None
         self._hands = Hands(
             clock, table, aliases, vms, store, self.events, max_connections, self._resync.arm,
             self._forget,
         )  # fmt: skip
+
+    def emit(
+        self, kind: str, name: str, state: str | None = None, detail: str | None = None
+    ) -> None:
+        """A bottle event from outside the owners (the lease keeper's LEASE_EXPIRED)."""
+        emit(self._hands, kind, name, state, detail)
 
     @property
     def recovering(self) -> bool:
@@ -234,11 +244,16 @@ class BottleRegistry:
         *,
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
+        tenancy: Tenancy | None = None,
     ) -> Bottle:
-        """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
+        """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
+        ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
+        from the commit."""
         with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
 
         async def create() -> Bottle:
+            if self.admission is not None:
+                self.admission(source)
             if self._owners[name].value is not None:
                 raise AlreadyExists(f"bottle {name} already exists")
             if len(self._names) + self._others_creating(name) >= self._max_bottles:
@@ -248,9 +263,9 @@ class BottleRegistry:
             owner = self._owners[name]
             if isinstance(owner, VMBottle):
                 assert spec is not None
-                return await self._create_vm(owner, spec)
+                return await self._create_vm(owner, spec, tenancy)
             assert isinstance(owner, ForwardBottle)
-            bottle = owner.create(alias, source)
+            bottle = owner.create(alias, source, tenancy)
             self._named(owner)
             self._created(owner)
             emit(self._hands, CREATED, name, bottle.state)
@@ -259,6 +274,14 @@ class BottleRegistry:
 
         owner_class = VMBottle if with_vms else ForwardBottle
         return await self._locked(name, create, make=lambda: owner_class(name, self._hands))
+
+    @property
+    def max_bottles(self) -> int:
+        return self._max_bottles
+
+    def held(self) -> int:
+        """The bottles the node holds, creates in flight included (``bottles.drain``)."""
+        return len(self._names) + self._others_creating("")
 
     def _others_creating(self, name: str) -> int:
         """Creates in flight for other names: they count against the limit (a committed
@@ -270,7 +293,9 @@ class BottleRegistry:
         owner.machine.created()
         self._creating.discard(owner.name)
 
-    async def _create_vm(self, owner: VMBottle, spec: BottleSpec) -> Bottle:
+    async def _create_vm(
+        self, owner: VMBottle, spec: BottleSpec, tenancy: Tenancy | None
+    ) -> Bottle:
         name = owner.name
         emit(self._hands, CREATED, name, BottleState.CREATING)
         try:
@@ -278,7 +303,7 @@ class BottleRegistry:
                 raise SmolvmUnavailable(
                     "this daemon runs without smolvm: VM bottles are unavailable"
                 )
-            created = await owner.create(self.vms, spec, self._named)
+            created = await owner.create(self.vms, spec, self._named, tenancy)
         except BaseException as e:
             emit(
                 self._hands,
@@ -317,6 +342,14 @@ class BottleRegistry:
     def has_bottle(self, name: str) -> bool:
         owner = self._owners.get(name)
         return owner is not None and owner.value is not None
+
+    def set_tenancy(self, name: str, tenancy: Tenancy) -> None:
+        """Record a bottle's new tenancy (a renewed lease): in memory at once, then on disk
+        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
+        owner = self._owner(name)
+        bottle = evolve(owner.require(), tenancy=tenancy)
+        owner.set_value(bottle)
+        owner.persist(bottle)
 
     async def leftovers(self, name: str) -> list[str]:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
@@ -415,6 +448,12 @@ class BottleRegistry:
         for owner in list(self._owners.values()):
             if isinstance(owner, VMBottle):
                 owner.stop_waiting()
+
+    async def degrade(self, name: str, why: str) -> None:
+        """Degrade the VM bottle ``name`` (its owner's machine does the work)."""
+        owner = self._owners.get(name)
+        if isinstance(owner, VMBottle):
+            await owner.degrade(why)
 
     def _sidecar_exited(self, name: str) -> None:
         self._vm_owner(name).sidecar_exited()
