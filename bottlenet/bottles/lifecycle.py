@@ -104,7 +104,7 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import Features, Machine, Smolvm, SmolvmVersion, VmUids
+from vmctl.smolvm import GUEST_ROOT, Features, Machine, Smolvm, SmolvmVersion, VmUids
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
 from vmctl.uids import UidRegistryError, registry_of, reserve_vm_uid, started_vm_uid
 
@@ -615,22 +615,24 @@ class VMLifecycle:
     async def _start_workload(
         self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
     ) -> None:
-        """6d. The workload, after the gate: its command checked, then started detached."""
+        """6d. The workload, after the gate: its user known, its command checked (as the
+        guest's root), then started detached as its user."""
+        user = agent.user or await self._image_user(name, env)
         check = await self.smolvm.exec(
             name,
-            workload.prepare_argv(agent.workload, name, agent.user),
+            workload.prepare_argv(agent.workload, name),
             env=dict(env),
             timeout=SETUP_TIMEOUT,
-            user=workload.exec_user(agent.user),
+            user=GUEST_ROOT,
         )
         if check.exit_code == workload.PREPARE_NO_PYTHON:
             raise SmolvmFailed(
-                f"starting the workload in {name} failed: a workload run as agent.user "
-                f"needs python3 in the agent VM (exit {check.exit_code})"
+                f"starting the workload in {name} failed: its wrapper needs python3 in the "
+                f"agent VM (exit {check.exit_code})"
             )
         if check.exit_code == workload.PREPARE_NO_DIR:
             raise SmolvmFailed(
-                f"starting the workload in {name} failed: its user cannot create "
+                f"starting the workload in {name} failed: the guest's root cannot create "
                 f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
             )
         if check.exit_code != 0:
@@ -640,14 +642,28 @@ class VMLifecycle:
             )
         result = await self.smolvm.exec(
             name,
-            workload.wrap(agent.workload, name, agent.user),
+            workload.wrap(agent.workload, name, None if workload.runs_as_root(user) else user),
             env=dict(env),
             detach=True,
             timeout=WORKLOAD_TIMEOUT,
-            user=workload.exec_user(agent.user),
+            user=GUEST_ROOT,
         )
         if result.exit_code != 0:
             raise SmolvmFailed(f"starting the workload in {name} failed (exit {result.exit_code})")
+
+    async def _image_user(self, name: str, env: tuple[tuple[str, str], ...]) -> str:
+        """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
+        ``uid:gid``: the workload's user when the spec names none."""
+        result = await self.smolvm.exec(
+            name, list(workload.IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
+        )
+        user = workload.image_user(result.stdout) if result.exit_code == 0 else None
+        if user is None:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: the image's user cannot be read "
+                f"(`id` as the image's USER: exit {result.exit_code}); set agent.user"
+            )
+        return user
 
     def grant_agent(self, bottle: str, endpoints: Sequence[Endpoint], uid: int) -> None:
         """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""

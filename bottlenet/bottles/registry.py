@@ -59,6 +59,7 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo, ForwardTable
 from bottlenet.views import LazyView
+from vmctl.smolvm import GUEST_ROOT
 
 T = TypeVar("T")
 
@@ -542,7 +543,8 @@ class BottleRegistry:
         if vm.workload is None:
             raise InvalidArgument(f"bottle {name} runs no workload (its spec names none)")
         argv = workload.logs_argv(vm.agent_vm, tail, follow)
-        return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
+        request = ExecRequest(tuple(argv), user=GUEST_ROOT)
+        return await attach.spawn_exec(self.vms, bottle, request, protocol)
 
     def _wait_for_workload(self, bottle: Bottle) -> None:
         if self.vms is not None:

@@ -18,6 +18,7 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle
+from vmctl.smolvm import GUEST_ROOT
 
 
 class WorkloadWatches:
@@ -42,7 +43,7 @@ class WorkloadWatches:
 
         waiter = workload.WorkloadWaiter(lambda code: self._ended(name, code), lost)
         self._waiters[name] = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)))
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)), user=GUEST_ROOT)
 
         def failed(f: Failure) -> None:
             lost()

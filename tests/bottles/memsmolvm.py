@@ -23,6 +23,7 @@ from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from bottlenet.bottles import workload
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
@@ -74,6 +75,10 @@ class MemorySmolvm:
     #: The pid a started machine gets: a live process (ours), so pid watches hold.
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
+    #: The ``user`` (``-u``) of each exec in ``execs`` (None: smolvm's default user).
+    exec_users: list[str | None] = field(factory=list)
+    #: What the image's USER is (``uid:gid``), as an exec without ``-u`` reads it.
+    image_user: str = "0:0"
     holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
 
     @property
@@ -207,10 +212,13 @@ class MemorySmolvm:
             if self._machine(name).state != "running":
                 raise NotFound(f"machine {name} is not running")
             self.execs.append((name, list(argv)))
+            self.exec_users.append(user)
             result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
             if result is None:
                 if list(argv) == PROBE_ARGV and self.guest is not None:
                     return self.guest(stdin or b"")
+                if list(argv) == workload.IMAGE_USER_ARGV:  # a root image's USER
+                    return ExecResult(0, self.image_user.encode() + b"\n", b"", 0.0)
                 result = ExecResult(0, b"", b"", 0.0)
             return result
 

@@ -24,7 +24,7 @@ from bottlenet.bottles.bridge import (
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
-from vmctl.smolvm import ExecResult
+from vmctl.smolvm import GUEST_ROOT, ExecResult
 
 ENDPOINTS = (
     SocketEndpoint(
@@ -52,14 +52,19 @@ class StubSmolvm:
         self.sessions: list[tuple[BridgeSession, _Transport]] = []
         self.execs: list[bytes | None] = []
 
-    def spawn_exec(self, name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+    def spawn_exec(
+        self, name: str, argv: Sequence[str], protocol: Any, *, user: str | None = None
+    ) -> Deferred[Any]:
         assert list(argv) == ["/bin/sh", "-s"]
+        # the bridge binds guest ports (below 1024 too): as root, whatever the image's USER
+        assert user == GUEST_ROOT
         t = _Transport()
         protocol.makeConnection(t)
         self.sessions.append((protocol, t))
         return succeed(t)
 
     def exec(self, name: str, argv: Sequence[str], **kw: Any) -> Deferred[ExecResult]:
+        assert kw.get("user") == GUEST_ROOT  # the reach check too
         self.execs.append(kw.get("stdin"))
         return succeed(ExecResult(0, b"", b"", 0.1))
 
