@@ -296,8 +296,12 @@ class EntrypointOrderTests(DaemonCase):
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
         self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
-        # then the workload's prepare step (its dir, its command), then the workload (detached)
-        gate, check, workload = agent_calls[2], agent_calls[3], agent_calls[4]
+        # then the image's USER read (no -u), the workload's prepare step (its dir, its
+        # command), then the workload (detached); bottlenet's own as the guest's root
+        gate, who, check, workload = agent_calls[2:6]
+        self.assertNotIn("--user", who["argv"])
+        for own in (gate, check, workload):
+            self.assertIn("--user 0:0", " ".join(own["argv"]))
         self.assertIn("-d", workload["argv"])
         self.assertNotIn("-d", gate["argv"])
         self.assertNotIn("-d", check["argv"])
