@@ -99,8 +99,7 @@ def test_non_root_image_user_gate_bridge_below_1024_and_workload_as_that_user() 
             assert record["probe"] == "PASS"
             assert b"running (80)" in d.ctl("bottle", "status", "b1").stdout
             logs = wait_for(
-                lambda: b"page for /hello" in (out := d.ctl("bottle", "logs", "b1").stdout)
-                and out,
+                lambda: b"page for /hello" in (out := d.ctl("bottle", "logs", "b1").stdout) and out,
                 60,
                 "the workload's fetch",
             )
