@@ -9,16 +9,12 @@ from __future__ import annotations
 
 import json
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import pytest
 
 from tests import netguard
 
+from .test_bridge import page_server
 from .vmdaemon import VMDaemon, wait_for
 
 pytestmark = pytest.mark.skipif(
@@ -46,31 +42,6 @@ FETCH = (
     "import os, urllib.request as u; "
     "print(u.urlopen(os.environ['WEB_URL'] + 'hello', timeout=20).read().decode())"
 )
-
-
-class _Page(BaseHTTPRequestHandler):
-    def do_GET(self) -> None:
-        body = f"page for {self.path}".encode()
-        self.send_response(200)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
-@contextmanager
-def page_server() -> Iterator[int]:
-    """A real HTTP server on 127.0.0.1 (what the sidecar's web service answers with)."""
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    try:
-        yield int(srv.server_address[1])
-    finally:
-        srv.shutdown()
-        srv.server_close()
 
 
 def image_user_daemon(port: int) -> VMDaemon:
