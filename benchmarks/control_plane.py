@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/control_plane.py [--at 1,100,1000,10000] [--window 100]
 
-Starts the daemon (``python -m twisted bottlenet``, forward-only: no smolvm), then with the
+Starts the daemon (``python -m twisted bottlenet``, forward-only bottles only), then with the
 blocking client creates forward-only bottles one after another, each with one forward
 (``CreateBottle`` + ``AddForward``, port 0, target 127.0.0.1:9: nothing ever connects). For
 each size N in ``--at`` it times the ``--window`` creations that take the daemon from N-1 to
@@ -59,8 +59,6 @@ class Daemon:
             f"unix:{self.control}",
             "--max-bottles",
             str(max_bottles),
-            "--smolvm",
-            "/nonexistent/smolvm",
         ]
         self.proc: subprocess.Popen[bytes] | None = None
         self.starts = 0

@@ -200,7 +200,8 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--smolvm`` and ``--smolvm-data-dir`` are checked here (the binary is found once)."""
-    data_dir = str(tmp_path / "smolvm-data")  # pytest's tmp_path is over 50 bytes
+    # over 61 bytes whatever the pytest temp root (a short --basetemp gives a short tmp_path)
+    data_dir = str(tmp_path / ("smolvm-data-" + "d" * max(0, 62 - len(os.fsencode(tmp_path)))))
     size = len(os.fsencode(data_dir))
     assert _error(tmp_path, "--smolvm-data-dir", data_dir) == (
         f"--smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): smolvm binds "

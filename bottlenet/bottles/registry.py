@@ -110,6 +110,9 @@ class BottleRegistry:
         self._bottles: _BottleDict = _BottleDict(self._names_changed)
         #: One lifecycle machine per bottle, and per name a create is making.
         self._machines: dict[str, BottleMachine] = {}
+        #: The names whose create is in flight (their machine is creating): a count kept as
+        #: creates begin and end, so the bottle cap costs no scan of the machines.
+        self._creating: set[str] = set()
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
@@ -169,12 +172,15 @@ class BottleRegistry:
             if not create:
                 self._require(name)  # NOT_FOUND: no machine, no bottle
             machine = self._machines[name] = states.creating()
+            self._creating.add(name)
         elif not machine.begin():
             raise Busy(f"bottle {name} has another operation in progress")
         try:
             self._sync_pending(name)
             return await op()
         finally:
+            if create:
+                self._creating.discard(name)
             machine.finish()
             if machine.lifecycle() is Lifecycle.GONE and self._machines.get(name) is machine:
                 del self._machines[name]
@@ -369,7 +375,7 @@ class BottleRegistry:
                 del self._bottles[name]
                 self._aliases.release(name)
                 raise
-            self._machines[name].created()
+            self._created(name)
             self.log.info("bottle {bottle} created on {alias}", bottle=name, alias=str(addr))
             self.emit(CREATED, name, bottle.state)
             self.emit(READY, name, bottle.state)
@@ -380,11 +386,12 @@ class BottleRegistry:
     def _others_creating(self, name: str) -> int:
         """Creates in flight for other names: they count against the limit (a committed
         one is counted with the bottles too, until its create returns)."""
-        return sum(
-            1
-            for other, machine in self._machines.items()
-            if other != name and machine.lifecycle() is Lifecycle.CREATING
-        )
+        return len(self._creating) - (name in self._creating)
+
+    def _created(self, name: str) -> None:
+        """The create of ``name`` made its bottle: no longer a create in flight."""
+        self._machines[name].created()
+        self._creating.discard(name)
 
     async def _create_vm(
         self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
@@ -402,7 +409,7 @@ class BottleRegistry:
 
         bottle = await self.vms.create(spec, alias, commit)
         # The last step committed it; an Exec was BUSY ("being created") until now.
-        self._machines[name].created()
+        self._created(name)
         self.watch(bottle)
         return bottle
 
