@@ -5,6 +5,8 @@ The ground floor and the composition root:
 - :mod:`~bottlenet.errors`: typed errors with their wire codes.
 - :mod:`~bottlenet.paths`: where the daemon keeps things (state dir, control socket path,
   private directories).
+- :mod:`~bottlenet.fields`: the one typed-field reader (state file, spec, config, wire
+  records).
 - :mod:`~bottlenet.settings`: the ``twist``/``twistd`` options, checked into one frozen
   ``DaemonSettings`` (:func:`~bottlenet.settings.settings_from`).
 - :mod:`~bottlenet.tap`: the one place that composes the service tree (the disk step, then

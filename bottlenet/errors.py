@@ -116,6 +116,19 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
 )
 
 
+def listen_reason(exc: BaseException) -> str | None:
+    """``EADDRINUSE (Address already in use)`` for a failed bind (an ``OSError`` or Twisted's
+    ``CannotListenError``, which carries one), or None when there is no errno to name."""
+    import errno
+    import os
+
+    os_error = getattr(exc, "socketError", exc)
+    if isinstance(os_error, OSError) and os_error.errno is not None:
+        name = errno.errorcode.get(os_error.errno, str(os_error.errno))
+        return f"{name} ({os.strerror(os_error.errno)})"
+    return None
+
+
 def safe_repr(value: object, limit: int = 64) -> str:
     """Describe an untrusted value without echoing it raw.
 

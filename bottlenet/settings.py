@@ -268,6 +268,14 @@ class Options(usage.Options):
         super().__init__()
         self["allow-uid"] = []
 
+    def parseOptions(self, options: list[str] | None = None) -> None:
+        """Parse; a usage error (an unknown option, a bad ``--allow-uid`` or ``--log-format``)
+        is one line and status 1 like every other bad value, not Twisted's whole help text."""
+        try:
+            super().parseOptions(options)
+        except usage.UsageError as e:
+            raise StartupError(f"{e} (see --help)") from None
+
     def opt_allow_uid(self, value: str) -> None:
         """Also accept control connections from this uid (repeatable)."""
         if not value.isdigit() or int(value) > 2**32 - 2:

@@ -295,6 +295,8 @@ QUOTED = [
     "cannot reach the bottlenet daemon at",
     "hint: is the bottlenet daemon running? its control socket is expected at",
     "the daemon closed the connection",
+    "closed the connection before answering",
+    "hint: the daemon refused this connection: it accepts only its own uid and the",
     "control: refused peer uid=",
     "similar suppressed",
     "no smolvm binary found; VM calls will fail (SMOLVM_UNAVAILABLE)",

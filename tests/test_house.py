@@ -24,6 +24,8 @@ UPWARD = [
     ("bottlenet.ops.logs", "bottlenet.bottles.model"),  # side by side: ops -> bottles
     ("bottlenet.errors", "bottlenet.probe.plan"),  # ground floor -> a room
     ("bottlenet.probe.plan", "bottlenet.bridge.reach"),  # no forbidden contract sees it
+    ("bottlenet.control.blocking", "bottlenet.fleet.request"),  # the daemon's side -> Ray's
+    ("bottlenet.tap", "bottlenet.fleet.pool"),  # side by side on the top floor
 ]
 #: forward.table imports forward.spec; this closes a ring.
 CYCLE = ("bottlenet.forward.spec", "bottlenet.forward.table")

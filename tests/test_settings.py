@@ -200,8 +200,7 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--smolvm`` and ``--smolvm-data-dir`` are checked here (the binary is found once)."""
-    # over 61 bytes whatever the pytest temp root (a short --basetemp gives a short tmp_path)
-    data_dir = str(tmp_path / ("smolvm-data-" + "d" * max(0, 62 - len(os.fsencode(tmp_path)))))
+    data_dir = str(tmp_path / ("d" * 62))  # over the limit whatever pytest's temp root is
     size = len(os.fsencode(data_dir))
     assert _error(tmp_path, "--smolvm-data-dir", data_dir) == (
         f"--smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): smolvm binds "
@@ -213,6 +212,16 @@ def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     s = _settings(tmp_path, "--smolvm-data-dir", "/tmp/sv")
     assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_dirs
     assert _settings(tmp_path).smolvm.data_dir == str(tmp_path / "s" / "smolvm")
+
+
+def test_smolvm_data_dir_limit_is_61_bytes(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """61 bytes is accepted and 62 refused, on paths that do not depend on the temp root
+    (issue 30: on a fresh host pytest's own path was exactly 61 bytes)."""
+    at_limit, over = "/" + "d" * 60, "/" + "d" * 61
+    assert _settings(tmp_path, "--smolvm-data-dir", at_limit).smolvm.data_dir == at_limit
+    assert _error(tmp_path, "--smolvm-data-dir", over).startswith(
+        f"--smolvm-data-dir {over}: too long (62 bytes, at most 61)"
+    )
 
 
 def test_allowed_uids_and_skip_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -7,7 +7,6 @@
 - :mod:`~bottlenet.bottles.model`: the one ``Bottle`` value (forward-only = no VMs) and its
   state-file record.
 - :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).
-- :mod:`~bottlenet.bottles.fields`: the one typed-field reader (state, spec, config, records).
 - :mod:`~bottlenet.bottles.registry`: the bottles the daemon knows; one operation per bottle.
 - :mod:`~bottlenet.bottles.lifecycle`: VM create steps with their undos, verify, teardown.
 - :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start.

@@ -14,9 +14,9 @@ from typing import Any
 from attrs import frozen
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
-from bottlenet.bottles.lifecycle import map_vmctl
 from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
+from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.errors import InvalidArgument, SmolvmUnavailable, safe_repr
 from vmctl.errors import VmctlError
 from vmctl.smolvm import set_pty_size

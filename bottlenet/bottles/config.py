@@ -13,8 +13,8 @@ from typing import Any
 
 from attrs import frozen
 
-from bottlenet.bottles.fields import Fields
 from bottlenet.errors import BottlenetError
+from bottlenet.fields import Fields
 from bottlenet.forward.spec import (
     DEFAULT_MAX_CONNECTIONS,
     MAX_CONNECTIONS_LIMIT,

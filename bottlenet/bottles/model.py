@@ -16,11 +16,11 @@ from typing import Any, TypeAlias, TypeVar, overload
 
 from attrs import field, frozen
 
-from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.fields import Fields
 from bottlenet.forward.spec import (
     TargetSpec,
     check_bottle_name,

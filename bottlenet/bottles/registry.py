@@ -26,6 +26,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles import attach, states, workload
 from bottlenet.bottles.attach import ExecRequest
+from bottlenet.bottles.creation import create_vm
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -36,10 +37,11 @@ from bottlenet.bottles.events import (
     BottleEvent,
     EventBus,
 )
+from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
+from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.bottles.workloadwatch import WorkloadWatches
@@ -340,12 +342,8 @@ class BottleRegistry:
         source: Source = Source.CONTROL,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
-        if spec is not None and spec.name != name:
-            raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
-        if spec is not None and spec.agent is not None:
-            check_volumes(spec.agent.volumes, self.protected_dirs)
         if spec is not None:
-            check_local_images(spec)
+            check_create(name, alias, spec, self.protected_dirs)
 
         async def create() -> Bottle:
             if name in self._bottles:
@@ -357,7 +355,7 @@ class BottleRegistry:
             if spec is not None and spec.has_vms:
                 self.emit(CREATED, name, BottleState.CREATING)
                 try:
-                    created = await self._create_vm(name, alias, spec)
+                    created = await self._create_vm(name, spec)
                 except BaseException as e:
                     code = getattr(e, "code", "INTERNAL")
                     self.emit(DESTROYED, name, None, f"create failed: {code}")
@@ -393,9 +391,7 @@ class BottleRegistry:
         self._machines[name].created()
         self._creating.discard(name)
 
-    async def _create_vm(
-        self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
-    ) -> Bottle:
+    async def _create_vm(self, name: str, spec: BottleSpec) -> Bottle:
         if self.vms is None:
             raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
 
@@ -407,7 +403,7 @@ class BottleRegistry:
                 del self._bottles[name]
                 raise
 
-        bottle = await self.vms.create(spec, alias, commit)
+        bottle = await create_vm(self.vms, spec, commit)
         # The last step committed it; an Exec was BUSY ("being created") until now.
         self._created(name)
         self.watch(bottle)
@@ -460,6 +456,19 @@ class BottleRegistry:
 
     def has_bottle(self, name: str) -> bool:
         return name in self._bottles
+
+    async def leftovers(self, name: str) -> list[str]:
+        """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
+        if name in self._bottles:
+            return [f"bottle {name} still exists"]
+        vms = self.vms
+        return await find_leftovers(
+            name,
+            reactor=self._clock if vms is None else vms.reactor,
+            smolvm=None if vms is None else vms.smolvm,
+            state_dir=self._state_dir,
+            per_vm_uids=vms is not None and vms.access.per_vm,
+        )
 
     # -- VM bottles ---------------------------------------------------------------------
 
@@ -716,10 +725,7 @@ class BottleRegistry:
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         bottle = self._require(name)
-        if bottle.vms is None or self.vms is None:
-            return None
-        ports = [str(e.guest_port) for e in bottle.vms.endpoints if e.guest_path is not None]
-        return self.vms.bridge_status(bottle).describe(ports)
+        return None if self.vms is None else self.vms.describe_bridge(bottle)
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

@@ -14,7 +14,6 @@ from typing import Any
 
 from attrs import field, frozen
 
-from bottlenet.bottles.fields import Fields, shown_key
 from bottlenet.bottles.specrules import (
     AGENT_CPUS,
     AGENT_MEM,
@@ -38,6 +37,7 @@ from bottlenet.bottles.specrules import (
     stamp_template,
 )
 from bottlenet.errors import InvalidArgument, safe_repr
+from bottlenet.fields import Fields, shown_key
 from bottlenet.forward.spec import LABEL_RE, check_bottle_name
 from vmctl.spec import is_local_image as vmctl_is_local_image
 
@@ -343,3 +343,20 @@ __all__ = [
     "parse_bottle_spec",
     "stamp_template",
 ]
+
+
+def check_create(
+    name: str, alias: object | None, spec: BottleSpec, protected: Sequence[str]
+) -> bool:
+    """A create's spec checked against its other arguments (its name, an ``alias``, the
+    daemon's own directories, local images); True when it makes VMs."""
+    if spec.name != name:
+        raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
+    if spec.agent is not None:
+        check_volumes(spec.agent.volumes, protected)
+    check_local_images(spec)
+    if spec.has_vms and alias is not None:
+        # An alias is a forward-only bottle's: a VM bottle's agent reaches its endpoints
+        # over mounted sockets.
+        raise InvalidArgument("--alias only applies to forward-only bottles, not VM bottles")
+    return spec.has_vms

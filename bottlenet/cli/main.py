@@ -19,7 +19,7 @@ from functools import partial
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
-from bottlenet.cli import attach, down
+from bottlenet.cli import attach, down, selftest
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
@@ -422,6 +422,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
     _add_top(sub, json_flag)
     down.register(sub, add)
+    selftest.register(sub, add)
     return p
 
 
@@ -532,6 +533,7 @@ HANDLER_CALLS: dict[Handler, str] = {
     cmd_stats: "Stats",
     cmd_events: "Watch",  # events then wait without limit
     down.cmd_down: "DestroyBottle",
+    selftest.cmd_selftest: "Leftovers",  # every call of it may wait on VMs
 }
 
 

@@ -4,10 +4,11 @@ refusing daemon (with the exit codes scripts rely on)."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from bottlenet.control.clienterrors import ControlConnectionError
+from bottlenet.control.clienterrors import ClosedBeforeAnswer, ControlConnectionError
 from bottlenet.errors import BottlenetError
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -56,6 +57,23 @@ def usage_error(err: TextIO, message: str, *, as_json: bool, prog: str = "bottle
     return EXIT_USAGE
 
 
+def _unreachable_hint(e: ControlConnectionError, path: str) -> str:
+    """``hint: ...``, where to look: a daemon that ended the connection unanswered refused
+    this peer (it runs: "is it running?" would point the wrong way); else, is it running."""
+    if isinstance(e, ClosedBeforeAnswer):
+        uid = os.geteuid()
+        return (
+            "hint: the daemon refused this connection: it accepts only its own uid and the "
+            f"uids it was started with --allow-uid, and this is uid {uid} (start it with "
+            f"--allow-uid {uid}; its log says 'control: refused peer uid={uid}'), or it was at its "
+            "--control-max-connections cap"
+        )
+    return (
+        f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
+        " (set --control or BOTTLENET_CONTROL)"
+    )
+
+
 def report_control_error(
     e: ControlConnectionError | BottlenetError, path: str, err: TextIO, *, as_json: bool = False
 ) -> int:
@@ -64,10 +82,7 @@ def report_control_error(
     An unreachable daemon is code ``UNREACHABLE`` (exit 3), a refusal the daemon's code (1).
     """
     if isinstance(e, ControlConnectionError):
-        hint = (
-            f"hint: is the bottlenet daemon running? its control socket is expected at {path}"
-            " (set --control or BOTTLENET_CONTROL)"
-        )
+        hint = _unreachable_hint(e, path)
         if as_json:
             write_error(err, "UNREACHABLE", str(e), as_json=True, hint=hint[len("hint: ") :])
         else:

@@ -55,6 +55,10 @@ class ControlBackend(Protocol):
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]: ...
 
+    async def leftovers(self, name: str) -> list[str]:
+        """What the bottle ``name``, no longer there, left on the host (one line each)."""
+        ...
+
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
         ...

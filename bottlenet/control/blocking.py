@@ -27,7 +27,7 @@ from bottlenet.control import calls, codec
 from bottlenet.control import commands as C
 from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
 from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, Call, ExecOpener, ExecRequest
-from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable
+from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, broken
 from bottlenet.control.execsession import ExecSession
 from bottlenet.control.framing import BoxParser, FramingError
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
@@ -78,6 +78,8 @@ class BlockingControlClient(ExecOpener):
         self._sock: socket.socket | None = None
         self._parser = BoxParser()
         self._tag = 0
+        #: Whether the daemon answered anything on this connection (else an end is a refusal).
+        self._answered = False
         self._events: collections.deque[EventRecord] = collections.deque()
 
     # -- connection ------------------------------------------------------------------------
@@ -112,6 +114,8 @@ class BlockingControlClient(ExecOpener):
 
     def connect(self) -> BlockingControlClient:
         self._sock = self._open(self.timeout)
+        # over TLS a refusal is the handshake's; a UNIX daemon refuses by ending the connection
+        self._answered = self.address.kind != "unix"
         return self
 
     def close(self) -> None:
@@ -167,6 +171,7 @@ class BlockingControlClient(ExecOpener):
             while True:
                 box = self._next_box(self._sock)
                 if box is not None and box.get(amp.ANSWER, box.get(amp.ERROR)) == tag:
+                    self._answered = True
                     return c.convert(codec.decode_answer(command, box))
         except TimeoutError:
             self.close()
@@ -176,7 +181,7 @@ class BlockingControlClient(ExecOpener):
             raise ControlConnectionError(f"bad answer from the daemon: {e}") from None
         except OSError as e:
             self.close()
-            raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
+            raise broken(self.path, self._answered, e.strerror or str(e)) from None
 
     def _next_box(self, sock: socket.socket, *, until_event: bool = False) -> amp.AmpBox | None:
         """The next answer box; pushed events are answered and queued on the way (with
@@ -186,7 +191,7 @@ class BlockingControlClient(ExecOpener):
             if box is None:
                 chunk = sock.recv(65536)
                 if not chunk:
-                    raise ControlConnectionError("the daemon closed the connection")
+                    raise broken(self.path, self._answered, None)
                 self._parser.feed(chunk)
                 continue
             if box.get(amp.COMMAND) == C.Event.commandName and amp.ASK in box:
@@ -342,6 +347,9 @@ class BlockingControlClient(ExecOpener):
     ) -> BottleRecord:
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
         return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
+
+    def leftovers(self, name: str, *, timeout: float | None = None) -> tuple[str, ...]:
+        return self.call(calls.leftovers(name), timeout=timeout)
 
     def verify_bottle(self, name: str, *, timeout: float | None = None) -> tuple[BottleRecord, str]:
         return self.call(calls.verify_bottle(name), timeout=timeout)

@@ -61,6 +61,7 @@ PACE: Mapping[str, Pace] = {
     "Logs": Pace.VM,
     "Watch": Pace.QUICK,
     "Event": Pace.QUICK,
+    "Leftovers": Pace.VM,
 }
 
 
@@ -195,6 +196,14 @@ def stats(
 def watch(bottle: str | None = None) -> Call[int]:
     """Subscribe the connection to bottle events; answers the daemon's current seq."""
     return Call("Watch", {"bottle": bottle}, _seq)
+
+
+def _lines(answer: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(answer["leftovers"])
+
+
+def leftovers(name: str) -> Call[tuple[str, ...]]:
+    return Call("Leftovers", {"name": name}, _lines)
 
 
 def logs(bottle: str, tail: int | None = None, follow: bool = False) -> Call[bool]:

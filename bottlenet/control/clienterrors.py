@@ -20,6 +20,32 @@ class DaemonUnreachable(ControlConnectionError):
         self.reason = reason
 
 
+class ClosedBeforeAnswer(ControlConnectionError):
+    """The daemon took the connection and ended it before answering anything on it.
+
+    That is how it refuses a peer: a uid it was not told to accept (``--allow-uid``), or a
+    listener at its ``--control-max-connections`` cap. The client cannot tell which (the
+    daemon says nothing to a peer it refuses); its hint names both, the uid first.
+    """
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(
+            f"the bottlenet daemon at {path} closed the connection before answering ({reason})"
+        )
+        self.path = path
+        self.reason = reason
+
+
+def broken(path: str, answered: bool, detail: str | None) -> ControlConnectionError:
+    """The error for a connection that ended (``detail`` None) or failed (``detail`` the OS's
+    reason): a refusal when the daemon never answered on it, else a break mid-session."""
+    if not answered:
+        return ClosedBeforeAnswer(path, detail or "closed")
+    if detail is None:
+        return ControlConnectionError("the daemon closed the connection")
+    return ControlConnectionError(f"connection failed: {detail}")
+
+
 class RemoteError(BottlenetError):
     """An error code this client has no class for (a newer daemon, ``INTERNAL``, ...)."""
 

@@ -351,6 +351,17 @@ class Watch(ControlCommand):
     response = [(b"seq", StrictInteger())]
 
 
+class Leftovers(ControlCommand):
+    """What a bottle that no longer exists left on the host (its machines in smolvm's own
+    listing, its directory, per-VM uid reservations and processes no machine holds): one line
+    each, none when the teardown was complete. ``bottlenetctl selftest`` asks it last."""
+
+    commandName = b"bottlenet.Leftovers"
+    pace = Pace.VM
+    arguments = [(b"name", amp.Unicode())]
+    response = [(b"leftovers", StrictListOf(amp.Unicode()))]
+
+
 class Event(ControlCommand):
     """Daemon to client: one bottle event (answered with an empty box)."""
 
@@ -375,6 +386,7 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Exec,
     Logs,
     Watch,
+    Leftovers,
 )
 #: Commands the daemon calls on its clients (the client answers them).
 PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)

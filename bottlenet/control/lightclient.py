@@ -21,7 +21,12 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 from bottlenet import __version__
 from bottlenet.control import calls
 from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
-from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
+from bottlenet.control.clienterrors import (
+    ControlConnectionError,
+    DaemonUnreachable,
+    broken,
+    error_for,
+)
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
 from bottlenet.control.results import BottleRow, HelloResult, Page, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
@@ -184,6 +189,8 @@ class LightControlClient(ExecOpener):
         self._sock: socket.socket | None = None
         self._parser = BoxParser(box_type=dict)
         self._tag = 0
+        #: Whether the daemon answered anything on this connection (else an end is a refusal).
+        self._answered = False
 
     def __enter__(self) -> LightControlClient:
         self.connect()
@@ -201,6 +208,7 @@ class LightControlClient(ExecOpener):
             sock.close()
             raise DaemonUnreachable(self.path, e.strerror or type(e).__name__) from None
         self._sock = sock
+        self._answered = False
 
     def close(self) -> None:
         if self._sock is not None:
@@ -231,16 +239,17 @@ class LightControlClient(ExecOpener):
                 if box is None:
                     chunk = self._sock.recv(65536)
                     if not chunk:
-                        raise ControlConnectionError("the daemon closed the connection")
+                        raise broken(self.path, self._answered, None)
                     self._parser.feed(chunk)
                 elif box.get(b"_answer", box.get(b"_error")) == tag:
+                    self._answered = True
                     return c.convert(decode_answer(c.command, box))
         except TimeoutError:
             raise ControlConnectionError(f"no answer within {limit:g}s") from None
         except FramingError as e:
             raise ControlConnectionError(f"bad answer from the daemon: {e}") from None
         except OSError as e:
-            raise ControlConnectionError(f"connection failed: {e.strerror or e}") from None
+            raise broken(self.path, self._answered, e.strerror or str(e)) from None
 
     def hello(self) -> HelloResult:
         return self.call(calls.hello(CLIENT_VERSION))

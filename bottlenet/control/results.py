@@ -13,7 +13,7 @@ import json
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-from bottlenet.bottles.fields import FieldError, Fields
+from bottlenet.fields import FieldError, Fields
 
 if TYPE_CHECKING:
     from bottlenet.control.records import ForwardRecord

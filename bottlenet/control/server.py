@@ -408,6 +408,11 @@ class ControlLocator(SafeCommandLocator):
         )
         return {"seq": seq}
 
+    @C.Leftovers.responder
+    async def leftovers(self, name: str) -> dict[str, Any]:
+        name = check_bottle_name(name)
+        return {"leftovers": await self.backend.leftovers(name)}
+
     @C.ListBottles.responder
     def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
         backend = self.backend

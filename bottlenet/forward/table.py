@@ -25,7 +25,6 @@ from twisted.internet.endpoints import (
     TCP6ClientEndpoint,
     UNIXClientEndpoint,
 )
-from twisted.internet.error import CannotListenError
 from twisted.internet.interfaces import IListeningPort, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger, LogLevel
@@ -39,6 +38,7 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
     Unavailable,
+    listen_reason,
     safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
@@ -724,12 +724,7 @@ def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
     """Map a listen failure to BindRefused with the address and the OS reason (no traceback)."""
     if isinstance(exc, BottlenetError):
         return exc
-    os_error: object = exc.socketError if isinstance(exc, CannotListenError) else exc
-    if isinstance(os_error, OSError) and os_error.errno is not None:
-        name = errno.errorcode.get(os_error.errno, str(os_error.errno))
-        reason = f"{name} ({os.strerror(os_error.errno)})"
-    else:
-        reason = type(exc).__name__
+    reason = listen_reason(exc) or type(exc).__name__
     return BindRefused(f"cannot listen on {listen.describe()}: {reason}")
 
 

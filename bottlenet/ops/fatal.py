@@ -26,8 +26,12 @@ def fatal_stop(reactor: Any, message: str, code: int = 1) -> None:
 
     twistd and twist always exit 0 once the reactor stops, so the status is set from an
     "after shutdown" trigger, once every service has stopped and released what it held.
+
+    Logged at ``error``, not ``critical``: ``twist`` starts the services before its log
+    begins, and until then Twisted copies every critical event to stderr, which would print
+    the line a second time next to the ``bottlenet: error:`` one written here.
     """
-    log.critical("fatal: {message}", message=message)
+    log.error("fatal: {message}", message=message)
     # twist/twistd redirect sys.stderr into the log once running: write to the real fd 2.
     try:
         os.write(2, f"bottlenet: error: {message}\n".encode("utf-8", "replace"))

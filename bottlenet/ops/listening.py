@@ -17,7 +17,7 @@ from twisted.internet.interfaces import IListeningPort, IProtocolFactory, IStrea
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from bottlenet.errors import ListenError
+from bottlenet.errors import ListenError, listen_reason
 from bottlenet.waiters import OneShot
 
 #: Builds the endpoint at start (a description is parsed then, so its error is a listen error).
@@ -93,15 +93,13 @@ class ListeningService(Service):
 
     def _failed(self, failure: Failure) -> None:
         exc = failure.value
-        why = str(exc) if isinstance(exc, ListenError) else f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ListenError):
+            why = str(exc)
+        else:  # a taken port reads as the forwards' do: EADDRINUSE (Address already in use)
+            why = listen_reason(exc) or f"{type(exc).__name__}: {exc}"
         message = f"{self._what}: cannot listen on {self._where}: {why}"
         self.failed = why
-        self.log.critical(
-            "{what}: cannot listen on {where}: {why}; exiting",
-            what=self._what,
-            where=self._where,
-            why=why,
-        )
+        # No line of its own: on_fatal logs the one line (and prints it once on stderr).
         self._settle(failure)
         self._on_fatal(message)
 

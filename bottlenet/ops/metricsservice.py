@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from twisted.internet.interfaces import IListeningPort
+from twisted.python.failure import Failure
 
 from bottlenet.ops.listening import ListeningService
 from bottlenet.ops.metrics import (
@@ -58,5 +59,8 @@ def metrics_listener(
         def listening(port: IListeningPort) -> None:
             own.add_tcp(interface, int(getattr(port.getHost(), "port", 0)))
 
-        listener.when_listening().addCallback(listening)
+        def failed(failure: Failure) -> None:
+            """Handled: the listener's on_fatal has said it, in one line."""
+
+        listener.when_listening().addCallbacks(listening, failed)
     return listener

@@ -198,3 +198,43 @@ def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> N
     finally:
         _stop(daemon)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.mark.skipif(
+    find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
+)
+@pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
+def test_selftest_against_the_real_smolvm_fails_only_kvm() -> None:
+    """``bottlenetctl selftest`` with the real smolvm where KVM cannot boot: the one FAIL is
+    ``kvm`` with the fix, the teardown line PASSes, and smolvm lists no machine after."""
+    wheel = find_wheel()
+    assert wheel is not None
+    tmp = tempfile.mkdtemp(prefix="bnk-", dir="/tmp")
+    state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
+    env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}  # no smolvm on PATH
+    image = os.path.join(tmp, "agent.tar")
+    with open(image, "wb") as f:
+        f.write(b"\0" * 1024)
+    daemon = _daemon(state, control, env)
+    try:
+        assert _wait_hello(control, daemon) is not None
+        r = subprocess.run(
+            [sys.executable, "-m", "bottlenet.cli", "--control", control, "--json", "selftest",
+             "--agent-image", image, "--sidecar-image", "alpine"],
+            env={**env, "PYTHONPATH": REPO}, capture_output=True, timeout=600,
+        )  # fmt: skip
+        report = json.loads(r.stdout)
+        failed = [c for c in report["checks"] if c["verdict"] == "FAIL"]
+        assert r.returncode == 1 and [c["step"] for c in failed] == ["kvm"], report
+        assert failed[0]["seen"].startswith("KVM_UNAVAILABLE: ") and failed[0]["fix"]
+        verdicts = {c["step"]: c["verdict"] for c in report["checks"]}
+        assert verdicts["smolvm"] == verdicts["teardown"] == "PASS", report
+        ls = subprocess.run(
+            [wheel.binary, "machine", "ls", "--json", "--state-dir", os.path.join(state, "smolvm")],
+            env=build_env(env, None, wheel.env()), capture_output=True, timeout=60, check=True,
+        )  # fmt: skip
+        assert json.loads(ls.stdout) == []
+    finally:
+        _stop(daemon)
+        shutil.rmtree(tmp, ignore_errors=True)

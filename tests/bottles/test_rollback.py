@@ -19,7 +19,8 @@ import pytest
 from twisted.internet.defer import Deferred, fail
 
 from bottlenet.bottles import workload as guest_workload
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.creation import Creation
+from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
 from tests.bottles.harness import spec_doc
@@ -59,14 +60,15 @@ def assert_nothing_left(rig: Rig) -> None:
     assert rig.vms.watched() == frozenset()
 
 
-def fail_after(vms: VMLifecycle, step: str) -> None:
-    original: Callable[..., Awaitable[None]] = getattr(vms, step)
+def fail_after(monkeypatch: pytest.MonkeyPatch, step: str) -> None:
+    """Every create's ``step`` raises once it has done its work (its undo registered)."""
+    original: Callable[..., Awaitable[None]] = getattr(Creation, step)
 
     async def wrapped(*args: Any) -> None:
         await original(*args)
         raise SmolvmFailed(f"injected after {step}")
 
-    setattr(vms, step, wrapped)
+    monkeypatch.setattr(Creation, step, wrapped)
 
 
 def create_again(rig: Rig, bottle_spec: BottleSpec) -> None:
@@ -78,11 +80,13 @@ def create_again(rig: Rig, bottle_spec: BottleSpec) -> None:
 
 
 @pytest.mark.parametrize("step", STEPS)
-def test_failure_after_each_step_socket_mode(rigs: Callable[..., Rig], tmp: str, step: str) -> None:
+def test_failure_after_each_step_socket_mode(
+    rigs: Callable[..., Rig], tmp: str, step: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     rig = rigs()
-    fail_after(rig.vms, step)
+    fail_after(monkeypatch, step)
     create_fails(rig, "SMOLVM_FAILED", spec(tmp))
-    setattr(rig.vms, step, getattr(VMLifecycle, step).__get__(rig.vms))
+    monkeypatch.undo()
     create_again(rig, spec(tmp))
 
 

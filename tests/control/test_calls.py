@@ -24,6 +24,7 @@ def test_the_pace_table_is_the_commands_own() -> None:
         "SetEgressPolicy",
         "Exec",
         "Logs",
+        "Leftovers",
     }
 
 

@@ -241,6 +241,13 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         {"seq": 7},
         b"\x00\x07_answer\x00\x011\x00\x03seq\x00\x017\x00\x00",
     ),
+    (
+        C.Leftovers,
+        {"name": "b1"},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x13bottlenet.Leftovers\x00\x04name\x00\x02b1\x00\x00",
+        {"leftovers": ["bn-b1-agent"]},
+        b"\x00\x07_answer\x00\x011\x00\tleftovers\x00\r\x00\x0bbn-b1-agent\x00\x00",
+    ),
 ]
 # Commands the daemon sends to its clients (pinned the same way).
 PUSHED_GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import stat
@@ -13,16 +14,19 @@ from twisted.internet import ssl
 from twisted.internet.defer import Deferred, inlineCallbacks
 from twisted.internet.endpoints import TCP4ClientEndpoint, connectProtocol, wrapClientTLS
 from twisted.internet.interfaces import IListeningPort
-from twisted.internet.task import deferLater
+from twisted.internet.task import Clock, deferLater
 from twisted.internet.threads import deferToThread
 from twisted.logger import Logger
 from twisted.python.systemd import ListenFDs
 from twisted.trial import unittest
 
 from bottlenet.bottles.model import Bottle
+from bottlenet.cli.main import main as cli_main
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.clienterrors import ClosedBeforeAnswer
 from bottlenet.control.endpoints import tls_control_endpoint
+from bottlenet.control.lightclient import LightControlClient
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
 from bottlenet.control.server import REFUSED_PEER_LOG_INTERVAL, ControlServerFactory
@@ -215,6 +219,38 @@ class UNIXControlTests(unittest.TestCase):
 
         result = yield deferToThread(script)
         self.assertNotEqual(result, "answered")
+
+    @inlineCallbacks
+    def test_uid_refusal_says_so(self) -> Any:
+        """Issue 30: refused for its uid, each client raises ClosedBeforeAnswer, and
+        bottlenetctl's hint names the uid and --allow-uid, not "is the daemon running?"."""
+        self.factory.allowed_uids = frozenset({os.geteuid() + 12345})
+        # three refusals of one uid: the log's suppression timer on a clock of its own
+        self.factory.refused_log = RateLimitedLogger(Logger(), Clock(), REFUSED_PEER_LOG_INTERVAL)
+
+        def script() -> list[object]:
+            out: list[object] = []
+            for client in (
+                BlockingControlClient(self.path, timeout=5),
+                LightControlClient(self.path, timeout=5),
+            ):
+                try:
+                    with client as c:
+                        c.ping()
+                except ControlConnectionError as e:
+                    out.append(type(e))
+            err = io.StringIO()
+            out.append(cli_main(["--control", self.path, "status"], env={}, err=err))
+            out.append(err.getvalue())
+            return out
+
+        *kinds, code, err = yield deferToThread(script)
+        self.assertEqual(kinds, [ClosedBeforeAnswer, ClosedBeforeAnswer])
+        uid = os.geteuid()
+        self.assertEqual(code, 3)
+        self.assertIn("closed the connection before answering", err)
+        self.assertIn(f"this is uid {uid} (start it with --allow-uid {uid}", err)
+        self.assertNotIn("is the bottlenet daemon running", err)
 
 
 class SystemdTests(unittest.TestCase):

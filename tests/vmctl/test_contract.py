@@ -25,13 +25,13 @@ from typing import Any
 
 import pytest
 
-from bottlenet.bottles.isolation import AGENT_WAIT_COMMAND
-from bottlenet.bottles.lifecycle import (
+from bottlenet.bottles.creation import (
     agent_machine_spec,
     sidecar_guest_socket,
     sidecar_machine_spec,
     sidecar_socket_path,
 )
+from bottlenet.bottles.isolation import AGENT_WAIT_COMMAND
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.forward.spec import bottle_dir

@@ -1,0 +1,553 @@
+"""Create a VM bottle, step by step, each step with its undo.
+
+Create runs, in order: make the bottle's socket directory and its sidecar's (``vmmaccess``
+says for whom); create and start the sidecar (its VMM's uid reserved in smolvm's registry
+first) with its services exposed as UNIX sockets in its directory (or, opted in, raw published
+ports) and verify that its VM process holds them; bind one agent endpoint per service; push
+the egress policy; create the agent VM with bottlenet's wait command as its workload (so the
+image's own ENTRYPOINT never starts), with the stamped env and no network device; refuse a
+packed image that turned the network on; start it; run the launch gate inside it; only then
+start the workload (``exec -d``, as the spec's user); record the state. Any failure runs the
+undos of the steps done so far, in reverse (every machine is stopped before it is deleted, so
+no VMM outlives its record), and surfaces as one typed error (design invariant 6).
+
+One :class:`Creation` per create holds what that create has done; the lifecycle
+(:class:`~bottlenet.bottles.lifecycle.VMLifecycle`) keeps nothing of it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from attrs import frozen
+from twisted.logger import Logger
+
+from bottlenet.bottles import egress, workload
+from bottlenet.bottles.agentenv import stamp_env
+from bottlenet.bottles.isolation import (
+    AGENT_WAIT_COMMAND,
+    IsolationPlan,
+)
+from bottlenet.bottles.lifecycle import (
+    VMLifecycle,
+    remove_bottle_dir,
+    runs_bridge,
+    vm_parts,
+)
+from bottlenet.bottles.model import (
+    Bottle,
+    BottleVMs,
+    Endpoint,
+    Role,
+    machine_name,
+)
+from bottlenet.bottles.spec import (
+    LISTEN_TCP,
+    AgentSpec,
+    BottleSpec,
+    SidecarSpec,
+    image_fields,
+)
+from bottlenet.bottles.vmerrors import map_vmctl
+from bottlenet.bottles.workload import WorkloadState
+from bottlenet.errors import (
+    IsolationFailed,
+    IsolationUnavailable,
+    SmolvmFailed,
+    SmolvmUnavailable,
+    safe_repr,
+)
+from bottlenet.forward.spec import (
+    bottle_dir,
+    sidecar_dir,
+    sidecar_socket_path,
+    unix_listen_for,
+)
+from bottlenet.probe.judge import ProbeResult
+from vmctl.errors import PortNotOwned, VmctlError
+from vmctl.ports import (
+    RawPortsResult,
+    start_with_raw_ports,
+    start_with_sockets,
+)
+from vmctl.smolvm import GUEST_ROOT, Features
+from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
+
+WORKLOAD_TIMEOUT = 60.0
+#: A quick guest step (the workload command check).
+SETUP_TIMEOUT = 60.0
+#: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
+SIDECAR_SOCKET_DIR = "/run/bottlenet"
+RAW_PORTS_NOTE = (
+    '; sidecar services on raw TCP ports of host 127.0.0.1 (sidecar.listen = "tcp"): '
+    "every local user can connect to them"
+)
+
+
+def sidecar_guest_socket(service: str) -> str:
+    """Where the sidecar image must listen for ``service`` (docs/sidecar.md)."""
+    return f"{SIDECAR_SOCKET_DIR}/{service}.sock"
+
+
+def sidecar_machine_spec(
+    name: str,
+    sidecar: SidecarSpec,
+    labels: tuple[tuple[str, str], ...],
+    features: Features,
+    *,
+    sockets: Sequence[ExposeSocket] = (),
+    ports: Sequence[PortMapping] = (),
+) -> MachineSpec:
+    """The sidecar's ``machine create``: outbound network for its egress proxy, with smolvm's
+    private-range floor (``--block-private``: no host loopback, LAN or metadata) where the CLI
+    has it, and its services as exposed sockets or (opt-in) published ports."""
+    fields: dict[str, Any] = {
+        **image_fields(sidecar.image),
+        "labels": labels,
+        "cpus": sidecar.cpus,
+        "mem": sidecar.mem,
+        "net": True,
+        "block_private": features.block_private,
+        "expose_sockets": tuple(sockets),
+        "ports": tuple(ports),
+    }
+    return MachineSpec(name, **fields)
+
+
+def agent_machine_spec(
+    name: str,
+    agent: AgentSpec,
+    labels: tuple[tuple[str, str], ...],
+    env: tuple[tuple[str, str], ...],
+    endpoints: Sequence[Endpoint],
+) -> MachineSpec:
+    """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
+    and bottlenet's wait command as the workload (it replaces the image's ENTRYPOINT+CMD)."""
+    mounts = tuple(MountSocket(e.path, e.guest_path) for e in endpoints)
+    fields: dict[str, Any] = {
+        **image_fields(agent.image),
+        "labels": labels,
+        "cpus": agent.cpus,
+        "mem": agent.mem,
+        "volumes": tuple(Volume.parse(v) for v in agent.volumes),
+        "env": env,
+        "mount_sockets": mounts,
+        "workload": AGENT_WAIT_COMMAND,
+    }
+    return MachineSpec(name, net=False, **fields)
+
+
+Undo = tuple[str, Callable[[], Awaitable[None]]]
+
+
+@frozen
+class SidecarStarted:
+    """Steps 2 + 3: the sidecar machine, its VM process, and per service (in spec order) what
+    holds it: its exposed socket's host path, or (the TCP opt-in) its raw port."""
+
+    vm: str
+    pid: int
+    behind: tuple[str | int, ...]
+
+    @property
+    def raw_ports(self) -> bool:
+        """The services are on raw TCP ports of host 127.0.0.1 (every local user's)."""
+        return any(isinstance(b, int) for b in self.behind)
+
+
+@frozen
+class EndpointsBound:
+    """Step 4: one agent endpoint per service, listening."""
+
+    endpoints: tuple[Endpoint, ...]
+
+
+@frozen
+class EgressSet:
+    """Step 5: the egress policy pushed into the sidecar (empty: none declared)."""
+
+    policy: tuple[str, ...]
+
+
+@frozen
+class AgentStarted:
+    """Step 6: the agent machine, the env stamped into it, and the launch gate's word."""
+
+    vm: str
+    env: tuple[tuple[str, str], ...]
+    probe: ProbeResult
+
+
+class Creation:
+    """One create of a VM bottle: its spec, its plan and what it has done so far (the undo
+    list); the lifecycle's services (``vms``) do each step's work."""
+
+    log = Logger()
+
+    def __init__(self, vms: VMLifecycle, spec: BottleSpec, plan: IsolationPlan) -> None:
+        self.vms = vms
+        self.name = spec.name
+        self.spec = spec
+        #: The spec's sidecar and agent, narrowed once: a VM bottle has both.
+        self.sidecar, self.agent = vm_parts(spec)
+        self.plan = plan
+        self.undo: list[Undo] = []
+
+    async def run(self, commit: Callable[[Bottle], None]) -> Bottle:
+        """Run every step; on any failure undo them all and raise one typed error."""
+        try:
+            await self.step_allocate()
+            sidecar = await self.step_sidecar()
+            bound = await self.step_bind(sidecar)
+            egress_set = await self.step_egress(sidecar)
+            agent = await self.step_agent(bound, egress_set)
+            bottle = self.build(sidecar, bound, egress_set, agent)
+            commit(bottle)  # 7. the registry records it (the state file)
+        except BaseException as e:
+            await self._rollback(e)
+            if isinstance(e, VmctlError):
+                raise map_vmctl(e) from None
+            if isinstance(e, OSError):
+                raise SmolvmFailed(f"creating bottle {self.name} failed: {e.strerror}") from None
+            raise
+        vm = bottle.require_vms()
+        self.log.info(
+            "bottle {bottle} created: mode={mode} sidecar={sidecar} agent={agent}",
+            bottle=bottle.name,
+            mode=vm.mode,
+            sidecar=vm.sidecar_vm,
+            agent=vm.agent_vm,
+        )
+        if vm.probe_skipped:
+            self.log.warn(
+                "bottle {bottle} was created WITHOUT the isolation probe "
+                "(--unsafe-skip-isolation-probe): its isolation is unverified",
+                bottle=bottle.name,
+            )
+        return bottle
+
+    async def _rollback(self, why: BaseException) -> None:
+        code = getattr(why, "code", type(why).__name__)
+        self.log.warn(
+            "bottle {bottle}: create failed ({code}); rolling back {n} step(s)",
+            bottle=self.name,
+            code=code,
+            n=len(self.undo),
+        )
+        for what, undo in reversed(self.undo):
+            try:
+                await undo()
+            except Exception as e:
+                self.log.warn(
+                    "bottle {bottle}: undo of {step} failed: {err}",
+                    bottle=self.name,
+                    step=what,
+                    err=getattr(e, "message", type(e).__name__),
+                )
+
+    async def step_allocate(self) -> None:
+        """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
+        it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
+        path = bottle_dir(self.vms.state_dir, self.name)
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        os.mkdir(path, 0o700)  # FileExistsError: a leftover; recovery removes those
+
+        async def remove() -> None:
+            remove_bottle_dir(path)
+
+        self.undo.append(("directory", remove))
+        os.mkdir(sidecar_dir(self.vms.state_dir, self.name), 0o700)
+        self.vms.access.open_path(path)
+
+    async def step_sidecar(self) -> SidecarStarted:
+        """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
+        (opt-in, retried on collisions); either way held by its VM process, verified."""
+        name = machine_name(self.name, Role.SIDECAR)
+        await self.vms.version()
+        features = self.vms.smolvm.features or Features()
+
+        async def remove() -> None:
+            await self.vms.remove_machine(name)
+
+        if self.sidecar.listen == LISTEN_TCP:
+            raw = await self._start_raw_sidecar(name, features)
+            self.undo.append(("sidecar", remove))
+            return SidecarStarted(name, raw.pid, tuple(raw.ports))
+        if not features.expose_socket:
+            raise SmolvmUnavailable(
+                f"smolvm {self.vms.smolvm.known_version} has no --expose-socket, so sidecar "
+                'services cannot be UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
+            )
+        paths = [
+            sidecar_socket_path(self.vms.state_dir, self.name, s.name)
+            for s in self.sidecar.services
+        ]
+        sockets = [
+            ExposeSocket(sidecar_guest_socket(s.name), p)
+            for s, p in zip(self.sidecar.services, paths, strict=True)
+        ]
+        labels = self.vms.labels(self.name, Role.SIDECAR)
+        spec = sidecar_machine_spec(name, self.sidecar, labels, features, sockets=sockets)
+
+        async def hand_over() -> None:
+            # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
+            uid = await self.vms.reserve_uid(name)
+            if uid is not None:
+                self.vms.access.hand_sidecar_dir(sidecar_dir(self.vms.state_dir, self.name), uid)
+
+        try:
+            started = await start_with_sockets(
+                self.vms.smolvm,
+                spec,
+                check=self.vms.check_socket,
+                allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+                before_start=hand_over,
+            )
+        except PortNotOwned:
+            closed = self.vms._closed.pop(name, None)
+            if closed is None:
+                raise
+            raise IsolationUnavailable(
+                f"the sidecar VM of {self.name} runs as its own uid (smolvm as root) and could not "
+                f"reach its socket directory: {safe_repr(closed, 200)} has no o+x (smolvm adds "
+                "it only to the parents of its own data dir); chmod o+x it, or keep "
+                "--smolvm-data-dir under --state-dir (the default)"
+            ) from None
+        finally:
+            self.vms._closed.pop(name, None)
+        self.undo.append(("sidecar", remove))
+        return SidecarStarted(name, started.pid, tuple(paths))
+
+    async def _start_raw_sidecar(self, name: str, features: Features) -> RawPortsResult:
+        """The sidecar with its services published on raw ports (``sidecar.listen = "tcp"``)."""
+        sidecar = self.sidecar
+        labels = self.vms.labels(self.name, Role.SIDECAR)
+
+        def make_spec(ports: Sequence[int]) -> MachineSpec:
+            mapped = [
+                PortMapping(raw, svc.guest_port)
+                for raw, svc in zip(ports, sidecar.services, strict=True)
+            ]
+            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+
+        return await start_with_raw_ports(
+            self.vms.smolvm,
+            make_spec,
+            len(sidecar.services),
+            check=self.vms.check_port,
+            allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+        )
+
+    async def step_bind(self, sidecar: SidecarStarted) -> EndpointsBound:
+        """4. One agent endpoint per service, relaying to the sidecar's socket (or raw port)."""
+
+        async def unbind() -> None:
+            await self.vms.table.remove_bottle(self.name)
+
+        self.undo.append(("endpoints", unbind))
+        endpoints = []
+        for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True):
+            listen = unix_listen_for(self.vms.state_dir, self.name, svc.name)
+            endpoints.append(
+                await self.vms.bind_endpoint(self.name, svc.name, svc.guest_port, behind, listen)
+            )
+        self.vms.table.admit_peers(self.name, self.vms.access.peers(None))
+        return EndpointsBound(tuple(endpoints))
+
+    async def step_egress(self, sidecar: SidecarStarted) -> EgressSet:
+        """5. The initial egress policy (from the spec), written and reloaded in the sidecar."""
+        egress_spec = self.sidecar.egress
+        if egress_spec is None:
+            return EgressSet(())
+        policy = egress_spec.allow_hosts
+        await egress.push_policy(self.vms.smolvm, sidecar.vm, egress_spec, policy, previous=None)
+        return EgressSet(policy)
+
+    async def step_agent(self, bound: EndpointsBound, egress_set: EgressSet) -> AgentStarted:
+        """6. Agent VM: create (bottlenet's wait command), start, gate, then the workload.
+
+        The order is the point: the image's ENTRYPOINT+CMD is replaced by the wait command
+        at create, so nothing of the agent's runs before the gate has passed.
+        """
+        agent = self.agent
+        name = machine_name(self.name, Role.AGENT)
+        endpoints = bound.endpoints
+        env = stamp_env(self.spec, self.plan.mode, endpoints)
+        reserved = await self._create_agent(name, env, endpoints)
+        await self.vms.smolvm.start(name)
+        vmm_uid = await self.vms.vmm_uid(name)
+        if vmm_uid is not None and vmm_uid != reserved:
+            raise IsolationFailed(
+                f"the agent VM of {self.name} runs as uid {vmm_uid}, not the uid {reserved} "
+                "reserved for it in smolvm's registry; bottle torn down"
+            )
+        probe = await self.step_gate(name, endpoints, egress_set.policy)
+        await self.step_bridge(name, endpoints)
+        if agent.workload:
+            await self._start_workload(name, agent, env)
+        return AgentStarted(name, env, probe)
+
+    async def _create_agent(
+        self,
+        name: str,
+        env: tuple[tuple[str, str], ...],
+        endpoints: Sequence[Endpoint],
+    ) -> int | None:
+        """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
+        granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
+        reserved uid (None under one uid)."""
+        spec = agent_machine_spec(
+            name, self.agent, self.vms.labels(self.name, Role.AGENT), env, endpoints
+        )
+        if self.agent.user is not None:
+            await self.vms.version()
+            features = self.vms.smolvm.features or Features()
+            if not features.exec_user:
+                raise SmolvmUnavailable(
+                    f"smolvm {self.vms.smolvm.known_version} has no exec --user, so agent.user "
+                    "cannot be honoured; upgrade smolvm (1.32 has it) or drop agent.user"
+                )
+        await self.vms.smolvm.create(spec)
+
+        async def remove() -> None:
+            await self.vms.remove_machine(name)
+
+        self.undo.append(("agent", remove))
+        reserved = await self.vms.reserve_uid(name)
+        self.vms._closed.pop(name, None)
+        if reserved is not None:
+            self.vms.grant_agent(self.name, endpoints, reserved)
+        if spec.from_file is not None:
+            # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
+            created = await self.vms.smolvm.status(name)
+            if created.network:
+                raise IsolationFailed(
+                    f"the packed agent image of {self.name} turns on networking (smolvm reports "
+                    "network: true for the created machine): socket mode needs an agent VM "
+                    "with no network device; rebuild the pack without networking"
+                )
+        return reserved
+
+    async def _start_workload(
+        self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
+    ) -> None:
+        """6d. The workload, after the gate: its user known, its command checked (as the
+        guest's root), then started detached as its user."""
+        smolvm = self.vms.smolvm
+        user = agent.user or await self._image_user(name, env)
+        check = await smolvm.exec(
+            name,
+            workload.prepare_argv(agent.workload, name),
+            env=dict(env),
+            timeout=SETUP_TIMEOUT,
+            user=GUEST_ROOT,
+        )
+        if check.exit_code == workload.PREPARE_NO_PYTHON:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: its wrapper needs python3 in the "
+                f"agent VM (exit {check.exit_code})"
+            )
+        if check.exit_code == workload.PREPARE_NO_DIR:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: the guest's root cannot create "
+                f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
+            )
+        if check.exit_code != 0:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: its command is not found"
+                f" in the agent VM (exit {check.exit_code})"
+            )
+        result = await smolvm.exec(
+            name,
+            workload.wrap(agent.workload, name, None if workload.runs_as_root(user) else user),
+            env=dict(env),
+            detach=True,
+            timeout=WORKLOAD_TIMEOUT,
+            user=GUEST_ROOT,
+        )
+        if result.exit_code != 0:
+            raise SmolvmFailed(f"starting the workload in {name} failed (exit {result.exit_code})")
+
+    async def _image_user(self, name: str, env: tuple[tuple[str, str], ...]) -> str:
+        """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
+        ``uid:gid``: the workload's user when the spec names none."""
+        result = await self.vms.smolvm.exec(
+            name, list(workload.IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
+        )
+        user = workload.image_user(result.stdout) if result.exit_code == 0 else None
+        if user is None:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: the image's user cannot be read "
+                f"(`id` as the image's USER: exit {result.exit_code}); set agent.user"
+            )
+        return user
+
+    async def step_gate(
+        self, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]
+    ) -> ProbeResult:
+        """6b. The launch gate, between the agent VM's start and its workload."""
+        if self.vms.options.skip_probe:
+            return ProbeResult.SKIPPED
+        verdict = await self.vms.run_probe(
+            self.name,
+            agent_vm,
+            self.plan.mode,
+            endpoints,
+            volumes=self.agent.volumes,
+            witness=True,
+            egress=self.sidecar.egress,
+            policy=policy,
+        )
+        if not verdict.passed:
+            raise IsolationFailed(
+                f"isolation probe failed in {agent_vm}: {verdict.describe()}; bottle torn down"
+            )
+        return ProbeResult.PASS
+
+    async def step_bridge(self, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """6c. bottlenet's in-guest bridge, started and proven (each guest 127.0.0.1:<port>
+        reaches its endpoint's listener, witnessed here), before the workload."""
+        if not runs_bridge(self.spec, endpoints):
+            return
+
+        async def stop() -> None:
+            self.vms.bridges.stop(self.name)
+
+        self.undo.append(("bridge", stop))
+        await self.vms.bridges.start(self.name, agent_vm, endpoints)
+        await self.vms.bridges.prove(self.name, agent_vm, endpoints)
+
+    def build(
+        self,
+        sidecar: SidecarStarted,
+        bound: EndpointsBound,
+        egress_set: EgressSet,
+        agent: AgentStarted,
+    ) -> Bottle:
+        return Bottle(
+            name=self.name,
+            alias=None,
+            created_at=self.vms.reactor.seconds(),
+            vms=BottleVMs(
+                spec=self.spec,
+                mode=self.plan.mode,
+                mechanism=self.plan.describe() + (RAW_PORTS_NOTE if sidecar.raw_ports else ""),
+                sidecar_vm=sidecar.vm,
+                agent_vm=agent.vm,
+                sidecar_pid=sidecar.pid,
+                endpoints=bound.endpoints,
+                env=agent.env,
+                policy=egress_set.policy,
+                probe_skipped=self.vms.options.skip_probe,
+                probe=agent.probe,
+                workload=WorkloadState.RUNNING if self.agent.workload else None,
+            ),
+        )
+
+
+async def create_vm(vms: VMLifecycle, spec: BottleSpec, commit: Callable[[Bottle], None]) -> Bottle:
+    """Create the VM bottle ``spec`` names; ``commit`` records it (the last step)."""
+    plan = await vms.plan(spec)
+    return await Creation(vms, spec, plan).run(commit)

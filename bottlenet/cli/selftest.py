@@ -1,0 +1,579 @@
+"""``bottlenetctl selftest``: the one command a user runs on a new host to see VM bottles work.
+
+It creates a throwaway VM bottle from the user's images (or spec) through the running daemon
+and checks, one line each, what a first real boot depends on: smolvm, KVM, the privilege model,
+the sidecar's services, the launch gate, the bridge, exec as root and as the image's USER, a
+read-write volume, a workload's start and exit code, the event stream, and a teardown that
+leaves nothing (asked of the daemon with ``Leftovers``, which looks in smolvm's own listing).
+Each FAIL line says what was seen and the fix. Exit status 0 only when every check passes.
+
+The observations are made by :class:`Run` (I/O against the daemon); every verdict is a pure
+function of them, so each FAIL path is tested without a VM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import enum
+import io
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
+
+from bottlenet.cli.output import clean as _clean
+from bottlenet.errors import BottlenetError
+
+if TYPE_CHECKING:
+    from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.records import BottleRecord
+    from bottlenet.control.results import HelloResult
+
+
+class Verdict(enum.StrEnum):
+    PASS = "PASS"
+    FAIL = "FAIL"
+    SKIP = "SKIP"
+
+
+class Check(NamedTuple):
+    """One line of the report: ``step`` with its verdict, what was seen, and the fix."""
+
+    step: str
+    verdict: Verdict
+    seen: str
+    fix: str = ""
+
+
+#: The steps, in the order they are reported.
+STEPS = (
+    "daemon",
+    "smolvm",
+    "privilege",
+    "kvm",
+    "sidecar",
+    "gate",
+    "bridge",
+    "exec-root",
+    "exec-user",
+    "volume",
+    "workload",
+    "events",
+    "teardown",
+)
+#: The steps a create proves, in the order it passes them, and the error code of each.
+CREATE_STEPS = ("kvm", "sidecar", "gate", "bridge")
+CODE_STEP = {
+    "KVM_UNAVAILABLE": "kvm",
+    "SIDECAR_NOT_READY": "sidecar",
+    "ISOLATION_FAILED": "gate",
+    "ISOLATION_UNAVAILABLE": "gate",
+    "BRIDGE_FAILED": "bridge",
+}
+FIXES = {
+    "smolvm": "install the vm extra (pip install 'bottlenet[vm]') or start the daemon with"
+    " --smolvm /abs/path/smolvm (1.8.0 or newer; tested 1.32.2); docs/smolvm.md",
+    "kvm": "the VM process must open /dev/kvm: load kvm_intel or kvm_amd; for a non-root"
+    " daemon add its user to the kvm group (usermod -aG kvm USER) and restart the daemon;"
+    " docs/operations.md",
+    "kvm-per-vm": "the VM process must open /dev/kvm: load kvm_intel or kvm_amd; as root,"
+    " smolvm runs each VM under a uid of its own (2000000 and up), so /dev/kvm must be open"
+    " to them (crw-rw-rw-, as most distributions' udev rules make it; ls -l /dev/kvm);"
+    " docs/operations.md",
+    "sidecar": "the sidecar image must listen on /run/bottlenet/<service>.sock for each"
+    " service (created by root: /run is a root 0755 tmpfs); docs/sidecar.md",
+    "gate": "the agent VM must reach its own endpoints and nothing else; read the verdict"
+    " above and docs/bottles.md (launch gate)",
+    "gate-skipped": "restart the daemon without --unsafe-skip-isolation-probe",
+    "bridge": "the agent image needs python3, /bin/sh and sleep on its PATH; docs/sidecar.md"
+    " (the in-guest bridge)",
+    "exec-root": "smolvm must run `machine exec -u 0`; docs/smolvm.md",
+    "exec-user": "the image's USER (or agent.user) must exist in the image's /etc/passwd",
+    "volume": "under per-VM uids the agent VM's uid must be able to write the directory;"
+    " docs/security.md (volumes)",
+    "workload": "the workload runs as agent.user, else the image's USER; docs/sidecar.md",
+    "events": "the daemon's event stream (bottlenetctl events) must report the bottle's life",
+    "teardown": "remove what is listed by hand (bottlenetctl bottle rm, smolvm machine"
+    " delete); then report it: a teardown must leave nothing",
+}
+WORKLOAD_EXIT = 7
+WORKLOAD_MARK = "bottlenet-selftest-workload"
+#: Seconds the workload waits for its go file (it polls ten times a second).
+WORKLOAD_WAIT = 600
+
+
+def _go_file(name: str) -> str:
+    return f"/tmp/.bottlenet-selftest-go-{name}"
+
+
+def workload_argv(name: str) -> list[str]:
+    """A workload any image runs (POSIX sh): it waits until told, prints a line, exits 7."""
+    script = (
+        f"n=0; while [ ! -e {_go_file(name)} ] && [ $n -lt {WORKLOAD_WAIT * 10} ];"
+        f" do sleep 0.1; n=$((n+1)); done; echo {WORKLOAD_MARK}; exit {WORKLOAD_EXIT}"
+    )
+    return ["/bin/sh", "-c", script]
+
+
+def build_spec(
+    base: dict[str, Any] | None, args: argparse.Namespace, volume: str
+) -> dict[str, Any]:
+    """The throwaway bottle's spec: the user's, else one from the images given, with the
+    selftest's workload and read-write volume."""
+    if base is not None:
+        doc = json.loads(json.dumps(base))  # a deep copy of plain JSON values
+    else:
+        services = args.service or ["egress:3128"]
+        doc = {
+            "mode": "socket",
+            "sidecar": {
+                "image": args.sidecar_image,
+                "service": [
+                    {"name": n, "guest_port": int(p), "env": []}
+                    for n, _, p in (s.partition(":") for s in services)
+                ],
+            },
+            "agent": {"image": args.agent_image, "env": ["LANG=C.UTF-8"]},
+        }
+    agent = doc.setdefault("agent", {})
+    agent["workload"] = workload_argv(args.name)
+    # The same path in the guest: any image has room for it, and it names what it mounts.
+    agent["volumes"] = [*agent.get("volumes", []), f"{volume}:{volume}:rw"]
+    return doc
+
+
+# -- verdicts (pure) ------------------------------------------------------------------------
+
+
+def judge_hello(hello: HelloResult, control: str) -> list[Check]:
+    """``daemon``, ``smolvm`` and ``privilege`` from the daemon's Hello."""
+    checks = [
+        Check(
+            "daemon",
+            Verdict.PASS,
+            f"bottlenet {hello.server_version}, protocol {hello.protocol}, at {control}",
+        ),
+    ]
+    if hello.smolvm_available:
+        said = hello.smolvm_source or f"smolvm {hello.smolvm_version}"
+        checks.append(Check("smolvm", Verdict.PASS, said))
+    else:
+        checks.append(
+            Check("smolvm", Verdict.FAIL, "the daemon has no usable smolvm", FIXES["smolvm"])
+        )
+    checks.append(Check("privilege", Verdict.PASS, hello.vm_uids or "not reported"))
+    return checks
+
+
+def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> list[Check]:
+    """The create's steps when the create failed with ``error``: the steps before the one the
+    code names passed, that one failed, the rest were not reached. ``per_vm_uids``: the
+    daemon's VMs run under uids of their own (it changes the KVM fix)."""
+    seen = f"{error.code}: {error.message}"
+    failed = CODE_STEP.get(error.code)
+    if failed is None and "volume" in error.message:
+        return [Check("volume", Verdict.FAIL, seen, FIXES["volume"])]
+    if failed is None:
+        return [
+            Check(
+                "kvm",
+                Verdict.FAIL,
+                f"the VMs did not start: {seen}",
+                "read the message; docs/operations.md (troubleshooting)",
+            )
+        ]
+    checks = []
+    for step in CREATE_STEPS:
+        if step == failed:
+            fix = FIXES["kvm-per-vm" if step == "kvm" and per_vm_uids else step]
+            checks.append(Check(step, Verdict.FAIL, seen, fix))
+            break
+        checks.append(Check(step, Verdict.PASS, "passed (the create went on past it)"))
+    return checks
+
+
+def judge_created(record: BottleRecord) -> list[Check]:
+    """The create's steps from the created bottle's record."""
+    services = ", ".join(e.service for e in record.endpoints) or "none"
+    checks = [
+        Check("kvm", Verdict.PASS, f"both VMs started ({record.sidecar_vm}, {record.agent_vm})"),
+        Check("sidecar", Verdict.PASS, f"services answered: {services}"),
+    ]
+    if record.probe == "PASS":
+        checks.append(Check("gate", Verdict.PASS, f"isolation probe PASS ({record.mode} mode)"))
+    elif record.probe and record.probe.startswith("SKIPPED"):
+        checks.append(
+            Check("gate", Verdict.FAIL, f"launch gate {record.probe}", FIXES["gate-skipped"])
+        )
+    else:
+        checks.append(
+            Check("gate", Verdict.FAIL, f"launch gate {record.probe or 'not run'}", FIXES["gate"])
+        )
+    return checks
+
+
+def judge_bridge(record: BottleRecord, reached: dict[int, str]) -> Check:
+    """``bridge``: its status row, and a guest TCP connect to each service's port."""
+    if not record.bridge or not record.bridge.startswith("running"):
+        return Check("bridge", Verdict.FAIL, f"bridge {record.bridge or 'off'}", FIXES["bridge"])
+    bad = {port: why for port, why in reached.items() if why != "ok"}
+    if bad:
+        said = "; ".join(f"127.0.0.1:{p} {why}" for p, why in sorted(bad.items()))
+        return Check("bridge", Verdict.FAIL, f"in the guest: {said}", FIXES["bridge"])
+    ports = ", ".join(f"127.0.0.1:{p}" for p in sorted(reached))
+    return Check("bridge", Verdict.PASS, f"{record.bridge}; guest connects to {ports}")
+
+
+class ExecSeen(NamedTuple):
+    code: int | None
+    stdout: str
+    stderr: str
+    error: str | None = None
+
+
+def _said(seen: ExecSeen) -> str:
+    if seen.error is not None:
+        return seen.error
+    tail = (seen.stderr.strip().splitlines() or [""])[-1]
+    return f"exit {seen.code}" + (f": {tail}" if tail else "")
+
+
+def judge_exec_root(seen: ExecSeen) -> Check:
+    if seen.code == 0 and seen.stdout.strip() == "0":
+        return Check("exec-root", Verdict.PASS, "`id -u` with -u 0 printed 0")
+    return Check(
+        "exec-root",
+        Verdict.FAIL,
+        f"`id -u` with -u 0: {_said(seen)}, printed {seen.stdout.strip()[:40]!r}",
+        FIXES["exec-root"],
+    )
+
+
+def judge_exec_user(seen: ExecSeen) -> Check:
+    if seen.code == 0 and seen.stdout.strip():
+        who = seen.stdout.strip().splitlines()[0][:80]
+        return Check("exec-user", Verdict.PASS, f"as the image's user: {who}")
+    return Check(
+        "exec-user", Verdict.FAIL, f"`id` as the image's user: {_said(seen)}", FIXES["exec-user"]
+    )
+
+
+def judge_volume(
+    volume: str,
+    guest_wrote: str | None,
+    host_read: str | None,
+    guest_read: str | None,
+    want_guest: str,
+    want_host: str,
+) -> Check:
+    """``volume``: the guest's write seen on the host, the host's seen in the guest."""
+    if host_read != want_guest:
+        said = guest_wrote or f"the host found {host_read!r}"
+        return Check("volume", Verdict.FAIL, f"guest to host: {said}", FIXES["volume"])
+    if guest_read != want_host:
+        return Check(
+            "volume", Verdict.FAIL, f"host to guest: the guest read {guest_read!r}", FIXES["volume"]
+        )
+    return Check("volume", Verdict.PASS, f"round trip both ways through {volume}")
+
+
+def judge_workload(state_before: str | None, code: int | None, log: str) -> Check:
+    if state_before is None or not state_before.startswith("running"):
+        return Check(
+            "workload",
+            Verdict.FAIL,
+            f"workload {state_before or 'not started'} before it was told to go",
+            FIXES["workload"],
+        )
+    if code != WORKLOAD_EXIT:
+        return Check(
+            "workload",
+            Verdict.FAIL,
+            f"exit code {code}, expected {WORKLOAD_EXIT}",
+            FIXES["workload"],
+        )
+    if WORKLOAD_MARK not in log:
+        return Check(
+            "workload",
+            Verdict.FAIL,
+            "exit code seen, but its output is not in the bottle's logs",
+            FIXES["workload"],
+        )
+    return Check("workload", Verdict.PASS, f"started, ran, exited {code}, output in the logs")
+
+
+EXPECTED_EVENTS = ("created", "ready", "workload_exited", "destroyed")
+
+
+def judge_events(kinds: Sequence[str]) -> Check:
+    """``events``: the bottle's life, in order, on the event stream."""
+    rest = iter(kinds)
+    missing = [k for k in EXPECTED_EVENTS if k not in rest]  # in order: a subsequence
+    if missing:
+        return Check(
+            "events",
+            Verdict.FAIL,
+            f"saw {', '.join(kinds) or 'none'}; missing or out of order: {', '.join(missing)}",
+            FIXES["events"],
+        )
+    return Check("events", Verdict.PASS, ", ".join(kinds))
+
+
+def judge_teardown(destroy_error: str | None, leftovers: Sequence[str]) -> Check:
+    if destroy_error is not None:
+        return Check(
+            "teardown", Verdict.FAIL, f"destroy failed: {destroy_error}", FIXES["teardown"]
+        )
+    if leftovers:
+        return Check("teardown", Verdict.FAIL, "; ".join(leftovers), FIXES["teardown"])
+    return Check(
+        "teardown",
+        Verdict.PASS,
+        "nothing left: no machine, no bottle directory, no VM uid reservation or process",
+    )
+
+
+# -- the run (I/O against the daemon) -------------------------------------------------------
+
+
+class Run:
+    """One selftest against the daemon behind ``client``: :meth:`checks` yields each line as
+    soon as it is known; the throwaway bottle is destroyed whatever happens."""
+
+    def __init__(
+        self,
+        client: BlockingControlClient,
+        args: argparse.Namespace,
+        base_spec: dict[str, Any] | None,
+        control: str,
+    ) -> None:
+        self.c = client
+        self.args = args
+        self.name: str = args.name
+        self.base_spec = base_spec
+        self.control = control
+        self.kinds: list[str] = []
+        self.torn_down = False
+        self.per_vm_uids = False
+
+    def checks(self) -> Iterator[Check]:
+        """Every step once, in :data:`STEPS` order: those the run passed by are SKIP."""
+        todo = list(STEPS)
+        reason = "not reached"
+        for check in self._steps():
+            while todo and todo[0] != check.step:
+                yield Check(todo.pop(0), Verdict.SKIP, reason)
+            if todo:
+                todo.pop(0)
+            if check.verdict is Verdict.FAIL and reason == "not reached":
+                reason = f"not reached ({check.step} failed)"
+            yield check
+        for step in todo:
+            yield Check(step, Verdict.SKIP, reason)
+
+    def _steps(self) -> Iterator[Check]:
+        hello = self.c.hello()
+        self.per_vm_uids = (hello.vm_uids or "").startswith("per-VM")
+        first = judge_hello(hello, self.control)
+        yield from first
+        if first[1].verdict is Verdict.FAIL:
+            return
+        import shutil  # here, not at bottlenetctl's start (shutil imports bz2 and lzma)
+        import tempfile
+
+        volume = self.args.volume_dir or tempfile.mkdtemp(
+            prefix="bottlenet-selftest-", dir="/var/tmp"
+        )
+        made = self.args.volume_dir is None
+        try:
+            if made:
+                os.chmod(volume, 0o755)  # as a user's project directory usually is
+            yield from self._with_bottle(volume)
+        finally:
+            if made:
+                shutil.rmtree(volume, ignore_errors=True)
+
+    def _with_bottle(self, volume: str) -> Iterator[Check]:
+        spec = build_spec(self.base_spec, self.args, volume)
+        self.c.watch(self.name)
+        try:
+            record = self.c.create_bottle(self.name, spec=json.dumps(spec))
+        except BottlenetError as e:
+            yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
+            yield from self._teardown(destroy=False)
+            return
+        try:
+            yield from judge_created(record)
+            yield judge_bridge(self.c.bottle_status(self.name), self._reach(spec))
+            yield judge_exec_root(self._exec(["id", "-u"], user="0"))
+            yield judge_exec_user(self._exec(["id"]))
+            yield self._volume(volume)
+            yield self._workload()
+            yield from self._teardown(destroy=True)
+        except BaseException:  # the daemon went away, Ctrl-C: still leave nothing behind
+            if not self.torn_down:
+                with contextlib.suppress(Exception):
+                    self.c.destroy_bottle(self.name)
+            raise
+
+    def _exec(self, argv: Sequence[str], user: str | None = None) -> ExecSeen:
+        out, err = io.BytesIO(), io.BytesIO()
+        try:
+            code = self.c.exec(
+                self.name, list(argv), stdout=out, stderr=err, user=user, time_limit=60
+            )
+        except BottlenetError as e:
+            return ExecSeen(None, "", "", f"{e.code}: {e.message}")
+        return ExecSeen(
+            code,
+            out.getvalue().decode("utf-8", "replace"),
+            err.getvalue().decode("utf-8", "replace"),
+        )
+
+    def _reach(self, spec: dict[str, Any]) -> dict[int, str]:
+        """Per service port: "ok" when a guest TCP connect to 127.0.0.1:port succeeds."""
+        reached: dict[int, str] = {}
+        for service in spec.get("sidecar", {}).get("service", []):
+            port = int(service["guest_port"])
+            probe = (
+                "import socket,sys\n"
+                "try:\n"
+                f"    socket.create_connection(('127.0.0.1', {port}), 5).close()\n"
+                "except OSError as e:\n"
+                "    sys.exit(str(e))\n"
+            )
+            seen = self._exec(["python3", "-c", probe], user="0")
+            reached[port] = "ok" if seen.code == 0 else _said(seen)
+        return reached
+
+    def _volume(self, volume: str) -> Check:
+        import secrets
+
+        to_host, to_guest = secrets.token_hex(8), secrets.token_hex(8)
+        wrote = self._exec(["/bin/sh", "-c", f"echo {to_host} > {volume}/from-guest"], user="0")
+        host_read = _read_text(os.path.join(volume, "from-guest"))
+        with open(os.path.join(volume, "from-host"), "w") as f:
+            f.write(to_guest + "\n")
+        read = self._exec(["cat", f"{volume}/from-host"], user="0")
+        return judge_volume(
+            volume,
+            None if wrote.code == 0 else f"the guest's write: {_said(wrote)}",
+            host_read,
+            read.stdout.strip() if read.code == 0 else None,
+            to_host,
+            to_guest,
+        )
+
+    def _workload(self) -> Check:
+        before = self.c.bottle_status(self.name).workload
+        self._exec(["touch", _go_file(self.name)], user="0")
+        code = self._wait_event("workload_exited") if before else None
+        log = io.BytesIO()
+        try:
+            self.c.logs(self.name, stdout=log, stderr=io.BytesIO(), tail=50)
+        except BottlenetError:
+            pass
+        return judge_workload(before, code, log.getvalue().decode("utf-8", "replace"))
+
+    def _wait_event(self, kind: str) -> int | None:
+        """Take events until ``kind`` comes (its exit code), or the call timeout passes."""
+        try:
+            for ev in self.c.events(self.name, idle=self.args.timeout):
+                self.kinds.append(ev.kind)
+                if ev.kind == kind:
+                    return ev.exit_code
+        except TimeoutError:
+            pass
+        return None
+
+    def _teardown(self, *, destroy: bool) -> Iterator[Check]:
+        error = None
+        if destroy:
+            try:
+                self.torn_down = True
+                self.c.destroy_bottle(self.name)
+                self._wait_event("destroyed")
+            except BottlenetError as e:
+                error = f"{e.code}: {e.message}"
+            yield judge_events(self.kinds)
+        yield judge_teardown(error, self.c.leftovers(self.name))
+
+
+def _read_text(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read(256).strip()
+    except OSError:
+        return None
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+class SelftestFailed(BottlenetError):
+    """At least one check failed (each says what was seen and the fix)."""
+
+    code = "SELFTEST_FAILED"
+
+
+def render(check: Check) -> str:
+    line = f"{check.verdict:<4}  {check.step:<9}  {_clean(check.seen)}\n"
+    if check.fix:
+        line += f"{'':<4}  {'':<9}  fix: {_clean(check.fix)}\n"
+    return line
+
+
+def cmd_selftest(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    from bottlenet.errors import InvalidArgument
+
+    base = json.loads(a.spec_json) if a.spec_json else None
+    if base is None and not (a.agent_image and a.sidecar_image):
+        raise InvalidArgument(
+            "selftest needs --spec FILE.toml, or --agent-image and --sidecar-image"
+        )
+    for s in a.service or ():
+        name, _, port = s.partition(":")
+        if not name or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(f"--service {s}: must be NAME:PORT (a port 1-65535)")
+    a.name = a.name or f"selftest-{os.urandom(3).hex()}"
+    checks: list[Check] = []
+    for check in Run(c, a, base, c.path).checks():
+        checks.append(check)
+        if not a.json:
+            out.write(render(check))
+            out.flush()
+    failed = [ch for ch in checks if ch.verdict is not Verdict.PASS]
+    if a.json:
+        out.write(
+            json.dumps(
+                {"ok": not failed, "bottle": a.name, "checks": [ch._asdict() for ch in checks]},
+                sort_keys=True,
+            )
+            + "\n"
+        )
+    if failed:
+        raise SelftestFailed(
+            f"{len(failed)} of {len(checks)} checks did not pass (first: {failed[0].step})"
+        )
+
+
+def register(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
+    """Add ``selftest`` to bottlenetctl's subcommands; ``add`` is cli.build_parser's helper."""
+    sp = add(sub, "selftest", cmd_selftest, "check, on this host, that VM bottles work")
+    sp.add_argument("--spec", metavar="FILE.toml", help="base the throwaway bottle on this spec")
+    sp.add_argument("--agent-image", help="the agent image (without --spec)")
+    sp.add_argument("--sidecar-image", help="the sidecar image (without --spec)")
+    sp.add_argument(
+        "--service",
+        action="append",
+        metavar="NAME:PORT",
+        help="a sidecar service (without --spec; repeatable; default egress:3128)",
+    )
+    sp.add_argument("--name", help="the throwaway bottle's name (default selftest-<random>)")
+    sp.add_argument(
+        "--volume-dir",
+        metavar="DIR",
+        help="host directory for the read-write volume check (default: a new one"
+        " under /var/tmp, removed after)",
+    )

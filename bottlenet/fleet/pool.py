@@ -1,0 +1,77 @@
+"""``BottlePool``: N bottles of one request, placed across the nodes, destroyed together."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from types import TracebackType
+
+from tqdm import tqdm
+
+from bottlenet.fleet.bottle import Bottle
+from bottlenet.fleet.placement import Placer, destroy_all
+from bottlenet.fleet.request import BottleRequest
+
+
+class BottlePool:
+    """``with BottlePool(30, request) as pool:`` places 30 bottles (a progress bar on an
+    interactive stderr, or as ``progress`` says) and destroys them all on the way out.
+
+    Placement is all or nothing: if one bottle cannot be placed within ``max_attempts``
+    refusals or ``timeout`` seconds, the bottles already placed are destroyed and the typed
+    error (:class:`~bottlenet.fleet.errors.PlacementFailed`) is raised.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        request: BottleRequest | None = None,
+        *,
+        max_attempts: int = 3,
+        timeout: float = 300.0,
+        progress: bool | None = None,
+    ) -> None:
+        self.count = count
+        self.request = request or BottleRequest()
+        self.max_attempts = max_attempts
+        self.timeout = timeout
+        self.progress = sys.stderr.isatty() if progress is None else progress
+        self.bottles: list[Bottle] = []
+
+    def open(self) -> BottlePool:
+        bar = tqdm(total=self.count, unit="bottle", disable=not self.progress, file=sys.stderr)
+
+        def advance(done: int) -> None:
+            bar.update(done - bar.n)
+
+        with bar:
+            placer = Placer(
+                self.request, self.count, self.max_attempts, self.timeout, progress=advance
+            )
+            self.bottles = placer.run()
+        return self
+
+    def close(self) -> None:
+        """Destroy every bottle of the pool (each once; a lost one is reaped by its node)."""
+        bottles, self.bottles = self.bottles, []
+        destroy_all(bottles)
+
+    def __enter__(self) -> BottlePool:
+        return self.open()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __iter__(self) -> Iterator[Bottle]:
+        return iter(self.bottles)
+
+    def __len__(self) -> int:
+        return len(self.bottles)
+
+    def __getitem__(self, index: int) -> Bottle:
+        return self.bottles[index]

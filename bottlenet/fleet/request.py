@@ -1,0 +1,114 @@
+"""The values that cross between the trainer and a bottle's actor (pickled by Ray)."""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Mapping
+
+import attrs
+
+from bottlenet.errors import InvalidArgument, safe_repr
+
+#: The daemon's codes that mean "not this node, try another" (the node is fine, just not for
+#: one more bottle now); anything else a create raises is the caller's or the spec's fault.
+REFUSAL_CODES = frozenset({"DRAINING", "RESOURCE_EXHAUSTED", "UNAVAILABLE", "UNREACHABLE"})
+#: Ray's own label of every node; the placer excludes refusing nodes through it.
+NODE_ID_LABEL = "ray.io/node-id"
+#: The custom resource each node offers (``ray start --resources '{"bottle": N}'``).
+BOTTLE_RESOURCE = "bottle"
+_PREFIX_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
+#: Most output bytes an exec keeps per stream (the rest is counted, not kept).
+EXEC_OUTPUT_LIMIT = 1 << 20
+
+
+def _check_prefix(_: object, __: object, value: str) -> None:
+    if _PREFIX_RE.fullmatch(value) is None:
+        raise InvalidArgument(f"name prefix {safe_repr(value)} is not [a-z0-9][a-z0-9-]{{0,30}}")
+
+
+def _check_lease(_: object, __: object, value: float | None) -> None:
+    if value is not None and not (1.0 <= value <= 86400.0):
+        raise InvalidArgument(f"lease_seconds {safe_repr(value)} is not within 1..86400")
+
+
+def _check_selector(_: object, __: object, value: Mapping[str, str]) -> None:
+    if NODE_ID_LABEL in value:
+        raise InvalidArgument(f"label_selector may not name {NODE_ID_LABEL} (the placer uses it)")
+
+
+@attrs.frozen
+class BottleRequest:
+    """What one bottle should be, and where it may go.
+
+    ``spec`` is the bottle spec as JSON text (``BottleSpec(...).to_json()``), None for a
+    forward-only bottle. ``lease_seconds`` is the lease the actor keeps renewing (the node
+    reaps the bottle once it runs out, plus the daemon's grace); None asks for no lease, so
+    a lost actor leaves its bottle until someone destroys it. ``control`` is the node's
+    control socket as the actor sees it (None: ``$BOTTLENET_CONTROL`` on that node, else the
+    daemon's default path). ``label_selector`` restricts nodes by their Ray labels.
+    """
+
+    spec: str | None = None
+    alias: str | None = None
+    lease_seconds: float | None = attrs.field(default=60.0, validator=_check_lease)
+    control: str | None = None
+    label_selector: Mapping[str, str] = attrs.field(
+        factory=dict, converter=dict, validator=_check_selector
+    )
+    name_prefix: str = attrs.field(default="ray", validator=_check_prefix)
+    create_timeout: float = 300.0
+
+    def new_name(self) -> str:
+        """A fresh bottle name (each attempt gets its own: a refused name was never made)."""
+        return f"{self.name_prefix}-{secrets.token_hex(6)}"
+
+
+@attrs.frozen
+class Placement:
+    """What a bottle actor's constructor achieved on its node."""
+
+    node_id: str
+    name: str
+    hostname: str
+    refusal_code: str | None = None
+    refusal_message: str | None = None
+
+    @property
+    def refused(self) -> bool:
+        return self.refusal_code is not None
+
+
+@attrs.frozen
+class ExecResult:
+    """A finished command: exit code and its output (each stream cut at
+    :data:`EXEC_OUTPUT_LIMIT` bytes; ``dropped`` counts what was not kept)."""
+
+    exit_code: int
+    stdout: bytes
+    stderr: bytes
+    dropped: int = 0
+
+
+class BoundedSink:
+    """A binary writer that keeps the first ``limit`` bytes and counts the rest."""
+
+    def __init__(self, limit: int = EXEC_OUTPUT_LIMIT) -> None:
+        self._chunks: list[bytes] = []
+        self._kept = 0
+        self.limit = limit
+        self.dropped = 0
+
+    def write(self, data: bytes) -> int:
+        room = self.limit - self._kept
+        if room > 0:
+            self._chunks.append(bytes(data[:room]))
+            self._kept += min(room, len(data))
+        self.dropped += max(0, len(data) - max(room, 0))
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing is buffered below this writer."""
+
+    def getvalue(self) -> bytes:
+        return b"".join(self._chunks)

@@ -1,0 +1,116 @@
+"""``bottlenetctl selftest`` run as a user runs it, against a daemon process.
+
+The daemon drives the fake smolvm (``tests/fakes/smolvm``, a TEST DOUBLE whose "VMs" are host
+processes; with ``exec-netns``, which needs root, its exec runs in a network-less namespace, so
+the launch gate has something real to check). Each fake fault that a first real boot can meet
+gives exactly the FAIL line it should; against the real smolvm of the ``vm`` extra on this
+host (no bootable KVM) the one FAIL is ``kvm``, and nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from tests.control.vmdaemon import VMDaemon
+
+pytestmark = pytest.mark.skipif(
+    os.geteuid() != 0 or shutil.which("unshare") is None,
+    reason="the fake's isolating stand-in (exec-netns) needs root and unshare",
+)
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[VMDaemon]:
+    d = VMDaemon().start()
+    try:
+        yield d
+    finally:
+        assert d.cleanup() == []
+
+
+def selftest(d: VMDaemon, *args: str) -> tuple[int, dict[str, Any]]:
+    """Run ``bottlenetctl --json selftest --spec`` and parse its report."""
+    r = d.ctl("--json", "selftest", "--spec", d.spec, *args, timeout=300)
+    report: dict[str, Any] = json.loads(r.stdout)
+    assert "Traceback" not in r.stderr.decode(), r.stderr
+    return r.returncode, report
+
+
+def lines(report: dict[str, Any], verdict: str) -> list[str]:
+    return [c["step"] for c in report["checks"] if c["verdict"] == verdict]
+
+
+def test_all_pass_on_a_good_setup(daemon: VMDaemon) -> None:
+    """A good setup: every line PASS, exit 0, and the bottle gone with nothing left."""
+    daemon.fake.set_faults("exec-netns", version="1.32.2")
+    code, report = selftest(daemon)
+    assert lines(report, "FAIL") == [] and lines(report, "SKIP") == [], report
+    assert code == 0 and report["ok"] is True
+    assert [c["step"] for c in report["checks"]][-1] == "teardown"
+    with daemon.client() as c:
+        assert c.list_bottles().total == 0
+
+
+def test_text_output_one_line_a_check(daemon: VMDaemon) -> None:
+    """Without --json: a line per check (PASS/FAIL/SKIP, the step, what was seen)."""
+    daemon.fake.set_faults("exec-netns", version="1.32.2")
+    r = daemon.ctl("selftest", "--spec", daemon.spec, "--name", "st-text", timeout=300)
+    out = r.stdout.decode().splitlines()
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert [line.split()[:2] for line in out][:3] == [
+        ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
+    ]  # fmt: skip
+    assert len(out) == 13 and all(line.startswith("PASS") for line in out)
+
+
+def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
+    """No usable KVM: exactly one FAIL (kvm) with the fix for a root daemon's VM uids; nothing
+    left behind."""
+    daemon.fake.set_faults("exec-netns", "kvm", version="1.32.2")
+    code, report = selftest(daemon)
+    assert code == 1 and lines(report, "FAIL") == ["kvm"]
+    kvm = next(c for c in report["checks"] if c["step"] == "kvm")
+    assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
+    assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "teardown"]
+
+
+def test_a_leaky_guest_fails_the_gate(daemon: VMDaemon) -> None:
+    """The plain fake's exec runs on the host: the gate FAILs with its verdict."""
+    daemon.fake.set_faults(version="1.32.2")
+    code, report = selftest(daemon)
+    assert code == 1 and lines(report, "FAIL") == ["gate"]
+    gate = next(c for c in report["checks"] if c["step"] == "gate")
+    assert gate["seen"].startswith("ISOLATION_FAILED: ")
+    assert "teardown" in lines(report, "PASS")
+
+
+def test_a_stale_uid_reservation_fails_teardown(daemon: VMDaemon) -> None:
+    """A uid still reserved in smolvm's registry for a VM that is gone fails the teardown line."""
+    daemon.fake.set_faults("exec-netns", version="1.32.2")
+    registry = os.path.join(daemon.fake.path, ".cache", "smolvm", "uids")
+    os.makedirs(registry, exist_ok=True)
+    entry = os.path.join(registry, "2065000")
+    with open(entry, "w") as f:
+        f.write("0123456789abcdef")  # no such VM dir
+    try:
+        code, report = selftest(daemon)
+    finally:
+        os.unlink(entry)
+    assert code == 1 and lines(report, "FAIL") == ["teardown"], report
+    teardown = report["checks"][-1]
+    assert "uid 2065000 is still reserved for VM 0123456789abcdef" in teardown["seen"]
+
+
+def test_without_spec_or_images_one_error_line(daemon: VMDaemon) -> None:
+    """Neither --spec nor both images: one clear error line, no traceback, nothing created."""
+    r = daemon.ctl("selftest", "--agent-image", "/a.tar")
+    err = r.stderr.decode()
+    assert r.returncode == 1 and err.count("\n") == 1, err
+    assert "selftest needs --spec FILE.toml, or --agent-image and --sidecar-image" in err

@@ -1,0 +1,268 @@
+"""bottlenetctl selftest's verdicts: each FAIL path from what was observed, without a VM."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from bottlenet.cli import selftest as st
+from bottlenet.cli.selftest import Check, ExecSeen, Verdict
+from bottlenet.control.records import BottleRecord, EndpointRecord
+from bottlenet.control.results import HelloResult
+from bottlenet.errors import (
+    BridgeFailed,
+    InvalidArgument,
+    IsolationFailed,
+    KvmUnavailable,
+    SmolvmFailed,
+)
+from vmctl import residue
+
+
+def hello(available: bool = True) -> HelloResult:
+    return HelloResult("1.0", 1, ("vms",), available, "1.32.2" if available else None, None, "one")
+
+
+def record(**kw: Any) -> BottleRecord:
+    base: dict[str, Any] = dict(
+        name="t", alias=None, source="control", state="running", created_at=0.0, forwards=1,
+        mode="socket", sidecar_vm="bn-t-sidecar", agent_vm="bn-t-agent", probe="PASS",
+        bridge="running (3128)", workload="running",
+        endpoints=(EndpointRecord("egress", "unix:/run/bottle/egress.sock"),),
+    )  # fmt: skip
+    return BottleRecord(**{**base, **kw})
+
+
+def verdicts(checks: list[Check]) -> dict[str, Verdict]:
+    return {c.step: c.verdict for c in checks}
+
+
+def test_smolvm_unavailable_fails_with_the_fix() -> None:
+    """A daemon without smolvm: the smolvm line FAILs and says how to get one."""
+    checks = st.judge_hello(hello(available=False), "/c.sock")
+    assert verdicts(checks) == {"daemon": "PASS", "smolvm": "FAIL", "privilege": "PASS"}
+    assert "bottlenet[vm]" in checks[1].fix
+
+
+@pytest.mark.parametrize(
+    ("error", "failed", "passed"),
+    [
+        (KvmUnavailable("KVM is not usable on this host"), "kvm", ()),
+        (IsolationFailed("own endpoint does not connect"), "gate", ("kvm", "sidecar")),
+        (BridgeFailed("bind 80: EACCES"), "bridge", ("kvm", "sidecar", "gate")),
+    ],
+)
+def test_a_create_error_fails_the_step_it_names(
+    error: Exception, failed: str, passed: tuple[str, ...]
+) -> None:
+    """The step a create error's code names FAILs; the steps before it passed."""
+    assert isinstance(error, st.BottlenetError)
+    checks = st.judge_create_error(error)
+    assert [c for c in checks if c.verdict is Verdict.FAIL] == [
+        Check(failed, Verdict.FAIL, f"{error.code}: {error.message}", st.FIXES[failed])
+    ]
+    assert [c.step for c in checks if c.verdict is Verdict.PASS] == list(passed)
+
+
+def test_sidecar_not_ready_fails_the_sidecar_line() -> None:
+    """SIDECAR_NOT_READY (a code this client may not know as a class) is the sidecar's FAIL."""
+
+    class NotReady(st.BottlenetError):
+        code = "SIDECAR_NOT_READY"
+
+    checks = st.judge_create_error(NotReady("service egress did not answer"))
+    assert verdicts(checks) == {"kvm": "PASS", "sidecar": "FAIL"}
+    assert "/run/bottlenet" in checks[-1].fix
+
+
+def test_a_volume_refusal_fails_the_volume_line() -> None:
+    """A create refused over a volume is the volume's FAIL, not KVM's."""
+    checks = st.judge_create_error(InvalidArgument("volume /srv/x: uid 2000001 cannot write it"))
+    assert verdicts(checks) == {"volume": "FAIL"}
+
+
+def test_another_create_error_is_said_whole() -> None:
+    """An error no step names FAILs the VM start with the daemon's own words."""
+    checks = st.judge_create_error(SmolvmFailed("machine create: bad image"))
+    assert verdicts(checks) == {"kvm": "FAIL"}
+    assert "SMOLVM_FAILED: machine create: bad image" in checks[0].seen
+
+
+def test_a_skipped_gate_is_a_failure() -> None:
+    """A daemon run with --unsafe-skip-isolation-probe does not pass the gate line."""
+    checks = st.judge_created(record(probe="SKIPPED (--unsafe-skip-isolation-probe)"))
+    assert verdicts(checks)["gate"] is Verdict.FAIL
+    assert checks[-1].fix == st.FIXES["gate-skipped"]
+    assert verdicts(st.judge_created(record())) == {"kvm": "PASS", "sidecar": "PASS",
+                                                    "gate": "PASS"}  # fmt: skip
+
+
+def test_bridge_off_or_unreachable_fails() -> None:
+    """The bridge line needs a running bridge and every service port reachable in the guest."""
+    assert st.judge_bridge(record(bridge="off"), {3128: "ok"}).verdict is Verdict.FAIL
+    bad = st.judge_bridge(record(), {3128: "ok", 9418: "exit 1: refused"})
+    assert bad.verdict is Verdict.FAIL and "127.0.0.1:9418 exit 1: refused" in bad.seen
+    assert st.judge_bridge(record(), {3128: "ok"}).verdict is Verdict.PASS
+
+
+def test_exec_lines() -> None:
+    """exec-root wants uid 0 printed; exec-user any identity, with exit 0."""
+    assert st.judge_exec_root(ExecSeen(0, "0\n", "")).verdict is Verdict.PASS
+    wrong = st.judge_exec_root(ExecSeen(0, "1000\n", ""))
+    assert wrong.verdict is Verdict.FAIL and "'1000'" in wrong.seen
+    refused = st.judge_exec_root(ExecSeen(None, "", "", "BUSY: 6 sessions"))
+    assert refused.verdict is Verdict.FAIL and "BUSY: 6 sessions" in refused.seen
+    assert st.judge_exec_user(ExecSeen(0, "uid=1000(node)\n", "")).verdict is Verdict.PASS
+    failed = st.judge_exec_user(ExecSeen(126, "", "unable to find user node\n"))
+    assert failed.verdict is Verdict.FAIL and "unable to find user node" in failed.seen
+
+
+def test_volume_round_trip_both_ways() -> None:
+    """Each direction of the volume round trip can fail on its own."""
+    ok = st.judge_volume("/v", None, "a", "b", "a", "b")
+    assert ok.verdict is Verdict.PASS
+    guest = st.judge_volume("/v", "the guest's write: exit 1", None, "b", "a", "b")
+    assert guest.verdict is Verdict.FAIL and "guest to host" in guest.seen
+    host = st.judge_volume("/v", None, "a", None, "a", "b")
+    assert host.verdict is Verdict.FAIL and "host to guest" in host.seen
+
+
+def test_workload_line() -> None:
+    """The workload must run until told, exit 7 and leave its line in the logs."""
+    mark = st.WORKLOAD_MARK
+    assert st.judge_workload("running", 7, mark).verdict is Verdict.PASS
+    assert st.judge_workload("exited", 7, mark).verdict is Verdict.FAIL
+    assert st.judge_workload("running", 127, mark).verdict is Verdict.FAIL
+    assert st.judge_workload("running", 7, "").verdict is Verdict.FAIL
+
+
+def test_events_in_order() -> None:
+    """The bottle's life must appear on the event stream, in order."""
+    assert st.judge_events(["created", "ready", "workload_exited", "destroyed"]).verdict == "PASS"
+    late = st.judge_events(["created", "workload_exited", "ready", "destroyed"])
+    assert late.verdict is Verdict.FAIL and "ready" in late.seen
+    assert st.judge_events([]).verdict is Verdict.FAIL
+
+
+def test_teardown_line() -> None:
+    """A failed destroy or any leftover FAILs the teardown line, naming it."""
+    assert st.judge_teardown(None, []).verdict is Verdict.PASS
+    left = st.judge_teardown(None, ["machine bn-t-agent still exists (running)"])
+    assert left.verdict is Verdict.FAIL and "bn-t-agent" in left.seen
+    assert st.judge_teardown("SMOLVM_FAILED: x", []).verdict is Verdict.FAIL
+
+
+def test_workload_waits_for_its_go_file_with_a_bound() -> None:
+    """The workload is plain POSIX sh that waits for its go file, bounded, then exits 7."""
+    argv = st.workload_argv("b1")
+    assert argv[:2] == ["/bin/sh", "-c"]
+    assert "/tmp/.bottlenet-selftest-go-b1" in argv[2] and f"-lt {st.WORKLOAD_WAIT * 10}" in argv[2]
+    assert argv[2].endswith(f"exit {st.WORKLOAD_EXIT}")
+
+
+def test_spec_from_images_and_from_a_file() -> None:
+    """The throwaway spec adds the selftest's workload and volume to the user's spec."""
+    args = argparse.Namespace(name="b1", agent_image="/a.tar", sidecar_image="side",
+                              service=["egress:3128", "git:9418"])  # fmt: skip
+    doc = st.build_spec(None, args, "/var/tmp/v")
+    assert [s["guest_port"] for s in doc["sidecar"]["service"]] == [3128, 9418]
+    assert doc["agent"]["volumes"] == ["/var/tmp/v:/var/tmp/v:rw"]
+    base = {"mode": "socket", "agent": {"image": "/a.tar", "volumes": ["/p:/work:ro"]}}
+    doc = st.build_spec(base, args, "/var/tmp/v")
+    assert doc["agent"]["volumes"] == ["/p:/work:ro", "/var/tmp/v:/var/tmp/v:rw"]
+    assert base["agent"]["volumes"] == ["/p:/work:ro"]  # the user's own value is untouched
+
+
+class _Scripted(st.Run):
+    def __init__(self, checks: list[Check]) -> None:
+        self._scripted = checks
+
+    def _steps(self) -> Iterator[Check]:
+        yield from self._scripted
+
+
+def test_every_step_once_in_order() -> None:
+    """Steps a run passed by are SKIP, in their place, and each step is reported once."""
+    run = _Scripted([Check("daemon", Verdict.PASS, ""), Check("kvm", Verdict.FAIL, "x"),
+                     Check("teardown", Verdict.PASS, "")])  # fmt: skip
+    lines = list(run.checks())
+    assert [c.step for c in lines] == list(st.STEPS)
+    assert [c.step for c in lines if c.verdict is Verdict.SKIP] == [
+        s for s in st.STEPS if s not in ("daemon", "kvm", "teardown")
+    ]
+
+
+def test_render_cleans_what_the_daemon_said() -> None:
+    """Control characters from the daemon or guest never reach the terminal raw."""
+    text = st.render(Check("gate", Verdict.FAIL, "evil\x1b[2Jline", "fix it"))
+    assert "\x1b" not in text and "fix: fix it" in text
+
+
+# -- vmctl.residue: smolvm's uid registry and /proc, read as hostile ground --------------------
+
+
+def _registry(tmp: str) -> tuple[str, str]:
+    reg = os.path.join(tmp, ".cache", "smolvm", "uids")
+    vms = os.path.join(tmp, ".cache", "smolvm", "vms")
+    os.makedirs(reg)
+    os.makedirs(vms)
+    return reg, vms
+
+
+def test_stale_reservations(tmp_path: Any) -> None:
+    """An entry whose VM dir is gone is stale, and so is a process that still runs as it."""
+    reg, vms = _registry(str(tmp_path))
+    os.makedirs(os.path.join(vms, "live"))
+    for uid, vm in ((2000000, "live"), (2000001, "gone")):
+        with open(os.path.join(reg, str(uid)), "w") as f:
+            f.write(vm)
+    assert residue.stale_reservations(str(tmp_path)) == {2000001: "gone"}
+    proc = tmp_path / "proc"
+    for pid, uid in ((10, 2000000), (11, 2000001), (12, 0)):
+        (proc / str(pid)).mkdir(parents=True)
+        (proc / str(pid) / "status").write_text(f"Name:\tx\nUid:\t{uid}\t{uid}\t{uid}\t{uid}\n")
+    assert residue.uid_leftovers(str(tmp_path), proc_root=str(proc)) == [
+        "uid 2000001 is still reserved for VM gone, whose directory is gone",
+        "pid 11 still runs as VM uid 2000001, whose machine is gone",
+    ]
+
+
+def test_planted_entries_are_not_followed_or_waited_on(tmp_path: Any) -> None:
+    """A FIFO, a symlink or a path-like id in the registry is stale, never opened through."""
+    reg, vms = _registry(str(tmp_path))
+    os.makedirs(os.path.join(vms, "live"))
+    target = os.path.join(str(tmp_path), "t")
+    with open(target, "w") as f:
+        f.write("live")
+    os.mkfifo(os.path.join(reg, "2000002"))
+    os.symlink(target, os.path.join(reg, "2000003"))
+    with open(os.path.join(reg, "2000004"), "w") as f:
+        f.write("../vms/live")
+    done: list[dict[int, str]] = []
+    reader = threading.Thread(target=lambda: done.append(residue.stale_reservations(str(tmp_path))))
+    reader.daemon = True  # a reader stuck on the FIFO must not hold the test run
+    reader.start()
+    reader.join(30)
+    assert done, "stale_reservations blocked on a FIFO in the registry"
+    assert set(done[0]) == {2000002, 2000003, 2000004}
+
+
+def test_kvm_fix_fits_the_privilege_model() -> None:
+    """Under per-VM uids the KVM fix speaks of smolvm's VM uids, else of the kvm group."""
+    error = KvmUnavailable("KVM is not usable on this host")
+    assert "kvm group" in st.judge_create_error(error)[0].fix
+    assert "2000000" in st.judge_create_error(error, per_vm_uids=True)[0].fix
+
+
+def test_skips_say_which_step_failed() -> None:
+    """A step not reached says which failed step stopped the run."""
+    run = _Scripted([Check("daemon", Verdict.PASS, ""), Check("kvm", Verdict.FAIL, "x")])
+    skipped = [c for c in run.checks() if c.verdict is Verdict.SKIP]
+    assert {c.seen for c in skipped if st.STEPS.index(c.step) > st.STEPS.index("kvm")} == {
+        "not reached (kvm failed)"
+    }

@@ -1,0 +1,252 @@
+"""The fleet library on an in-process Ray cluster (``ray.cluster_utils.Cluster``: a head and
+three raylets on this machine, no namespaces), each raylet with a bottlenet daemon of its own
+(fake smolvm, a TEST DOUBLE): placement, refusals retried elsewhere, the bound, the timeout,
+teardown and the owner going away. Partitions, lost raylets, daemon restarts and lease reaping
+run in the multi-node tier (``test_multinode.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from bottlenet.fleet import (
+    BottleLost,
+    BottlePool,
+    BottleRequest,
+    PlacementFailed,
+    PlacementTimeout,
+    place,
+)
+from tests.bottles.harness import spec_doc
+from tests.control.daemon_helpers import ENV, REPO
+from tests.fleet.daemons import NodeDaemon, quiet_ray
+
+#: Ray's ``bottle`` resource of each node; node 2's daemon holds fewer (``--max-bottles``),
+#: so Ray offers it bottles its daemon refuses with RESOURCE_EXHAUSTED.
+RESOURCES = (3, 3, 3)
+DAEMON_LIMITS = (None, None, 1)
+SMALL_STORE = 80 * 1024 * 1024
+UNLEASED = BottleRequest(lease_seconds=None)
+
+
+class Fleet:
+    """The cluster and the daemons of this module's tests."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.daemons = [
+            NodeDaemon(
+                os.path.join(root, f"n{i}"),
+                i,
+                extra=() if limit is None else ("--max-bottles", str(limit)),
+            )
+            for i, limit in enumerate(DAEMON_LIMITS)
+        ]
+        self.cluster = Cluster()
+        self.by_node: dict[str, NodeDaemon] = {}
+
+    def start(self) -> None:
+        for d in self.daemons:
+            d.start()
+        with quiet_ray(self.root):
+            self.cluster.add_node(
+                num_cpus=1,
+                resources={"bottle": 0},
+                include_dashboard=False,
+                temp_dir=os.path.join(self.root, "ray"),
+                object_store_memory=SMALL_STORE,
+            )
+        for d, count in zip(self.daemons, RESOURCES, strict=True):
+            node = self.cluster.add_node(
+                num_cpus=0,
+                resources={"bottle": count},
+                labels={"bottlenet-node": f"n{d.index}"},
+                env_vars={"BOTTLENET_CONTROL": d.control},
+                object_store_memory=SMALL_STORE,
+            )
+            self.by_node[node.node_id] = d
+        ray.init(address=self.cluster.address)
+
+    def stop(self) -> None:
+        ray.shutdown()
+        self.cluster.shutdown()
+        for d in self.daemons:
+            d.stop()
+            d.fake.cleanup()
+
+    def held(self) -> dict[int, set[str]]:
+        """Each daemon's bottle names."""
+        return {d.index: d.names() for d in self.daemons}
+
+    def empty(self) -> dict[int, set[str]]:
+        return {d.index: set() for d in self.daemons}
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Poll ``check`` until it holds (Ray's resource view and the daemons settle on their
+    own time: no fixed sleep, a deadline)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"never happened: {what}")
+        time.sleep(0.1)
+
+
+def all_bottles_free() -> bool:
+    return ray.available_resources().get("bottle", 0) == sum(RESOURCES)
+
+
+@pytest.fixture(scope="module")
+def fleet() -> Iterator[Fleet]:
+    root = tempfile.mkdtemp(prefix="bnf-", dir="/tmp")
+    f = Fleet(root)
+    try:
+        f.start()
+        yield f
+    finally:
+        f.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def test_pool_fills_every_daemon_retrying_refusals_then_destroys_all(fleet: Fleet) -> None:
+    """7 bottles where Ray offers 9 and node 2's daemon holds 1: the refusals (its
+    RESOURCE_EXHAUSTED) are placed again elsewhere; each bottle sits on its actor's node's
+    daemon; leaving the pool destroys all 7 and frees every ``bottle`` resource."""
+    with BottlePool(7, UNLEASED, progress=False) as pool:
+        held = fleet.held()
+        assert {i: len(n) for i, n in held.items()} == {0: 3, 1: 3, 2: 1}
+        for b in pool:
+            assert b.name in held[fleet.by_node[b.node_id].index]
+        assert pool[0].status().name == pool[0].name
+        first = pool[0]
+    assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
+    with pytest.raises(BottleLost):
+        first.status(timeout=30)
+
+
+def test_every_node_refusing_is_a_typed_error_and_leaves_nothing(fleet: Fleet) -> None:
+    """Node 2's daemon full, nodes 0 and 1 without a daemon: one refusal from each node (none
+    asked twice), then PlacementFailed naming them all; nothing is left on any daemon."""
+    on_n2 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n2"})
+    with BottlePool(1, on_n2, progress=False) as full:
+        assert fleet.by_node[full[0].node_id].index == 2
+        fleet.daemons[0].stop()
+        fleet.daemons[1].stop()
+        try:
+            with pytest.raises(PlacementFailed) as caught:
+                place(UNLEASED, max_attempts=5, timeout=120)
+        finally:
+            fleet.daemons[0].start()
+            fleet.daemons[1].start()
+    refusals = caught.value.refusals
+    assert sorted(r.code for r in refusals) == ["RESOURCE_EXHAUSTED", "UNREACHABLE", "UNREACHABLE"]
+    assert {fleet.by_node[r.node_id].index for r in refusals} == {0, 1, 2}
+    assert caught.value.code == "PLACEMENT_FAILED"
+    assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
+
+
+def test_the_attempt_bound_holds(fleet: Fleet) -> None:
+    """With one attempt allowed, a refusal is final: PlacementFailed after exactly one."""
+    on_n2 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n2"})
+    with BottlePool(1, on_n2, progress=False):
+        with pytest.raises(PlacementFailed) as caught:
+            place(on_n2, max_attempts=1, timeout=120)
+    assert [r.code for r in caught.value.refusals] == ["RESOURCE_EXHAUSTED"]
+    assert fleet.held() == fleet.empty()
+
+
+def test_no_node_with_the_labels_times_out_typed_and_frees_its_attempt(fleet: Fleet) -> None:
+    """A label no node has: Ray keeps the actor pending; the deadline ends it with
+    PlacementTimeout, and the pending actor is gone (every resource free again)."""
+    nowhere = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "nowhere"})
+    with pytest.raises(PlacementTimeout) as caught:
+        BottlePool(2, nowhere, timeout=2, progress=False).open()
+    assert "found no node" in str(caught.value)
+    assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
+
+
+def test_a_pool_failing_half_way_destroys_what_it_placed(fleet: Fleet) -> None:
+    """4 bottles only on node 0 (3 ``bottle``): the fourth times out, and the 3 placed are
+    destroyed before the error (a pool is all or nothing)."""
+    on_n0 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n0"})
+    with pytest.raises(PlacementTimeout):
+        BottlePool(4, on_n0, timeout=20, progress=False).open()
+    assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
+
+
+def test_vm_bottle_exec_logs_status_and_progress(
+    fleet: Fleet, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A VM bottle (fake smolvm) through its actor: exec returns the code and output, logs
+    the workload's output, status the record; the progress bar counts the pool."""
+    spec = json.dumps(
+        spec_doc(fleet.root, egress=False, workload=("/bin/echo", "from-the-workload"))
+    )
+    request = BottleRequest(spec=spec, lease_seconds=None)
+    with BottlePool(1, request, progress=True) as pool:
+        b = pool[0]
+        result = b.exec(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (result.exit_code, result.stdout, result.stderr) == (3, b"out\n", b"err\n")
+        assert b.status().agent_vm == f"bn-{b.name}-agent"
+        wait_for("the workload's output", lambda: b"from-the-workload" in b.logs())
+    assert "1/1" in capsys.readouterr().err
+    assert fleet.held() == fleet.empty()
+
+
+def test_a_killed_actor_is_bottle_lost_and_its_bottle_stays_for_the_lease(fleet: Fleet) -> None:
+    """``ray.kill`` gives the actor no chance to destroy: the trainer sees BottleLost, the
+    bottle stays on its node (without a lease nobody reaps it: here the test destroys it)."""
+    b = place(UNLEASED)
+    ray.kill(b.actor, no_restart=True)
+    with pytest.raises(BottleLost):
+        b.exec(["true"], timeout=30)
+    daemon = fleet.by_node[b.node_id]
+    assert b.name in daemon.names()
+    b.destroy()  # the actor is dead: nothing to do, no error
+    with daemon.client() as c:
+        c.destroy_bottle(b.name)
+    assert fleet.held() == fleet.empty()
+
+
+_ORPHANING_DRIVER = """
+import sys, os
+import ray
+from bottlenet.fleet import BottlePool, BottleRequest
+ray.init(address=sys.argv[1])
+pool = BottlePool(2, BottleRequest(lease_seconds=None), progress=False).open()
+print(" ".join(b.name for b in pool), flush=True)
+os._exit(0)  # the trainer dies without closing its pool
+"""
+
+
+def test_the_owner_going_away_destroys_its_bottles(fleet: Fleet) -> None:
+    """A trainer that exits without closing its pool: its anchor actor dies with it, the
+    bottle actors see their owner gone and destroy their bottles."""
+    out = subprocess.run(
+        [sys.executable, "-c", _ORPHANING_DRIVER, fleet.cluster.address],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        timeout=120,
+        check=True,
+    )
+    names = set(out.stdout.decode().split())
+    assert len(names) == 2
+    assert names <= set().union(*fleet.held().values())
+    wait_for("the orphaned bottles destroyed", lambda: fleet.held() == fleet.empty(), 90)
+    wait_for("every bottle resource free", all_bottles_free)
