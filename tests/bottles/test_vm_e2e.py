@@ -20,7 +20,6 @@ from tests.bottles.harness import DaemonCase, in_thread, sleep, spec_doc
 from tests.fakes import process_alive
 from tests.netio import ping_unix
 
-
 #: A directory's POSIX access ACL (``volumeaccess``'s grants).
 ACL = "system.posix_acl_access"
 
