@@ -24,7 +24,7 @@ from typing import Any
 from attrs import frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, workload
+from bottlenet.bottles import egress, volumeaccess, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -35,6 +35,7 @@ from bottlenet.bottles.lifecycle import (
     remove_bottle_dir,
     runs_bridge,
     vm_parts,
+    volumes_of,
 )
 from bottlenet.bottles.model import (
     Bottle,
@@ -197,6 +198,7 @@ class Creation:
 
     async def run(self, commit: Callable[[Bottle], None]) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
+        self.vms.check_volumes(self.agent)  # before any machine: nothing to undo yet
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
@@ -419,6 +421,7 @@ class Creation:
         self.vms._closed.pop(name, None)
         if reserved is not None:
             self.vms.grant_agent(self.name, endpoints, reserved)
+            self.grant_volumes(reserved)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.vms.smolvm.status(name)
@@ -429,6 +432,16 @@ class Creation:
                     "with no network device; rebuild the pack without networking"
                 )
         return reserved
+
+    def grant_volumes(self, uid: int) -> None:
+        """The agent VMM's uid may write the read-write volumes (``volumeaccess``), until
+        teardown or this create's rollback."""
+        granted = volumeaccess.grant(*volumes_of(self.agent), uid)
+
+        async def revoke() -> None:
+            volumeaccess.revoke(granted, uid)
+
+        self.undo.append(("volume access", revoke))
 
     async def _start_workload(
         self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
