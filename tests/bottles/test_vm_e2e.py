@@ -247,6 +247,26 @@ class SidecarSocketTests(DaemonCase):
             os.getxattr(vol, ACL)
         self.assertEqual(os.stat(vol).st_mode & 0o777, 0o755)
 
+    async def test_a_failed_create_takes_its_volume_grant_back(self) -> None:
+        """The grant is made before the agent's start; a create that fails after it (the
+        agent's start) leaves the user's directory as it was."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop", fail_start=["bn-v3-agent"])
+        vol = tempfile.mkdtemp(prefix="bnv-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, vol, True)
+        os.chmod(vol, 0o755)
+        doc = spec_doc(self.tmp)
+        doc["agent"]["volumes"] = [f"{vol}:/tmp/work:rw"]
+        client = await self.start()
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("v3", spec=json.dumps(doc))
+        self.assertEqual(info.exception.code, "KVM_UNAVAILABLE")
+        with self.assertRaises(OSError):
+            os.getxattr(vol, ACL)
+        self.assertEqual(os.stat(vol).st_mode & 0o777, 0o755)
+        self.assertEqual(self.fake.state()["machines"], {})
+
     async def test_per_vm_uids_refuse_a_volume_they_cannot_reach(self) -> None:
         """A volume under a directory no VMM uid can pass: refused in one line naming the
         volume, that directory and the fix, before any machine exists."""
