@@ -45,6 +45,7 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
+from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
@@ -283,7 +284,13 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    vmctl_service, smolvm = build_smolvm(reactor, settings.smolvm, on_call=smolvm_calls.record)
+    # The session wrapper prefers the trusted probe kit's python3, as the gate does.
+    vmctl_service, smolvm = build_smolvm(
+        reactor,
+        settings.smolvm,
+        on_call=smolvm_calls.record,
+        session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
+    )
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
     table = ForwardTable(
@@ -307,6 +314,7 @@ def _core(
         gate=settings.gate,
         skip_probe=settings.skip_probe,
         vm_uids=VmUids.for_euid(os.geteuid()),
+        sidecar_ready_timeout=settings.sidecar_ready_timeout,
     )
     vms = VMLifecycle(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options

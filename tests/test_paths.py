@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
+import threading
 from pathlib import Path
 
 import pytest
 
 from bottlenet.errors import InvalidArgument
-from bottlenet.paths import PrivateDirError, ensure_private_dir
+from bottlenet.paths import NotRegularFile, PrivateDirError, ensure_private_dir, open_regular
 
 
 def _mode(path: Path) -> int:
@@ -96,3 +97,98 @@ def test_unix_path_state_names_what_is_there(tmp_path: Path) -> None:
     finally:
         live.close()
     assert unix_path_state(str(tmp_path / "live"))[0] == "stale"  # bound, nobody listening
+
+
+@pytest.mark.parametrize("traversable", [False, True])
+@pytest.mark.parametrize("owner", ["chown", "other-euid"])
+def test_a_private_dir_of_another_uid_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, traversable: bool, owner: str
+) -> None:
+    """A 0700 directory someone else owns is not ours (tests-3 M03): as root it is chowned to
+    65534; without root the daemon's euid is faked to another uid, so any run pins the rule."""
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    if owner == "chown":
+        if os.geteuid() != 0:
+            pytest.skip("chown to another uid needs root (the other-euid case runs anyway)")
+        os.chown(d, 65534, -1)
+        foreign = 65534
+    else:
+        foreign = os.lstat(d).st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: foreign + 1)
+    with pytest.raises(PrivateDirError, match=rf"theirs is owned by uid {foreign}, not by this"):
+        ensure_private_dir(str(d), traversable=traversable)
+
+
+# open_regular's defences against a swap between its lstat and its open (tests-3 O03-O07):
+# the swap is simulated by making lstat report a regular file the path no longer names.
+
+
+def _swapped_in(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, kind: str) -> Path:
+    """A path whose lstat still answers for the regular file ``seen`` while a ``kind``
+    (a symlink to ``seen``, a FIFO, another regular file) is there now."""
+    seen, path = tmp_path / "seen", tmp_path / "swapped"
+    seen.write_text("checked")
+    if kind == "symlink":
+        path.symlink_to(seen)
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.write_text("planted")
+    real_lstat = os.lstat
+    before = real_lstat(seen)
+
+    def lstat(p: object, *a: object, **kw: object) -> os.stat_result:
+        return before if str(p) == str(path) else real_lstat(p, *a, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    return path
+
+
+def test_open_regular_refuses_a_symlink_swapped_in_after_lstat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symlink that appears after the lstat is not followed, even to the file lstat saw."""
+    with pytest.raises(OSError):
+        open_regular(str(_swapped_in(monkeypatch, tmp_path, "symlink")))
+
+
+def test_open_regular_refuses_a_fifo_swapped_in_after_lstat_without_blocking(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A FIFO that appears after the lstat is opened without blocking, then refused."""
+    fifo = _swapped_in(monkeypatch, tmp_path, "fifo")
+    outcome: list[BaseException | int] = []
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            outcome.append(open_regular(str(fifo)))
+        except BaseException as e:
+            outcome.append(e)
+        done.set()
+
+    threading.Thread(target=call, daemon=True).start()
+    returned = done.wait(30)
+    if not returned:  # a blocked open: give it a writer so the thread ends, then fail
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        done.wait(30)
+    assert returned, "open_regular blocked on a FIFO"
+    assert len(outcome) == 1 and isinstance(outcome[0], NotRegularFile)
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_open_regular_refuses_another_file_swapped_in_and_leaks_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another regular file (a hard link the guest planted) swapped in after the lstat is
+    refused, and the refused descriptor is closed: 100 refusals leave no fd behind."""
+    other = _swapped_in(monkeypatch, tmp_path, "file")
+    before = _open_fds()
+    for _ in range(100):
+        with pytest.raises(NotRegularFile):
+            open_regular(str(other))
+    assert _open_fds() == before

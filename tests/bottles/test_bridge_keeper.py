@@ -5,6 +5,7 @@ giving up after repeated failure."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,16 +16,20 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.bridge import (
     BACKOFF_FIRST,
+    CHECK_AFTER,
     MAX_FAILURES,
+    STABLE_SECONDS,
     START_TIMEOUT,
     Bridges,
     BridgeSession,
     BridgeState,
+    BridgeStatus,
 )
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
-from vmctl.smolvm import GUEST_ROOT, ExecResult
+from bottlenet.forward.table import ForwardCounters
+from vmctl.smolvm import GUEST_ROOT, ExecResult, Machine
 
 ENDPOINTS = (
     SocketEndpoint(
@@ -51,6 +56,7 @@ class StubSmolvm:
     def __init__(self) -> None:
         self.sessions: list[tuple[BridgeSession, _Transport]] = []
         self.execs: list[bytes | None] = []
+        self.state = "running"
 
     def spawn_exec(
         self, name: str, argv: Sequence[str], protocol: Any, *, user: str | None = None
@@ -63,6 +69,9 @@ class StubSmolvm:
         self.sessions.append((protocol, t))
         return succeed(t)
 
+    def status(self, name: str) -> Deferred[Machine]:
+        return succeed(Machine(name, self.state))
+
     def exec(self, name: str, argv: Sequence[str], **kw: Any) -> Deferred[ExecResult]:
         assert kw.get("user") == GUEST_ROOT  # the reach check too
         self.execs.append(kw.get("stdin"))
@@ -72,6 +81,10 @@ class StubSmolvm:
 class StubTable:
     def __init__(self) -> None:
         self.diverted: list[tuple[str, Any]] = []
+        self.seen = 0  # connections the endpoint's listener saw (accepted or refused)
+
+    def get(self, bottle: str, label: str) -> Any:
+        return SimpleNamespace(counters=ForwardCounters(self.seen, 0, 0, 0, 0, 0))
 
     def divert(self, bottle: str, label: str, factory: Any) -> None:
         self.diverted.append((label, factory))
@@ -148,7 +161,11 @@ def test_the_proof_fails_when_the_host_saw_nothing(rig: Any) -> None:
     f = d.result
     d.addErrback(lambda _: None)
     assert isinstance(f.value, BridgeFailed)
-    assert "127.0.0.1:3128 (egress)" in f.value.message
+    # the port, its service, and the cause the host can see (issue 27 item 3)
+    assert f.value.message.endswith(
+        "127.0.0.1:3128 (egress): bottlenet's listener at /s/egress.sock never saw the "
+        "connection (a grant or uid problem)"
+    )
     assert smolvm.execs and b"BNP-WITNESS" in (smolvm.execs[0] or b"")
     # diverted to the witness, then back to the relay
     assert [label for label, _ in bridges.table.diverted] == ["egress", "egress"]
@@ -203,3 +220,124 @@ def test_stop_ends_the_session_and_nothing_restarts(rig: Any) -> None:
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
     assert bridges.status("b1").state is BridgeState.STOPPED
+
+
+def _restarts_after(clock: Clock, smolvm: StubSmolvm, delay: float) -> bool:
+    """The next restart comes exactly ``delay`` seconds on: not at half of it, at all of it
+    (halves of the power-of-two delays are exact on the Clock)."""
+    before = len(smolvm.sessions)
+    clock.advance(delay / 2)
+    if len(smolvm.sessions) != before:
+        return False
+    clock.advance(delay / 2)
+    return len(smolvm.sessions) == before + 1
+
+
+def test_a_bridge_that_ran_stable_between_deaths_is_never_given_up(rig: Any) -> None:
+    """A run of STABLE_SECONDS resets the count (tests-3 R02): a bridge that dies now and then
+    (here more than MAX_FAILURES times, each after a stable run) is restarted every time, each
+    after the first back-off again."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    failed: list[str] = []
+    bridges.keep(
+        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=failed.append
+    )
+    for death in range(1, MAX_FAILURES + 2):
+        clock.advance(STABLE_SECONDS)
+        end(smolvm.sessions[-1][0], 137)
+        assert bridges.status("b1").state is BridgeState.RESTARTING
+        assert _restarts_after(clock, smolvm, BACKOFF_FIRST)
+        ready(smolvm.sessions[-1][0])
+        assert bridges.status("b1") == BridgeStatus(BridgeState.RUNNING, restarts=death)
+    assert failed == []
+
+
+def test_the_back_off_doubles_between_deaths_in_a_row(rig: Any) -> None:
+    """Deaths in a row wait 0.5, 1, 2, 4 s (docs/sidecar.md: doubling, tests-3 R04); the
+    fifth in a row gives up (the 30 s cap is beyond MAX_FAILURES' reach)."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    bridges.keep(
+        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=lambda _: None
+    )
+    end(smolvm.sessions[-1][0], 137)
+    for delay in (0.5, 1.0, 2.0, 4.0):
+        assert _restarts_after(clock, smolvm, delay)
+        end(smolvm.sessions[-1][0], 1)  # dies before it is ready
+    assert bridges.status("b1").state is BridgeState.FAILED
+
+
+def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> None:
+    """The bottle's bridge is stopped while a restart is still spawning (before smolvm runs
+    the exec, so there is nothing to signal yet): once that session comes up it is ended
+    at once, never kept running for a bridge nobody watches (tests-3 R18)."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    told: list[str] = []
+    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    pending: list[tuple[Any, Deferred[Any]]] = []
+
+    def spawn_later(name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+        d: Deferred[Any] = Deferred()
+        pending.append((protocol, d))
+        return d
+
+    smolvm.spawn_exec = spawn_later  # type: ignore[method-assign]
+    end(smolvm.sessions[-1][0], 137)
+    clock.advance(BACKOFF_FIRST)
+    assert len(pending) == 1
+    bridges.stop("b1")
+    protocol, d = pending[0]
+    t = _Transport()
+    protocol.makeConnection(t)  # smolvm runs the exec only now
+    d.callback(t)
+    ready(protocol)
+    assert t.signals == ["TERM"]
+    assert told == [] and bridges.status("b1").state is BridgeState.STOPPED
+
+
+def test_a_bridges_output_is_kept_to_its_cap_whatever_one_read_brings() -> None:
+    """One 64 KiB read of the guest's output keeps MAX_OUTPUT bytes, not the read (R01)."""
+    session = BridgeSession(b"")
+    session.childDataReceived(1, b"x" * 65536)
+    session.childDataReceived(1, b"BNB ready 1\n")
+    assert len(session._out) == BridgeSession.MAX_OUTPUT
+    assert not session.ready.called  # past the cap nothing more is read
+
+
+def test_a_bridge_whose_vm_died_is_not_restarted_and_says_why(rig: Any) -> None:
+    """The session ended because the agent VM stopped (smolvm: connection to VM lost, exit
+    1): on_failed is told at once that the VM is gone, and nothing is restarted against it."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    told: list[str] = []
+    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    smolvm.state = "stopped"
+    end(smolvm.sessions[0][0], 1)
+    assert told == [
+        "agent VM bn-b1-agent is stopped (it stopped or crashed): its sessions ended with it "
+        "(connection to VM lost)"
+    ]
+    assert bridges.status("b1").state is BridgeState.FAILED
+    clock.advance(3600)
+    assert len(smolvm.sessions) == 1
+
+
+def test_connections_the_host_never_saw_are_ended_and_seen_ones_are_not(rig: Any) -> None:
+    """The bridge reports each connection; the host's listener saw the first but not the two
+    after it: ``down 3128`` goes to the bridge (its unanswered clients get EOF), once."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    session, t = smolvm.sessions[0]
+    sent = len(t.written)
+    session.childDataReceived(1, b"BNB conn 3128\n")
+    bridges.table.seen += 1
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b""  # seen: nothing to do
+    session.childDataReceived(1, b"BNB conn 3128\nBNB co")
+    session.childDataReceived(1, b"nn 3128\nBNB conn 99999999\n")
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b"down 3128\n"
+    clock.advance(CHECK_AFTER * 10)
+    assert t.written[sent:] == b"down 3128\n"  # nothing new was reported

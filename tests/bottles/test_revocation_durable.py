@@ -80,3 +80,22 @@ def test_t5_bottle_rm_not_durable_stays_listed_until_it_is(
     again = rigs(smolvm=rig.smolvm)
     again.recover()
     assert not again.registry.has_bottle("fo1")
+
+
+def test_t5_the_retry_keeps_going_while_the_disk_stays_full(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5: a disk that stays full across several retries does not end them (tests-3 D12):
+    each failed retry arms the next, and the first one after the disk recovers writes the
+    removal, with no other operation on the bottle in between."""
+    rig = _forward_bottle(rigs)
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "db"))
+    for _ in range(3):
+        rig.clock.advance(RESYNC_INTERVAL)  # still full: this retry fails, the next is armed
+        assert rig.registry.get_bottle("fo1").detail is not None
+    monkeypatch.undo()  # space again
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.get_bottle("fo1").detail is None
+    assert rig.state()["fo1"]["forwards"] == []

@@ -90,6 +90,30 @@ def test_first_save_writes_the_journal_before_the_snapshot(tmp_path: Path) -> No
     assert StateStore(str(tmp_path)).load().bottles == {"a": {"n": 1}}
 
 
+def test_a_first_save_cut_after_its_first_file_is_a_fresh_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The order itself (tests-3 D06): a crash right after a new state dir's first file is
+    written leaves what the next start reads as fresh, never a snapshot without a journal."""
+    real = StateStore._write_atomically
+    written: list[str] = []
+
+    def crash_after_the_first(self: StateStore, path: str, data: bytes) -> None:
+        if written:
+            raise OSError(5, "the daemon died here")
+        written.append(os.path.basename(path))
+        real(self, path, data)
+
+    store = StateStore(str(tmp_path))
+    state = store.load()
+    monkeypatch.setattr(StateStore, "_write_atomically", crash_after_the_first)
+    with pytest.raises(OSError, match="died here"):
+        store.save(state)
+    monkeypatch.undo()
+    assert written == ["state.journal"]
+    assert StateStore(str(tmp_path)).load().bottles == {}
+
+
 def test_a_snapshot_from_before_the_journal_still_loads(tmp_path: Path) -> None:
     """Generation 0 (files written before the journal existed) needs no journal."""
     store = StateStore(str(tmp_path))

@@ -259,3 +259,98 @@ def test_cli_bad_input_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """A malformed service is a clear error, no traceback."""
     assert main(["script", "egress"]) == 2
     assert "is not PORT=PATH" in capsys.readouterr().err
+
+
+# The connection cap, in process: the guest program's own ``serve`` and ``relay`` with a
+# semaphore that says when it would make the accept loop wait (tests-3 R13, R14).
+
+
+class _WouldWait(Exception):
+    """The accept loop asked for a slot when none was free (it would block here)."""
+
+
+class _NoMore(Exception):
+    """The accept loop went on to accept a connection past the cap."""
+
+
+class _Slots(threading.Semaphore):
+    def acquire(self, blocking: bool = True, timeout: float | None = None) -> bool:
+        if not super().acquire(blocking=False):
+            raise _WouldWait
+        return True
+
+
+def test_the_accept_loop_waits_for_a_free_slot(sock_path: str) -> None:
+    """With every slot held by a live connection the bridge accepts nothing more (the rest
+    wait in the backlog): two slots, three clients, two accepted, then a wait for a slot."""
+    from bottlenet.bridge import guest
+
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    upstream.bind(sock_path)
+    upstream.listen(8)  # connects complete in the backlog: each relay holds its slot
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    accepted: list[socket.socket] = []
+
+    class _Listener:
+        def accept(self) -> tuple[socket.socket, object]:
+            if len(accepted) == 2:
+                raise _NoMore
+            conn, addr = listener.accept()
+            accepted.append(conn)
+            return conn, addr
+
+    clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
+    try:
+        with pytest.raises(_WouldWait):
+            guest.serve(_Listener(), 3128, sock_path, _Slots(2))
+        assert len(accepted) == 2
+    finally:
+        for s in [*clients, listener, upstream]:
+            s.close()
+
+
+def test_a_failed_socket_connect_gives_its_slot_back(sock_path: str) -> None:
+    """No socket behind the bridge: the connection ends and its slot is free again, so
+    failures never use up the cap."""
+    from bottlenet.bridge import guest
+
+    slots = threading.Semaphore(1)
+    for _ in range(3):
+        assert slots.acquire(blocking=False)  # as serve takes it before accept
+        a, b = socket.socketpair()
+        guest.relay(a, 3128, sock_path, slots)  # nothing listens at sock_path
+        assert b.recv(1) == b""  # the client's connection was closed
+        b.close()
+    assert slots.acquire(blocking=False)
+
+
+def test_down_ends_only_the_unanswered_connections_of_its_port(sock_path: str) -> None:
+    """Issue 27 item 3: every connection is reported (``BNB conn PORT``); ``down PORT`` on
+    stdin ends that port's connections the socket never answered (the client gets EOF, as it
+    would not from a real VM whose host side could not connect), and not an answered one."""
+    port = free_port()
+
+    def greet_if_asked(conn: socket.socket) -> None:
+        while data := conn.recv(65536):
+            if data.startswith(b"hi"):
+                conn.sendall(b"hello")
+
+    with unix_server(sock_path, greet_if_asked), running_bridge([Bridge(port, sock_path)]) as p:
+        assert p.stdin is not None and p.stdout is not None
+        out = OutputReader(p.stdout.fileno())
+        answered = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        silent.sendall(b"anyone?")
+        p.stdin.write(b"down %d\n" % port)
+        p.stdin.flush()
+        assert silent.recv(16) == b""  # EOF, not a hang (the socket's own 30 s timeout)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent.close()
+        answered.close()

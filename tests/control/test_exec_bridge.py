@@ -550,3 +550,45 @@ def test_the_stdin_copy_stops_when_the_command_closed_its_stdin(command_stdin: A
         os.close(r)
         assert copy.write([w]) is True and copy.state is _Input.CLOSED and not copy.pending
     os.close(src_w)
+
+
+class ProducerChild(Child):
+    """A child transport that keeps the producer registered on its stdin."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.producer: Any = None
+
+    def registerProducer(self, producer: Any, streaming: bool) -> None:
+        self.producer = producer
+
+
+@pytest.mark.parametrize(("tty", "stdin"), [(True, False), (True, True), (False, True)])
+def test_a_full_child_stdin_pauses_the_client_whenever_the_client_may_send(
+    tty: bool, stdin: bool
+) -> None:
+    """A terminal takes the client's frames even without ``stdin`` (tests-3 X09): so any
+    session but a pipe without stdin registers the pauser, and a full stdin pauses the
+    client until it drains."""
+    b = ExecBridge(
+        bottle="b1", peer="uid 0", tty=tty, stdin=stdin, clock=Clock(), resize=lambda *a: None
+    )
+    child = ProducerChild()
+    b.makeConnection(child)  # type: ignore[arg-type]
+    client = StringTransport()
+    b.attach(client, b"")
+    assert child.producer is not None
+    child.producer.pauseProducing()
+    assert client.producerState == "paused"
+    child.producer.resumeProducing()
+    assert client.producerState == "producing"
+
+
+def test_a_pipe_session_without_stdin_registers_no_pauser() -> None:
+    """Nothing comes from the client for a pipe without stdin: its stdin is closed instead."""
+    b = ExecBridge(
+        bottle="b1", peer="uid 0", tty=False, stdin=False, clock=Clock(), resize=lambda *a: None
+    )
+    child = ProducerChild()
+    b.makeConnection(child)  # type: ignore[arg-type]
+    assert child.producer is None and child.stdin_closed

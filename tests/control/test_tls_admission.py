@@ -141,3 +141,67 @@ def test_tls_a_speaking_handshake_outlives_silent_newcomers() -> None:
     assert not transport.aborted
     assert sum(not t.aborted for _, t in later) == MAX_PENDING_PER_SOURCE - 1
     assert _launcher_pings(proto, transport)
+
+
+def test_tls_settled_handshakes_give_their_source_slot_back() -> None:
+    """T2: a source whose handshakes complete is never capped by them (tests-3 A08): two
+    caps' worth of launchers from one address, one after another, are each served."""
+    factory, _clock = _tls_factory()
+    for _ in range(2 * MAX_PENDING_PER_SOURCE + 1):
+        proto, transport = _connect(factory, "10.5.0.1")
+        assert _launcher_pings(proto, transport)
+        proto.connectionLost(Failure(ConnectionDone()))
+    assert factory.admission is not None and factory.admission.waiting == 0
+    assert factory.admission.ended == 0
+
+
+def test_tls_a_source_at_its_cap_evicts_only_its_own() -> None:
+    """T2: a flooding source churns its own connections, never another source's pending
+    handshake, and never holds more than its cap (tests-3 A05)."""
+    factory, _clock = _tls_factory()
+    _other, other = _connect(factory, "10.6.0.9")
+    flood = [_connect(factory, "10.6.0.1") for _ in range(MAX_PENDING_PER_SOURCE + 4)]
+    assert not other.aborted
+    assert sum(not t.aborted for _, t in flood) == MAX_PENDING_PER_SOURCE
+    assert factory.admission is not None
+    assert factory.admission.waiting == MAX_PENDING_PER_SOURCE + 1
+
+
+def test_tls_the_deadline_is_five_seconds() -> None:
+    """T2: the documented 5 s (docs/security.md T2), as a literal: a peer is kept at 4.9 s
+    and closed at 5 s (tests-3 A12: the other tests advance by the imported constant)."""
+    factory, clock = _tls_factory()
+    _proto, transport = _connect(factory, "10.7.0.1")
+    clock.advance(4.9)
+    assert not transport.aborted
+    clock.advance(0.1)
+    assert transport.aborted
+
+
+def test_tls_layer_reports_first_bytes_to_the_admission(tmp_path: Any) -> None:
+    """T2: the real TLS wrapper of the listener tells the admission a peer spoke, so a
+    launcher mid-handshake outlives silent newcomers from its address (tests-3 A10)."""
+    from twisted.internet.testing import MemoryReactor
+
+    from bottlenet.control.endpoints import tls_control_endpoint
+
+    ca = certs.make_ca("admission CA")
+    key, cert = certs.write(str(tmp_path), "server", certs.issue(ca, "localhost", server=True))
+    ca_path = certs.write(str(tmp_path), "ca", ca)[1]
+    reactor = MemoryReactor()
+    factory, _clock = _tls_factory()
+    tls_control_endpoint(reactor, 0, "127.0.0.1", key, cert, ca_path).listen(factory)
+    tls_factory = reactor.tcpServers[0][1]
+
+    def connect() -> tuple[Any, _TLSStringTransport]:
+        transport = _TLSStringTransport("10.8.0.1")
+        tls: Any = tls_factory.buildProtocol(transport.getPeer())
+        tls.makeConnection(transport)
+        return tls, transport
+
+    tls, launcher = connect()
+    # The first bytes of a ClientHello record: OpenSSL waits for the rest.
+    tls.dataReceived(b"\x16\x03\x01\x02\x00")
+    silent = [connect()[1] for _ in range(MAX_PENDING_PER_SOURCE)]
+    assert not launcher.aborted
+    assert sum(t.aborted for t in silent) == 1  # the oldest silent one gave way

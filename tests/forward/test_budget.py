@@ -255,3 +255,17 @@ def test_t4_a_derived_splice_budget_counts_every_fd_a_stalled_relay_holds(
         reactor, registry_with(("b1", ALIAS)), state_dir=str(tmp_path), engine="portable"
     )
     assert portable.budget.total == (1200 - RESERVED_FDS) // 2  # its relays hold 2 fds
+
+
+def test_the_reserve_never_takes_more_than_a_quarter_of_a_small_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A large control cap under a small open-files limit (tests-3 F06): the reserve is
+    capped at a quarter of the limit, so the relays keep the rest instead of falling to 1."""
+    from bottlenet.forward import budget
+    from bottlenet.forward.budget import reserved_fds
+
+    monkeypatch.setattr(budget, "nofile_limit", lambda: 1024)
+    assert reserved_fds(1000) == 4000 > 1024
+    assert ConnectionBudget(reserved=reserved_fds(1000)).total == (1024 - 256) // 2
+    assert ConnectionBudget(reserved=reserved_fds(1000), fds_per_relay=6).total == 768 // 6

@@ -11,6 +11,7 @@ from twisted.internet import defer, reactor
 
 from bottlenet.forward.listen import HeldTCPServer
 from bottlenet.forward.splice import (
+    PINNED_SOFT_MAX,
     PIPE_MAX,
     POOL_MAX,
     STALL_WINDOW,
@@ -143,6 +144,75 @@ class SpliceTests(Base):
         c.transport.abortConnection()  # type: ignore[union-attr]
         await self.until(lambda: not self.sessions(), "relay end")
         assert self.engines.pinned == 0
+
+    async def test_t4_drained_bytes_are_no_longer_counted_as_pinned(self) -> None:
+        """T4: once the target reads again and the stalled pipe drains, ``pinned`` is back
+        to 0 while the relay is still open (tests-3 F09: drained bytes stayed counted, and
+        past PINNED_SOFT_MAX in all every relay's reads stayed at STALL_WINDOW)."""
+        silent = Silent(fin=False)
+        info = await self.forward(self.target(lambda: silent))
+        data = pattern(8 * MiB)
+        c = await self.client(info, Collector(data, fin=False))
+        await self.until(
+            lambda: any(s.engine._up and s.engine._up.inpipe for s in self.sessions()),
+            "bytes held in a pipe",
+        )
+        assert self.engines.pinned > 0
+        silent.transport.resumeProducing()  # type: ignore[union-attr]
+        await self.until(lambda: len(silent.received) == len(data), "every byte delivered")
+        assert len(self.sessions()) == 1  # the relay is still open (no FIN either way)
+        assert self.engines.pinned == 0
+        c.transport.abortConnection()  # type: ignore[union-attr]
+        await self.until(lambda: not self.sessions(), "relay end")
+
+    async def bulk_window(self, pinned: int) -> int:
+        """The upload window of a 4 MiB bulk relay once every byte is through, while
+        ``pinned`` bytes are counted as if other relays held them in stalled pipes."""
+        self.engines.pinned += pinned
+        try:
+            sink = Collector(b"", fin=False)
+            info = await self.forward(self.target(lambda: sink))
+            data = pattern(4 * MiB, seed=3)
+            c = await self.client(info, Collector(data, fin=False))
+            await self.until(lambda: len(sink.received) == len(data), "every byte delivered")
+            (s,) = self.sessions()
+            window: int = s.engine._up.window
+            c.transport.abortConnection()  # type: ignore[union-attr]
+            await self.until(lambda: not self.sessions(), "relay end")
+        finally:
+            self.engines.pinned -= pinned
+        return window
+
+    async def test_t4_past_the_soft_cap_of_pinned_bytes_windows_stay_small(self) -> None:
+        """T4: while PINNED_SOFT_MAX bytes are pinned a bulk transfer's reads stay at
+        STALL_WINDOW (tests-3 F07)."""
+        assert await self.bulk_window(PINNED_SOFT_MAX) == STALL_WINDOW
+
+    async def test_t4_below_the_soft_cap_windows_grow(self) -> None:
+        """T4: the control case of the test above: nothing pinned, the window grows."""
+        assert await self.bulk_window(0) > STALL_WINDOW
+
+    def test_engine_fds_is_what_the_engine_holds_at_most(self) -> None:
+        """The budget's ENGINE_FDS (tests-3 F04) is every fd the engine itself can hold: a
+        full pool, the scratch pipe and the hang-up watch's epoll; one pipe more is closed."""
+        from twisted.internet.testing import MemoryReactor
+
+        from bottlenet.forward.splice import ENGINE_FDS, _End, _Pipe
+
+        engines = SpliceEngines(MemoryReactor())
+        a, b = socket.socketpair()
+        before = len(os.listdir("/proc/self/fd"))
+        try:
+            engines.scratch()  # first: taken later, it would come out of the pool
+            for _ in range(POOL_MAX + 1):
+                engines.release(_Pipe())
+            engines.hangups.track(_End(None, a))  # type: ignore[arg-type]
+            assert len(os.listdir("/proc/self/fd")) - before == ENGINE_FDS
+        finally:
+            engines.close()
+            a.close()
+            b.close()
+        assert len(os.listdir("/proc/self/fd")) == before - 2
 
     async def test_pipes_grow_under_bulk_and_are_pooled(self) -> None:
         data = pattern(16 * MiB, seed=5)
