@@ -278,7 +278,7 @@ def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> N
     bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
     pending: list[tuple[Any, Deferred[Any]]] = []
 
-    def spawn_later(name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+    def spawn_later(name: str, argv: Sequence[str], protocol: Any, **kw: Any) -> Deferred[Any]:
         d: Deferred[Any] = Deferred()
         pending.append((protocol, d))
         return d
