@@ -109,6 +109,14 @@ def test_coerce_functions_document_their_range() -> None:
     assert "Seconds in (0, 600]." in str(Options())
 
 
+def test_help_says_what_the_daemon_does_now() -> None:
+    """``--help``: socket mode is the default (raw ports are opt-in) and the gate's outside
+    target is checked by TCP, UDP and ICMP, as the README says (issue 30, stale wording)."""
+    text = " ".join(str(Options()).split())
+    assert "raw ports." not in text and "exposed UNIX sockets; raw TCP ports only" in text
+    assert "(by TCP, UDP and ICMP)" in text
+
+
 def test_relay_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--relay-engine`` names one of the engines; anything else is refused while parsing."""
     assert _settings(tmp_path, "--relay-engine", "portable").relay_engine == "portable"
@@ -200,7 +208,9 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--smolvm`` and ``--smolvm-data-dir`` are checked here (the binary is found once)."""
-    data_dir = str(tmp_path / ("d" * 62))  # over the limit whatever pytest's temp root is
+    # over 61 bytes whatever the pytest temp root, and short enough that the message names it
+    # whole (a short --basetemp gives a short tmp_path, the default a long one)
+    data_dir = str(tmp_path / ("smolvm-data-" + "d" * max(0, 62 - len(os.fsencode(tmp_path)))))
     size = len(os.fsencode(data_dir))
     assert _error(tmp_path, "--smolvm-data-dir", data_dir) == (
         f"--smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): smolvm binds "
@@ -228,3 +238,24 @@ def test_allowed_uids_and_skip_probe(tmp_path) -> None:  # type: ignore[no-untyp
     """``--allow-uid`` adds to the daemon's own uid; the unsafe flag reaches the settings."""
     s = _settings(tmp_path, "--allow-uid", "4242", "--unsafe-skip-isolation-probe")
     assert s.allowed_uids == {os.geteuid(), 4242} and s.skip_probe
+
+
+def test_node_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """--label (repeatable, checked, one line each), --allow-uid UID:scoped, --lease-grace."""
+    s = _settings(tmp_path, "--label", "zone=eu-1", "--label", "kvm=", "--lease-grace", "5")
+    assert (s.labels, s.lease_grace, s.scoped_uids) == ((("kvm", ""), ("zone", "eu-1")), 5.0, set())
+    s = _settings(tmp_path, "--allow-uid", "4243:scoped", "--allow-uid", "4244")
+    assert s.scoped_uids == {4243} and 4244 in s.allowed_uids and 4243 not in s.allowed_uids
+    for bad, message in (
+        (["--label", "Zone=a"], "--label: label key 'Zone': 1-63 of a-z 0-9"),
+        (["--label", "zone"], "--label: label 'zone': must be KEY=VALUE"),
+        (["--label", "zone=a b"], "--label: label zone: value <3 bytes sha256:"),
+        (["--allow-uid", "5:owner"], "--allow-uid: '5:owner': UID or UID:scoped"),
+    ):
+        got = _error(tmp_path, *bad)
+        assert got.startswith(message) and "\n" not in got
+    assert _error(tmp_path, "--label", "a=1", "--label", "a=2") == "--label: label a: given twice"
+    own = str(os.geteuid())
+    assert "given both scoped and with full control" in _error(
+        tmp_path, "--allow-uid", f"{own}:scoped"
+    )

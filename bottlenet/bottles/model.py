@@ -18,6 +18,7 @@ from attrs import field, frozen
 
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.fields import Fields
@@ -199,6 +200,10 @@ class BottleVMs:
     #: None when the spec names no workload.
     workload: WorkloadState | None = None
     workload_exit_code: int | None = None
+    #: Under smolvm's per-VM uids: the uids the daemon reserved for the VMMs at create (the
+    #: endpoints are granted to the agent's, never to what a VMM-writable file says).
+    agent_uid: int | None = None
+    sidecar_uid: int | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
@@ -226,6 +231,8 @@ class Bottle:
     detail: str | None = None
     forwards: tuple[Forward, ...] = ()
     vms: BottleVMs | None = None
+    #: Owner, scoped creator and lease (``bottles.tenancy``); None: none of them.
+    tenancy: Tenancy | None = None
 
     @property
     def has_vms(self) -> bool:
@@ -261,7 +268,14 @@ class Bottle:
         return self.vms
 
     def to_state(self) -> dict[str, Any]:
-        """The state-file record of this bottle (the file's format, unchanged)."""
+        """The state-file record of this bottle (the file's format, unchanged; ``tenancy``
+        only when it has one)."""
+        record = self._record()
+        if self.tenancy is not None:
+            record["tenancy"] = self.tenancy.to_state()
+        return record
+
+    def _record(self) -> dict[str, Any]:
         vm = self.vms
         if vm is None:
             return {
@@ -289,6 +303,7 @@ class Bottle:
             "detail": self.detail,
             "workload": vm.workload,
             "workload_exit_code": vm.workload_exit_code,
+            **_uids_record(vm),
         }
 
     @classmethod
@@ -303,9 +318,12 @@ class Bottle:
             f = _fields(d, "")
             kind = f.value("kind", str)
             created_at = f.number("created_at")
+            raw_tenancy = f.value("tenancy", dict, optional=True)
+            tenancy = None if raw_tenancy is None else Tenancy.from_state(raw_tenancy, StateError)
             if kind == KIND_FORWARD:
                 return cls(
                     name=name,
+                    tenancy=tenancy,
                     alias=f.value("alias", str),
                     created_at=created_at,
                     forwards=tuple(
@@ -346,6 +364,7 @@ class Bottle:
                 probe=_choice(f, "probe", ProbeResult),
                 workload=_choice(f, "workload", WorkloadState, optional=True),
                 workload_exit_code=f.value("workload_exit_code", int, optional=True),
+                **_uids_from(f),
             )
             return cls(
                 name=name,
@@ -354,11 +373,31 @@ class Bottle:
                 state=_kept_state(f.value("state", str)),
                 detail=f.value("detail", str, optional=True),
                 vms=vms,
+                tenancy=tenancy,
             )
         except StateError as e:
             raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
             raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
+
+
+def _uids_record(vm: BottleVMs) -> dict[str, Any]:
+    """``vm_uids`` only under per-VM uids (a one-uid daemon's records stay as they were)."""
+    if vm.agent_uid is None and vm.sidecar_uid is None:
+        return {}
+    return {"vm_uids": {"agent": vm.agent_uid, "sidecar": vm.sidecar_uid}}
+
+
+def _uids_from(f: Fields) -> dict[str, int | None]:
+    """The reserved VMM uids of a record (absent in records older than them: None)."""
+    d = f.value("vm_uids", dict, optional=True)
+    if d is None:
+        return {}
+    u = _fields(d, "vm_uids")
+    found = {f"{role}_uid": u.value(role, int, optional=True) for role in ("agent", "sidecar")}
+    if any(uid is not None and uid < 0 for uid in found.values()):
+        raise StateError("vm_uids: a uid must be a non-negative integer")
+    return found
 
 
 def _kept_state(value: str) -> BottleState:

@@ -32,10 +32,12 @@ from zope.interface import implementer
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.admission import HandshakeAdmission, peer_source
-from bottlenet.control.backend import ControlBackend
+from bottlenet.control.backend import ControlBackend, NodeControl
+from bottlenet.control.calls import MAX_WAIT
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
@@ -54,7 +56,15 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.errors import Busy, InvalidArgument, NotFound, Unavailable, safe_repr
+from bottlenet.control.scope import Creators, ScopedBackend
+from bottlenet.errors import (
+    Busy,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    safe_repr,
+)
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
@@ -66,6 +76,7 @@ from bottlenet.forward.spec import (
     targets_dir,
 )
 from bottlenet.views import LazyView
+from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -106,10 +117,13 @@ class PeerIdentity:
     uid: int | None = None
     pid: int | None = None
     subject: str | None = None
+    #: ``--allow-uid UID:scoped``: it sees and acts on the bottles it created only.
+    scoped: bool = False
 
     def describe(self) -> str:
         if self.kind == "unix":
-            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}"
+            scoped = " (scoped)" if self.scoped else ""
+            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}{scoped}"
         return f"tls subject={self.subject}"
 
 
@@ -197,7 +211,7 @@ class ControlLocator(SafeCommandLocator):
         return result
 
     @C.Hello.responder
-    def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
+    async def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
         common = set(protocols) & set(C.SUPPORTED_PROTOCOLS)
         self.log.info(
             "control: hello from {peer} client={client} protocols={protocols}",
@@ -210,6 +224,9 @@ class ControlLocator(SafeCommandLocator):
                 f"no common protocol version: daemon speaks {list(C.SUPPORTED_PROTOCOLS)}"
             )
         f = self.factory
+        if not f.smolvm_settled.fired:  # the daemon's one smolvm probe is still running
+            await f.smolvm_settled.when_fired()
+        vm_uids, basis = f.vm_uids_now() if f.vm_uids_now is not None else (f.vm_uids, None)
         return {
             "server_version": f.server_version,
             "protocol": max(common),
@@ -217,12 +234,73 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
             "smolvm_source": f.smolvm_source,
-            "vm_uids": f.vm_uids,
+            "vm_uids": vm_uids,
+            "vm_uids_basis": basis,
         }
 
     @C.Ping.responder
     def ping(self) -> dict[str, Any]:
         return {}
+
+    def _full_control(self, command: str) -> None:
+        if isinstance(self.backend, ScopedBackend):
+            raise PermissionDenied(f"{command}: a scoped peer may not ask for it")
+
+    def _node(self) -> NodeControl:
+        node = self.factory.node
+        if node is None:
+            raise Unavailable("this daemon has no node contract")
+        return node
+
+    @C.NodeInfo.responder
+    def node_info(self) -> dict[str, Any]:
+        r = self._node().report()
+        c = r.capacity
+        return {
+            "server_version": self.factory.server_version,
+            "protocol": C.PROTOCOL_VERSION,
+            "host": r.host,
+            "labels": [f"{k}={v}" for k, v in r.labels],
+            "privilege": r.privilege,
+            "smolvm": r.smolvm,
+            "vm_possible": r.vm_possible,
+            "vm_why_not": r.vm_why_not,
+            "kvm": r.kvm,
+            "max_bottles": c.max_bottles,
+            "bottles": c.bottles,
+            "vm_bottles": c.vm_bottles,
+            "connections_used": c.connections_used,
+            "connections_total": c.connections_total,
+            "health": r.health,
+            "health_reasons": list(r.reasons),
+            "draining": r.draining,
+        }
+
+    @C.Drain.responder
+    async def drain(self, wait: bool | None, timeout: float | None) -> dict[str, Any]:
+        if timeout is not None and not 0 < timeout <= MAX_WAIT:
+            raise InvalidArgument(f"timeout: more than 0 and at most {MAX_WAIT:g} seconds")
+        self._full_control("Drain")
+        node = self._node()
+
+        async def drain() -> None:
+            node.drain()
+
+        await self._mutate("Drain", "node", drain())
+        # A wait without a timeout is bounded too (a week), as every Deferred held for a peer.
+        empty = await node.when_empty(timeout or MAX_WAIT) if wait else node.held() == 0
+        return {"draining": node.draining, "held": node.held(), "empty": empty}
+
+    @C.Undrain.responder
+    async def undrain(self) -> dict[str, Any]:
+        self._full_control("Undrain")
+        node = self._node()
+
+        async def undrain() -> None:
+            node.undrain()
+
+        await self._mutate("Undrain", "node", undrain())
+        return {"draining": node.draining}
 
     def _record(self, bottle: Bottle) -> BottleRecord:
         return bottle_record(
@@ -232,15 +310,33 @@ class ControlLocator(SafeCommandLocator):
         )
 
     @C.CreateBottle.responder
-    async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:
+    async def create_bottle(
+        self,
+        name: str,
+        alias: str | None,
+        spec: str | None,
+        owner: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> dict[str, Any]:
         name = check_bottle_name(name)
         addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
         # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
         parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
-        bottle = await self._mutate(
-            "CreateBottle", name, self.backend.create_bottle(name, addr, spec=parsed)
+        tenancy = Tenancy.requested(owner, lease_seconds, None)
+        create = (
+            self.backend.create_bottle(name, addr, spec=parsed)
+            if tenancy is None
+            else self.backend.create_bottle(name, addr, spec=parsed, tenancy=tenancy)
         )
+        bottle = await self._mutate("CreateBottle", name, create)
         return {"bottle": self._record(bottle)}
+
+    @C.RenewLease.responder
+    def renew_lease(self, name: str, seconds: float) -> dict[str, Any]:
+        name = check_bottle_name(name)
+        self.backend.get_bottle(name)  # NOT_FOUND for a scoped peer's other bottles
+        self._node().renew_lease(name, seconds)
+        return {"bottle": self._record(self.backend.get_bottle(name))}
 
     @C.VerifyBottle.responder
     async def verify_bottle(self, name: str) -> dict[str, Any]:
@@ -400,7 +496,8 @@ class ControlLocator(SafeCommandLocator):
         hub = self.factory.event_hub
         if hub is None or self.connection is None:
             raise Unavailable("this daemon publishes no events")
-        seq = hub.watch(self.connection, bottle)
+        scope = self.backend if isinstance(self.backend, ScopedBackend) else None
+        seq = hub.watch(self.connection, bottle, None if scope is None else scope.sees)
         self.log.info(
             "control: {peer} watches events (from seq {seq})",
             peer=self.peer.describe() if self.peer else "?",
@@ -550,7 +647,8 @@ class ControlServerProtocol(HardenedAMP):
         except OSError:
             self.drop("could not read peer credentials")
             return
-        if cred.uid not in self.factory.allowed_uids:
+        scoped = cred.uid in self.factory.scoped_uids
+        if cred.uid not in self.factory.allowed_uids and not scoped:
             self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
@@ -561,11 +659,16 @@ class ControlServerProtocol(HardenedAMP):
             self.abort()
             return
         self.ctransport.registerProducer(self, True)
-        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid))
+        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid, scoped=scoped))
 
     def authenticated_as(self, peer: PeerIdentity) -> None:
-        """The peer is who it may be: its boxes are parsed from now on."""
+        """The peer is who it may be: its boxes are parsed from now on (a scoped peer's
+        through a view of its own bottles)."""
         self.control.peer = peer
+        if peer.scoped and peer.uid is not None:
+            self.control.backend = ScopedBackend(
+                self.factory.backend, creator_of_uid(peer.uid), self.factory.creators
+            )
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
@@ -626,8 +729,17 @@ class ControlServerFactory(Factory):
         event_hub: EventHub | None = None,
         exec_sessions: set[ExecBridge] | None = None,
         max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
+        node: NodeControl | None = None,
+        scoped_uids: frozenset[int] = frozenset(),
+        creators: Creators | None = None,
     ) -> None:
         self.backend = backend
+        #: ``--allow-uid UID:scoped`` uids: each sees and acts on its own bottles only.
+        self.scoped_uids = scoped_uids
+        #: Who created which bottle, for scoped peers' events (shared with the TLS factory).
+        self.creators = creators or Creators(lambda subscriber: lambda: None)
+        #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
+        self.node = node
         self.event_hub = event_hub
         #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
         self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
@@ -644,9 +756,16 @@ class ControlServerFactory(Factory):
         self.smolvm_source: str | None = None
         #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
         self.vm_uids: str | None = None
+        #: Set by the daemon: the model and its basis now (seen at a VM start, or expected).
+        self.vm_uids_now: Callable[[], tuple[str | None, str | None]] | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
+        #: Settled once the daemon's smolvm probe has (``tap.BottlenetService``): Hello waits
+        #: for it, so its smolvm fields are right from the first call (under socket
+        #: activation that call comes as soon as the reactor runs). Settled where none runs.
+        self.smolvm_settled: OneShot[None] = OneShot()
+        self.smolvm_settled.fire(None)
         self.allowed_uids = allowed_uids
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
@@ -711,9 +830,14 @@ class ControlServerFactory(Factory):
             event_hub=self.event_hub,
             exec_sessions=self.exec_sessions,
             max_connections=self.max_connections,
+            node=self.node,
+            scoped_uids=self.scoped_uids,
+            creators=self.creators,
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids
+        tls.vm_uids_now = self.vm_uids_now
+        tls.smolvm_settled = self.smolvm_settled
         return tls
 
     def take_slot(self) -> bool:
