@@ -225,8 +225,8 @@ class VMLifecycle:
             volumeaccess.check_reachable(*volumes_of(agent))
 
     async def _revoke_volumes(self, vm: BottleVMs) -> Callable[[], None]:
-        """What revokes the agent VMM's volume grants, its uid read before its machine goes
-        (``.vm-uid``); nothing to do under one uid or without a read-write volume."""
+        """What revokes the agent VMM's volume grants (its reserved uid, from the bottle's
+        record); nothing to do under one uid or without a read-write volume."""
         agent = vm.spec.agent
         if not self.access.per_vm or agent is None:
             return lambda: None
@@ -234,12 +234,7 @@ class VMLifecycle:
         paths = [v.host for v in volumes if not v.read_only]
         if not paths:
             return lambda: None
-        uid = vm.agent_uid  # the uid reserved for it (a record from before: its .vm-uid)
-        if uid is None:
-            try:
-                uid = await self.vmm_uid(vm.agent_vm)
-            except VmctlError:
-                uid = None
+        uid = vm.agent_uid  # the uid reserved for it, kept on the bottle's record
         if uid is None:
             return lambda: None
         return lambda: volumeaccess.revoke(paths, uid)

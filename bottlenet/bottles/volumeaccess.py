@@ -16,7 +16,7 @@ What bottlenet does:
 * **After the agent's uid is reserved** (before its start), each read-write volume the uid
   cannot already write gets one POSIX ACL entry ``user:<uid>:rwx`` on its directory
   (:func:`grant`); **at teardown** (and when the create rolls back) the entry is removed again,
-  the uid read from the agent's ``.vm-uid`` (:func:`revoke`).
+  the uid the one reserved for the agent, kept on the bottle's record (:func:`revoke`).
   The owner, the group and the files are untouched; only the directory's ACL changes (and, as
   POSIX says for an ACL with a named entry, its mode's group bits show the ACL mask while the
   entry is there). The VM can then write the directory itself and what it creates below;
