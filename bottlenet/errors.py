@@ -92,6 +92,18 @@ class Degraded(BottlenetError):
     code = "DEGRADED"
 
 
+class Draining(BottlenetError):
+    """The node is draining (``Drain``): it refuses new bottles; existing ones keep running."""
+
+    code = "DRAINING"
+
+
+class PermissionDenied(BottlenetError):
+    """The peer may not do this (a scoped peer asked for a full-control command)."""
+
+    code = "PERMISSION_DENIED"
+
+
 class Unavailable(BottlenetError):
     """The daemon is shutting down or a dependency is not ready."""
 
@@ -113,6 +125,8 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     IsolationFailed,
     Unavailable,
     Degraded,
+    Draining,
+    PermissionDenied,
 )
 
 

@@ -23,6 +23,8 @@ from twisted.python import usage
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
+from bottlenet.bottles.lease import DEFAULT_GRACE
+from bottlenet.bottles.node import check_labels, parse_label
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
 from bottlenet.control.endpoints import (
@@ -218,6 +220,14 @@ class Options(usage.Options):
                 bounded_int(1, 65536),
             ],
             [
+                "lease-grace",
+                None,
+                f"{DEFAULT_GRACE:g}",
+                "Seconds a bottle whose lease ran out is kept before the daemon destroys it "
+                "(its owner may still renew it).",
+                bounded_seconds(86400, zero_is_off=True),
+            ],
+            [
                 "max-bottle-connections",
                 None,
                 str(DEFAULT_PER_BOTTLE),
@@ -267,12 +277,26 @@ class Options(usage.Options):
     def __init__(self) -> None:
         super().__init__()
         self["allow-uid"] = []
+        self["label"] = []
+        self["scoped-uid"] = []
+
+    def opt_label(self, value: str) -> None:
+        """A label of this node, KEY=VALUE, reported by NodeInfo (repeatable)."""
+        try:
+            parse_label(value)
+        except BottlenetError as e:
+            raise usage.UsageError(f"--label: {e.message}") from None
+        self["label"].append(value)
 
     def opt_allow_uid(self, value: str) -> None:
-        """Also accept control connections from this uid (repeatable)."""
-        if not value.isdigit() or int(value) > 2**32 - 2:
-            raise usage.UsageError(f"--allow-uid: {value!r} is not a uid")
-        self["allow-uid"].append(int(value))
+        """Also accept control connections from this uid (repeatable); UID:scoped lets it
+        see and act on the bottles it created only."""
+        uid, sep, scope = value.partition(":")
+        if not uid.isdigit() or int(uid) > 2**32 - 2:
+            raise usage.UsageError(f"--allow-uid: {uid!r} is not a uid")
+        if sep and scope != "scoped":
+            raise usage.UsageError(f"--allow-uid: {value!r}: UID or UID:scoped")
+        self["scoped-uid" if sep else "allow-uid"].append(int(uid))
 
     def postOptions(self) -> None:
         for name, _, default, _, *coerce in self.optParameters:
@@ -340,6 +364,12 @@ class DaemonSettings:
     #: The daemon's own directories: no agent volume may be, hold or lie inside one.
     protected_dirs: tuple[str, ...]
     log_relay_ends: bool
+    #: ``--label KEY=VALUE``s, sorted by key (NodeInfo).
+    labels: tuple[tuple[str, str], ...] = ()
+    #: ``--lease-grace``: seconds between a lease running out and its bottle's reap.
+    lease_grace: float = DEFAULT_GRACE
+    #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
+    scoped_uids: frozenset[int] = frozenset()
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -376,6 +406,17 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
     except StartupRefused as e:
         raise StartupError(e.message) from None
     control_cap = options["control-max-connections"]
+    scoped = frozenset(options["scoped-uid"])
+    both = scoped & default_allowed_uids(options["allow-uid"])
+    if both:
+        raise StartupError(
+            f"--allow-uid: uid {min(both)} is given both scoped and with full control (the "
+            "daemon's own uid always has full control)"
+        )
+    try:
+        labels = check_labels(options["label"])
+    except BottlenetError as e:
+        raise StartupError(f"--label: {e.message}") from None
     return DaemonSettings(
         state_dir=state_dir,
         pool=pool,
@@ -403,6 +444,9 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         smolvm=smolvm,
         protected_dirs=_own_dirs(state_dir, control, options["smolvm-data-dir"]),
         log_relay_ends=logs_relay_ends(options.parent),
+        labels=labels,
+        lease_grace=options["lease-grace"],
+        scoped_uids=scoped,
     )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -24,6 +26,7 @@ from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
@@ -31,6 +34,7 @@ from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
+from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
@@ -48,6 +52,7 @@ from bottlenet.paths import (
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
+from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
 from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
 
@@ -93,6 +98,8 @@ class BottlenetService(MultiService):
         self.control_commands = control_commands or metrics.CommandStats()
         #: The state directory's lock, held from build until the service has stopped.
         self.state_lock: StateDirLock | None = None
+        #: The node contract (NodeInfo, Drain); compose sets it.
+        self.node: Node | None = None
 
     def startService(self) -> None:
         if self.state_lock is not None:
@@ -112,6 +119,11 @@ class BottlenetService(MultiService):
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
             factory.vm_uids = vm_uids
+        if self.node is not None:
+            self.node.kvm = probe_kvm()
+            if vm_uids is not None:
+                self.node.smolvm_found = True
+                self.node.smolvm_problem = "its version is not known yet"
         if vm_uids is not None:
             self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
             self.probe_smolvm()
@@ -137,7 +149,12 @@ class BottlenetService(MultiService):
             version = await self.smolvm.version()
         except VmctlError as e:
             self.log.warn("smolvm is unusable: {code}: {why}", code=e.code, why=str(e))
+            if self.node is not None:
+                self.node.smolvm_problem = f"unusable ({e.code})"
             return
+        if self.node is not None:
+            self.node.smolvm_version = str(version)
+            self.node.smolvm_problem = None if version.supported else "version not supported"
         for factory in self.control_factories:
             factory.smolvm_version = str(version)
             factory.smolvm_available = version.supported
@@ -149,6 +166,8 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
+        if self.node is not None:
+            self.node.leases.stop()
         try:
             await super().stopService()
         finally:
@@ -240,6 +259,8 @@ def compose(
         Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
+    if root.node is not None:
+        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -275,6 +296,15 @@ def compose(
         ready, status=count_of(len(settings.config.bottles), "configured bottle")
     ).setServiceParent(root)
     return root
+
+
+def _restored(result: object, root: BottlenetService) -> object:
+    """Recovery is done: the restored bottles' leases count on (their grace again), and
+    their scoped creators are known."""
+    assert root.node is not None
+    root.node.leases.restore()
+    root.control_factory.creators.restore(root.registry.list_bottles())
+    return result
 
 
 def _core(
@@ -322,6 +352,7 @@ def _core(
         vms=vms,
     )
     registry.protected_dirs = settings.protected_dirs
+    node = _node(settings, store, state, reactor, registry, table)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -336,6 +367,9 @@ def _core(
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
         max_connections=settings.control_cap,
+        node=node,
+        scoped_uids=settings.scoped_uids,
+        creators=Creators(registry.events.subscribe),
     )
     root = BottlenetService(
         reactor,
@@ -347,7 +381,33 @@ def _core(
         smolvm_calls,
         control_commands,
     )
+    root.node = node
     return root, vmctl_service, vms
+
+
+def _node(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    registry: BottleRegistry,
+    table: ForwardTable,
+) -> Node:
+    """The node contract (NodeInfo, Drain) over the registry."""
+    euid = os.geteuid()
+    who = "root" if euid == 0 else f"uid {euid}"
+    return build_node(
+        reactor,
+        registry,
+        table.budget,
+        store,
+        state,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
+        host=socket.gethostname(),
+        labels=settings.labels,
+        privilege=f"{who}; smolvm VMs run with {VmUids.for_euid(euid)}",
+    )
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

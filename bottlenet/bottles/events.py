@@ -1,4 +1,5 @@
-"""Bottle events (created, ready, degraded, workload exited, destroyed, bridge restarted).
+"""Bottle events (created, ready, degraded, workload exited, destroyed, bridge restarted,
+lease expired) and the node's own (drained, undrained: their bottle is empty).
 
 The registry emits them; whoever wants them (the control plane's watchers) subscribes. The
 bus only fans out: it keeps no history and never blocks the emitter (a failing subscriber is
@@ -19,7 +20,13 @@ WORKLOAD_EXITED = "workload_exited"
 DESTROYED = "destroyed"
 #: bottlenet's in-guest bridge died and was started again (docs/sidecar.md).
 BRIDGE_RESTARTED = "bridge_restarted"
-KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED)
+#: The daemon destroyed a bottle whose lease ran out (plus its grace): ``bottles.lease``.
+LEASE_EXPIRED = "lease_expired"
+KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED, LEASE_EXPIRED)
+#: Events of the node itself (``bottles.drain``): their ``bottle`` is empty.
+DRAINED = "drained"
+UNDRAINED = "undrained"
+NODE_KINDS = (DRAINED, UNDRAINED)
 
 
 @frozen

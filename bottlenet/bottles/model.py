@@ -19,6 +19,7 @@ from attrs import field, frozen
 from bottlenet.bottles.fields import Fields
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.store import StateError
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.forward.spec import (
@@ -226,6 +227,8 @@ class Bottle:
     detail: str | None = None
     forwards: tuple[Forward, ...] = ()
     vms: BottleVMs | None = None
+    #: Owner, scoped creator and lease (``bottles.tenancy``); None: none of them.
+    tenancy: Tenancy | None = None
 
     @property
     def has_vms(self) -> bool:
@@ -261,7 +264,14 @@ class Bottle:
         return self.vms
 
     def to_state(self) -> dict[str, Any]:
-        """The state-file record of this bottle (the file's format, unchanged)."""
+        """The state-file record of this bottle (the file's format, unchanged; ``tenancy``
+        only when it has one)."""
+        record = self._record()
+        if self.tenancy is not None:
+            record["tenancy"] = self.tenancy.to_state()
+        return record
+
+    def _record(self) -> dict[str, Any]:
         vm = self.vms
         if vm is None:
             return {
@@ -303,9 +313,12 @@ class Bottle:
             f = _fields(d, "")
             kind = f.value("kind", str)
             created_at = f.number("created_at")
+            raw_tenancy = f.value("tenancy", dict, optional=True)
+            tenancy = None if raw_tenancy is None else Tenancy.from_state(raw_tenancy, StateError)
             if kind == KIND_FORWARD:
                 return cls(
                     name=name,
+                    tenancy=tenancy,
                     alias=f.value("alias", str),
                     created_at=created_at,
                     forwards=tuple(
@@ -354,6 +367,7 @@ class Bottle:
                 state=_kept_state(f.value("state", str)),
                 detail=f.value("detail", str, optional=True),
                 vms=vms,
+                tenancy=tenancy,
             )
         except StateError as e:
             raise StateError(f"bottle {name}: {e.message}") from None

@@ -42,6 +42,7 @@ from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_local_images, check_volumes
 from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.workloadwatch import WorkloadWatches
 from bottlenet.errors import (
     AlreadyExists,
@@ -115,6 +116,8 @@ class BottleRegistry:
         self._workloads = WorkloadWatches(self._workload_exited)
         self._unsynced: dict[str, _Unsynced] = {}
         self._resync_call: Any = None
+        #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
+        self.admission: Callable[[Source], None] | None = None
 
     def emit(
         self,
@@ -331,8 +334,11 @@ class BottleRegistry:
         *,
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
+        tenancy: Tenancy | None = None,
     ) -> Bottle:
-        """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs."""
+        """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
+        ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
+        from the commit."""
         if spec is not None and spec.name != name:
             raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
         if spec is not None and spec.agent is not None:
@@ -341,6 +347,8 @@ class BottleRegistry:
             check_local_images(spec)
 
         async def create() -> Bottle:
+            if self.admission is not None:
+                self.admission(source)
             if name in self._bottles:
                 raise AlreadyExists(f"bottle {name} already exists")
             if len(self._bottles) + self._others_creating(name) >= self._max_bottles:
@@ -350,7 +358,7 @@ class BottleRegistry:
             if spec is not None and spec.has_vms:
                 self.emit(CREATED, name, BottleState.CREATING)
                 try:
-                    created = await self._create_vm(name, alias, spec)
+                    created = await self._create_vm(name, alias, spec, tenancy)
                 except BaseException as e:
                     code = getattr(e, "code", "INTERNAL")
                     self.emit(DESTROYED, name, None, f"create failed: {code}")
@@ -358,8 +366,13 @@ class BottleRegistry:
                 self.emit(READY, name, created.state)
                 return created
             addr = self._aliases.claim(name, None if alias is None else str(alias))
+            now = self._clock.seconds()
             bottle = Bottle(
-                name=name, alias=str(addr), created_at=self._clock.seconds(), source=source
+                name=name,
+                alias=str(addr),
+                created_at=now,
+                source=source,
+                tenancy=None if tenancy is None else tenancy.started(now),
             )
             self._bottles[name] = bottle
             try:
@@ -376,6 +389,14 @@ class BottleRegistry:
 
         return await self._locked(name, create, create=True)
 
+    @property
+    def max_bottles(self) -> int:
+        return self._max_bottles
+
+    def held(self) -> int:
+        """The bottles the node holds, creates in flight included (``bottles.drain``)."""
+        return len(self._bottles) + self._others_creating("")
+
     def _others_creating(self, name: str) -> int:
         """Creates in flight for other names: they count against the limit (a committed
         one is counted with the bottles too, until its create returns)."""
@@ -386,12 +407,18 @@ class BottleRegistry:
         )
 
     async def _create_vm(
-        self, name: str, alias: ipaddress.IPv4Address | None, spec: BottleSpec
+        self,
+        name: str,
+        alias: ipaddress.IPv4Address | None,
+        spec: BottleSpec,
+        tenancy: Tenancy | None,
     ) -> Bottle:
         if self.vms is None:
             raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
 
         def commit(bottle: Bottle) -> None:
+            if tenancy is not None:
+                bottle = evolve(bottle, tenancy=tenancy.started(self._clock.seconds()))
             self._bottles[name] = bottle
             try:
                 self._persist(bottle)
@@ -400,6 +427,7 @@ class BottleRegistry:
                 raise
 
         bottle = await self.vms.create(spec, alias, commit)
+        bottle = self._bottles.get(name, bottle)  # as committed (with its tenancy)
         # The last step committed it; an Exec was BUSY ("being created") until now.
         self._machines[name].created()
         self.watch(bottle)
@@ -452,6 +480,13 @@ class BottleRegistry:
 
     def has_bottle(self, name: str) -> bool:
         return name in self._bottles
+
+    def set_tenancy(self, name: str, tenancy: Tenancy) -> None:
+        """Record a bottle's new tenancy (a renewed lease): in memory at once, then on disk
+        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
+        bottle = evolve(self._require(name), tenancy=tenancy)
+        self._bottles[name] = bottle
+        self._persist(bottle)
 
     # -- VM bottles ---------------------------------------------------------------------
 

@@ -72,13 +72,19 @@ class State:
 
     instance_id: str
     bottles: dict[str, dict[str, Any]] = field(factory=dict)
+    #: The node's own record (``bottles.drain``: draining). None: none was loaded; in a
+    #: save, keep the record the store holds.
+    node: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        doc = {
             "schema": SCHEMA_VERSION,
             "instance_id": self.instance_id,
             "bottles": {name: self.bottles[name] for name in sorted(self.bottles)},
         }
+        if self.node:  # left out while empty: the file of a daemon that never drained
+            doc["node"] = self.node
+        return doc
 
 
 def new_instance_id() -> str:
@@ -127,6 +133,7 @@ class StateStore:
         # What is on disk (snapshot + journal), kept for compaction.
         self._instance_id: str | None = None
         self._records: dict[str, dict[str, Any]] = {}
+        self._node: dict[str, Any] = {}
         self._generation = 0
         self._journal_fd: int | None = None
         self._journal_lines = 0
@@ -142,14 +149,14 @@ class StateStore:
         if raw is None:
             self._check_journal_without_snapshot()
             self._instance_id = new_instance_id()
-            self._records, self._generation = {}, 0
+            self._records, self._generation, self._node = {}, 0, {}
             self._journal_current = False
             self._close_journal()
             return State(self._instance_id)
-        instance_id, bottles, generation = self._parse_snapshot(raw)
+        instance_id, bottles, generation, self._node = self._parse_snapshot(raw)
         self._instance_id, self._records, self._generation = instance_id, bottles, generation
         self._replay_journal()
-        return State(instance_id, dict(self._records))
+        return State(instance_id, dict(self._records), dict(self._node) or None)
 
     def _read_private(self, path: str, limit: int = MAX_STATE_BYTES) -> bytes | None:
         try:
@@ -201,7 +208,9 @@ class StateStore:
                 "the state directory away"
             )
 
-    def _parse_snapshot(self, raw: bytes) -> tuple[str, dict[str, dict[str, Any]], int]:
+    def _parse_snapshot(
+        self, raw: bytes
+    ) -> tuple[str, dict[str, dict[str, Any]], int, dict[str, Any]]:
         try:
             doc = json.loads(raw)
         except (UnicodeDecodeError, ValueError):
@@ -217,7 +226,10 @@ class StateStore:
             raise StateError(f"{self.path}: bad bottles table")
         if isinstance(generation, bool) or not isinstance(generation, int) or generation < 0:
             raise StateError(f"{self.path}: bad generation")
-        return instance_id, dict(bottles), generation
+        node = doc.get("node", {})  # absent until the node first records something
+        if not isinstance(node, dict):
+            raise StateError(f"{self.path}: bad node record")
+        return instance_id, dict(bottles), generation, node
 
     def _replay_journal(self) -> None:
         self._close_journal()
@@ -258,7 +270,9 @@ class StateStore:
             name, op = doc.get("name"), doc.get("op")
             if not isinstance(name, str):
                 raise StateError(f"{self.journal_path}: line {i}: bad bottle name")
-            if op == "put" and isinstance(doc.get("record"), dict):
+            if op == "node" and isinstance(doc.get("record"), dict):
+                self._node = doc["record"]
+            elif op == "put" and isinstance(doc.get("record"), dict):
                 self._records[name] = doc["record"]
             elif op == "remove":
                 self._records.pop(name, None)
@@ -275,6 +289,13 @@ class StateStore:
         OSError only when the change is not on disk."""
         self._append({"op": "put", "name": name, "record": record})
         self._records[name] = record
+        self._compact_quietly()
+
+    def put_node(self, record: dict[str, Any]) -> None:
+        """Record (replace) the node's own record; durable when this returns (OSError: not
+        on disk)."""
+        self._append({"op": "node", "name": "", "record": record})
+        self._node = dict(record)
         self._compact_quietly()
 
     def remove(self, name: str) -> None:
@@ -298,6 +319,8 @@ class StateStore:
     def save(self, state: State) -> None:
         """Write the whole ``state`` as a new snapshot and start an empty journal after it."""
         generation = self._generation + 1
+        if state.node is None:  # a save of the bottles alone keeps the node's record
+            state = State(state.instance_id, state.bottles, self._node)
         doc = state.to_json()
         doc["generation"] = generation
         data = json.dumps(doc, indent=1, sort_keys=True).encode() + b"\n"
@@ -308,6 +331,7 @@ class StateStore:
         self._write_atomically(self.path, data)
         # From here on the snapshot holds everything: an old journal is ignored if we crash.
         self._instance_id, self._records = state.instance_id, dict(state.bottles)
+        self._node = dict(state.node or {})
         self._generation = generation
         self._close_journal()
         self._journal_current = False
@@ -371,7 +395,7 @@ class StateStore:
             lines >= self._compact_min and lines > 2 * len(self._records)
         ) or self._journal_good > MAX_JOURNAL_BYTES // 2:
             assert self._instance_id is not None
-            self.save(State(self._instance_id, self._records))
+            self.save(State(self._instance_id, self._records, self._node))
 
     def _close_journal(self) -> None:
         fd, self._journal_fd = self._journal_fd, None

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 from bottlenet import __version__
 from bottlenet.cli import attach, down
+from bottlenet.cli import node as node_cli
 from bottlenet.cli.output import (
     EXIT_DAEMON,
     EXIT_OK,
@@ -37,6 +38,7 @@ from bottlenet.errors import BottlenetError, InvalidArgument
 if TYPE_CHECKING:
     from bottlenet.control.address import TLSCredentials
     from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.results import NodeInfoRecord
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -83,10 +85,12 @@ Handler = Callable[[Any, argparse.Namespace, TextIO], None]
 def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
     hello = c.hello()
     bottles = c.call(count_bottles())  # a one-item page: only its total is read
+    node = _node_info(c) if "node" in hello.features else None
     if a.json:
-        _json({"daemon": hello, "bottles": bottles, "control": c.path}, out)
+        _json({"daemon": hello, "bottles": bottles, "control": c.path, "node": node}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
+    node_rows = [] if node is None else node_cli.node_rows(node)[:3]  # host, draining, health
     write_table(
         ["FIELD", "VALUE"],
         [
@@ -98,9 +102,18 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             ["VM uids", hello.vm_uids or "-"],
             ["bottles", bottles],
             ["control", c.path],
+            *node_rows,
         ],
         out,
     )
+
+
+def _node_info(c: BlockingControlClient) -> NodeInfoRecord | None:
+    """NodeInfo for ``status``; None from a daemon without the node contract."""
+    try:
+        return c.node_info()
+    except BottlenetError:
+        return None
 
 
 def cmd_ping(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -159,6 +172,10 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     ]
     if b.detail:
         rows.append(["detail", b.detail])
+    if b.owner:
+        rows.append(["owner", b.owner])
+    if b.lease_seconds is not None:
+        rows.append(["lease", f"{b.lease_seconds:g}s, runs out at {b.lease_expires_at:.0f}"])
     if b.bridge:
         rows.append(["bridge", b.bridge])
     if b.workload:
@@ -180,13 +197,23 @@ def _bottle_rows(b: Any) -> list[list[object]]:
 
 
 def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.create_bottle(a.name, alias=a.alias, spec=a.spec_json)
+    b = c.create_bottle(
+        a.name, alias=a.alias, spec=a.spec_json, owner=a.owner, lease_seconds=a.lease
+    )
     if a.json:
         _json(b, out)
     elif b.mode:
         write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
+
+
+def cmd_bottle_renew(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+    b = c.renew_lease(a.name, a.seconds)
+    if a.json:
+        _json(b, out)
+    else:
+        out.write(f"{_clean(b.name)}: lease renewed for {a.seconds:g}s\n")
 
 
 def cmd_bottle_verify(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
@@ -412,7 +439,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add: AddCommand = partial(_add_command, json_flag=json_flag)
-    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count")
+    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count, draining")
     add(sub, "ping", cmd_ping, "check that the daemon answers")
     _add_bottle_commands(sub, add, json_flag, command)
     _add_forward_commands(sub, add, command)
@@ -422,6 +449,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sp.add_argument("--count", type=_count, help="exit after this many events (1 or more)")
     _add_top(sub, json_flag)
     down.register(sub, add)
+    node_cli.register(sub, add)
     return p
 
 
@@ -445,6 +473,17 @@ def _add_bottle_commands(
     sp.add_argument("name")
     sp.add_argument("--alias", help="alias from the pool (default: the lowest free one)")
     sp.add_argument("--spec", metavar="FILE.toml", help="bottle spec: sidecar and agent VMs")
+    sp.add_argument("--owner", help="an owner label recorded with the bottle")
+    sp.add_argument(
+        "--lease",
+        type=node_cli.seconds,
+        metavar="SECONDS",
+        help="the daemon destroys the bottle unless its lease is renewed within this long"
+        " (plus the daemon's --lease-grace)",
+    )
+    sp = add(bottle, "renew", cmd_bottle_renew, "renew a bottle's lease")
+    sp.add_argument("name")
+    sp.add_argument("seconds", type=node_cli.seconds, help="the new lease, from now")
     add(bottle, "rm", cmd_bottle_rm, "destroy a bottle and its forwards").add_argument("name")
     add(bottle, "ls", cmd_bottle_ls, "list bottles")
     add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
@@ -525,6 +564,7 @@ HANDLER_CALLS: dict[Handler, str] = {
     cmd_bottle_ls: "ListBottles",
     cmd_bottle_status: "BottleStatus",
     cmd_bottle_verify: "VerifyBottle",
+    cmd_bottle_renew: "RenewLease",
     cmd_egress_set: "SetEgressPolicy",
     cmd_forward_add: "AddForward",
     cmd_forward_rm: "RemoveForward",
@@ -532,6 +572,9 @@ HANDLER_CALLS: dict[Handler, str] = {
     cmd_stats: "Stats",
     cmd_events: "Watch",  # events then wait without limit
     down.cmd_down: "DestroyBottle",
+    node_cli.cmd_node_info: "NodeInfo",
+    node_cli.cmd_node_drain: "Drain",
+    node_cli.cmd_node_undrain: "Undrain",
 }
 
 
@@ -618,7 +661,9 @@ def main(
     return EXIT_OK
 
 
-LIGHT_HANDLERS: frozenset[Handler] = frozenset({cmd_status, cmd_ping, cmd_bottle_ls})
+LIGHT_HANDLERS: frozenset[Handler] = frozenset(
+    {cmd_status, cmd_ping, cmd_bottle_ls, node_cli.cmd_node_info}
+)
 
 
 def _client_for(

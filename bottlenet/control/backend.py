@@ -20,8 +20,10 @@ if TYPE_CHECKING:
 
     from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.model import Bottle
+    from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.tenancy import Tenancy
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
@@ -35,6 +37,7 @@ class ControlBackend(Protocol):
         alias: ipaddress.IPv4Address | None = None,
         *,
         spec: BottleSpec | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Bottle: ...
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
@@ -73,3 +76,28 @@ class ControlBackend(Protocol):
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport: ...
+
+
+class NodeControl(Protocol):
+    """What the control plane needs of the node (``bottlenet.bottles.node.Node``)."""
+
+    def report(self) -> NodeReport: ...
+
+    @property
+    def draining(self) -> bool: ...
+
+    def held(self) -> int:
+        """Bottles the node holds (creates in flight too)."""
+        ...
+
+    def drain(self) -> None: ...
+
+    def undrain(self) -> None: ...
+
+    def renew_lease(self, name: str, seconds: float) -> None:
+        """Extend ``name``'s lease (NOT_FOUND, INVALID_ARGUMENT without a lease)."""
+        ...
+
+    async def when_empty(self, timeout: float) -> bool:
+        """True once the node holds no bottle; False after ``timeout`` or an undrain."""
+        ...

@@ -31,7 +31,13 @@ from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreach
 from bottlenet.control.execsession import ExecSession
 from bottlenet.control.framing import BoxParser, FramingError
 from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
-from bottlenet.control.results import AgentEndpoint, HelloResult, Page
+from bottlenet.control.results import (
+    AgentEndpoint,
+    DrainResult,
+    HelloResult,
+    NodeInfoRecord,
+    Page,
+)
 from bottlenet.errors import InvalidArgument
 
 T = TypeVar("T")
@@ -338,10 +344,20 @@ class BlockingControlClient(ExecOpener):
         alias: str | None = None,
         spec: str | None = None,
         *,
+        owner: str | None = None,
+        lease_seconds: float | None = None,
         timeout: float | None = None,
     ) -> BottleRecord:
-        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-        return self.call(calls.create_bottle(name, alias, spec), timeout=timeout)
+        """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner``
+        a label; ``lease_seconds``: the daemon destroys the bottle unless ``renew_lease``
+        comes in time (plus its grace)."""
+        call = calls.create_bottle(name, alias, spec, owner, lease_seconds)
+        return self.call(call, timeout=timeout)
+
+    def renew_lease(
+        self, name: str, seconds: float, *, timeout: float | None = None
+    ) -> BottleRecord:
+        return self.call(calls.renew_lease(name, seconds), timeout=timeout)
 
     def verify_bottle(self, name: str, *, timeout: float | None = None) -> tuple[BottleRecord, str]:
         return self.call(calls.verify_bottle(name), timeout=timeout)
@@ -379,6 +395,18 @@ class BlockingControlClient(ExecOpener):
         timeout: float | None = None,
     ) -> Page[ForwardRecord]:
         return self.call(calls.list_forwards(bottle, offset, limit), timeout=timeout)
+
+    def node_info(self, *, timeout: float | None = None) -> NodeInfoRecord:
+        """This node for a placer: identity, labels, capacity, health, draining."""
+        return self.call(calls.node_info(), timeout=timeout)
+
+    def drain(self, *, wait: bool = False, timeout: float | None = None) -> DrainResult:
+        """Refuse new bottles (``DRAINING``); ``wait``: answer once the node holds none, or
+        ``timeout`` seconds passed (``empty`` says which)."""
+        return self.call(calls.drain(wait, timeout))
+
+    def undrain(self, *, timeout: float | None = None) -> None:
+        self.call(calls.undrain(), timeout=timeout)
 
     def stats(
         self,

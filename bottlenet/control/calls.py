@@ -18,7 +18,13 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
-from bottlenet.control.results import AgentEndpoint, HelloResult, Page
+from bottlenet.control.results import (
+    AgentEndpoint,
+    DrainResult,
+    HelloResult,
+    NodeInfoRecord,
+    Page,
+)
 
 if TYPE_CHECKING:
     from bottlenet.control.execsession import ExecSession
@@ -41,6 +47,7 @@ class Pace(StrEnum):
     QUICK = "quick"  # answered from the daemon's own state
     VM = "vm"  # waits on smolvm
     VM_WITH_SPEC = "vm-with-spec"  # waits on smolvm when it carries a spec (CreateBottle)
+    WAIT = "wait"  # with ``wait``, as long as its own ``timeout`` argument says (Drain)
 
 
 #: Every command by its short name (``bottlenet.`` dropped) -> its pace.
@@ -61,7 +68,14 @@ PACE: Mapping[str, Pace] = {
     "Logs": Pace.VM,
     "Watch": Pace.QUICK,
     "Event": Pace.QUICK,
+    "NodeInfo": Pace.QUICK,
+    "Drain": Pace.WAIT,
+    "Undrain": Pace.QUICK,
+    "RenewLease": Pace.QUICK,
 }
+#: The daemon's longest ``Drain`` wait (``bottles.node.MAX_DRAIN_WAIT``), and a wait's
+#: without a ``timeout``.
+MAX_WAIT = 7 * 86400.0
 
 
 def is_slow(command: str, arguments: Mapping[str, Any]) -> bool:
@@ -83,7 +97,11 @@ class Call(NamedTuple, Generic[T]):
         return is_slow(self.command, self.arguments)
 
     def limit(self, timeout: float, vm_timeout: float) -> float:
-        """The seconds this call may take with a client's ``timeout`` and ``vm_timeout``."""
+        """The seconds this call may take with a client's ``timeout`` and ``vm_timeout``
+        (a call that waits: its own wait, and ``timeout`` more for the answer)."""
+        if PACE[self.command] is Pace.WAIT and self.arguments.get("wait"):
+            wait = self.arguments.get("timeout")
+            return min(MAX_WAIT if wait is None else float(wait), MAX_WAIT) + timeout
         return vm_timeout if self.slow else timeout
 
 
@@ -139,10 +157,27 @@ def ping() -> Call[None]:
 
 
 def create_bottle(
-    name: str, alias: str | None = None, spec: str | None = None
+    name: str,
+    alias: str | None = None,
+    spec: str | None = None,
+    owner: str | None = None,
+    lease_seconds: float | None = None,
 ) -> Call[BottleRecord]:
-    """``spec`` is the bottle spec as JSON text (None: a forward-only bottle)."""
-    return Call("CreateBottle", {"name": name, "alias": alias, "spec": spec}, _bottle)
+    """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner`` a
+    label, ``lease_seconds`` a lease the owner renews (``renew_lease``) or the bottle goes."""
+    arguments = {
+        "name": name,
+        "alias": alias,
+        "spec": spec,
+        "owner": owner,
+        "lease_seconds": lease_seconds,
+    }
+    return Call("CreateBottle", arguments, _bottle)
+
+
+def renew_lease(name: str, seconds: float) -> Call[BottleRecord]:
+    """The bottle's lease, ``seconds`` from now."""
+    return Call("RenewLease", {"name": name, "seconds": seconds}, _bottle)
 
 
 def verify_bottle(name: str) -> Call[tuple[BottleRecord, str]]:
@@ -195,6 +230,20 @@ def stats(
 def watch(bottle: str | None = None) -> Call[int]:
     """Subscribe the connection to bottle events; answers the daemon's current seq."""
     return Call("Watch", {"bottle": bottle}, _seq)
+
+
+def node_info() -> Call[NodeInfoRecord]:
+    """This node for a placer: identity, capacity, health, draining."""
+    return Call("NodeInfo", {}, NodeInfoRecord.from_answer)
+
+
+def drain(wait: bool = False, timeout: float | None = None) -> Call[DrainResult]:
+    """Refuse new bottles; with ``wait``, answer once none is held (or ``timeout`` passed)."""
+    return Call("Drain", {"wait": wait or None, "timeout": timeout}, DrainResult.from_answer)
+
+
+def undrain() -> Call[None]:
+    return Call("Undrain", {}, _none)
 
 
 def logs(bottle: str, tail: int | None = None, follow: bool = False) -> Call[bool]:

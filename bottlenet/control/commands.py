@@ -36,7 +36,18 @@ from bottlenet.errors import ALL_ERRORS, BottlenetError
 PROTOCOL_VERSION = 1
 # Server-side cap on page sizes; each page is also trimmed to a byte budget.
 MAX_PAGE = 100
-FEATURES = ("bottles", "forwards", "stats", "vms", "egress", "verify", "exec", "events", "logs")
+FEATURES = (
+    "bottles",
+    "forwards",
+    "stats",
+    "vms",
+    "egress",
+    "verify",
+    "exec",
+    "events",
+    "logs",
+    "node",
+)
 
 
 class InternalError(BottlenetError):
@@ -112,6 +123,24 @@ class StrictInteger(amp.Argument):
 
     def toString(self, inObject: int) -> bytes:
         return b"%d" % (inObject,)
+
+
+_FLOAT_RE = re.compile(rb"-?(?:0|[1-9][0-9]{0,14})(?:\.[0-9]{1,17})?(?:[eE][-+]?[0-9]{1,3})?")
+
+
+class StrictFloat(amp.Argument):
+    """A finite decimal (``amp.Float`` takes ``nan``, ``inf`` and blanks)."""
+
+    def fromString(self, inString: bytes) -> float:
+        if not _FLOAT_RE.fullmatch(inString):
+            raise ValueError("not a finite decimal number")
+        value = float(inString)
+        if value != value or value in (float("inf"), float("-inf")):
+            raise ValueError("not a finite decimal number")
+        return value
+
+    def toString(self, inObject: float) -> bytes:
+        return repr(float(inObject)).encode("ascii")
 
 
 class StrictBoolean(amp.Boolean):
@@ -209,6 +238,9 @@ class CreateBottle(ControlCommand):
         (b"name", amp.Unicode()),
         (b"alias", amp.Unicode(optional=True)),
         (b"spec", amp.Unicode(optional=True)),
+        # Its owner label, and a lease: reaped unless renewed (``RenewLease``) in time.
+        (b"owner", amp.Unicode(optional=True)),
+        (b"lease_seconds", StrictFloat(optional=True)),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -359,6 +391,66 @@ class Event(ControlCommand):
     response = []
 
 
+class RenewLease(ControlCommand):
+    """Extend a bottle's lease to ``seconds`` from now (a bottle created with one)."""
+
+    commandName = b"bottlenet.RenewLease"
+    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat())]
+    response = [(b"bottle", Record(BottleRecord))]
+
+
+class NodeInfo(ControlCommand):
+    """This node for a placer: identity, labels, whether VM bottles can run, capacity, health,
+    draining (``bottlenet.bottles.node``)."""
+
+    commandName = b"bottlenet.NodeInfo"
+    arguments = []
+    response = [
+        (b"server_version", amp.Unicode()),
+        (b"protocol", StrictInteger()),
+        (b"host", amp.Unicode()),
+        (b"labels", StrictListOf(amp.Unicode())),  # "KEY=VALUE", sorted by key
+        (b"privilege", amp.Unicode()),
+        (b"smolvm", amp.Unicode(optional=True)),
+        (b"vm_possible", StrictBoolean()),
+        (b"vm_why_not", amp.Unicode(optional=True)),
+        (b"kvm", amp.Unicode()),
+        (b"max_bottles", StrictInteger()),
+        (b"bottles", StrictInteger()),
+        (b"vm_bottles", StrictInteger()),
+        (b"connections_used", StrictInteger()),
+        (b"connections_total", StrictInteger()),
+        (b"health", amp.Unicode()),
+        (b"health_reasons", StrictListOf(amp.Unicode())),
+        (b"draining", StrictBoolean()),
+    ]
+
+
+class Drain(ControlCommand):
+    """Refuse new bottles (``DRAINING``) from now on, durably; with ``wait``, answer once the
+    node holds no bottle or ``timeout`` seconds passed (``empty`` says which)."""
+
+    commandName = b"bottlenet.Drain"
+    pace = Pace.WAIT
+    arguments = [
+        (b"wait", StrictBoolean(optional=True)),
+        (b"timeout", StrictFloat(optional=True)),
+    ]
+    response = [
+        (b"draining", StrictBoolean()),
+        (b"held", StrictInteger()),
+        (b"empty", StrictBoolean()),
+    ]
+
+
+class Undrain(ControlCommand):
+    """Take new bottles again."""
+
+    commandName = b"bottlenet.Undrain"
+    arguments = []
+    response = [(b"draining", StrictBoolean())]
+
+
 ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Hello,
     Ping,
@@ -375,11 +467,25 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Exec,
     Logs,
     Watch,
+    NodeInfo,
+    Drain,
+    Undrain,
+    RenewLease,
 )
 #: Commands the daemon calls on its clients (the client answers them).
 PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
 MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
-    {CreateBottle, DestroyBottle, AddForward, RemoveForward, VerifyBottle, SetEgressPolicy}
+    {
+        CreateBottle,
+        DestroyBottle,
+        AddForward,
+        RemoveForward,
+        VerifyBottle,
+        SetEgressPolicy,
+        Drain,
+        Undrain,
+        RenewLease,
+    }
 )
 
 

@@ -41,6 +41,8 @@ class _Watcher:
         #: Bottles watched on this connection; None stands for every bottle.
         self.bottles: set[str | None] = set()
         self.unanswered = 0
+        #: Which events this peer may see (a scoped peer: its own bottles'); None: all.
+        self.visible: Callable[[BottleEvent], bool] | None = None
 
 
 class EventHub:
@@ -63,9 +65,15 @@ class EventHub:
     def watchers(self) -> int:
         return len(self._watchers)
 
-    def watch(self, connection: WatchingConnection, bottle: str | None = None) -> int:
+    def watch(
+        self,
+        connection: WatchingConnection,
+        bottle: str | None = None,
+        visible: Callable[[BottleEvent], bool] | None = None,
+    ) -> int:
         """Push ``bottle``'s events (every bottle's for None) to ``connection`` too; answers
-        the current seq. Several watches on one connection add up."""
+        the current seq. Several watches on one connection add up. ``visible``: only the
+        events it accepts (a scoped peer's)."""
         w = self._watchers.get(id(connection))
         if (
             w is not None
@@ -80,6 +88,7 @@ class EventHub:
         if w is None:
             w = self._watchers[id(connection)] = _Watcher(connection)
         w.bottles.add(bottle)
+        w.visible = visible
         return self.seq
 
     def forget(self, connection: object) -> None:
@@ -102,6 +111,8 @@ class EventHub:
         )
         for key, w in list(self._watchers.items()):
             if None not in w.bottles and event.bottle not in w.bottles:
+                continue
+            if w.visible is not None and not w.visible(event):
                 continue
             if w.unanswered >= self.max_unanswered:
                 self._watchers.pop(key, None)

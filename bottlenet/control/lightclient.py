@@ -23,7 +23,7 @@ from bottlenet.control import calls
 from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError, DaemonUnreachable, error_for
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.results import BottleRow, HelloResult, Page, record_objects
+from bottlenet.control.results import BottleRow, HelloResult, NodeInfoRecord, Page, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
@@ -61,6 +61,28 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
         },
     ),
     "Ping": ({}, {}),
+    "NodeInfo": (
+        {},
+        {
+            "server_version": (Kind.UNICODE, False),
+            "protocol": (Kind.INTEGER, False),
+            "host": (Kind.UNICODE, False),
+            "labels": (Kind.UNICODE_LIST, False),
+            "privilege": (Kind.UNICODE, False),
+            "smolvm": (Kind.UNICODE, True),
+            "vm_possible": (Kind.BOOLEAN, False),
+            "vm_why_not": (Kind.UNICODE, True),
+            "kvm": (Kind.UNICODE, False),
+            "max_bottles": (Kind.INTEGER, False),
+            "bottles": (Kind.INTEGER, False),
+            "vm_bottles": (Kind.INTEGER, False),
+            "connections_used": (Kind.INTEGER, False),
+            "connections_total": (Kind.INTEGER, False),
+            "health": (Kind.UNICODE, False),
+            "health_reasons": (Kind.UNICODE_LIST, False),
+            "draining": (Kind.BOOLEAN, False),
+        },
+    ),
     "Exec": (
         {
             "bottle": (Kind.UNICODE, False),
@@ -247,6 +269,9 @@ class LightControlClient(ExecOpener):
 
     def ping(self) -> None:
         self.call(calls.ping())
+
+    def node_info(self) -> NodeInfoRecord:
+        return self.call(calls.node_info())
 
     def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRow]:
         """One page; this client reads bottles as rows (a record's fields, without attrs)."""

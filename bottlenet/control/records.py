@@ -65,6 +65,11 @@ class BottleRecord:
     workload_exit_code: int | None = None
     #: bottlenet's in-guest bridge (socket mode): "running (3128, ...)", "off", ...
     bridge: str | None = None
+    #: Its owner label and lease (``bottles.tenancy``): the lease's length and its expiry
+    #: (Unix seconds) as last granted.
+    owner: str | None = None
+    lease_seconds: float | None = None
+    lease_expires_at: float | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:
@@ -163,6 +168,8 @@ def bottle_record(
     """The wire view of a bottle with ``forwards`` live forwards; listings leave the
     (possibly large) stamped env out. The raw ports are never part of it."""
     vm = bottle.vms
+    tenancy = bottle.tenancy
+    lease = None if tenancy is None else tenancy.lease
     return BottleRecord(
         name=bottle.name,
         alias=bottle.alias,
@@ -186,6 +193,9 @@ def bottle_record(
         workload=vm.workload if vm else None,
         workload_exit_code=vm.workload_exit_code if vm else None,
         bridge=bridge,
+        owner=None if tenancy is None else tenancy.owner,
+        lease_seconds=None if lease is None else lease.seconds,
+        lease_expires_at=None if lease is None else lease.expires_at,
     )
 
 

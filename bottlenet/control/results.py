@@ -43,6 +43,47 @@ class HelloResult(NamedTuple):
         )
 
 
+class NodeInfoRecord(NamedTuple):
+    """``NodeInfo``'s answer: this node as a placer sees it (docs/protocol.md)."""
+
+    server_version: str
+    protocol: int
+    host: str
+    labels: dict[str, str]
+    privilege: str
+    smolvm: str | None
+    vm_possible: bool
+    vm_why_not: str | None
+    kvm: str
+    max_bottles: int
+    bottles: int
+    vm_bottles: int
+    connections_used: int
+    connections_total: int
+    health: str
+    health_reasons: tuple[str, ...]
+    draining: bool
+
+    @classmethod
+    def from_answer(cls, d: dict[str, Any]) -> NodeInfoRecord:
+        fields: dict[str, Any] = {k: d.get(k) for k in cls._fields}
+        fields["labels"] = dict(label.partition("=")[::2] for label in d["labels"])
+        fields["health_reasons"] = tuple(d["health_reasons"])
+        return cls(**fields)
+
+
+class DrainResult(NamedTuple):
+    """``Drain``'s answer: ``empty`` once the node holds no bottle (``held`` then)."""
+
+    draining: bool
+    held: int
+    empty: bool
+
+    @classmethod
+    def from_answer(cls, d: dict[str, Any]) -> DrainResult:
+        return cls(draining=d["draining"], held=d["held"], empty=d["empty"])
+
+
 class Page(NamedTuple, Generic[T]):
     """One page of a listing; ask again with ``offset=next_offset`` while it is not None."""
 
@@ -134,6 +175,9 @@ class BottleRow(NamedTuple):
     workload: str | None = None
     workload_exit_code: int | None = None
     bridge: str | None = None
+    owner: str | None = None
+    lease_seconds: float | None = None
+    lease_expires_at: float | None = None
 
     @classmethod
     def from_json(cls, d: object) -> BottleRow:
@@ -158,4 +202,11 @@ class BottleRow(NamedTuple):
             workload=f.value("workload", str, optional=True),
             workload_exit_code=f.value("workload_exit_code", int, optional=True),
             bridge=f.value("bridge", str, optional=True),
+            owner=f.value("owner", str, optional=True),
+            lease_seconds=_optional_number(f, "lease_seconds"),
+            lease_expires_at=_optional_number(f, "lease_expires_at"),
         )
+
+
+def _optional_number(f: Fields, key: str) -> float | None:
+    return None if f.table.get(key) is None else f.number(key)

@@ -32,10 +32,12 @@ from zope.interface import implementer
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
+from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.admission import HandshakeAdmission, peer_source
-from bottlenet.control.backend import ControlBackend
+from bottlenet.control.backend import ControlBackend, NodeControl
+from bottlenet.control.calls import MAX_WAIT
 from bottlenet.control.events import EventHub
 from bottlenet.control.execbroker import ExecBridge
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
@@ -54,7 +56,15 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.errors import Busy, InvalidArgument, NotFound, Unavailable, safe_repr
+from bottlenet.control.scope import Creators, ScopedBackend
+from bottlenet.errors import (
+    Busy,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    Unavailable,
+    safe_repr,
+)
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
@@ -106,10 +116,13 @@ class PeerIdentity:
     uid: int | None = None
     pid: int | None = None
     subject: str | None = None
+    #: ``--allow-uid UID:scoped``: it sees and acts on the bottles it created only.
+    scoped: bool = False
 
     def describe(self) -> str:
         if self.kind == "unix":
-            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}"
+            scoped = " (scoped)" if self.scoped else ""
+            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}{scoped}"
         return f"tls subject={self.subject}"
 
 
@@ -224,6 +237,66 @@ class ControlLocator(SafeCommandLocator):
     def ping(self) -> dict[str, Any]:
         return {}
 
+    def _full_control(self, command: str) -> None:
+        if isinstance(self.backend, ScopedBackend):
+            raise PermissionDenied(f"{command}: a scoped peer may not ask for it")
+
+    def _node(self) -> NodeControl:
+        node = self.factory.node
+        if node is None:
+            raise Unavailable("this daemon has no node contract")
+        return node
+
+    @C.NodeInfo.responder
+    def node_info(self) -> dict[str, Any]:
+        r = self._node().report()
+        c = r.capacity
+        return {
+            "server_version": self.factory.server_version,
+            "protocol": C.PROTOCOL_VERSION,
+            "host": r.host,
+            "labels": [f"{k}={v}" for k, v in r.labels],
+            "privilege": r.privilege,
+            "smolvm": r.smolvm,
+            "vm_possible": r.vm_possible,
+            "vm_why_not": r.vm_why_not,
+            "kvm": r.kvm,
+            "max_bottles": c.max_bottles,
+            "bottles": c.bottles,
+            "vm_bottles": c.vm_bottles,
+            "connections_used": c.connections_used,
+            "connections_total": c.connections_total,
+            "health": r.health,
+            "health_reasons": list(r.reasons),
+            "draining": r.draining,
+        }
+
+    @C.Drain.responder
+    async def drain(self, wait: bool | None, timeout: float | None) -> dict[str, Any]:
+        if timeout is not None and not 0 < timeout <= MAX_WAIT:
+            raise InvalidArgument(f"timeout: more than 0 and at most {MAX_WAIT:g} seconds")
+        self._full_control("Drain")
+        node = self._node()
+
+        async def drain() -> None:
+            node.drain()
+
+        await self._mutate("Drain", "node", drain())
+        # A wait without a timeout is bounded too (a week), as every Deferred held for a peer.
+        empty = await node.when_empty(timeout or MAX_WAIT) if wait else node.held() == 0
+        return {"draining": node.draining, "held": node.held(), "empty": empty}
+
+    @C.Undrain.responder
+    async def undrain(self) -> dict[str, Any]:
+        self._full_control("Undrain")
+        node = self._node()
+
+        async def undrain() -> None:
+            node.undrain()
+
+        await self._mutate("Undrain", "node", undrain())
+        return {"draining": node.draining}
+
     def _record(self, bottle: Bottle) -> BottleRecord:
         return bottle_record(
             bottle,
@@ -232,15 +305,33 @@ class ControlLocator(SafeCommandLocator):
         )
 
     @C.CreateBottle.responder
-    async def create_bottle(self, name: str, alias: str | None, spec: str | None) -> dict[str, Any]:
+    async def create_bottle(
+        self,
+        name: str,
+        alias: str | None,
+        spec: str | None,
+        owner: str | None = None,
+        lease_seconds: float | None = None,
+    ) -> dict[str, Any]:
         name = check_bottle_name(name)
         addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
         # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
         parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
-        bottle = await self._mutate(
-            "CreateBottle", name, self.backend.create_bottle(name, addr, spec=parsed)
+        tenancy = Tenancy.requested(owner, lease_seconds, None)
+        create = (
+            self.backend.create_bottle(name, addr, spec=parsed)
+            if tenancy is None
+            else self.backend.create_bottle(name, addr, spec=parsed, tenancy=tenancy)
         )
+        bottle = await self._mutate("CreateBottle", name, create)
         return {"bottle": self._record(bottle)}
+
+    @C.RenewLease.responder
+    def renew_lease(self, name: str, seconds: float) -> dict[str, Any]:
+        name = check_bottle_name(name)
+        self.backend.get_bottle(name)  # NOT_FOUND for a scoped peer's other bottles
+        self._node().renew_lease(name, seconds)
+        return {"bottle": self._record(self.backend.get_bottle(name))}
 
     @C.VerifyBottle.responder
     async def verify_bottle(self, name: str) -> dict[str, Any]:
@@ -400,7 +491,8 @@ class ControlLocator(SafeCommandLocator):
         hub = self.factory.event_hub
         if hub is None or self.connection is None:
             raise Unavailable("this daemon publishes no events")
-        seq = hub.watch(self.connection, bottle)
+        scope = self.backend if isinstance(self.backend, ScopedBackend) else None
+        seq = hub.watch(self.connection, bottle, None if scope is None else scope.sees)
         self.log.info(
             "control: {peer} watches events (from seq {seq})",
             peer=self.peer.describe() if self.peer else "?",
@@ -545,7 +637,8 @@ class ControlServerProtocol(HardenedAMP):
         except OSError:
             self.drop("could not read peer credentials")
             return
-        if cred.uid not in self.factory.allowed_uids:
+        scoped = cred.uid in self.factory.scoped_uids
+        if cred.uid not in self.factory.allowed_uids and not scoped:
             self.release_slot()  # a refused peer never holds one of the capped slots
             self.factory.refused_log.warn(
                 ("refused-peer", cred.uid),
@@ -556,11 +649,16 @@ class ControlServerProtocol(HardenedAMP):
             self.abort()
             return
         self.ctransport.registerProducer(self, True)
-        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid))
+        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid, scoped=scoped))
 
     def authenticated_as(self, peer: PeerIdentity) -> None:
-        """The peer is who it may be: its boxes are parsed from now on."""
+        """The peer is who it may be: its boxes are parsed from now on (a scoped peer's
+        through a view of its own bottles)."""
         self.control.peer = peer
+        if peer.scoped and peer.uid is not None:
+            self.control.backend = ScopedBackend(
+                self.factory.backend, creator_of_uid(peer.uid), self.factory.creators
+            )
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
@@ -621,8 +719,17 @@ class ControlServerFactory(Factory):
         event_hub: EventHub | None = None,
         exec_sessions: set[ExecBridge] | None = None,
         max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
+        node: NodeControl | None = None,
+        scoped_uids: frozenset[int] = frozenset(),
+        creators: Creators | None = None,
     ) -> None:
         self.backend = backend
+        #: ``--allow-uid UID:scoped`` uids: each sees and acts on its own bottles only.
+        self.scoped_uids = scoped_uids
+        #: Who created which bottle, for scoped peers' events (shared with the TLS factory).
+        self.creators = creators or Creators(lambda subscriber: lambda: None)
+        #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
+        self.node = node
         self.event_hub = event_hub
         #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
         self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
@@ -706,6 +813,9 @@ class ControlServerFactory(Factory):
             event_hub=self.event_hub,
             exec_sessions=self.exec_sessions,
             max_connections=self.max_connections,
+            node=self.node,
+            scoped_uids=self.scoped_uids,
+            creators=self.creators,
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids

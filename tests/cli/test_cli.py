@@ -229,7 +229,7 @@ def test_every_handler_names_its_call() -> None:
                     handler = sub.get_default("handler")
                     if handler is not None:
                         handlers.add(handler)
-    assert len(handlers) == 14
+    assert len(handlers) == 18
     assert handlers == set(cli.HANDLER_CALLS)
     assert all(command in PACE for command in cli.HANDLER_CALLS.values())
 

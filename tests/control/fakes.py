@@ -13,6 +13,7 @@ from twisted.protocols import amp
 
 from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import BottleSpec
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.control import codec
 from bottlenet.control.framing import BoxParser
 from bottlenet.control.peercred import PeerCred
@@ -45,6 +46,7 @@ class FakeBackend:
         alias: ipaddress.IPv4Address | None = None,
         *,
         spec: BottleSpec | None = None,
+        tenancy: Tenancy | None = None,
     ) -> Bottle:
         self.calls.append(("create_bottle", (name, alias) if spec is None else (name, alias, spec)))
         self._check()
@@ -53,7 +55,7 @@ class FakeBackend:
         if alias is None:
             alias = ipaddress.IPv4Address(f"127.77.0.{self.next_alias}")
             self.next_alias += 1
-        b = Bottle(name, str(alias), 1700000000.5)
+        b = Bottle(name, str(alias), 1700000000.5, tenancy=tenancy)
         self.bottles[name] = b
         self.forwards[name] = ()
         return b

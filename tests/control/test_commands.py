@@ -49,6 +49,18 @@ VM_RECORD_JSON = (
     b'"env":{"HTTPS_PROXY":"http://127.0.0.1:3128"},"policy":["example.org"],"probe":"PASS"}'
 )
 
+LEASED_RECORD = BottleRecord(
+    "b1",
+    "127.77.0.2",
+    "control",
+    "ready",
+    1700000000.5,
+    0,
+    owner="t1",
+    lease_seconds=60.0,
+    lease_expires_at=1700000060.5,
+)
+
 GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any], bytes]] = [
     (
         C.Hello,
@@ -240,6 +252,52 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Watch\x00\x06bottle\x00\x02b2\x00\x00",
         {"seq": 7},
         b"\x00\x07_answer\x00\x011\x00\x03seq\x00\x017\x00\x00",
+    ),
+    (
+        C.NodeInfo,
+        {},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x12bottlenet.NodeInfo\x00\x00",
+        {
+            "server_version": "0.1.0",
+            "protocol": 1,
+            "host": "n1",
+            "labels": ["kvm=true", "zone=a"],
+            "privilege": "root;per-VM-uids",
+            "smolvm": "1.32.2",
+            "vm_possible": True,
+            "vm_why_not": None,
+            "kvm": "usable",
+            "max_bottles": 256,
+            "bottles": 2,
+            "vm_bottles": 1,
+            "connections_used": 3,
+            "connections_total": 1000,
+            "health": "ok",
+            "health_reasons": [],
+            "draining": False,
+        },
+        b"\x00\x07_answer\x00\x011\x00\x07bottles\x00\x012\x00\x11connections_total\x00\x041000\x00\x10connections_used\x00\x013\x00\x08draining\x00\x05False\x00\x06health\x00\x02ok\x00\x0ehealth_reasons\x00\x00\x00\x04host\x00\x02n1\x00\x03kvm\x00\x06usable\x00\x06labels\x00\x12\x00\x08kvm=true\x00\x06zone=a\x00\x0bmax_bottles\x00\x03256\x00\tprivilege\x00\x10root;per-VM-uids\x00\x08protocol\x00\x011\x00\x0eserver_version\x00\x050.1.0\x00\x06smolvm\x00\x061.32.2\x00\nvm_bottles\x00\x011\x00\x0bvm_possible\x00\x04True\x00\x00",
+    ),
+    (
+        C.Drain,
+        {"wait": True, "timeout": 30.0},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x0fbottlenet.Drain\x00\x07timeout\x00\x0430.0\x00\x04wait\x00\x04True\x00\x00",
+        {"draining": True, "held": 0, "empty": True},
+        b"\x00\x07_answer\x00\x011\x00\x08draining\x00\x04True\x00\x05empty\x00\x04True\x00\x04held\x00\x010\x00\x00",
+    ),
+    (
+        C.Undrain,
+        {},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x11bottlenet.Undrain\x00\x00",
+        {"draining": False},
+        b"\x00\x07_answer\x00\x011\x00\x08draining\x00\x05False\x00\x00",
+    ),
+    (
+        C.RenewLease,
+        {"name": "b1", "seconds": 60.0},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x14bottlenet.RenewLease\x00\x04name\x00\x02b1\x00\x07seconds\x00\x0460.0\x00\x00",
+        {"bottle": LEASED_RECORD},
+        b'\x00\x07_answer\x00\x011\x00\x06bottle\x00\xae{"name":"b1","alias":"127.77.0.2","source":"control","state":"ready","created_at":1700000000.5,"forwards":0,"owner":"t1","lease_seconds":60.0,"lease_expires_at":1700000060.5}\x00\x00',
     ),
 ]
 # Commands the daemon sends to its clients (pinned the same way).

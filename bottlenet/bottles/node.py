@@ -1,0 +1,238 @@
+"""This host as one node of a fleet: what a placer asks of it (issue 28's node contract).
+
+A placer spreading bottles over many hosts (Ray, or any best-of-K scheduler) needs each
+node's identity, version, labels, whether VM bottles can run here, its capacity and use, its
+health and whether it drains (E2B's ``InfoService``, Daytona's runner metrics, smolvm serve's
+``/capacity``: docs/fleet.md). :class:`Node` gathers that from the parts that know it (the
+registry, the relay budget, the drain gate, smolvm and ``/dev/kvm`` as last seen) into one
+:class:`NodeReport`; the control plane turns it into the ``NodeInfo`` answer.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+
+from attrs import frozen
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IReactorTime
+from twisted.logger import Logger
+
+from bottlenet.bottles.drain import DRAINING_KEY, DrainGate, node_recorder
+from bottlenet.bottles.events import DESTROYED, READY, BottleEvent
+from bottlenet.bottles.lease import DEFAULT_GRACE, LeaseKeeper
+from bottlenet.bottles.registry import BottleRegistry
+from bottlenet.bottles.store import State, StateStore
+from bottlenet.errors import InvalidArgument, ResourceExhausted, safe_repr
+from bottlenet.forward.budget import ConnectionBudget
+from vmctl.kvm import KvmStatus
+
+OK = "ok"
+DEGRADED = "degraded"
+#: At most this many labels (``--label``), each key and value at most 63 characters.
+MAX_LABELS = 64
+_LABEL_KEY = re.compile(r"[a-z0-9](?:[a-z0-9._/-]{0,61}[a-z0-9])?")
+_LABEL_VALUE = re.compile(r"(?:[A-Za-z0-9](?:[A-Za-z0-9._-]{0,61}[A-Za-z0-9])?)?")
+#: Callers waiting in ``Drain(wait=True)`` at once (each holds a Deferred until it ends).
+MAX_DRAIN_WAITERS = 64
+
+
+def parse_label(text: str) -> tuple[str, str]:
+    """``KEY=VALUE`` (InvalidArgument names the rule): keys lowercase ``[a-z0-9._/-]``,
+    values ``[A-Za-z0-9._-]`` (may be empty), each at most 63 characters, as Ray's and
+    Kubernetes' label values are."""
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise InvalidArgument(f"label {safe_repr(text)}: must be KEY=VALUE")
+    if not _LABEL_KEY.fullmatch(key):
+        raise InvalidArgument(
+            f"label key {safe_repr(key)}: 1-63 of a-z 0-9 . _ / -, starting and ending "
+            "with a letter or digit"
+        )
+    if not _LABEL_VALUE.fullmatch(value):
+        raise InvalidArgument(
+            f"label {key}: value {safe_repr(value)}: at most 63 of A-Z a-z 0-9 . _ -, "
+            "starting and ending with a letter or digit"
+        )
+    return key, value
+
+
+def check_labels(texts: Sequence[str]) -> tuple[tuple[str, str], ...]:
+    """Every ``--label``, parsed; a key given twice or too many labels is an error."""
+    if len(texts) > MAX_LABELS:
+        raise InvalidArgument(f"at most {MAX_LABELS} labels")
+    labels: dict[str, str] = {}
+    for text in texts:
+        key, value = parse_label(text)
+        if key in labels:
+            raise InvalidArgument(f"label {key}: given twice")
+        labels[key] = value
+    return tuple(sorted(labels.items()))
+
+
+@frozen
+class Capacity:
+    max_bottles: int
+    bottles: int
+    vm_bottles: int
+    connections_used: int
+    connections_total: int
+
+
+@frozen
+class NodeReport:
+    """One look at the node (``NodeInfo``)."""
+
+    host: str
+    labels: tuple[tuple[str, str], ...]
+    privilege: str
+    smolvm: str | None  # the version in use, None when none is usable
+    vm_possible: bool
+    vm_why_not: str | None
+    kvm: str
+    capacity: Capacity
+    health: str
+    reasons: tuple[str, ...]
+    draining: bool
+
+
+class Node:
+    """The node's report and its drain, over the parts that know them.
+
+    ``smolvm_found``, ``smolvm_version``, ``smolvm_problem`` and ``kvm`` are set by the
+    daemon's root service as it learns them (at start, after its smolvm probe); a create that
+    fails with ``KVM_UNAVAILABLE`` marks KVM unusable until a VM bottle is made.
+    """
+
+    log = Logger()
+
+    def __init__(
+        self,
+        clock: IReactorTime,
+        registry: BottleRegistry,
+        budget: ConnectionBudget,
+        drain: DrainGate,
+        leases: LeaseKeeper,
+        *,
+        host: str,
+        labels: tuple[tuple[str, str], ...] = (),
+        privilege: str,
+    ) -> None:
+        self._clock = clock
+        self._registry = registry
+        self._budget = budget
+        self.gate = drain
+        self.leases = leases
+        self.host = host
+        self.labels = labels
+        self.privilege = privilege
+        self.smolvm_found = False
+        self.smolvm_version: str | None = None
+        self.smolvm_problem: str | None = "no smolvm found"
+        self.kvm = KvmStatus(False, "not looked at yet")
+        self._drain_waiters = 0
+        registry.events.subscribe(self._learn)
+
+    def _learn(self, event: BottleEvent) -> None:
+        """What a create tells about KVM (smolvm finds out only when a VM starts)."""
+        if event.kind == DESTROYED and event.detail == "create failed: KVM_UNAVAILABLE":
+            self.kvm = KvmStatus(False, "a VM create failed with KVM_UNAVAILABLE (daemon log)")
+        elif (
+            event.kind == READY and not self.kvm.usable and self._registry.has_bottle(event.bottle)
+        ):
+            if self._registry.get_bottle(event.bottle).has_vms:
+                self.kvm = KvmStatus(True)
+
+    def report(self) -> NodeReport:
+        bottles = self._registry.list_bottles()
+        why_not = self.smolvm_problem or (None if self.kvm.usable else f"KVM: {self.kvm.why}")
+        reasons = self.reasons()
+        return NodeReport(
+            host=self.host,
+            labels=self.labels,
+            privilege=self.privilege,
+            smolvm=self.smolvm_version if self.smolvm_problem is None else None,
+            vm_possible=why_not is None,
+            vm_why_not=why_not,
+            kvm=self.kvm.describe(),
+            capacity=Capacity(
+                max_bottles=self._registry.max_bottles,
+                bottles=len(bottles),
+                vm_bottles=sum(1 for b in bottles if b.has_vms),
+                connections_used=self._budget.total_active,
+                connections_total=self._budget.total,
+            ),
+            health=DEGRADED if reasons else OK,
+            reasons=reasons,
+            draining=self.gate.draining,
+        )
+
+    def reasons(self) -> tuple[str, ...]:
+        """Why the node is degraded (none: ok). Not among them: KVM, and a smolvm never found
+        (such a node serves forward-only bottles; ``vm_possible`` says so)."""
+        out = []
+        if self._registry.recovering:
+            out.append("restoring its state after a start: changes wait")
+        if self._budget.total_active >= self._budget.total:
+            out.append("the relay connection budget is used up")
+        if self.smolvm_found and self.smolvm_problem is not None:
+            out.append(f"smolvm: {self.smolvm_problem}")
+        return tuple(out)
+
+    @property
+    def draining(self) -> bool:
+        return self.gate.draining
+
+    def held(self) -> int:
+        return self._registry.held()
+
+    def drain(self) -> None:
+        self.gate.drain()
+
+    def renew_lease(self, name: str, seconds: float) -> None:
+        self.leases.renew(name, seconds)
+
+    def undrain(self) -> None:
+        self.gate.undrain()
+
+    async def when_empty(self, timeout: float) -> bool:
+        """True once the node holds no bottle; False after ``timeout`` seconds or an undrain
+        (at most MAX_DRAIN_WAITERS callers wait at once)."""
+        if self._drain_waiters >= MAX_DRAIN_WAITERS:
+            raise ResourceExhausted(f"{MAX_DRAIN_WAITERS} callers already wait for the drain")
+        self._drain_waiters += 1
+        try:
+            d: Deferred[bool] = self.gate.when_empty(timeout)
+            return await d
+        finally:
+            self._drain_waiters -= 1
+
+
+def build_node(
+    clock: IReactorTime,
+    registry: BottleRegistry,
+    budget: ConnectionBudget,
+    store: StateStore,
+    state: State,
+    *,
+    monotonic: Callable[[], float],
+    lease_grace: float = DEFAULT_GRACE,
+    host: str,
+    labels: tuple[tuple[str, str], ...] = (),
+    privilege: str,
+) -> Node:
+    """The node over ``registry``: its drain gate (as ``state`` recorded it, asked by the
+    registry before each create), its lease keeper (``restore()`` it after recovery) and
+    its report."""
+    gate = DrainGate(
+        clock,
+        registry.events,
+        registry.held,
+        node_recorder(store),
+        draining=(state.node or {}).get(DRAINING_KEY) is True,
+    )
+    registry.admission = gate.admit
+    leases = LeaseKeeper(clock, monotonic, registry, grace=lease_grace)
+    return Node(
+        clock, registry, budget, gate, leases, host=host, labels=labels, privilege=privilege
+    )

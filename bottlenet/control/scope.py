@@ -1,0 +1,175 @@
+"""Scoped control peers: a uid that sees and acts only on the bottles it created.
+
+Why: a fleet's bottle actors (Ray workers, docs/fleet.md) need to create, use and destroy
+their own bottles through the node's socket, and nothing more: a worker that is compromised
+must not reach another owner's bottle nor drain the node. ``--allow-uid UID:scoped`` admits
+such a uid; its connections get a :class:`ScopedBackend` instead of the registry. Every bottle
+it creates records it as its creator (``uid:N``, in the bottle's state record, so it survives a
+restart); any other bottle's name answers ``NOT_FOUND`` exactly as a missing one does;
+listings, stats and events show its own bottles only; ``Drain``/``Undrain`` answer
+``PERMISSION_DENIED``. A plain ``--allow-uid UID`` keeps full control, as before.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from attrs import evolve
+
+from bottlenet.bottles.events import DESTROYED, BottleEvent
+from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.errors import NotFound
+
+if TYPE_CHECKING:
+    from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+
+    from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.model import Bottle
+    from bottlenet.bottles.probe import ProbeVerdict
+    from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.control.backend import ControlBackend
+    from bottlenet.forward.spec import TargetSpec
+    from bottlenet.forward.table import ForwardInfo
+
+
+class Creators:
+    """Which scoped peer created which bottle, as the events need it: a bottle's
+    ``destroyed`` event comes when the bottle is already gone from the registry, and a VM
+    bottle's ``created`` before it is in it. Kept for bottles with a creator only."""
+
+    def __init__(
+        self, subscribe: Callable[[Callable[[BottleEvent], None]], Callable[[], None]]
+    ) -> None:
+        self._by_name: dict[str, str] = {}
+        #: The bottle whose ``destroyed`` event is being published, and its creator.
+        self._gone: tuple[str, str] | None = None
+        subscribe(self._event)
+
+    def restore(self, bottles: Sequence[Bottle]) -> None:
+        """After recovery: the restored bottles' creators."""
+        for b in bottles:
+            if b.tenancy is not None and b.tenancy.creator is not None:
+                self._by_name[b.name] = b.tenancy.creator
+
+    def expect(self, name: str, creator: str) -> None:
+        """A scoped peer is creating ``name`` (its events are the creator's from now on)."""
+        self._by_name[name] = creator
+
+    def settle(self, name: str, exists: bool) -> None:
+        """A create by a scoped peer ended; a failed one leaves no entry."""
+        if not exists:
+            self._by_name.pop(name, None)
+
+    def creator(self, name: str) -> str | None:
+        found = self._by_name.get(name)
+        if found is None and self._gone is not None and self._gone[0] == name:
+            return self._gone[1]
+        return found
+
+    def _event(self, event: BottleEvent) -> None:
+        if event.kind == DESTROYED:
+            creator = self._by_name.pop(event.bottle, None)
+            self._gone = None if creator is None else (event.bottle, creator)
+
+
+class ScopedBackend:
+    """The registry as one scoped peer sees it (a ``ControlBackend``)."""
+
+    def __init__(self, backend: ControlBackend, creator: str, creators: Creators) -> None:
+        self._backend = backend
+        self.creator = creator
+        self._creators = creators
+
+    def owns(self, bottle: Bottle) -> bool:
+        return bottle.tenancy is not None and bottle.tenancy.creator == self.creator
+
+    def sees(self, event: BottleEvent) -> bool:
+        """Its own bottles' events, and the node's (their bottle is empty)."""
+        return event.bottle == "" or self._creators.creator(event.bottle) == self.creator
+
+    def _mine(self, name: str) -> Bottle:
+        bottle = self._backend.get_bottle(name)
+        if not self.owns(bottle):
+            raise NotFound(f"bottle {name} does not exist")  # the registry's own words
+        return bottle
+
+    async def create_bottle(
+        self,
+        name: str,
+        alias: ipaddress.IPv4Address | None = None,
+        *,
+        spec: BottleSpec | None = None,
+        tenancy: Tenancy | None = None,
+    ) -> Bottle:
+        stamped = evolve(tenancy or Tenancy(), creator=self.creator)
+        if not self._exists(name):
+            self._creators.expect(name, self.creator)
+        try:
+            return await self._backend.create_bottle(name, alias, spec=spec, tenancy=stamped)
+        finally:
+            if self._creators.creator(name) == self.creator:
+                self._creators.settle(name, self._exists(name))
+
+    def _exists(self, name: str) -> bool:
+        try:
+            self._backend.get_bottle(name)
+        except NotFound:
+            return False
+        return True
+
+    async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
+        self._mine(name)
+        return await self._backend.verify_bottle(name)
+
+    async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
+        self._mine(name)
+        return await self._backend.set_egress_policy(name, hosts)
+
+    async def destroy_bottle(self, name: str) -> None:
+        self._mine(name)
+        await self._backend.destroy_bottle(name)
+
+    def list_bottles(self) -> Sequence[Bottle]:
+        return [b for b in self._backend.list_bottles() if self.owns(b)]
+
+    def get_bottle(self, name: str) -> Bottle:
+        return self._mine(name)
+
+    async def add_forward(
+        self, bottle: str, label: str, target: TargetSpec, port: int = 0
+    ) -> ForwardInfo:
+        self._mine(bottle)
+        return await self._backend.add_forward(bottle, label, target, port)
+
+    async def remove_forward(self, bottle: str, label: str) -> None:
+        self._mine(bottle)
+        await self._backend.remove_forward(bottle, label)
+
+    def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
+        if bottle is not None:
+            self._mine(bottle)
+            return self._backend.list_forwards(bottle)
+        mine = {b.name for b in self.list_bottles()}
+        return [f for f in self._backend.list_forwards(None) if f.spec.bottle in mine]
+
+    def bridge_status(self, name: str) -> str | None:
+        self._mine(name)
+        return self._backend.bridge_status(name)
+
+    async def spawn_exec(
+        self,
+        name: str,
+        request: ExecRequest,
+        protocol: IProcessProtocol,
+        stdio: tuple[int, int, int] | None = None,
+    ) -> IProcessTransport:
+        self._mine(name)
+        return await self._backend.spawn_exec(name, request, protocol, stdio)
+
+    async def spawn_logs(
+        self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
+    ) -> IProcessTransport:
+        self._mine(name)
+        return await self._backend.spawn_logs(name, tail, follow, protocol)

@@ -1,0 +1,181 @@
+"""The node's drain (issue 28): DRAINING refuses creates, bottles held keep working, a wait
+for empty, the state kept across a restart, events. In process, on a clock, with the
+in-memory smolvm (``tests/bottles/memsmolvm.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
+from bottlenet.bottles.model import Source
+from bottlenet.bottles.node import Node, build_node
+from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.store import StateStore
+from bottlenet.errors import Draining
+from bottlenet.forward.spec import parse_target
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import Rig
+
+Rigs = Callable[..., Rig]
+
+
+def node_of(rig: Rig, monotonic: Callable[[], float] | None = None, grace: float = 30) -> Node:
+    """The node as the daemon builds it over this rig's registry and state (``monotonic``:
+    the lease keeper's clock, by default the rig's)."""
+    return build_node(
+        rig.clock,
+        rig.registry,
+        rig.table.budget,
+        rig.store,
+        StateStore(rig.state_dir).load(),
+        monotonic=monotonic or rig.clock.seconds,
+        lease_grace=grace,
+        host="n1",
+        labels=(("zone", "a"),),
+        privilege="root",
+    )
+
+
+def events_of(rig: Rig) -> list[BottleEvent]:
+    seen: list[BottleEvent] = []
+    rig.registry.events.subscribe(seen.append)
+    return seen
+
+
+def test_draining_refuses_creates_and_keeps_bottles_working(rigs: Rigs, tmp: str) -> None:
+    """While draining a create is DRAINING; a bottle held keeps its forwards and is
+    destroyed as usual; after undrain creates work again."""
+    rig = rigs()
+    node = node_of(rig)
+    seen = events_of(rig)
+    rig.run(rig.registry.create_bottle("kept"))
+    rig.run(rig.registry.create_bottle("vm1", spec=parse_bottle_spec("vm1", spec_doc(tmp))))
+    node.drain()
+    assert node.report().draining
+    with pytest.raises(Draining):
+        rig.run(rig.registry.create_bottle("new"))
+    with pytest.raises(Draining):
+        rig.run(rig.registry.create_bottle("vm2", spec=parse_bottle_spec("vm2", spec_doc(tmp))))
+    assert not rig.registry.has_bottle("new") and rig.registry.state_of("new") is None
+    # the bottles held keep working: a forward is added and the VM bottle is still ready
+    rig.run(rig.registry.add_forward("kept", "web", parse_target("127.0.0.1:9")))
+    assert rig.registry.get_bottle("vm1").state == "ready"
+    rig.run(rig.registry.destroy_bottle("vm1"))
+    assert [(e.kind, e.bottle) for e in seen if e.kind in (DRAINED, UNDRAINED)] == [(DRAINED, "")]
+    node.undrain()
+    rig.run(rig.registry.create_bottle("new"))
+    assert [e.kind for e in seen if e.kind in (DRAINED, UNDRAINED)] == [DRAINED, UNDRAINED]
+
+
+def test_config_bottles_are_not_refused(rigs: Rigs) -> None:
+    """The config file's bottles are made again at every start: a draining node makes them."""
+    rig = rigs()
+    node = node_of(rig)
+    node.drain()
+    rig.run(rig.registry.create_bottle("cfg", source=Source.CONFIG))
+    assert rig.registry.has_bottle("cfg")
+
+
+def test_drain_survives_a_restart(rigs: Rigs) -> None:
+    """The drain is in the state store: a restarted daemon still refuses; undrain too."""
+    first = rigs()
+    node_of(first).drain()
+    first.close()
+    second = rigs()
+    node = node_of(second)
+    assert node.draining
+    with pytest.raises(Draining):
+        second.run(second.registry.create_bottle("b1"))
+    node.undrain()
+    second.close()
+    third = rigs()
+    assert not node_of(third).draining
+    third.run(third.registry.create_bottle("b1"))
+
+
+def test_wait_for_empty_ends_when_the_last_bottle_goes(rigs: Rigs) -> None:
+    """A drain's wait answers True once the last bottle is destroyed, not before."""
+    rig = rigs()
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("a"))
+    rig.run(rig.registry.create_bottle("b"))
+    node.drain()
+    waiting = rig.start(node.when_empty(600))
+    assert not waiting.called
+    rig.run(rig.registry.destroy_bottle("a"))
+    assert not waiting.called
+    rig.run(rig.registry.destroy_bottle("b"))
+    assert rig.result(waiting) is True
+
+
+def test_wait_for_empty_times_out(rigs: Rigs) -> None:
+    """With a bottle still held, the wait answers False after its timeout (on the clock)."""
+    rig = rigs()
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("a"))
+    node.drain()
+    waiting = rig.start(node.when_empty(30))
+    rig.clock.advance(29)
+    assert not waiting.called
+    rig.clock.advance(1)
+    assert rig.result(waiting) is False
+
+
+def test_wait_on_an_empty_node_answers_at_once(rigs: Rigs) -> None:
+    """No bottle held: the wait is over before it starts."""
+    rig = rigs()
+    node = node_of(rig)
+    node.drain()
+    assert rig.run(node.when_empty(30)) is True
+
+
+def test_report(rigs: Rigs, tmp: str) -> None:
+    """NodeInfo's values: capacity counts bottles and VM bottles, labels, health, KVM."""
+    rig = rigs(max_bottles=7)
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("plain"))
+    rig.run(rig.registry.create_bottle("vm1", spec=parse_bottle_spec("vm1", spec_doc(tmp))))
+    r = node.report()
+    assert (r.capacity.max_bottles, r.capacity.bottles, r.capacity.vm_bottles) == (7, 2, 1)
+    assert r.capacity.connections_total == rig.table.budget.total
+    assert (r.host, r.labels, r.health, r.reasons, r.draining) == (
+        "n1",
+        (("zone", "a"),),
+        "ok",
+        (),
+        False,
+    )
+    assert not r.vm_possible and r.vm_why_not == "no smolvm found"
+
+
+def test_a_kvm_failure_is_learned(rigs: Rigs) -> None:
+    """A create that failed with KVM_UNAVAILABLE makes VM bottles impossible, with why."""
+    rig = rigs()
+    node = node_of(rig)
+    node.smolvm_found, node.smolvm_problem, node.smolvm_version = True, None, "1.32.2"
+    from vmctl.kvm import KvmStatus
+
+    node.kvm = KvmStatus(True)
+    assert node.report().vm_possible
+    rig.registry.emit("destroyed", "x", None, "create failed: KVM_UNAVAILABLE")
+    r = node.report()
+    assert not r.vm_possible and "KVM_UNAVAILABLE" in (r.vm_why_not or "")
+
+
+def test_unwritable_state_keeps_the_node_open(rigs: Rigs, monkeypatch: Any) -> None:
+    """A drain that cannot be made durable is UNAVAILABLE and changes nothing."""
+    rig = rigs()
+    node = node_of(rig)
+
+    def fail(record: dict[str, Any]) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.store, "put_node", fail)
+    with pytest.raises(Exception) as e:
+        node.drain()
+    assert getattr(e.value, "code", None) == "UNAVAILABLE"
+    assert not node.draining
+    rig.run(rig.registry.create_bottle("b1"))

@@ -1,0 +1,145 @@
+"""Leases (issue 28): a bottle whose owner stopped renewing is reaped by the daemon, and only
+it; a wall-clock jump reaps nothing early; a restart keeps counting and gives the grace
+again. In process, on clocks, with the in-memory smolvm (``tests/bottles/memsmolvm.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from twisted.logger import LogEvent, formatEvent, globalLogPublisher
+
+from bottlenet.bottles.events import LEASE_EXPIRED, BottleEvent
+from bottlenet.bottles.spec import parse_bottle_spec
+from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.errors import InvalidArgument, NotFound
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import Rig
+from tests.bottles.test_drain import node_of
+
+Rigs = Callable[..., Rig]
+
+
+class Monotonic:
+    """A monotonic clock of the test's own: the reactor's (wall) clock may jump apart."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def lease(seconds: float, owner: str = "trainer-1") -> Tenancy:
+    t = Tenancy.requested(owner, seconds, None)
+    assert t is not None
+    return t
+
+
+def advance(rig: Rig, mono: Monotonic, seconds: float) -> None:
+    """Both clocks move on together (no jump), a second at a time."""
+    for _ in range(int(seconds)):
+        mono.now += 1
+        rig.clock.advance(1)
+        rig.settle()
+
+
+def kinds(seen: list[BottleEvent], name: str) -> list[str]:
+    return [e.kind for e in seen if e.bottle == name]
+
+
+def test_an_abandoned_bottle_is_reaped_and_only_it(rigs: Rigs, tmp: str) -> None:
+    """Not renewed: reaped after lease + grace (event, log line, destroy); renewed: kept;
+    no lease: never touched."""
+    rig = rigs()
+    mono = Monotonic()
+    node = node_of(rig, mono, grace=30)
+    seen: list[BottleEvent] = []
+    rig.registry.events.subscribe(seen.append)
+    logged: list[LogEvent] = []
+    globalLogPublisher.addObserver(logged.append)
+    try:
+        spec = parse_bottle_spec("gone", spec_doc(tmp))
+        rig.run(rig.registry.create_bottle("gone", spec=spec, tenancy=lease(60)))
+        rig.run(rig.registry.create_bottle("kept", tenancy=lease(60)))
+        rig.run(rig.registry.create_bottle("plain"))
+        advance(rig, mono, 50)
+        node.renew_lease("kept", 60)
+        advance(rig, mono, 39)  # 89 s: "gone"'s lease (60) and grace (30) have not passed
+        assert rig.registry.has_bottle("gone")
+        advance(rig, mono, 2)
+        assert not rig.registry.has_bottle("gone")
+        assert kinds(seen, "gone")[-2:] == [LEASE_EXPIRED, "destroyed"]
+        assert rig.smolvm.machines == {} or all("gone" not in m for m in rig.smolvm.machines)
+        text = "\n".join(formatEvent(e) for e in logged)
+        assert "bottle gone: lease of 60s ran out" in text and "owner trainer-1" in text
+        assert rig.registry.has_bottle("kept") and rig.registry.has_bottle("plain")
+        advance(rig, mono, 200)
+        assert not rig.registry.has_bottle("kept")
+        assert rig.registry.has_bottle("plain")
+        assert LEASE_EXPIRED not in kinds(seen, "plain")
+    finally:
+        globalLogPublisher.removeObserver(logged.append)
+
+
+def test_a_wall_clock_jump_reaps_nothing_early(rigs: Rigs) -> None:
+    """The reactor's clock jumps a day ahead: the keeper wakes, the monotonic clock says the
+    lease is live, nothing is reaped; it is reaped when the lease really runs out."""
+    rig = rigs()
+    mono = Monotonic()
+    node_of(rig, mono, grace=30)
+    rig.run(rig.registry.create_bottle("b1", tenancy=lease(60)))
+    rig.clock.advance(86400)
+    rig.settle()
+    assert rig.registry.has_bottle("b1")
+    advance(rig, mono, 89)
+    assert rig.registry.has_bottle("b1")
+    advance(rig, mono, 2)
+    assert not rig.registry.has_bottle("b1")
+
+
+def test_a_restart_keeps_counting_and_gives_the_grace_again(rigs: Rigs) -> None:
+    """The lease's expiry is in the state file: after a restart what is left of it counts,
+    then the grace; one that ran out while the daemon was down still gets the grace."""
+    first = rigs()
+    node_of(first, Monotonic())
+    first.run(first.registry.create_bottle("short", tenancy=lease(60)))
+    first.run(first.registry.create_bottle("long", tenancy=lease(600)))
+    assert first.state()["long"]["tenancy"]["lease"]["seconds"] == 600
+    first.close()
+
+    second = rigs()
+    second.clock.advance(300)  # wall time while the daemon was down: "short" ran out
+    mono = Monotonic()
+    node = node_of(second, mono, grace=30)
+    second.recover()
+    node.leases.restore()
+    assert second.registry.has_bottle("short"), "never reaped at start"
+    assert second.registry.get_bottle("long").tenancy == lease(600).started(0.0)
+    advance(second, mono, 29)
+    assert second.registry.has_bottle("short")
+    advance(second, mono, 2)
+    assert not second.registry.has_bottle("short")
+    advance(second, mono, 300 - 31 + 29)  # long: 300 s were left, then 30 s of grace
+    assert second.registry.has_bottle("long")
+    advance(second, mono, 2)
+    assert not second.registry.has_bottle("long")
+
+
+def test_renew_is_recorded_and_checked(rigs: Rigs) -> None:
+    """A renewal is written to the state file; a bottle without a lease or none at all is
+    refused."""
+    rig = rigs()
+    mono = Monotonic()
+    node = node_of(rig, mono)
+    rig.run(rig.registry.create_bottle("b1", tenancy=lease(60)))
+    rig.run(rig.registry.create_bottle("plain"))
+    rig.clock.advance(10)
+    node.renew_lease("b1", 120)
+    assert rig.state()["b1"]["tenancy"]["lease"] == {"seconds": 120.0, "expires_at": 130.0}
+    with pytest.raises(InvalidArgument):
+        node.renew_lease("plain", 60)
+    with pytest.raises(NotFound):
+        node.renew_lease("nope", 60)
+    with pytest.raises(InvalidArgument):
+        node.renew_lease("b1", 0)
