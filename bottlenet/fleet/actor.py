@@ -92,7 +92,7 @@ class BottleActor:
                 if r.lease_seconds is None:
                     c.create_bottle(self.name, r.alias, r.spec, timeout=r.create_timeout)
                 else:
-                    c.create_bottle(  # type: ignore[call-arg]  # the node contract (issue 28)
+                    c.create_bottle(
                         self.name,
                         r.alias,
                         r.spec,
@@ -143,7 +143,7 @@ class BottleActor:
 
     def _renew(self, seconds: float) -> None:
         with self._client() as c:
-            c.renew_lease(self.name, seconds)  # type: ignore[attr-defined]
+            c.renew_lease(self.name, seconds)
 
     def _keep(self) -> None:
         end = self._keeper.run()

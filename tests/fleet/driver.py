@@ -15,6 +15,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from bottlenet.fleet import Bottle, BottlePool, BottleRequest
+from bottlenet.fleet.placement import Placer
 
 pools: dict[str, BottlePool] = {}
 
@@ -61,6 +62,21 @@ def handle(req: dict[str, Any]) -> Any:
         ).open()
         pools[req["id"]] = pool
         return {"bottles": _describe(pool.bottles), "seconds": time.monotonic() - started}
+    if op == "timed_pool":
+        # as "pool", plus each bottle's seconds from the request to ready (the benchmark)
+        request = BottleRequest(lease_seconds=req.get("lease"), name_prefix="bench")
+        started = time.monotonic()
+        ready: list[float] = []
+
+        def progress(done: int) -> None:
+            ready.extend([time.monotonic() - started] * (done - len(ready)))
+
+        bottles = Placer(
+            request, req["count"], timeout=req.get("timeout", 600), progress=progress
+        ).run()
+        pools[req["id"]] = BottlePool(len(bottles), request)
+        pools[req["id"]].bottles = bottles
+        return {"bottles": _describe(bottles), "ready": ready}
     if op == "status":
         # the daemon's record through each actor: a round trip to the bottle's own node
         bottles = pools[req["id"]].bottles

@@ -8,9 +8,7 @@ failure of docs/fleet.md in turn. The tests run in order on one cluster.
 
 from __future__ import annotations
 
-import functools
 import json
-import operator
 import os
 import shutil
 import subprocess
@@ -69,6 +67,9 @@ class Tier:
         with node.client() as c:
             return list(c.all_bottles())
 
+    def all_answer(self, pool: str) -> bool:
+        return all(set(v) <= {"ok"} for v in self.status_by_node(pool).values())
+
     def status_by_node(self, pool: str) -> dict[str, list[str]]:
         """Each node's results of the trainer's status call on every bottle of ``pool``."""
         out: dict[str, list[str]] = {}
@@ -98,7 +99,11 @@ def tier() -> Iterator[Tier]:
             driver.close()
         namespaces = cluster.namespace_ids()
         cluster.stop()
-        assert cluster.processes_in(namespaces) == [], "processes left in the namespaces"
+        wait_until(
+            "no process left in the cluster's namespaces",
+            lambda: cluster.processes_in(namespaces) == [],
+            60,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -202,7 +207,7 @@ def test_a_head_restart_reaps_nothing(tier: Tier) -> None:
     assert len(every) == sum(len(v) for v in before.values())
     wait_until(
         "the actors answer the trainer again",
-        lambda: set(functools.reduce(operator.iadd, tier.status_by_node("main").values(), [])) == {"ok"},
+        lambda: tier.all_answer("main"),
         120,
     )
 
