@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 
@@ -24,6 +25,7 @@ def daemon() -> Iterator[NodeDaemon]:
         yield d
     finally:
         d.stop()
+        shutil.rmtree(d.root, ignore_errors=True)
 
 
 def test_the_node_offers_its_capacity_and_labels(
@@ -44,7 +46,11 @@ def test_the_node_offers_its_capacity_and_labels(
 
 def test_no_daemon_is_one_line_and_status_1(capsys: pytest.CaptureFixture[str]) -> None:
     """A socket nobody listens on: one line naming it, exit status 1, no traceback."""
-    path = os.path.join(tempfile.mkdtemp(prefix="bnr-", dir="/tmp"), "none.sock")
-    assert main(["--control", path]) == 1
+    root = tempfile.mkdtemp(prefix="bnr-", dir="/tmp")
+    path = os.path.join(root, "none.sock")
+    try:
+        assert main(["--control", path]) == 1
+    finally:
+        shutil.rmtree(root)
     err = capsys.readouterr().err
     assert err.startswith("raystart: ") and "Traceback" not in err and path in err
