@@ -458,18 +458,29 @@ class Driver:
     """The trainer: ``tests.fleet.driver`` in the trainer's namespace, one JSON line per call."""
 
     proc: subprocess.Popen[bytes]
+    pending: bytes = b""
 
     def call(self, op: str, timeout: float = 300, **args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the driver ended during {op} (see driver.log)")
-        reply = json.loads(line)
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            line, newline, rest = self.pending.partition(b"\n")
+            if newline:
+                self.pending = rest
+                if line.startswith(b"@reply "):
+                    break
+                continue
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the driver ended during {op} (see driver.log)")
+            self.pending += chunk
+        reply = json.loads(line[len(b"@reply ") :])
         if "error" in reply:
             raise AssertionError(f"driver {op}: {reply['error']}")
         return reply["result"]

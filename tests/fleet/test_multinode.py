@@ -35,7 +35,7 @@ from tests.fleet.netns import (
 
 LEASE = 6.0
 GRACE = 3.0
-CAPACITY = (14, 14, 14)
+CAPACITY = (20, 20, 20)
 FORWARD = 30
 
 if shutil.which("redis-server") is None or shutil.which("nsenter") is None:
@@ -114,15 +114,15 @@ def vm_spec(tier: Tier) -> str:
 def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
     """30 forward-only bottles and a VM bottle on each node: every bottle sits on its actor's
     node, and no node holds more than its ``bottle`` resource."""
-    result = tier.d.call("pool", id="main", count=FORWARD, lease=LEASE, timeout=600)
-    tier.pools["main"] = result["bottles"]
-    tier.figures["pool_seconds"] = result["seconds"]
-    for n in tier.c.nodes:
+    for n in tier.c.nodes:  # first: Ray packs the pool's bottles onto the fewest nodes
         vm = tier.d.call(
             "pool", id=f"vm-{n.label}", count=1, lease=LEASE, spec=vm_spec(tier),
             selector={"bottlenet-node": n.label}, prefix="vm",
         )  # fmt: skip
         tier.pools[f"vm-{n.label}"] = vm["bottles"]
+    result = tier.d.call("pool", id="main", count=FORWARD, lease=LEASE, timeout=600)
+    tier.pools["main"] = result["bottles"]
+    tier.figures["pool_seconds"] = result["seconds"]
     held = tier.held()
     for n in tier.c.nodes:
         assert len(held[n.label]) <= n.bottles, (n.label, len(held[n.label]))
@@ -137,14 +137,16 @@ def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
 
 
 def test_a_drained_node_gets_no_new_bottle_while_its_bottles_work(tier: Tier) -> None:
-    """The fullest node drained: 4 new bottles all land elsewhere (its DRAINING refusals
-    placed again), and every bottle it holds still answers, its VM bottle still execs."""
+    """The node with the most room drained (Ray would pick it): 4 new bottles all land
+    elsewhere (its DRAINING refusals placed again), and every bottle it holds still answers,
+    its VM bottle still execs."""
     held = tier.held()
-    drained = tier.node(max(held, key=lambda label: len(held[label])))
+    drained = max(tier.c.nodes, key=lambda n: n.bottles - len(held[n.label]))
     with drained.client() as c:
         c.drain()
     try:
         more = tier.d.call("pool", id="more", count=4, lease=LEASE, timeout=300)
+        tier.figures["drain_refusals"] = more["refusals"]
         assert {tier.label_of(b["node_id"]) for b in more["bottles"]} <= {
             n.label for n in tier.c.nodes if n is not drained
         }
