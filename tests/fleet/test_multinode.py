@@ -174,7 +174,7 @@ def test_a_restarted_daemon_restores_its_bottles_and_the_actors_carry_on(tier: T
     killed_at = time.time()
     n1.kill_daemon()
     tier.c.start_daemon(n1)
-    assert n1.names() == before
+    wait_until("n1's daemon restores every bottle", lambda: n1.names() == before, 60)
     wait_until(
         "n1's leases renewed after the restart",
         lambda: all(r.lease_expires_at > killed_at + LEASE for r in tier.records(n1)),
