@@ -397,7 +397,7 @@ class NetCluster:
 
     def stop_ray(self, node: Node) -> None:
         """Every Ray process of ``node`` (raylet, agents, workers) killed."""
-        for pid in node.ns.pids("ray"):
+        for pid in node.ns.pids("site-packages/ray/"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
