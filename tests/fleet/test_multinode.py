@@ -284,7 +284,8 @@ def test_a_scoped_uid_cannot_see_or_touch_another_owners_bottle(tier: Tier) -> N
         pytest.skip("Ray runs as root here (the system python cannot import this tree)")
     n1 = tier.node("n1")
     ray_bottle = next(iter(n1.names()))
-    assert json.loads(_ctl(OTHER_UID, n1, "bottle", "ls").stdout)["bottles"] == []
+    listed = _ctl(OTHER_UID, n1, "bottle", "ls")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stdout
     for args in (("bottle", "status", ray_bottle), ("bottle", "rm", ray_bottle)):
         done = _ctl(OTHER_UID, n1, *args)
         assert done.returncode != 0 and "NOT_FOUND" in done.stderr, done.stderr
