@@ -200,7 +200,11 @@ class Node:
         log = open(os.path.join(self.root, "daemon.log"), "ab")
         self.daemon = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
         log.close()
-        wait_until(f"{self.label}'s daemon answers", self._answers, 60)
+        try:
+            wait_until(f"{self.label}'s daemon answers", self._answers, 120)
+        except AssertionError as e:
+            with open(os.path.join(self.root, "daemon.log"), errors="replace") as f:
+                raise AssertionError(f"{e}: {f.read()[-1500:]}") from None
 
     def _answers(self) -> bool:
         try:
@@ -326,7 +330,7 @@ class NetCluster:
         for i, count in enumerate(self.bottles):
             node = Node(i + 1, os.path.join(self.root, f"n{i + 1}"), count, Namespace(f"n{i + 1}"))
             os.makedirs(node.root, exist_ok=True)
-            os.chmod(node.root, 0o711)  # Ray's uid reaches the control socket (0666) in it
+            os.chmod(node.root, 0o701)  # Ray's uid reaches the control socket (0666) in it
             self._plug(node.ns, node.ip, f"vn{node.index}")
             self.start_daemon(node)
             self.nodes.append(node)
@@ -393,7 +397,7 @@ class NetCluster:
 
     def stop_ray(self, node: Node) -> None:
         """Every Ray process of ``node`` (raylet, agents, workers) killed."""
-        for pid in node.ns.pids("ray"):
+        for pid in node.ns.pids("site-packages/ray/"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -412,6 +416,35 @@ class NetCluster:
             )
         return Driver(proc)
 
+    def all_namespaces(self) -> list[Namespace]:
+        return [*(n.ns for n in self.nodes), self.trainer, self.head, self.redis, self.switch]
+
+    def namespace_ids(self) -> set[str]:
+        """The network and PID namespaces of the cluster as the kernel names them."""
+        ids = set()
+        for ns in self.all_namespaces():
+            if ns.pid:
+                for kind in ("net", "pid"):
+                    with contextlib.suppress(OSError):
+                        ids.add(os.readlink(f"/proc/{ns.pid}/ns/{kind}"))
+        return ids
+
+    @staticmethod
+    def processes_in(ids: set[str]) -> list[int]:
+        """Processes of this machine still in any of those namespaces."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            for kind in ("net", "pid"):
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/{kind}") in ids:
+                        found.append(int(entry))
+                        break
+                except OSError:
+                    continue
+        return found
+
     def stop(self) -> None:
         """Everything down, nodes first (their daemons' fakes' VMs die with them)."""
         for node in self.nodes:
@@ -425,18 +458,29 @@ class Driver:
     """The trainer: ``tests.fleet.driver`` in the trainer's namespace, one JSON line per call."""
 
     proc: subprocess.Popen[bytes]
+    pending: bytes = b""
 
     def call(self, op: str, timeout: float = 300, **args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the driver ended during {op} (see driver.log)")
-        reply = json.loads(line)
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            line, newline, rest = self.pending.partition(b"\n")
+            if newline:
+                self.pending = rest
+                if line.startswith(b"@reply "):
+                    break
+                continue
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the driver ended during {op} (see driver.log)")
+            self.pending += chunk
+        reply = json.loads(line[len(b"@reply ") :])
         if "error" in reply:
             raise AssertionError(f"driver {op}: {reply['error']}")
         return reply["result"]
