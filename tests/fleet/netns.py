@@ -31,10 +31,9 @@ from typing import Any
 
 import attrs
 
-from bottlenet.control.blocking import BlockingControlClient
 from tests.control.daemon_helpers import REPO, daemon_argv
-from tests.fakes import FAKE_SMOLVM, FakeSmolvm
-from tests.fleet.daemons import QUIET_RAY
+from tests.fakes import FAKE_SMOLVM
+from tests.fleet.daemons import QUIET_RAY, NodeDaemon
 
 SUBNET = "198.19.77"
 HEAD_IP = f"{SUBNET}.1"
@@ -158,14 +157,12 @@ class Namespace:
 
 
 @attrs.define
-class Node:
-    """A bottle node: its namespace, bottlenet daemon and raylet."""
+class Node(NodeDaemon):
+    """A bottle node: its namespace, its bottlenet daemon (state, socket, fake smolvm as
+    :class:`NodeDaemon`'s) and its raylet."""
 
-    index: int
-    root: str
-    bottles: int
-    ns: Namespace
-    daemon: subprocess.Popen[bytes] | None = None
+    bottles: int = attrs.field(kw_only=True)
+    ns: Namespace = attrs.field(kw_only=True)
 
     @property
     def ip(self) -> str:
@@ -175,22 +172,6 @@ class Node:
     def label(self) -> str:
         return f"n{self.index}"
 
-    @property
-    def control(self) -> str:
-        return os.path.join(self.root, "c.sock")
-
-    @property
-    def fake(self) -> FakeSmolvm:
-        return FakeSmolvm(os.path.join(self.root, "vm"))
-
-    def client(self, timeout: float = 30) -> BlockingControlClient:
-        """The daemon's control socket, from outside: a path on the shared filesystem."""
-        return BlockingControlClient(self.control, timeout=timeout)
-
-    def names(self) -> set[str]:
-        with self.client() as c:
-            return {b.name for b in c.all_bottles()}
-
     def start_daemon(self, env: dict[str, str], extra: Sequence[str] = ()) -> None:
         argv = daemon_argv(
             os.path.join(self.root, "state"), self.control,
@@ -198,7 +179,7 @@ class Node:
             "--unsafe-skip-isolation-probe", *extra,
         )  # fmt: skip
         log = open(os.path.join(self.root, "daemon.log"), "ab")
-        self.daemon = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
+        self.proc = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
         log.close()
         try:
             wait_until(f"{self.label}'s daemon answers", self._answers, 120)
@@ -218,9 +199,9 @@ class Node:
         """SIGKILL the daemon (as a crash): its VMs and state stay."""
         for pid in self.ns.pids("bottlenet --log-format"):
             os.kill(pid, signal.SIGKILL)
-        if self.daemon is not None:
-            self.daemon.wait(timeout=30)
-            self.daemon = None
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+            self.proc = None
 
 
 #: The uid Ray runs as (never root: docs/fleet.md); each daemon admits it scoped.
@@ -328,7 +309,8 @@ class NetCluster:
         self._plug(self.trainer, TRAINER_IP, "vtrainer")
         self._ray_start(self.trainer, TRAINER_IP, "trainer", num_cpus=2, bottles=0)
         for i, count in enumerate(self.bottles):
-            node = Node(i + 1, os.path.join(self.root, f"n{i + 1}"), count, Namespace(f"n{i + 1}"))
+            root = os.path.join(self.root, f"n{i + 1}")
+            node = Node(root, i + 1, bottles=count, ns=Namespace(f"n{i + 1}"))
             os.makedirs(node.root, exist_ok=True)
             os.chmod(node.root, 0o701)  # Ray's uid reaches the control socket (0666) in it
             self._plug(node.ns, node.ip, f"vn{node.index}")
