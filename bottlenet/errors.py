@@ -78,6 +78,13 @@ class BridgeFailed(SmolvmFailed):
     code = "BRIDGE_FAILED"
 
 
+class SidecarNotReady(SmolvmFailed):
+    """A sidecar service never answered on its socket after the sidecar started (within the
+    bound); the create was rolled back."""
+
+    code = "SIDECAR_NOT_READY"
+
+
 class IsolationUnavailable(BottlenetError):
     code = "ISOLATION_UNAVAILABLE"
 
@@ -121,6 +128,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     SmolvmFailed,
     KvmUnavailable,
     BridgeFailed,
+    SidecarNotReady,
     IsolationUnavailable,
     IsolationFailed,
     Unavailable,

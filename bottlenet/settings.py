@@ -144,6 +144,14 @@ class Options(usage.Options):
                 bounded_seconds(600, zero_is_off=False),
             ],
             [
+                "sidecar-ready-timeout",
+                None,
+                "60",
+                "Seconds a new sidecar's services get to answer on their sockets "
+                "(SIDECAR_NOT_READY after).",
+                bounded_seconds(600, zero_is_off=False),
+            ],
+            [
                 "control",
                 None,
                 None,
@@ -355,6 +363,8 @@ class DaemonSettings:
     config: DaemonConfig
     config_path: str
     connect_timeout: float
+    #: Seconds a new sidecar's services get to answer (``bottles/readiness.py``).
+    sidecar_ready_timeout: float
     relay_engine: str
     budgets: RelayBudgets
     max_bottles: int
@@ -431,6 +441,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         config=config,
         config_path=config_path or "",
         connect_timeout=options["connect-timeout"],
+        sidecar_ready_timeout=options["sidecar-ready-timeout"],
         relay_engine=options["relay-engine"],
         budgets=RelayBudgets(
             options["max-bottle-connections"],

@@ -49,6 +49,7 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
+from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
@@ -313,7 +314,13 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    vmctl_service, smolvm = build_smolvm(reactor, settings.smolvm, on_call=smolvm_calls.record)
+    # The session wrapper prefers the trusted probe kit's python3, as the gate does.
+    vmctl_service, smolvm = build_smolvm(
+        reactor,
+        settings.smolvm,
+        on_call=smolvm_calls.record,
+        session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
+    )
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
     table = ForwardTable(
@@ -337,6 +344,7 @@ def _core(
         gate=settings.gate,
         skip_probe=settings.skip_probe,
         vm_uids=VmUids.for_euid(os.geteuid()),
+        sidecar_ready_timeout=settings.sidecar_ready_timeout,
     )
     vms = VMLifecycle(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
@@ -357,7 +365,30 @@ def _core(
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
-    factory = ControlServerFactory(
+    factory = _control_factory(settings, reactor, registry, node, control_commands)
+    root = BottlenetService(
+        reactor,
+        table,
+        registry,
+        smolvm,
+        factory,
+        settings.state_dir,
+        smolvm_calls,
+        control_commands,
+    )
+    root.node = node
+    return root, vmctl_service, vms
+
+
+def _control_factory(
+    settings: DaemonSettings,
+    reactor: Any,
+    registry: BottleRegistry,
+    node: Node,
+    control_commands: metrics.CommandStats,
+) -> ControlServerFactory:
+    """The control socket's factory over the registry and the node (the TLS one copies it)."""
+    return ControlServerFactory(
         registry,
         server_version=__version__,
         smolvm_version=None,
@@ -371,18 +402,6 @@ def _core(
         scoped_uids=settings.scoped_uids,
         creators=Creators(registry.events.subscribe),
     )
-    root = BottlenetService(
-        reactor,
-        table,
-        registry,
-        smolvm,
-        factory,
-        settings.state_dir,
-        smolvm_calls,
-        control_commands,
-    )
-    root.node = node
-    return root, vmctl_service, vms
 
 
 def _node(

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from attrs import frozen
 from twisted.application.service import Service
@@ -99,8 +99,10 @@ def build_smolvm(
     device_budget: int = DEFAULT_DEVICE_BUDGET,
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
     on_call: CallObserver | None = None,
+    session_pythons: Sequence[str] = ("python3",),
 ) -> tuple[VmctlService, Smolvm]:
-    """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call)."""
+    """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call;
+    ``session_pythons``: the guest interpreters the session wrapper tries)."""
     runner = ProcessRunner(reactor, clock)
     smolvm = Smolvm(
         runner,
@@ -110,6 +112,7 @@ def build_smolvm(
         timeouts=timeouts,
         device_budget=device_budget,
         on_call=on_call,
+        session_pythons=session_pythons,
     )
     return VmctlService(runner, stop_deadline), smolvm
 

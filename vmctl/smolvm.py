@@ -23,6 +23,7 @@ from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 from twisted.logger import Logger
 
+from vmctl import sessionend
 from vmctl.errors import (
     InvalidArgument,
     NotFound,
@@ -330,6 +331,7 @@ class Smolvm:
         device_budget: int = DEFAULT_DEVICE_BUDGET,
         check_version: bool = True,
         on_call: CallObserver | None = None,
+        session_pythons: Sequence[str] = ("python3",),
     ) -> None:
         if isinstance(binary, str):
             if not os.path.isabs(binary):
@@ -344,6 +346,9 @@ class Smolvm:
         self.device_budget = device_budget
         self.check_version = check_version
         self.on_call = on_call
+        #: The guest interpreters tried, in order, for the session wrapper
+        #: (:mod:`vmctl.sessionend`): every attached command ends with its session.
+        self.session_pythons = tuple(session_pythons)
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
         #: The version+features run in flight; it fires with None or the exception it met (a
@@ -623,6 +628,8 @@ class Smolvm:
         """
         # Refuse bad values before anything is spawned (the gate included).
         exec_args(name, argv, env, workdir, stdin is not None, detach, user)
+        if stdin is not None:  # -i: smolvm's --timeout would kill only crun exec
+            argv = sessionend.wrap(argv, self.session_pythons)
         await self._gate()
         features = self._features or Features()
         if user is not None and not features.exec_user:
@@ -692,7 +699,8 @@ class Smolvm:
         smolvm reads the guest terminal's size from it and, on SIGWINCH, again, so a
         resize is :func:`set_pty_size` on the transport's ``fd``. Nothing of the command
         line or its output is logged here. The caller ends the child (``signalProcess``)
-        when its client goes away; smolvm then ends the guest command.
+        when its client goes away; smolvm then kills only ``crun exec``, and the session
+        wrapper (:mod:`vmctl.sessionend`) ends the guest command.
         """
         exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
         await self._gate()
@@ -701,6 +709,7 @@ class Smolvm:
         if self.binary is None:
             raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
         reactor: Any = self.runner.reactor
+        argv = sessionend.wrap(argv, self.session_pythons)
         rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
         full = [self.binary, *self.machine_args("exec", *rest)]
         self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)

@@ -10,6 +10,16 @@ must be seen on the host. A bridge that dies later is restarted with back-off an
 ``on_restarted`` is told; after :data:`MAX_FAILURES` deaths in a row (a run shorter than
 :data:`STABLE_SECONDS` counts as one) ``on_failed`` is told the reason and nothing is
 restarted any more. Nothing the guest prints is repeated but validated words.
+
+A bridged connection the host never sees (issue 27 item 3): a real VM confirms the guest's
+connect to a mounted socket even when its VMM could not connect the host side, and the
+client then waits forever. The bridge reports each connection it makes (``BNB conn <port>``);
+:data:`CHECK_AFTER` seconds after a report the daemon compares the reports with the
+connections the endpoint's listener saw (accepted or refused), and when some never arrived
+it logs why (``unseen.py``: the endpoint, and the grant the host can check) and tells the
+bridge ``down <port>``: that port's connections with no answer yet end, their clients get
+EOF. Direct connections to the socket only add to the host's count, so a missed connection
+may go unnoticed, never a healthy one closed.
 """
 
 from __future__ import annotations
@@ -30,6 +40,8 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.model import Endpoint
 from bottlenet.bottles.probe import divert_to_witness
+from bottlenet.bottles.unseen import refused_count, seen_count, vmm_uid, why_unseen
+from bottlenet.bottles.vmloss import lost_reason
 from bottlenet.bridge.script import (
     ARGV,
     EXIT_BIND,
@@ -57,6 +69,11 @@ STABLE_SECONDS = 60.0
 BACKOFF_FIRST = 0.5
 BACKOFF_MAX = 30.0
 _BIND = re.compile(rb"^BNB bind ([0-9]{1,5}) ([A-Z0-9]{1,20})$", re.MULTILINE)
+_CONN = re.compile(rb"^BNB conn ([0-9]{1,5})$")
+#: Seconds after a bridged connection's report by which the host must have seen it.
+CHECK_AFTER = 2.0
+#: Connections the host may count before their reports arrive: kept as slack between checks.
+SLACK = 8
 
 
 class BridgeState(StrEnum):
@@ -68,6 +85,11 @@ class BridgeState(StrEnum):
     RESTARTING = "restarting"
     FAILED = "failed"
     STOPPED = "stopped"
+
+
+def ports_of(endpoints: Sequence[Endpoint]) -> dict[int, tuple[str, str]]:
+    """Each bridged guest port's service and host endpoint path."""
+    return {e.guest_port: (e.service, e.path) for e in endpoints if e.guest_path is not None}
 
 
 def bridges_of(endpoints: Sequence[Endpoint]) -> list[Bridge]:
@@ -84,13 +106,17 @@ class BridgeSession(ProcessProtocol):
     why it ended first), ``ended`` fires when it ends. Keeps at most ``MAX_OUTPUT`` bytes."""
 
     MAX_OUTPUT = 512
+    MAX_LINE = 64
 
     def __init__(self, script: bytes) -> None:
         self.script = script
         self.ready: Deferred[None] = Deferred()
         self.ended: Deferred[int | None] = Deferred()
         self._out = bytearray()
+        self._line = b""
         self.stopping = False
+        #: Told the port of each connection the bridge made (after ``ready``).
+        self.on_conn: Callable[[int], None] = lambda port: None
 
     def connectionMade(self) -> None:
         assert self.transport is not None
@@ -98,11 +124,30 @@ class BridgeSession(ProcessProtocol):
         self.transport.write(self.script)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == 1 and self.ready.called:
+            self._reports(data)
+            return
         if childFD != 1 or len(self._out) >= self.MAX_OUTPUT:
             return
         self._out += data[: self.MAX_OUTPUT - len(self._out)]
         if not self.ready.called and re.search(rb"^BNB ready [0-9]+$", self._out, re.MULTILINE):
             self.ready.callback(None)
+
+    def _reports(self, data: bytes) -> None:
+        """``BNB conn <port>`` lines, each at most MAX_LINE bytes (longer ones dropped)."""
+        *lines, rest = (self._line + data).split(b"\n")
+        self._line = rest if len(rest) <= self.MAX_LINE else b""
+        for line in lines:
+            m = _CONN.match(line)
+            if m:
+                self.on_conn(int(m.group(1)))
+
+    def tell_down(self, port: int) -> None:
+        """``down <port>``: the bridge ends that port's unanswered connections."""
+        transport: IProcessTransport | None = self.transport
+        if transport is not None and not self.stopping:
+            with contextlib.suppress(Exception):
+                transport.write(b"down %d\n" % port)
 
     def processEnded(self, reason: Failure) -> None:
         code: int | None = None
@@ -134,12 +179,28 @@ class BridgeSession(ProcessProtocol):
 
 
 @define
+class _PortWatch:
+    """One bridged port: the endpoint behind it, and the bridge's reports since ``base`` (the
+    listener's count of connections seen when they were last squared)."""
+
+    service: str
+    path: str
+    base: int
+    reported: int = 0
+    timer: IDelayedCall | None = None
+
+
+@define
 class _Kept:
     """One bottle's bridge and its record of restarts."""
 
     bottle: str
     agent_vm: str
     bridges: list[Bridge]
+    #: guest port -> (service, host endpoint path), for the missed-connection check.
+    ports: dict[int, tuple[str, str]] = field(factory=dict)
+    watches: dict[int, _PortWatch] = field(factory=dict)
+    proving: bool = False
     session: BridgeSession | None = None
     state: BridgeState = BridgeState.STARTING
     restarts: int = 0
@@ -200,12 +261,57 @@ class Bridges:
             if timer.active():
                 timer.cancel()
         kept.started_at = self.reactor.seconds()
+        self._watch(kept, session)
         return session
+
+    # -- connections the host never saw ---------------------------------------------------
+
+    def _watch(self, kept: _Kept, session: BridgeSession) -> None:
+        for timer in [w.timer for w in kept.watches.values() if w.timer is not None]:
+            if timer.active():
+                timer.cancel()
+        kept.watches = {
+            port: _PortWatch(service, path, seen_count(self.table, kept.bottle, service))
+            for port, (service, path) in kept.ports.items()
+        }
+        session.on_conn = lambda port: self._reported(kept, session, port)
+
+    def _reported(self, kept: _Kept, session: BridgeSession, port: int) -> None:
+        w = kept.watches.get(port)
+        if w is None or kept.proving or kept.session is not session:
+            return
+        w.reported += 1
+        if w.timer is None:
+            w.timer = self.reactor.callLater(CHECK_AFTER, self._square, kept, session, port, w)
+
+    def _square(self, kept: _Kept, session: BridgeSession, port: int, w: _PortWatch) -> None:
+        """The host must have seen every connection reported; if not, say why and end the
+        port's unanswered connections."""
+        w.timer = None
+        if kept.session is not session or session.stopping or kept.proving:
+            return
+        now = seen_count(self.table, kept.bottle, w.service)
+        missing = w.reported - (now - w.base)
+        if missing <= 0:
+            w.base, w.reported = max(w.base + w.reported, now - SLACK), 0
+            return
+        w.base, w.reported = now, 0
+        why = why_unseen(w.path, vmm_uid(self.table, kept.bottle), refused=False)
+        self.log.warn(
+            "bottle {bottle}: {n} bridged connection(s) to {service} (guest port {port}) never "
+            "reached the host: {why}; the bridge ends the unanswered ones (their clients get EOF)",
+            bottle=kept.bottle,
+            n=missing,
+            service=w.service,
+            port=port,
+            why=why,
+        )
+        session.tell_down(port)
 
     async def start(self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
         """Start the bottle's bridge and wait until it listens (BridgeFailed: why not)."""
         self.stop(bottle)
-        kept = _Kept(bottle, agent_vm, bridges_of(endpoints))
+        kept = _Kept(bottle, agent_vm, bridges_of(endpoints), ports_of(endpoints))
         self._kept[bottle] = kept
         session = await self._spawn(kept)
         kept.state = BridgeState.RUNNING
@@ -218,6 +324,10 @@ class Bridges:
         witness = Witness(nonce)
         mine = [e for e in endpoints if e.guest_path is not None]
         diverted: list[str] = []
+        kept = self._kept.get(bottle)
+        if kept is not None:
+            kept.proving = True  # the reach check's connections go to the witness
+        refused = {e.service: refused_count(self.table, bottle, e.service) for e in mine}
         try:
             for e in mine:
                 divert_to_witness(
@@ -239,9 +349,22 @@ class Bridges:
             for label in diverted:
                 with contextlib.suppress(Exception):
                     self.table.divert(bottle, label, None)
+            if kept is not None:
+                kept.proving = False
+                if kept.session is not None:
+                    self._watch(kept, kept.session)
         missing = [e for e in mine if reach_endpoint(e.guest_port) not in witness.seen]
         if missing:
-            names = ", ".join(f"127.0.0.1:{e.guest_port} ({e.service})" for e in missing)
+            uid = vmm_uid(self.table, bottle)
+            names = "; ".join(
+                f"127.0.0.1:{e.guest_port} ({e.service}): "
+                + why_unseen(
+                    e.path,
+                    uid,
+                    refused=refused_count(self.table, bottle, e.service) > refused[e.service],
+                )
+                for e in missing
+            )
             raise BridgeFailed(
                 f"the bridge in {agent_vm} does not reach the host's endpoint for {names}"
             )
@@ -261,7 +384,13 @@ class Bridges:
         started again, unproven (the workload already runs)."""
         kept = self._kept.get(bottle)
         if kept is None:
-            kept = _Kept(bottle, agent_vm, bridges_of(endpoints), state=BridgeState.RESTARTING)
+            kept = _Kept(
+                bottle,
+                agent_vm,
+                bridges_of(endpoints),
+                ports_of(endpoints),
+                state=BridgeState.RESTARTING,
+            )
             self._kept[bottle] = kept
             kept.on_restarted, kept.on_failed = on_restarted, on_failed
             self._restart(kept)
@@ -273,6 +402,19 @@ class Bridges:
             return
         ran = self.reactor.seconds() - kept.started_at
         kept.failures = 1 if ran >= STABLE_SECONDS else kept.failures + 1
+        Deferred.fromCoroutine(self._after_end(kept, code))
+
+    async def _after_end(self, kept: _Kept, code: int | None) -> None:
+        """A bridge whose VM is gone is not restarted: the bottle is degraded with why."""
+        gone = await lost_reason(self.smolvm, kept.agent_vm)
+        if self._kept.get(kept.bottle) is not kept:
+            return
+        if gone is not None:
+            kept.state = BridgeState.FAILED
+            kept.detail = gone
+            self.log.warn("bottle {bottle}: {detail}", bottle=kept.bottle, detail=gone)
+            kept.on_failed(gone)
+            return
         self._failed_once(kept, f"the bridge ended (exit {code})")
 
     def _failed_once(self, kept: _Kept, why: str) -> None:
@@ -325,8 +467,10 @@ class Bridges:
         kept = self._kept.pop(bottle, None)
         if kept is None:
             return
-        if kept.timer is not None and kept.timer.active():
-            kept.timer.cancel()
+        timers = [kept.timer, *(w.timer for w in kept.watches.values())]
+        for timer in timers:
+            if timer is not None and timer.active():
+                timer.cancel()
         if kept.session is not None:
             kept.session.stop()
 

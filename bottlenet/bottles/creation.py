@@ -24,7 +24,7 @@ from typing import Any
 from attrs import frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, workload
+from bottlenet.bottles import egress, readiness, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -200,6 +200,7 @@ class Creation:
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
+            await self.step_sidecar_ready(sidecar)
             bound = await self.step_bind(sidecar)
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
@@ -338,6 +339,20 @@ class Creation:
             len(sidecar.services),
             check=self.vms.check_port,
             allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+        )
+
+    async def step_sidecar_ready(self, sidecar: SidecarStarted) -> None:
+        """3b. Every service answers before the egress reload, the endpoints and the gate
+        use it (``readiness.py``: smolvm binds the sockets before the apps listen)."""
+        services = [
+            (svc.name, behind)
+            for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True)
+        ]
+        await readiness.wait_ready(
+            self.vms.reactor,
+            services,
+            probe=self.vms.service_ready,
+            timeout=self.vms.options.sidecar_ready_timeout,
         )
 
     async def step_bind(self, sidecar: SidecarStarted) -> EndpointsBound:

@@ -19,7 +19,7 @@ from attrs import evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress
+from bottlenet.bottles import egress, readiness
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
     IsolationPlan,
@@ -96,6 +96,8 @@ class VMOptions:
     allow_unverifiable_ports: bool = False
     #: smolvm's privilege model (``per-VM uids`` as root): who the VMMs run as.
     vm_uids: VmUids = VmUids.ONE
+    #: Seconds a new sidecar's services get to answer (``readiness.py``).
+    sidecar_ready_timeout: float = readiness.TIMEOUT
 
 
 def vm_parts(spec: BottleSpec) -> tuple[SidecarSpec, AgentSpec]:
@@ -121,8 +123,10 @@ class VMLifecycle:
         options: VMOptions,
         check_port: Checker = check_port_owner,
         check_socket: SocketChecker = check_socket_owner,
+        service_ready: readiness.Answers = readiness.answers,
     ) -> None:
         self.reactor = reactor
+        self.service_ready = service_ready
         self.smolvm = smolvm
         self.table = table
         self.aliases = aliases

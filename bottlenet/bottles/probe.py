@@ -16,10 +16,11 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
-from attrs import frozen
+from attrs import evolve, frozen
 from twisted.logger import Logger
 
 from bottlenet.bottles.model import Endpoint, TCPEndpoint
+from bottlenet.bottles.unseen import refused_count, vmm_uid, why_unseen
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.table import ForwardTable
 from bottlenet.paths import open_regular
@@ -228,6 +229,7 @@ class Gate:
         markers = Markers(nonce, self.marker_dirs())
         seen: Witness | None = None
         diverted: list[str] = []
+        refused = {e.service: refused_count(self.table, bottle, e.service) for e in endpoints}
         try:
             plan = plan_gate(
                 endpoints,
@@ -264,7 +266,33 @@ class Gate:
             witnessed=None if seen is None else seen.seen,
             rw_seen=collect_rw(nonce, volumes),
         )
+        if seen is not None and not verdict.passed:
+            verdict = self._host_view(bottle, endpoints, plan, seen, refused, verdict)
         return plan, verdict
+
+    def _host_view(
+        self,
+        bottle: str,
+        endpoints: Sequence[Endpoint],
+        plan: ProbePlan,
+        seen: Witness,
+        refused: dict[str, int],
+        verdict: Verdict,
+    ) -> Verdict:
+        """Each own endpoint the host's witness never saw, with the cause the host can see
+        (``unseen.py``: a refused VM connect hangs in the guest instead of failing)."""
+        uid = vmm_uid(self.table, bottle)
+        causes = [
+            f"own endpoint {target} ({e.service}): "
+            + why_unseen(
+                e.path,
+                uid,
+                refused=refused_count(self.table, bottle, e.service) > refused[e.service],
+            )
+            for e, target in zip(endpoints, map(str, plan.own), strict=True)
+            if target not in seen.seen
+        ]
+        return evolve(verdict, problems=(*verdict.problems, *causes))
 
     def _divert(self, bottle: str, label: str, witness: Witness, target: str) -> None:
         divert_to_witness(self.reactor, self.table, bottle, label, witness, target)

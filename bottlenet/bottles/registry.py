@@ -41,6 +41,7 @@ from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
+from bottlenet.bottles.sessions import CountedSession, SessionSlots
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import BottleMachine, Lifecycle
 from bottlenet.bottles.store import State, StateStore
@@ -118,7 +119,9 @@ class BottleRegistry:
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        self._workloads = WorkloadWatches(self._workload_exited)
+        self._workloads = WorkloadWatches(self._workload_exited, self._degrade_later)
+        #: Launcher sessions (Exec, Logs) per bottle, capped below the guest agent's limit.
+        self.sessions = SessionSlots()
         self._unsynced: dict[str, _Unsynced] = {}
         self._resync_call: Any = None
         #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
@@ -559,10 +562,27 @@ class BottleRegistry:
         stdio: tuple[int, int, int] | None = None,
     ) -> IProcessTransport:
         """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio
-        (or the command on the fds ``stdio``, ``protocol`` told only of its end)."""
-        return await attach.spawn_exec(
-            self.vms, self.exec_target(name), request, protocol, stdio=stdio
-        )
+        (or the command on the fds ``stdio``, ``protocol`` told only of its end); BUSY past
+        the bottle's session cap (``bottles/sessions.py``)."""
+        bottle = self.exec_target(name)
+        return await self._counted(bottle, request, protocol, stdio)
+
+    async def _counted(
+        self,
+        bottle: Bottle,
+        request: ExecRequest,
+        protocol: IProcessProtocol,
+        stdio: tuple[int, int, int] | None = None,
+    ) -> IProcessTransport:
+        """A launcher's session, holding one of the bottle's slots until its child ends."""
+        slot = self.sessions.take(bottle.name)
+        try:
+            return await attach.spawn_exec(
+                self.vms, bottle, request, CountedSession(protocol, slot), stdio=stdio
+            )
+        except BaseException:
+            slot.release()
+            raise
 
     def watch(self, bottle: Bottle) -> None:
         """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
@@ -589,7 +609,7 @@ class BottleRegistry:
         if vm.workload is None:
             raise InvalidArgument(f"bottle {name} runs no workload (its spec names none)")
         argv = workload.logs_argv(vm.agent_vm, tail, follow)
-        return await attach.spawn_exec(self.vms, bottle, ExecRequest(tuple(argv)), protocol)
+        return await self._counted(bottle, ExecRequest(tuple(argv)), protocol)
 
     def _wait_for_workload(self, bottle: Bottle) -> None:
         if self.vms is not None:

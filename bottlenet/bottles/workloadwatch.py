@@ -3,12 +3,15 @@
 A waiter is a process in the agent VM that ends when the workload does and reports its exit
 code (:class:`~bottlenet.bottles.workload.WorkloadWaiter`); the registry hears the code and
 turns the bottle ``exited``. A waiter whose exec fails or whose process is lost is dropped and
-logged; the workload itself is never touched (it outlives a daemon stop).
+logged; the workload itself is never touched (it outlives a daemon stop). A waiter lost because
+the agent VM stopped or crashed (a real VM takes its sessions with it: ``connection to VM
+lost``) makes the registry degrade the bottle with that reason (``bottles/vmloss.py``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from twisted.internet.defer import Deferred
 from twisted.logger import Logger
@@ -18,6 +21,7 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle
+from bottlenet.bottles.vmloss import lost_reason
 
 
 class WorkloadWatches:
@@ -25,8 +29,13 @@ class WorkloadWatches:
 
     log = Logger()
 
-    def __init__(self, exited: Callable[[str, int], None]) -> None:
+    def __init__(
+        self,
+        exited: Callable[[str, int], None],
+        vm_lost: Callable[[str, str], None] = lambda name, why: None,
+    ) -> None:
         self._exited = exited
+        self._vm_lost = vm_lost
         self._waiters: dict[str, workload.WorkloadWaiter] = {}
 
     def watch(self, vms: VMLifecycle, bottle: Bottle) -> None:
@@ -39,6 +48,8 @@ class WorkloadWatches:
         def lost() -> None:
             if self._waiters.get(name) is waiter:
                 del self._waiters[name]
+                if not waiter.cancelled:
+                    Deferred.fromCoroutine(self._after_loss(vms.smolvm, name, vm.agent_vm))
 
         waiter = workload.WorkloadWaiter(lambda code: self._ended(name, code), lost)
         self._waiters[name] = waiter
@@ -54,6 +65,17 @@ class WorkloadWatches:
 
         d = Deferred.fromCoroutine(attach.spawn_exec(vms, bottle, request, waiter))
         d.addErrback(failed)
+
+    async def _after_loss(self, smolvm: Any, name: str, agent_vm: str) -> None:
+        """The waiter ended without a code: said so, and the VM's loss made the bottle's."""
+        gone = await lost_reason(smolvm, agent_vm)
+        self.log.warn(
+            "bottle {bottle}: its workload waiter ended without an exit code ({why})",
+            bottle=name,
+            why=gone or "the agent VM runs; the workload's end will not be noticed",
+        )
+        if gone is not None:
+            self._vm_lost(name, gone)
 
     def _ended(self, name: str, code: int) -> None:
         self._waiters.pop(name, None)

@@ -7,11 +7,17 @@ stdin, never written into the image. ``BRIDGES`` is filled in by ``script.render
 accepted connection byte for byte to a fresh connection on the socket, with half-close (an
 end of stream in one direction is a ``shutdown(SHUT_WR)`` on the other side; the other
 direction keeps flowing), one ``CHUNK`` buffer per direction, at most ``MAX_CONNECTIONS`` at
-a time (more wait in the listen backlog). It runs in the foreground until killed and prints
-nothing else (no payload byte is ever printed). Its stdin is its lifeline: when stdin is a
-pipe or a socket (the daemon's exec session), its end ends the bridge, so a bridge never
-outlives the session that started it (a daemon killed with SIGKILL included); fed from a
-file or a terminal it runs until killed.
+a time (more wait in the listen backlog). It runs in the foreground until killed. Its stdin
+is its lifeline: when stdin is a pipe or a socket (the daemon's exec session), its end ends
+the bridge, so a bridge never outlives the session that started it (a daemon killed with
+SIGKILL included); fed from a file or a terminal it runs until killed.
+
+A connection the host never sees (issue 27 item 3): smolvm's VM confirms the connect to a
+mounted socket even when the host side could not connect, and then the bytes go nowhere
+with no end. So the bridge says ``BNB conn <port>`` for every connection it makes (no payload
+byte is ever printed), the daemon compares that with what its listener saw, and answers
+``down <port>`` on stdin when connections went missing: the bridge then ends that port's
+connections that have not had a byte from the socket yet, and their clients get EOF.
 
 Two blocking threads per connection, each a ``recv_into`` and ``sendall`` loop, are what
 measured cheapest (benchmarks/bridge_cost.py on the host, the real-VM tier's bridge run in a
@@ -29,6 +35,9 @@ import threading
 import time
 
 BRIDGES = []  # type: list  # filled in by script.render
+#: port -> the connections (client, upstream) that have had no byte from the socket yet.
+QUIET = {}  # type: dict
+LOCK = threading.Lock()
 
 #: One buffer per direction: large reads mean few system calls per byte.
 CHUNK = 256 * 1024
@@ -38,8 +47,9 @@ BIND_RETRY_SECONDS = 5.0
 
 
 def say(*words):
-    sys.stdout.write(" ".join(["BNB"] + [str(w) for w in words]) + "\n")
-    sys.stdout.flush()
+    with LOCK:
+        sys.stdout.write(" ".join(["BNB"] + [str(w) for w in words]) + "\n")
+        sys.stdout.flush()
 
 
 def close(sock):
@@ -49,20 +59,23 @@ def close(sock):
         pass
 
 
-def copy_buffer(src, dst):
+def copy_buffer(src, dst, first=None):
     buf = bytearray(CHUNK)
     view = memoryview(buf)
     while True:
         n = src.recv_into(buf)
         if not n:
             return
+        if first is not None:
+            first()
+            first = None
         dst.sendall(view[:n])
 
 
-def pump(src, dst, done):
+def pump(src, dst, done, first=None):
     """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
     try:
-        copy_buffer(src, dst)
+        copy_buffer(src, dst, first)
         try:
             dst.shutdown(socket.SHUT_WR)
         except OSError:
@@ -77,7 +90,25 @@ def pump(src, dst, done):
     done()
 
 
-def relay(client, path, slots):
+def heard(port, pair):
+    """The socket answered: this connection is no longer one the host may have missed."""
+    with LOCK:
+        QUIET.get(port, set()).discard(pair)
+
+
+def end_quiet(port):
+    """``down <port>``: end that port's connections that never had a byte from the socket."""
+    with LOCK:
+        pairs = list(QUIET.get(port, ()))
+    for pair in pairs:
+        for s in pair:
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+def relay(client, port, path, slots):
     """One connection: a fresh connection on the socket, two pumps, then both closed."""
     upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -87,6 +118,10 @@ def relay(client, path, slots):
         close(client)
         slots.release()
         return
+    pair = (client, upstream)
+    with LOCK:
+        QUIET.setdefault(port, set()).add(pair)
+    say("conn", port)
     left = [2]
     lock = threading.Lock()
 
@@ -95,6 +130,7 @@ def relay(client, path, slots):
             left[0] -= 1
             last = left[0] == 0
         if last:
+            heard(port, pair)
             close(client)
             close(upstream)
             slots.release()
@@ -108,10 +144,10 @@ def relay(client, path, slots):
         close(upstream)
         slots.release()
         return
-    pump(upstream, client, done)
+    pump(upstream, client, done, lambda: heard(port, pair))
 
 
-def serve(listener, path, slots):
+def serve(listener, port, path, slots):
     while True:
         slots.acquire()
         try:
@@ -123,7 +159,7 @@ def serve(listener, path, slots):
             continue
         try:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=relay, args=(client, path, slots))
+            t = threading.Thread(target=relay, args=(client, port, path, slots))
             t.daemon = True
             t.start()
         except (OSError, RuntimeError):
@@ -150,13 +186,15 @@ def bind(port):
 
 
 def lifeline():
-    """Exit when stdin (a pipe or socket: the session) ends; its bytes are discarded."""
+    """Exit when stdin (a pipe or socket: the session) ends; act on ``down <port>`` lines
+    (anything else is discarded)."""
     try:
         mode = os.fstat(0).st_mode
     except OSError:
         return
     if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
         return
+    line = b""
     while True:
         try:
             data = os.read(0, 4096)
@@ -164,6 +202,13 @@ def lifeline():
             data = b""
         if not data:
             os._exit(0)
+        line += data
+        while b"\n" in line:
+            one, line = line.split(b"\n", 1)
+            words = one.split()
+            if len(words) == 2 and words[0] == b"down" and words[1].isdigit():
+                end_quiet(int(words[1]))
+        line = line[-64:]
 
 
 def main():
@@ -179,8 +224,8 @@ def main():
             say("bind", port, errno.errorcode.get(e.errno or 0, "EUNKNOWN"))
             return EXIT_BIND
     slots = threading.Semaphore(MAX_CONNECTIONS)
-    for listener, path in listeners:
-        t = threading.Thread(target=serve, args=(listener, path, slots))
+    for (listener, path), (port, _) in zip(listeners, BRIDGES):
+        t = threading.Thread(target=serve, args=(listener, port, path, slots))
         t.daemon = True
         t.start()
     say("ready", len(listeners))

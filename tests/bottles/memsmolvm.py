@@ -287,6 +287,9 @@ class Rig:
     ) -> None:
         self.state_dir = state_dir
         os.makedirs(state_dir, mode=0o700, exist_ok=True)
+        #: Sidecar service targets that never answer, and every target tried.
+        self.silent: set[str | int] = set()
+        self.probed: list[str | int] = []
         self.clock = FDClock()
         self.smolvm = smolvm or MemorySmolvm()
         self.store = StateStore(state_dir)
@@ -307,6 +310,7 @@ class Rig:
             options=self.options,
             check_port=owned,
             check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
+            service_ready=self.answers,
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
         if self.smolvm.guest is None:
@@ -321,6 +325,12 @@ class Rig:
             instance_id=self.instance_id,
             vms=self.vms,
         )
+
+    async def answers(self, reactor: Any, target: str | int) -> bool:
+        """A sidecar service answers unless the test named its socket or port ``silent``
+        (the real probe connects: ``bottles/readiness.py``)."""
+        self.probed.append(target)
+        return target not in self.silent
 
     def honest_guest(self, script: bytes) -> ExecResult:
         """A guest that is isolated: it reaches its own endpoints (the host's witness sees

@@ -5,6 +5,7 @@ giving up after repeated failure."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.bridge import (
     BACKOFF_FIRST,
+    CHECK_AFTER,
     MAX_FAILURES,
     STABLE_SECONDS,
     START_TIMEOUT,
@@ -26,7 +28,8 @@ from bottlenet.bottles.bridge import (
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
-from vmctl.smolvm import ExecResult
+from bottlenet.forward.table import ForwardCounters
+from vmctl.smolvm import ExecResult, Machine
 
 ENDPOINTS = (
     SocketEndpoint(
@@ -53,6 +56,7 @@ class StubSmolvm:
     def __init__(self) -> None:
         self.sessions: list[tuple[BridgeSession, _Transport]] = []
         self.execs: list[bytes | None] = []
+        self.state = "running"
 
     def spawn_exec(self, name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
         assert list(argv) == ["/bin/sh", "-s"]
@@ -60,6 +64,9 @@ class StubSmolvm:
         protocol.makeConnection(t)
         self.sessions.append((protocol, t))
         return succeed(t)
+
+    def status(self, name: str) -> Deferred[Machine]:
+        return succeed(Machine(name, self.state))
 
     def exec(self, name: str, argv: Sequence[str], **kw: Any) -> Deferred[ExecResult]:
         self.execs.append(kw.get("stdin"))
@@ -69,6 +76,10 @@ class StubSmolvm:
 class StubTable:
     def __init__(self) -> None:
         self.diverted: list[tuple[str, Any]] = []
+        self.seen = 0  # connections the endpoint's listener saw (accepted or refused)
+
+    def get(self, bottle: str, label: str) -> Any:
+        return SimpleNamespace(counters=ForwardCounters(self.seen, 0, 0, 0, 0, 0))
 
     def divert(self, bottle: str, label: str, factory: Any) -> None:
         self.diverted.append((label, factory))
@@ -145,7 +156,11 @@ def test_the_proof_fails_when_the_host_saw_nothing(rig: Any) -> None:
     f = d.result
     d.addErrback(lambda _: None)
     assert isinstance(f.value, BridgeFailed)
-    assert "127.0.0.1:3128 (egress)" in f.value.message
+    # the port, its service, and the cause the host can see (issue 27 item 3)
+    assert f.value.message.endswith(
+        "127.0.0.1:3128 (egress): bottlenet's listener at /s/egress.sock never saw the "
+        "connection (a grant or uid problem)"
+    )
     assert smolvm.execs and b"BNP-WITNESS" in (smolvm.execs[0] or b"")
     # diverted to the witness, then back to the relay
     assert [label for label, _ in bridges.table.diverted] == ["egress", "egress"]
@@ -284,3 +299,40 @@ def test_a_bridges_output_is_kept_to_its_cap_whatever_one_read_brings() -> None:
     session.childDataReceived(1, b"BNB ready 1\n")
     assert len(session._out) == BridgeSession.MAX_OUTPUT
     assert not session.ready.called  # past the cap nothing more is read
+
+
+def test_a_bridge_whose_vm_died_is_not_restarted_and_says_why(rig: Any) -> None:
+    """The session ended because the agent VM stopped (smolvm: connection to VM lost, exit
+    1): on_failed is told at once that the VM is gone, and nothing is restarted against it."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    told: list[str] = []
+    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    smolvm.state = "stopped"
+    end(smolvm.sessions[0][0], 1)
+    assert told == [
+        "agent VM bn-b1-agent is stopped (it stopped or crashed): its sessions ended with it "
+        "(connection to VM lost)"
+    ]
+    assert bridges.status("b1").state is BridgeState.FAILED
+    clock.advance(3600)
+    assert len(smolvm.sessions) == 1
+
+
+def test_connections_the_host_never_saw_are_ended_and_seen_ones_are_not(rig: Any) -> None:
+    """The bridge reports each connection; the host's listener saw the first but not the two
+    after it: ``down 3128`` goes to the bridge (its unanswered clients get EOF), once."""
+    clock, smolvm, bridges = rig
+    started(rig)
+    session, t = smolvm.sessions[0]
+    sent = len(t.written)
+    session.childDataReceived(1, b"BNB conn 3128\n")
+    bridges.table.seen += 1
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b""  # seen: nothing to do
+    session.childDataReceived(1, b"BNB conn 3128\nBNB co")
+    session.childDataReceived(1, b"nn 3128\nBNB conn 99999999\n")
+    clock.advance(CHECK_AFTER)
+    assert t.written[sent:] == b"down 3128\n"
+    clock.advance(CHECK_AFTER * 10)
+    assert t.written[sent:] == b"down 3128\n"  # nothing new was reported

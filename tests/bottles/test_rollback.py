@@ -29,7 +29,14 @@ from vmctl.errors import KvmUnavailable
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult
 
-STEPS = ("step_allocate", "step_sidecar", "step_bind", "step_egress", "step_agent")
+STEPS = (
+    "step_allocate",
+    "step_sidecar",
+    "step_sidecar_ready",
+    "step_bind",
+    "step_egress",
+    "step_agent",
+)
 
 
 def spec(tmp: str, name: str = "rb", **kw: Any) -> BottleSpec:

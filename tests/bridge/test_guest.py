@@ -304,7 +304,7 @@ def test_the_accept_loop_waits_for_a_free_slot(sock_path: str) -> None:
     clients = [socket.create_connection(listener.getsockname()) for _ in range(3)]
     try:
         with pytest.raises(_WouldWait):
-            guest.serve(_Listener(), sock_path, _Slots(2))
+            guest.serve(_Listener(), 3128, sock_path, _Slots(2))
         assert len(accepted) == 2
     finally:
         for s in [*clients, listener, upstream]:
@@ -320,7 +320,37 @@ def test_a_failed_socket_connect_gives_its_slot_back(sock_path: str) -> None:
     for _ in range(3):
         assert slots.acquire(blocking=False)  # as serve takes it before accept
         a, b = socket.socketpair()
-        guest.relay(a, sock_path, slots)  # nothing listens at sock_path
+        guest.relay(a, 3128, sock_path, slots)  # nothing listens at sock_path
         assert b.recv(1) == b""  # the client's connection was closed
         b.close()
     assert slots.acquire(blocking=False)
+
+
+def test_down_ends_only_the_unanswered_connections_of_its_port(sock_path: str) -> None:
+    """Issue 27 item 3: every connection is reported (``BNB conn PORT``); ``down PORT`` on
+    stdin ends that port's connections the socket never answered (the client gets EOF, as it
+    would not from a real VM whose host side could not connect), and not an answered one."""
+    port = free_port()
+
+    def greet_if_asked(conn: socket.socket) -> None:
+        while data := conn.recv(65536):
+            if data.startswith(b"hi"):
+                conn.sendall(b"hello")
+
+    with unix_server(sock_path, greet_if_asked), running_bridge([Bridge(port, sock_path)]) as p:
+        assert p.stdin is not None and p.stdout is not None
+        out = OutputReader(p.stdout.fileno())
+        answered = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent = socket.create_connection(("127.0.0.1", port), timeout=30)
+        out.wait_for(rb"BNB conn %d\n" % port)
+        silent.sendall(b"anyone?")
+        p.stdin.write(b"down %d\n" % port)
+        p.stdin.flush()
+        assert silent.recv(16) == b""  # EOF, not a hang (the socket's own 30 s timeout)
+        answered.sendall(b"hi")
+        assert answered.recv(5) == b"hello"
+        silent.close()
+        answered.close()

@@ -91,7 +91,7 @@ def create(d: VMDaemon, name: str, *, env: str = '"LANG=C.UTF-8"', extra: str = 
 def bridge_pids(d: VMDaemon) -> list[int]:
     """The guest processes running bottlenet's bridge program."""
     out = []
-    for pid in d.exec_pids():
+    for pid in d.guest_pids():
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 if b"BRIDGES = [[3128, '/run/bottle/egress.sock']]" in fh.read():

@@ -159,6 +159,25 @@ class VMDaemon:
             if kind.startswith("exec:") and process_alive(p, s)
         ]
 
+    def guest_pids(self) -> list[int]:
+        """The "guest" processes and every live descendant of theirs (an exec's command runs
+        under vmctl's session wrapper, so the command itself is a child of the exec's pid)."""
+        parents: dict[int, int] = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    with open(f"/proc/{entry}/stat") as fh:
+                        parents[int(entry)] = int(fh.read().rpartition(")")[2].split()[1])
+                except (OSError, ValueError, IndexError):
+                    pass
+        found = set(self.exec_pids())
+        grew = True
+        while grew:
+            more = {p for p, pp in parents.items() if pp in found} - found
+            grew = bool(more)
+            found |= more
+        return sorted(found)
+
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)

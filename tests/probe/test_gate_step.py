@@ -65,6 +65,9 @@ def test_a_forged_transcript_fails_and_the_endpoint_is_restored(tmp_path: Any) -
     assert verdict.problems == (
         "own endpoint unix:/run/bottle/egress.sock was not witnessed on the host "
         "(no connection carrying this run's nonce)",
+        # the cause the host can see (issue 27 item 3): its listener saw nothing at all
+        "own endpoint unix:/run/bottle/egress.sock (egress): bottlenet's listener at "
+        "/s/egress.sock never saw the connection (a grant or uid problem)",
     )
     # the endpoint was diverted to a witness for the window, then handed back to the relay
     assert [(b, lbl) for b, lbl, _ in table.calls] == [("b1", "egress"), ("b1", "egress")]

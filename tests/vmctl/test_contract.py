@@ -12,6 +12,7 @@ Where they disagree the fake is wrong and gets fixed.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -629,3 +630,77 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
     assert cli.machine("stop", "--name", "r1").ok
     assert cli.machine("delete", "--name", "r1", "-f").ok
     assert sorted(os.listdir(uids)) == sorted([".allocation.lock", str(FIRST_VM_UID)])
+
+
+#: The phrase smolvm's CLI ends an attached session with when its VM goes away (1.9.3
+#: ``src/agent/client.rs`` ``interactive_session``).
+VM_LOST_PHRASE = b"connection to VM lost"
+
+
+@needs_wheel
+def test_vm_lost_text_is_the_real_binarys(tmp_path: Path) -> None:
+    """Fidelity item 6: the real 1.32.2 binary holds the lost-VM phrase, and the fake ends an
+    attached session with it (exit 1) when its VM dies mid-session."""
+    assert WHEEL is not None
+    with open(WHEEL.binary, "rb") as fh:
+        assert VM_LOST_PHRASE in fh.read()
+    env = {"PATH": FAST_PATH, "SMOLVM_DATA_DIR": str(tmp_path)}
+
+    def fake(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(
+            [FAKE_SMOLVM, "machine", *args], env=env, capture_output=True, timeout=60, **kw
+        )
+
+    assert fake("create", "--name", "m1").returncode == 0
+    assert fake("start", "--name", "m1").returncode == 0
+    session = subprocess.Popen(
+        [
+            FAKE_SMOLVM,
+            "machine",
+            "exec",
+            "--name",
+            "m1",
+            "-i",
+            "--",
+            "sh",
+            "-c",
+            "echo up; sleep 300",
+        ],
+        env=env,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        assert session.stdout is not None and session.stdout.readline() == b"up\n"
+        assert fake("stop", "--name", "m1").returncode == 0
+        _, err = session.communicate(timeout=60)
+        assert session.returncode == 1 and VM_LOST_PHRASE in err, err
+    finally:
+        if session.poll() is None:
+            session.kill()
+        fake("delete", "--name", "m1", "-f")
+
+
+def _agent_binary() -> bytes:
+    """The 1.32.2 guest agent (``usr/local/bin/smolvm-agent`` in the wheel's agent rootfs)."""
+    assert WHEEL is not None
+    archive = os.path.join(os.path.dirname(WHEEL.binary), "agent-rootfs.tar.zst")
+    unpacked = subprocess.run(["zstd", "-dc", archive], capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(unpacked)) as tf:
+        member = tf.extractfile("./usr/local/bin/smolvm-agent")
+        assert member is not None
+        return member.read()
+
+
+@needs_wheel
+@pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd CLI")
+def test_interactive_session_end_spares_the_command_in_the_real_agent() -> None:
+    """Fidelity item 5, as far as strings show it: the 1.32.2 agent still ends a container's
+    interactive session by killing its process (``crun exec``), as 1.9.3's
+    ``run_interactive_loop`` does, while only its direct VM exec kills a process group. The
+    fake models the former (``end_session``); bottlenet's session wrapper answers it."""
+    agent = _agent_binary()
+    assert b"interactive command timed out, killing process" in agent
+    assert b"host disconnected during interactive exec" in agent
+    assert b"VM exec command timed out, killing process group" in agent

@@ -151,3 +151,84 @@ def test_exec_detached_pid_recorded(fake_smolvm: FakeSmolvm) -> None:
     pid = int(r.stdout)
     assert pid in fake_smolvm.live_pids()
     # the fixture's teardown kills it (and the VM) and asserts nothing survives
+
+
+def _machine(fake: FakeSmolvm, *create: str) -> None:
+    assert run(fake, "machine", "create", "--name", "a", *create).returncode == 0
+    assert run(fake, "machine", "start", "--name", "a").returncode == 0
+
+
+def _state(fake: FakeSmolvm) -> str:
+    [listed] = json.loads(run(fake, "machine", "ls", "--json").stdout)
+    state: str = listed["state"]
+    return state
+
+
+def test_the_agent_serves_a_few_connections_at_once(fake_smolvm: FakeSmolvm) -> None:
+    """``agent_connections`` (issue 27 item 4): with every connection held by a session the
+    state ping fails (``unreachable``) and the next exec waits until one ends."""
+    fake_smolvm.set_faults(agent_connections=2)
+    _machine(fake_smolvm)
+    env = fake_smolvm.environ(SMOLVM_DATA_DIR=fake_smolvm.path)
+    held = [
+        subprocess.Popen(
+            [FAKE_SMOLVM, "machine", "exec", "--name", "a", "-i", "--", "sh", "-c", "echo in; cat"],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+        )
+        for _ in range(2)
+    ]
+    for p in held:
+        assert p.stdout is not None and p.stdout.readline() == b"in\n"
+    assert _state(fake_smolvm) == "unreachable"
+    third = subprocess.Popen(
+        [FAKE_SMOLVM, "machine", "exec", "--name", "a", "--", "echo", "third"],
+        env=env,
+        stdout=subprocess.PIPE,
+    )
+    for p in held:
+        p.communicate(b"", timeout=30)
+    out, _ = third.communicate(timeout=30)
+    assert (third.returncode, out) == (0, b"third\n")
+    assert _state(fake_smolvm) == "running"
+
+
+def test_an_interactive_timeout_kills_only_the_wrapper(fake_smolvm: FakeSmolvm) -> None:
+    """``exec -i --timeout`` (issue 27 item 5): exit 124, and the command lives on."""
+    _machine(fake_smolvm)
+    pidfile = os.path.join(fake_smolvm.path, "cmd.pid")
+    r = subprocess.run(
+        [FAKE_SMOLVM, "machine", "exec", "--name", "a", "-i", "--timeout", "1s", "--",
+         "sh", "-c", f"echo $$ > {pidfile}; exec sleep 300"],
+        env=fake_smolvm.environ(SMOLVM_DATA_DIR=fake_smolvm.path),
+        stdin=subprocess.PIPE,
+        capture_output=True,
+        timeout=30,
+    )  # fmt: skip
+    assert r.returncode == 124
+    with open(pidfile) as fh:
+        assert process_alive(int(fh.read()))  # the fixture's cleanup kills it
+
+
+def test_exposed_services_drop_connections_until_ready(fake_smolvm: FakeSmolvm) -> None:
+    """``expose_never_ready`` (issue 27 item 10): the socket is bound but every connection is
+    dropped; a service not named answers (echo)."""
+    import socket
+
+    fake_smolvm.set_faults(expose_never_ready=["/run/slow.sock"])
+    slow, fast = (os.path.join(fake_smolvm.path, n) for n in ("slow.sock", "fast.sock"))
+    _machine(
+        fake_smolvm, "--expose-socket", f"/run/slow.sock:{slow}", "--expose-socket",
+        f"/run/fast.sock:{fast}",
+    )  # fmt: skip
+    for path, answer in ((slow, b""), (fast, b"ping")):
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(20)
+            s.connect(path)
+            try:
+                s.sendall(b"ping")
+                got = s.recv(4)
+            except (BrokenPipeError, ConnectionResetError):  # dropped before or after the send
+                got = b""
+            assert got == answer, path

@@ -9,6 +9,7 @@ from twisted.trial.unittest import SynchronousTestCase
 
 from tests.fakes import FAKE_SMOLVM
 from tests.vmctl.fakereactor import FakeProcessReactor, scripted
+from vmctl import sessionend
 from vmctl.errors import (
     CallTimeout,
     InvalidArgument,
@@ -243,7 +244,8 @@ class SmolvmUnitTests(SynchronousTestCase):
         proc = self.reactor.spawned[-1]
         self.assertEqual(proc.stdin, b"data")
         self.assertEqual(
-            proc.args[1:], ["machine", "exec", "--name", "m1", "-e", "K=v", "-i", "--", "cat"]
+            proc.args[1:],
+            ["machine", "exec", "--name", "m1", "-e", "K=v", "-i", "--", *sessionend.wrap(["cat"])],
         )
 
     def test_timeouts_apply(self) -> None:

@@ -1,0 +1,105 @@
+"""Wait until each sidecar service answers before anything uses it (issue 27 item 10).
+
+smolvm binds a sidecar's exposed host socket (or its published port) in the VM process before
+the guest app listens, and the guest agent drops every host connection it cannot dial the app
+for (1.9.3 ``publish_socket.rs`` ``serve_expose`` -> ``dial_app``); ``machine start`` returns
+once the sidecar's container is started, not listening. The egress policy's reload right
+after the start, and the launch gate's early ``CONNECT``, would race a slow proxy.
+
+So after the sidecar starts, each service is tried: a connection that is still open after
+:data:`SETTLE` seconds has reached its app (a dropped one closes at once). Tries back off from
+:data:`BACKOFF_FIRST` to :data:`BACKOFF_MAX` on the injected clock, for at most
+:data:`TIMEOUT` seconds in all; a service that never answers fails the create with
+``SIDECAR_NOT_READY`` naming it, and the create's undo removes the sidecar.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, connectProtocol
+from twisted.internet.protocol import Protocol
+from twisted.internet.task import deferLater
+from twisted.python.failure import Failure
+
+from bottlenet.errors import SidecarNotReady
+
+#: Seconds a connection must stay open to count as reaching the app.
+SETTLE = 0.25
+#: The first pause between tries, doubled up to BACKOFF_MAX.
+BACKOFF_FIRST = 0.1
+BACKOFF_MAX = 2.0
+#: The most seconds the sidecar's services get to answer, all together.
+TIMEOUT = 60.0
+#: One connect's own bound.
+CONNECT_TIMEOUT = 5
+
+#: ``answers(reactor, target)``: does the service behind ``target`` (its exposed socket's
+#: path, or its raw port on 127.0.0.1) answer now?
+Answers = Callable[[Any, "str | int"], Awaitable[bool]]
+
+
+class _Held(Protocol):
+    def __init__(self) -> None:
+        self.lost: Deferred[bool] = Deferred()
+
+    def connectionLost(self, reason: Failure = None) -> None:  # type: ignore[assignment]
+        if not self.lost.called:
+            self.lost.callback(False)
+
+
+async def answers(reactor: Any, target: str | int) -> bool:
+    """A connection to ``target`` that the far side does not drop within :data:`SETTLE`."""
+    if isinstance(target, int):
+        endpoint: Any = TCP4ClientEndpoint(reactor, "127.0.0.1", target, CONNECT_TIMEOUT)
+    else:
+        endpoint = UNIXClientEndpoint(reactor, target, CONNECT_TIMEOUT)
+    held = _Held()
+    try:
+        await connectProtocol(endpoint, held)
+    except Exception:
+        return False
+
+    def settled() -> None:
+        if not held.lost.called:
+            held.lost.callback(True)
+
+    timer = reactor.callLater(SETTLE, settled)
+    try:
+        return await held.lost
+    finally:
+        if timer.active():
+            timer.cancel()
+        transport: Any = held.transport
+        if transport is not None:
+            transport.abortConnection()
+
+
+async def wait_ready(
+    reactor: Any,
+    services: Sequence[tuple[str, str | int]],
+    *,
+    probe: Answers = answers,
+    timeout: float = TIMEOUT,
+) -> None:
+    """Return once every ``(name, target)`` answers; SIDECAR_NOT_READY names those that did
+    not within ``timeout`` seconds."""
+    deadline = reactor.seconds() + timeout
+    waiting = list(services)
+    pause = BACKOFF_FIRST
+    while True:
+        waiting = [s for s in waiting if not await probe(reactor, s[1])]
+        if not waiting:
+            return
+        left = deadline - reactor.seconds()
+        if left <= 0:
+            names = ", ".join(name for name, _ in waiting)
+            raise SidecarNotReady(
+                f"the sidecar's service(s) {names} did not answer within {timeout:g} s of its "
+                "start (the VM process binds each socket before the service listens, and drops "
+                "connections until it does): check that the sidecar image starts them"
+            )
+        await deferLater(reactor, min(pause, left), lambda: None)
+        pause = min(BACKOFF_MAX, pause * 2)

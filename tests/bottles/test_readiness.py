@@ -1,0 +1,122 @@
+"""A new sidecar's services must answer before anything uses them (issue 27 item 10).
+
+``wait_ready`` on a Clock with a scripted probe; the create on the unit seam
+(``tests/bottles/memsmolvm.py``: its probe answers unless a socket is named silent); and the real
+probe, ``answers``, against real UNIX sockets on the real reactor (trial)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.task import Clock
+from twisted.trial.unittest import TestCase
+
+from bottlenet.bottles.readiness import BACKOFF_FIRST, TIMEOUT, answers, wait_ready
+from bottlenet.errors import SidecarNotReady
+from bottlenet.forward.spec import sidecar_socket_path
+from tests.bottles.memsmolvm import Rig
+from tests.bottles.test_rollback import assert_nothing_left, spec
+
+
+def scripted(replies: dict[str | int, list[bool]], tried: list[str | int]) -> Any:
+    async def probe(_reactor: Any, target: str | int) -> bool:
+        tried.append(target)
+        return replies[target].pop(0) if replies[target] else True
+
+    return probe
+
+
+def test_waits_with_back_off_until_every_service_answers() -> None:
+    """Not ready, not ready, ready: answered after two back-off pauses; a service that
+    answered is not tried again."""
+    clock, tried = Clock(), []
+    probe = scripted({"a": [False, False], "b": []}, tried)
+    d = Deferred.fromCoroutine(wait_ready(clock, [("a", "a"), ("b", "b")], probe=probe))
+    assert not d.called and tried == ["a", "b"]
+    clock.advance(BACKOFF_FIRST)
+    assert not d.called and tried == ["a", "b", "a"]
+    clock.advance(BACKOFF_FIRST * 2)
+    assert d.called and d.result is None and tried == ["a", "b", "a", "a"]
+
+
+def test_a_service_that_never_answers_is_named_after_the_bound() -> None:
+    """SIDECAR_NOT_READY after the timeout, naming the silent service only."""
+    clock, tried = Clock(), []
+    probe = scripted({"egress": [False] * 10_000, "git": []}, tried)
+    d = Deferred.fromCoroutine(
+        wait_ready(clock, [("egress", "egress"), ("git", "git")], probe=probe, timeout=TIMEOUT)
+    )
+    clock.pump([1.0] * int(TIMEOUT + 5))
+    failure = d.result
+    d.addErrback(lambda _: None)
+    assert isinstance(failure.value, SidecarNotReady)
+    assert failure.value.code == "SIDECAR_NOT_READY"
+    assert "service(s) egress did not answer" in failure.value.message
+    assert tried.count("git") == 1
+
+
+def test_a_create_whose_sidecar_never_answers_leaves_nothing(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """The create fails with SIDECAR_NOT_READY before the endpoints, the egress push and the
+    agent: nothing is left, and no exec ever ran in the sidecar."""
+    rig = rigs()
+    rig.silent.add(sidecar_socket_path(rig.state_dir, "rb", "egress"))
+    d = rig.start(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
+    for _ in range(int(TIMEOUT) + 5):
+        rig.clock.advance(1.0)
+        rig.settle(d)
+    with pytest.raises(SidecarNotReady, match="egress"):
+        rig.result(d)
+    assert_nothing_left(rig)
+    assert not [c for c in rig.smolvm.calls if c[0] == "exec"]
+
+
+class RealProbe(TestCase):
+    """``answers`` on real sockets: held is ready, dropped or absent is not."""
+
+    def setUp(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="bnr-", dir="/tmp")
+        self.addCleanup(lambda: __import__("shutil").rmtree(self.dir, True))
+
+    def listener(self, name: str, drop: bool) -> str:
+        path = os.path.join(self.dir, name)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        s.listen(8)
+        held: list[socket.socket] = []
+
+        def serve() -> None:
+            while True:
+                try:
+                    conn, _ = s.accept()
+                except OSError:
+                    return
+                if drop:
+                    conn.close()
+                else:
+                    held.append(conn)
+
+        threading.Thread(target=serve, daemon=True).start()
+
+        def close() -> None:
+            s.shutdown(socket.SHUT_RDWR)
+            s.close()
+            for c in held:
+                c.close()
+
+        self.addCleanup(close)
+        return path
+
+    async def test_held_dropped_and_absent(self) -> None:
+        self.assertTrue(await answers(reactor, self.listener("held", drop=False)))
+        self.assertFalse(await answers(reactor, self.listener("dropped", drop=True)))
+        self.assertFalse(await answers(reactor, os.path.join(self.dir, "absent")))
