@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import itertools
 import os
 import socket
 import stat
@@ -168,6 +169,97 @@ def open_regular(path: str) -> int:
         os.close(fd)
         raise
     return fd
+
+
+#: How many entries one removal of a tree another uid can write may touch: a hostile tree
+#: costs at most this much work per attempt (each attempt removes what it touched).
+MAX_TREE_ENTRIES = 10_000
+#: How many directories one removal holds open at once; a deeper subtree is moved up first.
+MAX_TREE_DEPTH = 16
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+
+
+class TreeTooLarge(OSError):
+    """A tree held more entries than one removal may touch (what it touched is gone)."""
+
+
+def remove_tree_at(parent_fd: int, name: str, *, max_entries: int = MAX_TREE_ENTRIES) -> None:
+    """Remove ``name`` in the directory ``parent_fd`` and everything under it, whatever each
+    entry is, in a tree another uid can write while this runs (a VMM's socket directory).
+
+    Every call is relative to a directory descriptor (``O_DIRECTORY | O_NOFOLLOW``, then
+    ``scandir``/``unlinkat``/``rmdir`` on it), so no path is resolved twice and no symlink is
+    followed: a rename or a symlink swapped in mid-way can only make this remove that link,
+    never reach outside the tree. At most ``MAX_TREE_DEPTH`` directories are open at once (a
+    deeper one is moved up to ``name`` first, so depth costs no ``PATH_MAX`` and no recursion)
+    and at most ``max_entries`` entries are touched (then TreeTooLarge). Missing: nothing to
+    do. Raises OSError.
+    """
+    try:
+        st = os.stat(name, dir_fd=parent_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISDIR(st.st_mode):
+        os.unlink(name, dir_fd=parent_fd)
+        return
+    top = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    try:
+        _empty(top, top, 0, [max_entries])
+    finally:
+        os.close(top)
+    os.rmdir(name, dir_fd=parent_fd)
+
+
+def _empty(top: int, fd: int, depth: int, budget: list[int]) -> None:
+    """Remove every entry of the directory ``fd`` (``top`` takes subtrees moved up)."""
+    while True:
+        with os.scandir(fd) as it:
+            batch = [(e.name, e.is_dir(follow_symlinks=False)) for e in itertools.islice(it, 256)]
+        if not batch:
+            return
+        for entry, is_dir in batch:
+            budget[0] -= 1
+            if budget[0] < 0:
+                raise TreeTooLarge(errno.EFBIG, "more entries than one removal may touch")
+            if not is_dir:
+                _unlink_or_retry(fd, entry)
+            elif depth + 1 >= MAX_TREE_DEPTH:
+                # Move it up: it is emptied from the top later, with few fds held.
+                os.rename(entry, f".up-{os.urandom(8).hex()}", src_dir_fd=fd, dst_dir_fd=top)
+            else:
+                _remove_subdir(top, fd, entry, depth, budget)
+
+
+def _unlink_or_retry(fd: int, entry: str) -> None:
+    """Unlink a non-directory; one that became a directory is left for the next pass."""
+    try:
+        os.unlink(entry, dir_fd=fd)
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    except PermissionError as e:  # Linux says EPERM for unlink of a directory
+        if not stat.S_ISDIR(os.stat(entry, dir_fd=fd, follow_symlinks=False).st_mode):
+            raise e from None
+
+
+def _remove_subdir(top: int, fd: int, entry: str, depth: int, budget: list[int]) -> None:
+    try:
+        child = os.open(entry, _DIR_FLAGS, dir_fd=fd)
+    except FileNotFoundError:
+        return
+    except (NotADirectoryError, OSError) as e:
+        if e.errno not in (errno.ENOTDIR, errno.ELOOP):
+            raise
+        _unlink_or_retry(fd, entry)  # swapped for a symlink or a file: that goes
+        return
+    try:
+        _empty(top, child, depth + 1, budget)
+    finally:
+        os.close(child)
+    try:
+        os.rmdir(entry, dir_fd=fd)
+    except (FileNotFoundError, OSError) as e:
+        if e.errno not in (errno.ENOENT, errno.ENOTEMPTY):
+            raise  # refilled meanwhile: the next pass of the parent sees it again
 
 
 def default_control_path(env: Mapping[str, str], state_dir: str) -> str:

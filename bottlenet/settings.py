@@ -127,7 +127,8 @@ class Options(usage.Options):
     synopsis = "[options]"
     longdesc = (
         "Run the bottlenet host daemon: it binds each bottle's agent endpoints and relays "
-        "their bytes to the sidecar's raw ports."
+        "their bytes to the sidecar's services (its exposed UNIX sockets; raw TCP ports only "
+        "where a spec opts in)."
     )
     # Defaults are written as a user would type them (README's table quotes them); the
     # numeric ones are coerced once in postOptions, given values while they are parsed.
@@ -263,7 +264,7 @@ class Options(usage.Options):
                 None,
                 DEFAULT_OUTSIDE,
                 "An IP:PORT outside the host that the launch gate requires unreachable from a "
-                "guest (by TCP and ICMP).",
+                "guest (by TCP, UDP and ICMP).",
             ],
             [
                 "gate-dns-name",

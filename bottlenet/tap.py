@@ -31,6 +31,7 @@ from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outsid
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
+from bottlenet.bottles.vmmaccess import closed_parents
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
@@ -51,6 +52,7 @@ from bottlenet.paths import (
 )
 from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
+from bottlenet.waiters import OneShot
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
@@ -117,17 +119,59 @@ class BottlenetService(MultiService):
         )
         super().startService()
         vm_uids = VmUids.for_euid(os.geteuid()) if self.smolvm.binary is not None else None
+        settled: OneShot[None] = OneShot()
         for factory in self.control_factories:
             factory.smolvm_source = self.smolvm.describe()
             factory.vm_uids = vm_uids
+            factory.vm_uids_now = self.vm_uids_now
+            factory.smolvm_settled = settled  # Hello waits for the probe, not a guess
         if self.node is not None:
             self.node.kvm = probe_kvm()
             if vm_uids is not None:
                 self.node.smolvm_found = True
                 self.node.smolvm_problem = "its version is not known yet"
-        if vm_uids is not None:
-            self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
-            self.probe_smolvm()
+        if vm_uids is None:
+            settled.fire(None)
+            return
+        self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
+        self._say_what_smolvm_opens(vm_uids)
+        self.probe_smolvm().addBoth(lambda _: settled.fire(None))
+
+    def vm_uids_now(self) -> tuple[str | None, str | None]:
+        """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
+        launchers compare), and its basis: what the last VM start showed, the VMM's uid
+        against the daemon's (issue 30: the row said ``per-VM uids`` for a fake that dropped
+        no uid), else that nothing was seen yet."""
+        if self.smolvm.binary is None:
+            return None, None
+        euid = os.geteuid()
+        expected = VmUids.for_euid(euid)
+        seen = self.smolvm.vmm_seen
+        if seen is None:
+            who = "root" if euid == 0 else f"uid {euid}"
+            return str(expected), f"expected: the daemon runs as {who}; no VM start seen yet"
+        basis = f"seen: {seen.machine}'s VM process ran as uid {seen.uid}"
+        model = seen.model(euid)
+        if model is not expected:
+            basis += f": {model} in fact"
+        return str(expected), basis
+
+    def _say_what_smolvm_opens(self, vm_uids: VmUids) -> None:
+        """As root, smolvm's first VM start adds ``o+x`` to every parent of its data dir,
+        outside the state dir too (issue 30: a surprise found only deep in the docs)."""
+        data_dir = self.smolvm.data_dir_root
+        if vm_uids is not VmUids.PER_VM or data_dir is None:
+            return
+        try:
+            closed = closed_parents(data_dir)
+        except OSError:
+            return  # a parent that cannot be read: smolvm's start will say more
+        if closed:
+            self.log.warn(
+                "smolvm runs VMs with per-VM uids: its first VM start adds o+x to {paths} "
+                "(docs/smolvm.md, Privilege model)",
+                paths=", ".join(closed),
+            )
 
     def probe_smolvm(self) -> Deferred[None]:
         """Learn the smolvm version once; a failure other than smolvm's own is logged."""
@@ -293,9 +337,8 @@ def compose(
         listener.setServiceParent(root)
         waits.append(listener.when_listening())
     ready = gatherResults(waits, consumeErrors=True) if waits else succeed(None)
-    sdnotify.SystemdNotifier(
-        ready, status=count_of(len(settings.config.bottles), "configured bottle")
-    ).setServiceParent(root)
+    status = partial(ready_status, registry, len(settings.config.bottles))
+    sdnotify.SystemdNotifier(ready, status=status).setServiceParent(root)
     return root
 
 
@@ -459,6 +502,13 @@ def control_service(
         factory,
         on_fatal,
     )
+
+
+def ready_status(registry: BottleRegistry, configured: int) -> str:
+    """``2 bottles (1 configured, 1 restored)``: asked when the daemon is ready, once recovery
+    has restored what the state file holds (a count made at start would say 0 restored)."""
+    total = len(registry.list_bottles())
+    return f"{count_of(total, 'bottle')} ({configured} configured, {total - configured} restored)"
 
 
 def count_of(n: int, noun: str) -> str:

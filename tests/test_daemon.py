@@ -9,16 +9,25 @@ import signal
 import socket
 import subprocess
 import sys
-from typing import Any
+from typing import Any, cast
 
 import pytest
+from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger, formatEvent, globalLogPublisher
 
+from bottlenet.cli.main import _vm_uids_row
+from bottlenet.control import commands as C
+from bottlenet.control.blocking import BlockingControlClient
+from bottlenet.control.codec import decode_answer, encode_request
+from bottlenet.control.peercred import PeerCred
 from bottlenet.paths import StateDirLock
 from bottlenet.settings import Options, StartupError
 from bottlenet.tap import BottlenetService, build_service
+from tests.control.fakes import Conn
 from tests.netio import OutputReader, roundtrip
+from tests.vmctl.fakereactor import FakeProcessReactor
+from vmctl.smolvm import SmolvmVersion, VmmSeen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
@@ -512,6 +521,121 @@ def test_a_failed_smolvm_probe_is_logged_not_dropped() -> None:
     assert event["log_failure"].check(RuntimeError)
 
 
+class _ProcessReactor(MemoryReactorClock, FakeProcessReactor):
+    """Memory sockets and a clock; processes recorded, never finished."""
+
+    def __init__(self) -> None:
+        MemoryReactorClock.__init__(self)
+        FakeProcessReactor.__init__(self)
+
+
+class _SlowSmolvm:
+    """A smolvm whose version probe answers only when the test says (``answer``)."""
+
+    binary = "/opt/smolvm"
+    data_dir_root: str | None = None
+    vmm_seen: VmmSeen | None = None
+
+    def __init__(self) -> None:
+        self.pending: Deferred[SmolvmVersion] = Deferred()
+
+    def describe(self) -> str:
+        return "/opt/smolvm (from --smolvm)"
+
+    def version(self) -> Deferred[SmolvmVersion]:
+        return self.pending
+
+
+def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: a Hello that comes before the daemon's smolvm probe has settled (the first
+    call under socket activation) waits for it and reports smolvm, not ``unavailable``."""
+    options = Options()
+    options.parseOptions(
+        ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path / 'c.sock'}"]
+    )
+    root = build_service(options, _ProcessReactor())  # recovery's smolvm ls stays pending
+    slow = _SlowSmolvm()
+    root.smolvm = cast(Any, slow)
+    factory = root.control_factory
+    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    root.startService()
+    try:
+        conn = Conn(factory)
+        conn.send(encode_request(C.Hello, b"1", {"client_version": "t", "protocols": [1]}))
+        assert conn.boxes() == []  # no answer while the probe runs
+        slow.pending.callback(SmolvmVersion(1, 32, 2))
+        (box,) = conn.boxes()
+        answer = decode_answer(C.Hello, box)
+        assert (answer["smolvm_available"], answer["smolvm_version"]) == (True, "1.32.2")
+        later = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        assert later["smolvm_version"] == "1.32.2"  # settled: answered at once
+    finally:
+        root.stopService()
+
+
+def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: Hello's ``vm_uids_basis`` says what the last VM start showed (the VMM's uid
+    against the daemon's), else that nothing was seen; ``vm_uids`` stays the model the
+    daemon's uid implies, and the status row prints both (a root daemon whose smolvm dropped
+    no uid: ``per-VM uids (seen: ... ran as uid 0: one uid in fact)``)."""
+    options = Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path}/c"])
+    root = build_service(options, _ProcessReactor())
+    slow = _SlowSmolvm()
+    slow.pending.callback(SmolvmVersion(1, 32, 2))
+    root.smolvm = cast(Any, slow)
+    factory = root.control_factory
+    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    root.startService()
+    euid = os.geteuid()
+    expected = "per-VM uids" if euid == 0 else "one uid"
+    try:
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        who = "root" if euid == 0 else f"uid {euid}"
+        assert (hello["vm_uids"], hello["vm_uids_basis"]) == (
+            expected,
+            f"expected: the daemon runs as {who}; no VM start seen yet",
+        )
+        slow.vmm_seen = VmmSeen("bn-a-sidecar", euid)  # the VMM ran as the daemon's uid
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        basis = f"seen: bn-a-sidecar's VM process ran as uid {euid}"
+        if euid == 0:
+            basis += ": one uid in fact"
+        assert (hello["vm_uids"], hello["vm_uids_basis"]) == (expected, basis)
+        slow.vmm_seen = VmmSeen("bn-a-agent", euid + 2_000_001)
+        hello = Conn(factory).call(C.Hello, client_version="t", protocols=[1])
+        assert _vm_uids_row(hello["vm_uids"], hello["vm_uids_basis"]) == (
+            f"{expected} (seen: bn-a-agent's VM process ran as uid {euid + 2_000_001}"
+            + ("" if euid == 0 else ": per-VM uids in fact")
+            + ")"
+        )
+    finally:
+        root.stopService()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="smolvm uses per-VM uids only as root")
+def test_root_daemon_says_which_parents_smolvm_opens(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: as root, the start log names the parents of smolvm's data dir that its first
+    VM start will make ``o+x`` (they may lie outside the state dir), and changes none."""
+    closed = tmp_path / "closed"
+    closed.mkdir(mode=0o700)
+    options = Options()
+    options.parseOptions(["--state-dir", str(tmp_path / "s"), "--control", f"unix:{tmp_path}/c"])
+    root = build_service(options, _ProcessReactor())
+    slow = _SlowSmolvm()
+    slow.data_dir_root = str(closed / "d" / "smolvm")  # not made yet: its parents are read
+    root.smolvm = cast(Any, slow)
+    events: list[dict[str, Any]] = []
+    root.log = Logger(observer=events.append)
+    root.startService()
+    try:
+        said = [formatEvent(e) for e in events if "adds o+x" in e["log_format"]]
+        assert len(said) == 1 and f"adds o+x to {closed}" in said[0], said
+        assert os.stat(closed).st_mode & 0o777 == 0o700
+    finally:
+        root.stopService()
+
+
 def test_clean_relay_ends_are_logged_only_at_twist_debug_level() -> None:
     from twisted.logger import LogLevel
 
@@ -551,28 +675,50 @@ def test_sigint_stops_a_daemon_started_with_sigint_ignored(tmp_path) -> None:  #
     assert b"Received SIGINT" in out
 
 
+def _run_until_ready(args: list[str], then: Any = None) -> str:
+    """The text log of ``twist bottlenet ARGS`` from start until stopped once ready (after
+    ``then()``, if given)."""
+    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", "bottlenet", *args])
+    assert proc.stdout is not None
+    reader = OutputReader(proc.stdout.fileno())
+    try:
+        reader.wait_for(rb"ready: .*\n", 90)
+        if then is not None:
+            then()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    return (reader.seen + proc.stdout.read()).decode(errors="replace")
+
+
 def test_start_and_stop_log_is_plain(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """The start and stop log of the README's demo: no Twisted class names (``_Forward
     starting on``, ``_QuietSite (CappedFactory)``, ``Port N Closed``), no ``N -> N`` no-op,
-    and a count with its plural right (``1 configured bottle``)."""
+    and counts with their plurals right; after a restart the ready line counts the restored
+    bottle too (issue 30: it said ``0 configured bottles`` after ``1 bottle(s) restored``)."""
     config = _write_config(
         tmp_path,
         "[[bottle]]\nname = 'demo'\nalias = '127.77.0.3'\n"
         "[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:9'\n",
     )
-    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
-    proc = _start([sys.executable, "-m", "twisted", "--log-format=text", *args])
-    assert proc.stdout is not None
-    reader = OutputReader(proc.stdout.fileno())
-    try:
-        reader.wait_for(rb"ready: .*\n", 90)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(30)
-    rest = proc.stdout.read()
-    log = (reader.seen + rest).decode(errors="replace")
+    control = str(tmp_path / "s" / "control.sock")
+    args = ["--state-dir", str(tmp_path / "s"), "--config", config, "--max-connections", "9"]
+
+    def create() -> None:
+        with BlockingControlClient(control, timeout=30) as c:
+            c.create_bottle("extra")
+
+    log = _run_until_ready(args, create)
     assert "forward demo/web listening on 127.77.0.3:" in log
-    assert "ready: 1 configured bottle\n" in log
+    assert "ready: 1 bottle (1 configured, 0 restored)\n" in log
+    assert re.search(
+        r"relays: \w+ engine, at most 9 connections in all \(--max-connections\), 4096 per "
+        r"bottle \(capped by the total\), idle timeout 900s",
+        log,
+    ), log
     for noise in ("starting on", "Port", "CappedFactory", "_Forward", "_QuietSite"):
         assert noise not in log, log
     assert not re.search(r"\b(\d+) -> \1\b", log), log
+    again = _run_until_ready(args)
+    assert "recovery done: 1 bottle(s) restored" in again
+    assert "ready: 2 bottles (1 configured, 1 restored)\n" in again

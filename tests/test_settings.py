@@ -109,6 +109,14 @@ def test_coerce_functions_document_their_range() -> None:
     assert "Seconds in (0, 600]." in str(Options())
 
 
+def test_help_says_what_the_daemon_does_now() -> None:
+    """``--help``: socket mode is the default (raw ports are opt-in) and the gate's outside
+    target is checked by TCP, UDP and ICMP, as the README says (issue 30, stale wording)."""
+    text = " ".join(str(Options()).split())
+    assert "raw ports." not in text and "exposed UNIX sockets; raw TCP ports only" in text
+    assert "(by TCP, UDP and ICMP)" in text
+
+
 def test_relay_engine(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--relay-engine`` names one of the engines; anything else is refused while parsing."""
     assert _settings(tmp_path, "--relay-engine", "portable").relay_engine == "portable"
@@ -200,7 +208,9 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
 
 def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """``--smolvm`` and ``--smolvm-data-dir`` are checked here (the binary is found once)."""
-    data_dir = str(tmp_path / ("d" * 62))  # over the limit whatever pytest's temp root is
+    # over 61 bytes whatever the pytest temp root, and short enough that the message names it
+    # whole (a short --basetemp gives a short tmp_path, the default a long one)
+    data_dir = str(tmp_path / ("smolvm-data-" + "d" * max(0, 62 - len(os.fsencode(tmp_path)))))
     size = len(os.fsencode(data_dir))
     assert _error(tmp_path, "--smolvm-data-dir", data_dir) == (
         f"--smolvm-data-dir {data_dir}: too long ({size} bytes, at most 61): smolvm binds "

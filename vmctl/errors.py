@@ -8,6 +8,7 @@ useful smolvm line, sanitised (control characters replaced, length bounded), nev
 from __future__ import annotations
 
 import json
+import os
 import re
 
 #: Longest message text kept from smolvm's stderr.
@@ -248,14 +249,33 @@ def stderr_tail(stderr: bytes, limit: int = MESSAGE_LIMIT) -> str:
     return sanitize(tail, 10 * limit)[-limit:]
 
 
-def kvm_message(what: str, err: str) -> str:
-    """Plain words for a KVM failure: no rootfs, usage or libkrun noise."""
+def kvm_message(what: str, err: str, euid: int | None = None) -> str:
+    """Plain words for a KVM failure: no rootfs, usage or libkrun noise, and advice that fits
+    the uid smolvm's VM process had (``euid``: the daemon's, by default this process's).
+
+    As root smolvm drops each VM process to a uid of its own with no supplementary groups,
+    so only /dev/kvm's mode for others helps; as any other user the VM process is that
+    user, and smolvm's own advice (the kvm group) is kept.
+    """
+    euid = os.geteuid() if euid is None else euid
     lowered = err.lower()
     if "permission denied" in lowered or "error(13)" in lowered:
-        why = (
-            "the VM process is not allowed to open /dev/kvm (permission denied; as root, "
-            "smolvm runs each VM under its own uid, which needs access to /dev/kvm too)"
-        )
+        if euid == 0:
+            why = (
+                "the VM process may not open /dev/kvm (permission denied): the daemon runs as "
+                "root, so smolvm runs each VM under a uid of its own with no supplementary "
+                "groups, and only a /dev/kvm every user may read and write (crw-rw-rw-, as "
+                "many distributions ship it) lets those uids in"
+            )
+        else:
+            why = (
+                f"the VM process runs as the daemon's user (uid {euid}), which may not open "
+                "/dev/kvm (permission denied): give that user /dev/kvm, usually through the "
+                "group that owns it (under systemd: SupplementaryGroups= in the unit)"
+            )
+            advice = _advice(err)
+            if advice:
+                why += f"; smolvm says: {advice}"
     elif "not available" in lowered or "no such file" in lowered or "error(2)" in lowered:
         why = "/dev/kvm is missing (load kvm_intel or kvm_amd; needs hardware virtualization)"
     else:
@@ -264,6 +284,13 @@ def kvm_message(what: str, err: str) -> str:
         f"smolvm {what}: KVM is not usable on this host: {why}. VM bottles need a Linux host "
         "with working KVM that smolvm's VM process can open"
     )
+
+
+def _advice(err: str) -> str:
+    """smolvm's own advice: the lines after its error line (1.32.2 prints ``Add your user to
+    the 'kvm' group:``, the ``usermod`` command and ``Then log out ...``), as one line."""
+    lines = [line.strip() for line in err.splitlines()[1:]]
+    return sanitize(" ".join(line for line in lines if line), 200)
 
 
 def classify(

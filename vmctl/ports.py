@@ -249,6 +249,7 @@ def start_with_raw_ports(
     allocate: Allocator = allocate_ports,
     check: Checker = check_port_owner,
     allow_unverifiable: bool = False,
+    before_start: Callable[[], Awaitable[object]] | None = None,
 ) -> Deferred[RawPortsResult]:
     """Create and start a machine whose ``count`` host ports vmctl picks, then verify them.
 
@@ -258,6 +259,7 @@ def start_with_raw_ports(
     ``attempts`` times. After start, each port must be held by the VM pid from
     ``status --json``; otherwise the machine is deleted and PortNotOwned raised. A platform
     without /proc gives UNVERIFIABLE, accepted only with ``allow_unverifiable``.
+    ``before_start`` runs between each create and its start (e.g. reserving the VMM's uid).
     """
 
     async def go() -> RawPortsResult:
@@ -267,6 +269,8 @@ def start_with_raw_ports(
             spec = make_spec(ports)
             await smolvm.create(spec)
             try:
+                if before_start is not None:
+                    await before_start()
                 await smolvm.start(spec.name)
             except PortInUse as e:
                 last = e

@@ -64,15 +64,20 @@ def stale_reservations(data_dir: str) -> dict[int, str]:
 
 
 def _real_uid(status_text: str) -> int | None:
+    """The real uid of a live process (None: unreadable, or a zombie: it holds nothing)."""
+    uid = None
     for line in status_text.splitlines():
+        if line.startswith("State:") and line.split()[1:2] in (["Z"], ["X"]):
+            return None
         if line.startswith("Uid:"):
             fields = line.split()
-            return int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
-    return None
+            uid = int(fields[1]) if len(fields) > 1 and fields[1].isdigit() else None
+    return uid
 
 
 def processes_of(uids: set[int], proc_root: str = "/proc") -> dict[int, int]:
-    """The processes (pid -> uid) whose real uid is one of ``uids``."""
+    """The live processes (pid -> uid) whose real uid is one of ``uids`` (a VMM uid cannot
+    take another uid, so the real one is enough; zombies are not counted)."""
     found: dict[int, int] = {}
     if not uids:
         return found

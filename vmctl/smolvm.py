@@ -21,6 +21,7 @@ from typing import Any, ParamSpec, TypeVar
 from attrs import asdict, evolve, field, frozen
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
+from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from vmctl import sessionend
@@ -47,6 +48,14 @@ from vmctl.spec import (
     exec_args,
     validate_name,
     validate_spec,
+)
+from vmctl.uids import (
+    UidRegistryError,
+    UidReservation,
+    end_processes_of,
+    registered_vm_uid,
+    registry_of,
+    reserve_vm_uid,
 )
 
 T = TypeVar("T")
@@ -113,6 +122,31 @@ class VmUids(StrEnum):
     @classmethod
     def for_euid(cls, euid: int) -> VmUids:
         return cls.PER_VM if euid == 0 else cls.ONE
+
+
+@frozen
+class VmmSeen:
+    """The uid one started VM process (VMM) ran under, read from ``/proc`` right after its
+    ``machine start``: what the privilege model is, seen rather than assumed."""
+
+    machine: str
+    uid: int
+
+    def model(self, daemon_euid: int) -> VmUids:
+        """``per-VM uids`` if the VMM ran under a uid other than the daemon's, else one uid."""
+        return VmUids.PER_VM if self.uid != daemon_euid else VmUids.ONE
+
+
+def vmm_uid_of(pid: int, proc: str = "/proc") -> int | None:
+    """A process's effective uid from ``/proc/PID/status`` (its ``/proc/PID`` owner is root for
+    a process that changed uid, so the directory's owner would lie), or None if it is gone."""
+    try:
+        with open(os.path.join(proc, str(pid), "status"), "rb") as f:
+            status = f.read(8192)
+    except OSError:
+        return None
+    m = re.search(rb"^Uid:\s+\d+\s+(\d+)", status, re.M)
+    return int(m.group(1)) if m else None
 
 
 @frozen(order=True)
@@ -351,6 +385,8 @@ class Smolvm:
         self.session_pythons = tuple(session_pythons)
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
+        #: The last started VM process's uid, as seen (None until a start reported a pid).
+        self.vmm_seen: VmmSeen | None = None
         #: The version+features run in flight; it fires with None or the exception it met (a
         #: value, so it never fails and every waiter sees the same outcome).
         self._learning: Deferred[Exception | None] | None = None
@@ -566,7 +602,11 @@ class Smolvm:
         validate_name(name)
         result = await self._call("start", ["--name", name], self.timeouts.start)
         m = _PID.search(result.stdout.decode("utf-8", "replace"))
-        return int(m.group(1)) if m else None
+        pid = int(m.group(1)) if m else None
+        uid = None if pid is None else vmm_uid_of(pid)
+        if uid is not None:
+            self.vmm_seen = VmmSeen(name, uid)
+        return pid
 
     @as_deferred
     async def stop(self, name: str) -> None:
@@ -620,7 +660,9 @@ class Smolvm:
         With ``detach`` (``-d``) smolvm starts the command, prints only its guest pid and
         returns: the result's stdout holds that pid and the command keeps running. ``user``
         (``-u``) runs it as that user. Where smolvm has ``exec --timeout`` it gets the same
-        timeout, so the guest command dies with the call (exit 124) instead of running on.
+        timeout, so the guest command dies with the call (exit 124) instead of running on:
+        smolvm's pid-file kill on the plain path; with ``stdin`` (``-i``), where smolvm kills
+        only ``crun exec``, the session wrapper (:mod:`vmctl.sessionend`).
 
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
@@ -778,6 +820,38 @@ class Smolvm:
             raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
         return path
 
+    # -- per-VM uids (smolvm as root) -------------------------------------------------
+
+    async def _off_thread(self, fn: Callable[[Any], T], arg: Any, name: str) -> T:
+        """A blocking registry call on the reactor's thread pool (the lock is smolvm's)."""
+        reactor: Any = self.runner.reactor
+        try:
+            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, arg)
+        except UidRegistryError as e:
+            raise SmolvmFailed(f"the VM uid of {name}: {e}") from None
+        return result
+
+    @as_deferred
+    async def reserve_uid(self, name: str) -> UidReservation:
+        """The uid ``machine start`` will run ``name``'s VMM as (smolvm's per-VM uids, as
+        root), written into smolvm's root-owned registry now, never one handed out before."""
+        vm_dir = await self.data_dir(name)
+        uid = await self._off_thread(reserve_vm_uid, vm_dir, name)
+        return UidReservation(uid, registry_of(vm_dir), vm_dir)
+
+    @as_deferred
+    async def vmm_uid(self, name: str) -> int | None:
+        """The uid smolvm's root-owned registry holds for ``name``'s VMM (None: no entry).
+        Never the VM dir's ``.vm-uid``: the VMM's own uid can write that."""
+        vm_dir = await self.data_dir(name)
+        return await self._off_thread(registered_vm_uid, vm_dir, name)
+
+    @as_deferred
+    async def end_uid(self, uid: int) -> tuple[int, ...]:
+        """After a VM's delete: end every process still running as its per-VM uid (a
+        compromised VMM's leftovers); fires with the pids still alive (empty: none)."""
+        return tuple(await self._off_thread(end_processes_of, uid, f"uid {uid}"))
+
 
 _EXEC_FAILURES = re.compile(
     r"^Error: (vm not found: |agent operation failed: |config operation failed: )"
@@ -851,5 +925,7 @@ __all__ = [
     "Smolvm",
     "SmolvmVersion",
     "Timeouts",
+    "UidReservation",
+    "VmUids",
     "set_pty_size",
 ]

@@ -2,8 +2,9 @@
 
 After the launch gate passes and before the workload starts, the bridge script
 (``bottlenet.bridge``) is fed on stdin to ``/bin/sh -s`` in an attached ``machine exec``
-session; the session *is* the bridge's liveness (smolvm ends the guest command when the
-session ends, and the session ends when the command does). The start waits for the
+session; the session *is* the bridge's liveness (the bridge ends when its stdin does, and
+vmctl's session wrapper ends its process group when the session's pipes go: smolvm itself
+kills only ``crun exec``; the session ends when the command does). The start waits for the
 bridge's ``ready`` line, then proves it: each endpoint's listener is diverted to a witness
 and a second, short exec sends a witness line through every guest ``127.0.0.1:<port>``; all
 must be seen on the host. A bridge that dies later is restarted with back-off and

@@ -26,13 +26,13 @@ from twisted.logger import Logger
 
 from bottlenet.bottles import egress, readiness, workload
 from bottlenet.bottles.agentenv import stamp_env
+from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
     IsolationPlan,
 )
 from bottlenet.bottles.lifecycle import (
     VMLifecycle,
-    remove_bottle_dir,
     runs_bridge,
     vm_parts,
 )
@@ -72,7 +72,7 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import Features
+from vmctl.smolvm import Features, UidReservation
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
 
 WORKLOAD_TIMEOUT = 60.0
@@ -194,6 +194,8 @@ class Creation:
         self.sidecar, self.agent = vm_parts(spec)
         self.plan = plan
         self.undo: list[Undo] = []
+        #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
+        self.uids: dict[Role, int] = {}
 
     async def run(self, commit: Callable[[Bottle], None]) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
@@ -207,11 +209,17 @@ class Creation:
             bottle = self.build(sidecar, bound, egress_set, agent)
             commit(bottle)  # 7. the registry records it (the state file)
         except BaseException as e:
-            await self._rollback(e)
+            undone = await self._rollback(e)
+            # A smolvm failure says what became of the bottle (an isolation failure's own
+            # message already says "bottle torn down").
+            after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
             if isinstance(e, VmctlError):
-                raise map_vmctl(e) from None
+                mapped = map_vmctl(e)
+                raise type(mapped)(f"{mapped.message}; {after}") from None
             if isinstance(e, OSError):
-                raise SmolvmFailed(f"creating bottle {self.name} failed: {e.strerror}") from None
+                raise SmolvmFailed(
+                    f"creating bottle {self.name} failed: {e.strerror}; {after}"
+                ) from None
             raise
         vm = bottle.require_vms()
         self.log.info(
@@ -229,34 +237,48 @@ class Creation:
             )
         return bottle
 
-    async def _rollback(self, why: BaseException) -> None:
+    async def _rollback(self, why: BaseException) -> bool:
+        """Undo every step done, last first; whether every undo succeeded."""
         code = getattr(why, "code", type(why).__name__)
         self.log.warn(
-            "bottle {bottle}: create failed ({code}); rolling back {n} step(s)",
+            "bottle {bottle}: create failed ({code}: {why}); rolling back {n} step(s)",
             bottle=self.name,
             code=code,
+            # a typed error's message is sanitised where it is made; anything else by type
+            why=getattr(why, "message", type(why).__name__),
             n=len(self.undo),
         )
+        undone = True
         for what, undo in reversed(self.undo):
             try:
                 await undo()
             except Exception as e:
+                undone = False
                 self.log.warn(
                     "bottle {bottle}: undo of {step} failed: {err}",
                     bottle=self.name,
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
+        await self.vms.end_uids(self.name, list(self.uids.values()))
+        return undone
 
     async def step_allocate(self) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
         it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
         path = bottle_dir(self.vms.state_dir, self.name)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-        os.mkdir(path, 0o700)  # FileExistsError: a leftover; recovery removes those
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            # The registry holds the name, so no bottle owns this: a leftover (a cleanup
+            # that was cut short, or what a VMM uid left). It goes, whatever is in it.
+            self.log.warn("bottle {bottle}: clearing a leftover directory", bottle=self.name)
+            await self.vms.blocking(remove_bottle_dir, self.vms.state_dir, self.name)
+            os.mkdir(path, 0o700)
 
         async def remove() -> None:
-            remove_bottle_dir(path)
+            await self.vms.blocking(remove_bottle_dir, self.vms.state_dir, self.name)
 
         self.undo.append(("directory", remove))
         os.mkdir(sidecar_dir(self.vms.state_dir, self.name), 0o700)
@@ -294,9 +316,12 @@ class Creation:
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
-            uid = await self.vms.reserve_uid(name)
-            if uid is not None:
-                self.vms.access.hand_sidecar_dir(sidecar_dir(self.vms.state_dir, self.name), uid)
+            reserved = await self.vms.reserve_uid(name)
+            if reserved is not None:
+                self.uids[Role.SIDECAR] = reserved.uid
+                self.vms.access.hand_sidecar_dir(
+                    sidecar_dir(self.vms.state_dir, self.name), reserved.uid
+                )
 
         try:
             started = await start_with_sockets(
@@ -333,12 +358,20 @@ class Creation:
             ]
             return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
 
+        async def reserve() -> None:
+            # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
+            reserved = await self.vms.reserve_uid(name)
+            self.vms._closed.pop(name, None)
+            if reserved is not None:
+                self.uids[Role.SIDECAR] = reserved.uid
+
         return await start_with_raw_ports(
             self.vms.smolvm,
             make_spec,
             len(sidecar.services),
             check=self.vms.check_port,
             allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+            before_start=reserve,
         )
 
     async def step_sidecar_ready(self, sidecar: SidecarStarted) -> None:
@@ -392,12 +425,8 @@ class Creation:
         env = stamp_env(self.spec, self.plan.mode, endpoints)
         reserved = await self._create_agent(name, env, endpoints)
         await self.vms.smolvm.start(name)
-        vmm_uid = await self.vms.vmm_uid(name)
-        if vmm_uid is not None and vmm_uid != reserved:
-            raise IsolationFailed(
-                f"the agent VM of {self.name} runs as uid {vmm_uid}, not the uid {reserved} "
-                "reserved for it in smolvm's registry; bottle torn down"
-            )
+        if reserved is not None:
+            await self.vms.check_started_uid(self.name, reserved)
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
         if agent.workload:
@@ -409,10 +438,10 @@ class Creation:
         name: str,
         env: tuple[tuple[str, str], ...],
         endpoints: Sequence[Endpoint],
-    ) -> int | None:
+    ) -> UidReservation | None:
         """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
-        reserved uid (None under one uid)."""
+        reservation (None under one uid)."""
         spec = agent_machine_spec(
             name, self.agent, self.vms.labels(self.name, Role.AGENT), env, endpoints
         )
@@ -433,7 +462,8 @@ class Creation:
         reserved = await self.vms.reserve_uid(name)
         self.vms._closed.pop(name, None)
         if reserved is not None:
-            self.vms.grant_agent(self.name, endpoints, reserved)
+            self.uids[Role.AGENT] = reserved.uid
+            self.vms.grant_agent(self.name, endpoints, reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.vms.smolvm.status(name)
@@ -541,6 +571,8 @@ class Creation:
                 probe_skipped=self.vms.options.skip_probe,
                 probe=agent.probe,
                 workload=WorkloadState.RUNNING if self.agent.workload else None,
+                agent_uid=self.uids.get(Role.AGENT),
+                sidecar_uid=self.uids.get(Role.SIDECAR),
             ),
         )
 

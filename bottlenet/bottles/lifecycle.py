@@ -7,10 +7,7 @@ registry (bottle names, one operation at a time, persistence) calls in here.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
-import os
-import stat
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -20,6 +17,7 @@ from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from bottlenet.bottles import egress, readiness
+from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
     IsolationPlan,
@@ -32,6 +30,7 @@ from bottlenet.bottles.model import (
     LABEL_ROLE,
     STATE_DEGRADED,
     Bottle,
+    BottleVMs,
     Endpoint,
     Role,
     SocketEndpoint,
@@ -47,22 +46,22 @@ from bottlenet.bottles.spec import (
     is_local_image,
 )
 from bottlenet.bottles.vmerrors import map_vmctl
-from bottlenet.bottles.vmmaccess import VmmAccess
+from bottlenet.bottles.vmmaccess import VmmAccess, read_started_uid
 from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
+    IsolationFailed,
     SmolvmFailed,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
-    SIDECAR_DIR,
     ForwardSpec,
+    HeldSocket,
     TCPListen,
     TCPTarget,
     UNIXListen,
     UNIXTarget,
-    bottle_dir,
 )
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import Verdict
@@ -75,9 +74,8 @@ from vmctl.ports import (
     check_port_owner,
     check_socket_owner,
 )
-from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, VmUids
+from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
 from vmctl.spec import Volume
-from vmctl.uids import UidRegistryError, registry_of, reserve_vm_uid, started_vm_uid
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
 #: The port of the stand-in "other bottle" address the gate must find closed.
@@ -139,6 +137,10 @@ class VMLifecycle:
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
+        #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
+        self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
+            reactor, reactor.getThreadPool(), fn, *args
+        )
         #: Per machine being started: a parent of the state dir its VMM cannot pass, if any.
         self._closed: dict[str, str | None] = {}
 
@@ -157,26 +159,35 @@ class VMLifecycle:
             (LABEL_ROLE, role),
         )
 
-    async def reserve_uid(self, machine: str) -> int | None:
+    async def reserve_uid(self, machine: str) -> UidReservation | None:
         """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
         into smolvm's registry now (honoured at start); None under one uid. Remembers a
         parent of the state dir the VMM could not pass, to say why a start then fails."""
         if not self.access.per_vm:
             return None
-        vm_dir = await self.smolvm.data_dir(machine)
-        self._closed[machine] = self.access.closed_ancestor(registry_of(vm_dir))
-        pool = self.reactor.getThreadPool()
-        try:
-            uid: int = await deferToThreadPool(self.reactor, pool, reserve_vm_uid, vm_dir)
-        except UidRegistryError as e:
-            raise SmolvmFailed(f"reserving the VM uid of {machine}: {e}") from None
-        return uid
+        reserved = await self.smolvm.reserve_uid(machine)
+        self._closed[machine] = self.access.closed_ancestor(reserved.registry)
+        return reserved
 
-    async def vmm_uid(self, machine: str) -> int | None:
-        """The uid a started machine's VMM runs as (its ``.vm-uid``); None: no drop."""
-        if not self.access.per_vm:
-            return None
-        return started_vm_uid(await self.smolvm.data_dir(machine))
+    async def check_started_uid(self, bottle: str, reserved: UidReservation) -> None:
+        """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
+        VMM. That file is the VMM's own, so it is read as hostile input (``open_regular``, off
+        the reactor thread); anything but the reserved uid fails the create. No file at all:
+        smolvm dropped no privileges (the fake smolvm's one-uid mode)."""
+        try:
+            started = await self.blocking(read_started_uid, reserved.started_file)
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            raise IsolationFailed(
+                f"the agent VM of {bottle}: its .vm-uid is not a readable regular file "
+                f"({e.strerror}); bottle torn down"
+            ) from None
+        if started != reserved.uid:
+            raise IsolationFailed(
+                f"the agent VM of {bottle} runs as uid {started}, not the uid {reserved.uid} "
+                "reserved for it in smolvm's registry; bottle torn down"
+            )
 
     async def plan(self, spec: BottleSpec) -> IsolationPlan:
         _, agent = vm_parts(spec)
@@ -194,9 +205,12 @@ class VMLifecycle:
         self, bottle: str, service: str, guest_port: int, behind: str | int, listen: UNIXListen
     ) -> Endpoint:
         """One agent endpoint (``listen``) relaying to the sidecar service ``behind``: its
-        exposed socket in the bottle's directory, else its raw port 127.0.0.1:RAW."""
+        exposed socket in the bottle's directory (pinned: the socket file the sidecar's VM was
+        just seen to hold, per connect), else its raw port 127.0.0.1:RAW."""
         target: TCPTarget | UNIXTarget = (
-            UNIXTarget(behind) if isinstance(behind, str) else TCPTarget(LOCALHOST, behind)
+            UNIXTarget(behind, held=HeldSocket.at(behind))
+            if isinstance(behind, str)
+            else TCPTarget(LOCALHOST, behind)
         )
         await self.table.add(ForwardSpec(bottle, service, listen, target))
         guest_path = guest_socket_path(service)
@@ -331,8 +345,9 @@ class VMLifecycle:
         vm = bottle.require_vms()
         self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
+        removed = []
         try:
-            for name in (vm.agent_vm, vm.sidecar_vm):
+            for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
                 if listed is not None and not self._labelled_ours(listed.get(name), bottle.name):
                     if name in listed:
                         self.log.warn(
@@ -342,9 +357,31 @@ class VMLifecycle:
                         )
                     continue
                 await self.remove_machine(name)
+                removed.append(uid)
         except VmctlError as e:
             raise map_vmctl(e) from None
-        self.release(bottle)
+        await self.end_uids(bottle.name, removed)
+        await self.release(bottle)
+
+    async def end_uids(self, bottle: str, uids: Sequence[int | None]) -> None:
+        """Per-VM uids: after the VMs are deleted, end whatever still runs as their uids (what
+        a compromised VMM left behind); those uids are never handed out again either. A
+        failure is logged, never raised."""
+        for uid in uids:
+            if uid is None or not self.access.per_vm:
+                continue
+            try:
+                left = await self.smolvm.end_uid(uid)
+            except VmctlError as e:
+                self.log.error("bottle {bottle}: {err}", bottle=bottle, err=e.message)
+                continue
+            if left:
+                self.log.error(
+                    "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
+                    bottle=bottle,
+                    n=len(left),
+                    uid=uid,
+                )
 
     def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
         return (
@@ -353,9 +390,10 @@ class VMLifecycle:
             and machine.labels.get(LABEL_BOTTLE) == bottle
         )
 
-    def release(self, bottle: Bottle) -> None:
-        """The bottle's socket directory (its agent endpoints and its sidecar's sockets)."""
-        remove_bottle_dir(bottle_dir(self.state_dir, bottle.name))
+    async def release(self, bottle: Bottle) -> None:
+        """The bottle's socket directory (its agent endpoints and its sidecar's sockets), off
+        the reactor thread; never fails (``bottledirs``: what stays is moved aside)."""
+        await self.blocking(remove_bottle_dir, self.state_dir, bottle.name)
 
     # -- after a restart ----------------------------------------------------------------
 
@@ -399,23 +437,48 @@ class VMLifecycle:
                 return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
         return None
 
-    async def rebind(self, bottle: Bottle) -> None:
-        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
-        sidecar sockets or raw ports.
+    async def restored_uids(self, bottle: Bottle) -> BottleVMs:
+        """Under per-VM uids: the VMM uids the daemon reserved at create, checked against
+        smolvm's root-owned registry (a record older than them takes the registry's). Never
+        a VMM-writable file: a disagreement fails the bottle (ISOLATION_FAILED)."""
+        vm = bottle.require_vms()
+        if not self.access.per_vm:
+            return vm
+        found: dict[Role, int | None] = {}
+        for role, machine, kept in (
+            (Role.AGENT, vm.agent_vm, vm.agent_uid),
+            (Role.SIDECAR, vm.sidecar_vm, vm.sidecar_uid),
+        ):
+            registered = await self.smolvm.vmm_uid(machine)
+            if (kept is not None and registered != kept) or (role, registered) == (
+                Role.AGENT,
+                None,
+            ):
+                raise IsolationFailed(
+                    f"the {role} VM of {bottle.name} was reserved uid {kept} but smolvm's "
+                    f"registry holds {registered} for it; bottle torn down"
+                )
+            found[role] = registered
+        return evolve(vm, agent_uid=found[Role.AGENT], sidecar_uid=found[Role.SIDECAR])
 
-        On failure every listener it bound is removed again and the typed error raised.
+    async def rebind(self, bottle: Bottle) -> Bottle:
+        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
+        sidecar sockets or raw ports, granted to the agent VMM uid reserved at create.
+
+        Returns the bottle with its uids (an old record gains them). On failure every
+        listener it bound is removed again and the typed error raised.
         """
         vm = bottle.require_vms()
         try:
+            vm = await self.restored_uids(bottle)
             for e in vm.endpoints:
                 behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
                 await self.bind_endpoint(
                     bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
                 )
             self.table.admit_peers(bottle.name, self.access.peers(None))
-            uid = await self.vmm_uid(vm.agent_vm)
-            if uid is not None:
-                self.grant_agent(bottle.name, vm.endpoints, uid)
+            if vm.agent_uid is not None:
+                self.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
         except VmctlError as e:
             await self.table.remove_bottle(bottle.name)
             raise map_vmctl(e) from None
@@ -425,6 +488,7 @@ class VMLifecycle:
         except BottlenetError:
             await self.table.remove_bottle(bottle.name)
             raise
+        return evolve(bottle, vms=vm)
 
     # -- sidecar liveness ---------------------------------------------------------------
 
@@ -469,42 +533,3 @@ class VMLifecycle:
 def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:
     """bottlenet runs its bridge for the agent's endpoints unless ``agent.bridge = "none"``."""
     return spec.agent is not None and spec.agent.bridge is BridgeMode.BOTTLENET and bool(endpoints)
-
-
-def remove_bottle_dir(path: str) -> None:
-    """Remove a bottle's socket directory: its sidecar's socket directory, its sockets, then
-    the directory (idempotent).
-
-    Anything that is not a socket is left in place (and the directory with it). A path that
-    is not a real directory (a symlink, a regular file) is never followed nor removed.
-    """
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISDIR(st.st_mode):
-        Logger().warn(
-            "{path} is not a directory (symlinks are not followed); left in place", path=path
-        )
-        return
-    inner = os.path.join(path, SIDECAR_DIR)
-    with contextlib.suppress(FileNotFoundError):
-        if stat.S_ISDIR(os.lstat(inner).st_mode):
-            remove_bottle_dir(inner)
-    try:
-        names = os.listdir(path)
-    except FileNotFoundError:
-        return
-    for n in names:
-        p = os.path.join(path, n)
-        try:
-            if stat.S_ISSOCK(os.lstat(p).st_mode):
-                os.unlink(p)
-        except FileNotFoundError:
-            pass
-    try:
-        os.rmdir(path)
-    except FileNotFoundError:
-        pass
-    except OSError:
-        Logger().warn("bottle directory {path} is not empty; left in place", path=path)

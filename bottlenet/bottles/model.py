@@ -200,6 +200,10 @@ class BottleVMs:
     #: None when the spec names no workload.
     workload: WorkloadState | None = None
     workload_exit_code: int | None = None
+    #: Under smolvm's per-VM uids: the uids the daemon reserved for the VMMs at create (the
+    #: endpoints are granted to the agent's, never to what a VMM-writable file says).
+    agent_uid: int | None = None
+    sidecar_uid: int | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
@@ -299,6 +303,7 @@ class Bottle:
             "detail": self.detail,
             "workload": vm.workload,
             "workload_exit_code": vm.workload_exit_code,
+            **_uids_record(vm),
         }
 
     @classmethod
@@ -359,6 +364,7 @@ class Bottle:
                 probe=_choice(f, "probe", ProbeResult),
                 workload=_choice(f, "workload", WorkloadState, optional=True),
                 workload_exit_code=f.value("workload_exit_code", int, optional=True),
+                **_uids_from(f),
             )
             return cls(
                 name=name,
@@ -373,6 +379,25 @@ class Bottle:
             raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
             raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
+
+
+def _uids_record(vm: BottleVMs) -> dict[str, Any]:
+    """``vm_uids`` only under per-VM uids (a one-uid daemon's records stay as they were)."""
+    if vm.agent_uid is None and vm.sidecar_uid is None:
+        return {}
+    return {"vm_uids": {"agent": vm.agent_uid, "sidecar": vm.sidecar_uid}}
+
+
+def _uids_from(f: Fields) -> dict[str, int | None]:
+    """The reserved VMM uids of a record (absent in records older than them: None)."""
+    d = f.value("vm_uids", dict, optional=True)
+    if d is None:
+        return {}
+    u = _fields(d, "vm_uids")
+    found = {f"{role}_uid": u.value(role, int, optional=True) for role in ("agent", "sidecar")}
+    if any(uid is not None and uid < 0 for uid in found.values()):
+        raise StateError("vm_uids: a uid must be a non-negative integer")
+    return found
 
 
 def _kept_state(value: str) -> BottleState:

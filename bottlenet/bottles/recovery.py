@@ -14,6 +14,7 @@ label.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -23,12 +24,13 @@ from twisted.internet.defer import Deferred
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.lifecycle import VMLifecycle, remove_bottle_dir
+from bottlenet.bottles.bottledirs import BOTTLES, remove_bottle_dir
+from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import LABEL_OWNER, Bottle, BottleState
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateError
 from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
-from bottlenet.forward.spec import BOTTLE_NAME_RE, AliasPool, bottle_dir
+from bottlenet.forward.spec import AliasPool
 from vmctl.errors import VmctlError
 from vmctl.smolvm import Machine
 
@@ -159,7 +161,7 @@ class Recovery:
         why = vms.check_alive(bottle, machines)
         if why is None:
             try:
-                await vms.rebind(bottle)
+                bottle = await vms.rebind(bottle)
             except BottlenetError as e:
                 why = f"endpoint not restored: {e.message}"
         if why is None:
@@ -172,36 +174,45 @@ class Recovery:
             # Delete only machines smolvm lists with our labels (none when it cannot list;
             # the next start's orphan sweep finds them by label).
             await vms.teardown(bottle, listed=machines if machines is not None else {})
-        except BottlenetError as e:
+        except (BottlenetError, OSError) as e:
+            # One bottle's cleanup never stops the daemon's start.
             self.log.error(
                 "bottle {bottle}: teardown failed ({err}); kept as degraded",
                 bottle=bottle.name,
-                err=e.message,
+                err=e.message if isinstance(e, BottlenetError) else e.strerror,
             )
             self.registry.adopt(evolve(bottle, state=BottleState.DEGRADED))
             return True
         return False
 
     def _remove_unclaimed_dirs(self) -> None:
-        root = os.path.join(self.state_dir, "bottles")
+        """Leftovers and moved-aside trees go (bounded per start; never stops the start)."""
         try:
-            names = os.listdir(root)
+            names = os.listdir(os.path.join(self.state_dir, BOTTLES))
         except FileNotFoundError:
+            return
+        except OSError as e:
+            self.log.warn("cannot list the bottle directories: {why}", why=e.strerror)
             return
         for n in names:
             if self.registry.has_bottle(n):
                 continue
-            self.log.info("removing unclaimed bottle directory {name}", name=n)
-            try:
-                remove_bottle_dir(
-                    bottle_dir(self.state_dir, n) if _valid(n) else os.path.join(root, n)
+            if not _is_dir(os.path.join(self.state_dir, BOTTLES, n)):
+                self.log.warn(
+                    "{name} in the bottle directories is not a directory (symlinks are not "
+                    "followed); left in place",
+                    name=safe_repr(n, 80),
                 )
-            except OSError as e:
-                self.log.warn("cannot remove unclaimed entry {name}: {why}", name=n, why=e.strerror)
+                continue
+            self.log.info("removing unclaimed bottle directory {name}", name=safe_repr(n, 80))
+            remove_bottle_dir(self.state_dir, n)
 
 
-def _valid(name: str) -> bool:
-    return BOTTLE_NAME_RE.fullmatch(name) is not None
+def _is_dir(path: str) -> bool:
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except OSError:
+        return False
 
 
 def aliases_outside(state: State, pool: AliasPool) -> list[str]:

@@ -22,6 +22,7 @@ import os
 import stat
 from collections.abc import Iterable
 
+from bottlenet.paths import open_regular
 from vmctl.smolvm import VmUids
 
 #: Others may search (traverse) a directory with this bit, never list it.
@@ -43,6 +44,20 @@ def _ancestors(path: str) -> list[str]:
     while (parent := os.path.dirname(path)) != path:
         found.append(parent)
         path = parent
+    return found
+
+
+def closed_parents(path: str) -> list[str]:
+    """``path``'s parents that lack ``o+x``: smolvm started as root adds it to each parent of
+    its data dir at its first VM start (``docs/smolvm.md``), which the daemon says at start."""
+    found = []
+    for parent in _ancestors(path):
+        try:
+            mode = os.stat(parent).st_mode
+        except FileNotFoundError:
+            continue  # not made yet (smolvm makes it, with o+x)
+        if not mode & TRAVERSE:
+            found.append(parent)
     return found
 
 
@@ -95,3 +110,20 @@ class VmmAccess:
         """The uids the agent endpoints admit: the daemon's own, and the agent VMM's."""
         own = os.geteuid()
         return frozenset({own} if agent_uid is None else {own, agent_uid})
+
+
+#: More than any uid's digits: a longer ``.vm-uid`` is not smolvm's.
+VM_UID_MAX_BYTES = 16
+
+
+def read_started_uid(path: str) -> int | None:
+    """The uid in a started VM's ``.vm-uid`` (its VMM's uid owns that file and may have put
+    anything there): read through ``open_regular`` (no FIFO, no symlink, no device), at most
+    a few bytes; None when it holds no uid. Blocking: call it off the reactor thread.
+    Raises OSError (NotRegularFile, FileNotFoundError)."""
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as fh:
+        text = fh.read(VM_UID_MAX_BYTES + 1)
+    if len(text) > VM_UID_MAX_BYTES or not text.strip().isdigit():
+        return None
+    return int(text.strip())

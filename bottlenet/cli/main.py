@@ -99,13 +99,20 @@ def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             ["features", ",".join(hello.features)],
             ["smolvm", smolvm],
             ["smolvm from", hello.smolvm_source or "-"],
-            ["VM uids", hello.vm_uids or "-"],
+            ["VM uids", _vm_uids_row(hello.vm_uids, hello.vm_uids_basis)],
             ["bottles", bottles],
             ["control", c.path],
             *node_rows,
         ],
         out,
     )
+
+
+def _vm_uids_row(model: str | None, basis: str | None) -> str:
+    """``per-VM uids (seen: ...)``: the model and what it rests on (an older daemon: none)."""
+    if model is None:
+        return "-"
+    return f"{model} ({basis})" if basis else model
 
 
 def _node_info(c: BlockingControlClient) -> NodeInfoRecord | None:

@@ -8,7 +8,11 @@ import os
 from collections.abc import Iterable, Sequence
 from typing import TextIO
 
-from bottlenet.control.clienterrors import ClosedBeforeAnswer, ControlConnectionError
+from bottlenet.control.clienterrors import (
+    ClosedBeforeAnswer,
+    ControlConnectionError,
+    DaemonUnreachable,
+)
 from bottlenet.errors import BottlenetError
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
@@ -67,6 +71,12 @@ def _unreachable_hint(e: ControlConnectionError, path: str) -> str:
             f"uids it was started with --allow-uid, and this is uid {uid} (start it with "
             f"--allow-uid {uid}; its log says 'control: refused peer uid={uid}'), or it was at its "
             "--control-max-connections cap"
+        )
+    if isinstance(e, DaemonUnreachable) and e.reason == "Permission denied":
+        return (
+            f"hint: the control socket {path} (or its directory) does not let uid "
+            f"{os.geteuid()} in: it is the daemon's user's, or its group's (bottlenet-launch "
+            "in the system unit); ask to be added to that group"
         )
     return (
         f"hint: is the bottlenet daemon running? its control socket is expected at {path}"

@@ -57,6 +57,7 @@ STEPS = (
     "bridge",
     "exec-root",
     "exec-user",
+    "session-end",
     "volume",
     "workload",
     "events",
@@ -90,6 +91,8 @@ FIXES = {
     " (the in-guest bridge)",
     "exec-root": "smolvm must run `machine exec -u 0`; docs/smolvm.md",
     "exec-user": "the image's USER (or agent.user) must exist in the image's /etc/passwd",
+    "session-end": "bottlenet runs attached guest commands under a session wrapper that ends"
+    " their process group when smolvm drops the session; docs/smolvm.md (session ends)",
     "volume": "under per-VM uids the agent VM's uid must be able to write the directory;"
     " docs/security.md (volumes)",
     "workload": "the workload runs as agent.user, else the image's USER; docs/sidecar.md",
@@ -101,6 +104,20 @@ WORKLOAD_EXIT = 7
 WORKLOAD_MARK = "bottlenet-selftest-workload"
 #: Seconds the workload waits for its go file (it polls ten times a second).
 WORKLOAD_WAIT = 600
+
+
+#: A guest command that never reads its input; its argv carries a marker.
+SLEEPER = "import time\nwhile True: time.sleep(1)"
+#: Counts the guest processes whose argv carries the marker (given reversed, so the counter's
+#: own argv does not carry it).
+COUNTER = (
+    "import os, sys\nm = sys.argv[1][::-1].encode()\nn = 0\n"
+    "for p in os.listdir('/proc'):\n"
+    "    try:\n        n += p.isdigit() and m in open('/proc/%s/cmdline' % p, 'rb').read()\n"
+    "    except OSError:\n        pass\nprint(n)\n"
+)
+#: Seconds a guest command gets to show up, and then to end after its session.
+SESSION_WAIT = 30.0
 
 
 def _go_file(name: str) -> str:
@@ -259,6 +276,27 @@ def judge_exec_user(seen: ExecSeen) -> Check:
     )
 
 
+def judge_session_end(started: bool, ended: bool, waited: float) -> Check:
+    """``session-end``: a guest command that ignores its input ends when its session does."""
+    if not started:
+        return Check(
+            "session-end",
+            Verdict.FAIL,
+            "the attached command never showed in the guest",
+            FIXES["session-end"],
+        )
+    if not ended:
+        return Check(
+            "session-end",
+            Verdict.FAIL,
+            f"the command still ran {waited:.0f} s after its session ended",
+            FIXES["session-end"],
+        )
+    return Check(
+        "session-end", Verdict.PASS, "a command that ignores its input ended with its session"
+    )
+
+
 def judge_volume(
     volume: str,
     guest_wrote: str | None,
@@ -408,6 +446,7 @@ class Run:
             yield judge_bridge(self.c.bottle_status(self.name), self._reach(spec))
             yield judge_exec_root(self._exec(["id", "-u"], user="0"))
             yield judge_exec_user(self._exec(["id"]))
+            yield self._session_end()
             yield self._volume(volume)
             yield self._workload()
             yield from self._teardown(destroy=True)
@@ -430,6 +469,40 @@ class Run:
             out.getvalue().decode("utf-8", "replace"),
             err.getvalue().decode("utf-8", "replace"),
         )
+
+    def _session_end(self) -> Check:
+        """Start an attached command that ignores stdin, drop its session, and watch the
+        guest's process list until it is gone (bounded)."""
+        from bottlenet.control.calls import ExecRequest
+
+        marker = f"bottlenet-selftest-session-{self.name}"
+        request = ExecRequest(
+            self.name, ("python3", "-c", SLEEPER, marker), user="0", stdin=True, fds=False
+        )
+        try:
+            session = self.c.start_exec(request)
+        except BottlenetError as e:
+            return Check(
+                "session-end", Verdict.FAIL, f"{e.code}: {e.message}", FIXES["session-end"]
+            )
+        with session:
+            started = self._poll(marker, want=True)
+        ended = self._poll(marker, want=False)
+        return judge_session_end(started, ended, SESSION_WAIT)
+
+    def _poll(self, marker: str, *, want: bool) -> bool:
+        """Whether a guest process carrying ``marker`` came to be (``want``) or to be gone,
+        within :data:`SESSION_WAIT` seconds."""
+        import time
+
+        deadline = time.monotonic() + SESSION_WAIT
+        while True:
+            seen = self._exec(["python3", "-c", COUNTER, marker[::-1]], user="0")
+            if seen.code == 0 and (seen.stdout.strip() != "0") == want:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
 
     def _reach(self, spec: dict[str, Any]) -> dict[int, str]:
         """Per service port: "ok" when a guest TCP connect to 127.0.0.1:port succeeds."""
@@ -518,9 +591,9 @@ class SelftestFailed(BottlenetError):
 
 
 def render(check: Check) -> str:
-    line = f"{check.verdict:<4}  {check.step:<9}  {_clean(check.seen)}\n"
+    line = f"{check.verdict:<4}  {check.step:<11}  {_clean(check.seen)}\n"
     if check.fix:
-        line += f"{'':<4}  {'':<9}  fix: {_clean(check.fix)}\n"
+        line += f"{'':<4}  {'':<11}  fix: {_clean(check.fix)}\n"
     return line
 
 

@@ -213,8 +213,10 @@ class Hello(ControlCommand):
         (b"smolvm_version", amp.Unicode(optional=True)),
         # Which binary, and where it came from (--smolvm, PATH or the bottlenet[vm] wheel).
         (b"smolvm_source", amp.Unicode(optional=True)),
-        # smolvm's privilege model for this daemon: "per-VM uids" (root) or "one uid".
+        # smolvm's privilege model for this daemon: "per-VM uids" or "one uid", as seen at
+        # the last VM start, else as expected from the daemon's uid; the basis says which.
         (b"vm_uids", amp.Unicode(optional=True)),
+        (b"vm_uids_basis", amp.Unicode(optional=True)),
     ]
 
 

@@ -63,6 +63,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "smolvm_version": (Kind.UNICODE, True),
             "smolvm_source": (Kind.UNICODE, True),
             "vm_uids": (Kind.UNICODE, True),
+            "vm_uids_basis": (Kind.UNICODE, True),
         },
     ),
     "Ping": ({}, {}),

@@ -29,6 +29,8 @@ class HelloResult(NamedTuple):
     smolvm_version: str | None
     smolvm_source: str | None = None
     vm_uids: str | None = None
+    #: Why ``vm_uids`` says what it says: ``seen: ...`` or ``expected: ...`` (protocol.md).
+    vm_uids_basis: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -40,6 +42,7 @@ class HelloResult(NamedTuple):
             smolvm_version=d["smolvm_version"],
             smolvm_source=d.get("smolvm_source"),
             vm_uids=d.get("vm_uids"),
+            vm_uids_basis=d.get("vm_uids_basis"),
         )
 
 

@@ -76,6 +76,7 @@ from bottlenet.forward.spec import (
     targets_dir,
 )
 from bottlenet.views import LazyView
+from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -210,7 +211,7 @@ class ControlLocator(SafeCommandLocator):
         return result
 
     @C.Hello.responder
-    def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
+    async def hello(self, client_version: str, protocols: list[int]) -> dict[str, Any]:
         common = set(protocols) & set(C.SUPPORTED_PROTOCOLS)
         self.log.info(
             "control: hello from {peer} client={client} protocols={protocols}",
@@ -223,6 +224,9 @@ class ControlLocator(SafeCommandLocator):
                 f"no common protocol version: daemon speaks {list(C.SUPPORTED_PROTOCOLS)}"
             )
         f = self.factory
+        if not f.smolvm_settled.fired:  # the daemon's one smolvm probe is still running
+            await f.smolvm_settled.when_fired()
+        vm_uids, basis = f.vm_uids_now() if f.vm_uids_now is not None else (f.vm_uids, None)
         return {
             "server_version": f.server_version,
             "protocol": max(common),
@@ -230,7 +234,8 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": f.smolvm_available,
             "smolvm_version": f.smolvm_version,
             "smolvm_source": f.smolvm_source,
-            "vm_uids": f.vm_uids,
+            "vm_uids": vm_uids,
+            "vm_uids_basis": basis,
         }
 
     @C.Ping.responder
@@ -751,9 +756,16 @@ class ControlServerFactory(Factory):
         self.smolvm_source: str | None = None
         #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
         self.vm_uids: str | None = None
+        #: Set by the daemon: the model and its basis now (seen at a VM start, or expected).
+        self.vm_uids_now: Callable[[], tuple[str | None, str | None]] | None = None
         self.smolvm_available = (
             smolvm_version is not None if smolvm_available is None else smolvm_available
         )
+        #: Settled once the daemon's smolvm probe has (``tap.BottlenetService``): Hello waits
+        #: for it, so its smolvm fields are right from the first call (under socket
+        #: activation that call comes as soon as the reactor runs). Settled where none runs.
+        self.smolvm_settled: OneShot[None] = OneShot()
+        self.smolvm_settled.fire(None)
         self.allowed_uids = allowed_uids
         self.peer_credentials = peer_credentials
         self.unix_target_root = unix_target_root
@@ -824,6 +836,8 @@ class ControlServerFactory(Factory):
         )
         tls.smolvm_source = self.smolvm_source
         tls.vm_uids = self.vm_uids
+        tls.vm_uids_now = self.vm_uids_now
+        tls.smolvm_settled = self.smolvm_settled
         return tls
 
     def take_slot(self) -> bool:

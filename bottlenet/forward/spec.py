@@ -15,7 +15,7 @@ import re
 import struct
 from typing import TypeAlias
 
-from attrs import frozen
+from attrs import field, frozen
 
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.paths import MAX_SUN_PATH
@@ -151,10 +151,32 @@ class TCPTarget:
 
 
 @frozen
+class HeldSocket:
+    """Which socket file a UNIX target must still be at each connect: the one the process
+    behind it was seen to hold (its device, inode and owner), not merely a socket there."""
+
+    dev: int
+    ino: int
+    uid: int
+
+    @classmethod
+    def at(cls, path: str) -> HeldSocket | None:
+        """The socket at ``path`` now (lstat: a link is not followed); None: nothing there
+        (then the connect-time check finds nothing to connect to either)."""
+        try:
+            st = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        return cls(st.st_dev, st.st_ino, st.st_uid)
+
+
+@frozen
 class UNIXTarget:
-    """Connect to a UNIX socket path under an allowed root (the state dir)."""
+    """Connect to a UNIX socket path under an allowed root (the state dir); ``held`` (a
+    sidecar's exposed socket) pins the very socket file it must be."""
 
     path: str
+    held: HeldSocket | None = field(default=None, eq=False)
 
     def describe(self) -> str:
         return f"unix:{self.path}"

@@ -425,12 +425,18 @@ class ForwardTable(Service):
     def startService(self) -> None:
         self._stopping = False
         super().startService()
+        total, per_bottle = self.budget.total, self.budget.per_bottle
         self.log.info(
-            "relays: {engine} engine, {per_bottle} connections per bottle, {total} in all,"
-            " idle timeout {idle}",
+            "relays: {engine} engine, at most {total} connections in all ({source}), "
+            "{per_bottle} per bottle{capped}, idle timeout {idle}",
             engine=self.engine,
-            per_bottle=self.budget.per_bottle,
-            total=self.budget.total,
+            total=total,
+            source="--max-connections"
+            if self.budget.configured_total is not None
+            else "from the open-files limit",
+            per_bottle=per_bottle,
+            # a per-bottle cap above the total is not a contradiction: the total applies first
+            capped=" (capped by the total)" if per_bottle > total else "",
             idle=f"{self.idle.timeout:g}s" if self.idle.timeout > 0 else "off",
         )
 
@@ -692,7 +698,9 @@ class ForwardTable(Service):
         endpoint = self._plain_target_endpoint(spec)
         if isinstance(spec.target, UNIXTarget):
             root = self._target_root(spec)
-            return CheckedUNIXTarget(endpoint, spec.target.path, root, self.own_sockets)
+            return CheckedUNIXTarget(
+                endpoint, spec.target.path, root, self.own_sockets, spec.target.held
+            )
         return endpoint
 
     def _target_root(self, spec: ForwardSpec) -> str:

@@ -13,7 +13,10 @@ becomes a relay per connection slot). So:
   (``forward.spec.target_root``) and no control client can name;
 - right before each connect the path is checked again on disk: a socket, not a symlink, whose
   real path is still inside that directory, and not (same device and inode) one of the
-  daemon's own sockets (control, metrics, any agent endpoint);
+  daemon's own sockets (control, metrics, any agent endpoint); a sidecar's exposed socket must
+  moreover still be the very socket file its VM was seen to hold (device, inode and owner:
+  ``HeldSocket``), so a process of another uid, or a leftover of a deleted bottle's, that
+  replaced it in the directory is never connected to;
 - a TCP target is never inside the alias pool (every agent endpoint lives there) nor one of
   the daemon's own TCP listeners (TLS control, metrics).
 """
@@ -32,7 +35,7 @@ from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClie
 from zope.interface import implementer
 
 from bottlenet.errors import InvalidArgument, safe_repr
-from bottlenet.forward.spec import TCPTarget, UNIXTarget
+from bottlenet.forward.spec import HeldSocket, TCPTarget, UNIXTarget
 
 
 class TargetRefused(ConnectError):
@@ -108,7 +111,9 @@ def check_target(
         raise InvalidArgument(f"target {safe_repr(path)} {problem}")
 
 
-def unix_target_problem(path: str, root: str, own: OwnSockets) -> str | None:
+def unix_target_problem(
+    path: str, root: str, own: OwnSockets, held: HeldSocket | None = None
+) -> str | None:
     """Why ``path`` may not be connected to now, or None (the connect-time re-check)."""
     try:
         st = os.lstat(path)
@@ -120,6 +125,8 @@ def unix_target_problem(path: str, root: str, own: OwnSockets) -> str | None:
         return "is a symlink"
     if not stat.S_ISSOCK(st.st_mode):
         return "is not a socket"
+    if held is not None and HeldSocket(st.st_dev, st.st_ino, st.st_uid) != held:
+        return "is no longer the socket its sidecar holds"
     real_root = os.path.realpath(root)
     if not os.path.realpath(path).startswith(real_root.rstrip("/") + "/"):
         return "resolves outside the bottle's target directory"
@@ -135,14 +142,22 @@ class CheckedUNIXTarget:
     The transport handed to the relay is the wrapped endpoint's own (splice still works).
     """
 
-    def __init__(self, inner: IStreamClientEndpoint, path: str, root: str, own: OwnSockets) -> None:
+    def __init__(
+        self,
+        inner: IStreamClientEndpoint,
+        path: str,
+        root: str,
+        own: OwnSockets,
+        held: HeldSocket | None = None,
+    ) -> None:
         self._inner = inner
         self._path = path
         self._root = root
         self._own = own
+        self._held = held
 
     def connect(self, protocolFactory: IProtocolFactory) -> defer.Deferred[IProtocol]:
-        problem = unix_target_problem(self._path, self._root, self._own)
+        problem = unix_target_problem(self._path, self._root, self._own, self._held)
         if problem is not None and problem != "does not exist":
             return defer.fail(TargetRefused(string=problem))
         d: defer.Deferred[IProtocol] = self._inner.connect(protocolFactory)

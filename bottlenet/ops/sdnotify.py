@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from twisted.application.service import Service
@@ -73,7 +73,7 @@ class SystemdNotifier(Service):
     def __init__(
         self,
         when_ready: Deferred[Any],
-        status: str = "ready",
+        status: str | Callable[[], str] = "ready",
         env: Mapping[str, str] = os.environ,
     ) -> None:
         self._when_ready = when_ready
@@ -88,9 +88,11 @@ class SystemdNotifier(Service):
 
     def _ready(self, result: object) -> object:
         if self.running:
-            ready(self._status, self._env)
+            # a callable is asked now: what was restored is known only once recovery is done
+            status = self._status if isinstance(self._status, str) else self._status()
+            ready(status, self._env)
             self.sent.append("READY=1")
-            log.info("ready: {status}", status=self._status)
+            log.info("ready: {status}", status=status)
         return result
 
     def stopService(self) -> None:

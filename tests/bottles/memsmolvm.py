@@ -15,11 +15,12 @@ done, so every create, rollback and recovery runs synchronously in a few millise
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
 
 from attrs import define, evolve, field
-from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
@@ -34,7 +35,7 @@ from bottlenet.probe.script import ARGV
 from tests.probe.guests import pass_transcript, witness_own_endpoints
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
-from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion
+from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion, UidReservation
 from vmctl.spec import MachineSpec, validate_spec
 
 T = TypeVar("T")
@@ -53,6 +54,9 @@ class MemMachine:
     def record(self) -> Machine:
         return Machine(self.spec.name, self.state, pid=self.pid, labels=dict(self.spec.labels))
 
+
+#: ``MemorySmolvm.started_as``: make the ``.vm-uid`` a FIFO.
+FIFO = "\0fifo"
 
 ExecHandler = Callable[[str, Sequence[str], bytes | None], ExecResult | None]
 
@@ -75,6 +79,18 @@ class MemorySmolvm:
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
     holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
+    #: smolvm's per-VM uid registry as a map (machine -> uid): the per-VM uid rules run
+    #: without root. ``vm_root`` holds each VM's directory (its ``.vm-uid``) when set.
+    uids: dict[str, int] = field(factory=dict)
+    next_uid: int = 2_000_000
+    vm_root: str = ""
+    #: What ``start`` writes to a machine's ``.vm-uid`` instead of its reserved uid (a
+    #: smolvm that did not honour the reservation, or a VMM that rewrote its file).
+    started_as: dict[str, str] = field(factory=dict)
+    #: With ``bind_exposed``, a started machine's "VMM" binds its ``--expose-socket`` host
+    #: paths (real sockets, closed at stop), as smolvm's does.
+    bind_exposed: bool = False
+    exposed: dict[str, list[socket.socket]] = field(factory=dict)
 
     @property
     def known_version(self) -> SmolvmVersion:
@@ -141,6 +157,16 @@ class MemorySmolvm:
         def start() -> int | None:
             m = self._machine(name)
             m.state, m.pid = "running", self.pid
+            if self.bind_exposed:
+                self.exposed[name] = [_bound(e.host) for e in m.spec.expose_sockets]
+            if name in self.uids and self.vm_root:  # as smolvm: .vm-uid before the drop
+                text = self.started_as.get(name, str(self.uids[name]))
+                path = os.path.join(self.vm_dir(name), ".vm-uid")
+                if text == FIFO:
+                    os.mkfifo(path)  # a quick VMM's FIFO (the file is its uid's)
+                else:
+                    with open(path, "w") as fh:
+                        fh.write(text)
             return m.pid
 
         return self._answer("start", name, start)
@@ -149,6 +175,8 @@ class MemorySmolvm:
         def stop() -> None:
             m = self._machine(name)
             m.state, m.pid = "stopped", None
+            for sock in self.exposed.pop(name, []):
+                sock.close()
 
         return self._answer("stop", name, stop)
 
@@ -156,6 +184,7 @@ class MemorySmolvm:
         def delete() -> None:
             self._machine(name)
             del self.machines[name]
+            self.uids.pop(name, None)  # smolvm frees the registry entry
 
         return self._answer("delete", name, delete)
 
@@ -218,6 +247,37 @@ class MemorySmolvm:
 
     def names(self) -> list[str]:
         return sorted(self.machines)
+
+    def vm_dir(self, name: str) -> str:
+        path = os.path.join(self.vm_root, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    def reserve_uid(self, name: str) -> Deferred[UidReservation]:
+        """A uid from the map (the entry naming the VM, else the next one: never reused)."""
+
+        def reserve() -> UidReservation:
+            self._machine(name)
+            if name not in self.uids:
+                self.uids[name] = self.next_uid
+                self.next_uid += 1
+            return UidReservation(self.uids[name], self.vm_root, self.vm_dir(name))
+
+        return self._answer("reserve_uid", name, reserve)
+
+    def vmm_uid(self, name: str) -> Deferred[int | None]:
+        return self._answer("vmm_uid", name, lambda: self.uids.get(name))
+
+    def end_uid(self, uid: int) -> Deferred[tuple[int, ...]]:
+        """Recorded (as ``("end_uid", "<uid>")``): the processes of a per-VM uid ended."""
+        return self._answer("end_uid", str(uid), tuple)
+
+
+def _bound(path: str) -> socket.socket:
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(path)
+    sock.listen(8)
+    return sock
 
 
 def exits(code: int, stdout: bytes = b"") -> ExecResult:
@@ -313,6 +373,7 @@ class Rig:
             service_ready=self.answers,
         )
         self.vms.iptables_argv = lambda alias: ["/bin/true"]
+        self.vms.blocking = maybeDeferred  # a Clock has no thread pool: run them in line
         if self.smolvm.guest is None:
             self.smolvm.guest = self.honest_guest
         self.registry = BottleRegistry(

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from twisted.internet.defer import Deferred, fail
+from twisted.logger import Logger, formatEvent
 
 from bottlenet.bottles import workload as guest_workload
 from bottlenet.bottles.creation import Creation
@@ -26,6 +27,7 @@ from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig, exits, leak
 from vmctl.errors import KvmUnavailable
+from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult
 
@@ -120,11 +122,30 @@ def test_an_alias_for_a_vm_bottle_is_refused_before_any_machine(
     assert not [c for c in rig.smolvm.calls if c[0] in ("create", "start")]
 
 
-def test_sidecar_start_fails(rigs: Callable[..., Rig], tmp: str) -> None:
+def test_sidecar_start_fails(
+    rigs: Callable[..., Rig], tmp: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The error says the bottle was torn down, and the log gives the reason, not the code
+    alone (issue 30: journald showed only ``KVM_UNAVAILABLE``)."""
     rig = rigs()
+    events: list[dict[str, Any]] = []
+    monkeypatch.setattr(Creation, "log", Logger(observer=events.append))
     rig.smolvm.fail_on("start", "bn-rb-sidecar", KvmUnavailable("injected: no KVM"))
-    create_fails(rig, "KVM_UNAVAILABLE", spec(tmp))
+    error = create_fails(rig, "KVM_UNAVAILABLE", spec(tmp))
+    assert error.message == "injected: no KVM; bottle torn down"
     assert ("delete", "bn-rb-sidecar") in rig.smolvm.calls
+    said = [formatEvent(e) for e in events]
+    assert "bottle rb: create failed (KVM_UNAVAILABLE: injected: no KVM); rolling back" in said[0]
+
+
+def test_a_failed_undo_is_no_torn_down_bottle(rigs: Callable[..., Rig], tmp: str) -> None:
+    """An undo that fails turns "bottle torn down" into "teardown incomplete"."""
+    rig = rigs()
+    rig.smolvm.fail_on("start", "bn-rb-agent", KvmUnavailable("injected: no KVM"))
+    rig.smolvm.fail_on("delete", "bn-rb-sidecar", VmSmolvmFailed("injected: stuck"))
+    with pytest.raises(BottlenetError) as info:
+        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
+    assert info.value.message == ("injected: no KVM; teardown incomplete: see the daemon's log")
 
 
 def test_raw_port_not_owned(rigs: Callable[..., Rig], tmp: str) -> None:
@@ -132,19 +153,6 @@ def test_raw_port_not_owned(rigs: Callable[..., Rig], tmp: str) -> None:
     rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected")
     error = create_fails(rig, "SMOLVM_FAILED", spec(tmp))
     assert "not held by its VM process" in error.message
-
-
-def test_directory_taken(rigs: Callable[..., Rig], tmp: str) -> None:
-    rig = rigs()
-    # a leftover socket directory (recovery removes those; create never reuses one)
-    keep = os.path.join(rig.state_dir, "bottles", "rb", "keep")
-    os.makedirs(os.path.dirname(keep), mode=0o700)
-    open(keep, "w").close()
-    with pytest.raises(BottlenetError) as info:
-        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
-    assert info.value.code == "SMOLVM_FAILED"
-    assert rig.smolvm.machines == {} and rig.smolvm.calls == []
-    assert os.path.exists(keep)
 
 
 def test_second_bind_refused(rigs: Callable[..., Rig], tmp: str) -> None:

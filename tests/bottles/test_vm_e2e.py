@@ -201,7 +201,8 @@ class SidecarSocketTests(DaemonCase):
 
     async def test_per_vm_uid_grants_are_restored_after_a_restart(self) -> None:
         """A restarted daemon re-binds the endpoints and grants them to the agent VMM's uid
-        again (read from its ``.vm-uid``): that uid still gets its bytes back, the peer check
+        again (the uid kept in its record, checked against smolvm's registry, never its
+        ``.vm-uid``): that uid still gets its bytes back, the peer check
         still resets a stranger."""
         if os.geteuid() != 0:
             self.skipTest("smolvm drops to per-VM uids only as root")

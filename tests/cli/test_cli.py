@@ -16,6 +16,8 @@ from twisted.internet.threads import deferToThread
 from twisted.trial import unittest
 
 from bottlenet.cli.main import default_control, main
+from bottlenet.cli.output import report_control_error
+from bottlenet.control.clienterrors import DaemonUnreachable
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.tap import control_service
@@ -43,6 +45,17 @@ def test_unreachable_is_exit_3_with_hint() -> None:
     assert code == 3
     assert "hint:" in err and "/nonexistent/bn/control.sock" in err
     assert "Traceback" not in err and out == ""
+
+
+def test_a_socket_this_uid_may_not_open_is_not_a_daemon_that_is_down() -> None:
+    """Issue 30: ``Permission denied`` (a non-root uid outside the socket's group, as seen with
+    setpriv against the system layout) says whose socket it is, not "is it running?"."""
+    err = io.StringIO()
+    e = DaemonUnreachable("/run/bottlenet/control.sock", "Permission denied")
+    assert report_control_error(e, "/run/bottlenet/control.sock", err) == 3
+    text = err.getvalue()
+    assert "is the bottlenet daemon running" not in text
+    assert f"does not let uid {os.geteuid()} in" in text and "bottlenet-launch" in text
 
 
 def test_env_control_used() -> None:

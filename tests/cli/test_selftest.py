@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[VMDaemon]:
-    d = VMDaemon().start()
+    d = VMDaemon("--sidecar-ready-timeout", "3").start()  # a sidecar that never answers
     try:
         yield d
     finally:
@@ -66,7 +66,7 @@ def test_text_output_one_line_a_check(daemon: VMDaemon) -> None:
     assert [line.split()[:2] for line in out][:3] == [
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
-    assert len(out) == 13 and all(line.startswith("PASS") for line in out)
+    assert len(out) == 14 and all(line.startswith("PASS") for line in out)
 
 
 def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
@@ -79,6 +79,18 @@ def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
     assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
     assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids
     assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "teardown"]
+
+
+def test_a_sidecar_that_never_answers_fails_the_sidecar_line(daemon: VMDaemon) -> None:
+    """An exposed service that never listens: the one FAIL is sidecar, naming the service."""
+    daemon.fake.set_faults(
+        "exec-netns", version="1.32.2", expose_never_ready=["/run/bottlenet/egress.sock"]
+    )
+    code, report = selftest(daemon)
+    assert code == 1 and lines(report, "FAIL") == ["sidecar"], report
+    sidecar = next(c for c in report["checks"] if c["step"] == "sidecar")
+    assert sidecar["seen"].startswith("SIDECAR_NOT_READY: ") and "egress" in sidecar["seen"]
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kvm", "teardown"]
 
 
 def test_a_leaky_guest_fails_the_gate(daemon: VMDaemon) -> None:

@@ -266,3 +266,28 @@ def test_skips_say_which_step_failed() -> None:
     assert {c.seen for c in skipped if st.STEPS.index(c.step) > st.STEPS.index("kvm")} == {
         "not reached (kvm failed)"
     }
+
+
+def test_session_end_line() -> None:
+    """The command must show in the guest, then be gone after its session ended."""
+    assert st.judge_session_end(True, True, 30).verdict is Verdict.PASS
+    stayed = st.judge_session_end(True, False, 30)
+    assert stayed.verdict is Verdict.FAIL and "still ran 30 s" in stayed.seen
+    assert st.judge_session_end(False, True, 30).verdict is Verdict.FAIL
+
+
+def test_the_counter_does_not_count_itself() -> None:
+    """The guest-side counter finds a process by its marker, and never its own argv."""
+    import subprocess
+    import sys
+
+    marker = "bottlenet-selftest-unit-" + os.urandom(4).hex()
+    count = [sys.executable, "-c", st.COUNTER, marker[::-1]]
+    assert subprocess.run(count, capture_output=True, text=True, check=True).stdout == "0\n"
+    sleeper = subprocess.Popen([sys.executable, "-c", st.SLEEPER, marker])
+    try:
+        seen = subprocess.run(count, capture_output=True, text=True, check=True).stdout
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert seen == "1\n"

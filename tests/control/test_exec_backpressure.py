@@ -9,6 +9,7 @@ is paused (trial TestCases: the real reactor runs the children).
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from twisted.internet import reactor as _reactor
@@ -65,3 +66,50 @@ class StdinBackPressureTests(unittest.TestCase):
     def test_pipe_exec_stdin_pauses_the_client(self) -> Deferred[None]:
         """The non-tty exec keeps the same bound (its pipe's producer)."""
         return self._flood(tty=False)
+
+    def test_the_clients_end_of_input_ends_a_command_reading_stdin(self) -> Deferred[None]:
+        """A real ``cat`` on a real pipe: 300 KB of input fill the pipe's buffer (its writer
+        pauses the client), then the client's STDIN_EOF must still reach ``cat`` as an end of
+        file: a pipe with a producer registered never closes, so the pauser is unregistered
+        first (tests-3 X13, caught before only by a hang in test_remote). A pause and a
+        resume of the registered producer pause and resume the client (X11)."""
+        bridge = ExecBridge(
+            bottle="b1", peer="test", tty=False, stdin=True, clock=reactor, resize=lambda *_: None
+        )
+        reactor.spawnProcess(bridge, "cat", ["cat"], env={"PATH": "/usr/bin:/bin"})
+        client = _ClosingClient()
+        bridge.attach(client, b"")
+        stdin_producer = bridge.process.pipes[0].producer  # type: ignore[union-attr]
+        stdin_producer.pauseProducing()
+        self.assertEqual(client.producerState, "paused")
+        stdin_producer.resumeProducing()
+        self.assertEqual(client.producerState, "producing")
+        payload = os.urandom(150_000).hex().encode()
+        frames = [
+            stream.encode(stream.STDIN, payload[i : i + 65536]) for i in range(0, 300_000, 65536)
+        ]
+        bridge.client_data(b"".join(frames))
+        self.assertEqual(client.producerState, "paused")  # the pipe's buffer is over its size
+        bridge.client_data(stream.encode(stream.STDIN_EOF))  # while the writer is paused
+
+        def exited(_: None) -> None:
+            got = stream.FrameParser(stream.DAEMON_KINDS).feed(client.value())
+            self.assertEqual(got[-1], stream.Frame(stream.EXIT, stream.encode_exit(0)[5:]))
+            self.assertEqual(b"".join(f.payload for f in got[:-1]), payload)
+
+        return client.closed.addCallback(exited)
+
+    test_the_clients_end_of_input_ends_a_command_reading_stdin.timeout = 60  # type: ignore[attr-defined]
+
+
+class _ClosingClient(StringTransport):
+    """A client connection that says when the bridge closes it (after the EXIT frame)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.closed: Deferred[None] = Deferred()
+
+    def loseConnection(self) -> None:
+        super().loseConnection()
+        if not self.closed.called:
+            self.closed.callback(None)

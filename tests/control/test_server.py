@@ -48,6 +48,7 @@ def test_hello_negotiates(conn: Conn) -> None:
         "smolvm_version": None,
         "smolvm_source": None,
         "vm_uids": None,
+        "vm_uids_basis": None,
     }
 
 

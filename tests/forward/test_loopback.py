@@ -23,6 +23,7 @@ from twisted.trial import unittest
 from bottlenet.forward.relay import EAGER_SEND
 from bottlenet.forward.spec import (
     ForwardSpec,
+    HeldSocket,
     TCPListen,
     TCPTarget,
     UNIXListen,
@@ -513,6 +514,50 @@ class UnixTests(Base):
             await self.table.add(spec3)
         assert "resolves outside" in info.exception.message
         assert accepted == []
+
+    async def test_a_pinned_target_replaced_in_its_directory_is_never_connected(self) -> None:
+        """R2 (security-3): a sidecar's socket pinned at bind (device, inode, owner); another
+        socket bound at the same path (what a leftover of a deleted bottle's sidecar uid did)
+        is refused at connect, and so is the same inode handed to another owner."""
+        tdir = targets_dir(self.state_dir, "b1")
+        os.makedirs(tdir, mode=0o700)
+        path = os.path.join(tdir, "egress.sock")
+        first = reactor.listenUNIX(path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(first.stopListening)
+        target = UNIXTarget(path, held=HeldSocket.at(path))
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        info = await self.table.add(ForwardSpec("b1", "agent", listen, target))
+        assert isinstance(info.bound, UNIXListen)
+        c = Collector(b"mine")
+        await connect_unix(info.bound.path, c)
+        await c.done
+        assert c.received == b"mine"
+        os.rename(path, path + ".real")  # the first listener keeps its file, aside
+        self.addCleanup(os.rename, path + ".real", path)  # for its own stopListening
+        impostor = socket.socket(socket.AF_UNIX)
+        self.addCleanup(impostor.close)
+        impostor.bind(path)
+        impostor.listen(8)
+        impostor.setblocking(False)
+        c = Collector(b"secret", fin=False)
+        await connect_unix(info.bound.path, c)
+        await c.done
+        assert c.received == b""
+        await self.until(lambda: self.table.get("b1", "agent").counters.failed == 1, "failed")
+        with self.assertRaises(BlockingIOError):
+            impostor.accept()  # nothing ever connected to it
+        if os.geteuid() == 0:  # the pinned inode itself, handed to another owner
+            await self.table.remove("b1", "agent")
+            target = UNIXTarget(path, held=HeldSocket.at(path))
+            info = await self.table.add(ForwardSpec("b1", "agent", listen, target))
+            os.chown(path, 65534, 65534, follow_symlinks=False)
+            c = Collector(b"secret", fin=False)
+            assert isinstance(info.bound, UNIXListen)
+            await connect_unix(info.bound.path, c)
+            await c.done
+            assert c.received == b""
+            with self.assertRaises(BlockingIOError):
+                impostor.accept()
 
     async def test_tcp_listen_and_unix_target(self) -> None:
         """TCP to UNIX: an alias endpoint relaying to a socket in the bottle's target dir."""

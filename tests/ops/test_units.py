@@ -87,6 +87,42 @@ def test_system_units() -> None:
     assert one(service, "Service", "User") not in ("", "root", "0")
 
 
+def _header_commands(path: Path) -> list[list[str]]:
+    """The shell commands a unit's header comment tells the operator to run (``#   cmd``,
+    continuation lines joined)."""
+    lines: list[str] = []
+    for raw in path.read_text().splitlines():
+        if raw.startswith("[Unit]"):
+            break
+        text = raw[1:].split("#", 1)[0].strip() if raw.startswith("#   ") else ""
+        if text and lines and lines[-1].endswith("\\"):
+            lines[-1] = lines[-1][:-1] + " " + text
+        elif text and re.match(r"(groupadd|useradd|usermod|python3) ", text):
+            lines.append(text)
+    return [line.split() for line in lines]
+
+
+def test_system_install_needs_no_group_the_host_may_lack() -> None:
+    """Issue 30: the unit's own install steps worked only where a ``kvm`` group exists
+    (``useradd --groups kvm`` exits 6, ``SupplementaryGroups=kvm`` fails the unit): they
+    name only the group they create, and /dev/kvm's group is read from the host."""
+    path = UNITS / "system" / "bottlenet.service"
+    service = parse_unit(path)
+    assert "SupplementaryGroups" not in service["Service"]
+    commands = _header_commands(path)
+    made = {c[-1] for c in commands if c[0] == "groupadd"}
+    assert made == {one(service, "Service", "Group")}
+    (useradd,) = [c for c in commands if c[0] == "useradd"]
+    assert "--groups" not in useradd and "-G" not in useradd
+    assert useradd[useradd.index("--gid") + 1] in made
+    assert useradd[-1] == one(service, "Service", "User")
+    (usermod,) = [c for c in commands if c[0] == "usermod"]
+    assert "stat -c %G /dev/kvm" in " ".join(usermod)  # whatever /dev/kvm's group is here
+    (venv,) = [c for c in commands if c[0] == "python3"]
+    twist = one(service, "Service", "ExecStart").split()[0]
+    assert venv[:3] == ["python3", "-m", "venv"] and twist == f"{venv[3]}/bin/twist"
+
+
 def _verify(units: Path, *flags: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     twist = Path(sys.executable).parent / "twist"
     assert twist.exists(), twist

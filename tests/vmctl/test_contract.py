@@ -35,6 +35,7 @@ from bottlenet.bottles.creation import (
 from bottlenet.bottles.isolation import AGENT_WAIT_COMMAND
 from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
+from bottlenet.bottles.vmmaccess import read_started_uid
 from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
 from vmctl.errors import (
@@ -59,7 +60,7 @@ from vmctl.spec import (
     create_args,
     exec_args,
 )
-from vmctl.uids import registry_of, reserve_vm_uid, started_vm_uid
+from vmctl.uids import LAST_RESERVED, registered_vm_uid, registry_of, reserve_vm_uid
 
 WHEEL = find_wheel()
 needs_wheel = pytest.mark.skipif(
@@ -603,8 +604,9 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
 @pytest.mark.parametrize("kind", ["real", "fake"])
 def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str) -> None:
     """``vmctl.uids``: the registry it finds from ``machine data-dir`` is smolvm's, the entry it
-    writes (next to another VM's) is the uid the start drops to, and ``started_vm_uid`` reads
-    it back: the daemon knows the VMM's uid before the VMM exists."""
+    writes (next to another VM's) is the uid the start drops to, its ``.vm-uid`` says so (read
+    as the daemon reads it, through ``open_regular``) and the registry still names it: the
+    daemon knows the VMM's uid before the VMM exists."""
     cli = clis[kind]
     state = Path(cli.state_dir)
     if kind == "fake":
@@ -617,7 +619,7 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
     assert registry_of(vm) == str(uids)
     uids.mkdir(parents=True, exist_ok=True)
     (uids / str(FIRST_VM_UID)).write_text("another-vm")  # taken: the next one is ours
-    assert started_vm_uid(vm) is None
+    assert not os.path.exists(os.path.join(vm, ".vm-uid"))
     reserved = reserve_vm_uid(vm)
     assert reserved == FIRST_VM_UID + 1
     assert reserve_vm_uid(vm) == reserved  # idempotent: the entry naming the VM
@@ -626,10 +628,14 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
         assert isinstance(out.error, KvmUnavailable), out.r.stderr[-400:]
     else:
         assert out.ok, out.r.stderr[-400:]
-    assert started_vm_uid(vm) == reserved
+    assert read_started_uid(os.path.join(vm, ".vm-uid")) == reserved
+    assert registered_vm_uid(vm) == reserved
     assert cli.machine("stop", "--name", "r1").ok
     assert cli.machine("delete", "--name", "r1", "-f").ok
-    assert sorted(os.listdir(uids)) == sorted([".allocation.lock", str(FIRST_VM_UID)])
+    assert sorted(os.listdir(uids)) == sorted(
+        [".allocation.lock", LAST_RESERVED, str(FIRST_VM_UID)]
+    )
+    assert registered_vm_uid(vm) is None
 
 
 #: The phrase smolvm's CLI ends an attached session with when its VM goes away (1.9.3

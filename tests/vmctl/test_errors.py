@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import given
 from hypothesis import strategies as st
 from twisted.trial.unittest import SynchronousTestCase
@@ -104,6 +106,38 @@ class ClassifyTests(SynchronousTestCase):
         e = E.classify(KVM, 1, "machine start")
         self.assertNotIn("\n", e.message)
         self.assertIn("kvm_intel", e.message)
+
+    def test_kvm_denied_advice_fits_the_daemon_uid(self) -> None:
+        """Issue 30: a non-root daemon is told about its own uid and keeps smolvm's kvm-group
+        advice, never "as root"; a root daemon is told why the group cannot help its
+        per-VM uids (the real 1.32.2 message as root, then smolvm's non-root message)."""
+        root = (
+            b"Error: agent operation failed: start machine: agent operation failed: monitor "
+            b"agent: Then log out and log back in for the change to take effect.); libkrun "
+            b"detail: build microVM: Internal error while starting microVM: "
+            b"KvmContext(KvmOpen(Error(13))) (boot process exited (code 1) before the agent "
+            b"was ready)\n"
+        )
+        user = (  # the real 1.32.2 as uid 65534 (setpriv), on a root:root 0600 /dev/kvm
+            b"Error: agent operation failed: start machine: kvm permission denied: Cannot "
+            b"access /dev/kvm (permission denied).\nAdd your user to the 'kvm' group:\n\n"
+            b"sudo usermod -aG kvm $USER\n\nThen log out and log back in for the change to "
+            b"take effect.\n"
+        )
+        as_root = E.kvm_message("machine start", E.error_text(root), euid=0)
+        self.assertIn("the daemon runs as root", as_root)
+        self.assertIn("no supplementary groups", as_root)
+        self.assertNotIn("smolvm says", as_root)
+        as_user = E.kvm_message("machine start", E.error_text(user), euid=4242)
+        self.assertNotIn("root", as_user)
+        self.assertIn("the daemon's user (uid 4242)", as_user)
+        self.assertIn(
+            "smolvm says: Add your user to the 'kvm' group: sudo usermod -aG kvm $USER Then log",
+            as_user,
+        )
+        self.assertNotIn("\n", as_user)
+        e = E.classify(user, 1, "machine start")  # the default: this process's uid
+        self.assertIn(f"uid {os.geteuid()}" if os.geteuid() else "runs as root", e.message)
 
     def test_signal(self) -> None:
         e = E.classify(b"", None, "machine stop", signal=9)

@@ -1,8 +1,9 @@
-"""The start-up checks of the smolvm binary and its data dir, at their exact edges.
+"""The start-up checks of the smolvm binary, at their exact edges.
 
-tests-3 K01 (the data dir's length bound), K06 (a ``--version`` that exits non-zero) and K08
-(group-writable, not only world-writable, is untrusted). The binaries are shell scripts the
-test writes: the checks read modes and run ``--version``, nothing else.
+tests-3 K06 (a ``--version`` that exits non-zero) and K08 (group-writable, not only
+world-writable, is untrusted); K01 (the data dir's 61 bytes) is
+``tests/test_settings.py::test_smolvm_data_dir_limit_is_61_bytes``. The binaries are shell
+scripts the test writes: the checks read modes and run ``--version``, nothing else.
 """
 
 from __future__ import annotations
@@ -13,8 +14,7 @@ from pathlib import Path
 import pytest
 
 from vmctl.install import untrusted_reason
-from vmctl.service import StartupRefused, check_data_dir_option, choose_smolvm
-from vmctl.smolvm import MAX_STATE_DIR
+from vmctl.service import StartupRefused, choose_smolvm
 
 
 def _script(directory: Path, body: str, mode: int = 0o755) -> str:
@@ -24,15 +24,6 @@ def _script(directory: Path, body: str, mode: int = 0o755) -> str:
     path.write_text(f"#!/bin/sh\n{body}\n")
     os.chmod(path, mode)
     return str(path)
-
-
-def test_a_data_dir_of_exactly_the_limit_is_accepted_one_byte_more_is_not() -> None:
-    """``--smolvm-data-dir`` may be MAX_STATE_DIR (61) bytes long, not 62."""
-    assert MAX_STATE_DIR == 61
-    at_limit = "/" + "d" * (MAX_STATE_DIR - 1)
-    check_data_dir_option(at_limit)  # no error
-    with pytest.raises(StartupRefused, match=rf"too long \({MAX_STATE_DIR + 1} bytes, at most"):
-        check_data_dir_option(at_limit + "x")
 
 
 @pytest.mark.parametrize("code", [1, 3])

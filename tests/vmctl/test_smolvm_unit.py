@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 
 from twisted.logger import capturedLogs
 from twisted.trial.unittest import SynchronousTestCase
@@ -29,7 +32,10 @@ from vmctl.smolvm import (
     Smolvm,
     SmolvmVersion,
     Timeouts,
+    VmmSeen,
+    VmUids,
     subcommand_of,
+    vmm_uid_of,
 )
 from vmctl.spec import MachineSpec, PortMapping
 
@@ -135,6 +141,31 @@ class SmolvmUnitTests(SynchronousTestCase):
         self.assertEqual(
             proc.env, {"PATH": "/bin", "HOME": "/h", "SMOLVM_DATA_DIR": "/var/lib/smol"}
         )
+
+    def test_start_sees_the_vmm_uid(self) -> None:
+        """Issue 30: the privilege model is seen, not assumed: a start that reports a pid
+        records that process's effective uid (here a live process of ours stands in)."""
+        self.assertIsNone(self.smolvm.vmm_seen)
+        self.script.answers["machine start"] = (0, b"Machine 'm1' running (PID: 999999999)\n", b"")
+        self.successResultOf(self.smolvm.start("m1"))
+        self.assertIsNone(self.smolvm.vmm_seen)  # no such process: nothing seen
+        pid = os.getpid()
+        self.script.answers["machine start"] = (0, b"Machine 'm2' running (PID: %d)\n" % pid, b"")
+        self.successResultOf(self.smolvm.start("m2"))
+        self.assertEqual(self.smolvm.vmm_seen, VmmSeen("m2", os.geteuid()))
+        self.assertIs(VmmSeen("m", 2_000_001).model(0), VmUids.PER_VM)
+        self.assertIs(VmmSeen("m", 0).model(0), VmUids.ONE)  # root, no drop (the fake)
+        self.assertIs(VmmSeen("m", 4242).model(4242), VmUids.ONE)
+
+    def test_vmm_uid_is_the_effective_uid_from_status(self) -> None:
+        """``/proc/PID/status``'s effective uid (a dropped process's /proc/PID is root's)."""
+        proc = tempfile.mkdtemp(prefix="bn-proc-")
+        self.addCleanup(shutil.rmtree, proc)
+        os.makedirs(os.path.join(proc, "7"))
+        with open(os.path.join(proc, "7", "status"), "w") as f:
+            f.write("Name:\tsmol-vmm\nUid:\t0\t2000001\t2000001\t2000001\nGid:\t0\n")
+        self.assertEqual(vmm_uid_of(7, proc), 2_000_001)
+        self.assertIsNone(vmm_uid_of(8, proc))
 
     def test_delete_always_forced(self) -> None:
         self.successResultOf(self.smolvm.delete("m1"))

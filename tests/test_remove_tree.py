@@ -1,0 +1,157 @@
+"""``paths.remove_tree_at``: a tree another uid writes is removed fd-relative, bounded (R3)."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from bottlenet.paths import MAX_TREE_DEPTH, TreeTooLarge, _remove_subdir, remove_tree_at
+
+
+def _fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _dir_fd(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+
+
+def _nest(top: Path, levels: int) -> None:
+    """``levels`` nested ``sidecar/`` dirs, made fd-relative (deeper than PATH_MAX)."""
+    fd = _dir_fd(top)
+    for _ in range(levels):
+        os.mkdir("sidecar", dir_fd=fd)
+        nxt = os.open("sidecar", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = nxt
+    with open(os.open("notes.txt", os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd), "w") as fh:
+        fh.write("x")
+    os.close(fd)
+
+
+def test_a_tree_deeper_than_path_max_is_removed_with_few_fds(tmp_path: Path) -> None:
+    """600 nested directories (security-3 R3 'deep'): gone, no ENAMETOOLONG, no fd left."""
+    (tmp_path / "s1").mkdir()
+    _nest(tmp_path / "s1", 600)
+    before = _fds()
+    parent = _dir_fd(tmp_path)
+    try:
+        remove_tree_at(parent, "s1")
+    finally:
+        os.close(parent)
+    assert os.listdir(tmp_path) == []
+    assert _fds() == before
+
+
+def test_every_kind_of_entry_goes_and_nothing_outside_is_touched(tmp_path: Path) -> None:
+    """Files, a FIFO (never opened), a socket, symlinks to outside files and directories: the
+    links go, what they point at stays."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("keep")
+    keep_sock = socket.socket(socket.AF_UNIX)
+    keep_sock.bind(str(outside / "control.sock"))
+    tree = tmp_path / "tree"
+    (tree / "sub").mkdir(parents=True)
+    (tree / "notes.txt").write_text("x")
+    os.mkfifo(tree / "sub" / "fifo")
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(tree / "sub" / "egress.sock"))
+    (tree / "to-dir").symlink_to(outside)
+    (tree / "sub" / "to-file").symlink_to(outside / "keep.txt")
+    (tree / "sub" / "to-sock").symlink_to(outside / "control.sock")
+    parent = _dir_fd(tmp_path)
+    try:
+        remove_tree_at(parent, "tree")
+    finally:
+        os.close(parent)
+        s.close()
+        keep_sock.close()
+    assert sorted(os.listdir(tmp_path)) == ["outside"]
+    assert sorted(os.listdir(outside)) == ["control.sock", "keep.txt"]
+
+
+def test_a_directory_swapped_for_a_symlink_is_only_unlinked(tmp_path: Path) -> None:
+    """The rename race (a directory listed, then exchanged with a symlink before it is
+    opened): the open refuses to follow, the link itself goes, the target stays whole."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "victim.sock").write_text("")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "sidecar").symlink_to(outside)  # what the open finds after the swap
+    fd = _dir_fd(tree)
+    try:
+        _remove_subdir(fd, fd, "sidecar", 0, [100])
+    finally:
+        os.close(fd)
+    assert os.listdir(tree) == []
+    assert os.listdir(outside) == ["victim.sock"]
+
+
+def test_more_entries_than_the_bound_is_a_typed_error_after_progress(tmp_path: Path) -> None:
+    """A bounded piece of work per call: TreeTooLarge, and what it touched is gone."""
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    for i in range(50):
+        (tree / f"f{i}").write_text("")
+    parent = _dir_fd(tmp_path)
+    try:
+        with pytest.raises(TreeTooLarge):
+            remove_tree_at(parent, "tree", max_entries=20)
+        assert len(os.listdir(tree)) == 30
+        remove_tree_at(parent, "tree", max_entries=40)
+    finally:
+        os.close(parent)
+    assert not tree.exists()
+
+
+def test_a_plain_file_or_a_symlink_at_the_name_is_unlinked_not_followed(tmp_path: Path) -> None:
+    """The name itself may be a file or a link (never followed)."""
+    (tmp_path / "target").mkdir()
+    (tmp_path / "target" / "keep").write_text("")
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    (tmp_path / "file").write_text("")
+    parent = _dir_fd(tmp_path)
+    try:
+        remove_tree_at(parent, "link")
+        remove_tree_at(parent, "file")
+        remove_tree_at(parent, "missing")
+    finally:
+        os.close(parent)
+    assert os.listdir(tmp_path) == ["target"] and os.listdir(tmp_path / "target") == ["keep"]
+
+
+def test_depth_beyond_the_bound_holds_at_most_that_many_directories_open(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Subtrees deeper than MAX_TREE_DEPTH are moved up: open directories stay bounded."""
+    import bottlenet.paths as paths
+
+    (tmp_path / "t").mkdir()
+    _nest(tmp_path / "t", 5 * MAX_TREE_DEPTH)
+    real_open, open_now, most = os.open, [0], [0]
+    real_close = os.close
+
+    def counting_open(*a: object, **kw: object) -> int:
+        fd: int = real_open(*a, **kw)  # type: ignore[arg-type]
+        open_now[0] += 1
+        most[0] = max(most[0], open_now[0])
+        return fd
+
+    def counting_close(fd: int) -> None:
+        open_now[0] -= 1
+        real_close(fd)
+
+    monkeypatch.setattr(paths.os, "open", counting_open)
+    monkeypatch.setattr(paths.os, "close", counting_close)
+    parent = real_open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        remove_tree_at(parent, "t")
+    finally:
+        real_close(parent)
+    assert not (tmp_path / "t").exists()
+    assert most[0] <= MAX_TREE_DEPTH
