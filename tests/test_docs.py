@@ -240,7 +240,7 @@ def test_every_daemon_command_line_parses(doc: str) -> None:
     lines = [  # also behind a wrapper (setpriv, systemd-socket-activate, a venv's path)
         line.split("#", 1)[0].strip()
         for _, body in shell_blocks(os.path.join(ROOT, "docs", doc))
-        for line in body.splitlines()
+        for line in body.replace("\\\n", " ").splitlines()  # a continued line is one
         if re.match(r"(\S*/)?twist bottlenet", line.strip())
         or " twist bottlenet" in line
         or "/twist bottlenet" in line

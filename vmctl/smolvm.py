@@ -74,6 +74,12 @@ _PID = re.compile(r"running \(PID: (\d+)\)")
 MAX_STATE_DIR = 107 - 46
 #: Seconds vmctl waits past smolvm's own ``exec --timeout`` before killing the CLI.
 EXEC_TIMEOUT_MARGIN = 5.0
+#: ``user=GUEST_ROOT``: the guest's root, for the commands of bottlenet's own (gate, bridge,
+#: workload wrapper, ...). Without ``-u`` smolvm runs a command as the machine's user, then
+#: the image's ``USER`` (1.32.2 ``machine exec --help``), with no capability when that user is
+#: not root (fidelity.md #1). Sent as ``-u 0:0`` where the CLI has ``exec -u``; a CLI older
+#: than that (1.32) cannot choose the user, so the command runs as its default user there.
+GUEST_ROOT = "0:0"
 
 #: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
 SUBCOMMANDS = frozenset(
@@ -674,8 +680,7 @@ class Smolvm:
             argv = sessionend.wrap(argv, self.session_pythons)
         await self._gate()
         features = self._features or Features()
-        if user is not None and not features.exec_user:
-            raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+        user = self._exec_user(user, features)
         seconds = timeout or self.timeouts.exec
         guest_timeout = max(1, math.ceil(seconds)) if features.exec_timeout and not detach else None
         rest = exec_args(
@@ -746,8 +751,7 @@ class Smolvm:
         """
         exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)
         await self._gate()
-        if user is not None and not (self._features or Features()).exec_user:
-            raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
+        user = self._exec_user(user, self._features or Features())
         if self.binary is None:
             raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
         reactor: Any = self.runner.reactor
@@ -779,6 +783,15 @@ class Smolvm:
             os.close(slave)
             raise
         return transport
+
+    def _exec_user(self, user: str | None, features: Features) -> str | None:
+        """``-u`` as this CLI can take it: :data:`GUEST_ROOT` falls back to the default user
+        on a CLI without ``exec -u``; any other user is refused there."""
+        if user is None or features.exec_user:
+            return user
+        if user == GUEST_ROOT:
+            return None
+        raise UnsupportedVersion(f"smolvm {self._version} has no exec --user")
 
     @as_deferred
     async def list(

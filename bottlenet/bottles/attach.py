@@ -20,7 +20,7 @@ from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.errors import InvalidArgument, SmolvmUnavailable, safe_repr
 from vmctl.errors import VmctlError
-from vmctl.smolvm import set_pty_size
+from vmctl.smolvm import GUEST_ROOT, set_pty_size
 from vmctl.spec import check_user
 
 MAX_ARGV = 4096
@@ -119,7 +119,7 @@ def logs_request(bottle: Bottle, tail: int, follow: bool) -> ExecRequest:
     vm = bottle.require_vms()
     if vm.workload is None:
         raise InvalidArgument(f"bottle {bottle.name} runs no workload (its spec names none)")
-    return ExecRequest(tuple(workload.logs_argv(vm.agent_vm, tail, follow)))
+    return ExecRequest(tuple(workload.logs_argv(vm.agent_vm, tail, follow)), user=GUEST_ROOT)
 
 
 async def spawn_exec(

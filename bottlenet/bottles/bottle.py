@@ -48,6 +48,7 @@ from bottlenet.errors import BottlenetError, Busy, Degraded, InvalidArgument, Un
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo, ForwardTable
+from vmctl.smolvm import GUEST_ROOT
 
 log = Logger(namespace="bottlenet.bottles.bottle")
 
@@ -585,7 +586,7 @@ class VMBottle(BottleOwner):
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)))
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)), user=GUEST_ROOT)
 
         def failed(f: Failure) -> None:
             lost()

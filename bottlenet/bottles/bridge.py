@@ -58,7 +58,7 @@ from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.plan import new_nonce
 from bottlenet.probe.witness import Witness
 from vmctl.errors import VmctlError
-from vmctl.smolvm import Smolvm
+from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 #: How long a (re)start may take to print ``ready``.
 START_TIMEOUT = 30.0
@@ -250,7 +250,7 @@ class Bridges:
         session = BridgeSession(render(kept.bridges))
         kept.session = session
         try:
-            await self.smolvm.spawn_exec(kept.agent_vm, list(ARGV), session)
+            await self.smolvm.spawn_exec(kept.agent_vm, list(ARGV), session, user=GUEST_ROOT)
         except VmctlError as e:
             raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
         timer = self.reactor.callLater(START_TIMEOUT, session.stop)
@@ -339,7 +339,11 @@ class Bridges:
             ports = [e.guest_port for e in mine]
             try:
                 await self.smolvm.exec(
-                    agent_vm, list(ARGV), stdin=render_reach(nonce, ports), timeout=REACH_TIMEOUT
+                    agent_vm,
+                    list(ARGV),
+                    stdin=render_reach(nonce, ports),
+                    timeout=REACH_TIMEOUT,
+                    user=GUEST_ROOT,
                 )
             except VmctlError as e:
                 raise BridgeFailed(

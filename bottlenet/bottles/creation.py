@@ -24,7 +24,7 @@ from typing import Any
 from attrs import frozen
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, readiness, workload
+from bottlenet.bottles import egress, readiness, volumeaccess, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.isolation import (
@@ -35,6 +35,7 @@ from bottlenet.bottles.lifecycle import (
     VMLifecycle,
     runs_bridge,
     vm_parts,
+    volumes_of,
 )
 from bottlenet.bottles.model import (
     Bottle,
@@ -72,7 +73,7 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import Features, UidReservation
+from vmctl.smolvm import GUEST_ROOT, Features, UidReservation
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
 
 WORKLOAD_TIMEOUT = 60.0
@@ -199,6 +200,7 @@ class Creation:
 
     async def run(self, commit: Callable[[Bottle], None]) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
+        self.vms.check_volumes(self.agent)  # before any machine: nothing to undo yet
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
@@ -464,6 +466,7 @@ class Creation:
         if reserved is not None:
             self.uids[Role.AGENT] = reserved.uid
             self.vms.grant_agent(self.name, endpoints, reserved.uid)
+            self.grant_volumes(reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.vms.smolvm.status(name)
@@ -475,25 +478,38 @@ class Creation:
                 )
         return reserved
 
+    def grant_volumes(self, uid: int) -> None:
+        """The agent VMM's uid may write the read-write volumes (``volumeaccess``), until
+        teardown or this create's rollback."""
+        granted = volumeaccess.grant(*volumes_of(self.agent), uid)
+
+        async def revoke() -> None:
+            volumeaccess.revoke(granted, uid)
+
+        self.undo.append(("volume access", revoke))
+
     async def _start_workload(
         self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
     ) -> None:
-        """6d. The workload, after the gate: its command checked, then started detached."""
-        check = await self.vms.smolvm.exec(
+        """6d. The workload, after the gate: its user known, its command checked (as the
+        guest's root), then started detached as its user."""
+        smolvm = self.vms.smolvm
+        user = agent.user or await self._image_user(name, env)
+        check = await smolvm.exec(
             name,
-            workload.prepare_argv(agent.workload, name, agent.user),
+            workload.prepare_argv(agent.workload, name),
             env=dict(env),
             timeout=SETUP_TIMEOUT,
-            user=workload.exec_user(agent.user),
+            user=GUEST_ROOT,
         )
         if check.exit_code == workload.PREPARE_NO_PYTHON:
             raise SmolvmFailed(
-                f"starting the workload in {name} failed: a workload run as agent.user "
-                f"needs python3 in the agent VM (exit {check.exit_code})"
+                f"starting the workload in {name} failed: its wrapper needs python3 in the "
+                f"agent VM (exit {check.exit_code})"
             )
         if check.exit_code == workload.PREPARE_NO_DIR:
             raise SmolvmFailed(
-                f"starting the workload in {name} failed: its user cannot create "
+                f"starting the workload in {name} failed: the guest's root cannot create "
                 f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
             )
         if check.exit_code != 0:
@@ -501,16 +517,30 @@ class Creation:
                 f"starting the workload in {name} failed: its command is not found"
                 f" in the agent VM (exit {check.exit_code})"
             )
-        result = await self.vms.smolvm.exec(
+        result = await smolvm.exec(
             name,
-            workload.wrap(agent.workload, name, agent.user),
+            workload.wrap(agent.workload, name, None if workload.runs_as_root(user) else user),
             env=dict(env),
             detach=True,
             timeout=WORKLOAD_TIMEOUT,
-            user=workload.exec_user(agent.user),
+            user=GUEST_ROOT,
         )
         if result.exit_code != 0:
             raise SmolvmFailed(f"starting the workload in {name} failed (exit {result.exit_code})")
+
+    async def _image_user(self, name: str, env: tuple[tuple[str, str], ...]) -> str:
+        """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
+        ``uid:gid``: the workload's user when the spec names none."""
+        result = await self.vms.smolvm.exec(
+            name, list(workload.IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
+        )
+        user = workload.image_user(result.stdout) if result.exit_code == 0 else None
+        if user is None:
+            raise SmolvmFailed(
+                f"starting the workload in {name} failed: the image's user cannot be read "
+                f"(`id` as the image's USER: exit {result.exit_code}); set agent.user"
+            )
+        return user
 
     async def step_gate(
         self, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]

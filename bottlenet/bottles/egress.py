@@ -15,7 +15,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles.spec import EgressSpec
 from bottlenet.errors import SmolvmFailed
-from vmctl.smolvm import Smolvm
+from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 #: Atomic write inside the guest: "$1" is the policy path, stdin the document.
 WRITE_ARGV = ["/bin/sh", "-c", 'cat > "$1.tmp" && mv "$1.tmp" "$1"', "sh"]
@@ -30,7 +30,11 @@ def policy_document(hosts: Sequence[str]) -> bytes:
 
 async def _write(smolvm: Smolvm, machine: str, path: str, hosts: Sequence[str]) -> None:
     result = await smolvm.exec(
-        machine, [*WRITE_ARGV, path], stdin=policy_document(hosts), timeout=EXEC_TIMEOUT
+        machine,
+        [*WRITE_ARGV, path],
+        stdin=policy_document(hosts),
+        timeout=EXEC_TIMEOUT,
+        user=GUEST_ROOT,
     )
     if result.exit_code != 0:
         raise SmolvmFailed(
@@ -39,7 +43,7 @@ async def _write(smolvm: Smolvm, machine: str, path: str, hosts: Sequence[str]) 
 
 
 async def _reload(smolvm: Smolvm, machine: str, egress: EgressSpec) -> None:
-    result = await smolvm.exec(machine, list(egress.reload), timeout=EXEC_TIMEOUT)
+    result = await smolvm.exec(machine, list(egress.reload), timeout=EXEC_TIMEOUT, user=GUEST_ROOT)
     if result.exit_code != 0:
         raise SmolvmFailed(
             f"the egress reload command in {machine} failed (exit {result.exit_code})"

@@ -16,7 +16,7 @@ from attrs import evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, readiness
+from bottlenet.bottles import egress, readiness, volumeaccess
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
 from bottlenet.bottles.isolation import (
@@ -218,6 +218,27 @@ class VMLifecycle:
             return SocketEndpoint(service, guest_port, listen.path, guest_path, behind)
         return TCPEndpoint(service, guest_port, listen.path, guest_path, behind)
 
+    def check_volumes(self, agent: AgentSpec) -> None:
+        """Under per-VM uids, before any machine: the agent VM's uid can reach each volume
+        (``volumeaccess``: InvalidArgument naming the volume and the fix otherwise)."""
+        if self.access.per_vm and agent.volumes:
+            volumeaccess.check_reachable(*volumes_of(agent))
+
+    async def _revoke_volumes(self, vm: BottleVMs) -> Callable[[], None]:
+        """What revokes the agent VMM's volume grants (its reserved uid, from the bottle's
+        record); nothing to do under one uid or without a read-write volume."""
+        agent = vm.spec.agent
+        if not self.access.per_vm or agent is None:
+            return lambda: None
+        volumes, _ = volumes_of(agent)
+        paths = [v.host for v in volumes if not v.read_only]
+        if not paths:
+            return lambda: None
+        uid = vm.agent_uid  # the uid reserved for it, kept on the bottle's record
+        if uid is None:
+            return lambda: None
+        return lambda: volumeaccess.revoke(paths, uid)
+
     def grant_agent(self, bottle: str, endpoints: Sequence[Endpoint], uid: int) -> None:
         """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""
         self.access.grant_endpoints((e.path for e in endpoints), uid)
@@ -345,6 +366,7 @@ class VMLifecycle:
         vm = bottle.require_vms()
         self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
+        revoke = await self._revoke_volumes(vm)
         removed = []
         try:
             for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
@@ -360,6 +382,7 @@ class VMLifecycle:
                 removed.append(uid)
         except VmctlError as e:
             raise map_vmctl(e) from None
+        revoke()
         await self.end_uids(bottle.name, removed)
         await self.release(bottle)
 
@@ -528,6 +551,12 @@ class VMLifecycle:
     def unwatch_all(self) -> None:
         for name in list(self._watches):
             self.unwatch(name)
+
+
+def volumes_of(agent: AgentSpec) -> tuple[list[Volume], list[str]]:
+    """The agent's volumes and how the spec names each (``agent.volumes[i]``)."""
+    volumes = [Volume.parse(v) for v in agent.volumes]
+    return volumes, [f"agent.volumes[{i}]" for i in range(len(volumes))]
 
 
 def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:

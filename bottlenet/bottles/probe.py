@@ -39,7 +39,7 @@ from bottlenet.probe.plan import (
 )
 from bottlenet.probe.script import ARGV, render
 from bottlenet.probe.witness import Witness, WitnessFactory
-from vmctl.smolvm import Smolvm
+from vmctl.smolvm import GUEST_ROOT, Smolvm
 from vmctl.spec import Volume
 
 PROBE_TIMEOUT = 60.0
@@ -250,7 +250,7 @@ class Gate:
                     self._divert(bottle, e.service, seen, str(target))
                     diverted.append(e.service)
             result = await self.smolvm.exec(
-                agent_vm, list(ARGV), stdin=render(plan), timeout=PROBE_TIMEOUT
+                agent_vm, list(ARGV), stdin=render(plan), timeout=PROBE_TIMEOUT, user=GUEST_ROOT
             )
         finally:
             if seen is not None:

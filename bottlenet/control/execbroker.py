@@ -45,6 +45,7 @@ from twisted.python.failure import Failure
 from zope.interface import implementer
 
 from bottlenet.control import stream
+from bottlenet.control.smolvmnote import NoteFilter
 from bottlenet.control.stream import FrameParser, StreamError, widen_send_buffer
 
 #: After the client is gone, the child gets SIGTERM, and SIGKILL this many seconds later.
@@ -203,6 +204,10 @@ class ExecBridge(ProcessProtocol):
         self._kill_timer: IDelayedCall | None = None
         self._deadline: IDelayedCall | None = None
         self._timed_out = False  # why it ended: its exit code is TIMEOUT_EXIT
+        #: smolvm's packed-assets note heads its stderr (a terminal's one stream with -t):
+        #: dropped there, never framed to the client (framed sessions only).
+        self._note = NoteFilter()
+        self._note_fd = 1 if tty else 2
         self._session = (_HANDOVER_SESSION if self.fds else _FRAMED_SESSION)(self)
         self._ending = _CHILD(self)
 
@@ -244,6 +249,10 @@ class ExecBridge(ProcessProtocol):
             register(_ClientPauser(self), True)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
+        if childFD == self._note_fd and not self._note.decided:
+            data = self._note.feed(data)
+            if not data:
+                return
         kind = stream.STDERR if childFD == 2 else stream.STDOUT
         # A read as full as the reactor's means more is waiting: it goes out in full frames,
         # up to TURN_READ per turn of the reactor, not in a frame per 8 KiB.
@@ -276,6 +285,9 @@ class ExecBridge(ProcessProtocol):
         return end.fileno() if end is not None else None
 
     def processEnded(self, reason: Failure) -> None:
+        held = self._note.flush()  # a stream that ended while its head was undecided
+        if held:
+            self.childDataReceived(self._note_fd, held)
         self._ending.exited()
         code = 255
         exc = reason.value

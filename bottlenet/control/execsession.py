@@ -20,6 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from bottlenet.control import stream
 from bottlenet.control.clienterrors import ControlConnectionError
+from bottlenet.control.smolvmnote import NoteFilter
 
 if TYPE_CHECKING:
     import ssl
@@ -242,6 +243,7 @@ class ExecSession:
         if copy.state is _Input.CLOSED:
             self._close_pipe(in_w)
         sinks = {out_r: stdout, err_r: stderr}
+        note = NoteFilter()  # smolvm's packed-assets note heads the stderr pipe: not ours
         while self.exit_code is None or sinks:
             readers: list[int] = [*sinks, *copy.readers()]
             if self.exit_code is None:
@@ -252,11 +254,14 @@ class ExecSession:
                 if fd == copy.source:
                     copy.read()
                 elif fd in sinks:
-                    data = _read(fd)
+                    raw = _read(fd)
                     sink = sinks[fd]
-                    if not data:
+                    data = raw
+                    if fd == err_r:
+                        data = note.feed(raw) if raw else note.flush()
+                    if not raw:
                         del sinks[fd]
-                    elif sink is not None:
+                    if data and sink is not None:
                         sink.write(data)
                         sink.flush()
                 elif not self._exit_frame():

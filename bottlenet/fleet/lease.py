@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections.abc import Callable
 
 import attrs
@@ -57,8 +58,11 @@ class LeaseKeeper:
     check_owner: Callable[[float], OwnerCheck]
     renew: Callable[[float], None]
     stop: threading.Event = attrs.field(factory=threading.Event)
+    clock: Callable[[], float] = time.monotonic
     renewed: int = 0
     skipped: int = 0
+    #: when the daemon first said NOT_FOUND (None while it knows the bottle)
+    missing_since: float | None = None
     log = logging.getLogger("bottlenet.fleet.lease")
 
     @property
@@ -76,12 +80,18 @@ class LeaseKeeper:
         try:
             self.renew(self.lease_seconds)
         except NotFound:
-            return KeeperEnd.BOTTLE_GONE
+            # gone for good only once it stays gone for a lease: a restarted daemon answers
+            # NOT_FOUND for a VM bottle until it has restored it
+            now = self.clock()
+            if self.missing_since is None:
+                self.missing_since = now
+            return KeeperEnd.BOTTLE_GONE if now - self.missing_since >= self.lease_seconds else None
         except (ControlConnectionError, DaemonUnreachable, BottlenetError) as e:
             # the daemon restarting, or busy: the next round tries again within the lease
             self.log.warning("lease renewal failed, will retry: %s", type(e).__name__)
             return None
         self.renewed += 1
+        self.missing_since = None
         return None
 
     def run(self) -> KeeperEnd:

@@ -92,6 +92,8 @@ class Placer:
     progress: Callable[[int], None] = lambda done: None
     owner_label: str = ""
     placed: dict[int, Bottle] = attrs.field(factory=dict)
+    #: every refusal on the way, those of bottles placed elsewhere afterwards too
+    refusals: list[Refusal] = attrs.field(factory=list)
     _pending: dict[Any, _Slot] = attrs.field(factory=dict)
 
     def run(self) -> list[Bottle]:
@@ -140,6 +142,7 @@ class Placer:
             )
         ray.kill(slot.actor, no_restart=True)
         slot.refusals.append(refusal)
+        self.refusals.append(refusal)
         refused_by = {r.node_id for r in slot.refusals}
         if len(slot.refusals) >= self.max_attempts or bottle_nodes() <= refused_by:
             raise PlacementFailed(

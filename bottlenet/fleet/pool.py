@@ -9,6 +9,7 @@ from types import TracebackType
 from tqdm import tqdm
 
 from bottlenet.fleet.bottle import Bottle
+from bottlenet.fleet.errors import Refusal
 from bottlenet.fleet.placement import Placer, destroy_all
 from bottlenet.fleet.request import BottleRequest
 
@@ -37,6 +38,8 @@ class BottlePool:
         self.timeout = timeout
         self.progress = sys.stderr.isatty() if progress is None else progress
         self.bottles: list[Bottle] = []
+        #: the nodes' refusals while placing (each retried elsewhere, or the error's)
+        self.refusals: list[Refusal] = []
 
     def open(self) -> BottlePool:
         bar = tqdm(total=self.count, unit="bottle", disable=not self.progress, file=sys.stderr)
@@ -48,7 +51,10 @@ class BottlePool:
             placer = Placer(
                 self.request, self.count, self.max_attempts, self.timeout, progress=advance
             )
-            self.bottles = placer.run()
+            try:
+                self.bottles = placer.run()
+            finally:
+                self.refusals = list(placer.refusals)
         return self
 
     def close(self) -> None:

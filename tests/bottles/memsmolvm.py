@@ -24,6 +24,7 @@ from twisted.internet.defer import Deferred, fail, maybeDeferred, succeed
 from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
+from bottlenet.bottles import workload
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
@@ -78,6 +79,10 @@ class MemorySmolvm:
     #: The pid a started machine gets: a live process (ours), so pid watches hold.
     pid: int = field(factory=os.getpid)
     execs: list[tuple[str, list[str]]] = field(factory=list)
+    #: The ``user`` (``-u``) of each exec in ``execs`` (None: smolvm's default user).
+    exec_users: list[str | None] = field(factory=list)
+    #: What the image's USER is (``uid:gid``), as an exec without ``-u`` reads it.
+    image_user: str = "0:0"
     holds: dict[tuple[str, str], Deferred[None]] = field(factory=dict)
     #: smolvm's per-VM uid registry as a map (machine -> uid): the per-VM uid rules run
     #: without root. ``vm_root`` holds each VM's directory (its ``.vm-uid``) when set.
@@ -236,10 +241,13 @@ class MemorySmolvm:
             if self._machine(name).state != "running":
                 raise NotFound(f"machine {name} is not running")
             self.execs.append((name, list(argv)))
+            self.exec_users.append(user)
             result = self.on_exec(name, argv, stdin) if self.on_exec is not None else None
             if result is None:
                 if list(argv) == PROBE_ARGV and self.guest is not None:
                     return self.guest(stdin or b"")
+                if list(argv) == workload.IMAGE_USER_ARGV:  # a root image's USER
+                    return ExecResult(0, self.image_user.encode() + b"\n", b"", 0.0)
                 result = ExecResult(0, b"", b"", 0.0)
             return result
 

@@ -29,7 +29,7 @@ from bottlenet.bottles.model import SocketEndpoint
 from bottlenet.bridge.script import Bridge, render
 from bottlenet.errors import BridgeFailed
 from bottlenet.forward.table import ForwardCounters
-from vmctl.smolvm import ExecResult, Machine
+from vmctl.smolvm import GUEST_ROOT, ExecResult, Machine
 
 ENDPOINTS = (
     SocketEndpoint(
@@ -58,8 +58,12 @@ class StubSmolvm:
         self.execs: list[bytes | None] = []
         self.state = "running"
 
-    def spawn_exec(self, name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+    def spawn_exec(
+        self, name: str, argv: Sequence[str], protocol: Any, *, user: str | None = None
+    ) -> Deferred[Any]:
         assert list(argv) == ["/bin/sh", "-s"]
+        # the bridge binds guest ports (below 1024 too): as root, whatever the image's USER
+        assert user == GUEST_ROOT
         t = _Transport()
         protocol.makeConnection(t)
         self.sessions.append((protocol, t))
@@ -69,6 +73,7 @@ class StubSmolvm:
         return succeed(Machine(name, self.state))
 
     def exec(self, name: str, argv: Sequence[str], **kw: Any) -> Deferred[ExecResult]:
+        assert kw.get("user") == GUEST_ROOT  # the reach check too
         self.execs.append(kw.get("stdin"))
         return succeed(ExecResult(0, b"", b"", 0.1))
 
@@ -273,7 +278,7 @@ def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> N
     bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
     pending: list[tuple[Any, Deferred[Any]]] = []
 
-    def spawn_later(name: str, argv: Sequence[str], protocol: Any) -> Deferred[Any]:
+    def spawn_later(name: str, argv: Sequence[str], protocol: Any, **kw: Any) -> Deferred[Any]:
         d: Deferred[Any] = Deferred()
         pending.append((protocol, d))
         return d

@@ -22,6 +22,7 @@ from bottlenet.errors import Busy, InvalidArgument, ResourceExhausted
 from bottlenet.forward.spec import UNIXListen
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import PROBE_ARGV, Rig
+from vmctl.smolvm import GUEST_ROOT
 
 Rigs = Callable[..., Rig]
 
@@ -63,9 +64,17 @@ def test_socket_mode_create(rigs: Rigs, tmp: str) -> None:
         assert stat.S_ISSOCK(os.stat(e.path).st_mode)
         assert info.spec.target.describe() == f"127.0.0.1:{e.raw_port}"
     # the gate ran before the workload, which runs detached with the stamped env
-    probe, check, started = [argv for name, argv in rig.smolvm.execs if name == "bn-b1-agent"]
+    mine = [
+        (argv, user)
+        for (name, argv), user in zip(rig.smolvm.execs, rig.smolvm.exec_users, strict=True)
+        if name == "bn-b1-agent"
+    ]
+    (probe, u1), (who, u2), (check, u3), (started, u4) = mine
     assert probe == PROBE_ARGV and check == workload.prepare_argv(("/agent", "run"), "bn-b1-agent")
+    # the image's USER is read without -u (it is root here); bottlenet's own run as root
+    assert who == workload.IMAGE_USER_ARGV and u2 is None
     assert started == workload.wrap(("/agent", "run"), "bn-b1-agent")
+    assert u1 == u3 == u4 == GUEST_ROOT
     assert vm.probe == "PASS" and b.warnings == ()
     assert rig.state()["b1"] == b.to_state()
 

@@ -104,7 +104,7 @@ def test_the_gate_names_a_connection_its_listener_refused(tmp_path: Any) -> None
     table = _Table()
 
     class RefusedGuest:
-        def exec(self, name: str, argv: list[str], stdin: bytes, timeout: float) -> Any:
+        def exec(self, name: str, argv: list[str], stdin: bytes, timeout: float, **kw: Any) -> Any:
             table.refused += 1  # the listener's SO_PEERCRED check turned it away
             code, out = pass_transcript(stdin)
             return defer.succeed(ExecResult(code, out, b"", 0.1))

@@ -10,14 +10,18 @@ import json
 import os
 import shutil
 import socket
+import struct
 import tempfile
 
 from bottlenet.bottles.store import JOURNAL_FILE, STATE_FILE
 from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
 from bottlenet.paths import LOCK_NAME
-from tests.bottles.harness import DaemonCase, in_thread, sleep
+from tests.bottles.harness import DaemonCase, in_thread, sleep, spec_doc
 from tests.fakes import process_alive
 from tests.netio import ping_unix
+
+#: A directory's POSIX access ACL (``volumeaccess``'s grants).
+ACL = "system.posix_acl_access"
 
 
 class SocketModeTests(DaemonCase):
@@ -220,6 +224,72 @@ class SidecarSocketTests(DaemonCase):
         self.assertEqual(await in_thread(_echo_as, 65534, paths), [])
         await client.destroy_bottle("r1")
 
+    async def test_per_vm_uids_get_a_root_owned_rw_volume_and_give_it_back(self) -> None:
+        """A read-write volume owned by root, 0755: the agent VMM's uid gets one ACL entry on
+        it before its start (the fake serves the volume as that uid), so the gate's round trip
+        passes; destroying the bottle removes the entry (issue 27, fidelity.md #2)."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        vol = tempfile.mkdtemp(prefix="bnv-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, vol, True)
+        os.chmod(vol, 0o755)
+        doc = spec_doc(self.tmp)
+        doc["agent"]["volumes"] = [f"{vol}:/tmp/work:rw"]
+        client = await self.start()
+        b = await client.create_bottle("v1", spec=json.dumps(doc))
+        self.assertEqual(b.probe, "PASS")
+        agent = self.vmm_uid("bn-v1-agent")
+        self.assertIn(struct.pack("<HHI", 2, 7, agent), os.getxattr(vol, ACL))
+        st = os.stat(vol)
+        self.assertEqual((st.st_uid, st.st_gid, st.st_mode & 0o707), (0, 0, 0o705))
+        await client.destroy_bottle("v1")
+        with self.assertRaises(OSError):
+            os.getxattr(vol, ACL)
+        self.assertEqual(os.stat(vol).st_mode & 0o777, 0o755)
+
+    async def test_a_failed_create_takes_its_volume_grant_back(self) -> None:
+        """The grant is made before the agent's start; a create that fails after it (the
+        agent's start) leaves the user's directory as it was."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop", fail_start=["bn-v3-agent"])
+        vol = tempfile.mkdtemp(prefix="bnv-", dir="/var/tmp")
+        self.addCleanup(shutil.rmtree, vol, True)
+        os.chmod(vol, 0o755)
+        doc = spec_doc(self.tmp)
+        doc["agent"]["volumes"] = [f"{vol}:/tmp/work:rw"]
+        client = await self.start()
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("v3", spec=json.dumps(doc))
+        self.assertEqual(info.exception.code, "KVM_UNAVAILABLE")
+        with self.assertRaises(OSError):
+            os.getxattr(vol, ACL)
+        self.assertEqual(os.stat(vol).st_mode & 0o777, 0o755)
+        self.assertEqual(self.fake.state()["machines"], {})
+
+    async def test_per_vm_uids_refuse_a_volume_they_cannot_reach(self) -> None:
+        """A volume under a directory no VMM uid can pass: refused in one line naming the
+        volume, that directory and the fix, before any machine exists."""
+        if os.geteuid() != 0:
+            self.skipTest("smolvm drops to per-VM uids only as root")
+        self.fake.set_faults("exec-netns", "uid-drop")
+        closed = tempfile.mkdtemp(prefix="bnc-", dir="/var/tmp")  # 0700, as /root is
+        self.addCleanup(shutil.rmtree, closed, True)
+        vol = os.path.join(closed, "work")
+        os.mkdir(vol)
+        doc = spec_doc(self.tmp)
+        doc["agent"]["volumes"] = [f"{vol}:/tmp/work:rw"]
+        client = await self.start()
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("v2", spec=json.dumps(doc))
+        self.assertEqual(info.exception.code, "INVALID_ARGUMENT")
+        self.assertIn(f"agent.volumes[0] {vol!r}", info.exception.message)
+        self.assertIn(f"chmod o+x {closed!r}", info.exception.message)
+        self.assertEqual(self.fake.state()["machines"], {})
+        creates = [a for a in self.fake.argvs() if a[1:2] == ["create"] and a[-1] != "--help"]
+        self.assertEqual(creates, [])
+
     async def test_per_vm_uids_refuse_a_state_dir_they_cannot_reach(self) -> None:
         """A parent of the state dir no VMM uid can pass (and smolvm will not open): the
         sidecar VMM cannot create its sockets, the create fails saying which parent, and
@@ -297,8 +367,12 @@ class EntrypointOrderTests(DaemonCase):
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
         self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
-        # then the workload's prepare step (its dir, its command), then the workload (detached)
-        gate, check, workload = agent_calls[2], agent_calls[3], agent_calls[4]
+        # then the image's USER read (no -u), the workload's prepare step (its dir, its
+        # command), then the workload (detached); bottlenet's own as the guest's root
+        gate, who, check, workload = agent_calls[2:6]
+        self.assertNotIn("--user", who["argv"])
+        for own in (gate, check, workload):
+            self.assertIn("--user 0:0", " ".join(own["argv"]))
         self.assertIn("-d", workload["argv"])
         self.assertNotIn("-d", gate["argv"])
         self.assertNotIn("-d", check["argv"])

@@ -57,6 +57,22 @@ def test_all_pass_on_a_good_setup(daemon: VMDaemon) -> None:
         assert c.list_bottles().total == 0
 
 
+def test_a_non_root_image_user_passes_and_is_named(daemon: VMDaemon) -> None:
+    """An agent image whose USER is not root (the fake's images file): every line still
+    passes, and exec-user names that user (bottlenet's own execs run with -u 0)."""
+    daemon.fake.set_faults("exec-netns", version="1.32.2")
+    images = os.path.join(daemon.fake.path, "fake-images.json")
+    with open(images, "w") as f:
+        json.dump({daemon.image: {"user": "4242:4243"}}, f)
+    try:
+        code, report = selftest(daemon)
+    finally:
+        os.unlink(images)
+    assert code == 0 and lines(report, "FAIL") == [], report
+    user = next(c for c in report["checks"] if c["step"] == "exec-user")
+    assert "uid=4242" in user["seen"]
+
+
 def test_text_output_one_line_a_check(daemon: VMDaemon) -> None:
     """Without --json: a line per check (PASS/FAIL/SKIP, the step, what was seen)."""
     daemon.fake.set_faults("exec-netns", version="1.32.2")

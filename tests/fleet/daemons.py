@@ -56,8 +56,9 @@ class NodeDaemon:
             self.output.append(stop(self.proc))
             self.proc = None
 
-    def client(self) -> BlockingControlClient:
-        return BlockingControlClient(self.control, timeout=30)
+    def client(self, timeout: float = 30) -> BlockingControlClient:
+        """The daemon's control socket (a path: reachable from any namespace)."""
+        return BlockingControlClient(self.control, timeout=timeout)
 
     def names(self) -> set[str]:
         with self.client() as c:

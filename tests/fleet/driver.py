@@ -15,8 +15,11 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
 from bottlenet.fleet import Bottle, BottlePool, BottleRequest
+from bottlenet.fleet.placement import Placer
 
 pools: dict[str, BottlePool] = {}
+#: Marks the answer lines (Ray may write lines of its own to stdout).
+REPLY = "@reply "
 
 
 def _describe(bottles: list[Bottle]) -> list[dict[str, str]]:
@@ -60,7 +63,26 @@ def handle(req: dict[str, Any]) -> Any:
             progress=False,
         ).open()
         pools[req["id"]] = pool
-        return {"bottles": _describe(pool.bottles), "seconds": time.monotonic() - started}
+        return {
+            "bottles": _describe(pool.bottles),
+            "seconds": time.monotonic() - started,
+            "refusals": [r.code for r in pool.refusals],
+        }
+    if op == "timed_pool":
+        # as "pool", plus each bottle's seconds from the request to ready (the benchmark)
+        request = BottleRequest(lease_seconds=req.get("lease"), name_prefix="bench")
+        started = time.monotonic()
+        ready: list[float] = []
+
+        def progress(done: int) -> None:
+            ready.extend([time.monotonic() - started] * (done - len(ready)))
+
+        bottles = Placer(
+            request, req["count"], timeout=req.get("timeout", 600), progress=progress
+        ).run()
+        pools[req["id"]] = BottlePool(len(bottles), request)
+        pools[req["id"]].bottles = bottles
+        return {"bottles": _describe(bottles), "ready": ready}
     if op == "status":
         # the daemon's record through each actor: a round trip to the bottle's own node
         bottles = pools[req["id"]].bottles
@@ -98,14 +120,14 @@ def _each_exec(pool: str, argv: list[str], timeout: float) -> list[dict[str, Any
 
 
 def main() -> None:
-    ray.init(address=sys.argv[1])
+    ray.init(address=sys.argv[1], log_to_driver=False)
     for line in sys.stdin:
         req = json.loads(line)
         try:
             reply = {"result": handle(req)}
         except Exception as e:
             reply = {"error": f"{type(e).__name__}: {e}"[:2000], "type": type(e).__name__}
-        sys.stdout.write(json.dumps(reply) + "\n")
+        sys.stdout.write(REPLY + json.dumps(reply) + "\n")
         sys.stdout.flush()
         if req["op"] == "quit":
             break

@@ -31,10 +31,9 @@ from typing import Any
 
 import attrs
 
-from bottlenet.control.blocking import BlockingControlClient
 from tests.control.daemon_helpers import REPO, daemon_argv
-from tests.fakes import FAKE_SMOLVM, FakeSmolvm
-from tests.fleet.daemons import QUIET_RAY
+from tests.fakes import FAKE_SMOLVM
+from tests.fleet.daemons import QUIET_RAY, NodeDaemon
 
 SUBNET = "198.19.77"
 HEAD_IP = f"{SUBNET}.1"
@@ -158,14 +157,12 @@ class Namespace:
 
 
 @attrs.define
-class Node:
-    """A bottle node: its namespace, bottlenet daemon and raylet."""
+class Node(NodeDaemon):
+    """A bottle node: its namespace, its bottlenet daemon (state, socket, fake smolvm as
+    :class:`NodeDaemon`'s) and its raylet."""
 
-    index: int
-    root: str
-    bottles: int
-    ns: Namespace
-    daemon: subprocess.Popen[bytes] | None = None
+    bottles: int = attrs.field(kw_only=True)
+    ns: Namespace = attrs.field(kw_only=True)
 
     @property
     def ip(self) -> str:
@@ -175,22 +172,6 @@ class Node:
     def label(self) -> str:
         return f"n{self.index}"
 
-    @property
-    def control(self) -> str:
-        return os.path.join(self.root, "c.sock")
-
-    @property
-    def fake(self) -> FakeSmolvm:
-        return FakeSmolvm(os.path.join(self.root, "vm"))
-
-    def client(self, timeout: float = 30) -> BlockingControlClient:
-        """The daemon's control socket, from outside: a path on the shared filesystem."""
-        return BlockingControlClient(self.control, timeout=timeout)
-
-    def names(self) -> set[str]:
-        with self.client() as c:
-            return {b.name for b in c.all_bottles()}
-
     def start_daemon(self, env: dict[str, str], extra: Sequence[str] = ()) -> None:
         argv = daemon_argv(
             os.path.join(self.root, "state"), self.control,
@@ -198,9 +179,13 @@ class Node:
             "--unsafe-skip-isolation-probe", *extra,
         )  # fmt: skip
         log = open(os.path.join(self.root, "daemon.log"), "ab")
-        self.daemon = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
+        self.proc = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
         log.close()
-        wait_until(f"{self.label}'s daemon answers", self._answers, 60)
+        try:
+            wait_until(f"{self.label}'s daemon answers", self._answers, 120)
+        except AssertionError as e:
+            with open(os.path.join(self.root, "daemon.log"), errors="replace") as f:
+                raise AssertionError(f"{e}: {f.read()[-1500:]}") from None
 
     def _answers(self) -> bool:
         try:
@@ -214,9 +199,9 @@ class Node:
         """SIGKILL the daemon (as a crash): its VMs and state stay."""
         for pid in self.ns.pids("bottlenet --log-format"):
             os.kill(pid, signal.SIGKILL)
-        if self.daemon is not None:
-            self.daemon.wait(timeout=30)
-            self.daemon = None
+        if self.proc is not None:
+            self.proc.wait(timeout=30)
+            self.proc = None
 
 
 #: The uid Ray runs as (never root: docs/fleet.md); each daemon admits it scoped.
@@ -324,9 +309,10 @@ class NetCluster:
         self._plug(self.trainer, TRAINER_IP, "vtrainer")
         self._ray_start(self.trainer, TRAINER_IP, "trainer", num_cpus=2, bottles=0)
         for i, count in enumerate(self.bottles):
-            node = Node(i + 1, os.path.join(self.root, f"n{i + 1}"), count, Namespace(f"n{i + 1}"))
+            root = os.path.join(self.root, f"n{i + 1}")
+            node = Node(root, i + 1, bottles=count, ns=Namespace(f"n{i + 1}"))
             os.makedirs(node.root, exist_ok=True)
-            os.chmod(node.root, 0o711)  # Ray's uid reaches the control socket (0666) in it
+            os.chmod(node.root, 0o701)  # Ray's uid reaches the control socket (0666) in it
             self._plug(node.ns, node.ip, f"vn{node.index}")
             self.start_daemon(node)
             self.nodes.append(node)
@@ -393,7 +379,7 @@ class NetCluster:
 
     def stop_ray(self, node: Node) -> None:
         """Every Ray process of ``node`` (raylet, agents, workers) killed."""
-        for pid in node.ns.pids("ray"):
+        for pid in node.ns.pids("site-packages/ray/"):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
@@ -412,6 +398,35 @@ class NetCluster:
             )
         return Driver(proc)
 
+    def all_namespaces(self) -> list[Namespace]:
+        return [*(n.ns for n in self.nodes), self.trainer, self.head, self.redis, self.switch]
+
+    def namespace_ids(self) -> set[str]:
+        """The network and PID namespaces of the cluster as the kernel names them."""
+        ids = set()
+        for ns in self.all_namespaces():
+            if ns.pid:
+                for kind in ("net", "pid"):
+                    with contextlib.suppress(OSError):
+                        ids.add(os.readlink(f"/proc/{ns.pid}/ns/{kind}"))
+        return ids
+
+    @staticmethod
+    def processes_in(ids: set[str]) -> list[int]:
+        """Processes of this machine still in any of those namespaces."""
+        found = []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            for kind in ("net", "pid"):
+                try:
+                    if os.readlink(f"/proc/{entry}/ns/{kind}") in ids:
+                        found.append(int(entry))
+                        break
+                except OSError:
+                    continue
+        return found
+
     def stop(self) -> None:
         """Everything down, nodes first (their daemons' fakes' VMs die with them)."""
         for node in self.nodes:
@@ -425,18 +440,29 @@ class Driver:
     """The trainer: ``tests.fleet.driver`` in the trainer's namespace, one JSON line per call."""
 
     proc: subprocess.Popen[bytes]
+    pending: bytes = b""
 
     def call(self, op: str, timeout: float = 300, **args: Any) -> Any:
         assert self.proc.stdin is not None and self.proc.stdout is not None
         self.proc.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.proc.stdin.flush()
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
-        line = self.proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"the driver ended during {op} (see driver.log)")
-        reply = json.loads(line)
+        deadline = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while True:
+            line, newline, rest = self.pending.partition(b"\n")
+            if newline:
+                self.pending = rest
+                if line.startswith(b"@reply "):
+                    break
+                continue
+            ready, _, _ = select.select([fd], [], [], max(deadline - time.monotonic(), 0))
+            if not ready:
+                raise AssertionError(f"the driver did not answer {op} within {timeout:g}s")
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise AssertionError(f"the driver ended during {op} (see driver.log)")
+            self.pending += chunk
+        reply = json.loads(line[len(b"@reply ") :])
         if "error" in reply:
             raise AssertionError(f"driver {op}: {reply['error']}")
         return reply["result"]

@@ -37,7 +37,9 @@ from tests.fleet.daemons import NodeDaemon, quiet_ray
 RESOURCES = (3, 3, 3)
 DAEMON_LIMITS = (None, None, 1)
 SMALL_STORE = 80 * 1024 * 1024
-UNLEASED = BottleRequest(lease_seconds=None)
+#: A short lease (renewed every second) and a 1 s grace on every daemon: lost bottles go fast.
+LEASE = 3.0
+LEASED = BottleRequest(lease_seconds=LEASE)
 
 
 class Fleet:
@@ -49,7 +51,13 @@ class Fleet:
             NodeDaemon(
                 os.path.join(root, f"n{i}"),
                 i,
-                extra=() if limit is None else ("--max-bottles", str(limit)),
+                extra=(
+                    "--lease-grace",
+                    "1",
+                    "--label",
+                    f"bottlenet-node=n{i}",
+                    *(() if limit is None else ("--max-bottles", str(limit))),
+                ),
             )
             for i, limit in enumerate(DAEMON_LIMITS)
         ]
@@ -123,7 +131,7 @@ def test_pool_fills_every_daemon_retrying_refusals_then_destroys_all(fleet: Flee
     """7 bottles where Ray offers 9 and node 2's daemon holds 1: the refusals (its
     RESOURCE_EXHAUSTED) are placed again elsewhere; each bottle sits on its actor's node's
     daemon; leaving the pool destroys all 7 and frees every ``bottle`` resource."""
-    with BottlePool(7, UNLEASED, progress=False) as pool:
+    with BottlePool(7, LEASED, progress=False) as pool:
         held = fleet.held()
         assert {i: len(n) for i, n in held.items()} == {0: 3, 1: 3, 2: 1}
         for b in pool:
@@ -139,14 +147,14 @@ def test_pool_fills_every_daemon_retrying_refusals_then_destroys_all(fleet: Flee
 def test_every_node_refusing_is_a_typed_error_and_leaves_nothing(fleet: Fleet) -> None:
     """Node 2's daemon full, nodes 0 and 1 without a daemon: one refusal from each node (none
     asked twice), then PlacementFailed naming them all; nothing is left on any daemon."""
-    on_n2 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n2"})
+    on_n2 = BottleRequest(lease_seconds=LEASE, label_selector={"bottlenet-node": "n2"})
     with BottlePool(1, on_n2, progress=False) as full:
         assert fleet.by_node[full[0].node_id].index == 2
         fleet.daemons[0].stop()
         fleet.daemons[1].stop()
         try:
             with pytest.raises(PlacementFailed) as caught:
-                place(UNLEASED, max_attempts=5, timeout=120)
+                place(LEASED, max_attempts=5, timeout=120)
         finally:
             fleet.daemons[0].start()
             fleet.daemons[1].start()
@@ -160,7 +168,7 @@ def test_every_node_refusing_is_a_typed_error_and_leaves_nothing(fleet: Fleet) -
 
 def test_the_attempt_bound_holds(fleet: Fleet) -> None:
     """With one attempt allowed, a refusal is final: PlacementFailed after exactly one."""
-    on_n2 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n2"})
+    on_n2 = BottleRequest(lease_seconds=LEASE, label_selector={"bottlenet-node": "n2"})
     with BottlePool(1, on_n2, progress=False):
         with pytest.raises(PlacementFailed) as caught:
             place(on_n2, max_attempts=1, timeout=120)
@@ -171,7 +179,7 @@ def test_the_attempt_bound_holds(fleet: Fleet) -> None:
 def test_no_node_with_the_labels_times_out_typed_and_frees_its_attempt(fleet: Fleet) -> None:
     """A label no node has: Ray keeps the actor pending; the deadline ends it with
     PlacementTimeout, and the pending actor is gone (every resource free again)."""
-    nowhere = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "nowhere"})
+    nowhere = BottleRequest(label_selector={"bottlenet-node": "nowhere"})
     with pytest.raises(PlacementTimeout) as caught:
         BottlePool(2, nowhere, timeout=2, progress=False).open()
     assert "found no node" in str(caught.value)
@@ -182,7 +190,7 @@ def test_no_node_with_the_labels_times_out_typed_and_frees_its_attempt(fleet: Fl
 def test_a_pool_failing_half_way_destroys_what_it_placed(fleet: Fleet) -> None:
     """4 bottles only on node 0 (3 ``bottle``): the fourth times out, and the 3 placed are
     destroyed before the error (a pool is all or nothing)."""
-    on_n0 = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "n0"})
+    on_n0 = BottleRequest(label_selector={"bottlenet-node": "n0"})
     with pytest.raises(PlacementTimeout):
         BottlePool(4, on_n0, timeout=20, progress=False).open()
     assert fleet.held() == fleet.empty()
@@ -197,7 +205,7 @@ def test_vm_bottle_exec_logs_status_and_progress(
     spec = json.dumps(
         spec_doc(fleet.root, egress=False, workload=("/bin/echo", "from-the-workload"))
     )
-    request = BottleRequest(spec=spec, lease_seconds=None)
+    request = BottleRequest(spec=spec, lease_seconds=LEASE)
     with BottlePool(1, request, progress=True) as pool:
         b = pool[0]
         result = b.exec(["/bin/sh", "-c", "echo out; echo err >&2; exit 3"])
@@ -208,18 +216,38 @@ def test_vm_bottle_exec_logs_status_and_progress(
     assert fleet.held() == fleet.empty()
 
 
-def test_a_killed_actor_is_bottle_lost_and_its_bottle_stays_for_the_lease(fleet: Fleet) -> None:
-    """``ray.kill`` gives the actor no chance to destroy: the trainer sees BottleLost, the
-    bottle stays on its node (without a lease nobody reaps it: here the test destroys it)."""
-    b = place(UNLEASED)
+def test_a_killed_actor_is_bottle_lost_and_its_node_reaps_the_bottle(fleet: Fleet) -> None:
+    """``ray.kill`` gives the actor no chance to destroy: the trainer sees BottleLost, and
+    the bottle's node reaps it once its lease and grace run out (nothing renews it)."""
+    b = place(LEASED)
     ray.kill(b.actor, no_restart=True)
     with pytest.raises(BottleLost):
         b.exec(["true"], timeout=30)
     daemon = fleet.by_node[b.node_id]
-    assert b.name in daemon.names()
-    b.destroy()  # the actor is dead: nothing to do, no error
     with daemon.client() as c:
-        c.destroy_bottle(b.name)
+        assert c.bottle_status(b.name).lease_seconds == LEASE
+    wait_for("the lease reaps the bottle", lambda: b.name not in daemon.names(), 60)
+    b.destroy()  # the actor is dead: nothing to do, no error
+    assert fleet.held() == fleet.empty()
+
+
+def test_a_draining_node_refuses_and_the_pool_goes_elsewhere(fleet: Fleet) -> None:
+    """Node 0 drained: a bottle that may only go there fails with its DRAINING refusal
+    (one attempt allowed); a pool that may use nodes 0 and 1 lands on node 1 only."""
+    with fleet.daemons[0].client() as c:
+        c.drain()
+    try:
+        only_n0 = BottleRequest(label_selector={"bottlenet-node": "n0"})
+        with pytest.raises(PlacementFailed) as caught:
+            place(only_n0, max_attempts=1)
+        assert [r.code for r in caught.value.refusals] == ["DRAINING"]
+        either = BottleRequest(label_selector={"bottlenet-node": "in(n0,n1)"})
+        with BottlePool(3, either, progress=False) as pool:
+            assert {fleet.by_node[b.node_id].index for b in pool} == {1}
+            assert {r.code for r in pool.refusals} <= {"DRAINING"}
+    finally:
+        with fleet.daemons[0].client() as c:
+            c.undrain()
     assert fleet.held() == fleet.empty()
 
 
@@ -228,7 +256,7 @@ import sys, os
 import ray
 from bottlenet.fleet import BottlePool, BottleRequest
 ray.init(address=sys.argv[1])
-pool = BottlePool(2, BottleRequest(lease_seconds=None), progress=False).open()
+pool = BottlePool(2, BottleRequest(lease_seconds=3), progress=False).open()
 print(" ".join(b.name for b in pool), flush=True)
 os._exit(0)  # the trainer dies without closing its pool
 """
@@ -236,7 +264,8 @@ os._exit(0)  # the trainer dies without closing its pool
 
 def test_the_owner_going_away_destroys_its_bottles(fleet: Fleet) -> None:
     """A trainer that exits without closing its pool: its anchor actor dies with it, the
-    bottle actors see their owner gone and destroy their bottles."""
+    bottle actors see their owner gone and destroy their bottles (well before any lease
+    could run out: each is renewed while the actor lives)."""
     out = subprocess.run(
         [sys.executable, "-c", _ORPHANING_DRIVER, fleet.cluster.address],
         env=ENV,

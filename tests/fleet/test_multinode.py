@@ -8,9 +8,7 @@ failure of docs/fleet.md in turn. The tests run in order on one cluster.
 
 from __future__ import annotations
 
-import functools
 import json
-import operator
 import os
 import shutil
 import subprocess
@@ -21,7 +19,6 @@ from typing import Any
 
 import pytest
 
-from bottlenet.control.blocking import BlockingControlClient
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
 from tests.fleet.netns import (
@@ -38,16 +35,11 @@ from tests.fleet.netns import (
 
 LEASE = 6.0
 GRACE = 3.0
-CAPACITY = (14, 14, 14)
+CAPACITY = (20, 20, 20)
 FORWARD = 30
 
 if shutil.which("redis-server") is None or shutil.which("nsenter") is None:
     pytest.skip("the multi-node tier needs redis-server and nsenter", allow_module_level=True)
-if not hasattr(BlockingControlClient, "renew_lease"):
-    pytest.skip(
-        "the node contract (leases, drain, labels, scoped uids) is not in this tree yet",
-        allow_module_level=True,
-    )
 if os.geteuid() != 0:
     pytest.skip("the multi-node tier makes namespaces: it needs root", allow_module_level=True)
 
@@ -74,6 +66,9 @@ class Tier:
     def records(self, node: Node) -> list[Any]:
         with node.client() as c:
             return list(c.all_bottles())
+
+    def all_answer(self, pool: str) -> bool:
+        return all(set(v) <= {"ok"} for v in self.status_by_node(pool).values())
 
     def status_by_node(self, pool: str) -> dict[str, list[str]]:
         """Each node's results of the trainer's status call on every bottle of ``pool``."""
@@ -104,7 +99,11 @@ def tier() -> Iterator[Tier]:
             driver.close()
         namespaces = cluster.namespace_ids()
         cluster.stop()
-        assert cluster.processes_in(namespaces) == [], "processes left in the namespaces"
+        wait_until(
+            "no process left in the cluster's namespaces",
+            lambda: cluster.processes_in(namespaces) == [],
+            60,
+        )
         shutil.rmtree(root, ignore_errors=True)
 
 
@@ -115,15 +114,15 @@ def vm_spec(tier: Tier) -> str:
 def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
     """30 forward-only bottles and a VM bottle on each node: every bottle sits on its actor's
     node, and no node holds more than its ``bottle`` resource."""
-    result = tier.d.call("pool", id="main", count=FORWARD, lease=LEASE, timeout=600)
-    tier.pools["main"] = result["bottles"]
-    tier.figures["pool_seconds"] = result["seconds"]
-    for n in tier.c.nodes:
+    for n in tier.c.nodes:  # first: Ray packs the pool's bottles onto the fewest nodes
         vm = tier.d.call(
             "pool", id=f"vm-{n.label}", count=1, lease=LEASE, spec=vm_spec(tier),
             selector={"bottlenet-node": n.label}, prefix="vm",
         )  # fmt: skip
         tier.pools[f"vm-{n.label}"] = vm["bottles"]
+    result = tier.d.call("pool", id="main", count=FORWARD, lease=LEASE, timeout=600)
+    tier.pools["main"] = result["bottles"]
+    tier.figures["pool_seconds"] = result["seconds"]
     held = tier.held()
     for n in tier.c.nodes:
         assert len(held[n.label]) <= n.bottles, (n.label, len(held[n.label]))
@@ -138,14 +137,16 @@ def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
 
 
 def test_a_drained_node_gets_no_new_bottle_while_its_bottles_work(tier: Tier) -> None:
-    """The fullest node drained: 4 new bottles all land elsewhere (its DRAINING refusals
-    placed again), and every bottle it holds still answers, its VM bottle still execs."""
+    """The node with the most room drained (Ray would pick it): 4 new bottles all land
+    elsewhere (its DRAINING refusals placed again), and every bottle it holds still answers,
+    its VM bottle still execs."""
     held = tier.held()
-    drained = tier.node(max(held, key=lambda label: len(held[label])))
+    drained = max(tier.c.nodes, key=lambda n: n.bottles - len(held[n.label]))
     with drained.client() as c:
         c.drain()
     try:
         more = tier.d.call("pool", id="more", count=4, lease=LEASE, timeout=300)
+        tier.figures["drain_refusals"] = more["refusals"]
         assert {tier.label_of(b["node_id"]) for b in more["bottles"]} <= {
             n.label for n in tier.c.nodes if n is not drained
         }
@@ -173,7 +174,7 @@ def test_a_restarted_daemon_restores_its_bottles_and_the_actors_carry_on(tier: T
     killed_at = time.time()
     n1.kill_daemon()
     tier.c.start_daemon(n1)
-    assert n1.names() == before
+    wait_until("n1's daemon restores every bottle", lambda: n1.names() == before, 60)
     wait_until(
         "n1's leases renewed after the restart",
         lambda: all(r.lease_expires_at > killed_at + LEASE for r in tier.records(n1)),
@@ -208,9 +209,7 @@ def test_a_head_restart_reaps_nothing(tier: Tier) -> None:
     assert len(every) == sum(len(v) for v in before.values())
     wait_until(
         "the actors answer the trainer again",
-        lambda: (
-            set(functools.reduce(operator.iadd, tier.status_by_node("main").values(), [])) == {"ok"}
-        ),
+        lambda: tier.all_answer("main"),
         120,
     )
 
@@ -225,7 +224,7 @@ def _gone_without_a_trace(node: Node) -> None:
     aliases = node.ns.sh("ip -4 -o addr show dev lo")
     assert [line for line in aliases.splitlines() if "127.0.0.1/" not in line] == []
     uids = os.path.join(node.fake.path, ".cache", "smolvm", "uids")
-    assert not os.path.exists(uids) or json.load(open(uids)) in ({}, [])
+    assert not os.path.isdir(uids) or [e for e in os.listdir(uids) if e.isdigit()] == []
 
 
 def _lose(tier: Tier, node: Node, how: str) -> None:
@@ -285,7 +284,8 @@ def test_a_scoped_uid_cannot_see_or_touch_another_owners_bottle(tier: Tier) -> N
         pytest.skip("Ray runs as root here (the system python cannot import this tree)")
     n1 = tier.node("n1")
     ray_bottle = next(iter(n1.names()))
-    assert json.loads(_ctl(OTHER_UID, n1, "bottle", "ls").stdout)["bottles"] == []
+    listed = _ctl(OTHER_UID, n1, "bottle", "ls")
+    assert listed.returncode == 0 and json.loads(listed.stdout) == [], listed.stdout
     for args in (("bottle", "status", ray_bottle), ("bottle", "rm", ray_bottle)):
         done = _ctl(OTHER_UID, n1, *args)
         assert done.returncode != 0 and "NOT_FOUND" in done.stderr, done.stderr

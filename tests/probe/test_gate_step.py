@@ -17,7 +17,7 @@ from bottlenet.bottles.model import TCPEndpoint
 from bottlenet.bottles.probe import MARKER_PREFIX, Gate, GateSettings
 from bottlenet.probe.witness import WitnessFactory
 from tests.probe.guests import pass_transcript
-from vmctl.smolvm import ExecResult
+from vmctl.smolvm import GUEST_ROOT, ExecResult
 
 ENDPOINT = TCPEndpoint("egress", 3128, "/s/egress.sock", "/run/bottle/egress.sock", 40001)
 
@@ -39,9 +39,12 @@ class LyingGuest:
         self.state_dir = state_dir
         self.saw_markers: list[str] = []
 
-    def exec(self, name: str, argv: list[str], stdin: bytes, timeout: float) -> Any:
+    def exec(
+        self, name: str, argv: list[str], stdin: bytes, timeout: float, user: str | None = None
+    ) -> Any:
         """The strongest liar: it reads the whole plan out of the script it was sent and
         answers every check as an isolated guest would, but never connects to anything."""
+        assert user == GUEST_ROOT  # the gate runs as the guest's root, whatever the image
         self.saw_markers = [n for n in os.listdir(self.state_dir) if n.startswith(MARKER_PREFIX)]
         code, out = pass_transcript(stdin)
         return defer.succeed(ExecResult(code, out, b"", 0.1))

@@ -1,0 +1,95 @@
+"""Bottles across nodes placed by Ray (a benchmark, not a test; docs/performance.md, "Fleet").
+
+    .venv/bin/python benchmarks/fleet.py [--bottles 30] [--lease 6] [--json F]
+
+As root, with the ``ray`` extra and redis-server: the multi-node tier's cluster
+(``tests/fleet/netns.py``: three bottle nodes in namespaces of their own, each with its raylet
+and bottlenet daemon on the fake smolvm, a TEST DOUBLE; the head with Redis; the trainer).
+The trainer asks for ``--bottles`` forward-only bottles under a ``--lease`` s lease, and the
+run reports:
+
+* bottles placed per second across the nodes (the whole pool: request to the last ready);
+* p50/p99 seconds from the pool's request to each bottle ready;
+* seconds from a node's loss (its link down) to its last bottle reaped by its daemon, against
+  the bound lease + grace .. 2 x lease + grace;
+* orphans left once the pool is closed and the lost node has reaped: bottles on any daemon,
+  fake-smolvm VM processes (goal 0).
+
+The machine is shared and busy: absolute seconds vary from run to run; quote one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+
+from benchmarks.stats import pct  # noqa: E402
+from tests.fleet.netns import RAY_UID, NetCluster, unprivileged_python_works, wait_until  # noqa: E402
+
+GRACE = 3.0
+CAPACITY = (14, 14, 14)
+
+
+def run(bottles: int, lease: float) -> dict[str, Any]:
+    root = tempfile.mkdtemp(prefix="bnb-", dir="/tmp")
+    uid = None if unprivileged_python_works() else RAY_UID
+    cluster = NetCluster(root, CAPACITY, ray_uid=uid, lease_grace=GRACE)
+    out: dict[str, Any] = {"bottles": bottles, "lease": lease, "grace": GRACE, "nodes": 3}
+    try:
+        started = time.monotonic()
+        cluster.start()
+        out["cluster_start_seconds"] = round(time.monotonic() - started, 1)
+        driver = cluster.driver()
+        labels = {k: v["bottlenet-node"] for k, v in driver.call("nodes").items()}
+        pool = driver.call("timed_pool", id="bench", count=bottles, lease=lease, timeout=900)
+        ready = pool["ready"]
+        out["placed_per_second"] = round(bottles / max(ready), 2)
+        out["ready_p50_seconds"] = round(pct(ready, 50), 2)
+        out["ready_p99_seconds"] = round(pct(ready, 99), 2)
+        per_node: dict[str, int] = {}
+        for b in pool["bottles"]:
+            per_node[labels[b["node_id"]]] = per_node.get(labels[b["node_id"]], 0) + 1
+        out["per_node"] = per_node
+        lost = max(cluster.nodes, key=lambda n: per_node.get(n.label, 0))
+        out["lost_node_bottles"] = len(lost.names())
+        lost_at = time.monotonic()
+        cluster.partition(lost)
+        wait_until("the lost node reaps", lambda: lost.names() == set(), 300)
+        out["loss_to_last_reaped_seconds"] = round(time.monotonic() - lost_at, 1)
+        driver.call("close", id="bench", timeout=600)
+        driver.close()
+        out["orphans"] = sum(len(n.names()) for n in cluster.nodes) + sum(
+            len(n.fake.live_pids()) for n in cluster.nodes
+        )
+    finally:
+        cluster.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--bottles", type=int, default=30)
+    parser.add_argument("--lease", type=float, default=6.0)
+    parser.add_argument("--json", help="also write the figures here")
+    args = parser.parse_args()
+    figures = run(args.bottles, args.lease)
+    text = json.dumps(figures, indent=2)
+    print(text)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
