@@ -23,20 +23,20 @@ SMOLVM_TREE = (".cache", "smolvm")
 MAX_ENTRIES = 70_000
 
 
-def _read_small(path: str) -> str | None:
-    """The first 64 bytes of the regular file ``path`` (stripped), or None."""
+def read_entry(path: str) -> str:
+    """A registry file's first bytes; '' when it is missing, unreadable or not a regular file
+    (never follows a link nor blocks on a FIFO). A VMM uid may have written it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        return os.read(fd, 64).decode("ascii", "replace").strip()
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
+        return ""
+    with os.fdopen(fd, "rb") as fh:
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                return ""
+            return fh.read(64).decode("ascii", "replace").strip()
+        except OSError:
+            return ""
 
 
 def _entries(path: str) -> list[str]:
@@ -55,8 +55,8 @@ def stale_reservations(data_dir: str) -> dict[int, str]:
     for entry in _entries(registry):
         if not entry.isdigit():
             continue
-        vm_id = _read_small(os.path.join(registry, entry))
-        if vm_id is None or "/" in vm_id or vm_id in ("", ".", ".."):
+        vm_id = read_entry(os.path.join(registry, entry))
+        if "/" in vm_id or vm_id in ("", ".", ".."):
             stale[int(entry)] = vm_id or "?"
         elif not os.path.isdir(os.path.join(vms, vm_id)):
             stale[int(entry)] = vm_id

@@ -27,11 +27,10 @@ import contextlib
 import fcntl
 import os
 import signal
-import stat
 
 from attrs import frozen
 
-from vmctl.residue import processes_of
+from vmctl.residue import processes_of, read_entry
 
 #: The first uid smolvm 1.32.2 hands out.
 FIRST_VM_UID = 2_000_000
@@ -73,26 +72,13 @@ def in_range(uid: int) -> bool:
     return FIRST_VM_UID <= uid <= LAST_VM_UID
 
 
-def _read(path: str) -> str:
-    """A registry file's first bytes; '' when it is missing or not a regular file (never
-    follows a link nor blocks on a FIFO)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return ""
-    with os.fdopen(fd, "rb") as fh:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return ""
-        return fh.read(64).decode("ascii", "replace").strip()
-
-
 def _entries(reg: str) -> list[int]:
     """The uids the registry holds, in order."""
     return sorted(int(e) for e in os.listdir(reg) if e.isdigit())
 
 
 def _last_reserved(reg: str) -> int:
-    text = _read(os.path.join(reg, LAST_RESERVED))
+    text = read_entry(os.path.join(reg, LAST_RESERVED))
     return int(text) if text.isdigit() else FIRST_VM_UID - 1
 
 
@@ -139,7 +125,7 @@ def reserve_vm_uid(vm_dir: str) -> int:
             fcntl.flock(lock, fcntl.LOCK_EX)
             taken = _entries(reg)
             for uid in taken:
-                if _read(os.path.join(reg, str(uid))) == vm_id:
+                if read_entry(os.path.join(reg, str(uid))) == vm_id:
                     return uid
             floor = max([_last_reserved(reg), *(u for u in taken if in_range(u))])
             uid_or_none = _new_entry(reg, vm_id, floor)
@@ -163,7 +149,7 @@ def registered_vm_uid(vm_dir: str) -> int | None:
     except OSError as e:
         raise UidRegistryError(f"smolvm's uid registry {reg}: {e.strerror or e}") from None
     for uid in taken:
-        if in_range(uid) and _read(os.path.join(reg, str(uid))) == vm_id:
+        if in_range(uid) and read_entry(os.path.join(reg, str(uid))) == vm_id:
             return uid
     return None
 
