@@ -526,8 +526,7 @@ class Run:
         to_host, to_guest = secrets.token_hex(8), secrets.token_hex(8)
         wrote = self._exec(["/bin/sh", "-c", f"echo {to_host} > {volume}/from-guest"], user="0")
         host_read = _read_text(os.path.join(volume, "from-guest"))
-        with open(os.path.join(volume, "from-host"), "w") as f:
-            f.write(to_guest + "\n")
+        _write_new(os.path.join(volume, "from-host"), to_guest + "\n")
         read = self._exec(["cat", f"{volume}/from-host"], user="0")
         return judge_volume(
             volume,
@@ -574,11 +573,29 @@ class Run:
 
 
 def _read_text(path: str) -> str | None:
+    """The start of a file the guest wrote (a volume is the guest's ground: never a FIFO's
+    block, a device or a link followed)."""
+    from bottlenet.paths import open_regular
+
     try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            return f.read(256).strip()
+        fd = open_regular(path)
     except OSError:
         return None
+    with os.fdopen(fd, "rb") as f:
+        return f.read(256).decode("utf-8", "replace").strip()
+
+
+def _write_new(path: str, text: str) -> None:
+    """Write a new file into the guest's volume: never through a link or into a file the
+    guest planted there first (``O_EXCL|O_NOFOLLOW``; that fails the round trip instead)."""
+    try:
+        fd = os.open(
+            path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644
+        )
+    except OSError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
 
 
 # -- the command ----------------------------------------------------------------------------

@@ -291,3 +291,17 @@ def test_the_counter_does_not_count_itself() -> None:
         sleeper.kill()
         sleeper.wait()
     assert seen == "1\n"
+
+
+def test_the_host_side_of_the_volume_trusts_nothing_the_guest_put_there(tmp_path: Any) -> None:
+    """A FIFO is not read (no block), and a planted link is never written through."""
+    fifo = tmp_path / "from-guest"
+    os.mkfifo(fifo)
+    assert st._read_text(str(fifo)) is None
+    target = tmp_path / "target"
+    target.write_text("keep\n")
+    (tmp_path / "from-host").symlink_to(target)
+    st._write_new(str(tmp_path / "from-host"), "token\n")
+    assert target.read_text() == "keep\n"
+    st._write_new(str(tmp_path / "fresh"), "token\n")
+    assert st._read_text(str(tmp_path / "fresh")) == "token"
