@@ -13,7 +13,8 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
@@ -144,6 +145,24 @@ class ForwardInfo:
 Key = tuple[str, str]
 
 
+class ForwardPhase(StrEnum):
+    """Where a forward is: it changes once per add and once per remove, so a field, not a
+    machine (as ``relay.Phase``).
+
+    ``PENDING`` (its listener binding: the key is taken, the forward not listed yet), then
+    ``LISTENING`` (listed, relaying), then ``CLOSING`` (listener stopped, relays aborted: its
+    key stays taken until every fd is closed). A failed bind leaves the table from ``PENDING``.
+    """
+
+    PENDING = "pending"
+    LISTENING = "listening"
+    CLOSING = "closing"
+
+
+# Module names for the members: ``_admit`` reads the phase once per connection (as relay.py).
+_PENDING, _LISTENING, _CLOSING = ForwardPhase.PENDING, ForwardPhase.LISTENING, ForwardPhase.CLOSING
+
+
 class _ForwardFactory(Factory):
     """One forward's listener factory, relay owner and counters.
 
@@ -179,7 +198,9 @@ class _ForwardFactory(Factory):
         self.failed = 0
         self.done_in = 0
         self.done_out = 0
-        self.closing = False
+        self.phase = _PENDING
+        #: Fires once the forward has left the table (every fd closed): what removals wait on.
+        self.removed: OneShot[None] = OneShot()
         #: While set, accepted connections go to this factory instead of a relay.
         self.diverted: Factory | None = None
         #: Offered to the listener: accepted sockets skip transports when the engine can start
@@ -199,7 +220,7 @@ class _ForwardFactory(Factory):
         )
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
-        if self.diverted is not None and not self.closing:
+        if self.diverted is not None and self.phase is not _CLOSING:
             return self.diverted.buildProtocol(addr)
         session = self._admit()
         return None if session is None else session.inbound
@@ -209,7 +230,7 @@ class _ForwardFactory(Factory):
         counted, tracked and under the idle watch, or None (refused: the listener resets
         the connection)."""
         budget = self.table.budget
-        if self.closing:
+        if self.phase is _CLOSING:
             reason: str | None = "closing"
         elif len(self.sessions) >= self.spec.max_connections:
             reason = budget.refuse_forward()
@@ -248,7 +269,7 @@ class _ForwardFactory(Factory):
         """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
         socket (``RelaySession.start_accepted``). False = refused (the listener resets);
         None = not a relay now (diverted): the listener goes the ``buildProtocol`` way."""
-        if self.diverted is not None and not self.closing:
+        if self.diverted is not None and self.phase is not _CLOSING:
             return None
         session = self._admit()
         if session is None:
@@ -341,7 +362,7 @@ class _ForwardFactory(Factory):
 
     def shutdown(self) -> defer.Deferred[None]:
         """Stop listening and abort every live relay; fires once all their fds are closed."""
-        self.closing = True
+        self.phase = _CLOSING
         waits: list[defer.Deferred[Any]] = []
         if self.port is not None:
             waits.append(defer.maybeDeferred(self.port.stopListening))
@@ -392,12 +413,12 @@ class ForwardTable(Service):
         #: The relay engine for new connections (see ``splice.engine_factory``).
         self.engine_factory: EngineFactory = engine_factory(reactor, engine)
         self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
+        #: Every forward, whatever its phase: a key is taken from add until removed.
         self._forwards: dict[Key, _ForwardFactory] = {}
         #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
         self._labels: dict[str, set[str]] = {}
-        self._sorted_keys: list[Key] | None = None  # sorted(self._forwards), until it changes
-        self._pending: set[Key] = set()
-        self._removing: dict[Key, OneShot[None]] = {}
+        self._sorted_keys: list[Key] | None = None  # the listening keys sorted, until they change
+        self._listening = 0  # forwards in LISTENING: one listener fd each (the budget counts them)
         self._stopping = False
         clock = reactor if clock is None else clock
         engines: object = self.engine_factory
@@ -405,8 +426,10 @@ class ForwardTable(Service):
         self.budget = ConnectionBudget(
             per_bottle=per_bottle_connections,
             total=max_connections,
-            listeners=lambda: len(self._forwards),
-            bottles=lambda: len({b for b, _ in self._forwards}),
+            listeners=lambda: self._listening,
+            bottles=lambda: len(
+                {b for (b, _), f in self._forwards.items() if f.phase is _LISTENING}
+            ),
             reserved=reserved_fds,
             fds_per_relay=budgeted.fds_per_relay if budgeted is not None else 2,
             engine_fds=budgeted.engine_fds if budgeted is not None else 0,
@@ -446,8 +469,7 @@ class ForwardTable(Service):
     def stopService(self) -> defer.Deferred[None]:
         self._stopping = True
         super().stopService()
-        waits = [self._remove_key(key) for key in list(self._forwards)]
-        waits += [self._wait_removal(key) for key in list(self._removing)]
+        waits = self._removals(self._forwards)
 
         def stopped(_: object) -> None:
             self.idle.stop()
@@ -461,7 +483,7 @@ class ForwardTable(Service):
         return [
             f.spec.listen.path
             for f in self._forwards.values()
-            if isinstance(f.spec.listen, UNIXListen)
+            if f.phase is _LISTENING and isinstance(f.spec.listen, UNIXListen)
         ]
 
     # Queries
@@ -470,7 +492,7 @@ class ForwardTable(Service):
 
     def keys(self) -> list[Key]:
         """The (bottle, label) of every listening forward, sorted."""
-        return sorted(self._forwards)
+        return sorted(self._listening_keys())
 
     def sessions(self, bottle: str, label: str) -> frozenset[RelaySession]:
         """The forward's live relays."""
@@ -494,13 +516,17 @@ class ForwardTable(Service):
     def view(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Like :meth:`list`, but each ForwardInfo is built only when it is read: a page of a
         listing costs the page, not every forward (the sorted keys are kept between calls)."""
+        forwards = self._forwards
         if bottle is None:
             keys = self._sorted_keys
             if keys is None:
-                keys = self._sorted_keys = sorted(self._forwards)
+                keys = self._sorted_keys = sorted(self._listening_keys())
         else:
-            keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
-        forwards = self._forwards
+            keys = [
+                (bottle, label)
+                for label in sorted(self._labels.get(bottle, ()))
+                if forwards[bottle, label].phase is _LISTENING
+            ]
         return LazyView(keys, lambda k: forwards[k].info())
 
     def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
@@ -536,17 +562,17 @@ class ForwardTable(Service):
             self.engine_factory,
             tune_outbound=isinstance(spec.target, TCPTarget) and not self.fast_connect,
         )
-        self._pending.add(key)
+        self._forwards[key] = fwd
+        self._labels.setdefault(spec.bottle, set()).add(spec.label)
         d = self._server_endpoint(spec).listen(fwd)
 
         def listening(port: IListeningPort) -> ForwardInfo:
-            self._pending.discard(key)
             fwd.port = port
             if isinstance(spec.listen, TCPListen):
                 fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
-            self._forwards[key] = fwd
+            fwd.phase = _LISTENING
+            self._listening += 1
             self._sorted_keys = None
-            self._labels.setdefault(spec.bottle, set()).add(spec.label)
             self.log.info(
                 "forward {bottle}/{label} listening on {listen} -> {target}",
                 bottle=spec.bottle,
@@ -557,7 +583,7 @@ class ForwardTable(Service):
             return fwd.info()
 
         def failed(f: Failure) -> Failure:
-            self._pending.discard(key)
+            self._drop(key)
             if created_dir is not None:
                 try:
                     os.rmdir(created_dir)
@@ -569,51 +595,71 @@ class ForwardTable(Service):
 
     def remove(self, bottle: str, label: str) -> defer.Deferred[None]:
         """Stop listening and abort the forward's relays; fires once every fd is closed."""
-        key = (bottle, label)
-        if key not in self._forwards:
-            if key in self._pending:
-                return defer.fail(Busy(f"forward {bottle}/{label} is still being added"))
+        fwd = self._forwards.get((bottle, label))
+        if fwd is not None and fwd.phase is _PENDING:
+            return defer.fail(Busy(f"forward {bottle}/{label} is still being added"))
+        if fwd is None or fwd.phase is _CLOSING:
             return defer.fail(NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}"))
-        return self._remove_key(key)
+        return self._remove_key((bottle, label))
 
     def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
         """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
         self.peers.pop(bottle, None)
-        waits = [self._remove_key((bottle, label)) for label in list(self._labels.get(bottle, ()))]
-        waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
+        waits = self._removals([(bottle, label) for label in self._labels.get(bottle, ())])
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
     # Internals
     def _forward(self, bottle: str, label: str) -> _ForwardFactory:
+        """The listening forward (NotFound while it is still being added or removed)."""
         fwd = self._forwards.get((bottle, label))
-        if fwd is None:
+        if fwd is None or fwd.phase is not _LISTENING:
             raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
         return fwd
 
+    def _listening_keys(self) -> Iterator[Key]:
+        return (k for k, f in self._forwards.items() if f.phase is _LISTENING)
+
+    def _removals(self, keys: Iterable[Key]) -> Sequence[defer.Deferred[None]]:
+        """Remove each listening forward of ``keys`` and wait for each closing one to be gone
+        (remove_bottle, stopService); one still being added is left to its add."""
+        waits: list[defer.Deferred[None]] = []
+        for key in list(keys):
+            fwd = self._forwards.get(key)
+            if fwd is None:
+                continue
+            if fwd.phase is _LISTENING:
+                waits.append(self._remove_key(key))
+            elif fwd.phase is _CLOSING:
+                waits.append(self._wait_removal(key))
+        return waits
+
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
-        fwd = self._forwards.pop(key)
+        fwd = self._forwards[key]
+        self._listening -= 1
         self._sorted_keys = None
-        labels = self._labels.get(key[0])
-        if labels is not None:
-            labels.discard(key[1])
-            if not labels:
-                del self._labels[key[0]]
-        removed: OneShot[None] = OneShot()
-        self._removing[key] = removed
-        d = fwd.shutdown()
+        d = fwd.shutdown()  # CLOSING: the key stays taken (Busy) until every fd is closed
 
         def done(result: object) -> object:
-            self._removing.pop(key, None)
+            self._drop(key)
             self.log.info(
                 "forward {bottle}/{label} removed", bottle=fwd.spec.bottle, label=fwd.spec.label
             )
-            removed.fire(None)
+            fwd.removed.fire(None)
             return result
 
         return d.addBoth(done)
 
     def _wait_removal(self, key: Key) -> defer.Deferred[None]:
-        return self._removing[key].when_fired()
+        return self._forwards[key].removed.when_fired()
+
+    def _drop(self, key: Key) -> None:
+        """The forward leaves the table (bind failed, or removed): its key is free again."""
+        del self._forwards[key]
+        labels = self._labels.get(key[0])
+        if labels is not None:
+            labels.discard(key[1])
+            if not labels:
+                del self._labels[key[0]]
 
     def _check_new(self, spec: ForwardSpec) -> Key:
         if self._stopping:
@@ -623,10 +669,11 @@ class ForwardTable(Service):
         check_bottle_name(spec.bottle)
         check_label(spec.label)
         key = (spec.bottle, spec.label)
-        if key in self._forwards or key in self._pending:
-            raise AlreadyExists(f"forward {spec.bottle}/{spec.label} already exists")
-        if key in self._removing:
+        taken = self._forwards.get(key)
+        if taken is not None and taken.phase is _CLOSING:
             raise Busy(f"forward {spec.bottle}/{spec.label} is still being removed")
+        if taken is not None:
+            raise AlreadyExists(f"forward {spec.bottle}/{spec.label} already exists")
         mc = spec.max_connections
         if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc <= MAX_CONNECTIONS_LIMIT:
             raise InvalidArgument(
@@ -649,7 +696,7 @@ class ForwardTable(Service):
         elif isinstance(listen, UNIXListen):
             check_unix_listen(listen, self.state_dir, spec.bottle)
             for other in self._forwards.values():
-                if other.spec.listen == listen:
+                if other.phase is _LISTENING and other.spec.listen == listen:
                     raise BindRefused(f"cannot listen on {listen.describe()}: in use")
         else:
             raise InvalidArgument("unknown listen kind")
