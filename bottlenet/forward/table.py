@@ -21,11 +21,6 @@ from attrs import frozen
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
-from twisted.internet.endpoints import (
-    TCP4ClientEndpoint,
-    TCP6ClientEndpoint,
-    UNIXClientEndpoint,
-)
 from twisted.internet.interfaces import IListeningPort, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger, LogLevel
@@ -72,6 +67,7 @@ from bottlenet.forward.spec import (
     MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
+    TargetSpec,
     TCPListen,
     TCPTarget,
     UNIXListen,
@@ -179,8 +175,6 @@ class _ForwardFactory(Factory):
         spec: ForwardSpec,
         target: IStreamClientEndpoint,
         engine_factory: EngineFactory,
-        *,
-        tune_outbound: bool = False,
     ) -> None:
         self.table = table
         self.spec = spec
@@ -188,9 +182,6 @@ class _ForwardFactory(Factory):
         self.port: IListeningPort | None = None
         self.target = target
         self._engine_factory = engine_factory
-        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener; the fast
-        # endpoint sets both before connecting, Twisted's endpoints need the Leg to do it.
-        self._tune_outbound = tune_outbound
         self._clock = table.reactor
         self.sessions: set[RelaySession] = set()
         self.accepted = 0
@@ -241,14 +232,7 @@ class _ForwardFactory(Factory):
             self._log_refusal(reason)
             return None
         self.accepted += 1
-        session = RelaySession(
-            self._clock,
-            self.target,
-            self,
-            tune_inbound=False,
-            tune_outbound=self._tune_outbound,
-            engine_factory=self._engine_factory,
-        )
+        session = RelaySession(self._clock, self.target, self, engine_factory=self._engine_factory)
         self.sessions.add(session)
         self.table.idle.started(session)
         return session
@@ -387,7 +371,6 @@ class ForwardTable(Service):
         state_dir: str,
         connect_timeout: float = 10.0,
         engine: str = "auto",
-        fast_connect: bool = True,
         per_bottle_connections: int = DEFAULT_PER_BOTTLE,
         max_connections: int | None = None,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
@@ -396,17 +379,13 @@ class ForwardTable(Service):
     ) -> None:
         """``engine``: ``auto`` (splice where supported), ``splice`` or ``portable``.
 
-        ``fast_connect`` connects to targets with :class:`connect.FastClientEndpoint` (needed
-        for splice: its transports can hand their socket over); False uses Twisted's
-        ``TCP4ClientEndpoint``/``UNIXClientEndpoint``, and relays then run on the portable
-        engine whatever ``engine`` says. Raises ValueError for an unknown or unsupported
-        ``engine``.
+        Raises ValueError for an unknown or unsupported ``engine``. Relays connect to their
+        targets through :meth:`client_endpoint`.
         """
         self.reactor = reactor
         self.aliases = aliases
         self.state_dir = state_dir
         self.connect_timeout = connect_timeout
-        self.fast_connect = fast_connect
         #: Emit the per-relay log event for clean ends too (debug level); failures always log.
         #: The benchmark entry point turns it off: no per-connection logging there.
         self.log_clean_relay_ends = True
@@ -555,13 +534,7 @@ class ForwardTable(Service):
             return defer.fail(e)
         except OSError as e:  # preparing the bottle dir or probing a stale socket
             return defer.fail(_bind_error(spec.listen, e))
-        fwd = _ForwardFactory(
-            self,
-            spec,
-            self._target_endpoint(spec),
-            self.engine_factory,
-            tune_outbound=isinstance(spec.target, TCPTarget) and not self.fast_connect,
-        )
+        fwd = _ForwardFactory(self, spec, self._target_endpoint(spec), self.engine_factory)
         self._forwards[key] = fwd
         self._labels.setdefault(spec.bottle, set()).add(spec.label)
         d = self._server_endpoint(spec).listen(fwd)
@@ -742,7 +715,7 @@ class ForwardTable(Service):
         )
 
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
-        endpoint = self._plain_target_endpoint(spec)
+        endpoint = self.client_endpoint(spec.target)
         if isinstance(spec.target, UNIXTarget):
             root = self._target_root(spec)
             return CheckedUNIXTarget(
@@ -756,23 +729,19 @@ class ForwardTable(Service):
             return target_root(self.state_dir, spec.bottle, spec.target.path)
         return targets_dir(self.state_dir, spec.bottle)
 
-    def _plain_target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
-        target = spec.target
-        timeout = self.connect_timeout
-        if self.fast_connect:
-            peer: IPv4Address | IPv6Address | UNIXAddress
-            if isinstance(target, UNIXTarget):
-                peer = UNIXAddress(target.path)
-            elif isinstance(target.host, ipaddress.IPv6Address):
-                peer = IPv6Address("TCP", str(target.host), target.port)
-            else:
-                peer = IPv4Address("TCP", str(target.host), target.port)
-            return FastClientEndpoint(self.reactor, peer, timeout)
+    def client_endpoint(self, target: TargetSpec) -> IStreamClientEndpoint:
+        """How relays connect to ``target``: :class:`connect.FastClientEndpoint`, whose sockets
+        are tuned before connecting and can be handed over to splice. The one connect path of
+        the daemon; ``benchmarks/standalone.py --twisted-connect`` overrides it to time
+        Twisted's own endpoints against it."""
+        peer: IPv4Address | IPv6Address | UNIXAddress
         if isinstance(target, UNIXTarget):
-            return UNIXClientEndpoint(self.reactor, target.path, timeout=timeout)
-        if isinstance(target.host, ipaddress.IPv6Address):
-            return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
-        return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
+            peer = UNIXAddress(target.path)
+        elif isinstance(target.host, ipaddress.IPv6Address):
+            peer = IPv6Address("TCP", str(target.host), target.port)
+        else:
+            peer = IPv4Address("TCP", str(target.host), target.port)
+        return FastClientEndpoint(self.reactor, peer, self.connect_timeout)
 
 
 def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:
