@@ -397,7 +397,10 @@ class ForwardTable(Service):
         #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
         self._labels: dict[str, set[str]] = {}
         self._sorted_keys: list[Key] | None = None  # the listening keys sorted, until they change
-        self._listening = 0  # forwards in LISTENING: one listener fd each (the budget counts them)
+        #: Forwards in LISTENING, in all and per bottle: the budget's listener fds and its
+        #: fair-share divisor, read on every accepted connection (no scan of the table).
+        self._listening_total = 0
+        self._listening: dict[str, int] = {}
         self._stopping = False
         clock = reactor if clock is None else clock
         engines: object = self.engine_factory
@@ -405,10 +408,8 @@ class ForwardTable(Service):
         self.budget = ConnectionBudget(
             per_bottle=per_bottle_connections,
             total=max_connections,
-            listeners=lambda: self._listening,
-            bottles=lambda: len(
-                {b for (b, _), f in self._forwards.items() if f.phase is _LISTENING}
-            ),
+            listeners=lambda: self._listening_total,
+            bottles=lambda: len(self._listening),
             reserved=reserved_fds,
             fds_per_relay=budgeted.fds_per_relay if budgeted is not None else 2,
             engine_fds=budgeted.engine_fds if budgeted is not None else 0,
@@ -544,8 +545,7 @@ class ForwardTable(Service):
             if isinstance(spec.listen, TCPListen):
                 fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
             fwd.phase = _LISTENING
-            self._listening += 1
-            self._sorted_keys = None
+            self._count_listening(spec.bottle, 1)
             self.log.info(
                 "forward {bottle}/{label} listening on {listen} -> {target}",
                 bottle=spec.bottle,
@@ -608,8 +608,7 @@ class ForwardTable(Service):
 
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
         fwd = self._forwards[key]
-        self._listening -= 1
-        self._sorted_keys = None
+        self._count_listening(key[0], -1)
         d = fwd.shutdown()  # CLOSING: the key stays taken (Busy) until every fd is closed
 
         def done(result: object) -> object:
@@ -621,6 +620,17 @@ class ForwardTable(Service):
             return result
 
         return d.addBoth(done)
+
+    def _count_listening(self, bottle: str, delta: int) -> None:
+        """A forward of ``bottle`` starts (1) or stops (-1) listening: the counts and the
+        sorted listing follow."""
+        self._listening_total += delta
+        n = self._listening.get(bottle, 0) + delta
+        if n:
+            self._listening[bottle] = n
+        else:
+            del self._listening[bottle]
+        self._sorted_keys = None
 
     def _wait_removal(self, key: Key) -> defer.Deferred[None]:
         return self._forwards[key].removed.when_fired()

@@ -156,6 +156,7 @@ def test_a_forward_still_binding_holds_its_key_until_its_bind_settles() -> None:
         table.get("b1", "web")
     assert table.list() == [] and table.list("b1") == [] and table.keys() == []
     assert table._forwards["b1", "web"].phase is ForwardPhase.PENDING
+    assert (table.budget._listeners(), table.budget._bottles()) == (0, 0)
     assert table.remove_bottle("b1").called  # nothing listening, nothing closing
     held.d.errback(OSError(98, "Address already in use"))
     assert failure_of(adding).check(BindRefused)
@@ -262,6 +263,20 @@ class BindTests(unittest.TestCase):
         assert waiting.called
         await self.table.add(self.spec("web"))
         assert self.table.keys() == [("b1", "web")]
+
+    async def test_the_budget_counts_listening_forwards_and_their_bottles(self) -> None:
+        """One listener fd per listening forward, a fair share per bottle that has one."""
+        budget = self.table.budget
+        await self.table.add(self.spec("web"))
+        await self.table.add(self.spec("api"))
+        other = TCPListen(ipaddress.IPv4Address(OTHER), 0)
+        await self.table.add(ForwardSpec("b2", "web", other, TCPTarget(LOOP, 9)))
+        assert (budget._listeners(), budget._bottles()) == (3, 2)
+        removing = self.table.remove("b2", "web")
+        assert (budget._listeners(), budget._bottles()) == (2, 1)  # closing: listener stopped
+        await removing
+        await self.table.remove_bottle("b1")
+        assert (budget._listeners(), budget._bottles()) == (0, 0)
 
     async def test_stop_service_removes_everything(self) -> None:
         info = await self.table.add(self.spec("web"))
