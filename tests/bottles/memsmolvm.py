@@ -25,6 +25,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from bottlenet.bottles import workload
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
@@ -448,7 +449,7 @@ class Rig:
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""
-        self.registry.stop_watching()
+        self.registry.stop()
         self.run(_stop(self.table))
 
     def state(self) -> dict[str, Any]:
@@ -458,7 +459,7 @@ class Rig:
         """The bottles whose sidecar VM is watched now (each VM bottle's owner holds its own
         watch; one left behind by a bottle no longer listed still shows in ``clock.readers``)."""
         names = [b.name for b in self.registry.list_bottles() if b.vms is not None]
-        return frozenset(n for n in names if self.registry.vm_owner(n).watched)
+        return frozenset(n for n in names if self.registry.owner(n, VMBottle).watched)
 
 
 async def _stop(table: ForwardTable) -> None:
