@@ -15,6 +15,7 @@ done, so every create, rollback and recovery runs synchronously in a few millise
 from __future__ import annotations
 
 import os
+import select
 import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -306,7 +307,7 @@ def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | No
 
 class FDClock(Clock):
     """A Clock that is also enough of an ``IReactorFDSet`` for real listening ports: it
-    records readers and writers and never polls them (no byte flows in these tests)."""
+    records readers and writers and polls them only when a test says so (:meth:`poll`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -333,6 +334,14 @@ class FDClock(Clock):
 
     def getReaders(self) -> list[Any]:
         return list(self.readers)
+
+    def poll(self, timeout: float) -> int:
+        """One turn of a reactor's fd loop: wait up to ``timeout`` for a reader to be
+        readable (a pidfd whose process exited), then read each that is; how many were."""
+        ready, _, _ = select.select(list(self.readers), [], [], timeout)
+        for reader in ready:
+            reader.doRead()
+        return len(ready)
 
     def getWriters(self) -> list[Any]:
         return list(self.writers)
