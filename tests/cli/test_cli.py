@@ -183,6 +183,15 @@ def test_json_usage_and_unreachable_errors() -> None:
     assert code == 2 and "bottlenetctl events: error: argument --count" in err
 
 
+def test_a_timeout_not_positive_is_a_usage_error_for_every_command() -> None:
+    """``--timeout`` 0 or less is exit 2 with one line, ``bottle logs`` too (it was a
+    ValueError traceback from the socket there)."""
+    for argv in (["ping"], ["bottle", "logs", "b1"], ["bottle", "exec", "b1", "--", "true"]):
+        code, out, err = run(["--control", "/nonexistent/c.sock", "--timeout", "-1", *argv])
+        assert (code, out) == (2, "")
+        assert err == "bottlenetctl: error: --timeout must be positive\n"
+
+
 def test_events_count_must_be_positive() -> None:
     """``events --count`` takes 1 or more; 0 and -1 are usage errors, not a silent exit 0."""
     for bad in ("0", "-1", "x"):
