@@ -283,13 +283,13 @@ class BottleRegistry:
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
         """Run the isolation probe in the agent VM again; ISOLATION_FAILED names the leak."""
-        self.owner(name, VMBottle)
+        self.owner(name, VMBottle)  # NOT_FOUND, INVALID_ARGUMENT at once, not after the lock
         return await self._locked(name, lambda: self.owner(name, VMBottle).verify())
 
     async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new (validated) allow-list; the record changes only after the sidecar
         reloaded it."""
-        self.owner(name, VMBottle)
+        self.owner(name, VMBottle)  # NOT_FOUND, INVALID_ARGUMENT at once, not after the lock
         return await self._locked(name, lambda: self.owner(name, VMBottle).set_policy(hosts))
 
     def exec_target(self, name: str) -> Bottle:
@@ -342,14 +342,12 @@ class BottleRegistry:
     ) -> ForwardInfo:
         """Bind a new agent endpoint on the bottle's alias that relays to ``target``."""
         spec, fwd = self.owner(bottle, ForwardBottle).forward(label, target, port, max_connections)
-
         return await self._locked(
             bottle, lambda: self.owner(bottle, ForwardBottle).add_forward(spec, fwd)
         )
 
     async def remove_forward(self, bottle: str, label: str) -> None:
         resuming = self.owner(bottle, ForwardBottle).pending is not None
-
         await self._locked(
             bottle,
             lambda: self.owner(bottle, ForwardBottle).remove_forward(label, resuming=resuming),
