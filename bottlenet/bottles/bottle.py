@@ -27,6 +27,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
+from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
@@ -170,6 +171,8 @@ class _BottleCore:
     waiter: workload.WorkloadWaiter | None = None
     #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
     watch: Watch | None = None
+    #: bottlenet's in-guest bridge (a VM bottle's that runs one, from its create or restore).
+    bridge: BridgeKeeper | None = None
     pending: _Unsynced | None = None
 
 
@@ -185,8 +188,9 @@ def unwatch(core: _BottleCore) -> None:
     watch, core.watch = core.watch, None
     if watch is not None:
         watch.cancel()
-    if core.hands is not None and core.hands.vms is not None:
-        core.hands.vms.bridges.stop(core.name)
+    bridge, core.bridge = core.bridge, None
+    if bridge is not None:
+        bridge.stop()
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -575,10 +579,11 @@ class VMBottle(BottleOwner):
                     "this daemon runs without smolvm: VM bottles are unavailable"
                 )
 
-            def commit(bottle: Bottle) -> None:
+            def commit(bottle: Bottle, bridge: BridgeKeeper | None) -> None:
                 if tenancy is not None:
                     bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
                 self.commit(bottle)
+                self.core.bridge = bridge
                 listed(self)
 
             created = await create_vm(hands.vms, spec, commit)
@@ -628,8 +633,17 @@ class VMBottle(BottleOwner):
 
     def bridge_status(self) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status``."""
-        vms = self.hands.vms
-        return None if vms is None else vms.describe_bridge(self.require())
+        vm = self.require().vms
+        if self.hands.vms is None or vm is None:
+            return None
+        if not runs_bridge(vm.spec, vm.endpoints):
+            status = BridgeStatus(BridgeState.OFF)  # the image bridges its own ports
+        elif self.core.bridge is None:
+            status = BridgeStatus(BridgeState.STOPPED)
+        else:
+            status = self.core.bridge.status()
+        ports = [str(e.guest_port) for e in vm.endpoints if e.guest_path is not None]
+        return status.describe(ports)
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
@@ -654,7 +668,8 @@ class VMBottle(BottleOwner):
             self.core.watch.cancel()
         self.core.watch = vms.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
         if runs_bridge(vm.spec, vm.endpoints):
-            vms.bridges.keep(
+            self.core.bridge = vms.bridges.keep(
+                self.core.bridge,
                 self.name,
                 vm.agent_vm,
                 vm.endpoints,

@@ -192,8 +192,9 @@ class _PortWatch:
 
 
 @define
-class _Kept:
-    """One bottle's bridge and its record of restarts."""
+class BridgeKeeper:
+    """One bottle's bridge and its record of restarts, held by the bottle's owner (its
+    machine's core); ``stop`` ends it for good."""
 
     bottle: str
     agent_vm: str
@@ -211,6 +212,25 @@ class _Kept:
     timer: IDelayedCall | None = None
     on_restarted: Callable[[str], None] = field(default=lambda detail: None)
     on_failed: Callable[[str], None] = field(default=lambda detail: None)
+
+    @property
+    def stopped(self) -> bool:
+        """It was stopped (destroy, degrade, daemon stop): nothing of it runs or restarts."""
+        return self.state is BridgeState.STOPPED
+
+    def stop(self) -> None:
+        """End the bridge session (its guest command ends with it); nothing restarts it."""
+        self.state = BridgeState.STOPPED
+        timers = [self.timer, *(w.timer for w in self.watches.values())]
+        for timer in timers:
+            if timer is not None and timer.active():
+                timer.cancel()
+        if self.session is not None and not self.session.stopping:
+            self.session.stop()
+
+    def status(self) -> BridgeStatus:
+        """The bridge as ``bottle status`` shows it."""
+        return BridgeStatus(self.state, self.restarts, self.detail)
 
 
 @frozen
@@ -233,7 +253,8 @@ class BridgeStatus:
 
 
 class Bridges:
-    """Every bottle's bridge: start and prove (create), keep alive (after), stop."""
+    """The bridge service: start and prove a bottle's bridge (create), keep it alive (after).
+    It holds no bottle's keeper: the bottle's owner does (stopped with ``BridgeKeeper.stop``)."""
 
     log = Logger()
 
@@ -241,11 +262,10 @@ class Bridges:
         self.reactor = reactor
         self.smolvm = smolvm
         self.table = table
-        self._kept: dict[str, _Kept] = {}
 
     # -- start and prove ----------------------------------------------------------------
 
-    async def _spawn(self, kept: _Kept) -> BridgeSession:
+    async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
         """One attached session running the bridge, ``ready`` (else BridgeFailed)."""
         session = BridgeSession(render(kept.bridges))
         kept.session = session
@@ -267,7 +287,7 @@ class Bridges:
 
     # -- connections the host never saw ---------------------------------------------------
 
-    def _watch(self, kept: _Kept, session: BridgeSession) -> None:
+    def _watch(self, kept: BridgeKeeper, session: BridgeSession) -> None:
         for timer in [w.timer for w in kept.watches.values() if w.timer is not None]:
             if timer.active():
                 timer.cancel()
@@ -277,7 +297,7 @@ class Bridges:
         }
         session.on_conn = lambda port: self._reported(kept, session, port)
 
-    def _reported(self, kept: _Kept, session: BridgeSession, port: int) -> None:
+    def _reported(self, kept: BridgeKeeper, session: BridgeSession, port: int) -> None:
         w = kept.watches.get(port)
         if w is None or kept.proving or kept.session is not session:
             return
@@ -285,7 +305,7 @@ class Bridges:
         if w.timer is None:
             w.timer = self.reactor.callLater(CHECK_AFTER, self._square, kept, session, port, w)
 
-    def _square(self, kept: _Kept, session: BridgeSession, port: int, w: _PortWatch) -> None:
+    def _square(self, kept: BridgeKeeper, session: BridgeSession, port: int, w: _PortWatch) -> None:
         """The host must have seen every connection reported; if not, say why and end the
         port's unanswered connections."""
         w.timer = None
@@ -309,23 +329,35 @@ class Bridges:
         )
         session.tell_down(port)
 
-    async def start(self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
-        """Start the bottle's bridge and wait until it listens (BridgeFailed: why not)."""
-        self.stop(bottle)
-        kept = _Kept(bottle, agent_vm, bridges_of(endpoints), ports_of(endpoints))
-        self._kept[bottle] = kept
-        session = await self._spawn(kept)
+    async def start(
+        self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]
+    ) -> BridgeKeeper:
+        """Start the bottle's bridge and wait until it listens (BridgeFailed: why not, the
+        bridge stopped)."""
+        kept = BridgeKeeper(bottle, agent_vm, bridges_of(endpoints), ports_of(endpoints))
+        try:
+            session = await self._spawn(kept)
+        except BaseException:
+            kept.stop()
+            raise
         kept.state = BridgeState.RUNNING
         session.ended.addCallback(lambda code: self._ended(kept, session, code))
+        return kept
 
-    async def prove(self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+    async def prove(
+        self,
+        bottle: str,
+        agent_vm: str,
+        endpoints: Sequence[Endpoint],
+        kept: BridgeKeeper | None = None,
+    ) -> None:
         """Each guest ``127.0.0.1:<port>`` reaches bottlenet's listener for its service,
-        witnessed on the host (BridgeFailed names the ports that did not)."""
+        witnessed on the host (BridgeFailed names the ports that did not); ``kept``, the
+        bridge being proven, does not count the check's connections as its own."""
         nonce = new_nonce()
         witness = Witness(nonce)
         mine = [e for e in endpoints if e.guest_path is not None]
         diverted: list[str] = []
-        kept = self._kept.get(bottle)
         if kept is not None:
             kept.proving = True  # the reach check's connections go to the witness
         refused = {e.service: refused_count(self.table, bottle, e.service) for e in mine}
@@ -378,41 +410,42 @@ class Bridges:
 
     def keep(
         self,
+        kept: BridgeKeeper | None,
         bottle: str,
         agent_vm: str,
         endpoints: Sequence[Endpoint],
         *,
         on_restarted: Callable[[str], None],
         on_failed: Callable[[str], None],
-    ) -> None:
-        """Watch the bottle's bridge; one that is not running (after a daemon restart) is
-        started again, unproven (the workload already runs)."""
-        kept = self._kept.get(bottle)
-        if kept is None:
-            kept = _Kept(
+    ) -> BridgeKeeper:
+        """Watch the bottle's bridge (``kept``, as its create started it); one that is not
+        running (None: after a daemon restart) is started again, unproven (the workload
+        already runs). The keeper is returned for the bottle's owner to hold."""
+        if kept is None or kept.stopped:
+            kept = BridgeKeeper(
                 bottle,
                 agent_vm,
                 bridges_of(endpoints),
                 ports_of(endpoints),
                 state=BridgeState.RESTARTING,
             )
-            self._kept[bottle] = kept
             kept.on_restarted, kept.on_failed = on_restarted, on_failed
             self._restart(kept)
-            return
+            return kept
         kept.on_restarted, kept.on_failed = on_restarted, on_failed
+        return kept
 
-    def _ended(self, kept: _Kept, session: BridgeSession, code: int | None) -> None:
-        if session.stopping or self._kept.get(kept.bottle) is not kept:
+    def _ended(self, kept: BridgeKeeper, session: BridgeSession, code: int | None) -> None:
+        if session.stopping or kept.stopped:
             return
         ran = self.reactor.seconds() - kept.started_at
         kept.failures = 1 if ran >= STABLE_SECONDS else kept.failures + 1
         Deferred.fromCoroutine(self._after_end(kept, code))
 
-    async def _after_end(self, kept: _Kept, code: int | None) -> None:
+    async def _after_end(self, kept: BridgeKeeper, code: int | None) -> None:
         """A bridge whose VM is gone is not restarted: the bottle is degraded with why."""
         gone = await lost_reason(self.smolvm, kept.agent_vm)
-        if self._kept.get(kept.bottle) is not kept:
+        if kept.stopped:
             return
         if gone is not None:
             kept.state = BridgeState.FAILED
@@ -422,7 +455,7 @@ class Bridges:
             return
         self._failed_once(kept, f"the bridge ended (exit {code})")
 
-    def _failed_once(self, kept: _Kept, why: str) -> None:
+    def _failed_once(self, kept: BridgeKeeper, why: str) -> None:
         kept.detail = why
         if kept.failures >= MAX_FAILURES:
             kept.state = BridgeState.FAILED
@@ -440,20 +473,20 @@ class Bridges:
         )
         kept.timer = self.reactor.callLater(delay, self._restart, kept)
 
-    def _restart(self, kept: _Kept) -> None:
+    def _restart(self, kept: BridgeKeeper) -> None:
         kept.timer = None
-        if self._kept.get(kept.bottle) is not kept:
+        if kept.stopped:
             return
 
         async def go() -> None:
             try:
                 session = await self._spawn(kept)
             except BridgeFailed as e:
-                if self._kept.get(kept.bottle) is kept:
+                if not kept.stopped:
                     kept.failures += 1
                     self._failed_once(kept, e.message)
                 return
-            if self._kept.get(kept.bottle) is not kept:
+            if kept.stopped:
                 session.stop()
                 return
             kept.state = BridgeState.RUNNING
@@ -464,27 +497,3 @@ class Bridges:
             kept.on_restarted(f"bridge restarted in {kept.agent_vm} ({kept.restarts}x)")
 
         Deferred.fromCoroutine(go())
-
-    # -- stop and show ------------------------------------------------------------------
-
-    def stop(self, bottle: str) -> None:
-        """End the bottle's bridge session (its guest command ends with it)."""
-        kept = self._kept.pop(bottle, None)
-        if kept is None:
-            return
-        timers = [kept.timer, *(w.timer for w in kept.watches.values())]
-        for timer in timers:
-            if timer is not None and timer.active():
-                timer.cancel()
-        if kept.session is not None:
-            kept.session.stop()
-
-    def stop_all(self) -> None:
-        for bottle in list(self._kept):
-            self.stop(bottle)
-
-    def status(self, bottle: str) -> BridgeStatus:
-        kept = self._kept.get(bottle)
-        if kept is None:
-            return BridgeStatus(BridgeState.STOPPED)
-        return BridgeStatus(kept.state, kept.restarts, kept.detail)

@@ -27,6 +27,7 @@ from twisted.logger import Logger
 from bottlenet.bottles import egress, readiness, volumeaccess, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bottledirs import remove_bottle_dir
+from bottlenet.bottles.bridge import BridgeKeeper
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
     IsolationPlan,
@@ -141,6 +142,8 @@ def agent_machine_spec(
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
+#: The last step: the bottle's owner records it, with the bridge its create started (if any).
+Commit = Callable[[Bottle, BridgeKeeper | None], None]
 
 
 @frozen
@@ -197,8 +200,10 @@ class Creation:
         self.undo: list[Undo] = []
         #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
         self.uids: dict[Role, int] = {}
+        #: The bridge this create started (handed to the bottle's owner with the record).
+        self.bridge: BridgeKeeper | None = None
 
-    async def run(self, commit: Callable[[Bottle], None]) -> Bottle:
+    async def run(self, commit: Commit) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
         self.vms.check_volumes(self.agent)  # before any machine: nothing to undo yet
         try:
@@ -209,7 +214,7 @@ class Creation:
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
-            commit(bottle)  # 7. the registry records it (the state file)
+            commit(bottle, self.bridge)  # 7. its owner records it (the state file)
         except BaseException as e:
             undone = await self._rollback(e)
             # A smolvm failure says what became of the bottle (an isolation failure's own
@@ -571,11 +576,12 @@ class Creation:
             return
 
         async def stop() -> None:
-            self.vms.bridges.stop(self.name)
+            if self.bridge is not None:
+                self.bridge.stop()
 
+        self.bridge = await self.vms.bridges.start(self.name, agent_vm, endpoints)
         self.undo.append(("bridge", stop))
-        await self.vms.bridges.start(self.name, agent_vm, endpoints)
-        await self.vms.bridges.prove(self.name, agent_vm, endpoints)
+        await self.vms.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
 
     def build(
         self,
@@ -607,7 +613,8 @@ class Creation:
         )
 
 
-async def create_vm(vms: VMLifecycle, spec: BottleSpec, commit: Callable[[Bottle], None]) -> Bottle:
-    """Create the VM bottle ``spec`` names; ``commit`` records it (the last step)."""
+async def create_vm(vms: VMLifecycle, spec: BottleSpec, commit: Commit) -> Bottle:
+    """Create the VM bottle ``spec`` names; ``commit`` records it with the bridge the create
+    started, if any (the last step)."""
     plan = await vms.plan(spec)
     return await Creation(vms, spec, plan).run(commit)

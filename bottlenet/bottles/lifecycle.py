@@ -19,7 +19,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles import egress, readiness, volumeaccess
 from bottlenet.bottles.bottledirs import remove_bottle_dir
-from bottlenet.bottles.bridge import Bridges, BridgeState, BridgeStatus
+from bottlenet.bottles.bridge import Bridges
 from bottlenet.bottles.isolation import (
     IsolationPlan,
     choose_isolation,
@@ -243,20 +243,6 @@ class VMLifecycle:
         """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""
         self.access.grant_endpoints((e.path for e in endpoints), uid)
         self.table.admit_peers(bottle, self.access.peers(uid))
-
-    def describe_bridge(self, bottle: Bottle) -> str | None:
-        """The bridge for ``bottle status`` (None: a forward-only bottle has none)."""
-        if bottle.vms is None:
-            return None
-        ports = [str(e.guest_port) for e in bottle.vms.endpoints if e.guest_path is not None]
-        return self.bridge_status(bottle).describe(ports)
-
-    def bridge_status(self, bottle: Bottle) -> BridgeStatus:
-        """The bridge as ``bottle status`` shows it (``off`` when the image brings its own)."""
-        vm = bottle.require_vms()
-        if not runs_bridge(vm.spec, vm.endpoints):
-            return BridgeStatus(BridgeState.OFF)
-        return self.bridges.status(bottle.name)
 
     # -- probe --------------------------------------------------------------------------
 

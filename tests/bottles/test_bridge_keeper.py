@@ -20,6 +20,7 @@ from bottlenet.bottles.bridge import (
     MAX_FAILURES,
     STABLE_SECONDS,
     START_TIMEOUT,
+    BridgeKeeper,
     Bridges,
     BridgeSession,
     BridgeState,
@@ -106,22 +107,23 @@ def rig() -> tuple[Clock, StubSmolvm, Bridges]:
     return clock, smolvm, Bridges(clock, smolvm, StubTable())  # type: ignore[arg-type]
 
 
-def started(rig: tuple[Clock, StubSmolvm, Bridges]) -> Deferred[None]:
+def started(rig: tuple[Clock, StubSmolvm, Bridges]) -> BridgeKeeper:
+    """The bridge of bottle b1, started and ready: its keeper (the bottle's owner holds it)."""
     _, smolvm, bridges = rig
     d = Deferred.fromCoroutine(bridges.start("b1", "bn-b1-agent", ENDPOINTS))
     session, _ = smolvm.sessions[-1]
     ready(session)
-    return d
+    assert d.called and isinstance(d.result, BridgeKeeper)
+    return d.result
 
 
 def test_start_feeds_the_script_and_keeps_stdin_open(rig: Any) -> None:
     """The session gets the exact script; stdin is never closed (the bridge's lifeline)."""
-    _clock, smolvm, bridges = rig
-    d = started(rig)
-    assert d.called and d.result is None
+    _clock, smolvm, _bridges = rig
+    kept = started(rig)
     _, t = smolvm.sessions[0]
     assert t.written == render([Bridge(3128, "/run/bottle/egress.sock")])
-    assert bridges.status("b1").state is BridgeState.RUNNING
+    assert kept.status().state is BridgeState.RUNNING
 
 
 @pytest.mark.parametrize(
@@ -175,27 +177,29 @@ def test_the_proof_fails_when_the_host_saw_nothing(rig: Any) -> None:
 def test_a_dead_bridge_is_restarted_with_back_off(rig: Any) -> None:
     """It dies: after the back-off a new session starts; once ready, on_restarted is told."""
     clock, smolvm, bridges = rig
-    started(rig)
+    kept = started(rig)
     told: list[str] = []
-    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append
+    )
     end(smolvm.sessions[0][0], 137)
-    assert bridges.status("b1").state is BridgeState.RESTARTING
+    assert kept.status().state is BridgeState.RESTARTING
     assert len(smolvm.sessions) == 1
     clock.advance(BACKOFF_FIRST)
     assert len(smolvm.sessions) == 2
     ready(smolvm.sessions[1][0])
     assert told == ["bridge restarted in bn-b1-agent (1x)"]
-    assert bridges.status("b1").state is BridgeState.RUNNING
-    assert bridges.status("b1").restarts == 1
+    assert kept.status().state is BridgeState.RUNNING
+    assert kept.status().restarts == 1
 
 
 def test_repeated_failure_gives_up_and_says_why(rig: Any) -> None:
     """Every restart dies at once: after MAX_FAILURES the keeper stops and on_failed is told."""
     clock, smolvm, bridges = rig
-    started(rig)
+    kept = started(rig)
     failed: list[str] = []
-    bridges.keep(
-        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=failed.append, on_failed=failed.append
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=failed.append, on_failed=failed.append
     )
     end(smolvm.sessions[0][0], 1)
     for _ in range(MAX_FAILURES * 2):
@@ -204,22 +208,41 @@ def test_repeated_failure_gives_up_and_says_why(rig: Any) -> None:
         if not session.ended.called:
             end(session, 4)
     assert len(smolvm.sessions) == MAX_FAILURES
-    assert bridges.status("b1").state is BridgeState.FAILED
+    assert kept.status().state is BridgeState.FAILED
     assert len(failed) == 1 and failed[0].startswith("bridge failed: ")
     assert f"gave up after {MAX_FAILURES} failures" in failed[0]
 
 
 def test_stop_ends_the_session_and_nothing_restarts(rig: Any) -> None:
     """A stopped bridge (destroy, degrade, daemon stop) is not restarted."""
-    clock, smolvm, bridges = rig
-    started(rig)
-    bridges.stop("b1")
+    clock, smolvm, _bridges = rig
+    kept = started(rig)
+    kept.stop()
     session, t = smolvm.sessions[0]
     assert t.signals == ["TERM"]
     end(session, 143)
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
-    assert bridges.status("b1").state is BridgeState.STOPPED
+    assert kept.status().state is BridgeState.STOPPED
+
+
+def test_a_bridge_kept_with_no_keeper_is_started_again_unproven(rig: Any) -> None:
+    """After a daemon restart the bottle holds no keeper: ``keep`` makes one and starts the
+    bridge again (no reach check: the workload already runs); a stopped keeper is replaced."""
+    _clock, smolvm, bridges = rig
+    told: list[str] = []
+    for old in (None, started(rig)):
+        if old is not None:
+            old.stop()
+        before = len(smolvm.sessions)
+        kept = bridges.keep(
+            old, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append
+        )
+        assert kept is not old and kept.status().state is BridgeState.RESTARTING
+        assert len(smolvm.sessions) == before + 1 and smolvm.execs == []
+        ready(smolvm.sessions[-1][0])
+        assert kept.status() == BridgeStatus(BridgeState.RUNNING, restarts=1)
+    assert told == ["bridge restarted in bn-b1-agent (1x)"] * 2
 
 
 def _restarts_after(clock: Clock, smolvm: StubSmolvm, delay: float) -> bool:
@@ -238,18 +261,18 @@ def test_a_bridge_that_ran_stable_between_deaths_is_never_given_up(rig: Any) -> 
     (here more than MAX_FAILURES times, each after a stable run) is restarted every time, each
     after the first back-off again."""
     clock, smolvm, bridges = rig
-    started(rig)
+    kept = started(rig)
     failed: list[str] = []
-    bridges.keep(
-        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=failed.append
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=failed.append
     )
     for death in range(1, MAX_FAILURES + 2):
         clock.advance(STABLE_SECONDS)
         end(smolvm.sessions[-1][0], 137)
-        assert bridges.status("b1").state is BridgeState.RESTARTING
+        assert kept.status().state is BridgeState.RESTARTING
         assert _restarts_after(clock, smolvm, BACKOFF_FIRST)
         ready(smolvm.sessions[-1][0])
-        assert bridges.status("b1") == BridgeStatus(BridgeState.RUNNING, restarts=death)
+        assert kept.status() == BridgeStatus(BridgeState.RUNNING, restarts=death)
     assert failed == []
 
 
@@ -257,15 +280,15 @@ def test_the_back_off_doubles_between_deaths_in_a_row(rig: Any) -> None:
     """Deaths in a row wait 0.5, 1, 2, 4 s (docs/sidecar.md: doubling, tests-3 R04); the
     fifth in a row gives up (the 30 s cap is beyond MAX_FAILURES' reach)."""
     clock, smolvm, bridges = rig
-    started(rig)
-    bridges.keep(
-        "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=lambda _: None
+    kept = started(rig)
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=lambda _: None, on_failed=lambda _: None
     )
     end(smolvm.sessions[-1][0], 137)
     for delay in (0.5, 1.0, 2.0, 4.0):
         assert _restarts_after(clock, smolvm, delay)
         end(smolvm.sessions[-1][0], 1)  # dies before it is ready
-    assert bridges.status("b1").state is BridgeState.FAILED
+    assert kept.status().state is BridgeState.FAILED
 
 
 def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> None:
@@ -273,9 +296,11 @@ def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> N
     the exec, so there is nothing to signal yet): once that session comes up it is ended
     at once, never kept running for a bridge nobody watches (tests-3 R18)."""
     clock, smolvm, bridges = rig
-    started(rig)
+    kept = started(rig)
     told: list[str] = []
-    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append
+    )
     pending: list[tuple[Any, Deferred[Any]]] = []
 
     def spawn_later(name: str, argv: Sequence[str], protocol: Any, **kw: Any) -> Deferred[Any]:
@@ -287,14 +312,14 @@ def test_a_restart_that_completes_after_the_stop_ends_its_session(rig: Any) -> N
     end(smolvm.sessions[-1][0], 137)
     clock.advance(BACKOFF_FIRST)
     assert len(pending) == 1
-    bridges.stop("b1")
+    kept.stop()
     protocol, d = pending[0]
     t = _Transport()
     protocol.makeConnection(t)  # smolvm runs the exec only now
     d.callback(t)
     ready(protocol)
     assert t.signals == ["TERM"]
-    assert told == [] and bridges.status("b1").state is BridgeState.STOPPED
+    assert told == [] and kept.status().state is BridgeState.STOPPED
 
 
 def test_a_bridges_output_is_kept_to_its_cap_whatever_one_read_brings() -> None:
@@ -310,16 +335,18 @@ def test_a_bridge_whose_vm_died_is_not_restarted_and_says_why(rig: Any) -> None:
     """The session ended because the agent VM stopped (smolvm: connection to VM lost, exit
     1): on_failed is told at once that the VM is gone, and nothing is restarted against it."""
     clock, smolvm, bridges = rig
-    started(rig)
+    kept = started(rig)
     told: list[str] = []
-    bridges.keep("b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append)
+    kept = bridges.keep(
+        kept, "b1", "bn-b1-agent", ENDPOINTS, on_restarted=told.append, on_failed=told.append
+    )
     smolvm.state = "stopped"
     end(smolvm.sessions[0][0], 1)
     assert told == [
         "agent VM bn-b1-agent is stopped (it stopped or crashed): its sessions ended with it "
         "(connection to VM lost)"
     ]
-    assert bridges.status("b1").state is BridgeState.FAILED
+    assert kept.status().state is BridgeState.FAILED
     clock.advance(3600)
     assert len(smolvm.sessions) == 1
 
