@@ -36,7 +36,7 @@ from bottlenet.bottles.events import (
     BottleEvent,
     EventBus,
 )
-from bottlenet.bottles.lifecycle import VMLifecycle
+from bottlenet.bottles.lifecycle import VMLifecycle, runs_bridge
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
@@ -44,6 +44,7 @@ from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.vmloss import lost_reason
+from bottlenet.bottles.watch import Watch
 from bottlenet.errors import BottlenetError, Busy, Degraded, InvalidArgument, Unavailable
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
@@ -145,6 +146,8 @@ class _BottleCore:
     hands: Hands | None = None
     value: Bottle | None = None
     waiter: workload.WorkloadWaiter | None = None
+    #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
+    watch: Watch | None = None
     pending: _Unsynced | None = None
 
 
@@ -153,6 +156,15 @@ def stop_waiter(core: _BottleCore) -> None:
     waiter, core.waiter = core.waiter, None
     if waiter is not None:
         waiter.cancel()
+
+
+def unwatch(core: _BottleCore) -> None:
+    """End the sidecar's pid watch and the bottle's bridge session."""
+    watch, core.watch = core.watch, None
+    if watch is not None:
+        watch.cancel()
+    if core.hands is not None and core.hands.vms is not None:
+        core.hands.vms.bridges.stop(core.name)
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -197,8 +209,7 @@ def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferr
     stop_waiter(core)
     log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
     emit(hands, DEGRADED, core.name, BottleState.DEGRADED, why)
-    if hands.vms is not None:
-        hands.vms.unwatch(core.name)
+    unwatch(core)
     removing = hands.table.remove_bottle(core.name)
     return removing.addCallback(lambda _: persist_quietly(core, degraded))
 
@@ -552,22 +563,34 @@ class VMBottle(BottleOwner):
         return bottle
 
     def watch(self) -> None:
-        """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
-        its workload ends."""
+        """Turn the bottle degraded when its sidecar's VM process exits (the pid watch is
+        held in its machine's core), keep its bridge running, and turn it ``exited`` when its
+        workload ends."""
         vms, bottle = self.hands.vms, self.core.value
         if vms is None or bottle is None or bottle.vms is None:
             return
         if self.machine.kept_state() is BottleState.DEGRADED:
             return  # nothing left to watch: its endpoints are gone
-        vms.watch(
-            bottle,
-            self.sidecar_exited,
-            on_bridge_restarted=lambda detail: emit(
-                self.hands, BRIDGE_RESTARTED, self.name, None, detail
-            ),
-            on_bridge_failed=self.degrade_later,
-        )
+        vm = bottle.vms
+        if self.core.watch is not None:
+            self.core.watch.cancel()
+        self.core.watch = vms.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
+        if runs_bridge(vm.spec, vm.endpoints):
+            vms.bridges.keep(
+                self.name,
+                vm.agent_vm,
+                vm.endpoints,
+                on_restarted=lambda detail: emit(
+                    self.hands, BRIDGE_RESTARTED, self.name, None, detail
+                ),
+                on_failed=self.degrade_later,
+            )
         self.wait_for_workload()
+
+    @property
+    def watched(self) -> bool:
+        """Its sidecar's VM process is watched now."""
+        return self.core.watch is not None
 
     def wait_for_workload(self) -> None:
         """Wait for the bottle's running workload to end (nothing if one already waits)."""
@@ -621,8 +644,10 @@ class VMBottle(BottleOwner):
             return
         self.machine.workload_exited(code)
 
-    def stop_waiting(self) -> None:
+    def stop_watching(self) -> None:
+        """The daemon stops: its watches and its workload waiter end (the VMs keep running)."""
         stop_waiter(self.core)
+        unwatch(self.core)
 
     def sidecar_exited(self) -> None:
         self.degrade_later("sidecar VM process exited")
@@ -649,7 +674,7 @@ class VMBottle(BottleOwner):
         vms = self.hands.vms
         assert vms is not None
         bottle = self.require()
-        self.stop_waiting()
+        self.stop_watching()
         self.machine.tearing_down()
         try:
             await vms.teardown(bottle)

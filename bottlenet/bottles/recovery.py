@@ -276,7 +276,6 @@ class Recovery:
                 why = f"endpoint not restored: {e.message}"
         if why is None:
             self.registry.adopt(bottle)
-            self.registry.watch(bottle)
             self.log.info("bottle {bottle} restored", bottle=bottle.name)
             return True
         self.log.warn("bottle {bottle} torn down at recovery: {why}", bottle=bottle.name, why=why)
@@ -389,8 +388,5 @@ class RecoveryService(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        vms = self.recovery.vms
-        if vms is not None:
-            vms.unwatch_all()
         self.recovery.registry.stop_watching()
         self.recovery.registry.stop_resync()

@@ -194,14 +194,15 @@ class BottleRegistry:
     def _require(self, name: str) -> Bottle:
         return self._owner(name).require()
 
-    def _vm_owner(self, name: str) -> VMBottle:
+    def vm_owner(self, name: str) -> VMBottle:
+        """The VM bottle's owner: NOT_FOUND, or INVALID_ARGUMENT for a forward-only one."""
         owner = self._owner(name)
         if not isinstance(owner, VMBottle):
             raise InvalidArgument(f"bottle {name} is forward-only: it has no VMs")
         return owner
 
     def _require_vms(self, name: str) -> tuple[Bottle, VMLifecycle]:
-        bottle = self._vm_owner(name).require()
+        bottle = self.vm_owner(name).require()
         assert self.vms is not None
         return bottle, self.vms
 
@@ -371,7 +372,7 @@ class BottleRegistry:
         _, vms = self._require_vms(name)
 
         async def verify() -> tuple[Bottle, ProbeVerdict]:
-            verdict = await self._vm_owner(name).verify(vms)
+            verdict = await self.vm_owner(name).verify(vms)
             if not verdict.passed:
                 raise IsolationFailed(f"bottle {name}: {verdict.describe()}")
             return self._require(name), verdict
@@ -384,7 +385,7 @@ class BottleRegistry:
         _, vms = self._require_vms(name)
 
         async def push() -> tuple[str, ...]:
-            await self._vm_owner(name).set_policy(vms, hosts)
+            await self.vm_owner(name).set_policy(vms, hosts)
             self.log.info(
                 "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(hosts)
             )
@@ -397,7 +398,7 @@ class BottleRegistry:
         BUSY (being created or destroyed) or DEGRADED otherwise."""
         if self.state_of(name) is Lifecycle.CREATING:
             raise Busy(f"bottle {name} is being created")
-        return self._vm_owner(name).exec_target()
+        return self.vm_owner(name).exec_target()
 
     async def spawn_exec(
         self,
@@ -437,42 +438,24 @@ class BottleRegistry:
         request = attach.logs_request(bottle, tail, follow)
         return await self._counted(bottle, request, protocol)
 
-    def watch(self, bottle: Bottle) -> None:
-        """Recovery: watch a restored VM bottle (its sidecar, bridge and workload)."""
-        owner = self._owners.get(bottle.name)
-        if isinstance(owner, VMBottle):
-            owner.watch()
-
     def stop_watching(self) -> None:
-        """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
+        """The daemon stops: every watch and workload waiter ends (the workloads keep running)."""
         for owner in list(self._owners.values()):
             if isinstance(owner, VMBottle):
-                owner.stop_waiting()
-
-    async def degrade(self, name: str, why: str) -> None:
-        """Degrade the VM bottle ``name`` (its owner's machine does the work)."""
-        owner = self._owners.get(name)
-        if isinstance(owner, VMBottle):
-            await owner.degrade(why)
-
-    def _sidecar_exited(self, name: str) -> None:
-        self._vm_owner(name).sidecar_exited()
-
-    def _workload_exited(self, name: str, code: int) -> None:
-        self._vm_owner(name).workload_ended(code)
-
-    def _bridge_failed(self, name: str, why: str) -> None:
-        self._vm_owner(name).degrade_later(why)
+                owner.stop_watching()
 
     # -- recovery -----------------------------------------------------------------------
 
     def adopt(self, bottle: Bottle) -> None:
         """Recovery: take a restored bottle into the table (its listeners are bound), idle
-        in the state it was kept in."""
+        in the state it was kept in; a VM bottle's sidecar, bridge and workload are watched
+        again (a degraded one's are not)."""
         owner_class = ForwardBottle if bottle.vms is None else VMBottle
         owner = owner_class(bottle.name, self._hands, bottle.state)
         owner.set_value(bottle)
         self._named(owner)
+        if isinstance(owner, VMBottle):
+            owner.watch()
 
     async def restore_forward_only(self, bottle: Bottle) -> Bottle:
         """Recovery: claim the recorded alias and re-bind every recorded forward on its port.

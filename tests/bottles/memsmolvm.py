@@ -448,11 +448,17 @@ class Rig:
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""
-        self.vms.unwatch_all()
+        self.registry.stop_watching()
         self.run(_stop(self.table))
 
     def state(self) -> dict[str, Any]:
         return dict(StateStore(self.state_dir).load().bottles)
+
+    def watched(self) -> frozenset[str]:
+        """The bottles whose sidecar VM is watched now (each VM bottle's owner holds its own
+        watch; one left behind by a bottle no longer listed still shows in ``clock.readers``)."""
+        names = [b.name for b in self.registry.list_bottles() if b.vms is not None]
+        return frozenset(n for n in names if self.registry.vm_owner(n).watched)
 
 
 async def _stop(table: ForwardTable) -> None:

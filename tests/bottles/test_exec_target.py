@@ -24,7 +24,7 @@ def test_exec_on_a_degraded_bottle_is_refused(rigs: Rigs, tmp: str) -> None:
     rig = rigs()
     rig.run(rig.registry.create_bottle("b1", spec=parse_bottle_spec("b1", spec_doc(tmp))))
     assert rig.registry.exec_target("b1").name == "b1"
-    rig.registry._sidecar_exited("b1")
+    rig.registry.vm_owner("b1").sidecar_exited()
     rig.settle()
     assert rig.registry.get_bottle("b1").state == "degraded"
     with pytest.raises(Degraded, match="sidecar VM process exited") as refused:

@@ -173,7 +173,7 @@ def run_scenario(rigs: Rigs, tmp: str) -> list[dict[str, Any]]:
     rig.settle()
     cap.step(rig, "the workload exits")
     rig.clock.advance(1)
-    rig.registry._sidecar_exited("v2")
+    rig.registry.vm_owner("v2").sidecar_exited()
     rig.settle()
     cap.step(rig, "the sidecar dies")
     rig.clock.advance(1)
