@@ -489,7 +489,7 @@ class Creation:
         """6b. The launch gate, between the agent VM's start and its workload."""
         if self.vms.options.skip_probe:
             return ProbeResult.SKIPPED
-        verdict = await self.vms.run_probe(
+        verdict = await self.vms.gate.check(
             self.name,
             agent_vm,
             self.plan.mode,

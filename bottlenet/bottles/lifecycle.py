@@ -42,7 +42,6 @@ from bottlenet.bottles.spec import (
     AgentSpec,
     BottleSpec,
     BridgeMode,
-    EgressSpec,
     SidecarSpec,
     is_local_image,
 )
@@ -57,14 +56,12 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
     ForwardSpec,
     HeldSocket,
-    TCPListen,
     TCPTarget,
     UNIXListen,
     UNIXTarget,
 )
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import Verdict
-from bottlenet.probe.plan import IsolationMode
 from vmctl.errors import VmctlError
 from vmctl.ports import (
     Checker,
@@ -76,8 +73,6 @@ from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
 from vmctl.spec import Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
-#: The port of the stand-in "other bottle" address the gate must find closed.
-OTHER_BOTTLE_PORT = 443
 
 
 @frozen
@@ -138,13 +133,14 @@ class VMLifecycle:
         self.service_ready = service_ready
         self.smolvm = smolvm
         self.table = table
-        self.aliases = aliases
         self.state_dir = state_dir
         self.options = options
         self.check_port = check_port
         self.check_socket = check_socket
         self.watcher = PidWatcher(reactor)
-        self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
+        self.gate = Gate(
+            reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
+        )
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
         #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
@@ -265,65 +261,14 @@ class VMLifecycle:
             return BridgeStatus(BridgeState.OFF)
         return self.bridges.status(bottle.name)
 
-    # -- probe --------------------------------------------------------------------------
-
-    def other_bottle_target(self, bottle: str, endpoints: Sequence[Endpoint]) -> str:
-        """A live endpoint of another bottle, else an alias of the pool that is not ours."""
-        for info in self.table.list():
-            if info.spec.bottle != bottle and isinstance(info.bound, TCPListen):
-                return info.bound.describe()
-        ours = self.aliases.alias_of(bottle)
-        for addr in self.aliases.pool.network.hosts():
-            if addr != ours:
-                return f"{addr}:{OTHER_BOTTLE_PORT}"
-        return f"127.0.0.2:{OTHER_BOTTLE_PORT}"
-
-    async def run_probe(
-        self,
-        bottle: str,
-        agent_vm: str,
-        mode: IsolationMode,
-        endpoints: Sequence[Endpoint],
-        *,
-        volumes: Sequence[str] = (),
-        witness: bool,
-        egress: EgressSpec | None = None,
-        policy: Sequence[str] = (),
-        bridged: Sequence[int] = (),
-    ) -> Verdict:
-        """The launch gate (``witness``: before any workload, own endpoints diverted)."""
-        plan, verdict = await self.gate.run(
-            bottle,
-            agent_vm,
-            mode,
-            endpoints,
-            other_bottle=self.other_bottle_target(bottle, endpoints),
-            volumes=[Volume.parse(v) for v in volumes],
-            witness=witness,
-            proxy=next(
-                (e for e in endpoints if egress is not None and e.service == egress.connect_proxy),
-                None,
-            ),
-            allow_hosts=policy,
-            bridged=bridged,
-        )
-        self.log.info(
-            "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
-            " path): {detail}",
-            bottle=bottle,
-            result=verdict.result,
-            n=len(plan.own),
-            ports=len(plan.host_ports),
-            detail=verdict.describe(),
-        )
-        return verdict
+    # -- verify -----------------------------------------------------------------------
 
     async def verify(self, bottle: Bottle) -> Verdict:
         """The gate again while the workload runs: endpoints are not diverted then."""
         vm = bottle.require_vms()
         sidecar, agent = vm_parts(vm.spec)
         try:
-            return await self.run_probe(
+            return await self.gate.check(
                 bottle.name,
                 vm.agent_vm,
                 vm.mode,
