@@ -18,8 +18,15 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.interfaces import IProcessProtocol
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.bottle import Hands, VMBottle
-from bottlenet.bottles.events import DEGRADED, WORKLOAD_EXITED, BottleEvent, EventBus
+from bottlenet.bottles.bottle import CreateRequest, Hands, VMBottle
+from bottlenet.bottles.events import (
+    CREATED,
+    DEGRADED,
+    READY,
+    WORKLOAD_EXITED,
+    BottleEvent,
+    EventBus,
+)
 from bottlenet.bottles.model import BottleState
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
@@ -76,11 +83,13 @@ class Owned:
     def create(self, tmp: str, **kw: Any) -> None:
         doc = spec_doc(tmp, mode="socket", listen="tcp", **kw)
         listed: list[Any] = []
-        self.rig.run(self.owner.create(self.rig.vms, parse_bottle_spec("b1", doc), listed.append))
-        assert listed == [self.owner]
-        self.owner.machine.created()
+        self.rig.run(
+            self.owner.create(CreateRequest(spec=parse_bottle_spec("b1", doc)), listed.append)
+        )
+        assert listed == [self.owner]  # committed, then created, watched and READY
+        assert [e[0] for e in self.events] == [CREATED, READY] and self.owner.watched
+        self.events.clear()
         self.owner.machine.finish()
-        self.owner.watch()
 
 
 class _WithAttach:
