@@ -197,7 +197,8 @@ class UnixAdmission:
 
     ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``);
     ``scoped_uids`` (``--allow-uid UID:scoped``) each see and act on their own bottles only.
-    Reading is paused until the check passes, and a refused peer never holds a slot.
+    The slot is taken at accept (a refused peer gives it back at once), and reading pauses
+    with parsing (back-pressure on a peer that does not read its answers).
     """
 
     allowed_uids: frozenset[int]
