@@ -95,7 +95,7 @@ def main() -> None:
     elif args.daemon:
         cmd += [os.path.join(ROOT, "benchmarks", "daemon_peer.py"), args.daemon, *where]
     else:
-        cmd += ["-m", "bottlenet.forward.standalone", *where, *args.rest]
+        cmd += [os.path.join(ROOT, "benchmarks", "standalone.py"), *where, *args.rest]
     child = subprocess.Popen(
         cmd,
         env=dict(os.environ, PYTHONPATH=ROOT),

@@ -7,9 +7,10 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-#: The entry points that compose the daemon (``tap.makeService``) and the benchmark relay
-#: (``forward/standalone.py``'s ``main``): the only modules that may name the global reactor.
-COMPOSITION_ROOTS = frozenset({"bottlenet/tap.py", "bottlenet/forward/standalone.py"})
+#: The entry point that composes the daemon (``tap.makeService``): the only module of the
+#: package that may name the global reactor (the benchmark relay, ``benchmarks/standalone.py``,
+#: is not shipped).
+COMPOSITION_ROOTS = frozenset({"bottlenet/tap.py"})
 
 
 def global_reactor_imports(source: str) -> list[int]:

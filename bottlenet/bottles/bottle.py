@@ -30,13 +30,15 @@ from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.creation import create_vm
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
+    CREATED,
     DEGRADED,
     DESTROYED,
+    READY,
     WORKLOAD_EXITED,
     BottleEvent,
     EventBus,
 )
-from bottlenet.bottles.lifecycle import VMLifecycle
+from bottlenet.bottles.lifecycle import VMLifecycle, runs_bridge
 from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
@@ -44,7 +46,16 @@ from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.vmloss import lost_reason
-from bottlenet.errors import BottlenetError, Busy, Degraded, InvalidArgument, Unavailable
+from bottlenet.bottles.watch import Watch
+from bottlenet.errors import (
+    BottlenetError,
+    Busy,
+    Degraded,
+    InvalidArgument,
+    IsolationFailed,
+    SmolvmUnavailable,
+    Unavailable,
+)
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo, ForwardTable
@@ -80,6 +91,18 @@ def emit(
 ) -> None:
     """One bottle event, stamped with the clock's time, to every subscriber."""
     hands.events.emit(BottleEvent(kind, name, hands.clock.seconds(), state, detail, exit_code))
+
+
+@frozen
+class CreateRequest:
+    """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
+    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec``; either's
+    ``tenancy``, its lease counted from the commit."""
+
+    alias: ipaddress.IPv4Address | None = None
+    spec: BottleSpec | None = None
+    source: Source = Source.CONTROL
+    tenancy: Tenancy | None = None
 
 
 @frozen
@@ -145,6 +168,8 @@ class _BottleCore:
     hands: Hands | None = None
     value: Bottle | None = None
     waiter: workload.WorkloadWaiter | None = None
+    #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
+    watch: Watch | None = None
     pending: _Unsynced | None = None
 
 
@@ -153,6 +178,15 @@ def stop_waiter(core: _BottleCore) -> None:
     waiter, core.waiter = core.waiter, None
     if waiter is not None:
         waiter.cancel()
+
+
+def unwatch(core: _BottleCore) -> None:
+    """End the sidecar's pid watch and the bottle's bridge session."""
+    watch, core.watch = core.watch, None
+    if watch is not None:
+        watch.cancel()
+    if core.hands is not None and core.hands.vms is not None:
+        core.hands.vms.bridges.stop(core.name)
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -197,8 +231,7 @@ def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferr
     stop_waiter(core)
     log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
     emit(hands, DEGRADED, core.name, BottleState.DEGRADED, why)
-    if hands.vms is not None:
-        hands.vms.unwatch(core.name)
+    unwatch(core)
     removing = hands.table.remove_bottle(core.name)
     return removing.addCallback(lambda _: persist_quietly(core, degraded))
 
@@ -300,6 +333,9 @@ class BottleOwner:
     """One bottle, either kind: its machine (with the value in its core) and the durable
     revocation every kind shares."""
 
+    #: What an operation for this kind says of a bottle of the other kind.
+    other_kind = "is of another kind"
+
     def __init__(self, name: str, hands: Hands, kept: BottleState | None = None) -> None:
         self.name = name
         self.hands = hands
@@ -316,8 +352,11 @@ class BottleOwner:
         assert value is not None, "an operation on a bottle not yet made"
         return value
 
-    def set_value(self, bottle: Bottle) -> None:
-        self.core.value = bottle
+    def set_tenancy(self, tenancy: Tenancy) -> None:
+        """Record the bottle's new tenancy (a renewed lease): in memory at once, then on disk
+        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
+        bottle = self.core.value = evolve(self.require(), tenancy=tenancy)
+        self.persist(bottle)
 
     def commit(self, bottle: Bottle) -> None:
         """The create's last step: the value, recorded (nothing kept when it cannot be)."""
@@ -390,6 +429,14 @@ class BottleOwner:
                 f"bottle {self.name}: an earlier {pending.what} is not yet durable: {e.message}"
             ) from None
 
+    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
+        """Make the bottle ``asked`` for and record it; ``listed`` it once it is committed."""
+        raise NotImplementedError
+
+    async def restore(self, bottle: Bottle) -> Bottle:
+        """Recovery: take the recorded ``bottle`` back, as it is kept; the value it holds."""
+        raise NotImplementedError
+
     async def destroy(self) -> None:
         """Release what the bottle holds, then remove its record and the value."""
         raise NotImplementedError
@@ -402,6 +449,9 @@ class BottleOwner:
 
 class ForwardBottle(BottleOwner):
     """A forward-only bottle: an alias drawn from the pool, and its forwards."""
+
+    #: What a forward operation says of a bottle of the other kind.
+    other_kind = "has VMs: its forwards are managed by the daemon"
 
     def forward_spec(
         self,
@@ -427,18 +477,17 @@ class ForwardBottle(BottleOwner):
         fwd = Forward(label, target, port)
         return self.forward_spec(alias, fwd, max_connections), fwd
 
-    def create(
-        self, alias: ipaddress.IPv4Address | None, source: Source, tenancy: Tenancy | None
-    ) -> Bottle:
-        """Claim the alias (the one asked for, else the lowest free) and record the bottle."""
-        hands = self.hands
+    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
+        """Claim the alias (the one asked for, else the lowest free), record the bottle and
+        ``listed`` it: CREATED and READY at once. (A ``spec`` here is one of mode ``none``.)"""
+        hands, alias, tenancy = self.hands, asked.alias, asked.tenancy
         addr = hands.aliases.claim(self.name, None if alias is None else str(alias))
         now = hands.clock.seconds()
         bottle = Bottle(
             name=self.name,
             alias=str(addr),
             created_at=now,
-            source=source,
+            source=asked.source,
             tenancy=None if tenancy is None else tenancy.started(now),
         )
         try:
@@ -447,6 +496,10 @@ class ForwardBottle(BottleOwner):
             hands.aliases.release(self.name)
             raise
         log.info("bottle {bottle} created on {alias}", bottle=self.name, alias=str(addr))
+        listed(self)
+        self.machine.created()
+        emit(hands, CREATED, self.name, bottle.state)
+        emit(hands, READY, self.name, bottle.state)
         return bottle
 
     async def restore(self, bottle: Bottle) -> Bottle:
@@ -505,42 +558,78 @@ class ForwardBottle(BottleOwner):
 class VMBottle(BottleOwner):
     """A bottle with VMs: its sidecar watch and bridge keeper, its workload waiter."""
 
-    async def create(
-        self,
-        vms: VMLifecycle,
-        spec: BottleSpec,
-        listed: Callable[[BottleOwner], None],
-        tenancy: Tenancy | None = None,
-    ) -> Bottle:
-        """Run the create's steps; the last one records the bottle (with its ``tenancy``,
-        its lease counted from then) and ``listed`` it."""
+    #: What a VM operation says of a bottle of the other kind.
+    other_kind = "is forward-only: it has no VMs"
 
-        def commit(bottle: Bottle) -> None:
-            if tenancy is not None:
-                bottle = evolve(bottle, tenancy=tenancy.started(self.hands.clock.seconds()))
-            self.commit(bottle)
-            listed(self)
+    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
+        """Run the ``spec``'s create steps (CREATED first, DESTROYED naming the error if one
+        fails); the last one records the bottle (with its ``tenancy``, its lease counted from
+        then) and ``listed`` it. Then it is watched, and READY. (No ``alias``: ``check_create``
+        refused one; ``source`` is always the control plane's.)"""
+        hands, spec, tenancy = self.hands, asked.spec, asked.tenancy
+        assert spec is not None
+        emit(hands, CREATED, self.name, BottleState.CREATING)
+        try:
+            if hands.vms is None:
+                raise SmolvmUnavailable(
+                    "this daemon runs without smolvm: VM bottles are unavailable"
+                )
 
-        created = await create_vm(vms, spec, commit)
-        return self.core.value or created  # as committed (with its tenancy)
+            def commit(bottle: Bottle) -> None:
+                if tenancy is not None:
+                    bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
+                self.commit(bottle)
+                listed(self)
 
-    async def verify(self, vms: VMLifecycle) -> ProbeVerdict:
-        """The gate again; its verdict is recorded on the bottle."""
-        verdict = await vms.verify(self.require())
+            created = await create_vm(hands.vms, spec, commit)
+        except BaseException as e:
+            detail = f"create failed: {getattr(e, 'code', 'INTERNAL')}"
+            emit(hands, DESTROYED, self.name, None, detail)
+            raise
+        self.machine.created()  # an Exec was BUSY ("being created") until now
+        self.watch()
+        bottle = self.core.value or created  # as committed (with its tenancy)
+        emit(hands, READY, self.name, bottle.state)
+        return bottle
+
+    async def restore(self, bottle: Bottle) -> Bottle:
+        """Recovery: the bottle as it was kept (its endpoints re-bound by ``rebind``, or
+        kept degraded); the table watches it once it is listed."""
+        self.core.value = bottle
+        return bottle
+
+    def _vms(self) -> VMLifecycle:
+        vms = self.hands.vms
+        assert vms is not None, "a VM bottle's operation in a daemon without smolvm"
+        return vms
+
+    async def verify(self) -> tuple[Bottle, ProbeVerdict]:
+        """The gate again; its verdict is recorded on the bottle. ISOLATION_FAILED names
+        the leak."""
+        verdict = await self._vms().verify(self.require())
         current = self.core.value
         if current is not None and current.vms is not None:
             current = self.core.value = evolve(
                 current, vms=evolve(current.vms, probe=verdict.result)
             )
             persist_quietly(self.core, current)
-        return verdict
+        if not verdict.passed:
+            raise IsolationFailed(f"bottle {self.name}: {verdict.describe()}")
+        return self.require(), verdict
 
-    async def set_policy(self, vms: VMLifecycle, hosts: tuple[str, ...]) -> None:
+    async def set_policy(self, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new allow-list; the record changes only after the sidecar reloaded it."""
-        updated = await vms.set_policy(self.require(), hosts)
+        updated = await self._vms().set_policy(self.require(), hosts)
         # Its kept state is the machine's (it may have degraded while the push ran).
         updated = self.core.value = evolve(updated, state=self.machine.kept_state())
         self.persist(updated)
+        log.info("bottle {bottle}: egress policy set ({n} hosts)", bottle=self.name, n=len(hosts))
+        return hosts
+
+    def bridge_status(self) -> str | None:
+        """bottlenet's in-guest bridge, described for ``bottle status``."""
+        vms = self.hands.vms
+        return None if vms is None else vms.describe_bridge(self.require())
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
@@ -552,22 +641,34 @@ class VMBottle(BottleOwner):
         return bottle
 
     def watch(self) -> None:
-        """Turn the bottle degraded when its sidecar's VM process exits, and ``exited`` when
-        its workload ends."""
+        """Turn the bottle degraded when its sidecar's VM process exits (the pid watch is
+        held in its machine's core), keep its bridge running, and turn it ``exited`` when its
+        workload ends."""
         vms, bottle = self.hands.vms, self.core.value
         if vms is None or bottle is None or bottle.vms is None:
             return
         if self.machine.kept_state() is BottleState.DEGRADED:
             return  # nothing left to watch: its endpoints are gone
-        vms.watch(
-            bottle,
-            self.sidecar_exited,
-            on_bridge_restarted=lambda detail: emit(
-                self.hands, BRIDGE_RESTARTED, self.name, None, detail
-            ),
-            on_bridge_failed=self.degrade_later,
-        )
+        vm = bottle.vms
+        if self.core.watch is not None:
+            self.core.watch.cancel()
+        self.core.watch = vms.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
+        if runs_bridge(vm.spec, vm.endpoints):
+            vms.bridges.keep(
+                self.name,
+                vm.agent_vm,
+                vm.endpoints,
+                on_restarted=lambda detail: emit(
+                    self.hands, BRIDGE_RESTARTED, self.name, None, detail
+                ),
+                on_failed=self.degrade_later,
+            )
         self.wait_for_workload()
+
+    @property
+    def watched(self) -> bool:
+        """Its sidecar's VM process is watched now."""
+        return self.core.watch is not None
 
     def wait_for_workload(self) -> None:
         """Wait for the bottle's running workload to end (nothing if one already waits)."""
@@ -621,8 +722,10 @@ class VMBottle(BottleOwner):
             return
         self.machine.workload_exited(code)
 
-    def stop_waiting(self) -> None:
+    def stop_watching(self) -> None:
+        """The daemon stops: its watches and its workload waiter end (the VMs keep running)."""
         stop_waiter(self.core)
+        unwatch(self.core)
 
     def sidecar_exited(self) -> None:
         self.degrade_later("sidecar VM process exited")
@@ -649,7 +752,7 @@ class VMBottle(BottleOwner):
         vms = self.hands.vms
         assert vms is not None
         bottle = self.require()
-        self.stop_waiting()
+        self.stop_watching()
         self.machine.tearing_down()
         try:
             await vms.teardown(bottle)

@@ -9,29 +9,28 @@ per-VM uids, for reservations and processes no machine holds (:mod:`vmctl.residu
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from twisted.internet.threads import deferToThreadPool
 
+from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Role, machine_name
 from vmctl.residue import uid_leftovers
-from vmctl.smolvm import Smolvm
 
 
-async def find_leftovers(
-    name: str, *, reactor: Any, smolvm: Smolvm | None, state_dir: str, per_vm_uids: bool
-) -> list[str]:
-    """One line per thing the bottle ``name`` left behind (empty: nothing)."""
+async def find_leftovers(name: str, vms: VMLifecycle | None, state_dir: str) -> list[str]:
+    """One line per thing the bottle ``name`` left behind (empty: nothing); without smolvm
+    (``vms`` None), only its directory is looked for."""
     found: list[str] = []
     bottle_dir = os.path.join(state_dir, "bottles", name)
     if os.path.lexists(bottle_dir):
         found.append(f"the bottle's directory {bottle_dir} still exists")
-    if smolvm is None:
+    if vms is None:
         return found
+    smolvm, reactor = vms.smolvm, vms.reactor
     wanted = {machine_name(name, role) for role in Role}
     machines = await smolvm.list(include_ephemeral=True)
     found += [f"machine {m.name} still exists ({m.state})" for m in machines if m.name in wanted]
-    if per_vm_uids and smolvm.data_dir_root is not None:
+    if vms.access.per_vm and smolvm.data_dir_root is not None:
         pool = reactor.getThreadPool()
         found += await deferToThreadPool(reactor, pool, uid_leftovers, smolvm.data_dir_root)
     return found

@@ -1,5 +1,6 @@
 """The services a VM bottle's operations run on: verify, egress, teardown, and after a restart
-``check_alive`` / ``rebind``; the sidecar's pid watch and the bridge keeper.
+``check_alive`` / ``rebind``; the bridge keeper and the pid watcher (each ``VMBottle`` holds its
+own sidecar watch).
 
 A create's steps are :mod:`bottlenet.bottles.creation` (one ``Creation`` per create); the
 registry (bottle names, one operation at a time, persistence) calls in here.
@@ -47,7 +48,7 @@ from bottlenet.bottles.spec import (
 )
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.vmmaccess import VmmAccess, read_started_uid
-from bottlenet.bottles.watch import PidWatcher, Watch, pid_alive
+from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.errors import (
     BottlenetError,
     InvalidArgument,
@@ -133,7 +134,6 @@ class VMLifecycle:
         self.check_port = check_port
         self.check_socket = check_socket
         self.watcher = PidWatcher(reactor)
-        self._watches: dict[str, Watch] = {}
         self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
@@ -364,7 +364,6 @@ class VMLifecycle:
         label and this bottle's label; any other is left alone (invariant 9).
         """
         vm = bottle.require_vms()
-        self.unwatch(bottle.name)
         await self.table.remove_bottle(bottle.name)
         revoke = await self._revoke_volumes(vm)
         removed = []
@@ -512,45 +511,6 @@ class VMLifecycle:
             await self.table.remove_bottle(bottle.name)
             raise
         return evolve(bottle, vms=vm)
-
-    # -- sidecar liveness ---------------------------------------------------------------
-
-    def watch(
-        self,
-        bottle: Bottle,
-        on_exit: Callable[[], None],
-        on_bridge_restarted: Callable[[str], None] = lambda detail: None,
-        on_bridge_failed: Callable[[str], None] = lambda detail: None,
-    ) -> None:
-        """Watch the sidecar's VM process and keep the bottle's bridge running."""
-        w = self._watches.pop(bottle.name, None)
-        if w is not None:
-            w.cancel()
-        vm = bottle.require_vms()
-        self._watches[bottle.name] = self.watcher.watch(vm.sidecar_pid, on_exit)
-        if runs_bridge(vm.spec, vm.endpoints):
-            self.bridges.keep(
-                bottle.name,
-                vm.agent_vm,
-                vm.endpoints,
-                on_restarted=on_bridge_restarted,
-                on_failed=on_bridge_failed,
-            )
-
-    def unwatch(self, name: str) -> None:
-        """Stop watching the bottle and end its bridge session."""
-        w = self._watches.pop(name, None)
-        if w is not None:
-            w.cancel()
-        self.bridges.stop(name)
-
-    def watched(self) -> frozenset[str]:
-        """The bottles whose sidecar VM is watched now."""
-        return frozenset(self._watches)
-
-    def unwatch_all(self) -> None:
-        for name in list(self._watches):
-            self.unwatch(name)
 
 
 def volumes_of(agent: AgentSpec) -> tuple[list[Volume], list[str]]:

@@ -89,7 +89,7 @@ class Recovery:
     async def _forward_only(self, bottles: list[Bottle]) -> None:
         for bottle in bottles:
             try:
-                await self.registry.restore_forward_only(bottle)
+                await self.registry.restore(bottle)
             except BottlenetError as e:
                 self.log.error(
                     "persisted bottle {bottle} dropped: {err}", bottle=bottle.name, err=e.message
@@ -119,7 +119,7 @@ class Recovery:
         for bottle in bottles:
             if self.vms is None:
                 self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=bottle.name)
-                self.registry.adopt(evolve(bottle, state=BottleState.DEGRADED))
+                await self.registry.restore(evolve(bottle, state=BottleState.DEGRADED))
                 continue
             await self._restore(self.vms, bottle, by_name if machines is not None else None)
             # kept, or torn down (its machines removed by the teardown): not orphans either way
@@ -165,8 +165,7 @@ class Recovery:
             except BottlenetError as e:
                 why = f"endpoint not restored: {e.message}"
         if why is None:
-            self.registry.adopt(bottle)
-            self.registry.watch(bottle)
+            await self.registry.restore(bottle)
             self.log.info("bottle {bottle} restored", bottle=bottle.name)
             return True
         self.log.warn("bottle {bottle} torn down at recovery: {why}", bottle=bottle.name, why=why)
@@ -181,7 +180,7 @@ class Recovery:
                 bottle=bottle.name,
                 err=e.message if isinstance(e, BottlenetError) else e.strerror,
             )
-            self.registry.adopt(evolve(bottle, state=BottleState.DEGRADED))
+            await self.registry.restore(evolve(bottle, state=BottleState.DEGRADED))
             return True
         return False
 
@@ -279,8 +278,4 @@ class RecoveryService(Service):
 
     def stopService(self) -> None:
         super().stopService()
-        vms = self.recovery.vms
-        if vms is not None:
-            vms.unwatch_all()
-        self.recovery.registry.stop_watching()
-        self.recovery.registry.stop_resync()
+        self.recovery.registry.stop()

@@ -17,14 +17,13 @@ import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
-from attrs import evolve
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
-from twisted.logger import Logger
 
-from bottlenet.bottles import attach, states
+from bottlenet.bottles import states
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bottle import (
     BottleOwner,
+    CreateRequest,
     ForwardBottle,
     Hands,
     Resync,
@@ -32,12 +31,12 @@ from bottlenet.bottles.bottle import (
     emit,
     write,
 )
-from bottlenet.bottles.events import CREATED, DESTROYED, READY, EventBus
+from bottlenet.bottles.events import EventBus
+from bottlenet.bottles.execs import Execs
 from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.bottles.model import Bottle, BottleState, Source
+from bottlenet.bottles.model import Bottle, Source
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.sessions import CountedSession, SessionSlots
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
@@ -46,10 +45,8 @@ from bottlenet.errors import (
     AlreadyExists,
     Busy,
     InvalidArgument,
-    IsolationFailed,
     NotFound,
     ResourceExhausted,
-    SmolvmUnavailable,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, TargetSpec
@@ -57,6 +54,7 @@ from bottlenet.forward.table import ForwardInfo, ForwardTable
 from bottlenet.views import LazyView
 
 T = TypeVar("T")
+Owner = TypeVar("Owner", bound=BottleOwner)
 
 DEFAULT_MAX_BOTTLES = 256
 #: A revocation that could not be made durable is written again this often until it is.
@@ -65,8 +63,6 @@ RESYNC_INTERVAL = 5.0
 
 class BottleRegistry:
     """Forward-only and VM bottles: create, destroy, forwards, egress policy, verify."""
-
-    log = Logger()
 
     def __init__(
         self,
@@ -81,14 +77,11 @@ class BottleRegistry:
         instance_id: str = "",
         vms: VMLifecycle | None = None,
     ) -> None:
-        self._clock = clock
-        self._table = table
-        self._aliases = aliases
         self._state_dir = state_dir
         #: The daemon's own directories, which no agent volume may overlap (tap adds more).
         self.protected_dirs: tuple[str, ...] = (state_dir,)
-        self._max_bottles = max_bottles
-        self._store = store
+        #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
+        self.max_bottles = max_bottles
         self.instance_id = instance_id
         self.vms = vms
         #: One owner per name: every bottle, and per name a create is making.
@@ -102,8 +95,8 @@ class BottleRegistry:
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
-        #: Launcher sessions (Exec, Logs) per bottle, capped below the guest agent's limit.
-        self.sessions = SessionSlots()
+        #: Launcher sessions (Exec, Logs), admitted per bottle up to its cap.
+        self.execs = Execs(vms)
         #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
         self.admission: Callable[[Source], None] | None = None
         self._hands = Hands(
@@ -135,7 +128,7 @@ class BottleRegistry:
     @property
     def aliases(self) -> AliasRegistry:
         """The alias pool's claims (forward-only bottles hold one each)."""
-        return self._aliases
+        return self._hands.aliases
 
     def state_of(self, name: str) -> Lifecycle | None:
         """Where the bottle ``name`` is in its lifecycle (None: the registry has no such name)."""
@@ -164,7 +157,7 @@ class BottleRegistry:
         elif not owner.machine.begin():
             raise Busy(f"bottle {name} has another operation in progress")
         try:
-            self._sync_pending(owner)
+            owner.sync_pending()
             return await op()
         finally:
             if make is not None:
@@ -174,9 +167,11 @@ class BottleRegistry:
                 del self._owners[name]
 
     def _named(self, owner: BottleOwner) -> None:
-        """The owner's bottle is made (created or restored): listed from now on."""
+        """The owner's bottle is made (created or restored): listed from now on, counted as a
+        bottle (no longer as a create in flight)."""
         self._owners[owner.name] = owner
         bisect.insort(self._names, owner.name)
+        self._creating.discard(owner.name)
 
     def _forget(self, name: str) -> None:
         """The bottle and its record are gone (its owner's ``gone``)."""
@@ -191,48 +186,27 @@ class BottleRegistry:
             raise NotFound(f"bottle {name} does not exist")
         return owner
 
-    def _require(self, name: str) -> Bottle:
-        return self._owner(name).require()
-
-    def _vm_owner(self, name: str) -> VMBottle:
+    def owner(self, name: str, kind: type[Owner]) -> Owner:
+        """The bottle's owner, of ``kind``: NOT_FOUND, or INVALID_ARGUMENT (the other kind)."""
         owner = self._owner(name)
-        if not isinstance(owner, VMBottle):
-            raise InvalidArgument(f"bottle {name} is forward-only: it has no VMs")
+        if not isinstance(owner, kind):
+            raise InvalidArgument(f"bottle {name} {kind.other_kind}")
         return owner
-
-    def _require_vms(self, name: str) -> tuple[Bottle, VMLifecycle]:
-        bottle = self._vm_owner(name).require()
-        assert self.vms is not None
-        return bottle, self.vms
-
-    def _forward_owner(self, name: str) -> ForwardBottle:
-        owner = self._owner(name)
-        if not isinstance(owner, ForwardBottle):
-            raise InvalidArgument(f"bottle {name} has VMs: its forwards are managed by the daemon")
-        return owner
-
-    def state_records(self) -> dict[str, dict[str, object]]:
-        """What the state file holds: every control-created bottle, by name."""
-        bottles = (self._owners[n].require() for n in self._names)
-        return {b.name: b.to_state() for b in bottles if b.persisted}
 
     def save(self) -> None:
-        """Write the whole state file (atomic); an I/O failure is UNAVAILABLE to the caller."""
-        if self._store is not None:
-            state = State(self.instance_id, self.state_records())
-            write(self._store, lambda store: store.save(state))
+        """Write the whole state file, every control-created bottle's record (atomic); an I/O
+        failure is UNAVAILABLE to the caller."""
+        if self._hands.store is not None:
+            bottles = (self._owners[n].require() for n in self._names)
+            state = State(self.instance_id, {b.name: b.to_state() for b in bottles if b.persisted})
+            write(self._hands.store, lambda store: store.save(state))
 
-    # -- revocations that must be durable (the owner makes them; the table retries) -------
-
-    def _sync_pending(self, owner: BottleOwner) -> None:
-        owner.sync_pending()
-
-    def resync(self) -> None:
-        """Write every pending revocation again (the timer, and the daemon's stop)."""
-        self._resync.resync()
-
-    def stop_resync(self) -> None:
-        """The daemon stops: one last write of what is pending, and no more timer."""
+    def stop(self) -> None:
+        """The daemon stops: every watch and workload waiter ends (the VMs and workloads keep
+        running); the revocations not yet durable get one last write, and no more timer."""
+        for owner in list(self._owners.values()):
+            if isinstance(owner, VMBottle):
+                owner.stop_watching()
         self._resync.stop()
 
     # -- bottles ------------------------------------------------------------------------
@@ -254,70 +228,21 @@ class BottleRegistry:
         async def create() -> Bottle:
             if self.admission is not None:
                 self.admission(source)
-            if self._owners[name].value is not None:
-                raise AlreadyExists(f"bottle {name} already exists")
-            if len(self._names) + self._others_creating(name) >= self._max_bottles:
-                raise ResourceExhausted(
-                    f"the daemon holds its maximum of {self._max_bottles} bottles"
-                )
             owner = self._owners[name]
-            if isinstance(owner, VMBottle):
-                assert spec is not None
-                return await self._create_vm(owner, spec, tenancy)
-            assert isinstance(owner, ForwardBottle)
-            bottle = owner.create(alias, source, tenancy)
-            self._named(owner)
-            self._created(owner)
-            emit(self._hands, CREATED, name, bottle.state)
-            emit(self._hands, READY, name, bottle.state)
-            return bottle
+            if owner.value is not None:
+                raise AlreadyExists(f"bottle {name} already exists")
+            if self.held() > self.max_bottles:  # (this create is one of them)
+                raise ResourceExhausted(
+                    f"the daemon holds its maximum of {self.max_bottles} bottles"
+                )
+            return await owner.create(CreateRequest(alias, spec, source, tenancy), self._named)
 
         owner_class = VMBottle if with_vms else ForwardBottle
         return await self._locked(name, create, make=lambda: owner_class(name, self._hands))
 
-    @property
-    def max_bottles(self) -> int:
-        return self._max_bottles
-
     def held(self) -> int:
         """The bottles the node holds, creates in flight included (``bottles.drain``)."""
-        return len(self._names) + self._others_creating("")
-
-    def _others_creating(self, name: str) -> int:
-        """Creates in flight for other names: they count against the limit (a committed
-        one is counted with the bottles too, until its create returns)."""
-        return len(self._creating) - (name in self._creating)
-
-    def _created(self, owner: BottleOwner) -> None:
-        """The create made its bottle: no longer a create in flight."""
-        owner.machine.created()
-        self._creating.discard(owner.name)
-
-    async def _create_vm(
-        self, owner: VMBottle, spec: BottleSpec, tenancy: Tenancy | None
-    ) -> Bottle:
-        name = owner.name
-        emit(self._hands, CREATED, name, BottleState.CREATING)
-        try:
-            if self.vms is None:
-                raise SmolvmUnavailable(
-                    "this daemon runs without smolvm: VM bottles are unavailable"
-                )
-            created = await owner.create(self.vms, spec, self._named, tenancy)
-        except BaseException as e:
-            emit(
-                self._hands,
-                DESTROYED,
-                name,
-                None,
-                f"create failed: {getattr(e, 'code', 'INTERNAL')}",
-            )
-            raise
-        # The last step committed it; an Exec was BUSY ("being created") until now.
-        self._created(owner)
-        owner.watch()
-        emit(self._hands, READY, name, created.state)
-        return created
+        return len(self._names) + len(self._creating)
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
@@ -337,7 +262,7 @@ class BottleRegistry:
         return LazyView(self._names, lambda n: self._owners[n].require())
 
     def get_bottle(self, name: str) -> Bottle:
-        return self._require(name)
+        return self._owner(name).require()
 
     def has_bottle(self, name: str) -> bool:
         owner = self._owners.get(name)
@@ -346,58 +271,33 @@ class BottleRegistry:
     def set_tenancy(self, name: str, tenancy: Tenancy) -> None:
         """Record a bottle's new tenancy (a renewed lease): in memory at once, then on disk
         (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
-        owner = self._owner(name)
-        bottle = evolve(owner.require(), tenancy=tenancy)
-        owner.set_value(bottle)
-        owner.persist(bottle)
+        self._owner(name).set_tenancy(tenancy)
 
     async def leftovers(self, name: str) -> list[str]:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
         if self.has_bottle(name):
             return [f"bottle {name} still exists"]
-        vms = self.vms
-        return await find_leftovers(
-            name,
-            reactor=self._clock if vms is None else vms.reactor,
-            smolvm=None if vms is None else vms.smolvm,
-            state_dir=self._state_dir,
-            per_vm_uids=vms is not None and vms.access.per_vm,
-        )
+        return await find_leftovers(name, self.vms, self._state_dir)
 
     # -- VM bottles ---------------------------------------------------------------------
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
         """Run the isolation probe in the agent VM again; ISOLATION_FAILED names the leak."""
-        _, vms = self._require_vms(name)
-
-        async def verify() -> tuple[Bottle, ProbeVerdict]:
-            verdict = await self._vm_owner(name).verify(vms)
-            if not verdict.passed:
-                raise IsolationFailed(f"bottle {name}: {verdict.describe()}")
-            return self._require(name), verdict
-
-        return await self._locked(name, verify)
+        self.owner(name, VMBottle)  # NOT_FOUND, INVALID_ARGUMENT at once, not after the lock
+        return await self._locked(name, lambda: self.owner(name, VMBottle).verify())
 
     async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new (validated) allow-list; the record changes only after the sidecar
         reloaded it."""
-        _, vms = self._require_vms(name)
-
-        async def push() -> tuple[str, ...]:
-            await self._vm_owner(name).set_policy(vms, hosts)
-            self.log.info(
-                "bottle {bottle}: egress policy set ({n} hosts)", bottle=name, n=len(hosts)
-            )
-            return hosts
-
-        return await self._locked(name, push)
+        self.owner(name, VMBottle)  # NOT_FOUND, INVALID_ARGUMENT at once, not after the lock
+        return await self._locked(name, lambda: self.owner(name, VMBottle).set_policy(hosts))
 
     def exec_target(self, name: str) -> Bottle:
         """The VM bottle a command may run in: NOT_FOUND, INVALID_ARGUMENT (forward-only),
         BUSY (being created or destroyed) or DEGRADED otherwise."""
         if self.state_of(name) is Lifecycle.CREATING:
             raise Busy(f"bottle {name} is being created")
-        return self._vm_owner(name).exec_target()
+        return self.owner(name, VMBottle).exec_target()
 
     async def spawn_exec(
         self,
@@ -406,82 +306,27 @@ class BottleRegistry:
         protocol: IProcessProtocol,
         stdio: tuple[int, int, int] | None = None,
     ) -> IProcessTransport:
-        """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio
-        (or the command on the fds ``stdio``, ``protocol`` told only of its end); BUSY past
-        the bottle's session cap (``bottles/sessions.py``)."""
-        bottle = self.exec_target(name)
-        return await self._counted(bottle, request, protocol, stdio)
-
-    async def _counted(
-        self,
-        bottle: Bottle,
-        request: ExecRequest,
-        protocol: IProcessProtocol,
-        stdio: tuple[int, int, int] | None = None,
-    ) -> IProcessTransport:
-        """A launcher's session, holding one of the bottle's slots until its child ends."""
-        slot = self.sessions.take(bottle.name)
-        try:
-            return await attach.spawn_exec(
-                self.vms, bottle, request, CountedSession(protocol, slot), stdio=stdio
-            )
-        except BaseException:
-            slot.release()
-            raise
+        """Run ``request`` in the bottle's agent VM (``bottles/execs.py``)."""
+        return await self.execs.spawn_exec(self.exec_target(name), request, protocol, stdio)
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport:
-        """``tail`` of the workload's log in the agent VM, ``protocol`` attached."""
-        bottle = self.exec_target(name)
-        request = attach.logs_request(bottle, tail, follow)
-        return await self._counted(bottle, request, protocol)
-
-    def watch(self, bottle: Bottle) -> None:
-        """Recovery: watch a restored VM bottle (its sidecar, bridge and workload)."""
-        owner = self._owners.get(bottle.name)
-        if isinstance(owner, VMBottle):
-            owner.watch()
-
-    def stop_watching(self) -> None:
-        """The daemon stops: end every workload waiter (the workloads themselves keep running)."""
-        for owner in list(self._owners.values()):
-            if isinstance(owner, VMBottle):
-                owner.stop_waiting()
-
-    async def degrade(self, name: str, why: str) -> None:
-        """Degrade the VM bottle ``name`` (its owner's machine does the work)."""
-        owner = self._owners.get(name)
-        if isinstance(owner, VMBottle):
-            await owner.degrade(why)
-
-    def _sidecar_exited(self, name: str) -> None:
-        self._vm_owner(name).sidecar_exited()
-
-    def _workload_exited(self, name: str, code: int) -> None:
-        self._vm_owner(name).workload_ended(code)
-
-    def _bridge_failed(self, name: str, why: str) -> None:
-        self._vm_owner(name).degrade_later(why)
+        """``tail`` of the workload's log in the agent VM (``bottles/execs.py``)."""
+        return await self.execs.spawn_logs(self.exec_target(name), tail, follow, protocol)
 
     # -- recovery -----------------------------------------------------------------------
 
-    def adopt(self, bottle: Bottle) -> None:
-        """Recovery: take a restored bottle into the table (its listeners are bound), idle
-        in the state it was kept in."""
+    async def restore(self, bottle: Bottle) -> Bottle:
+        """Recovery: take a recorded bottle back into the table (its owner's ``restore``), idle
+        in the state it was kept in; a VM bottle's sidecar, bridge and workload are watched
+        again once it is listed (a degraded one's are not)."""
         owner_class = ForwardBottle if bottle.vms is None else VMBottle
         owner = owner_class(bottle.name, self._hands, bottle.state)
-        owner.set_value(bottle)
-        self._named(owner)
-
-    async def restore_forward_only(self, bottle: Bottle) -> Bottle:
-        """Recovery: claim the recorded alias and re-bind every recorded forward on its port.
-
-        A forward that cannot be re-bound is logged and left out; the bottle is kept.
-        """
-        owner = ForwardBottle(bottle.name, self._hands, bottle.state)
         kept = await owner.restore(bottle)
         self._named(owner)
+        if isinstance(owner, VMBottle):
+            owner.watch()
         return kept
 
     # -- forwards -----------------------------------------------------------------------
@@ -496,28 +341,25 @@ class BottleRegistry:
         max_connections: int | None = None,
     ) -> ForwardInfo:
         """Bind a new agent endpoint on the bottle's alias that relays to ``target``."""
-        spec, fwd = self._forward_owner(bottle).forward(label, target, port, max_connections)
-
-        async def add() -> ForwardInfo:
-            return await self._forward_owner(bottle).add_forward(spec, fwd)
-
-        return await self._locked(bottle, add)
+        spec, fwd = self.owner(bottle, ForwardBottle).forward(label, target, port, max_connections)
+        return await self._locked(
+            bottle, lambda: self.owner(bottle, ForwardBottle).add_forward(spec, fwd)
+        )
 
     async def remove_forward(self, bottle: str, label: str) -> None:
-        resuming = self._forward_owner(bottle).pending is not None
-
-        async def remove() -> None:
-            await self._forward_owner(bottle).remove_forward(label, resuming=resuming)
-
-        await self._locked(bottle, remove)
+        resuming = self.owner(bottle, ForwardBottle).pending is not None
+        await self._locked(
+            bottle,
+            lambda: self.owner(bottle, ForwardBottle).remove_forward(label, resuming=resuming),
+        )
 
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
-        bottle = self._require(name)
-        return None if self.vms is None else self.vms.describe_bridge(bottle)
+        owner = self._owner(name)
+        return owner.bridge_status() if isinstance(owner, VMBottle) else None
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""
         if bottle is not None:
-            self._require(bottle)
-        return self._table.view(bottle)
+            self._owner(bottle)
+        return self._hands.table.view(bottle)

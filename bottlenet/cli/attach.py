@@ -11,33 +11,55 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any, TextIO
 
-from bottlenet.cli.output import clean, report_control_error, write_error
+from bottlenet.cli.output import clean, report_control_error, usage_error, write_error
 from bottlenet.control.calls import ExecRequest
 from bottlenet.control.clienterrors import ControlConnectionError
 from bottlenet.errors import BottlenetError
 
-if TYPE_CHECKING:  # the client is imported when a session starts, not for --help
-    from bottlenet.control.blocking import BlockingControlClient
-    from bottlenet.control.lightclient import LightControlClient
+if TYPE_CHECKING:
+    from bottlenet.cli.invocation import Invocation
 
 EXIT_SESSION_LOST = 255
 DEFAULT_SHELL = "/bin/sh"
 
 
-def run_exec(
-    connect: Callable[[], BlockingControlClient | LightControlClient],
-    args: argparse.Namespace,
+def run_exec(inv: Invocation, out: TextIO, err: TextIO) -> int:
+    """``bottle exec NAME [OPTIONS] -- CMD...``: the command's exit status."""
+    o = inv.options
+    argv = (*o.argv, *inv.after_dashes)
+    if not argv:
+        return usage_error(
+            err,
+            "bottle exec: a command is required (bottle exec NAME -- CMD [ARG]...)",
+            as_json=inv.json,
+        )
+    request = ExecRequest(o.name, argv, env=tuple(o.env), user=o.user, workdir=o.workdir, tty=o.tty)
+    return attached(inv, request, o.interactive, err)
+
+
+def run_shell(inv: Invocation, out: TextIO, err: TextIO) -> int:
+    """``bottle shell NAME``: an interactive shell, on a terminal when stdin is one."""
+    o = inv.options
+    request = ExecRequest(o.name, (o.shell_path,), user=o.user, tty=True)
+    return attached(inv, request, True, err)
+
+
+def attached(
+    inv: Invocation,
+    request: ExecRequest,
+    interactive: bool,
     err: TextIO,
     *,
     stdin: Any = None,
     stdout: Any = None,
     stderr: Any = None,
 ) -> int:
-    """Run ``args.argv`` in ``args.name``'s agent VM; the exit status for bottlenetctl."""
+    """Run ``request`` (its stdin, size and fds are set here) with the terminal and the
+    standard streams; the exit status for bottlenetctl."""
     stdin = stdin if stdin is not None else sys.stdin.buffer
     stdout = stdout if stdout is not None else sys.stdout.buffer
     stderr = stderr if stderr is not None else sys.stderr.buffer
@@ -45,30 +67,21 @@ def run_exec(
         in_fd: int | None = stdin.fileno()
     except (AttributeError, OSError, ValueError):
         in_fd = None
-    terminal = in_fd if (args.tty and in_fd is not None and os.isatty(in_fd)) else None
+    terminal = in_fd if (request.tty and in_fd is not None and os.isatty(in_fd)) else None
     size = None
     if terminal is not None:  # only a tty pays for the terminal module (termios, signals)
         from bottlenet.control.terminal import terminal_size
 
         size = terminal_size(terminal)
-    if args.tty and size is None:
+    if request.tty and size is None:
         size = (24, 80)
-    forward = args.interactive or (args.tty and terminal is not None)
-    request = ExecRequest(
-        args.name,
-        tuple(args.argv),
-        env=tuple(args.env),
-        user=args.user,
-        workdir=args.workdir,
-        stdin=forward,
-        tty=args.tty,
-        size=size,
-    )
-    client = connect()
+    forward = interactive or (request.tty and terminal is not None)
+    request = request._replace(stdin=forward, size=size)
+    client = inv.client(light=True)
     try:
-        session = client.start_exec(request, timeout=args.timeout)
+        session = client.start_exec(request)
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
+        return report_control_error(e, client.path, err, as_json=inv.json)
     finally:
         client.close()
     raw = terminal if forward else None
@@ -76,7 +89,7 @@ def run_exec(
         with session, _terminal_for(session, raw, terminal):
             return session.run(stdin if forward else None, stdout, stderr)
     except ControlConnectionError as e:
-        if getattr(args, "json", False):
+        if inv.json:
             write_error(err, "SESSION_LOST", str(e), as_json=True)
         else:
             err.write(f"\r\nerror: {clean(e)}\n")
@@ -109,7 +122,7 @@ def split_command(argv: list[str]) -> tuple[list[str], list[str] | None]:
 
 
 def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
-    """Add ``exec`` and ``shell`` to ``bottlenetctl bottle``."""
+    """Add ``exec``, ``shell`` and ``logs`` to ``bottlenetctl bottle``."""
     sp = bottle.add_parser(
         "exec",
         help="run a command in the bottle's agent VM",
@@ -125,7 +138,7 @@ def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
     sp.add_argument("-u", "--user", help="run as this user (name or uid[:gid])")
     sp.add_argument("-w", "--workdir", help="working directory in the VM")
     sp.add_argument("argv", nargs="*", metavar="-- CMD [ARG]...")
-    sp.set_defaults(attached=True)
+    sp.set_defaults(run=run_exec)
 
     sp = bottle.add_parser(
         "shell", help="an interactive shell in the bottle's agent VM", parents=[json_flag]
@@ -138,47 +151,26 @@ def register(bottle: Any, json_flag: argparse.ArgumentParser) -> None:
         default=DEFAULT_SHELL,
         help=f"the shell (default {DEFAULT_SHELL})",
     )
-    sp.set_defaults(attached=True, shell_mode=True)
+    sp.set_defaults(run=run_shell)
 
     sp = bottle.add_parser("logs", help="the output of the bottle's workload", parents=[json_flag])
     sp.add_argument("name")
     sp.add_argument("-f", "--follow", action="store_true", help="keep printing new output")
     sp.add_argument("--tail", type=int, default=None, metavar="N", help="last N lines (200)")
-    sp.set_defaults(logs=True)
+    sp.set_defaults(run=run_logs)
 
 
-def run_logs(
-    connect: Callable[[], BlockingControlClient], args: argparse.Namespace, err: TextIO
-) -> int:
+def run_logs(inv: Invocation, out: TextIO, err: TextIO) -> int:
     """``bottle logs NAME [--follow] [--tail N]``: the workload's output on stdout."""
-    client = connect()
+    o = inv.options
+    client = inv.blocking_client()
     try:
         return client.logs(
-            args.name,
-            stdout=sys.stdout.buffer,
-            stderr=sys.stderr.buffer,
-            tail=args.tail,
-            follow=args.follow,
-            timeout=args.timeout,
+            o.name, stdout=sys.stdout.buffer, stderr=sys.stderr.buffer, tail=o.tail, follow=o.follow
         )
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, client.path, err, as_json=getattr(args, "json", False))
+        return report_control_error(e, client.path, err, as_json=inv.json)
     except KeyboardInterrupt:
         return 130
     finally:
         client.close()
-
-
-def prepare(args: argparse.Namespace) -> str | None:
-    """Fill in ``shell``'s defaults and check the command; a usage error message or None."""
-    if getattr(args, "shell_mode", False):
-        args.argv = [args.shell_path]
-        args.interactive = args.tty = True
-        args.env = []
-        args.workdir = None
-        return None
-    if getattr(args, "command_after_dashes", None) is not None:
-        args.argv = list(args.argv) + list(args.command_after_dashes)
-    if not args.argv:
-        return "bottle exec: a command is required (bottle exec NAME -- CMD [ARG]...)"
-    return None

@@ -13,11 +13,13 @@ import json
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TextIO
 
+from bottlenet.cli.invocation import every
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.calls import every_item
+from bottlenet.control import calls
 from bottlenet.errors import BottlenetError, NotFound
 
 if TYPE_CHECKING:
+    from bottlenet.cli.invocation import Invocation
     from bottlenet.control.blocking import BlockingControlClient
 
 #: Passes over ListBottles before giving up on bottles created while we tear down.
@@ -26,7 +28,7 @@ MAX_PASSES = 5
 
 def bottle_names(client: BlockingControlClient, page_size: int | None = None) -> list[str]:
     """Every bottle's name, following ``next_offset`` until the last page."""
-    return [b.name for b in every_item(lambda o: client.list_bottles(o, limit=page_size))]
+    return [b.name for b in every(client, lambda o: calls.list_bottles(o, page_size))]
 
 
 def destroy_all(
@@ -47,7 +49,7 @@ def destroy_all(
             break
         for name in todo:
             try:
-                client.destroy_bottle(name)
+                client.call(calls.destroy_bottle(name))
             except NotFound:
                 continue
             except BottlenetError as e:
@@ -61,9 +63,9 @@ def destroy_all(
     return destroyed, failed
 
 
-def cmd_down(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+def cmd_down(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
     def report(name: str, error: BottlenetError | None) -> None:
-        if a.json:
+        if inv.json:
             return
         if error is None:
             out.write(f"destroyed {name}\n")
@@ -72,7 +74,7 @@ def cmd_down(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> No
         out.flush()
 
     destroyed, failed = destroy_all(c, on_result=report)
-    if a.json:
+    if inv.json:
         failures = [
             {"name": n, "code": e.code, "message": e.message} for n, e in sorted(failed.items())
         ]

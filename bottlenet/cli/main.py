@@ -4,8 +4,13 @@ Exit codes: 0 ok, 1 the daemon refused (``error: CODE: message``), 2 usage error
 3 the daemon cannot be reached. Tables for people, ``--json`` for scripts; never a traceback.
 
 It starts at once: this module imports only the parser's needs; a command imports its client
-when it runs. ``status``, ``ping`` and ``bottle ls`` on a UNIX socket use the light client
-(no Twisted); everything else the blocking client (AMP, TLS).
+when it runs. ``status``, ``ping``, ``bottle ls``, ``node info`` and ``bottle exec`` on a UNIX
+socket use the light client (no Twisted); everything else the blocking client (AMP, TLS).
+
+The words are parsed once, in :func:`main`, into an
+:class:`~bottlenet.cli.invocation.Invocation`; each subcommand's parser names what runs it
+(``set_defaults(run=...)``). A call's limit is its own pace (:mod:`bottlenet.control.calls`)
+unless ``--timeout`` says otherwise.
 """
 
 from __future__ import annotations
@@ -14,31 +19,28 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NoReturn, TextIO
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TextIO
 
 from bottlenet import __version__
 from bottlenet.cli import attach, down, selftest
 from bottlenet.cli import node as node_cli
-from bottlenet.cli.output import (
-    EXIT_DAEMON,
-    EXIT_OK,
-    EXIT_USAGE,
-    report_control_error,
-    usage_error,
-    write_error,
-    write_table,
-)
+from bottlenet.cli.invocation import ClientCommand, Handler, Invocation, every
+from bottlenet.cli.output import EXIT_USAGE, usage_error, write_table
 from bottlenet.cli.output import clean as _clean
-from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, count_bottles, is_slow
-from bottlenet.control.clienterrors import ControlConnectionError
+from bottlenet.control import calls
+from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT
 from bottlenet.errors import BottlenetError, InvalidArgument
 
 if TYPE_CHECKING:
     from bottlenet.control.address import TLSCredentials
     from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.lightclient import LightControlClient
     from bottlenet.control.results import NodeInfoRecord
+
+    #: The client of a ``light`` command: either (both run ``call`` and ``hello``).
+    Client = BlockingControlClient | LightControlClient
 
 
 def default_control(env: os._Environ[str] | dict[str, str]) -> str:
@@ -77,16 +79,11 @@ def _json(value: Any, out: TextIO) -> None:
     out.write(json.dumps(_plain(value), default=default, sort_keys=True) + "\n")
 
 
-#: A command: the client is a BlockingControlClient, or for :data:`LIGHT_HANDLERS` the
-#: LightControlClient (the same method names for the calls they make).
-Handler = Callable[[Any, argparse.Namespace, TextIO], None]
-
-
-def cmd_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+def cmd_status(c: Client, inv: Invocation, out: TextIO) -> None:
     hello = c.hello()
-    bottles = c.call(count_bottles())  # a one-item page: only its total is read
+    bottles = c.call(calls.count_bottles())  # a one-item page: only its total is read
     node = _node_info(c) if "node" in hello.features else None
-    if a.json:
+    if inv.json:
         _json({"daemon": hello, "bottles": bottles, "control": c.path, "node": node}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
@@ -115,17 +112,17 @@ def _vm_uids_row(model: str | None, basis: str | None) -> str:
     return f"{model} ({basis})" if basis else model
 
 
-def _node_info(c: BlockingControlClient) -> NodeInfoRecord | None:
+def _node_info(c: Client) -> NodeInfoRecord | None:
     """NodeInfo for ``status``; None from a daemon without the node contract."""
     try:
-        return c.node_info()
+        return c.call(calls.node_info())
     except BottlenetError:
         return None
 
 
-def cmd_ping(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    c.ping()
-    if a.json:
+def cmd_ping(c: Client, inv: Invocation, out: TextIO) -> None:
+    c.call(calls.ping())
+    if inv.json:
         _json({"ok": True}, out)
     else:
         out.write("ok\n")
@@ -203,11 +200,10 @@ def _bottle_rows(b: Any) -> list[list[object]]:
     return rows
 
 
-def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.create_bottle(
-        a.name, alias=a.alias, spec=a.spec_json, owner=a.owner, lease_seconds=a.lease
-    )
-    if a.json:
+def cmd_bottle_create(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    o = inv.options
+    b = c.call(calls.create_bottle(o.name, o.alias, inv.spec_json, o.owner, o.lease))
+    if inv.json:
         _json(b, out)
     elif b.mode:
         write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
@@ -215,51 +211,55 @@ def cmd_bottle_create(c: BlockingControlClient, a: argparse.Namespace, out: Text
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
 
 
-def cmd_bottle_renew(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.renew_lease(a.name, a.seconds)
-    if a.json:
+def cmd_bottle_renew(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    o = inv.options
+    b = c.call(calls.renew_lease(o.name, o.seconds))
+    if inv.json:
         _json(b, out)
     else:
-        out.write(f"{_clean(b.name)}: lease renewed for {a.seconds:g}s\n")
+        out.write(f"{_clean(b.name)}: lease renewed for {o.seconds:g}s\n")
 
 
-def cmd_bottle_verify(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b, result = c.verify_bottle(a.name)
-    if a.json:
+def cmd_bottle_verify(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    b, result = c.call(calls.verify_bottle(inv.options.name))
+    if inv.json:
         _json({"bottle": b, "result": result}, out)
     else:
         out.write(f"{_clean(b.name)}: isolation probe {_clean(result)}\n")
 
 
-def cmd_egress_set(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    hosts = c.set_egress_policy(a.name, list(a.hosts))
-    if a.json:
-        _json({"bottle": a.name, "allow_hosts": hosts}, out)
+def cmd_egress_set(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    name = inv.options.name
+    hosts = c.call(calls.set_egress_policy(name, list(inv.options.hosts)))
+    if inv.json:
+        _json({"bottle": name, "allow_hosts": hosts}, out)
     else:
-        out.write(f"{a.name}: egress allows {len(hosts)} host(s)\n")
+        out.write(f"{name}: egress allows {len(hosts)} host(s)\n")
 
 
-def cmd_bottle_rm(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    c.destroy_bottle(a.name)
-    if a.json:
-        _json({"destroyed": a.name}, out)
+def cmd_bottle_rm(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    name = inv.options.name
+    c.call(calls.destroy_bottle(name))
+    if inv.json:
+        _json({"destroyed": name}, out)
     else:
-        out.write(f"destroyed {a.name}\n")
+        out.write(f"destroyed {name}\n")
 
 
-def cmd_bottle_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    bottles = list(c.all_bottles())
-    if a.json:
+def cmd_bottle_ls(c: Client, inv: Invocation, out: TextIO) -> None:
+    bottles = list(every(c, calls.list_bottles))
+    if inv.json:
         _json(bottles, out)
         return
     rows = [[b.name, b.alias or "-", b.source, b.state, b.forwards] for b in bottles]
     write_table(["NAME", "ALIAS", "SOURCE", "STATE", "FORWARDS"], rows, out)
 
 
-def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    b = c.bottle_status(a.name)
-    forwards = list(c.all_forwards(a.name))
-    if a.json:
+def cmd_bottle_status(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    name = inv.options.name
+    b = c.call(calls.bottle_status(name))
+    forwards = list(every(c, lambda o: calls.list_forwards(name, o)))
+    if inv.json:
         _json({"bottle": b, "forwards": forwards}, out)
         return
     write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
@@ -272,34 +272,38 @@ def cmd_bottle_status(c: BlockingControlClient, a: argparse.Namespace, out: Text
         )
 
 
-def cmd_forward_add(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    ep = c.add_forward(a.bottle, a.label, a.to, port=a.port)
-    if a.json:
+def cmd_forward_add(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    o = inv.options
+    ep = c.call(calls.add_forward(o.bottle, o.label, o.to, o.port))
+    if inv.json:
         _json(ep, out)
     else:
         out.write(_clean(ep.describe()) + "\n")
 
 
-def cmd_forward_rm(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    c.remove_forward(a.bottle, a.label)
-    if a.json:
-        _json({"removed": f"{a.bottle}/{a.label}"}, out)
+def cmd_forward_rm(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    o = inv.options
+    c.call(calls.remove_forward(o.bottle, o.label))
+    if inv.json:
+        _json({"removed": f"{o.bottle}/{o.label}"}, out)
     else:
-        out.write(f"removed {a.bottle}/{a.label}\n")
+        out.write(f"removed {o.bottle}/{o.label}\n")
 
 
-def cmd_forward_ls(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    forwards = list(c.all_forwards(a.bottle))
-    if a.json:
+def cmd_forward_ls(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    bottle = inv.options.bottle
+    forwards = list(every(c, lambda o: calls.list_forwards(bottle, o)))
+    if inv.json:
         _json(forwards, out)
         return
     rows = [[f.bottle, f.label, f.endpoint, f.target] for f in forwards]
     write_table(["BOTTLE", "LABEL", "ENDPOINT", "TARGET"], rows, out)
 
 
-def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    stats = list(c.all_stats(a.bottle))
-    if a.json:
+def cmd_stats(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    bottle = inv.options.bottle
+    stats = list(every(c, lambda o: calls.stats(bottle, o)))
+    if inv.json:
         _json(stats, out)
         return
     rows = [
@@ -310,11 +314,12 @@ def cmd_stats(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> N
     write_table(headers, rows, out)
 
 
-def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+def cmd_events(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
     """Print bottle events as they happen, one per line (until Ctrl-C, or ``--count``)."""
     seen = 0
-    for ev in c.events(a.bottle):
-        if a.json:
+    count = inv.options.count
+    for ev in c.events(inv.options.bottle):
+        if inv.json:
             _json(ev, out)
         else:
             extra = [f"state={ev.state}"] if ev.state else []
@@ -325,7 +330,7 @@ def cmd_events(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> 
             out.write(_clean(f"{ev.seq} {ev.kind} {ev.bottle} {' '.join(extra)}".rstrip()) + "\n")
         out.flush()
         seen += 1
-        if a.count is not None and seen >= a.count:
+        if count is not None and seen >= count:
             return
 
 
@@ -381,15 +386,27 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(self, message)
 
 
-#: ``add(parent, name, handler, help)``: a subcommand that runs ``handler`` with a client.
-AddCommand = Callable[[Any, str, Handler, str], argparse.ArgumentParser]
+class AddCommand(Protocol):
+    """``add(parent, name, handler, help)``: a subcommand that runs ``handler`` with a client
+    (``light``: the light client may, on a UNIX socket)."""
+
+    def __call__(
+        self, parent: Any, name: str, handler: Handler, help: str, *, light: bool = False
+    ) -> argparse.ArgumentParser: ...
 
 
 def _add_command(
-    parent: Any, name: str, handler: Handler, help: str, *, json_flag: argparse.ArgumentParser
+    parent: Any,
+    name: str,
+    handler: Handler,
+    help: str,
+    *,
+    json_flag: argparse.ArgumentParser,
+    light: bool = False,
 ) -> argparse.ArgumentParser:
+    """A subcommand that runs ``handler`` with a client (the light one if ``light``)."""
     sp: argparse.ArgumentParser = parent.add_parser(name, help=help, parents=[json_flag])
-    sp.set_defaults(handler=handler)
+    sp.set_defaults(run=ClientCommand(handler, light))
     return sp
 
 
@@ -424,8 +441,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     p = _Parser(
         prog="bottlenetctl",
         description="Control a running bottlenet daemon over its control socket.",
-        parents=[json_flag],
     )
+    # before or after the command word: here False unless given, a command's own if given
+    p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--version", action="version", version=f"bottlenetctl {__version__}")
     p.add_argument(
         "--control",
@@ -444,10 +462,17 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         help=f"seconds per call (default {DEFAULT_TIMEOUT:g}; {VM_TIMEOUT:g} for calls that may"
         " start or stop VMs: bottle create --spec, bottle rm, bottle verify, egress set, down)",
     )
+    p.set_defaults(spec=None)  # only bottle create and selftest take --spec
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add: AddCommand = partial(_add_command, json_flag=json_flag)
-    add(sub, "status", cmd_status, "daemon version, protocol, smolvm, bottle count, draining")
-    add(sub, "ping", cmd_ping, "check that the daemon answers")
+    add(
+        sub,
+        "status",
+        cmd_status,
+        "daemon version, protocol, smolvm, bottle count, draining",
+        light=True,
+    )
+    add(sub, "ping", cmd_ping, "check that the daemon answers", light=True)
     _add_bottle_commands(sub, add, json_flag, command)
     _add_forward_commands(sub, add, command)
     add(sub, "stats", cmd_stats, "per-forward counters").add_argument("bottle", nargs="?")
@@ -493,7 +518,7 @@ def _add_bottle_commands(
     sp.add_argument("name")
     sp.add_argument("seconds", type=node_cli.seconds, help="the new lease, from now")
     add(bottle, "rm", cmd_bottle_rm, "destroy a bottle and its forwards").add_argument("name")
-    add(bottle, "ls", cmd_bottle_ls, "list bottles")
+    add(bottle, "ls", cmd_bottle_ls, "list bottles", light=True)
     add(bottle, "status", cmd_bottle_status, "one bottle and its forwards").add_argument("name")
     add(bottle, "verify", cmd_bottle_verify, "run the isolation probe again").add_argument("name")
     attach.register(bottle, json_flag)
@@ -538,7 +563,7 @@ def _add_top(sub: Any, json_flag: argparse.ArgumentParser) -> None:
         action="store_true",
         help="print one frame (rates over one interval) and exit; exit 3 if unreachable",
     )
-    sp.set_defaults(standalone=_run_top)
+    sp.set_defaults(run=_run_top)
 
 
 DEFAULT_INTERVAL = 1.0
@@ -555,43 +580,15 @@ def _interval(text: str) -> float:
     return value
 
 
-def _run_top(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
+def _run_top(inv: Invocation, out: TextIO, err: TextIO) -> int:
     """``top`` runs its own connection loop (module :mod:`bottlenet.cli.top`)."""
     from bottlenet.cli import top
 
-    return top.run(args, path, out, err)
+    return top.run(inv, out, err)
 
 
-#: The call that sets each handler's default timeout (``calls.is_slow`` of it with the
-#: handler's arguments: ``bottle create`` is slow only with ``--spec``).
-HANDLER_CALLS: dict[Handler, str] = {
-    cmd_status: "Hello",
-    cmd_ping: "Ping",
-    cmd_bottle_create: "CreateBottle",
-    cmd_bottle_rm: "DestroyBottle",
-    cmd_bottle_ls: "ListBottles",
-    cmd_bottle_status: "BottleStatus",
-    cmd_bottle_verify: "VerifyBottle",
-    cmd_bottle_renew: "RenewLease",
-    cmd_egress_set: "SetEgressPolicy",
-    cmd_forward_add: "AddForward",
-    cmd_forward_rm: "RemoveForward",
-    cmd_forward_ls: "ListForwards",
-    cmd_stats: "Stats",
-    cmd_events: "Watch",  # events then wait without limit
-    down.cmd_down: "DestroyBottle",
-    node_cli.cmd_node_info: "NodeInfo",
-    node_cli.cmd_node_drain: "Drain",
-    node_cli.cmd_node_undrain: "Undrain",
-    selftest.cmd_selftest: "Leftovers",  # every call of it may wait on VMs
-}
-
-
-def _default_timeout(args: argparse.Namespace) -> float:
-    """The timeout of a command run without ``--timeout``: its call's."""
-    handler = getattr(args, "handler", None)  # None: top, its own loop of quick calls
-    command = HANDLER_CALLS[handler] if handler is not None else "Stats"
-    return VM_TIMEOUT if is_slow(command, vars(args)) else DEFAULT_TIMEOUT
+class UsageError(Exception):
+    """A bad invocation seen after parsing (exit 2, as the parser's own errors)."""
 
 
 def main(
@@ -604,7 +601,7 @@ def main(
     out = out or sys.stdout
     err = err or sys.stderr
     environ = dict(os.environ) if env is None else env
-    words, command = attach.split_command(list(sys.argv[1:] if argv is None else argv))
+    words, after_dashes = attach.split_command(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser(command_word(words))
     as_json = "--json" in words  # known before parsing, so even a usage error is JSON
     try:
@@ -615,89 +612,42 @@ def main(
         return usage_error(err, e.message, as_json=as_json, prog=e.parser.prog)
     except SystemExit as e:  # --help, --version
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
-    args.command_after_dashes = command
-    args.json = getattr(args, "json", False)
-    control = args.control or default_control(environ)
-    path = _socket_path(control) if not control.startswith("tls:") else control
+    try:
+        inv = invocation(args, after_dashes, environ)
+    except UsageError as e:
+        return usage_error(err, str(e), as_json=args.json)
+    return inv.run(inv, out, err)
+
+
+def invocation(
+    args: argparse.Namespace, after_dashes: Sequence[str] | None, env: dict[str, str]
+) -> Invocation:
+    """The parsed words as one value; a :class:`UsageError` for what the parser cannot see
+    (the control address and its TLS files, ``--timeout`` not positive, a bad ``--spec``)."""
+    control = args.control or default_control(env)
     from bottlenet.control.address import parse_control_address
 
     try:
-        args.tls = _tls_credentials(args, environ) if control.startswith("tls:") else None
+        tls = _tls_credentials(args, env) if control.startswith("tls:") else None
         parse_control_address(control)
     except BottlenetError as e:
-        return usage_error(err, e.message, as_json=args.json)
-    explicit_timeout = args.timeout
-
-    def connect() -> BlockingControlClient:
-        from bottlenet.control.blocking import BlockingControlClient
-
-        vm = explicit_timeout if explicit_timeout is not None else VM_TIMEOUT
-        return BlockingControlClient(path, timeout=args.timeout, vm_timeout=vm, tls=args.tls)
-
-    if getattr(args, "logs", False):
-        args.timeout = explicit_timeout or VM_TIMEOUT
-        return attach.run_logs(connect, args, err)
-    if getattr(args, "attached", False):
-        problem = attach.prepare(args)
-        if problem is not None:
-            return usage_error(err, problem, as_json=args.json)
-        if explicit_timeout is not None and explicit_timeout <= 0:
-            return usage_error(err, "--timeout must be positive", as_json=args.json)
-        args.timeout = explicit_timeout or VM_TIMEOUT
-        return attach.run_exec(partial(_exec_client, path, args, connect), args, err)
-    if args.timeout is None:
-        args.timeout = _default_timeout(args)
-    if args.timeout <= 0:
-        return usage_error(err, "--timeout must be positive", as_json=args.json)
-    standalone = getattr(args, "standalone", None)
-    if standalone is not None:  # a subcommand that runs its own connection loop (top)
-        return int(standalone(args, path, out, err))
-    try:  # the spec file is read before the daemon is contacted: a bad file is a usage error
-        args.spec_json = read_spec(args.spec) if getattr(args, "spec", None) else None
+        raise UsageError(e.message) from None
+    if args.timeout is not None and args.timeout <= 0:
+        raise UsageError("--timeout must be positive")
+    try:  # read before the daemon is contacted: a bad file is a usage error
+        spec_json = read_spec(args.spec) if args.spec else None
     except SpecFileError as e:
-        return usage_error(err, str(e), as_json=args.json)
-    try:
-        with _client_for(args.handler, path, args, connect) as client:
-            args.handler(client, args, out)
-    except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, path, err, as_json=args.json)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as e:  # never a traceback for a person at a terminal
-        message = f"bottlenetctl failed: {type(e).__name__}"
-        write_error(err, "INTERNAL", message, as_json=args.json)
-        return EXIT_DAEMON
-    return EXIT_OK
-
-
-LIGHT_HANDLERS: frozenset[Handler] = frozenset(
-    {cmd_status, cmd_ping, cmd_bottle_ls, node_cli.cmd_node_info}
-)
-
-
-def _client_for(
-    handler: Handler,
-    path: str,
-    args: argparse.Namespace,
-    connect: Callable[[], BlockingControlClient],
-) -> Any:
-    """The light client for the simple calls on a UNIX socket, else the blocking one."""
-    if handler in LIGHT_HANDLERS and args.tls is None:
-        from bottlenet.control.lightclient import LightControlClient
-
-        return LightControlClient(path, args.timeout)
-    return connect()
-
-
-def _exec_client(
-    path: str, args: argparse.Namespace, connect: Callable[[], BlockingControlClient]
-) -> Any:
-    """``bottle exec`` on a UNIX socket: the light client (no AMP import), else blocking."""
-    if args.tls is None:
-        from bottlenet.control.lightclient import LightControlClient
-
-        return LightControlClient(path, args.timeout)
-    return connect()
+        raise UsageError(str(e)) from None
+    return Invocation(
+        run=args.run,
+        options=args,
+        path=control if control.startswith("tls:") else _socket_path(control),
+        tls=tls,
+        timeout=args.timeout,
+        json=args.json,
+        spec_json=spec_json,
+        after_dashes=tuple(after_dashes or ()),
+    )
 
 
 def _tls_credentials(args: argparse.Namespace, env: dict[str, str]) -> TLSCredentials:

@@ -15,11 +15,16 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from bottlenet.cli.output import clean as _clean
 from bottlenet.cli.output import write_table
+from bottlenet.control import calls
 from bottlenet.errors import BottlenetError
 
 if TYPE_CHECKING:
+    from bottlenet.cli.invocation import Invocation
     from bottlenet.control.blocking import BlockingControlClient
+    from bottlenet.control.lightclient import LightControlClient
     from bottlenet.control.results import NodeInfoRecord
+
+    Client = BlockingControlClient | LightControlClient
 
 
 class DrainTimedOut(BottlenetError):
@@ -50,29 +55,30 @@ def node_rows(n: NodeInfoRecord) -> list[list[object]]:
     return rows
 
 
-def cmd_node_info(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    n = c.node_info()
-    if a.json:
+def cmd_node_info(c: Client, inv: Invocation, out: TextIO) -> None:
+    n = c.call(calls.node_info())
+    if inv.json:
         out.write(json.dumps(n._asdict(), sort_keys=True) + "\n")
         return
     write_table(["FIELD", "VALUE"], [[k, _clean(str(v))] for k, v in node_rows(n)], out)
 
 
-def cmd_node_drain(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    r = c.drain(wait=a.wait, timeout=a.wait_timeout)
-    if a.json:
+def cmd_node_drain(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    wait = inv.options.wait
+    r = c.call(calls.drain(wait, inv.options.wait_timeout))
+    if inv.json:
         out.write(json.dumps(r._asdict(), sort_keys=True) + "\n")
     elif r.empty:
         out.write("draining: the node holds no bottle\n")
     else:
         out.write(f"draining: new bottles are refused; {r.held} still held\n")
-    if a.wait and not r.empty:
+    if wait and not r.empty:
         raise DrainTimedOut(f"{r.held} bottle(s) still held when the wait ended")
 
 
-def cmd_node_undrain(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
-    c.undrain()
-    if a.json:
+def cmd_node_undrain(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
+    c.call(calls.undrain())
+    if inv.json:
         out.write(json.dumps({"draining": False}) + "\n")
     else:
         out.write("undrained: new bottles are taken\n")
@@ -94,7 +100,7 @@ def register(sub: Any, add: Callable[..., argparse.ArgumentParser]) -> None:
     node = sub.add_parser("node", help="this node: info, drain, undrain").add_subparsers(
         dest="node_command", required=True, metavar="ACTION"
     )
-    add(node, "info", cmd_node_info, "identity, labels, capacity, health, draining")
+    add(node, "info", cmd_node_info, "identity, labels, capacity, health, draining", light=True)
     sp = add(node, "drain", cmd_node_drain, "refuse new bottles (existing ones keep running)")
     sp.add_argument("--wait", action="store_true", help="wait until the node holds no bottle")
     sp.add_argument(

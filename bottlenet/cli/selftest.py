@@ -23,9 +23,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, TextIO
 
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control import calls
 from bottlenet.errors import BottlenetError
 
 if TYPE_CHECKING:
+    from bottlenet.cli.invocation import Invocation
     from bottlenet.control.blocking import BlockingControlClient
     from bottlenet.control.records import BottleRecord
     from bottlenet.control.results import HelloResult
@@ -385,10 +387,13 @@ class Run:
         args: argparse.Namespace,
         base_spec: dict[str, Any] | None,
         control: str,
+        idle: float,
     ) -> None:
         self.c = client
         self.args = args
         self.name: str = args.name
+        #: How long an event may take to come (a VM's work: the VM timeout, or --timeout).
+        self.idle = idle
         self.base_spec = base_spec
         self.control = control
         self.kinds: list[str] = []
@@ -436,14 +441,14 @@ class Run:
         spec = build_spec(self.base_spec, self.args, volume)
         self.c.watch(self.name)
         try:
-            record = self.c.create_bottle(self.name, spec=json.dumps(spec))
+            record = self.c.call(calls.create_bottle(self.name, spec=json.dumps(spec)))
         except BottlenetError as e:
             yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
             yield from self._teardown(destroy=False)
             return
         try:
             yield from judge_created(record)
-            yield judge_bridge(self.c.bottle_status(self.name), self._reach(spec))
+            yield judge_bridge(self.c.call(calls.bottle_status(self.name)), self._reach(spec))
             yield judge_exec_root(self._exec(["id", "-u"], user="0"))
             yield judge_exec_user(self._exec(["id"]))
             yield self._session_end()
@@ -453,7 +458,7 @@ class Run:
         except BaseException:  # the daemon went away, Ctrl-C: still leave nothing behind
             if not self.torn_down:
                 with contextlib.suppress(Exception):
-                    self.c.destroy_bottle(self.name)
+                    self.c.call(calls.destroy_bottle(self.name))
             raise
 
     def _exec(self, argv: Sequence[str], user: str | None = None) -> ExecSeen:
@@ -538,7 +543,7 @@ class Run:
         )
 
     def _workload(self) -> Check:
-        before = self.c.bottle_status(self.name).workload
+        before = self.c.call(calls.bottle_status(self.name)).workload
         self._exec(["touch", _go_file(self.name)], user="0")
         code = self._wait_event("workload_exited") if before else None
         log = io.BytesIO()
@@ -551,7 +556,7 @@ class Run:
     def _wait_event(self, kind: str) -> int | None:
         """Take events until ``kind`` comes (its exit code), or the call timeout passes."""
         try:
-            for ev in self.c.events(self.name, idle=self.args.timeout):
+            for ev in self.c.events(self.name, idle=self.idle):
                 self.kinds.append(ev.kind)
                 if ev.kind == kind:
                     return ev.exit_code
@@ -564,12 +569,13 @@ class Run:
         if destroy:
             try:
                 self.torn_down = True
-                self.c.destroy_bottle(self.name)
+                self.c.call(calls.destroy_bottle(self.name))
                 self._wait_event("destroyed")
             except BottlenetError as e:
                 error = f"{e.code}: {e.message}"
             yield judge_events(self.kinds)
-        yield judge_teardown(error, self.c.leftovers(self.name))
+        leftovers = self.c.call(calls.leftovers(self.name))
+        yield judge_teardown(error, leftovers)
 
 
 def _read_text(path: str) -> str | None:
@@ -614,10 +620,11 @@ def render(check: Check) -> str:
     return line
 
 
-def cmd_selftest(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -> None:
+def cmd_selftest(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
     from bottlenet.errors import InvalidArgument
 
-    base = json.loads(a.spec_json) if a.spec_json else None
+    a = inv.options
+    base = json.loads(inv.spec_json) if inv.spec_json else None
     if base is None and not (a.agent_image and a.sidecar_image):
         raise InvalidArgument(
             "selftest needs --spec FILE.toml, or --agent-image and --sidecar-image"
@@ -626,15 +633,16 @@ def cmd_selftest(c: BlockingControlClient, a: argparse.Namespace, out: TextIO) -
         name, _, port = s.partition(":")
         if not name or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(f"--service {s}: must be NAME:PORT (a port 1-65535)")
-    a.name = a.name or f"selftest-{os.urandom(3).hex()}"
+    # the options with the throwaway bottle's name (a copy: the parsed words stay as read)
+    a = argparse.Namespace(**{**vars(a), "name": a.name or f"selftest-{os.urandom(3).hex()}"})
     checks: list[Check] = []
-    for check in Run(c, a, base, c.path).checks():
+    for check in Run(c, a, base, c.path, inv.vm_timeout).checks():
         checks.append(check)
-        if not a.json:
+        if not inv.json:
             out.write(render(check))
             out.flush()
     failed = [ch for ch in checks if ch.verdict is not Verdict.PASS]
-    if a.json:
+    if inv.json:
         out.write(
             json.dumps(
                 {"ok": not failed, "bottle": a.name, "checks": [ch._asdict() for ch in checks]},

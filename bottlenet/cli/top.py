@@ -12,7 +12,6 @@ daemon goes away the screen says so and it keeps retrying; ``--once`` exits 3 in
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -26,8 +25,10 @@ from typing import Any, TextIO
 import attrs
 from attrs import frozen
 
+from bottlenet.cli.invocation import Invocation, every
 from bottlenet.cli.output import EXIT_OK, report_control_error, table_lines
 from bottlenet.cli.output import clean as _clean
+from bottlenet.control import calls
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
 from bottlenet.errors import BottlenetError
@@ -56,9 +57,9 @@ def take_snapshot(
     client: BlockingControlClient, version: str, clock: Callable[[], float] = time.monotonic
 ) -> Snapshot:
     """Every page of bottles, forwards and stats; ``at`` is taken right after Stats."""
-    bottles = tuple(client.all_bottles())
-    forwards = tuple(client.all_forwards())
-    stats = tuple(client.all_stats())
+    bottles = tuple(every(client, calls.list_bottles))
+    forwards = tuple(every(client, lambda o: calls.list_forwards(None, o)))
+    stats = tuple(every(client, lambda o: calls.stats(None, o)))
     return Snapshot(clock(), version, bottles, forwards, stats)
 
 
@@ -256,29 +257,29 @@ def _now() -> str:
     return datetime.now().strftime("%H:%M:%S")
 
 
-def run_once(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
+def run_once(inv: Invocation, out: TextIO, err: TextIO) -> int:
     """Two snapshots ``--interval`` apart, one frame; exit 3 if the daemon is unreachable."""
+    path, interval = inv.path, inv.options.interval
     try:
-        with BlockingControlClient(
-            path, timeout=args.timeout, tls=getattr(args, "tls", None)
-        ) as client:
+        with inv.blocking_client() as client:
             version = client.hello().server_version
             first = take_snapshot(client, version)
-            time.sleep(args.interval)
+            time.sleep(interval)
             snap = take_snapshot(client, version)
     except (ControlConnectionError, BottlenetError) as e:
-        return report_control_error(e, path, err, as_json=args.json)
-    if args.json:
+        return report_control_error(e, path, err, as_json=inv.json)
+    if inv.json:
         out.write(json.dumps(frame_json(snap, first), sort_keys=True) + "\n")
     else:
-        out.write("\n".join(render(snap, first, path=path, interval=args.interval, now=_now())))
+        out.write("\n".join(render(snap, first, path=path, interval=interval, now=_now())))
         out.write("\n")
     out.flush()
     return EXIT_OK
 
 
-def run_live(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
+def run_live(inv: Invocation, out: TextIO, err: TextIO) -> int:
     """Redraw every ``--interval`` seconds until Ctrl-C or a closed stdout."""
+    path, interval = inv.path, inv.options.interval
     screen = _Screen(out)
     client: BlockingControlClient | None = None
     version = "?"
@@ -289,29 +290,27 @@ def run_live(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
             started = time.monotonic()
             try:
                 if client is None:
-                    client = BlockingControlClient(
-                        path, timeout=args.timeout, tls=getattr(args, "tls", None)
-                    ).connect()
+                    client = inv.blocking_client().connect()
                     version = client.hello().server_version
                 snap = take_snapshot(client, version)
-                if args.json:
+                if inv.json:
                     lines = [json.dumps(frame_json(snap, prev), sort_keys=True)]
                 else:
-                    lines = render(snap, prev, path=path, interval=args.interval, now=_now())
+                    lines = render(snap, prev, path=path, interval=interval, now=_now())
                 prev = snap
             except ControlConnectionError as e:
                 if client is not None:
                     client.close()
                 client, prev = None, None
-                lines = render_unreachable(path, str(e), args.interval, _now())
+                lines = render_unreachable(path, str(e), interval, _now())
             except BottlenetError as e:
                 lines = [f"error: {_clean(e.code)}: {_clean(e.message)}"]
-            if args.json and not screen.tty:
+            if inv.json and not screen.tty:
                 out.write(lines[0] + "\n")
                 out.flush()
             else:
                 screen.draw(lines)
-            time.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+            time.sleep(max(0.0, interval - (time.monotonic() - started)))
     except KeyboardInterrupt:
         pass
     except BrokenPipeError:
@@ -333,13 +332,13 @@ def run_live(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> i
     return EXIT_OK
 
 
-def run(args: argparse.Namespace, path: str, out: TextIO, err: TextIO) -> int:
-    if args.once:
+def run(inv: Invocation, out: TextIO, err: TextIO) -> int:
+    if inv.options.once:
         try:
-            return run_once(args, path, out, err)
+            return run_once(inv, out, err)
         except KeyboardInterrupt:
             return EXIT_OK
         except BrokenPipeError:
             _silence_stdout(out)
             return EXIT_OK
-    return run_live(args, path, out, err)
+    return run_live(inv, out, err)

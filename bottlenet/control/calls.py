@@ -3,9 +3,11 @@
 A :class:`Call` names its command, carries its arguments and converts the answer into the
 caller's type. Whether a call is slow (it waits on smolvm, so it gets the VM timeout instead of
 the default) follows from :data:`PACE`, the one table of per-command client policy, through
-:func:`is_slow`, the one slow-command rule. The async client runs a call as
-``call(c) -> Deferred[T]``; the blocking and the light client as ``call(c) -> T``; their named
-methods (``create_bottle`` ...) are one-line wrappers around the builders below.
+:func:`is_slow`, the one slow-command rule: a caller passes a timeout only to override it. The
+async client runs a call as ``call(c) -> Deferred[T]``; the blocking and the light client as
+``call(c) -> T`` (as AMP's one ``callRemote``). ``bottlenetctl`` runs every call that way; the
+blocking and async clients keep their named methods (``create_bottle`` ...), one-line wrappers
+around the builders below, for launchers (``docs/protocol.md``); the light client has none.
 
 This module imports neither AMP nor attrs: ``bottlenetctl``'s light commands read it at start.
 ``tests/control/test_calls.py`` checks :data:`PACE` against the ``pace`` each Command class of

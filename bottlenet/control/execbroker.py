@@ -28,7 +28,9 @@ import fcntl
 import os
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from enum import StrEnum
+from functools import partial
 from typing import Any, Protocol
 
 from automat import TypeMachineBuilder
@@ -100,7 +102,7 @@ class ChildState(StrEnum):
     #: Not spawned yet (smolvm is being started).
     UNSTARTED = "unstarted"
     RUNNING = "running"
-    #: SIGTERM sent; SIGKILL follows after :data:`KILL_GRACE` (its timer is armed).
+    #: SIGTERM sent; SIGKILL follows after :data:`KILL_GRACE` (its timer is the state's data).
     TERMINATING = "terminating"
     #: SIGKILL sent.
     KILLED = "killed"
@@ -136,8 +138,8 @@ class _Session(Protocol):
 class _Child(Protocol):
     """The inputs of the child's end (one machine per session)."""
 
-    def started(self) -> None:
-        """The smolvm child runs (its process transport is connected)."""
+    def started(self, process: IProcessTransport) -> None:
+        """The smolvm child runs (``process``, its transport, is connected)."""
 
     def terminate(self) -> None:
         """End it: SIGTERM now, SIGKILL after the grace."""
@@ -155,15 +157,105 @@ class _Child(Protocol):
         """The read-out."""
 
 
+@dataclass(eq=False)
+class _ExecCore:
+    """What an exec session's two machines read and write (Twisted's ``_client_service._Core``
+    idiom): the per-byte path's pointers, which the transitions set (the client, the running
+    child, where an output frame goes, the pending buffer), the child's deadline and exit.
+
+    The KILL timer is not here: it is the data of :attr:`ChildState.TERMINATING`, made on
+    entering it (:func:`_arm_kill`) and cancelled by the transition that leaves it."""
+
+    bottle: str
+    peer: str
+    stdin: bool
+    clock: IReactorTime
+    #: The bridge as the connection's producer (the connection's buffer pauses the child).
+    producer: IPushProducer
+    #: Told once, when both ends are done.
+    on_end: Callable[[], None]
+    #: The bridge's logger (its events keep the bridge as their source).
+    log: Logger
+    #: The connection's transport, from attached until lost.
+    client: Any = None
+    #: The running child (None before it runs and once it ended).
+    child: IProcessTransport | None = None
+    #: Where an output frame goes: the pending buffer, the client's ``write``, or nowhere.
+    out: Callable[[bytes], None] = field(init=False)
+    pending: list[bytes] = field(default_factory=list)
+    pending_size: int = 0
+    #: Back-pressure: the connection's buffer is full (or the pending one).
+    child_paused: bool = False
+    deadline: IDelayedCall | None = None
+    #: Why it ended: its exit code is :data:`TIMEOUT_EXIT`.
+    timed_out: bool = False
+    #: The command's exit code, once it ended (a value; the states say what it means).
+    exit_code: int | None = None
+    #: fd sessions: the child's ends (closed once it runs), the client's (until it took them).
+    child_fds: list[int] = field(default_factory=list)
+    client_fds: list[int] = field(default_factory=list)
+    #: The child's machine, which the session's ``client_lost`` ends.
+    ending: _Child = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.out = self.buffer
+        self.ending = _CHILD(self)
+
+    def buffer(self, data: bytes) -> None:
+        """Output while no client is attached: kept, up to about :data:`MAX_PENDING`."""
+        self.pending.append(data)
+        self.pending_size += len(data)
+        if self.pending_size > MAX_PENDING:
+            self.pause_child()
+
+    def pause_child(self) -> None:
+        process = self.child
+        if not self.child_paused and process is not None:
+            self.child_paused = True
+            pause = getattr(process, "pauseProducing", None)
+            if pause is not None:
+                pause()
+
+    def resume_child(self) -> None:
+        process = self.child
+        if self.child_paused and process is not None:
+            self.child_paused = False
+            resume = getattr(process, "resumeProducing", None)
+            if resume is not None:
+                resume()
+
+    def signal(self, name: str) -> None:
+        process = self.child
+        if process is None:
+            return
+        try:
+            process.signalProcess(name)
+        except (ProcessExitedAlready, OSError):
+            pass
+
+    def set_deadline(self, seconds: float) -> None:
+        if self.ending.state() is not ChildState.ENDED and self.deadline is None:
+            self.deadline = self.clock.callLater(seconds, self.expire)
+
+    def expire(self) -> None:
+        self.deadline = None
+        self.ending.expire()
+
+    def close_fds(self) -> None:
+        _close_all(self.child_fds)
+        _close_all(self.client_fds)
+
+
 @implementer(IPushProducer)
 class ExecBridge(ProcessProtocol):
     """One exec: process protocol of the smolvm child, and the stream end of the connection.
 
     ``resize(process, rows, cols)`` applies a terminal size; ``on_end()`` is told once the
     session is over (child gone and client detached). Its lifecycle is two declared
-    machines (:class:`ExecState`, :class:`ChildState`); the per-byte path (output frames,
-    stdin writes, back-pressure) feeds neither: it writes through ``_out``, which the
-    session's transitions point at the pending buffer, the client, or nowhere.
+    machines (:class:`ExecState`, :class:`ChildState`) over one core (:class:`_ExecCore`);
+    the per-byte path (output frames, stdin writes, back-pressure) feeds neither: it writes
+    through the core's ``out``, which the session's transitions point at the pending buffer,
+    the client, or nowhere.
     """
 
     log = Logger()
@@ -184,32 +276,23 @@ class ExecBridge(ProcessProtocol):
         self.peer = peer
         self.tty = tty
         self.stdin = stdin
-        self._clock = clock
         self._resize = resize
-        self._on_end = on_end
         self.fds = fds and not tty
         self._parser = FrameParser(stream.FD_CLIENT_KINDS if self.fds else stream.CLIENT_KINDS)
-        #: fd mode: the child's ends (closed once it runs), the client's (until it took them).
-        self._child_fds: list[int] = []
-        self._client_fds: list[int] = []
-        #: The command's exit code, once it ended (a value; the states say what it means).
-        self.exit_code: int | None = None
-        # Data of the per-byte path, pointed by the machines' transitions:
-        self._client: Any = None  # the connection's transport, from attached until lost
-        self._child: IProcessTransport | None = None  # the running child (None once ended)
-        self._out: Callable[[bytes], None] = self._buffer  # where an output frame goes
-        self._pending: list[bytes] = []
-        self._pending_size = 0
-        self._child_paused = False  # back-pressure: the connection's buffer is full
-        self._kill_timer: IDelayedCall | None = None
-        self._deadline: IDelayedCall | None = None
-        self._timed_out = False  # why it ended: its exit code is TIMEOUT_EXIT
         #: smolvm's packed-assets note heads its stderr (a terminal's one stream with -t):
         #: dropped there, never framed to the client (framed sessions only).
         self._note = NoteFilter()
         self._note_fd = 1 if tty else 2
-        self._session = (_HANDOVER_SESSION if self.fds else _FRAMED_SESSION)(self)
-        self._ending = _CHILD(self)
+        self._core = _ExecCore(
+            bottle=bottle,
+            peer=peer,
+            stdin=stdin,
+            clock=clock,
+            producer=self,
+            on_end=partial(on_end, self),
+            log=self.log,
+        )
+        self._session = (_HANDOVER_SESSION if self.fds else _FRAMED_SESSION)(self._core)
 
     @property
     def state(self) -> ExecState:
@@ -219,12 +302,17 @@ class ExecBridge(ProcessProtocol):
     @property
     def child_state(self) -> ChildState:
         """Where the child is (running, terminating in its grace, killed, ended)."""
-        return self._ending.state()
+        return self._core.ending.state()
 
     @property
     def client(self) -> Any:
         """The client's transport while it is attached (None before and after)."""
-        return self._client
+        return self._core.client
+
+    @property
+    def exit_code(self) -> int | None:
+        """The command's exit code, once it ended."""
+        return self._core.exit_code
 
     # -- the smolvm child ---------------------------------------------------------------
 
@@ -235,7 +323,7 @@ class ExecBridge(ProcessProtocol):
 
     def connectionMade(self) -> None:
         assert self.transport is not None
-        self._ending.started()
+        self._core.ending.started(self.transport)
         if self.fds:
             return  # the child's stdio are the client's pipes, not ours
         if not self.stdin and not self.tty:
@@ -246,13 +334,14 @@ class ExecBridge(ProcessProtocol):
         # one write buffer plus one read of the client per session, whatever the client sends.
         register = getattr(self.transport, "registerProducer", None)
         if register is not None and (self.stdin or self.tty):
-            register(_ClientPauser(self), True)
+            register(_ClientPauser(self._core), True)
 
     def childDataReceived(self, childFD: int, data: bytes) -> None:
         if childFD == self._note_fd and not self._note.decided:
             data = self._note.feed(data)
             if not data:
                 return
+        core = self._core
         kind = stream.STDERR if childFD == 2 else stream.STDOUT
         # A read as full as the reactor's means more is waiting: it goes out in full frames,
         # up to TURN_READ per turn of the reactor, not in a frame per 8 KiB.
@@ -262,14 +351,14 @@ class ExecBridge(ProcessProtocol):
             if fd is not None:
                 data = _fill(fd, data, stream.MAX_FRAME)
             if len(data) <= stream.MAX_FRAME:  # the header, then the payload as it came
-                self._out(stream.header(kind, len(data)))
-                self._out(data)
+                core.out(stream.header(kind, len(data)))
+                core.out(data)
             else:
-                self._out(stream.encode(kind, data))
+                core.out(stream.encode(kind, data))
             sent += len(data)
             if fd is None or len(data) < stream.MAX_FRAME or sent >= TURN_READ:
                 return
-            if self._child_paused or self._out is _drop:  # back-pressure holds mid-turn too
+            if core.child_paused or core.out is _drop:  # back-pressure holds mid-turn too
                 return
             data = _fill(fd, b"", stream.MAX_FRAME)
             if not data:
@@ -288,7 +377,8 @@ class ExecBridge(ProcessProtocol):
         held = self._note.flush()  # a stream that ended while its head was undecided
         if held:
             self.childDataReceived(self._note_fd, held)
-        self._ending.exited()
+        core = self._core
+        core.ending.exited()
         code = 255
         exc = reason.value
         if isinstance(exc, ProcessDone):
@@ -298,9 +388,9 @@ class ExecBridge(ProcessProtocol):
                 code = exc.exitCode
             elif exc.signal is not None:
                 code = 128 + exc.signal
-        if self._timed_out:
+        if core.timed_out:
             code = TIMEOUT_EXIT
-        self.exit_code = code
+        core.exit_code = code
         self.log.info(
             "exec in bottle {bottle} by {peer} ended: exit {code} (tty={tty})",
             bottle=self.bottle,
@@ -328,15 +418,15 @@ class ExecBridge(ProcessProtocol):
                 peer=self.peer,
                 why=str(e),
             )
-            if self._client is not None:
-                self._client.abortConnection()
+            if self._core.client is not None:
+                self._core.client.abortConnection()
 
     def _apply_frames(self, frames: list[stream.Frame]) -> None:
         if self.fds:
             for frame in frames:
                 self._fd_frame(frame)
             return
-        process = self._child
+        process = self._core.child
         if process is None:  # not started, or ended: its stdin is gone
             return
         for frame in frames:
@@ -376,17 +466,16 @@ class ExecBridge(ProcessProtocol):
                 fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, PIPE_SIZE)
             except OSError:
                 pass
-        self._child_fds = [in_r, out_w, err_w]
-        self._client_fds = [in_w, out_r, err_r]
+        self._core.child_fds = [in_r, out_w, err_w]
+        self._core.client_fds = [in_w, out_r, err_r]
         return in_r, out_w, err_w
 
     def spawned(self) -> None:
         """The child has its own copies of its ends: the daemon's go (or no EOF would come)."""
-        _close_all(self._child_fds)
+        _close_all(self._core.child_fds)
 
     def close_fds(self) -> None:
-        _close_all(self._child_fds)
-        _close_all(self._client_fds)
+        self._core.close_fds()
 
     def _fd_frame(self, frame: stream.Frame) -> None:
         if frame.kind == stream.FDS_READY:
@@ -403,57 +492,18 @@ class ExecBridge(ProcessProtocol):
     def set_deadline(self, seconds: float) -> None:
         """The command is ended after ``seconds`` (Exec's ``time_limit``), whoever holds its
         stdio; its exit code is then :data:`TIMEOUT_EXIT`."""
-        if self._ending.state() is not ChildState.ENDED and self._deadline is None:
-            self._deadline = self._clock.callLater(seconds, self._expire)
-
-    def _expire(self) -> None:
-        self._deadline = None
-        self._ending.expire()
+        self._core.set_deadline(seconds)
 
     def terminate(self) -> None:
         """SIGTERM now, SIGKILL after :data:`KILL_GRACE` (idempotent)."""
-        self._ending.terminate()
-
-    def _signal(self, name: str) -> None:
-        process = self._child
-        if process is None:
-            return
-        try:
-            process.signalProcess(name)
-        except (ProcessExitedAlready, OSError):
-            pass
-
-    # -- flow control -------------------------------------------------------------------
-
-    def _buffer(self, data: bytes) -> None:
-        """Output while no client is attached: kept, up to about :data:`MAX_PENDING`."""
-        self._pending.append(data)
-        self._pending_size += len(data)
-        if self._pending_size > MAX_PENDING:
-            self._pause_child()
-
-    def _pause_child(self) -> None:
-        process = self._child
-        if not self._child_paused and process is not None:
-            self._child_paused = True
-            pause = getattr(process, "pauseProducing", None)
-            if pause is not None:
-                pause()
-
-    def _resume_child(self) -> None:
-        process = self._child
-        if self._child_paused and process is not None:
-            self._child_paused = False
-            resume = getattr(process, "resumeProducing", None)
-            if resume is not None:
-                resume()
+        self._core.ending.terminate()
 
     # IPushProducer for the connection: its write buffer is full, or has room again.
     def pauseProducing(self) -> None:
-        self._pause_child()
+        self._core.pause_child()
 
     def resumeProducing(self) -> None:
-        self._resume_child()
+        self._core.resume_child()
 
     def stopProducing(self) -> None:
         self.client_lost()
@@ -466,9 +516,9 @@ def _drop(data: bytes) -> None:
 # -- the session's outputs (what a transition does) --------------------------------------
 
 
-def _connect(m: _Session, b: ExecBridge, transport: Any) -> None:
+def _connect(m: _Session, c: _ExecCore, transport: Any) -> None:
     """The client is attached: what waited goes out, and output streams to it."""
-    b._client = transport
+    c.client = transport
     if getattr(transport, "bufferSize", None) is not None:
         # Twisted pauses a producer once its buffer holds more than ``bufferSize`` (64 KiB):
         # one 64 KiB frame did, so each turn of the reactor moved one frame. Now a turn
@@ -476,98 +526,101 @@ def _connect(m: _Session, b: ExecBridge, transport: Any) -> None:
         # of the client's frames takes up to TURN_READ too.
         transport.bufferSize = TURN_READ
     _widen_send_buffer(transport)
-    transport.registerProducer(b, True)
-    pending, b._pending, b._pending_size = b._pending, [], 0
+    transport.registerProducer(c.producer, True)
+    pending, c.pending, c.pending_size = c.pending, [], 0
     for chunk in pending:
         transport.write(chunk)
-    if b._child_paused:
-        b._resume_child()
-    b._out = transport.write
+    if c.child_paused:
+        c.resume_child()
+    c.out = transport.write
 
 
-def _close_client(b: ExecBridge) -> None:
+def _close_client(c: _ExecCore) -> None:
     """The exit code is out: the connection closes (a client reading to EOF is not held)."""
-    if b._client is not None:
-        b._client.unregisterProducer()
-        b._client.loseConnection()
+    if c.client is not None:
+        c.client.unregisterProducer()
+        c.client.loseConnection()
 
 
-def _connect_and_close(m: _Session, b: ExecBridge, transport: Any) -> None:
-    _connect(m, b, transport)
-    _close_client(b)
+def _connect_and_close(m: _Session, c: _ExecCore, transport: Any) -> None:
+    _connect(m, c, transport)
+    _close_client(c)
 
 
-def _queue_exit(m: _Session, b: ExecBridge, code: int) -> None:
-    b._pending.append(stream.encode_exit(code))
+def _queue_exit(m: _Session, c: _ExecCore, code: int) -> None:
+    c.pending.append(stream.encode_exit(code))
 
 
-def _tell_exit(m: _Session, b: ExecBridge, code: int | None = None) -> None:
-    assert b.exit_code is not None
-    b._out(stream.encode_exit(b.exit_code))
-    _close_client(b)
+def _tell_exit(m: _Session, c: _ExecCore, code: int | None = None) -> None:
+    assert c.exit_code is not None
+    c.out(stream.encode_exit(c.exit_code))
+    _close_client(c)
 
 
-def _close_stdin(m: _Session, b: ExecBridge) -> None:
+def _close_stdin(m: _Session, c: _ExecCore) -> None:
     """The half-close: the child's stdin ends; its output goes on."""
-    process = b._child
+    process = c.child
     if process is None:
         return
     # A pipe with a producer registered never closes: unregister first.
     unregister = getattr(process, "unregisterProducer", None)
-    if unregister is not None and b.stdin:
+    if unregister is not None and c.stdin:
         unregister()
-        if b._client is not None:
-            b._client.resumeProducing()
+        if c.client is not None:
+            c.client.resumeProducing()
     process.closeStdin()
 
 
-def _abandon(m: _Session, b: ExecBridge) -> None:
+def _detach(c: _ExecCore) -> None:
+    """The client is gone: output goes nowhere, and the command's pipes close."""
+    c.client = None
+    c.out = _drop
+    c.close_fds()
+
+
+def _abandon(m: _Session, c: _ExecCore) -> None:
     """The client left before the command ended: its pipes close and the command ends."""
-    b._client = None
-    b._out = _drop
-    b.close_fds()
-    if b.process is not None:
-        b.log.info(
+    _detach(c)
+    if c.child is not None:
+        c.log.info(
             "exec in bottle {bottle}: client {peer} went away; ending the command",
-            bottle=b.bottle,
-            peer=b.peer,
+            bottle=c.bottle,
+            peer=c.peer,
         )
-        b._ending.terminate()
+        c.ending.terminate()
 
 
-def _close(m: _Session, b: ExecBridge, code: int | None = None) -> None:
+def _close(m: _Session, c: _ExecCore, code: int | None = None) -> None:
     """Both ends are done."""
-    b._client = None
-    b._out = _drop
-    b.close_fds()
-    b._on_end(b)
+    _detach(c)
+    c.on_end()
 
 
-def _offer_fds(m: _Session, b: ExecBridge) -> bool:
+def _offer_fds(m: _Session, c: _ExecCore) -> bool:
     # The client reads with recvmsg from now on: each fd rides on one byte of FDS.
-    for fd in b._client_fds:
-        b._client.sendFileDescriptor(fd)
-    b._client.write(stream.encode(stream.FDS, bytes(len(b._client_fds))))
+    for fd in c.client_fds:
+        c.client.sendFileDescriptor(fd)
+    c.client.write(stream.encode(stream.FDS, bytes(len(c.client_fds))))
     return True
 
 
-def _fds_gone(m: _Session, b: ExecBridge) -> bool:
+def _fds_gone(m: _Session, c: _ExecCore) -> bool:
     # It has them (the kernel holds in-flight copies once sendmsg returned, and the client
     # saw the bytes): the daemon's copies go, so the child sees stdin's EOF.
-    _close_all(b._client_fds)
+    _close_all(c.client_fds)
     return True
 
 
-def _fds_gone_then_exit(m: _Session, b: ExecBridge) -> bool:
-    _fds_gone(m, b)
-    _tell_exit(m, b)
+def _fds_gone_then_exit(m: _Session, c: _ExecCore) -> bool:
+    _fds_gone(m, c)
+    _tell_exit(m, c)
     return True
 
 
-def _session_machine(fds: bool) -> Callable[[ExecBridge], _Session]:
+def _session_machine(fds: bool) -> Callable[[_ExecCore], _Session]:
     """The session's transitions: one table for framed sessions, one for fd sessions (whose
     exit code waits until the client holds the pipes, or its output would be lost)."""
-    builder = TypeMachineBuilder(_Session, ExecBridge)
+    builder = TypeMachineBuilder(_Session, _ExecCore)
     starting = builder.state(ExecState.STARTING)
     attached = builder.state(ExecState.ATTACHED)
     exited = builder.state(ExecState.EXITED)
@@ -626,69 +679,79 @@ def _session_machine(fds: bool) -> Callable[[ExecBridge], _Session]:
 # -- the child's outputs ------------------------------------------------------------------
 
 
-def _run(m: _Child, b: ExecBridge) -> None:
-    b._child = b.process
+def _run(m: _Child, c: _ExecCore, process: IProcessTransport) -> None:
+    c.child = process
 
 
-def _send_term(m: _Child, b: ExecBridge) -> None:
-    b._signal("TERM")
-    b._kill_timer = b._clock.callLater(KILL_GRACE, m.kill_timer_fired)
+def _arm_kill(m: _Child, c: _ExecCore) -> IDelayedCall:
+    """Entering terminating: the KILL timer, the state's data (as ``_client_service``'s
+    ``Waiting`` holds its retry), which the transitions out of it are handed."""
+    return c.clock.callLater(KILL_GRACE, m.kill_timer_fired)
 
 
-def _note_timeout(m: _Child, b: ExecBridge) -> None:
-    b._timed_out = True
-    b.log.info(
+def _send_term(m: _Child, c: _ExecCore) -> None:
+    c.signal("TERM")
+
+
+def _note_timeout(m: _Child, c: _ExecCore) -> None:
+    c.timed_out = True
+    c.log.info(
         "exec in bottle {bottle} by {peer}: timeout; ending the command",
-        bottle=b.bottle,
-        peer=b.peer,
+        bottle=c.bottle,
+        peer=c.peer,
     )
 
 
-def _time_out(m: _Child, b: ExecBridge) -> None:
-    _note_timeout(m, b)
-    _send_term(m, b)
+def _time_out(m: _Child, c: _ExecCore) -> None:
+    _note_timeout(m, c)
+    _send_term(m, c)
 
 
-def _send_kill(m: _Child, b: ExecBridge) -> None:
-    b._kill_timer = None
-    b._signal("KILL")
+def _send_kill(m: _Child, c: _ExecCore, kill: IDelayedCall) -> None:
+    """The grace is over (``kill`` has fired)."""
+    c.signal("KILL")
 
 
-def _ended(m: _Child, b: ExecBridge) -> None:
-    """It is gone: no signal after this, no timer left, no stdin to write."""
-    b._child = None
-    for timer in (b._kill_timer, b._deadline):
-        if timer is not None and timer.active():
-            timer.cancel()
-    b._kill_timer = b._deadline = None
+def _ended(m: _Child, c: _ExecCore) -> None:
+    """It is gone: no signal after this, no deadline left, no stdin to write."""
+    c.child = None
+    deadline, c.deadline = c.deadline, None
+    if deadline is not None and deadline.active():
+        deadline.cancel()
 
 
-def _child_machine() -> Callable[[ExecBridge], _Child]:
-    builder = TypeMachineBuilder(_Child, ExecBridge)
+def _ended_in_grace(m: _Child, c: _ExecCore, kill: IDelayedCall) -> None:
+    """It ended within its grace: the KILL timer goes with the state it belonged to."""
+    kill.cancel()
+    _ended(m, c)
+
+
+def _child_machine() -> Callable[[_ExecCore], _Child]:
+    builder = TypeMachineBuilder(_Child, _ExecCore)
     unstarted = builder.state(ChildState.UNSTARTED)
     running = builder.state(ChildState.RUNNING)
-    terminating = builder.state(ChildState.TERMINATING)
+    terminating = builder.state(ChildState.TERMINATING, _arm_kill)
     killed = builder.state(ChildState.KILLED)
     ended = builder.state(ChildState.ENDED)
     unstarted.upon(_Child.started).to(running)(_run)
     running.upon(_Child.terminate).to(terminating)(_send_term)
     running.upon(_Child.expire).to(terminating)(_time_out)
     terminating.upon(_Child.kill_timer_fired).to(killed)(_send_kill)
-    for state in (terminating, killed):
-        state.upon(_Child.expire).loop()(_note_timeout)
-    for state in (unstarted, running, terminating, killed):
+    terminating.upon(_Child.exited).to(ended)(_ended_in_grace)
+    terminating.upon(_Child.expire, nodata=True).loop()(_note_timeout)
+    killed.upon(_Child.expire).loop()(_note_timeout)
+    for state in (unstarted, running, killed):
         state.upon(_Child.exited).to(ended)(_ended)
-    # Nothing to end before it runs or after it ended; ending twice is ending once.
-    for state, inputs in [
-        (unstarted, [_Child.terminate, _Child.expire]),
-        (terminating, [_Child.terminate]),
-        (killed, [_Child.terminate]),
-        (ended, [_Child.terminate, _Child.expire, _Child.kill_timer_fired]),
-    ]:
-        for loop in inputs:
-            state.upon(loop).loop().returns(None)
-    for state in (unstarted, running, terminating, killed, ended):
+    # Nothing to end before it runs or after it ended; ending twice is ending once. The
+    # KILL timer fires in terminating only: every other way out of it cancels it.
+    for state in (unstarted, killed, ended):
+        state.upon(_Child.terminate).loop().returns(None)
+    terminating.upon(_Child.terminate).loop().returns(None)
+    for state in (unstarted, ended):
+        state.upon(_Child.expire).loop().returns(None)
+    for state in (unstarted, running, killed, ended):
         state.upon(_Child.state).loop().returns(ChildState(state.name))
+    terminating.upon(_Child.state).loop().returns(ChildState.TERMINATING)
     return builder.build()
 
 
@@ -743,16 +806,16 @@ def _close_all(fds: list[int]) -> None:
 class _ClientPauser:
     """Registered on the child's stdin: a full pipe pauses reading from the client."""
 
-    def __init__(self, bridge: ExecBridge) -> None:
-        self.bridge = bridge
+    def __init__(self, core: _ExecCore) -> None:
+        self.core = core
 
     def pauseProducing(self) -> None:
-        client = self.bridge.client
+        client = self.core.client
         if client is not None:
             client.pauseProducing()
 
     def resumeProducing(self) -> None:
-        client = self.bridge.client
+        client = self.core.client
         if client is not None:
             client.resumeProducing()
 

@@ -3,20 +3,24 @@
 ``bottlenetctl status``, ``ping`` and ``bottle ls`` are what a launcher and a person call most;
 importing AMP (and through it Twisted's TLS and Deferreds) costs several times more than the
 call itself. This client speaks the same AMP boxes for a few commands (Hello, Ping,
-ListBottles, and Exec, after which the connection carries exec frames), from a small
+ListBottles, NodeInfo, and Exec, after which the connection carries exec frames), from a small
 table of their argument kinds; ``tests/control/test_lightclient.py`` checks that table against
 the Command definitions of :mod:`bottlenet.control.commands` and the bytes against
 :mod:`bottlenet.control.codec`, so the wire format stays one. Everything else (TLS, events,
 mutating calls) goes through :class:`~bottlenet.control.blocking.BlockingControlClient`.
+
+It does not grow: each command here is a mirror kept by hand, so its callers run
+``call(calls.x(...))`` (as AMP's one ``callRemote``) and it has no named method but
+``hello`` (its own version); the same test pins its command set and its methods.
 """
 
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from enum import StrEnum
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from bottlenet import __version__
 from bottlenet.control import calls
@@ -28,7 +32,7 @@ from bottlenet.control.clienterrors import (
     error_for,
 )
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.results import BottleRow, HelloResult, NodeInfoRecord, Page, record_objects
+from bottlenet.control.results import BottleRow, HelloResult, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
@@ -275,17 +279,8 @@ class LightControlClient(ExecOpener):
             raise broken(self.path, self._answered, e.strerror or str(e)) from None
 
     def hello(self) -> HelloResult:
+        """Hello with this client's own version (every other call: ``call(calls.x(...))``)."""
         return self.call(calls.hello(CLIENT_VERSION))
-
-    def ping(self) -> None:
-        self.call(calls.ping())
-
-    def node_info(self) -> NodeInfoRecord:
-        return self.call(calls.node_info())
-
-    def list_bottles(self, offset: int = 0, limit: int | None = None) -> Page[BottleRow]:
-        """One page; this client reads bottles as rows (a record's fields, without attrs)."""
-        return cast("Page[BottleRow]", self.call(calls.list_bottles(offset, limit)))
 
     def start_exec(self, request: ExecRequest, *, timeout: float | None = None) -> ExecSession:
         """Start an exec; this connection becomes the session's (with ``fds`` and no
@@ -302,6 +297,3 @@ class LightControlClient(ExecOpener):
         return ExecSession(
             sock, self._parser.take_rest(), tty=request.tty, stdin=request.stdin, fds=fds
         )
-
-    def all_bottles(self) -> Iterator[BottleRow]:
-        return calls.every_item(lambda o: self.list_bottles(o))

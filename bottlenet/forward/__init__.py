@@ -8,7 +8,8 @@
 - :mod:`~bottlenet.forward.relay`: the portable relay (backpressure, half-close, reset).
 - :mod:`~bottlenet.forward.splice`: the Linux ``splice(2)`` engine.
 - :mod:`~bottlenet.forward.fastreactor`: an epoll reactor without per-event log context.
-- :mod:`~bottlenet.forward.standalone`: the table alone, for benchmarks.
+
+The table alone, for benchmarks, is ``benchmarks/standalone.py`` (not shipped).
 
 The rule of this room: the data plane knows no VMs, no AMP and no bottles' lifecycle. It
 imports only the ground floor (:mod:`bottlenet.errors`, :mod:`bottlenet.paths`).

@@ -9,7 +9,8 @@ loopback target the kernel completes the handshake inside the first ``connect()`
 reactor pass. That setup chain was the largest part of the relay's cost per connection.
 
 :class:`FastClientEndpoint` is an ``IStreamClientEndpoint`` for TCP (v4/v6) and UNIX stream
-targets given as literal addresses: it creates a non-blocking socket (``SOCK_NONBLOCK``),
+targets given as literal addresses: it creates a non-blocking socket (``SOCK_NONBLOCK``, or
+``setblocking`` where the platform has no such flag),
 tunes it before connecting, connects, and only when that is still in progress registers a
 small write descriptor with the reactor. Attempts stay cancellable and time out; the timeouts
 of one endpoint share a single lazily scheduled ``DelayedCall`` (none exists while nothing is
@@ -50,9 +51,10 @@ else:
 
 _IN_PROGRESS = frozenset({errno.EINPROGRESS, errno.EALREADY, errno.EAGAIN, errno.EWOULDBLOCK})
 _CONNECTED = frozenset({0, errno.EISCONN})
-_SOCK_FLAGS = (
-    socket.SOCK_STREAM | getattr(socket, "SOCK_NONBLOCK", 0) | getattr(socket, "SOCK_CLOEXEC", 0)
-)
+#: Linux creates the socket non-blocking; elsewhere (macOS has no SOCK_NONBLOCK) ``open`` sets
+#: it, or a connect, and every write of the transport, could block the whole reactor.
+_NONBLOCK = getattr(socket, "SOCK_NONBLOCK", 0)
+_SOCK_FLAGS = socket.SOCK_STREAM | _NONBLOCK | getattr(socket, "SOCK_CLOEXEC", 0)
 
 Address = IPv4Address | IPv6Address | UNIXAddress
 
@@ -212,6 +214,8 @@ class FastClientEndpoint:
         except OSError as e:
             return None, e.errno or errno.EMFILE
         try:
+            if not _NONBLOCK:
+                sock.setblocking(False)
             if self._tune:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)

@@ -11,10 +11,10 @@ calls ``_doReadOrWrite`` directly and logs an escaping exception itself. Everyth
 The cost: log events emitted from inside a read/write callback no longer get the
 descriptor's log prefix as ``system`` (bottlenet's own events use ``Logger`` namespaces and
 structured fields, so its logs do not change). Entry points install it: the standalone
-benchmark (``--reactor quiet``, its default) and the daemon, whose plugin options call
-:func:`install_unless_chosen` so that ``twist bottlenet`` and ``twistd bottlenet`` run on it
-without a flag; ``--reactor NAME`` (e.g. ``epoll``, or ``bottlenet-epoll`` through the
-reactor plugin) still chooses another.
+benchmark (``benchmarks/standalone.py --reactor quiet``, its default) and the daemon, whose
+plugin options call :func:`install_unless_chosen` so that ``twist bottlenet`` and ``twistd
+bottlenet`` run on it without a flag; ``--reactor NAME`` (e.g. ``epoll``, or
+``bottlenet-epoll`` through the reactor plugin) still chooses another.
 """
 
 from __future__ import annotations

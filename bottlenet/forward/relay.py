@@ -150,23 +150,17 @@ _NULL_SINK = _NullSink()
 class Leg(Protocol):
     """One socket of a relay; forwards each event to ``sink`` (no logic of its own).
 
-    ``tune_tcp`` makes ``connectionMade`` turn on TCP_NODELAY and keepalive (accepted TCP
-    sockets inherit both from their listener instead, see ``listen.BackoffTCPPort``).
+    TCP_NODELAY and keepalive are already set: accepted sockets inherit both from their
+    listener (``listen.BackoffTCPPort``), the fast endpoint sets them before connecting.
     """
 
     transport: _Transport
     sink: LegSink = _NULL_SINK
-    tune_tcp = False
 
-    def __init__(self, sink: LegSink, tune_tcp: bool) -> None:
+    def __init__(self, sink: LegSink) -> None:
         self.sink = sink
-        self.tune_tcp = tune_tcp
 
     def connectionMade(self) -> None:
-        if self.tune_tcp:
-            sock: socket.socket = self.transport.getHandle()  # type: ignore[assignment]
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
         self.sink.made()
 
     def dataReceived(self, data: bytes) -> None:
@@ -523,8 +517,6 @@ class RelaySession:
         target: IStreamClientEndpoint,
         owner: RelayOwner,
         *,
-        tune_inbound: bool,
-        tune_outbound: bool,
         engine_factory: EngineFactory = TransportRelay,
     ) -> None:
         self._target = target
@@ -532,8 +524,6 @@ class RelaySession:
         self._engine_factory = engine_factory
         self.started = clock.seconds()
         # The legs exist only on the transport path (not when start_accepted relays at once).
-        self._tune_in = tune_inbound
-        self._tune_out = tune_outbound
         self._inbound: Leg | None = None
         self._started: tuple[socket.socket | None, int] | None = None
         self.phase: Phase = _CONNECTING
@@ -550,7 +540,7 @@ class RelaySession:
         """The accepted connection's protocol (what a listener's factory returns)."""
         leg = self._inbound
         if leg is None:
-            leg = self._inbound = Leg(self, self._tune_in)
+            leg = self._inbound = Leg(self)
         return leg
 
     def start_accepted(
@@ -640,7 +630,7 @@ class RelaySession:
     # LegSink for the accepted leg during the connect phase.
     def made(self) -> None:
         self.inbound.transport.pauseProducing()
-        factory = _OutboundFactory(Leg(_NULL_SINK, self._tune_out))
+        factory = _OutboundFactory(Leg(_NULL_SINK))
         started, self._started = self._started, None
         if started is not None:
             target = cast(SocketTarget, self._target)

@@ -13,18 +13,14 @@ import ipaddress
 import os
 import socket
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any, cast
 
 from attrs import frozen
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
-from twisted.internet.endpoints import (
-    TCP4ClientEndpoint,
-    TCP6ClientEndpoint,
-    UNIXClientEndpoint,
-)
 from twisted.internet.interfaces import IListeningPort, IStreamClientEndpoint
 from twisted.internet.protocol import Factory
 from twisted.logger import Logger, LogLevel
@@ -71,6 +67,7 @@ from bottlenet.forward.spec import (
     MAX_CONNECTIONS_LIMIT,
     ForwardSpec,
     ListenSpec,
+    TargetSpec,
     TCPListen,
     TCPTarget,
     UNIXListen,
@@ -144,6 +141,24 @@ class ForwardInfo:
 Key = tuple[str, str]
 
 
+class ForwardPhase(StrEnum):
+    """Where a forward is: it changes once per add and once per remove, so a field, not a
+    machine (as ``relay.Phase``).
+
+    ``PENDING`` (its listener binding: the key is taken, the forward not listed yet), then
+    ``LISTENING`` (listed, relaying), then ``CLOSING`` (listener stopped, relays aborted: its
+    key stays taken until every fd is closed). A failed bind leaves the table from ``PENDING``.
+    """
+
+    PENDING = "pending"
+    LISTENING = "listening"
+    CLOSING = "closing"
+
+
+# Module names for the members: ``_admit`` reads the phase once per connection (as relay.py).
+_PENDING, _LISTENING, _CLOSING = ForwardPhase.PENDING, ForwardPhase.LISTENING, ForwardPhase.CLOSING
+
+
 class _ForwardFactory(Factory):
     """One forward's listener factory, relay owner and counters.
 
@@ -160,8 +175,6 @@ class _ForwardFactory(Factory):
         spec: ForwardSpec,
         target: IStreamClientEndpoint,
         engine_factory: EngineFactory,
-        *,
-        tune_outbound: bool = False,
     ) -> None:
         self.table = table
         self.spec = spec
@@ -169,9 +182,6 @@ class _ForwardFactory(Factory):
         self.port: IListeningPort | None = None
         self.target = target
         self._engine_factory = engine_factory
-        # Accepted TCP sockets inherit TCP_NODELAY and keepalive from the listener; the fast
-        # endpoint sets both before connecting, Twisted's endpoints need the Leg to do it.
-        self._tune_outbound = tune_outbound
         self._clock = table.reactor
         self.sessions: set[RelaySession] = set()
         self.accepted = 0
@@ -179,7 +189,9 @@ class _ForwardFactory(Factory):
         self.failed = 0
         self.done_in = 0
         self.done_out = 0
-        self.closing = False
+        self.phase = _PENDING
+        #: Fires once the forward has left the table (every fd closed): what removals wait on.
+        self.removed: OneShot[None] = OneShot()
         #: While set, accepted connections go to this factory instead of a relay.
         self.diverted: Factory | None = None
         #: Offered to the listener: accepted sockets skip transports when the engine can start
@@ -199,7 +211,7 @@ class _ForwardFactory(Factory):
         )
 
     def buildProtocol(self, addr: IAddress | None) -> Any:
-        if self.diverted is not None and not self.closing:
+        if self.diverted is not None and self.phase is not _CLOSING:
             return self.diverted.buildProtocol(addr)
         session = self._admit()
         return None if session is None else session.inbound
@@ -209,7 +221,7 @@ class _ForwardFactory(Factory):
         counted, tracked and under the idle watch, or None (refused: the listener resets
         the connection)."""
         budget = self.table.budget
-        if self.closing:
+        if self.phase is _CLOSING:
             reason: str | None = "closing"
         elif len(self.sessions) >= self.spec.max_connections:
             reason = budget.refuse_forward()
@@ -220,14 +232,7 @@ class _ForwardFactory(Factory):
             self._log_refusal(reason)
             return None
         self.accepted += 1
-        session = RelaySession(
-            self._clock,
-            self.target,
-            self,
-            tune_inbound=False,
-            tune_outbound=self._tune_outbound,
-            engine_factory=self._engine_factory,
-        )
+        session = RelaySession(self._clock, self.target, self, engine_factory=self._engine_factory)
         self.sessions.add(session)
         self.table.idle.started(session)
         return session
@@ -248,7 +253,7 @@ class _ForwardFactory(Factory):
         """The listener's fast path (``listen.BackoffTCPPort``): admit, then relay the bare
         socket (``RelaySession.start_accepted``). False = refused (the listener resets);
         None = not a relay now (diverted): the listener goes the ``buildProtocol`` way."""
-        if self.diverted is not None and not self.closing:
+        if self.diverted is not None and self.phase is not _CLOSING:
             return None
         session = self._admit()
         if session is None:
@@ -341,7 +346,7 @@ class _ForwardFactory(Factory):
 
     def shutdown(self) -> defer.Deferred[None]:
         """Stop listening and abort every live relay; fires once all their fds are closed."""
-        self.closing = True
+        self.phase = _CLOSING
         waits: list[defer.Deferred[Any]] = []
         if self.port is not None:
             waits.append(defer.maybeDeferred(self.port.stopListening))
@@ -366,7 +371,6 @@ class ForwardTable(Service):
         state_dir: str,
         connect_timeout: float = 10.0,
         engine: str = "auto",
-        fast_connect: bool = True,
         per_bottle_connections: int = DEFAULT_PER_BOTTLE,
         max_connections: int | None = None,
         idle_timeout: float = DEFAULT_IDLE_TIMEOUT,
@@ -375,29 +379,28 @@ class ForwardTable(Service):
     ) -> None:
         """``engine``: ``auto`` (splice where supported), ``splice`` or ``portable``.
 
-        ``fast_connect`` connects to targets with :class:`connect.FastClientEndpoint` (needed
-        for splice: its transports can hand their socket over); False uses Twisted's
-        ``TCP4ClientEndpoint``/``UNIXClientEndpoint``, and relays then run on the portable
-        engine whatever ``engine`` says. Raises ValueError for an unknown or unsupported
-        ``engine``.
+        Raises ValueError for an unknown or unsupported ``engine``. Relays connect to their
+        targets through :meth:`client_endpoint`.
         """
         self.reactor = reactor
         self.aliases = aliases
         self.state_dir = state_dir
         self.connect_timeout = connect_timeout
-        self.fast_connect = fast_connect
         #: Emit the per-relay log event for clean ends too (debug level); failures always log.
         #: The benchmark entry point turns it off: no per-connection logging there.
         self.log_clean_relay_ends = True
         #: The relay engine for new connections (see ``splice.engine_factory``).
         self.engine_factory: EngineFactory = engine_factory(reactor, engine)
         self.engine = "portable" if self.engine_factory is TransportRelay else "splice"
+        #: Every forward, whatever its phase: a key is taken from add until removed.
         self._forwards: dict[Key, _ForwardFactory] = {}
         #: Labels of each bottle's forwards: list(bottle) costs that bottle's forwards only.
         self._labels: dict[str, set[str]] = {}
-        self._sorted_keys: list[Key] | None = None  # sorted(self._forwards), until it changes
-        self._pending: set[Key] = set()
-        self._removing: dict[Key, OneShot[None]] = {}
+        self._sorted_keys: list[Key] | None = None  # the listening keys sorted, until they change
+        #: Forwards in LISTENING, in all and per bottle: the budget's listener fds and its
+        #: fair-share divisor, read on every accepted connection (no scan of the table).
+        self._listening_total = 0
+        self._listening: dict[str, int] = {}
         self._stopping = False
         clock = reactor if clock is None else clock
         engines: object = self.engine_factory
@@ -405,8 +408,8 @@ class ForwardTable(Service):
         self.budget = ConnectionBudget(
             per_bottle=per_bottle_connections,
             total=max_connections,
-            listeners=lambda: len(self._forwards),
-            bottles=lambda: len({b for b, _ in self._forwards}),
+            listeners=lambda: self._listening_total,
+            bottles=lambda: len(self._listening),
             reserved=reserved_fds,
             fds_per_relay=budgeted.fds_per_relay if budgeted is not None else 2,
             engine_fds=budgeted.engine_fds if budgeted is not None else 0,
@@ -446,8 +449,7 @@ class ForwardTable(Service):
     def stopService(self) -> defer.Deferred[None]:
         self._stopping = True
         super().stopService()
-        waits = [self._remove_key(key) for key in list(self._forwards)]
-        waits += [self._wait_removal(key) for key in list(self._removing)]
+        waits = self._removals(self._forwards)
 
         def stopped(_: object) -> None:
             self.idle.stop()
@@ -461,7 +463,7 @@ class ForwardTable(Service):
         return [
             f.spec.listen.path
             for f in self._forwards.values()
-            if isinstance(f.spec.listen, UNIXListen)
+            if f.phase is _LISTENING and isinstance(f.spec.listen, UNIXListen)
         ]
 
     # Queries
@@ -470,7 +472,7 @@ class ForwardTable(Service):
 
     def keys(self) -> list[Key]:
         """The (bottle, label) of every listening forward, sorted."""
-        return sorted(self._forwards)
+        return sorted(self._listening_keys())
 
     def sessions(self, bottle: str, label: str) -> frozenset[RelaySession]:
         """The forward's live relays."""
@@ -494,13 +496,17 @@ class ForwardTable(Service):
     def view(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Like :meth:`list`, but each ForwardInfo is built only when it is read: a page of a
         listing costs the page, not every forward (the sorted keys are kept between calls)."""
+        forwards = self._forwards
         if bottle is None:
             keys = self._sorted_keys
             if keys is None:
-                keys = self._sorted_keys = sorted(self._forwards)
+                keys = self._sorted_keys = sorted(self._listening_keys())
         else:
-            keys = [(bottle, label) for label in sorted(self._labels.get(bottle, ()))]
-        forwards = self._forwards
+            keys = [
+                (bottle, label)
+                for label in sorted(self._labels.get(bottle, ()))
+                if forwards[bottle, label].phase is _LISTENING
+            ]
         return LazyView(keys, lambda k: forwards[k].info())
 
     def divert(self, bottle: str, label: str, factory: Factory | None) -> None:
@@ -529,24 +535,17 @@ class ForwardTable(Service):
             return defer.fail(e)
         except OSError as e:  # preparing the bottle dir or probing a stale socket
             return defer.fail(_bind_error(spec.listen, e))
-        fwd = _ForwardFactory(
-            self,
-            spec,
-            self._target_endpoint(spec),
-            self.engine_factory,
-            tune_outbound=isinstance(spec.target, TCPTarget) and not self.fast_connect,
-        )
-        self._pending.add(key)
+        fwd = _ForwardFactory(self, spec, self._target_endpoint(spec), self.engine_factory)
+        self._forwards[key] = fwd
+        self._labels.setdefault(spec.bottle, set()).add(spec.label)
         d = self._server_endpoint(spec).listen(fwd)
 
         def listening(port: IListeningPort) -> ForwardInfo:
-            self._pending.discard(key)
             fwd.port = port
             if isinstance(spec.listen, TCPListen):
                 fwd.bound = TCPListen(spec.listen.alias, cast(IPv4Address, port.getHost()).port)
-            self._forwards[key] = fwd
-            self._sorted_keys = None
-            self._labels.setdefault(spec.bottle, set()).add(spec.label)
+            fwd.phase = _LISTENING
+            self._count_listening(spec.bottle, 1)
             self.log.info(
                 "forward {bottle}/{label} listening on {listen} -> {target}",
                 bottle=spec.bottle,
@@ -557,7 +556,7 @@ class ForwardTable(Service):
             return fwd.info()
 
         def failed(f: Failure) -> Failure:
-            self._pending.discard(key)
+            self._drop(key)
             if created_dir is not None:
                 try:
                     os.rmdir(created_dir)
@@ -569,51 +568,81 @@ class ForwardTable(Service):
 
     def remove(self, bottle: str, label: str) -> defer.Deferred[None]:
         """Stop listening and abort the forward's relays; fires once every fd is closed."""
-        key = (bottle, label)
-        if key not in self._forwards:
-            if key in self._pending:
-                return defer.fail(Busy(f"forward {bottle}/{label} is still being added"))
+        fwd = self._forwards.get((bottle, label))
+        if fwd is not None and fwd.phase is _PENDING:
+            return defer.fail(Busy(f"forward {bottle}/{label} is still being added"))
+        if fwd is None or fwd.phase is _CLOSING:
             return defer.fail(NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}"))
-        return self._remove_key(key)
+        return self._remove_key((bottle, label))
 
     def remove_bottle(self, bottle: str) -> defer.Deferred[None]:
         """Remove every forward of ``bottle`` (none is fine); fires once all are closed."""
         self.peers.pop(bottle, None)
-        waits = [self._remove_key((bottle, label)) for label in list(self._labels.get(bottle, ()))]
-        waits += [self._wait_removal(k) for k in list(self._removing) if k[0] == bottle]
+        waits = self._removals([(bottle, label) for label in self._labels.get(bottle, ())])
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
     # Internals
     def _forward(self, bottle: str, label: str) -> _ForwardFactory:
+        """The listening forward (NotFound while it is still being added or removed)."""
         fwd = self._forwards.get((bottle, label))
-        if fwd is None:
+        if fwd is None or fwd.phase is not _LISTENING:
             raise NotFound(f"no forward {safe_repr(bottle)}/{safe_repr(label)}")
         return fwd
 
+    def _listening_keys(self) -> Iterator[Key]:
+        return (k for k, f in self._forwards.items() if f.phase is _LISTENING)
+
+    def _removals(self, keys: Iterable[Key]) -> Sequence[defer.Deferred[None]]:
+        """Remove each listening forward of ``keys`` and wait for each closing one to be gone
+        (remove_bottle, stopService); one still being added is left to its add."""
+        waits: list[defer.Deferred[None]] = []
+        for key in list(keys):
+            fwd = self._forwards.get(key)
+            if fwd is None:
+                continue
+            if fwd.phase is _LISTENING:
+                waits.append(self._remove_key(key))
+            elif fwd.phase is _CLOSING:
+                waits.append(self._wait_removal(key))
+        return waits
+
     def _remove_key(self, key: Key) -> defer.Deferred[None]:
-        fwd = self._forwards.pop(key)
+        fwd = self._forwards[key]
+        self._count_listening(key[0], -1)
+        d = fwd.shutdown()  # CLOSING: the key stays taken (Busy) until every fd is closed
+
+        def done(result: object) -> object:
+            self._drop(key)
+            self.log.info(
+                "forward {bottle}/{label} removed", bottle=fwd.spec.bottle, label=fwd.spec.label
+            )
+            fwd.removed.fire(None)
+            return result
+
+        return d.addBoth(done)
+
+    def _count_listening(self, bottle: str, delta: int) -> None:
+        """A forward of ``bottle`` starts (1) or stops (-1) listening: the counts and the
+        sorted listing follow."""
+        self._listening_total += delta
+        n = self._listening.get(bottle, 0) + delta
+        if n:
+            self._listening[bottle] = n
+        else:
+            del self._listening[bottle]
         self._sorted_keys = None
+
+    def _wait_removal(self, key: Key) -> defer.Deferred[None]:
+        return self._forwards[key].removed.when_fired()
+
+    def _drop(self, key: Key) -> None:
+        """The forward leaves the table (bind failed, or removed): its key is free again."""
+        del self._forwards[key]
         labels = self._labels.get(key[0])
         if labels is not None:
             labels.discard(key[1])
             if not labels:
                 del self._labels[key[0]]
-        removed: OneShot[None] = OneShot()
-        self._removing[key] = removed
-        d = fwd.shutdown()
-
-        def done(result: object) -> object:
-            self._removing.pop(key, None)
-            self.log.info(
-                "forward {bottle}/{label} removed", bottle=fwd.spec.bottle, label=fwd.spec.label
-            )
-            removed.fire(None)
-            return result
-
-        return d.addBoth(done)
-
-    def _wait_removal(self, key: Key) -> defer.Deferred[None]:
-        return self._removing[key].when_fired()
 
     def _check_new(self, spec: ForwardSpec) -> Key:
         if self._stopping:
@@ -623,10 +652,11 @@ class ForwardTable(Service):
         check_bottle_name(spec.bottle)
         check_label(spec.label)
         key = (spec.bottle, spec.label)
-        if key in self._forwards or key in self._pending:
-            raise AlreadyExists(f"forward {spec.bottle}/{spec.label} already exists")
-        if key in self._removing:
+        taken = self._forwards.get(key)
+        if taken is not None and taken.phase is _CLOSING:
             raise Busy(f"forward {spec.bottle}/{spec.label} is still being removed")
+        if taken is not None:
+            raise AlreadyExists(f"forward {spec.bottle}/{spec.label} already exists")
         mc = spec.max_connections
         if isinstance(mc, bool) or not isinstance(mc, int) or not 1 <= mc <= MAX_CONNECTIONS_LIMIT:
             raise InvalidArgument(
@@ -649,7 +679,7 @@ class ForwardTable(Service):
         elif isinstance(listen, UNIXListen):
             check_unix_listen(listen, self.state_dir, spec.bottle)
             for other in self._forwards.values():
-                if other.spec.listen == listen:
+                if other.phase is _LISTENING and other.spec.listen == listen:
                     raise BindRefused(f"cannot listen on {listen.describe()}: in use")
         else:
             raise InvalidArgument("unknown listen kind")
@@ -695,7 +725,7 @@ class ForwardTable(Service):
         )
 
     def _target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
-        endpoint = self._plain_target_endpoint(spec)
+        endpoint = self.client_endpoint(spec.target)
         if isinstance(spec.target, UNIXTarget):
             root = self._target_root(spec)
             return CheckedUNIXTarget(
@@ -709,23 +739,19 @@ class ForwardTable(Service):
             return target_root(self.state_dir, spec.bottle, spec.target.path)
         return targets_dir(self.state_dir, spec.bottle)
 
-    def _plain_target_endpoint(self, spec: ForwardSpec) -> IStreamClientEndpoint:
-        target = spec.target
-        timeout = self.connect_timeout
-        if self.fast_connect:
-            peer: IPv4Address | IPv6Address | UNIXAddress
-            if isinstance(target, UNIXTarget):
-                peer = UNIXAddress(target.path)
-            elif isinstance(target.host, ipaddress.IPv6Address):
-                peer = IPv6Address("TCP", str(target.host), target.port)
-            else:
-                peer = IPv4Address("TCP", str(target.host), target.port)
-            return FastClientEndpoint(self.reactor, peer, timeout)
+    def client_endpoint(self, target: TargetSpec) -> IStreamClientEndpoint:
+        """How relays connect to ``target``: :class:`connect.FastClientEndpoint`, whose sockets
+        are tuned before connecting and can be handed over to splice. The one connect path of
+        the daemon; ``benchmarks/standalone.py --twisted-connect`` overrides it to time
+        Twisted's own endpoints against it."""
+        peer: IPv4Address | IPv6Address | UNIXAddress
         if isinstance(target, UNIXTarget):
-            return UNIXClientEndpoint(self.reactor, target.path, timeout=timeout)
-        if isinstance(target.host, ipaddress.IPv6Address):
-            return TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
-        return TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
+            peer = UNIXAddress(target.path)
+        elif isinstance(target.host, ipaddress.IPv6Address):
+            peer = IPv6Address("TCP", str(target.host), target.port)
+        else:
+            peer = IPv4Address("TCP", str(target.host), target.port)
+        return FastClientEndpoint(self.reactor, peer, self.connect_timeout)
 
 
 def _bind_error(listen: ListenSpec, exc: BaseException) -> BottlenetError:

@@ -15,6 +15,7 @@ done, so every create, rollback and recovery runs synchronously in a few millise
 from __future__ import annotations
 
 import os
+import select
 import socket
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from typing import Any, TypeVar, cast
@@ -25,6 +26,7 @@ from twisted.internet.task import Clock
 from twisted.python.failure import Failure
 
 from bottlenet.bottles import workload
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
@@ -305,7 +307,7 @@ def leak(name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | No
 
 class FDClock(Clock):
     """A Clock that is also enough of an ``IReactorFDSet`` for real listening ports: it
-    records readers and writers and never polls them (no byte flows in these tests)."""
+    records readers and writers and polls them only when a test says so (:meth:`poll`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -332,6 +334,14 @@ class FDClock(Clock):
 
     def getReaders(self) -> list[Any]:
         return list(self.readers)
+
+    def poll(self, timeout: float) -> int:
+        """One turn of a reactor's fd loop: wait up to ``timeout`` for a reader to be
+        readable (a pidfd whose process exited), then read each that is; how many were."""
+        ready, _, _ = select.select(list(self.readers), [], [], timeout)
+        for reader in ready:
+            reader.doRead()
+        return len(ready)
 
     def getWriters(self) -> list[Any]:
         return list(self.writers)
@@ -448,11 +458,17 @@ class Rig:
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""
-        self.vms.unwatch_all()
+        self.registry.stop()
         self.run(_stop(self.table))
 
     def state(self) -> dict[str, Any]:
         return dict(StateStore(self.state_dir).load().bottles)
+
+    def watched(self) -> frozenset[str]:
+        """The bottles whose sidecar VM is watched now (each VM bottle's owner holds its own
+        watch; one left behind by a bottle no longer listed still shows in ``clock.readers``)."""
+        names = [b.name for b in self.registry.list_bottles() if b.vms is not None]
+        return frozenset(n for n in names if self.registry.owner(n, VMBottle).watched)
 
 
 async def _stop(table: ForwardTable) -> None:

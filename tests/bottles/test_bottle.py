@@ -18,8 +18,15 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.interfaces import IProcessProtocol
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.bottle import Hands, VMBottle
-from bottlenet.bottles.events import DEGRADED, WORKLOAD_EXITED, BottleEvent, EventBus
+from bottlenet.bottles.bottle import CreateRequest, Hands, VMBottle
+from bottlenet.bottles.events import (
+    CREATED,
+    DEGRADED,
+    READY,
+    WORKLOAD_EXITED,
+    BottleEvent,
+    EventBus,
+)
 from bottlenet.bottles.model import BottleState
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
@@ -76,11 +83,13 @@ class Owned:
     def create(self, tmp: str, **kw: Any) -> None:
         doc = spec_doc(tmp, mode="socket", listen="tcp", **kw)
         listed: list[Any] = []
-        self.rig.run(self.owner.create(self.rig.vms, parse_bottle_spec("b1", doc), listed.append))
-        assert listed == [self.owner]
-        self.owner.machine.created()
+        self.rig.run(
+            self.owner.create(CreateRequest(spec=parse_bottle_spec("b1", doc)), listed.append)
+        )
+        assert listed == [self.owner]  # committed, then created, watched and READY
+        assert [e[0] for e in self.events] == [CREATED, READY] and self.owner.watched
+        self.events.clear()
         self.owner.machine.finish()
-        self.owner.watch()
 
 
 class _WithAttach:
@@ -96,7 +105,9 @@ class _WithAttach:
 
 @pytest.fixture
 def owned(rigs: Callable[..., Rig]) -> Iterator[Owned]:
-    yield Owned(rigs(), Attached())
+    owned = Owned(rigs(), Attached())
+    yield owned
+    owned.owner.stop_watching()  # the rig's registry does not know this owner
 
 
 def end_workload(protocol: IProcessProtocol, code: int) -> None:
@@ -109,12 +120,12 @@ def test_degrade_does_its_work_once(owned: Owned, tmp: str) -> None:
     owned.create(tmp, workload=("/agent", "run"))
     owner, rig = owned.owner, owned.rig
     [waiter] = owned.attached.protocols
-    assert rig.table.list("b1") and "b1" in rig.vms.watched()
+    assert rig.table.list("b1") and owner.watched
     owner.sidecar_exited()
     rig.settle()
     assert owner.require().state is BottleState.DEGRADED
     assert owner.machine.lifecycle() is Lifecycle.DEGRADED
-    assert rig.table.list("b1") == [] and "b1" not in rig.vms.watched()
+    assert rig.table.list("b1") == [] and not owner.watched
     assert waiter.transport.signals == ["TERM"]  # type: ignore[attr-defined]
     assert rig.state()["b1"]["state"] == "degraded"
     assert owned.events == [

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bottlenet.bottles import bottledirs
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.bottledirs import TRASH_PREFIX, remove_bottle_dir
 from tests.bottles.memsmolvm import Rig
 from tests.bottles.test_rollback import spec
@@ -92,7 +93,7 @@ def test_recovery_tears_down_a_degraded_bottle_whose_tree_is_deep(
     goes on (it used to exit 1 in recovery, at every start)."""
     first = rigs()
     first.run(first.registry.create_bottle("rb", spec=spec(tmp)))
-    first.run(first.registry.degrade("rb", "test"))
+    first.run(first.registry.owner("rb", VMBottle).degrade("test"))
     assert first.state()["rb"]["state"] == "degraded"
     _nest(Path(first.state_dir, "bottles", "rb", "sidecar"), 600)
     first.close()
@@ -110,7 +111,7 @@ def test_an_oserror_from_one_bottles_teardown_never_stops_recovery(
     first = rigs()
     for name in ("ra", "rb"):
         first.run(first.registry.create_bottle(name, spec=spec(tmp, name)))
-    first.run(first.registry.degrade("ra", "test"))
+    first.run(first.registry.owner("ra", VMBottle).degrade("test"))
     first.close()
     rig = rigs(smolvm=first.smolvm)
 

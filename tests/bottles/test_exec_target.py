@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.errors import Busy, Degraded
 from tests.bottles.harness import spec_doc
@@ -24,7 +25,7 @@ def test_exec_on_a_degraded_bottle_is_refused(rigs: Rigs, tmp: str) -> None:
     rig = rigs()
     rig.run(rig.registry.create_bottle("b1", spec=parse_bottle_spec("b1", spec_doc(tmp))))
     assert rig.registry.exec_target("b1").name == "b1"
-    rig.registry._sidecar_exited("b1")
+    rig.registry.owner("b1", VMBottle).sidecar_exited()
     rig.settle()
     assert rig.registry.get_bottle("b1").state == "degraded"
     with pytest.raises(Degraded, match="sidecar VM process exited") as refused:

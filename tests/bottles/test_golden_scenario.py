@@ -29,6 +29,7 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.interfaces import IProcessProtocol
 from twisted.python.failure import Failure
 
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.events import BottleEvent
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import State, StateStore
@@ -173,7 +174,7 @@ def run_scenario(rigs: Rigs, tmp: str) -> list[dict[str, Any]]:
     rig.settle()
     cap.step(rig, "the workload exits")
     rig.clock.advance(1)
-    rig.registry._sidecar_exited("v2")
+    rig.registry.owner("v2", VMBottle).sidecar_exited()
     rig.settle()
     cap.step(rig, "the sidecar dies")
     rig.clock.advance(1)

@@ -19,6 +19,7 @@ from twisted.internet.defer import Deferred, fail
 from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.lifecycle import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, Bottle, Source
 from bottlenet.bottles.recovery import Recovery
@@ -98,7 +99,7 @@ def test_restart_restores_vm_and_forward_only_bottles(rigs: Rigs, tmp: str) -> N
     assert rig.smolvm.names() == ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
     assert sorted(rig.state()) == ["plain", "r1"]
     assert not rig.registry.recovering
-    assert "r1" in rig.vms.watched()  # the sidecar is watched again
+    assert "r1" in rig.watched()  # the sidecar is watched again
 
 
 def test_state_records_round_trip_through_recovery(rigs: Rigs, tmp: str) -> None:
@@ -167,7 +168,7 @@ def test_teardown_failure_at_recovery_keeps_the_bottle_degraded(rigs: Rigs, tmp:
     rig.recover()
     (kept,) = rig.registry.list_bottles()
     assert kept.state == "degraded" and rig.state()["r1"]["state"] == "degraded"
-    assert rig.table.list() == [] and "r1" not in rig.vms.watched()
+    assert rig.table.list() == [] and "r1" not in rig.watched()
     # adopted idle in its kept state (its machine says so too): an Exec is DEGRADED
     assert rig.registry.state_of("r1") is Lifecycle.DEGRADED
     with pytest.raises(Degraded):
@@ -230,11 +231,11 @@ def test_forward_that_cannot_be_rebound_is_left_out(rigs: Rigs, tmp: str) -> Non
 def test_sidecar_exit_degrades_the_bottle(rigs: Rigs, tmp: str) -> None:
     rig = rigs()
     rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
-    rig.registry._sidecar_exited("r1")
+    rig.registry.owner("r1", VMBottle).sidecar_exited()
     rig.clock.advance(0)
     b = rig.registry.get_bottle("r1")
     assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
-    assert rig.table.list("r1") == [] and "r1" not in rig.vms.watched()
+    assert rig.table.list("r1") == [] and "r1" not in rig.watched()
     assert rig.state()["r1"]["state"] == "degraded"
     rig.run(rig.registry.destroy_bottle("r1"))
     assert rig.smolvm.machines == {} and rig.state() == {}
@@ -467,7 +468,7 @@ def test_a_degrade_during_an_operation_outlasts_it(rigs: Rigs, tmp: str) -> None
     held = rig.smolvm.hold("exec", "bn-r1-agent")
     verify = rig.start(rig.registry.verify_bottle("r1"))
     assert rig.registry.state_of("r1") is Lifecycle.BUSY
-    rig.registry._sidecar_exited("r1")
+    rig.registry.owner("r1", VMBottle).sidecar_exited()
     rig.clock.advance(0)
     assert rig.registry.state_of("r1") is Lifecycle.BUSY  # the operation still holds it
     with pytest.raises(Degraded):
@@ -491,7 +492,7 @@ def test_a_degrade_that_fails_in_a_watch_callback_is_logged(rigs: Rigs, tmp: str
 
     rig.table.remove_bottle = broken  # type: ignore[method-assign]
     with capturedLogs() as events:
-        rig.registry._sidecar_exited("r1")
+        rig.registry.owner("r1", VMBottle).sidecar_exited()
         rig.clock.advance(0)
     failures = [e for e in events if "log_failure" in e]
     assert [(e["log_format"], e["bottle"]) for e in failures] == [
@@ -506,10 +507,12 @@ def test_a_degraded_bottle_stays_degraded_and_says_so_once(rigs: Rigs, tmp: str)
     rig.run(rig.registry.create_bottle("r1", spec=spec(tmp, workload=("/agent", "run"))))
     events: list[tuple[str, str | None]] = []
     rig.registry.events.subscribe(lambda e: events.append((e.kind, e.state)))
-    rig.registry._sidecar_exited("r1")
-    rig.registry._bridge_failed("r1", "bridge gave up")
+    rig.registry.owner("r1", VMBottle).sidecar_exited()
+    rig.registry.owner("r1", VMBottle).degrade_later("bridge gave up")
     rig.clock.advance(0)
-    rig.registry._workload_exited("r1", 3)  # its waiter, reporting after the sidecar died
+    rig.registry.owner("r1", VMBottle).workload_ended(
+        3
+    )  # its waiter, reporting after the sidecar died
     assert events == [("degraded", "degraded")]
     b = rig.registry.get_bottle("r1")
     assert (b.state, b.detail) == ("degraded", "sidecar VM process exited")
@@ -544,7 +547,7 @@ def test_a_degrade_during_a_policy_push_is_not_overwritten(rigs: Rigs, tmp: str)
     rig.run(rig.registry.create_bottle("r1", spec=spec(tmp)))
     held = rig.smolvm.hold("exec", "bn-r1-sidecar")
     push = rig.start(rig.registry.set_egress_policy("r1", ("example.com",)))
-    rig.registry._sidecar_exited("r1")
+    rig.registry.owner("r1", VMBottle).sidecar_exited()
     rig.clock.advance(0)
     held.callback(None)
     assert rig.result(push) == ("example.com",)

@@ -66,7 +66,7 @@ def assert_nothing_left(rig: Rig) -> None:
     assert rig.registry.list_bottles() == []
     assert rig.aliases.alias_of("rb") is None
     assert rig.registry.state_of("rb") is None  # no machine left: nothing in flight
-    assert rig.vms.watched() == frozenset()
+    assert rig.watched() == frozenset()
 
 
 def fail_after(monkeypatch: pytest.MonkeyPatch, step: str) -> None:

@@ -181,6 +181,15 @@ def test_json_usage_and_unreachable_errors() -> None:
     assert code == 2 and "bottlenetctl events: error: argument --count" in err
 
 
+def test_a_timeout_not_positive_is_a_usage_error_for_every_command() -> None:
+    """``--timeout`` 0 or less is exit 2 with one line, ``bottle logs`` too (it was a
+    ValueError traceback from the socket there)."""
+    for argv in (["ping"], ["bottle", "logs", "b1"], ["bottle", "exec", "b1", "--", "true"]):
+        code, out, err = run(["--control", "/nonexistent/c.sock", "--timeout", "-1", *argv])
+        assert (code, out) == (2, "")
+        assert err == "bottlenetctl: error: --timeout must be positive\n"
+
+
 def test_events_count_must_be_positive() -> None:
     """``events --count`` takes 1 or more; 0 and -1 are usage errors, not a silent exit 0."""
     for bad in ("0", "-1", "x"):
@@ -188,61 +197,80 @@ def test_events_count_must_be_positive() -> None:
 
 
 def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Each call's limit is its own pace (the VM timeout for calls that wait on VMs), and an
+    explicit --timeout is every call's."""
     import io
 
     from bottlenet.cli import main as cli
+    from bottlenet.control import blocking, lightclient
+    from bottlenet.control.clienterrors import ControlConnectionError
+    from bottlenet.control.records import BottleRecord
+    from bottlenet.control.results import Page
 
     seen: dict[str, float] = {}
 
-    class Recorder:
-        def __init__(self, path: str, timeout: float, **kw: object) -> None:
-            seen["timeout"] = timeout
+    class Recording:
+        """A client that connects nowhere: it records each call's limit, answers a listing
+        with one bottle (so ``down`` destroys it) and ends the command at any other call."""
 
-        def __enter__(self) -> Recorder:
+        timeout: float
+        vm_timeout: float
+
+        def connect(self) -> Any:
             return self
 
-        def __exit__(self, *exc: object) -> None:
-            return None
+        def call(self, c: Any, *, timeout: float | None = None) -> Any:
+            limit = c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout
+            seen[c.command] = limit
+            if c.command == "ListBottles":
+                return Page((BottleRecord("b1", None, "control", "ready", 0.0, 0),), 1, None)
+            raise ControlConnectionError("recorded")
 
-    from bottlenet.control import blocking, lightclient
+    class Blocking(Recording, blocking.BlockingControlClient):
+        pass
 
-    monkeypatch.setattr(blocking, "BlockingControlClient", Recorder)
-    monkeypatch.setattr(lightclient, "LightControlClient", Recorder)
+    class Light(Recording, lightclient.LightControlClient):
+        pass
 
-    def timeout_for(*argv: str) -> float:
+    monkeypatch.setattr(blocking, "BlockingControlClient", Blocking)
+    monkeypatch.setattr(lightclient, "LightControlClient", Light)
+
+    def timeout_for(*argv: str) -> dict[str, float]:
         seen.clear()
         cli.main(["--control", "/nonexistent.sock", *argv], out=io.StringIO(), err=io.StringIO())
-        return seen["timeout"]
+        return dict(seen)
 
-    assert timeout_for("ping") == cli.DEFAULT_TIMEOUT
-    assert timeout_for("bottle", "ls") == cli.DEFAULT_TIMEOUT
-    assert timeout_for("egress", "set", "b1", "example.com") == cli.VM_TIMEOUT
-    assert timeout_for("bottle", "create", "b1") == cli.DEFAULT_TIMEOUT
-    assert timeout_for("down", "--all") == cli.VM_TIMEOUT
-    assert timeout_for("events") == cli.DEFAULT_TIMEOUT
-    assert timeout_for("--timeout", "7", "egress", "set", "b1") == 7.0
+    assert timeout_for("ping") == {"Ping": cli.DEFAULT_TIMEOUT}
+    assert timeout_for("bottle", "ls") == {"ListBottles": cli.DEFAULT_TIMEOUT}
+    assert timeout_for("egress", "set", "b1", "example.com") == {"SetEgressPolicy": cli.VM_TIMEOUT}
+    assert timeout_for("bottle", "create", "b1") == {"CreateBottle": cli.DEFAULT_TIMEOUT}
+    assert timeout_for("down", "--all")["DestroyBottle"] == cli.VM_TIMEOUT
+    assert timeout_for("events") == {"Watch": cli.DEFAULT_TIMEOUT}
+    assert timeout_for("--timeout", "7", "egress", "set", "b1") == {"SetEgressPolicy": 7.0}
 
 
-def test_every_handler_names_its_call() -> None:
-    """Each subcommand's handler maps to a declared call, whose pace sets its default timeout."""
+def test_every_subcommand_names_what_runs_it() -> None:
+    """Each subcommand's parser names its runner (``set_defaults(run=...)``): the 19 that
+    make their calls on one client, ``top``, ``exec``, ``shell`` and ``logs``."""
     import argparse
 
     from bottlenet.cli import main as cli
-    from bottlenet.control.calls import PACE
+    from bottlenet.cli.invocation import ClientCommand
 
-    handlers = set()
+    runs = []
     parsers = [cli.build_parser()]
     while parsers:
         for action in parsers.pop()._actions:
             if isinstance(action, argparse._SubParsersAction):
                 for sub in action.choices.values():
                     parsers.append(sub)
-                    handler = sub.get_default("handler")
-                    if handler is not None:
-                        handlers.add(handler)
-    assert len(handlers) == 19
-    assert handlers == set(cli.HANDLER_CALLS)
-    assert all(command in PACE for command in cli.HANDLER_CALLS.values())
+                    if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
+                        runs.append(sub.get_default("run"))
+    assert None not in runs
+    assert len({r.handler for r in runs if isinstance(r, ClientCommand)}) == 19
+    assert len(runs) == 19 + 4
+    light = {r.handler.__name__ for r in runs if isinstance(r, ClientCommand) and r.light}
+    assert light == {"cmd_status", "cmd_ping", "cmd_bottle_ls", "cmd_node_info"}
 
 
 PARSE_CASES = [

@@ -137,6 +137,36 @@ def test_a_child_that_ends_within_the_grace_gets_no_sigkill() -> None:
     assert child.signals == ["TERM"] and clock.getDelayedCalls() == []
 
 
+def test_the_kill_timer_is_made_on_entering_terminating_and_gone_on_leaving_it() -> None:
+    """The grace's timer is terminating's own: one, however often the end is asked for,
+    and none left the moment the child ends within the grace (not only once it fired)."""
+    b, child, clock = bridge()
+    b.attach(StringTransport(), b"")
+    assert clock.getDelayedCalls() == []
+    b.client_lost()
+    b.terminate()
+    b.terminate()
+    [kill] = clock.getDelayedCalls()
+    assert kill.getTime() == KILL_GRACE and b.child_state is ChildState.TERMINATING
+    clock.advance(KILL_GRACE - 0.1)
+    b.processEnded(Failure(ProcessDone(0)))
+    assert not kill.active() and clock.getDelayedCalls() == []
+    assert b.child_state is ChildState.ENDED and child.signals == ["TERM"]
+
+
+def test_the_kill_timer_that_fired_leaves_nothing_armed() -> None:
+    """Not ended within the grace: KILL, the state left for killed with no timer, and the
+    exit that follows finds nothing to cancel."""
+    b, child, clock = bridge()
+    b.attach(StringTransport(), b"")
+    b.client_lost()
+    clock.advance(KILL_GRACE)
+    assert b.child_state is ChildState.KILLED and child.signals == ["TERM", "KILL"]
+    assert clock.getDelayedCalls() == []
+    b.processEnded(Failure(ProcessDone(0)))
+    assert b.child_state is ChildState.ENDED and child.signals == ["TERM", "KILL"]
+
+
 def test_a_resize_payload_of_the_wrong_size_is_a_stream_error() -> None:
     """T03: not a ``struct.error`` escaping the parser's caller."""
     with pytest.raises(stream.StreamError):

@@ -23,6 +23,7 @@ from twisted.trial import unittest
 
 from bottlenet.bottles.model import Bottle
 from bottlenet.cli.main import main as cli_main
+from bottlenet.control import calls
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.control.clienterrors import ClosedBeforeAnswer
@@ -244,7 +245,7 @@ class UNIXControlTests(unittest.TestCase):
             ):
                 try:
                     with client as c:
-                        c.ping()
+                        c.call(calls.ping())
                 except ControlConnectionError as e:
                     out.append(type(e))
             err = io.StringIO()

@@ -113,7 +113,6 @@ class BudgetTests(Base):
             self.aliases,
             state_dir=self.state_dir,
             engine=self.engine,
-            fast_connect=self.fast_connect,
             per_bottle_connections=self.per_bottle,
             idle_timeout=80.0,
             clock=None,

@@ -6,6 +6,7 @@ import os
 import socket
 from typing import Any
 
+import pytest
 from twisted.internet import reactor
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
 from twisted.internet.error import (
@@ -23,6 +24,25 @@ from tests.forward.test_loopback import tempdir
 
 def attempts_in_reactor() -> list[Any]:
     return [w for w in reactor.getWriters() if type(w).__name__ == "_Attempt"]
+
+
+def test_sockets_are_non_blocking_where_the_platform_has_no_sock_nonblock(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """macOS has no SOCK_NONBLOCK: the socket is made non-blocking anyway (a blocking one
+    would let a connect or a transport write stall the whole reactor)."""
+    from bottlenet.forward import connect
+
+    monkeypatch.setattr(connect, "_NONBLOCK", 0)
+    monkeypatch.setattr(connect, "_SOCK_FLAGS", socket.SOCK_STREAM)
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1)
+        ep = FastClientEndpoint(reactor, IPv4Address("TCP", *listener.getsockname()), 5)
+        sock, err = ep.open()
+        assert sock is not None and err in (0, *connect._IN_PROGRESS)
+        with sock:
+            assert not sock.getblocking()
 
 
 class FastEndpointTests(unittest.TestCase):

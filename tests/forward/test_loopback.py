@@ -20,6 +20,7 @@ from twisted.internet.error import (
 )
 from twisted.trial import unittest
 
+from benchmarks.standalone import TwistedConnectTable
 from bottlenet.forward.relay import EAGER_SEND
 from bottlenet.forward.spec import (
     ForwardSpec,
@@ -101,20 +102,20 @@ def relay_socks(session: Any) -> list[Any]:
 class Base(unittest.TestCase):
     #: The relay engine under test; every real-socket test class runs once per engine.
     engine = "portable"
-    fast_connect = True
+    #: The daemon's table; the benchmarks' TwistedConnectTable for the Twisted-endpoint rows.
+    table_class: type[ForwardTable] = ForwardTable
 
     def setUp(self) -> None:
         self.state_dir = tempdir(self)
         self.aliases = registry_with(("b1", ALIAS), ("b2", "127.77.0.3"))
-        self.table = ForwardTable(
-            reactor,
-            self.aliases,
-            state_dir=self.state_dir,
-            engine=self.engine,
-            fast_connect=self.fast_connect,
-        )
-        self.table.startService()
-        self.addCleanup(self.table.stopService)
+        self.table = self.start_table(self.table_class)
+
+    def start_table(self, table_class: type[ForwardTable]) -> ForwardTable:
+        """A started table of ``table_class`` on this class's engine, stopped at cleanup."""
+        table = table_class(reactor, self.aliases, state_dir=self.state_dir, engine=self.engine)
+        table.startService()
+        self.addCleanup(table.stopService)
+        return table
 
     def check_engine(self) -> None:
         """Every live relay runs on the engine this class is about."""
@@ -612,7 +613,8 @@ class UnixTests(Base):
 
 
 # The same real-socket tests against the splice engine, and the portable engine behind
-# Twisted's own client endpoints (fast_connect=False).
+# Twisted's own client endpoints (benchmarks/standalone.py --twisted-connect: not the daemon's
+# path, but the benchmarks measure against it, so it must relay correctly).
 _NO_SPLICE = None if splice_supported() else "splice() is Linux-only"
 
 
@@ -642,11 +644,11 @@ class SpliceUnixTests(UnixTests):
 
 
 class TwistedConnectTransferTests(TransferTests):
-    fast_connect = False
+    table_class = TwistedConnectTable
 
 
 class TwistedConnectFailureTests(FailureTests):
-    fast_connect = False
+    table_class = TwistedConnectTable
 
 
 __all__ = ["ConnectionDone"]

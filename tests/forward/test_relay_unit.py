@@ -37,9 +37,7 @@ class Rig:
         self.ticks: list = []
         self.endpoint = FakeEndpoint()
         self.owner = RecordingOwner()
-        self.session = RelaySession(
-            Clock(), self.endpoint, self.owner, tune_inbound=False, tune_outbound=False
-        )
+        self.session = RelaySession(Clock(), self.endpoint, self.owner)
         self.A = FakeTransport(self.ticks, limit)
         self.B = FakeTransport(self.ticks, limit)
         self.A.makeConnection(self.session.inbound)

@@ -9,6 +9,7 @@ from typing import Any
 
 from twisted.internet import defer, reactor
 
+from benchmarks.standalone import TwistedConnectTable
 from bottlenet.forward.listen import HeldTCPServer
 from bottlenet.forward.splice import (
     PINNED_SOFT_MAX,
@@ -336,7 +337,8 @@ class SpliceTests(Base):
         assert self.table.get("b1", "web").counters.accepted == 1
 
     async def test_transport_that_cannot_hand_over_falls_back_to_portable(self) -> None:
-        self.table.fast_connect = False  # Twisted's client transports have no detach_socket
+        # Twisted's client transports (the benchmarks' table) have no detach_socket
+        self.table = self.start_table(TwistedConnectTable)
         info = await self.forward(self.target(Echo))
         data = pattern(MiB, seed=2)
         c = await self.client(info, Collector(data, fin=True))

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
+from twisted.internet.protocol import Factory, Protocol
 from twisted.internet.task import Clock
 from twisted.logger import capturedLogs
 from twisted.python.failure import Failure
@@ -129,6 +130,40 @@ def test_target_never_loops_into_the_daemons_own_listeners(target: str) -> None:
     assert table.list() == []
 
 
+class _HeldListen:
+    """A server endpoint whose ``listen`` the test settles: the forward stays pending till then."""
+
+    def __init__(self) -> None:
+        self.d: Deferred[Any] = Deferred()
+
+    def listen(self, factory: Any) -> Deferred[Any]:
+        return self.d
+
+
+def test_a_forward_still_binding_holds_its_key_until_its_bind_settles() -> None:
+    """Pending: add again is AlreadyExists, remove is Busy, queries and listings skip it; a
+    failed bind frees the key, and remove_bottle leaves a pending forward to its add."""
+    from bottlenet.forward.table import ForwardPhase
+
+    table = ForwardTable(Clock(), registry_with(("b1", OWN)), state_dir="/nonexistent")
+    held = _HeldListen()
+    table._server_endpoint = lambda spec: held  # type: ignore[assignment,method-assign,return-value]
+    spec = ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(OWN), 0), TCPTarget(LOOP, 9))
+    adding = table.add(spec)
+    assert failure_of(table.add(spec)).check(AlreadyExists)
+    assert failure_of(table.remove("b1", "web")).check(Busy)
+    with pytest.raises(NotFound):
+        table.get("b1", "web")
+    assert table.list() == [] and table.list("b1") == [] and table.keys() == []
+    assert table._forwards["b1", "web"].phase is ForwardPhase.PENDING
+    assert (table.budget._listeners(), table.budget._bottles()) == (0, 0)
+    assert table.remove_bottle("b1").called  # nothing listening, nothing closing
+    held.d.errback(OSError(98, "Address already in use"))
+    assert failure_of(adding).check(BindRefused)
+    held.d = Deferred()
+    assert not table.add(spec).called  # the key is free again
+
+
 def test_refusal_logs_are_rate_limited() -> None:
     clock = Clock()
     table = ForwardTable(clock, registry_with(("b1", OWN)), state_dir="/nonexistent")
@@ -148,6 +183,21 @@ def test_refusal_logs_are_rate_limited() -> None:
     assert (fwd.accepted, fwd.refused) == (1, 101)
     for e in refusals:
         assert set(e) >= {"bottle", "label", "max_connections", "suppressed"}
+
+
+def test_a_closing_forward_refuses_even_when_diverted() -> None:
+    """CLOSING: a late connection is refused and logged as "the forward is closing"."""
+    from bottlenet.forward.table import ForwardPhase, _ForwardFactory
+
+    table = ForwardTable(Clock(), registry_with(("b1", OWN)), state_dir="/nonexistent")
+    spec = ForwardSpec("b1", "web", TCPListen(ipaddress.IPv4Address(OWN), 0), TCPTarget(LOOP, 9))
+    fwd = _ForwardFactory(table, spec, table._target_endpoint(spec), table.engine_factory)
+    fwd.diverted = Factory.forProtocol(Protocol)
+    fwd.phase = ForwardPhase.CLOSING
+    with capturedLogs() as events:
+        assert fwd.buildProtocol(None) is None
+    assert [e["why"] for e in events] == ["the forward is closing"]
+    assert (fwd.accepted, fwd.refused) == (0, 1)
 
 
 class BindTests(unittest.TestCase):
@@ -213,6 +263,20 @@ class BindTests(unittest.TestCase):
         assert waiting.called
         await self.table.add(self.spec("web"))
         assert self.table.keys() == [("b1", "web")]
+
+    async def test_the_budget_counts_listening_forwards_and_their_bottles(self) -> None:
+        """One listener fd per listening forward, a fair share per bottle that has one."""
+        budget = self.table.budget
+        await self.table.add(self.spec("web"))
+        await self.table.add(self.spec("api"))
+        other = TCPListen(ipaddress.IPv4Address(OTHER), 0)
+        await self.table.add(ForwardSpec("b2", "web", other, TCPTarget(LOOP, 9)))
+        assert (budget._listeners(), budget._bottles()) == (3, 2)
+        removing = self.table.remove("b2", "web")
+        assert (budget._listeners(), budget._bottles()) == (2, 1)  # closing: listener stopped
+        await removing
+        await self.table.remove_bottle("b1")
+        assert (budget._listeners(), budget._bottles()) == (0, 0)
 
     async def test_stop_service_removes_everything(self) -> None:
         info = await self.table.add(self.spec("web"))

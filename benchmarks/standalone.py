@@ -1,21 +1,31 @@
-"""Run only the forward table, for benchmarks and manual tests.
+"""Run only the forward table, for benchmarks and manual tests (benchmark tooling only).
 
-    python -m bottlenet.forward.standalone --listen 127.77.0.1:9000 --to 127.0.0.1:8000
+    python3 benchmarks/standalone.py --listen 127.77.0.1:9000 --to 127.0.0.1:8000
 
 Uses the epoll reactor (by default its quiet subclass, see ``fastreactor``) and the same
 :class:`ForwardTable` code path as the daemon (alias registry check, bind, relay; ``--engine``
-picks the relay engine). Logs warnings and errors only: no per-connection log lines. This is
-the only module of the forward package that installs or imports a global reactor.
+picks the relay engine). Logs warnings and errors only: no per-connection log lines.
+
+``--twisted-connect`` connects through Twisted's own client endpoints instead of the daemon's
+``connect.FastClientEndpoint`` (:class:`TwistedConnectTable`): the "previous state" row of
+docs/performance.md, kept here to measure against. It is no daemon option: the fast endpoint
+needs only a reactor with ``IReactorFDSet`` and a non-blocking socket, which every platform
+bottlenet runs on (Linux, macOS) has, so the wheel does not ship this path.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import resource
+import socket
 import sys
 import tempfile
 from typing import Any
 
+from twisted.internet.defer import Deferred
+from twisted.internet.endpoints import TCP4ClientEndpoint, TCP6ClientEndpoint, UNIXClientEndpoint
+from twisted.internet.interfaces import IProtocol, IProtocolFactory, IStreamClientEndpoint
 from twisted.logger import (
     FilteringLogObserver,
     LogLevel,
@@ -23,10 +33,54 @@ from twisted.logger import (
     globalLogBeginner,
     textFileLogObserver,
 )
+from zope.interface import implementer
 
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPListen, parse_target
+from bottlenet.forward.spec import (
+    DEFAULT_POOL,
+    AliasPool,
+    ForwardSpec,
+    TargetSpec,
+    TCPListen,
+    UNIXTarget,
+    parse_target,
+)
+from bottlenet.forward.table import ForwardTable
+
+
+@implementer(IStreamClientEndpoint)
+class _Tuned:
+    """A Twisted client endpoint whose TCP sockets get TCP_NODELAY and keepalive once
+    connected (the fast endpoint sets both before connecting; accepted sockets inherit them)."""
+
+    def __init__(self, endpoint: IStreamClientEndpoint) -> None:
+        self._endpoint = endpoint
+
+    def connect(self, protocolFactory: IProtocolFactory) -> Deferred[IProtocol]:
+        return self._endpoint.connect(protocolFactory).addCallback(_tune)
+
+
+def _tune(protocol: IProtocol) -> IProtocol:
+    sock = protocol.transport.getHandle()  # type: ignore[attr-defined]
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    return protocol
+
+
+class TwistedConnectTable(ForwardTable):
+    """The forward table connecting through ``TCP4ClientEndpoint``/``TCP6ClientEndpoint``/
+    ``UNIXClientEndpoint``. Their transports cannot hand a socket over, so relays run on the
+    portable engine whatever ``engine`` says."""
+
+    def client_endpoint(self, target: TargetSpec) -> IStreamClientEndpoint:
+        timeout = self.connect_timeout
+        if isinstance(target, UNIXTarget):
+            return UNIXClientEndpoint(self.reactor, target.path, timeout=timeout)
+        if isinstance(target.host, ipaddress.IPv6Address):
+            tcp6 = TCP6ClientEndpoint(self.reactor, str(target.host), target.port, timeout)
+            return _Tuned(tcp6)
+        return _Tuned(TCP4ClientEndpoint(self.reactor, str(target.host), target.port, timeout))
 
 
 def _raise_nofile() -> None:
@@ -57,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--twisted-connect",
         action="store_true",
-        help="connect with Twisted's TCP4ClientEndpoint (implies the portable engine)",
+        help="connect with Twisted's TCP4ClientEndpoint (implies the portable engine; "
+        "the daemon always uses the fast endpoint)",
     )
     return parser
 
@@ -110,9 +165,6 @@ def _forward(args: argparse.Namespace) -> tuple[AliasRegistry, ForwardSpec]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     reactor = _install_reactor(args.reactor)
-
-    from bottlenet.forward.table import ForwardTable
-
     _log_warnings_only()
     _raise_nofile()
     try:
@@ -122,13 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     state_dir = tempfile.mkdtemp(prefix="bottlenet-standalone-")
-    table = ForwardTable(
-        reactor,
-        registry,
-        state_dir=state_dir,
-        engine=args.engine,
-        fast_connect=not args.twisted_connect,
-    )
+    table_class = TwistedConnectTable if args.twisted_connect else ForwardTable
+    table = table_class(reactor, registry, state_dir=state_dir, engine=args.engine)
     table.log_clean_relay_ends = False
     table.startService()
     reactor.addSystemEventTrigger("before", "shutdown", table.stopService)
