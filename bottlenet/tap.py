@@ -33,6 +33,7 @@ from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
+from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
 from bottlenet.control.scope import Creators
@@ -52,7 +53,6 @@ from bottlenet.paths import (
 )
 from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
-from bottlenet.waiters import OneShot
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
@@ -87,6 +87,8 @@ class BottlenetService(MultiService):
         state_dir: str,
         smolvm_calls: metrics.CallStats | None = None,
         control_commands: metrics.CommandStats | None = None,
+        *,
+        vm_uids: VmUids,
     ) -> None:
         super().__init__()
         self.reactor = reactor
@@ -94,8 +96,10 @@ class BottlenetService(MultiService):
         self.registry = registry
         self.smolvm = smolvm
         self.control_factory = factory
-        #: Every control factory (UNIX and TLS): each answers Hello with the smolvm version.
+        #: Every control factory (UNIX and TLS), one context behind them all.
         self.control_factories = [factory]
+        #: smolvm's privilege model as the daemon's uid implies it (derived once, in _core).
+        self.vm_uids = vm_uids
         self.state_dir = state_dir
         self.smolvm_calls = smolvm_calls or metrics.CallStats()
         self.control_commands = control_commands or metrics.CommandStats()
@@ -118,24 +122,25 @@ class BottlenetService(MultiService):
             reactor=type(self.reactor).__qualname__,
         )
         super().startService()
-        vm_uids = VmUids.for_euid(os.geteuid()) if self.smolvm.binary is not None else None
-        settled: OneShot[None] = OneShot()
-        for factory in self.control_factories:
-            factory.smolvm_source = self.smolvm.describe()
-            factory.vm_uids = vm_uids
-            factory.vm_uids_now = self.vm_uids_now
-            factory.smolvm_settled = settled  # Hello waits for the probe, not a guess
+        vm_uids = self.vm_uids if self.smolvm.binary is not None else None
+        facts = self.smolvm_facts
+        facts.probing(self.smolvm.describe(), self.vm_uids_now)
         if self.node is not None:
             self.node.kvm = probe_kvm()
             if vm_uids is not None:
                 self.node.smolvm_found = True
                 self.node.smolvm_problem = "its version is not known yet"
         if vm_uids is None:
-            settled.fire(None)
+            facts.settle()
             return
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
         self._say_what_smolvm_opens(vm_uids)
-        self.probe_smolvm().addBoth(lambda _: settled.fire(None))
+        self.probe_smolvm().addBoth(lambda _: facts.settle())
+
+    @property
+    def smolvm_facts(self) -> SmolvmFacts:
+        """What Hello says of smolvm, one object for every control listener."""
+        return self.control_factory.context.smolvm
 
     def vm_uids_now(self) -> tuple[str | None, str | None]:
         """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
@@ -145,7 +150,7 @@ class BottlenetService(MultiService):
         if self.smolvm.binary is None:
             return None, None
         euid = os.geteuid()
-        expected = VmUids.for_euid(euid)
+        expected = self.vm_uids
         seen = self.smolvm.vmm_seen
         if seen is None:
             who = "root" if euid == 0 else f"uid {euid}"
@@ -185,7 +190,7 @@ class BottlenetService(MultiService):
     def refusals(self) -> list[tuple[str, str, int]]:
         """Connections refused so far: by the forwards' budgets and each control listener's cap."""
         rows = [("forward", r, n) for r, n in self.table.budget.refused.items()]
-        rows += [(f.transport_kind, "cap", f.refused) for f in self.control_factories]
+        rows += [(f.admission.kind, "cap", f.refused) for f in self.control_factories]
         return rows
 
     async def _probe_smolvm(self) -> None:
@@ -200,10 +205,7 @@ class BottlenetService(MultiService):
         if self.node is not None:
             self.node.smolvm_version = str(version)
             self.node.smolvm_problem = None if version.supported else "version not supported"
-        for factory in self.control_factories:
-            factory.smolvm_version = str(version)
-            factory.smolvm_available = version.supported
-            factory.smolvm_source = self.smolvm.describe()
+        self.smolvm_facts.learned(str(version), version.supported, self.smolvm.describe())
         self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
     def stopService(self) -> Deferred[None]:
@@ -311,7 +313,10 @@ def compose(
         root
     )
     if settings.tls is not None:
-        tls_factory = root.control_factory.for_tls()
+        context = root.control_factory.context
+        tls_factory = ControlServerFactory(
+            context, TLSAdmission.of(context), max_connections=settings.control_cap
+        )
         root.control_factories.append(tls_factory)
         tls = settings.tls
         ListeningService(
@@ -347,7 +352,7 @@ def _restored(result: object, root: BottlenetService) -> object:
     their scoped creators are known."""
     assert root.node is not None
     root.node.leases.restore()
-    root.control_factory.creators.restore(root.registry.list_bottles())
+    root.control_factory.context.creators.restore(root.registry.list_bottles())
     return result
 
 
@@ -382,11 +387,12 @@ def _core(
         BottlenetService.log.warn(
             "--unsafe-skip-isolation-probe: agent VMs start WITHOUT the isolation launch gate"
         )
+    vm_uids = VmUids.for_euid(os.geteuid())
     vm_options = VMOptions(
         instance_id=state.instance_id,
         gate=settings.gate,
         skip_probe=settings.skip_probe,
-        vm_uids=VmUids.for_euid(os.geteuid()),
+        vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
     )
     vms = VMLifecycle(
@@ -403,7 +409,7 @@ def _core(
         vms=vms,
     )
     registry.protected_dirs = settings.protected_dirs
-    node = _node(settings, store, state, reactor, registry, table)
+    node = _node(settings, store, state, reactor, registry, table, vm_uids)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -418,6 +424,7 @@ def _core(
         settings.state_dir,
         smolvm_calls,
         control_commands,
+        vm_uids=vm_uids,
     )
     root.node = node
     return root, vmctl_service, vms
@@ -430,21 +437,20 @@ def _control_factory(
     node: Node,
     control_commands: metrics.CommandStats,
 ) -> ControlServerFactory:
-    """The control socket's factory over the registry and the node (the TLS one copies it)."""
-    return ControlServerFactory(
-        registry,
+    """The control socket's factory over the registry and the node; its context is the one
+    the TLS listener's factory shares (``compose``)."""
+    context = ControlContext(
+        backend=registry,
         server_version=__version__,
-        smolvm_version=None,
-        allowed_uids=settings.allowed_uids,
-        unix_target_root=settings.state_dir,
         clock=reactor,
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
-        max_connections=settings.control_cap,
         node=node,
-        scoped_uids=settings.scoped_uids,
         creators=Creators(registry.events.subscribe),
+        unix_target_root=settings.state_dir,
     )
+    admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)
+    return ControlServerFactory(context, admission, max_connections=settings.control_cap)
 
 
 def _node(
@@ -454,6 +460,7 @@ def _node(
     reactor: Any,
     registry: BottleRegistry,
     table: ForwardTable,
+    vm_uids: VmUids,
 ) -> Node:
     """The node contract (NodeInfo, Drain) over the registry."""
     euid = os.geteuid()
@@ -468,7 +475,7 @@ def _node(
         lease_grace=settings.lease_grace,
         host=socket.gethostname(),
         labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {VmUids.for_euid(euid)}",
+        privilege=f"{who}; smolvm VMs run with {vm_uids}",
     )
 
 

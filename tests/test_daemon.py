@@ -12,6 +12,7 @@ import sys
 from typing import Any, cast
 
 import pytest
+from attrs import evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.testing import MemoryReactorClock
 from twisted.logger import Logger, formatEvent, globalLogPublisher
@@ -27,7 +28,7 @@ from bottlenet.tap import BottlenetService, build_service
 from tests.control.fakes import Conn
 from tests.netio import OutputReader, roundtrip
 from tests.vmctl.fakereactor import FakeProcessReactor
-from vmctl.smolvm import SmolvmVersion, VmmSeen
+from vmctl.smolvm import SmolvmVersion, VmmSeen, VmUids
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LISTENING = re.compile(rb"forward (\S+)/(\S+) listening on ([0-9.]+):([0-9]+)")
@@ -510,7 +511,9 @@ def test_a_failed_smolvm_probe_is_logged_not_dropped() -> None:
     traceback (architecture-2.md 5.5), never left as an unhandled Deferred."""
     parts: Any = None  # the probe touches neither table, registry nor control factory
     smolvm: Any = _BrokenSmolvm()
-    root = BottlenetService(MemoryReactorClock(), parts, parts, smolvm, parts, "/")
+    root = BottlenetService(
+        MemoryReactorClock(), parts, parts, smolvm, parts, "/", vm_uids=VmUids.ONE
+    )
     events: list[dict[str, Any]] = []
     root.log = Logger(observer=events.append)
     done: list[object] = []
@@ -557,7 +560,8 @@ def test_first_hello_waits_for_the_smolvm_probe(tmp_path) -> None:  # type: igno
     slow = _SlowSmolvm()
     root.smolvm = cast(Any, slow)
     factory = root.control_factory
-    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    me = PeerCred(uid=os.geteuid(), pid=1)
+    factory.admission = evolve(factory.admission, peer_credentials=lambda sock: me)
     root.startService()
     try:
         conn = Conn(factory)
@@ -585,7 +589,8 @@ def test_vm_uids_row_says_what_was_seen(tmp_path) -> None:  # type: ignore[no-un
     slow.pending.callback(SmolvmVersion(1, 32, 2))
     root.smolvm = cast(Any, slow)
     factory = root.control_factory
-    factory.peer_credentials = lambda sock: PeerCred(uid=os.geteuid(), pid=1)
+    me = PeerCred(uid=os.geteuid(), pid=1)
+    factory.admission = evolve(factory.admission, peer_credentials=lambda sock: me)
     root.startService()
     euid = os.geteuid()
     expected = "per-VM uids" if euid == 0 else "one uid"

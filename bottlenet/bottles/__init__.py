@@ -13,9 +13,10 @@
   transitions do the work, its runtime handles); :mod:`~bottlenet.bottles.states`: the
   lifecycle's states and the registry's gate.
 - :mod:`~bottlenet.bottles.creation`: a VM create's steps with their undos.
-- :mod:`~bottlenet.bottles.lifecycle`: verify, egress, teardown, liveness and rebind.
+- :mod:`~bottlenet.bottles.lifecycle`: verify, egress, teardown.
 - :mod:`~bottlenet.bottles.vmerrors`: vmctl's errors as the control plane's.
-- :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start.
+- :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start (whether
+  a kept VM bottle lives on: ``check_alive``, ``rebind``).
 - :mod:`~bottlenet.bottles.isolation`: which isolation mode, which mechanism, which VM flags.
 - :mod:`~bottlenet.bottles.probe`: the launch gate step (markers, witness, exec, verdict) around
   :mod:`bottlenet.probe`.
@@ -23,7 +24,8 @@
 - :mod:`~bottlenet.bottles.agentenv`: the agent's stamped environment.
 - :mod:`~bottlenet.bottles.watch`: notice a VM process exit without polling smolvm.
 - :mod:`~bottlenet.bottles.attach`: a launcher's command in the agent VM (``exec -i [-t]``).
-- :mod:`~bottlenet.bottles.workload`: the workload's wrapper, its exit waiter, its log.
+- :mod:`~bottlenet.bottles.workload`: the workload's start after the gate, its wrapper, its exit
+  waiter, its log.
 - :mod:`~bottlenet.bottles.events`: bottle events as they happen (created ... destroyed).
 
 The rule of this room: bottles composes the data plane (:mod:`bottlenet.forward`) and the

@@ -33,6 +33,7 @@ from bottlenet.bottles.isolation import (
     IsolationPlan,
 )
 from bottlenet.bottles.lifecycle import (
+    Reserved,
     VMLifecycle,
     runs_bridge,
     vm_parts,
@@ -74,12 +75,9 @@ from vmctl.ports import (
     start_with_raw_ports,
     start_with_sockets,
 )
-from vmctl.smolvm import GUEST_ROOT, Features, UidReservation
+from vmctl.smolvm import Features
 from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
 
-WORKLOAD_TIMEOUT = 60.0
-#: A quick guest step (the workload command check).
-SETUP_TIMEOUT = 60.0
 #: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
 SIDECAR_SOCKET_DIR = "/run/bottlenet"
 RAW_PORTS_NOTE = (
@@ -199,7 +197,7 @@ class Creation:
         self.plan = plan
         self.undo: list[Undo] = []
         #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
-        self.uids: dict[Role, int] = {}
+        self.reserved: dict[Role, Reserved] = {}
         #: The bridge this create started (handed to the bottle's owner with the record).
         self.bridge: BridgeKeeper | None = None
 
@@ -267,7 +265,7 @@ class Creation:
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
-        await self.vms.end_uids(self.name, list(self.uids.values()))
+        await self.vms.end_uids(self.name, [r.uid for r in self.reserved.values()])
         return undone
 
     async def step_allocate(self) -> None:
@@ -299,7 +297,7 @@ class Creation:
         features = self.vms.smolvm.features or Features()
 
         async def remove() -> None:
-            await self.vms.remove_machine(name)
+            await self.vms.smolvm.remove(name)
 
         if self.sidecar.listen == LISTEN_TCP:
             raw = await self._start_raw_sidecar(name, features)
@@ -325,7 +323,7 @@ class Creation:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
             reserved = await self.vms.reserve_uid(name)
             if reserved is not None:
-                self.uids[Role.SIDECAR] = reserved.uid
+                self.reserved[Role.SIDECAR] = reserved
                 self.vms.access.hand_sidecar_dir(
                     sidecar_dir(self.vms.state_dir, self.name), reserved.uid
                 )
@@ -339,7 +337,8 @@ class Creation:
                 before_start=hand_over,
             )
         except PortNotOwned:
-            closed = self.vms._closed.pop(name, None)
+            reserved = self.reserved.get(Role.SIDECAR)
+            closed = None if reserved is None else reserved.closed
             if closed is None:
                 raise
             raise IsolationUnavailable(
@@ -348,8 +347,6 @@ class Creation:
                 "it only to the parents of its own data dir); chmod o+x it, or keep "
                 "--smolvm-data-dir under --state-dir (the default)"
             ) from None
-        finally:
-            self.vms._closed.pop(name, None)
         self.undo.append(("sidecar", remove))
         return SidecarStarted(name, started.pid, tuple(paths))
 
@@ -368,9 +365,8 @@ class Creation:
         async def reserve() -> None:
             # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
             reserved = await self.vms.reserve_uid(name)
-            self.vms._closed.pop(name, None)
             if reserved is not None:
-                self.uids[Role.SIDECAR] = reserved.uid
+                self.reserved[Role.SIDECAR] = reserved
 
         return await start_with_raw_ports(
             self.vms.smolvm,
@@ -437,7 +433,7 @@ class Creation:
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
         if agent.workload:
-            await self._start_workload(name, agent, env)
+            await workload.start(self.vms.smolvm, name, agent.workload, agent.user, env)
         return AgentStarted(name, env, probe)
 
     async def _create_agent(
@@ -445,7 +441,7 @@ class Creation:
         name: str,
         env: tuple[tuple[str, str], ...],
         endpoints: Sequence[Endpoint],
-    ) -> UidReservation | None:
+    ) -> Reserved | None:
         """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
         reservation (None under one uid)."""
@@ -463,13 +459,12 @@ class Creation:
         await self.vms.smolvm.create(spec)
 
         async def remove() -> None:
-            await self.vms.remove_machine(name)
+            await self.vms.smolvm.remove(name)
 
         self.undo.append(("agent", remove))
         reserved = await self.vms.reserve_uid(name)
-        self.vms._closed.pop(name, None)
         if reserved is not None:
-            self.uids[Role.AGENT] = reserved.uid
+            self.reserved[Role.AGENT] = reserved
             self.vms.grant_agent(self.name, endpoints, reserved.uid)
             self.grant_volumes(reserved.uid)
         if spec.from_file is not None:
@@ -493,67 +488,13 @@ class Creation:
 
         self.undo.append(("volume access", revoke))
 
-    async def _start_workload(
-        self, name: str, agent: AgentSpec, env: tuple[tuple[str, str], ...]
-    ) -> None:
-        """6d. The workload, after the gate: its user known, its command checked (as the
-        guest's root), then started detached as its user."""
-        smolvm = self.vms.smolvm
-        user = agent.user or await self._image_user(name, env)
-        check = await smolvm.exec(
-            name,
-            workload.prepare_argv(agent.workload, name),
-            env=dict(env),
-            timeout=SETUP_TIMEOUT,
-            user=GUEST_ROOT,
-        )
-        if check.exit_code == workload.PREPARE_NO_PYTHON:
-            raise SmolvmFailed(
-                f"starting the workload in {name} failed: its wrapper needs python3 in the "
-                f"agent VM (exit {check.exit_code})"
-            )
-        if check.exit_code == workload.PREPARE_NO_DIR:
-            raise SmolvmFailed(
-                f"starting the workload in {name} failed: the guest's root cannot create "
-                f"{workload.guest_dir(name)} in the agent VM (exit {check.exit_code})"
-            )
-        if check.exit_code != 0:
-            raise SmolvmFailed(
-                f"starting the workload in {name} failed: its command is not found"
-                f" in the agent VM (exit {check.exit_code})"
-            )
-        result = await smolvm.exec(
-            name,
-            workload.wrap(agent.workload, name, None if workload.runs_as_root(user) else user),
-            env=dict(env),
-            detach=True,
-            timeout=WORKLOAD_TIMEOUT,
-            user=GUEST_ROOT,
-        )
-        if result.exit_code != 0:
-            raise SmolvmFailed(f"starting the workload in {name} failed (exit {result.exit_code})")
-
-    async def _image_user(self, name: str, env: tuple[tuple[str, str], ...]) -> str:
-        """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
-        ``uid:gid``: the workload's user when the spec names none."""
-        result = await self.vms.smolvm.exec(
-            name, list(workload.IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
-        )
-        user = workload.image_user(result.stdout) if result.exit_code == 0 else None
-        if user is None:
-            raise SmolvmFailed(
-                f"starting the workload in {name} failed: the image's user cannot be read "
-                f"(`id` as the image's USER: exit {result.exit_code}); set agent.user"
-            )
-        return user
-
     async def step_gate(
         self, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]
     ) -> ProbeResult:
         """6b. The launch gate, between the agent VM's start and its workload."""
         if self.vms.options.skip_probe:
             return ProbeResult.SKIPPED
-        verdict = await self.vms.run_probe(
+        verdict = await self.vms.gate.check(
             self.name,
             agent_vm,
             self.plan.mode,
@@ -583,6 +524,10 @@ class Creation:
         self.undo.append(("bridge", stop))
         await self.vms.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
 
+    def _uid(self, role: Role) -> int | None:
+        reserved = self.reserved.get(role)
+        return None if reserved is None else reserved.uid
+
     def build(
         self,
         sidecar: SidecarStarted,
@@ -607,8 +552,8 @@ class Creation:
                 probe_skipped=self.vms.options.skip_probe,
                 probe=agent.probe,
                 workload=WorkloadState.RUNNING if self.agent.workload else None,
-                agent_uid=self.uids.get(Role.AGENT),
-                sidecar_uid=self.uids.get(Role.SIDECAR),
+                agent_uid=self._uid(Role.AGENT),
+                sidecar_uid=self._uid(Role.SIDECAR),
             ),
         )
 

@@ -1,9 +1,10 @@
-"""The services a VM bottle's operations run on: verify, egress, teardown, and after a restart
-``check_alive`` / ``rebind``; the bridge keeper and the pid watcher (each ``VMBottle`` holds its
-own sidecar watch).
+"""The services a VM bottle's operations run on: verify, egress, teardown; the bridge keeper
+and the pid watcher (each ``VMBottle`` holds its own sidecar watch).
 
-A create's steps are :mod:`bottlenet.bottles.creation` (one ``Creation`` per create); the
-registry (bottle names, one operation at a time, persistence) calls in here.
+A create's steps are :mod:`bottlenet.bottles.creation` (one ``Creation`` per create); whether a
+kept bottle lives on after a restart (``check_alive``, ``rebind``) is
+:mod:`bottlenet.bottles.recovery`'s; the registry (bottle names, one operation at a time,
+persistence) calls in here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from bottlenet.bottles.model import (
     LABEL_BOTTLE,
     LABEL_OWNER,
     LABEL_ROLE,
-    STATE_DEGRADED,
     Bottle,
     BottleVMs,
     Endpoint,
@@ -42,35 +42,29 @@ from bottlenet.bottles.spec import (
     AgentSpec,
     BottleSpec,
     BridgeMode,
-    EgressSpec,
     SidecarSpec,
     is_local_image,
 )
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.vmmaccess import VmmAccess, read_started_uid
-from bottlenet.bottles.watch import PidWatcher, pid_alive
+from bottlenet.bottles.watch import PidWatcher
 from bottlenet.errors import (
-    BottlenetError,
     InvalidArgument,
     IsolationFailed,
-    SmolvmFailed,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import (
     ForwardSpec,
     HeldSocket,
-    TCPListen,
     TCPTarget,
     UNIXListen,
     UNIXTarget,
 )
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import Verdict
-from bottlenet.probe.plan import IsolationMode
 from vmctl.errors import VmctlError
 from vmctl.ports import (
     Checker,
-    Ownership,
     SocketChecker,
     check_port_owner,
     check_socket_owner,
@@ -79,8 +73,6 @@ from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
 from vmctl.spec import Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
-#: The port of the stand-in "other bottle" address the gate must find closed.
-OTHER_BOTTLE_PORT = 443
 
 
 @frozen
@@ -97,6 +89,19 @@ class VMOptions:
     vm_uids: VmUids = VmUids.ONE
     #: Seconds a new sidecar's services get to answer (``readiness.py``).
     sidecar_ready_timeout: float = readiness.TIMEOUT
+
+
+@frozen
+class Reserved:
+    """A machine's VMM uid as reserved in smolvm's registry (per-VM uids), and a parent of
+    the state dir that VMM cannot pass (None: none): what says why its start then fails."""
+
+    reservation: UidReservation
+    closed: str | None
+
+    @property
+    def uid(self) -> int:
+        return self.reservation.uid
 
 
 def vm_parts(spec: BottleSpec) -> tuple[SidecarSpec, AgentSpec]:
@@ -128,21 +133,20 @@ class VMLifecycle:
         self.service_ready = service_ready
         self.smolvm = smolvm
         self.table = table
-        self.aliases = aliases
         self.state_dir = state_dir
         self.options = options
         self.check_port = check_port
         self.check_socket = check_socket
         self.watcher = PidWatcher(reactor)
-        self.gate = Gate(reactor, smolvm, table, state_dir=state_dir, settings=options.gate)
+        self.gate = Gate(
+            reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
+        )
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
         #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
         self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
             reactor, reactor.getThreadPool(), fn, *args
         )
-        #: Per machine being started: a parent of the state dir its VMM cannot pass, if any.
-        self._closed: dict[str, str | None] = {}
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -159,23 +163,22 @@ class VMLifecycle:
             (LABEL_ROLE, role),
         )
 
-    async def reserve_uid(self, machine: str) -> UidReservation | None:
+    async def reserve_uid(self, machine: str) -> Reserved | None:
         """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
-        into smolvm's registry now (honoured at start); None under one uid. Remembers a
-        parent of the state dir the VMM could not pass, to say why a start then fails."""
+        into smolvm's registry now (honoured at start), with a parent of the state dir that
+        VMM could not pass (to say why a start then fails); None under one uid."""
         if not self.access.per_vm:
             return None
         reserved = await self.smolvm.reserve_uid(machine)
-        self._closed[machine] = self.access.closed_ancestor(reserved.registry)
-        return reserved
+        return Reserved(reserved, self.access.closed_ancestor(reserved.registry))
 
-    async def check_started_uid(self, bottle: str, reserved: UidReservation) -> None:
+    async def check_started_uid(self, bottle: str, reserved: Reserved) -> None:
         """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
         VMM. That file is the VMM's own, so it is read as hostile input (``open_regular``, off
         the reactor thread); anything but the reserved uid fails the create. No file at all:
         smolvm dropped no privileges (the fake smolvm's one-uid mode)."""
         try:
-            started = await self.blocking(read_started_uid, reserved.started_file)
+            started = await self.blocking(read_started_uid, reserved.reservation.started_file)
         except FileNotFoundError:
             return
         except OSError as e:
@@ -244,65 +247,14 @@ class VMLifecycle:
         self.access.grant_endpoints((e.path for e in endpoints), uid)
         self.table.admit_peers(bottle, self.access.peers(uid))
 
-    # -- probe --------------------------------------------------------------------------
-
-    def other_bottle_target(self, bottle: str, endpoints: Sequence[Endpoint]) -> str:
-        """A live endpoint of another bottle, else an alias of the pool that is not ours."""
-        for info in self.table.list():
-            if info.spec.bottle != bottle and isinstance(info.bound, TCPListen):
-                return info.bound.describe()
-        ours = self.aliases.alias_of(bottle)
-        for addr in self.aliases.pool.network.hosts():
-            if addr != ours:
-                return f"{addr}:{OTHER_BOTTLE_PORT}"
-        return f"127.0.0.2:{OTHER_BOTTLE_PORT}"
-
-    async def run_probe(
-        self,
-        bottle: str,
-        agent_vm: str,
-        mode: IsolationMode,
-        endpoints: Sequence[Endpoint],
-        *,
-        volumes: Sequence[str] = (),
-        witness: bool,
-        egress: EgressSpec | None = None,
-        policy: Sequence[str] = (),
-        bridged: Sequence[int] = (),
-    ) -> Verdict:
-        """The launch gate (``witness``: before any workload, own endpoints diverted)."""
-        plan, verdict = await self.gate.run(
-            bottle,
-            agent_vm,
-            mode,
-            endpoints,
-            other_bottle=self.other_bottle_target(bottle, endpoints),
-            volumes=[Volume.parse(v) for v in volumes],
-            witness=witness,
-            proxy=next(
-                (e for e in endpoints if egress is not None and e.service == egress.connect_proxy),
-                None,
-            ),
-            allow_hosts=policy,
-            bridged=bridged,
-        )
-        self.log.info(
-            "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
-            " path): {detail}",
-            bottle=bottle,
-            result=verdict.result,
-            n=len(plan.own),
-            ports=len(plan.host_ports),
-            detail=verdict.describe(),
-        )
-        return verdict
+    # -- verify -----------------------------------------------------------------------
 
     async def verify(self, bottle: Bottle) -> Verdict:
         """The gate again while the workload runs: endpoints are not diverted then."""
         vm = bottle.require_vms()
         sidecar, agent = vm_parts(vm.spec)
         try:
-            return await self.run_probe(
+            return await self.gate.check(
                 bottle.name,
                 vm.agent_vm,
                 vm.mode,
@@ -336,10 +288,6 @@ class VMLifecycle:
 
     # -- teardown -----------------------------------------------------------------------
 
-    async def remove_machine(self, name: str) -> None:
-        """Stop, then ``delete -f`` (no VMM outlives its record); gone already is fine."""
-        await self.smolvm.remove(name)
-
     async def teardown(
         self, bottle: Bottle, *, listed: Mapping[str, Machine] | None = None
     ) -> None:
@@ -363,7 +311,7 @@ class VMLifecycle:
                             bottle=bottle.name,
                         )
                     continue
-                await self.remove_machine(name)
+                await self.smolvm.remove(name)  # stopped first: no VMM outlives its record
                 removed.append(uid)
         except VmctlError as e:
             raise map_vmctl(e) from None
@@ -409,94 +357,6 @@ class VMLifecycle:
         """The machines that carry this daemon's owner label (VmctlError when smolvm cannot
         tell: recovery decides what that means)."""
         return await self.smolvm.list(labels={LABEL_OWNER: self.options.instance_id})
-
-    def check_alive(self, bottle: Bottle, machines: Mapping[str, Machine] | None) -> str | None:
-        """Why a persisted bottle cannot be kept, or None when its sidecar still runs with
-        the recorded pid holding every exposed socket and raw port. ``machines`` is smolvm's
-        listing by name (None when smolvm could not list: then the pid alone is checked).
-        ``unreachable`` (a live VMM whose agent missed smolvm's 250 ms ping, a busy host)
-        with the recorded pid alive is not death."""
-        vm = bottle.require_vms()
-        if bottle.state == STATE_DEGRADED:
-            return "it was degraded"
-        if machines is None:
-            alive = pid_alive(vm.sidecar_pid)
-        else:
-            m = machines.get(vm.sidecar_vm)
-            alive = (
-                m is not None
-                and (m.running or m.unreachable)
-                and m.pid == vm.sidecar_pid
-                and pid_alive(vm.sidecar_pid)
-            )
-        if not alive:
-            return "its sidecar VM is gone"
-        for path in vm.sidecar_sockets:
-            sock = self.check_socket(path, vm.sidecar_pid)
-            if not sock.owned and not (
-                self.options.allow_unverifiable_ports and sock.ownership is Ownership.UNVERIFIABLE
-            ):
-                return f"a sidecar socket is no longer held by its VM ({sock.ownership.value})"
-        for port in vm.raw_ports:
-            check = self.check_port(port, vm.sidecar_pid)
-            if not check.owned and not (
-                self.options.allow_unverifiable_ports and check.ownership is Ownership.UNVERIFIABLE
-            ):
-                return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
-        return None
-
-    async def restored_uids(self, bottle: Bottle) -> BottleVMs:
-        """Under per-VM uids: the VMM uids the daemon reserved at create, checked against
-        smolvm's root-owned registry (a record older than them takes the registry's). Never
-        a VMM-writable file: a disagreement fails the bottle (ISOLATION_FAILED)."""
-        vm = bottle.require_vms()
-        if not self.access.per_vm:
-            return vm
-        found: dict[Role, int | None] = {}
-        for role, machine, kept in (
-            (Role.AGENT, vm.agent_vm, vm.agent_uid),
-            (Role.SIDECAR, vm.sidecar_vm, vm.sidecar_uid),
-        ):
-            registered = await self.smolvm.vmm_uid(machine)
-            if (kept is not None and registered != kept) or (role, registered) == (
-                Role.AGENT,
-                None,
-            ):
-                raise IsolationFailed(
-                    f"the {role} VM of {bottle.name} was reserved uid {kept} but smolvm's "
-                    f"registry holds {registered} for it; bottle torn down"
-                )
-            found[role] = registered
-        return evolve(vm, agent_uid=found[Role.AGENT], sidecar_uid=found[Role.SIDECAR])
-
-    async def rebind(self, bottle: Bottle) -> Bottle:
-        """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
-        sidecar sockets or raw ports, granted to the agent VMM uid reserved at create.
-
-        Returns the bottle with its uids (an old record gains them). On failure every
-        listener it bound is removed again and the typed error raised.
-        """
-        vm = bottle.require_vms()
-        try:
-            vm = await self.restored_uids(bottle)
-            for e in vm.endpoints:
-                behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
-                await self.bind_endpoint(
-                    bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
-                )
-            self.table.admit_peers(bottle.name, self.access.peers(None))
-            if vm.agent_uid is not None:
-                self.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
-        except VmctlError as e:
-            await self.table.remove_bottle(bottle.name)
-            raise map_vmctl(e) from None
-        except OSError as e:
-            await self.table.remove_bottle(bottle.name)
-            raise SmolvmFailed(f"granting the agent VM its endpoints: {e.strerror}") from None
-        except BottlenetError:
-            await self.table.remove_bottle(bottle.name)
-            raise
-        return evolve(bottle, vms=vm)
 
 
 def volumes_of(agent: AgentSpec) -> tuple[list[Volume], list[str]]:

@@ -65,12 +65,14 @@ class BottleState(enum.StrEnum):
     CREATING = "creating"
 
 
+class BottleKind(enum.StrEnum):
+    """A bottle's kind as its state-file record spells it."""
+
+    FORWARD = "forward"
+    VM = "vm"
+
+
 _KEPT_STATES = frozenset({BottleState.READY, BottleState.DEGRADED, BottleState.EXITED})
-STATE_READY = BottleState.READY
-STATE_DEGRADED = BottleState.DEGRADED
-STATE_EXITED = BottleState.EXITED
-KIND_FORWARD = "forward"
-KIND_VM = "vm"
 PROBE_SKIPPED_WARNING = (
     "created with --unsafe-skip-isolation-probe: the isolation of this bottle was NOT verified"
 )
@@ -279,13 +281,13 @@ class Bottle:
         vm = self.vms
         if vm is None:
             return {
-                "kind": KIND_FORWARD,
+                "kind": BottleKind.FORWARD,
                 "alias": self.alias,
                 "created_at": self.created_at,
                 "forwards": [f.to_json() for f in self.forwards],
             }
         return {
-            "kind": KIND_VM,
+            "kind": BottleKind.VM,
             "spec": vm.spec.doc,
             "mode": vm.mode,
             "mechanism": vm.mechanism,
@@ -320,7 +322,7 @@ class Bottle:
             created_at = f.number("created_at")
             raw_tenancy = f.value("tenancy", dict, optional=True)
             tenancy = None if raw_tenancy is None else Tenancy.from_state(raw_tenancy, StateError)
-            if kind == KIND_FORWARD:
+            if kind == BottleKind.FORWARD:
                 return cls(
                     name=name,
                     tenancy=tenancy,
@@ -333,7 +335,7 @@ class Bottle:
                         for i, r in enumerate(f.items("forwards"))
                     ),
                 )
-            if kind != KIND_VM:
+            if kind != BottleKind.VM:
                 raise StateError("kind: unknown")
             spec_doc = f.value("spec", dict)
             flags = f.value("flags", dict)

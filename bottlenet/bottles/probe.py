@@ -20,8 +20,11 @@ from attrs import evolve, frozen
 from twisted.logger import Logger
 
 from bottlenet.bottles.model import Endpoint, TCPEndpoint
+from bottlenet.bottles.spec import EgressSpec
 from bottlenet.bottles.unseen import refused_count, vmm_uid, why_unseen
 from bottlenet.errors import InvalidArgument
+from bottlenet.forward.aliases import AliasRegistry
+from bottlenet.forward.spec import TCPListen
 from bottlenet.forward.table import ForwardTable
 from bottlenet.paths import open_regular
 from bottlenet.probe.judge import Verdict, judge
@@ -45,6 +48,8 @@ from vmctl.spec import Volume
 PROBE_TIMEOUT = 60.0
 MARKER_PREFIX = ".bottlenet-gate-marker-"
 HOST_ID_FILES = ("/etc/machine-id", "/proc/sys/kernel/hostname")
+#: The port of the stand-in "other bottle" address the gate must find closed.
+OTHER_BOTTLE_PORT = 443
 #: The verdict type under the name the registry and the control plane know.
 ProbeVerdict = Verdict
 
@@ -200,16 +205,72 @@ class Gate:
         *,
         state_dir: str,
         settings: GateSettings,
+        aliases: AliasRegistry | None = None,
     ) -> None:
         self.reactor = reactor
         self.smolvm = smolvm
         self.table = table
         self.state_dir = state_dir
         self.settings = settings
+        #: The alias pool, to name an address of another bottle (None: no pool, 127.0.0.2).
+        self.aliases = aliases
 
     def marker_dirs(self) -> list[str]:
         home = self.settings.home or os.path.expanduser("~")
         return [d for d in dict.fromkeys((self.state_dir, home)) if os.path.isdir(d)]
+
+    def other_bottle_target(self, bottle: str) -> str:
+        """A live endpoint of another bottle, else an alias of the pool that is not ours."""
+        for info in self.table.list():
+            if info.spec.bottle != bottle and isinstance(info.bound, TCPListen):
+                return info.bound.describe()
+        if self.aliases is not None:
+            ours = self.aliases.alias_of(bottle)
+            for addr in self.aliases.pool.network.hosts():
+                if addr != ours:
+                    return f"{addr}:{OTHER_BOTTLE_PORT}"
+        return f"127.0.0.2:{OTHER_BOTTLE_PORT}"
+
+    async def check(
+        self,
+        bottle: str,
+        agent_vm: str,
+        mode: IsolationMode,
+        endpoints: Sequence[Endpoint],
+        *,
+        volumes: Sequence[str] = (),
+        witness: bool,
+        egress: EgressSpec | None = None,
+        policy: Sequence[str] = (),
+        bridged: Sequence[int] = (),
+    ) -> Verdict:
+        """The gate for a bottle's spec (``witness``: before any workload, own endpoints
+        diverted), against another bottle's address, its verdict logged."""
+        plan, verdict = await self.run(
+            bottle,
+            agent_vm,
+            mode,
+            endpoints,
+            other_bottle=self.other_bottle_target(bottle),
+            volumes=[Volume.parse(v) for v in volumes],
+            witness=witness,
+            proxy=next(
+                (e for e in endpoints if egress is not None and e.service == egress.connect_proxy),
+                None,
+            ),
+            allow_hosts=policy,
+            bridged=bridged,
+        )
+        self.log.info(
+            "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
+            " path): {detail}",
+            bottle=bottle,
+            result=verdict.result,
+            n=len(plan.own),
+            ports=len(plan.host_ports),
+            detail=verdict.describe(),
+        )
+        return verdict
 
     async def run(
         self,

@@ -8,14 +8,15 @@ its VM's, or whose endpoint cannot be re-bound: fail closed); deletes machines t
 owner label but that no bottle claims (a create cut short by a crash); removes unclaimed
 socket directories. A sidecar smolvm calls ``unreachable`` (its agent missed a 250 ms ping)
 whose recorded VMM pid is alive is not dead. It never touches a machine without our owner
-label.
+label. Whether one kept bottle lives on is :func:`check_alive` and :func:`rebind` here, over
+the lifecycle's smolvm, forward table and ownership checks.
 """
 
 from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from attrs import evolve
@@ -26,13 +27,122 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles.bottledirs import BOTTLES, remove_bottle_dir
 from bottlenet.bottles.lifecycle import VMLifecycle
-from bottlenet.bottles.model import LABEL_OWNER, Bottle, BottleState
+from bottlenet.bottles.model import (
+    LABEL_OWNER,
+    Bottle,
+    BottleState,
+    BottleVMs,
+    Role,
+    SocketEndpoint,
+)
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateError
-from bottlenet.errors import BottlenetError, InvalidArgument, safe_repr
-from bottlenet.forward.spec import AliasPool
+from bottlenet.bottles.vmerrors import map_vmctl
+from bottlenet.bottles.watch import pid_alive
+from bottlenet.errors import (
+    BottlenetError,
+    InvalidArgument,
+    IsolationFailed,
+    SmolvmFailed,
+    safe_repr,
+)
+from bottlenet.forward.spec import AliasPool, UNIXListen
 from vmctl.errors import VmctlError
+from vmctl.ports import Ownership
 from vmctl.smolvm import Machine
+
+
+def check_alive(
+    vms: VMLifecycle, bottle: Bottle, machines: Mapping[str, Machine] | None
+) -> str | None:
+    """Why a persisted bottle cannot be kept, or None when its sidecar still runs with
+    the recorded pid holding every exposed socket and raw port. ``machines`` is smolvm's
+    listing by name (None when smolvm could not list: then the pid alone is checked).
+    ``unreachable`` (a live VMM whose agent missed smolvm's 250 ms ping, a busy host)
+    with the recorded pid alive is not death."""
+    vm = bottle.require_vms()
+    if bottle.state == BottleState.DEGRADED:
+        return "it was degraded"
+    if machines is None:
+        alive = pid_alive(vm.sidecar_pid)
+    else:
+        m = machines.get(vm.sidecar_vm)
+        alive = (
+            m is not None
+            and (m.running or m.unreachable)
+            and m.pid == vm.sidecar_pid
+            and pid_alive(vm.sidecar_pid)
+        )
+    if not alive:
+        return "its sidecar VM is gone"
+    for path in vm.sidecar_sockets:
+        sock = vms.check_socket(path, vm.sidecar_pid)
+        if not sock.owned and not (
+            vms.options.allow_unverifiable_ports and sock.ownership is Ownership.UNVERIFIABLE
+        ):
+            return f"a sidecar socket is no longer held by its VM ({sock.ownership.value})"
+    for port in vm.raw_ports:
+        check = vms.check_port(port, vm.sidecar_pid)
+        if not check.owned and not (
+            vms.options.allow_unverifiable_ports and check.ownership is Ownership.UNVERIFIABLE
+        ):
+            return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
+    return None
+
+
+async def restored_uids(vms: VMLifecycle, bottle: Bottle) -> BottleVMs:
+    """Under per-VM uids: the VMM uids the daemon reserved at create, checked against
+    smolvm's root-owned registry (a record older than them takes the registry's). Never
+    a VMM-writable file: a disagreement fails the bottle (ISOLATION_FAILED)."""
+    vm = bottle.require_vms()
+    if not vms.access.per_vm:
+        return vm
+    found: dict[Role, int | None] = {}
+    for role, machine, kept in (
+        (Role.AGENT, vm.agent_vm, vm.agent_uid),
+        (Role.SIDECAR, vm.sidecar_vm, vm.sidecar_uid),
+    ):
+        registered = await vms.smolvm.vmm_uid(machine)
+        if (kept is not None and registered != kept) or (role, registered) == (
+            Role.AGENT,
+            None,
+        ):
+            raise IsolationFailed(
+                f"the {role} VM of {bottle.name} was reserved uid {kept} but smolvm's "
+                f"registry holds {registered} for it; bottle torn down"
+            )
+        found[role] = registered
+    return evolve(vm, agent_uid=found[Role.AGENT], sidecar_uid=found[Role.SIDECAR])
+
+
+async def rebind(vms: VMLifecycle, bottle: Bottle) -> Bottle:
+    """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
+    sidecar sockets or raw ports, granted to the agent VMM uid reserved at create.
+
+    Returns the bottle with its uids (an old record gains them). On failure every
+    listener it bound is removed again and the typed error raised.
+    """
+    vm = bottle.require_vms()
+    try:
+        vm = await restored_uids(vms, bottle)
+        for e in vm.endpoints:
+            behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
+            await vms.bind_endpoint(
+                bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
+            )
+        vms.table.admit_peers(bottle.name, vms.access.peers(None))
+        if vm.agent_uid is not None:
+            vms.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
+    except VmctlError as e:
+        await vms.table.remove_bottle(bottle.name)
+        raise map_vmctl(e) from None
+    except OSError as e:
+        await vms.table.remove_bottle(bottle.name)
+        raise SmolvmFailed(f"granting the agent VM its endpoints: {e.strerror}") from None
+    except BottlenetError:
+        await vms.table.remove_bottle(bottle.name)
+        raise
+    return evolve(bottle, vms=vm)
 
 
 class Recovery:
@@ -138,7 +248,7 @@ class Recovery:
                 "deleting orphan machine {name} (ours, claimed by no bottle)", name=m.name
             )
             try:
-                await self.vms.remove_machine(m.name)
+                await self.vms.smolvm.remove(m.name)
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
 
@@ -158,10 +268,10 @@ class Recovery:
         self, vms: VMLifecycle, bottle: Bottle, machines: dict[str, Machine] | None
     ) -> bool:
         """Re-bind a live bottle's endpoints; tear down one that cannot be restored."""
-        why = vms.check_alive(bottle, machines)
+        why = check_alive(vms, bottle, machines)
         if why is None:
             try:
-                bottle = await vms.rebind(bottle)
+                bottle = await rebind(vms, bottle)
             except BottlenetError as e:
                 why = f"endpoint not restored: {e.message}"
         if why is None:

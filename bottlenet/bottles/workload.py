@@ -38,6 +38,9 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
+from bottlenet.errors import SmolvmFailed
+from vmctl.smolvm import GUEST_ROOT, Smolvm
+
 
 class WorkloadState(enum.StrEnum):
     """Whether a bottle's workload still runs (as the state file and the wire carry it)."""
@@ -54,6 +57,11 @@ MAX_TAIL = 100_000
 #: size ``log`` becomes ``log.1`` (replacing the older one) and a new ``log`` starts. At most
 #: twice this much of the guest's RAM holds the workload's output.
 LOG_CAP = 8 * 1024 * 1024
+
+#: A quick guest step of the start (the workload's command check, the image's user).
+SETUP_TIMEOUT = 60.0
+#: The workload's detached start.
+START_TIMEOUT = 60.0
 
 #: Exit codes of the prepare step (:func:`prepare_argv`).
 PREPARE_NO_DIR = 125
@@ -183,6 +191,66 @@ def waiter_argv(agent_vm: str) -> list[str]:
 def logs_argv(agent_vm: str, tail: int, follow: bool) -> list[str]:
     flags = ["-F"] if follow else []
     return ["/bin/sh", "-c", _TAIL, "bottlenet-logs", guest_dir(agent_vm), str(tail), *flags]
+
+
+async def start(
+    smolvm: Smolvm,
+    agent_vm: str,
+    argv: tuple[str, ...],
+    user: str | None,
+    env: tuple[tuple[str, str], ...],
+) -> None:
+    """The workload ``argv``, after the gate (create's step 6d): its user known (``user``,
+    else the image's ``USER``), its command checked (as the guest's root), then started
+    detached as its user. SmolvmFailed says which of these failed."""
+    user = user or await read_image_user(smolvm, agent_vm, env)
+    check = await smolvm.exec(
+        agent_vm,
+        prepare_argv(argv, agent_vm),
+        env=dict(env),
+        timeout=SETUP_TIMEOUT,
+        user=GUEST_ROOT,
+    )
+    if check.exit_code == PREPARE_NO_PYTHON:
+        raise SmolvmFailed(
+            f"starting the workload in {agent_vm} failed: its wrapper needs python3 in the "
+            f"agent VM (exit {check.exit_code})"
+        )
+    if check.exit_code == PREPARE_NO_DIR:
+        raise SmolvmFailed(
+            f"starting the workload in {agent_vm} failed: the guest's root cannot create "
+            f"{guest_dir(agent_vm)} in the agent VM (exit {check.exit_code})"
+        )
+    if check.exit_code != 0:
+        raise SmolvmFailed(
+            f"starting the workload in {agent_vm} failed: its command is not found"
+            f" in the agent VM (exit {check.exit_code})"
+        )
+    result = await smolvm.exec(
+        agent_vm,
+        wrap(argv, agent_vm, None if runs_as_root(user) else user),
+        env=dict(env),
+        detach=True,
+        timeout=START_TIMEOUT,
+        user=GUEST_ROOT,
+    )
+    if result.exit_code != 0:
+        raise SmolvmFailed(f"starting the workload in {agent_vm} failed (exit {result.exit_code})")
+
+
+async def read_image_user(smolvm: Smolvm, agent_vm: str, env: tuple[tuple[str, str], ...]) -> str:
+    """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
+    ``uid:gid``: the workload's user when the spec names none."""
+    result = await smolvm.exec(
+        agent_vm, list(IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
+    )
+    user = image_user(result.stdout) if result.exit_code == 0 else None
+    if user is None:
+        raise SmolvmFailed(
+            f"starting the workload in {agent_vm} failed: the image's user cannot be read "
+            f"(`id` as the image's USER: exit {result.exit_code}); set agent.user"
+        )
+    return user
 
 
 class WorkloadWaiter(ProcessProtocol):

@@ -1,4 +1,7 @@
-"""The control server: who may talk (peer check) and what each command does (responders).
+"""The control server: one connection's life and what each command does (responders).
+
+Who may talk is each listener's admission (``control/context.py``: the UNIX socket's peer
+uid, the TLS port's client certificate); both listeners serve one shared context.
 
 Responders validate every argument with the spec validators *before* calling the backend,
 so a bad value never reaches the service layer and never changes state. Mutating commands
@@ -10,18 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import socket
 from collections.abc import Awaitable, Callable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from attrs import frozen
-from cryptography.x509.oid import NameOID
-from OpenSSL.crypto import X509
 from twisted.internet.interfaces import (
     IAddress,
     IHandshakeListener,
-    IReactorTime,
-    ISSLTransport,
     IUNIXTransport,
 )
 from twisted.internet.protocol import Factory, connectionDone
@@ -35,14 +32,11 @@ from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
-from bottlenet.control.admission import HandshakeAdmission, peer_source
 from bottlenet.control.backend import ControlBackend, NodeControl
 from bottlenet.control.calls import MAX_WAIT
-from bottlenet.control.events import EventHub
+from bottlenet.control.context import Admission, ControlContext, PeerIdentity
 from bottlenet.control.execbroker import ExecBridge
-from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
 from bottlenet.control.protocol import (
-    CommandObserver,
     HardenedAMP,
     SafeCommandLocator,
     amp_private_names_verified,
@@ -56,16 +50,14 @@ from bottlenet.control.records import (
     forward_record,
     stats_record,
 )
-from bottlenet.control.scope import Creators, ScopedBackend
+from bottlenet.control.scope import ScopedBackend
 from bottlenet.errors import (
     Busy,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     Unavailable,
-    safe_repr,
 )
-from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.forward.spec import (
     TCPListen,
     check_bottle_name,
@@ -76,7 +68,6 @@ from bottlenet.forward.spec import (
     targets_dir,
 )
 from bottlenet.views import LazyView
-from bottlenet.waiters import OneShot
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
@@ -101,30 +92,10 @@ def describe_client_version(value: str) -> str:
     return f"<{len(raw)} bytes sha256:{hashlib.sha256(raw).hexdigest()[:12]}>"
 
 
-#: At most one "refused peer" line per uid per this many seconds (a peer can retry at will).
-REFUSED_PEER_LOG_INTERVAL = 10.0
 #: Default cap on concurrent control connections (per listener): 64 x 256 KiB of boxes.
 DEFAULT_MAX_CONTROL_CONNECTIONS = 64
 #: Highest cap ``--control-max-connections`` accepts (1 GiB of boxes at the worst).
 MAX_CONTROL_CONNECTIONS = 4096
-
-
-@frozen
-class PeerIdentity:
-    """An authenticated peer, as it appears in logs."""
-
-    kind: Literal["unix", "tls"]
-    uid: int | None = None
-    pid: int | None = None
-    subject: str | None = None
-    #: ``--allow-uid UID:scoped``: it sees and acts on the bottles it created only.
-    scoped: bool = False
-
-    def describe(self) -> str:
-        if self.kind == "unix":
-            scoped = " (scoped)" if self.scoped else ""
-            return f"uid={self.uid} pid={self.pid if self.pid is not None else '?'}{scoped}"
-        return f"tls subject={self.subject}"
 
 
 #: No spec field needs a longer integer (memory sizes are MiB, ports 5 digits).
@@ -186,9 +157,10 @@ class ControlLocator(SafeCommandLocator):
 
     def __init__(self, factory: ControlServerFactory) -> None:
         self.factory = factory
-        self.backend: ControlBackend = factory.backend
+        self.context = factory.context
+        self.backend: ControlBackend = factory.context.backend
         self.peer: PeerIdentity | None = None
-        self.on_command = factory.on_command
+        self.on_command = factory.context.on_command
         self.connection: ControlServerProtocol | None = None
 
     async def _mutate(self, command: str, subject: str, action: Awaitable[T]) -> T:
@@ -223,17 +195,17 @@ class ControlLocator(SafeCommandLocator):
             raise C.UnsupportedProtocol(
                 f"no common protocol version: daemon speaks {list(C.SUPPORTED_PROTOCOLS)}"
             )
-        f = self.factory
-        if not f.smolvm_settled.fired:  # the daemon's one smolvm probe is still running
-            await f.smolvm_settled.when_fired()
-        vm_uids, basis = f.vm_uids_now() if f.vm_uids_now is not None else (f.vm_uids, None)
+        smolvm = self.context.smolvm
+        if not smolvm.settled:  # the daemon's one smolvm probe is still running
+            await smolvm.when_settled()
+        vm_uids, basis = smolvm.vm_uids()
         return {
-            "server_version": f.server_version,
+            "server_version": self.context.server_version,
             "protocol": max(common),
             "features": list(C.FEATURES),
-            "smolvm_available": f.smolvm_available,
-            "smolvm_version": f.smolvm_version,
-            "smolvm_source": f.smolvm_source,
+            "smolvm_available": smolvm.available,
+            "smolvm_version": smolvm.version,
+            "smolvm_source": smolvm.source,
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
         }
@@ -247,7 +219,7 @@ class ControlLocator(SafeCommandLocator):
             raise PermissionDenied(f"{command}: a scoped peer may not ask for it")
 
     def _node(self) -> NodeControl:
-        node = self.factory.node
+        node = self.context.node
         if node is None:
             raise Unavailable("this daemon has no node contract")
         return node
@@ -257,7 +229,7 @@ class ControlLocator(SafeCommandLocator):
         r = self._node().report()
         c = r.capacity
         return {
-            "server_version": self.factory.server_version,
+            "server_version": self.context.server_version,
             "protocol": C.PROTOCOL_VERSION,
             "host": r.host,
             "labels": [f"{k}={v}" for k, v in r.labels],
@@ -425,7 +397,7 @@ class ControlLocator(SafeCommandLocator):
         connection = self.connection
         if connection is None or connection.in_flight != 1:
             raise Busy(f"{what} needs a connection of its own (no other command in flight)")
-        f = self.factory
+        f, shared = self.factory, self.context
         if f.stopping:
             raise Unavailable("the daemon is stopping")
         peer = self.peer.describe() if self.peer else "?"
@@ -434,9 +406,9 @@ class ControlLocator(SafeCommandLocator):
             peer=peer,
             tty=tty,
             stdin=stdin,
-            clock=f.clock,
+            clock=shared.clock,
             resize=resize,
-            on_end=f.exec_sessions.discard,
+            on_end=shared.exec_sessions.discard,
             fds=fds,
         )
         self.log.info(
@@ -459,7 +431,7 @@ class ControlLocator(SafeCommandLocator):
         bridge.spawned()
         if time_limit is not None:
             bridge.set_deadline(time_limit)
-        f.exec_sessions.add(bridge)
+        shared.exec_sessions.add(bridge)
         if not self._bottle_exists(bottle):  # destroyed while smolvm was starting the command
             f.end_exec_sessions_of(bottle)
         if connection.transport is None:  # the client left while smolvm was starting
@@ -493,7 +465,7 @@ class ControlLocator(SafeCommandLocator):
     def watch(self, bottle: str | None) -> dict[str, Any]:
         if bottle is not None:
             check_bottle_name(bottle)
-        hub = self.factory.event_hub
+        hub = self.context.event_hub
         if hub is None or self.connection is None:
             raise Unavailable("this daemon publishes no events")
         scope = self.backend if isinstance(self.backend, ScopedBackend) else None
@@ -537,7 +509,7 @@ class ControlLocator(SafeCommandLocator):
     ) -> dict[str, Any]:
         bottle = check_bottle_name(bottle)
         label = check_label(label)
-        root = self.factory.unix_target_root
+        root = self.context.unix_target_root
         target_spec = parse_target(
             target, unix_root=None if root is None else targets_dir(root, bottle)
         )
@@ -592,17 +564,25 @@ class ControlLocator(SafeCommandLocator):
 
 @implementer(IHandshakeListener)
 class ControlServerProtocol(HardenedAMP):
-    """One control connection: authenticate the peer before parsing a single byte."""
+    """One control connection: its listener's admission lets the peer in before a single
+    byte is parsed."""
 
     log = Logger()
 
     def __init__(self, factory: ControlServerFactory) -> None:
         self.control = ControlLocator(factory)
-        super().__init__(locator=self.control, pause_reading=factory.transport_kind != "tls")
+        self.admission = factory.admission
+        super().__init__(locator=self.control, pause_reading=self.admission.pause_reading)
         self.control.connection = self
         self.factory = factory
-        # A TLS connection takes its slot once its certificate is verified (handshakeCompleted).
-        self._holds_slot = factory.transport_kind != "tls"
+        self.context = factory.context
+        # Taken at accept (UNIX), or once the peer is authenticated (TLS: take_slot).
+        self._holds_slot = self.admission.slot_at_accept
+
+    def take_slot(self) -> bool:
+        """One of the factory's capped slots for this connection, or False at the cap."""
+        self._holds_slot = self.factory.take_slot()
+        return self._holds_slot
 
     def release_slot(self) -> None:
         """Give the connection's slot back (once) to the factory's connection cap."""
@@ -610,12 +590,15 @@ class ControlServerProtocol(HardenedAMP):
             self._holds_slot = False
             self.factory.open_connections -= 1
 
+    def produce(self) -> None:
+        """The transport's write buffer paces this connection (it pauses our parsing)."""
+        self.ctransport.registerProducer(self, True)
+
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.release_slot()
-        if self.factory.admission is not None:
-            self.factory.admission.settled(self)
-        if self.factory.event_hub is not None:
-            self.factory.event_hub.forget(self)
+        self.admission.connection_lost(self)
+        if self.context.event_hub is not None:
+            self.context.event_hub.forget(self)
         super().connectionLost(reason)
 
     @property
@@ -629,37 +612,7 @@ class ControlServerProtocol(HardenedAMP):
         return {"peer": peer.describe(), "uid": peer.uid, "pid": peer.pid}
 
     def connectionMade(self) -> None:
-        if self.factory.transport_kind == "tls":
-            # Authenticated in handshakeCompleted, before any application data flows; until
-            # then the admission's deadline and caps bound what this connection may hold.
-            if self.factory.admission is not None:
-                self.factory.admission.admit(
-                    self, peer_source(self.transport), self._abort_unauthenticated
-                )
-            self.ctransport.registerProducer(self, True)
-            return
-        handle = self.ctransport.getHandle()
-        if not isinstance(handle, socket.socket) or handle.family != socket.AF_UNIX:
-            self.drop("not a UNIX socket: refusing a peer without credentials")
-            return
-        try:
-            cred = self.factory.peer_credentials(handle)
-        except OSError:
-            self.drop("could not read peer credentials")
-            return
-        scoped = cred.uid in self.factory.scoped_uids
-        if cred.uid not in self.factory.allowed_uids and not scoped:
-            self.release_slot()  # a refused peer never holds one of the capped slots
-            self.factory.refused_log.warn(
-                ("refused-peer", cred.uid),
-                "control: refused peer uid={uid} pid={pid}",
-                uid=cred.uid,
-                pid=cred.pid,
-            )
-            self.abort()
-            return
-        self.ctransport.registerProducer(self, True)
-        self.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid, scoped=scoped))
+        self.admission.connection_made(self)
 
     def authenticated_as(self, peer: PeerIdentity) -> None:
         """The peer is who it may be: its boxes are parsed from now on (a scoped peer's
@@ -667,132 +620,51 @@ class ControlServerProtocol(HardenedAMP):
         self.control.peer = peer
         if peer.scoped and peer.uid is not None:
             self.control.backend = ScopedBackend(
-                self.factory.backend, creator_of_uid(peer.uid), self.factory.creators
+                self.context.backend, creator_of_uid(peer.uid), self.context.creators
             )
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
         """Told by the TLS layer: this peer is not silent (see the handshake admission)."""
-        if self.factory.admission is not None:
-            self.factory.admission.spoke(self)
-
-    def _abort_unauthenticated(self) -> None:
-        """Ended by the handshake admission (deadline or cap); it logged why, rate-limited."""
-        self.abort()
+        self.admission.first_bytes(self)
 
     def handshakeCompleted(self) -> None:
-        if self.factory.admission is not None:
-            self.factory.admission.settled(self)
-        cert = cast(X509 | None, ISSLTransport(self.transport).getPeerCertificate())
-        if cert is None:
-            self.drop("TLS peer presented no certificate")
-            return
-        if not self.factory.take_slot():
-            self._abort_unauthenticated()
-            return
-        self._holds_slot = True
-        names = cert.to_cryptography().subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        subject = str(names[0].value) if names else ""
-        peer = PeerIdentity("tls", subject=safe_repr(subject))
-        self.authenticated_as(peer)
-        self.log.info("control: TLS peer {peer} authenticated", peer=peer.describe())
+        self.admission.handshake_completed(self)
 
 
 class ControlServerFactory(Factory):
-    """Builds control connections.
-
-    ``allowed_uids`` is the whole allow-list (see ``peercred.default_allowed_uids``).
-    ``transport_kind="tls"`` is for the optional TLS listener, where the client certificate
-    (verified by the TLS layer) stands in for peer credentials.
-    ``clock`` (the reactor; a ``Clock`` in tests) rate-limits the refused-peer log per uid,
-    flushes the suppressed counts, times the TLS handshake deadline and exec time limits.
-    ``on_command(command, result)`` hears every handled command (the daemon's metrics).
-    """
+    """Builds one listener's control connections: the shared ``context`` behind this
+    listener's ``admission`` (:class:`UnixAdmission` or :class:`TLSAdmission`), at most
+    ``max_connections`` authenticated at once."""
 
     log = Logger()
     noisy = False
 
     def __init__(
         self,
-        backend: ControlBackend,
+        context: ControlContext,
+        admission: Admission,
         *,
-        server_version: str,
-        smolvm_version: str | None,
-        allowed_uids: frozenset[int],
-        smolvm_available: bool | None = None,
-        peer_credentials: PeerCredentials = get_peer_credentials,
-        unix_target_root: str | None = None,
-        clock: IReactorTime,
-        transport_kind: Literal["unix", "tls"] = "unix",
-        refused_log: RateLimitedLogger | None = None,
-        on_command: CommandObserver | None = None,
-        event_hub: EventHub | None = None,
-        exec_sessions: set[ExecBridge] | None = None,
         max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
-        node: NodeControl | None = None,
-        scoped_uids: frozenset[int] = frozenset(),
-        creators: Creators | None = None,
     ) -> None:
-        self.backend = backend
-        #: ``--allow-uid UID:scoped`` uids: each sees and acts on its own bottles only.
-        self.scoped_uids = scoped_uids
-        #: Who created which bottle, for scoped peers' events (shared with the TLS factory).
-        self.creators = creators or Creators(lambda subscriber: lambda: None)
-        #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
-        self.node = node
-        self.event_hub = event_hub
-        #: Live exec sessions (shared with the TLS factory); ended when the daemon stops.
-        self.exec_sessions: set[ExecBridge] = set() if exec_sessions is None else exec_sessions
+        self.context = context
+        self.admission = admission
         self.stopping = False
         #: Concurrent connections at most (their boxes are capped at 256 KiB each).
         self.max_connections = max_connections
         self.open_connections = 0
         #: Connections refused by the cap (metrics).
         self.refused = 0
-        self.on_command = on_command
-        self.server_version = server_version
-        self.smolvm_version = smolvm_version
-        #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
-        self.smolvm_source: str | None = None
-        #: smolvm's privilege model (``vmctl.smolvm.VmUids``), once a smolvm is known.
-        self.vm_uids: str | None = None
-        #: Set by the daemon: the model and its basis now (seen at a VM start, or expected).
-        self.vm_uids_now: Callable[[], tuple[str | None, str | None]] | None = None
-        self.smolvm_available = (
-            smolvm_version is not None if smolvm_available is None else smolvm_available
-        )
-        #: Settled once the daemon's smolvm probe has (``tap.BottlenetService``): Hello waits
-        #: for it, so its smolvm fields are right from the first call (under socket
-        #: activation that call comes as soon as the reactor runs). Settled where none runs.
-        self.smolvm_settled: OneShot[None] = OneShot()
-        self.smolvm_settled.fire(None)
-        self.allowed_uids = allowed_uids
-        self.peer_credentials = peer_credentials
-        self.unix_target_root = unix_target_root
-        self.transport_kind: Literal["unix", "tls"] = transport_kind
-        self.clock = clock
-        self.refused_log = refused_log or RateLimitedLogger(
-            self.log,
-            clock,
-            interval=REFUSED_PEER_LOG_INTERVAL,
-            max_keys=1024,
-            # A one-shot timer only while refusals were dropped: no periodic wakeup.
-            auto_flush=True,
-        )
-        #: TLS only: the handshake deadline and the caps on unauthenticated connections.
-        self.admission: HandshakeAdmission | None = None
-        if transport_kind == "tls":
-            self.admission = HandshakeAdmission(self.clock, self.refused_log)
 
     def end_exec_sessions(self) -> None:
         """The daemon stops: end every command still running for a client."""
         self.stopping = True
-        for bridge in list(self.exec_sessions):
+        for bridge in list(self.context.exec_sessions):
             bridge.terminate()
 
     def end_exec_sessions_of(self, bottle: str) -> None:
         """The bottle was destroyed: end the commands still running in it for a client."""
-        for bridge in [b for b in self.exec_sessions if b.bottle == bottle]:
+        for bridge in [b for b in self.context.exec_sessions if b.bottle == bottle]:
             self.log.info(
                 "control: ending an exec session in destroyed bottle {bottle} ({peer})",
                 bottle=bottle,
@@ -811,34 +683,7 @@ class ControlServerFactory(Factory):
 
     def stopFactory(self) -> None:
         self.end_exec_sessions()
-        self.refused_log.flush()
-
-    def for_tls(self) -> ControlServerFactory:
-        """The same service for the TLS listener (client certificates instead of uids)."""
-        tls = ControlServerFactory(
-            self.backend,
-            server_version=self.server_version,
-            smolvm_version=self.smolvm_version,
-            smolvm_available=self.smolvm_available,
-            allowed_uids=self.allowed_uids,
-            peer_credentials=self.peer_credentials,
-            unix_target_root=self.unix_target_root,
-            transport_kind="tls",
-            clock=self.clock,
-            refused_log=self.refused_log,
-            on_command=self.on_command,
-            event_hub=self.event_hub,
-            exec_sessions=self.exec_sessions,
-            max_connections=self.max_connections,
-            node=self.node,
-            scoped_uids=self.scoped_uids,
-            creators=self.creators,
-        )
-        tls.smolvm_source = self.smolvm_source
-        tls.vm_uids = self.vm_uids
-        tls.vm_uids_now = self.vm_uids_now
-        tls.smolvm_settled = self.smolvm_settled
-        return tls
+        self.context.refused_log.flush()
 
     def take_slot(self) -> bool:
         """One of the capped slots for a peer, or False (logged, rate-limited) at the cap."""
@@ -846,8 +691,8 @@ class ControlServerFactory(Factory):
             # Each connection may buffer up to a 256 KiB box: the cap bounds that memory (and
             # the fds) whoever connects.
             self.refused += 1
-            self.refused_log.warn(
-                ("control-cap", self.transport_kind),
+            self.context.refused_log.warn(
+                ("control-cap", self.admission.kind),
                 "control: refused a connection: {max_connections} connections are open",
                 max_connections=self.max_connections,
             )
@@ -856,8 +701,6 @@ class ControlServerFactory(Factory):
         return True
 
     def buildProtocol(self, addr: IAddress | None) -> ControlServerProtocol | None:
-        if self.transport_kind == "tls":
-            return ControlServerProtocol(self)  # slot at handshakeCompleted, see admission
-        if not self.take_slot():
+        if self.admission.slot_at_accept and not self.take_slot():
             return None  # Twisted closes the socket
         return ControlServerProtocol(self)

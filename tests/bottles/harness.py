@@ -28,6 +28,7 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.context import ControlContext, UnixAdmission
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
 from bottlenet.ops.listening import ListeningService
@@ -327,11 +328,8 @@ class ControlSocketCase(TestCase):
         """Listen on ``self.path`` (again, after :meth:`go_away`) and wait until it does."""
         backend: Any = self.backend
         factory = _TrackingFactory(
-            backend,
-            server_version="0.1.0",
-            smolvm_version=None,
-            allowed_uids=default_allowed_uids(),
-            clock=reactor,
+            ControlContext(backend=backend, server_version="0.1.0", clock=reactor),
+            UnixAdmission(default_allowed_uids()),
         )
         factory.built = []
         self._factory = factory

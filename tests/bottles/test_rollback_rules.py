@@ -42,21 +42,21 @@ def test_a_guest_that_prints_a_perfect_transcript_without_connecting_fails(
 
 
 def test_a_failing_undo_does_not_stop_the_undos_after_it(
-    rigs: Callable[..., Rig], tmp: str
+    rigs: Callable[..., Rig], tmp: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """L08: the agent's removal fails, the sidecar and the listeners still go."""
     rig = rigs()
     rig.smolvm.on_exec = leak  # the gate fails: the create is rolled back
-    real = rig.vms.remove_machine
+    real = MemorySmolvm.remove
     failed: list[str] = []
 
-    async def flaky(name: str) -> None:
+    async def flaky(smolvm: MemorySmolvm, name: str) -> bool:
         if name.endswith("-agent"):
             failed.append(name)
             raise RuntimeError("undo failed")
-        await real(name)
+        return await real(smolvm, name)
 
-    rig.vms.remove_machine = flaky  # type: ignore[method-assign]
+    monkeypatch.setattr(MemorySmolvm, "remove", flaky)
     with pytest.raises(BottlenetError) as info:
         rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
     assert info.value.code == "ISOLATION_FAILED"  # the cause, not the undo's error

@@ -39,4 +39,4 @@ def test_lone_surrogate_over_the_control_socket_is_invalid_argument() -> None:
     spec = json.dumps(doc(sidecar__image=LONE))  # ensure_ascii: the \\ud800 escape
     with pytest.raises(InvalidArgument, match="no lone surrogates"):
         conn.call(C.CreateBottle, name="b1", spec=spec)
-    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+    assert conn.factory.context.backend.calls == []  # type: ignore[attr-defined]

@@ -18,6 +18,7 @@ from twisted.trial import unittest
 from bottlenet.cli.main import default_control, main
 from bottlenet.cli.output import report_control_error
 from bottlenet.control.clienterrors import DaemonUnreachable
+from bottlenet.control.context import ControlContext, UnixAdmission
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.tap import control_service
@@ -95,11 +96,8 @@ class CLITests(unittest.TestCase):
         self.addCleanup(os.rmdir, d)
         self.path = os.path.join(d, "control.sock")
         factory = ControlServerFactory(
-            FakeBackend(),
-            server_version="1.2.3",
-            smolvm_version=None,
-            allowed_uids=default_allowed_uids(),
-            clock=reactor,
+            ControlContext(backend=FakeBackend(), server_version="1.2.3", clock=reactor),
+            UnixAdmission(default_allowed_uids()),
         )
         svc = control_service(reactor, f"unix:{self.path}", factory, self.fail)
         svc.startService()

@@ -15,9 +15,20 @@ from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.control import codec
+from bottlenet.control.context import (
+    Admission,
+    ControlContext,
+    SmolvmFacts,
+    TLSAdmission,
+    UnixAdmission,
+)
 from bottlenet.control.framing import BoxParser
 from bottlenet.control.peercred import PeerCred
-from bottlenet.control.server import ControlServerFactory, ControlServerProtocol
+from bottlenet.control.server import (
+    DEFAULT_MAX_CONTROL_CONNECTIONS,
+    ControlServerFactory,
+    ControlServerProtocol,
+)
 from bottlenet.errors import AlreadyExists, NotFound
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardCounters, ForwardInfo
@@ -128,16 +139,33 @@ def counters(**values: int) -> ForwardCounters:
 
 
 def make_factory(
-    backend: FakeBackend | None = None, uid: int = OWN_UID, **kw: Any
+    backend: FakeBackend | None = None,
+    uid: int = OWN_UID,
+    *,
+    allowed_uids: frozenset[int] = frozenset({OWN_UID}),
+    scoped_uids: frozenset[int] = frozenset(),
+    max_connections: int = DEFAULT_MAX_CONTROL_CONNECTIONS,
+    smolvm_version: str | None = None,
+    tls: bool = False,
+    **context: Any,
 ) -> ControlServerFactory:
+    """A control factory over ``backend`` whose peers all have ``uid`` (the UNIX door's
+    credentials) or, with ``tls``, the TLS door of the same kind of context."""
+
     def creds(sock: socket.socket) -> PeerCred:
         return PeerCred(uid=uid, pid=4242)
 
-    kw.setdefault("allowed_uids", frozenset({OWN_UID}))
-    kw.setdefault("server_version", "0.1.0")
-    kw.setdefault("smolvm_version", None)
-    kw.setdefault("clock", Clock())
-    return ControlServerFactory(backend or FakeBackend(), peer_credentials=creds, **kw)
+    context.setdefault("server_version", "0.1.0")
+    context.setdefault("clock", Clock())
+    shared = ControlContext(
+        backend=backend or FakeBackend(), smolvm=SmolvmFacts(smolvm_version), **context
+    )
+    admission: Admission = (
+        TLSAdmission.of(shared)
+        if tls
+        else UnixAdmission(allowed_uids, scoped_uids, peer_credentials=creds)
+    )
+    return ControlServerFactory(shared, admission, max_connections=max_connections)
 
 
 class UNIXStringTransport(StringTransport):

@@ -98,7 +98,7 @@ def test_a_refused_uid_is_closing_and_nothing_it_sends_is_parsed() -> None:
 
 def test_tls_peer_is_authenticating_until_its_certificate_is_checked() -> None:
     """Under TLS the mode is authenticating until the handshake; then amp and parsed."""
-    factory = make_factory(clock=Clock()).for_tls()
+    factory = make_factory(clock=Clock(), tls=True)
     transport = UNIXStringTransport()
     proto = factory.buildProtocol(None)
     assert proto is not None
@@ -113,7 +113,7 @@ def test_tls_peer_is_authenticating_until_its_certificate_is_checked() -> None:
 
 def test_data_before_authentication_drops_the_connection(logs: list[LogEvent]) -> None:
     """A byte while authenticating drops the connection (closing), logged with our reason."""
-    factory = make_factory(clock=Clock()).for_tls()
+    factory = make_factory(clock=Clock(), tls=True)
     transport = UNIXStringTransport()
     proto = factory.buildProtocol(None)
     assert proto is not None

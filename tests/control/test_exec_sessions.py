@@ -48,7 +48,7 @@ def test_destroy_bottle_ends_its_exec_sessions() -> None:
     conn.call(C.CreateBottle, name="b2")
     doomed, doomed_child = _session("b1", clock)
     other, other_child = _session("b2", clock)
-    conn.factory.exec_sessions.update({doomed, other})
+    conn.factory.context.exec_sessions.update({doomed, other})
     assert conn.call(C.DestroyBottle, name="b1") == {}
     assert doomed_child.signals == ["TERM"]
     clock.advance(10)  # the grace period: then SIGKILL

@@ -141,7 +141,7 @@ def test_wrong_types_are_typed_errors_without_echo(
     assert CANARY not in info.value.message
     assert b"\xff" not in box[b"_error_description"]
     assert not conn.transport.aborted
-    backend = conn.factory.backend
+    backend = conn.factory.context.backend
     assert isinstance(backend, FakeBackend)
     assert backend.calls == []
     assert_no_canary(logs)
@@ -299,7 +299,7 @@ def test_tls_mode_stops_parsing_but_not_reading_and_caps_input() -> None:
     from bottlenet.control.protocol import MAX_UNPARSED
     from bottlenet.control.server import PeerIdentity
 
-    factory = make_factory(clock=Clock()).for_tls()
+    factory = make_factory(clock=Clock(), tls=True)
     transport = UNIXStringTransport()
     proto = factory.buildProtocol(None)
     proto.makeConnection(transport)
@@ -325,7 +325,7 @@ def _one(transport: UNIXStringTransport) -> amp.AmpBox:
 
 
 def test_tls_peer_without_certificate_dropped() -> None:
-    factory = make_factory(clock=Clock()).for_tls()
+    factory = make_factory(clock=Clock(), tls=True)
     transport = UNIXStringTransport()
     transport.getPeerCertificate = lambda: None  # type: ignore[attr-defined]
     proto = factory.buildProtocol(None)

@@ -9,6 +9,7 @@ import stat
 import tempfile
 from typing import Any
 
+from attrs import evolve
 from twisted.internet import reactor as _reactor
 from twisted.internet import ssl
 from twisted.internet.defer import Deferred, inlineCallbacks
@@ -26,11 +27,18 @@ from bottlenet.control import calls
 from bottlenet.control.blocking import BlockingControlClient, ControlConnectionError
 from bottlenet.control.client import ControlClient, connect_control
 from bottlenet.control.clienterrors import ClosedBeforeAnswer
+from bottlenet.control.context import (
+    REFUSED_PEER_LOG_INTERVAL,
+    ControlContext,
+    SmolvmFacts,
+    TLSAdmission,
+    UnixAdmission,
+)
 from bottlenet.control.endpoints import tls_control_endpoint
 from bottlenet.control.lightclient import LightControlClient
 from bottlenet.control.peercred import default_allowed_uids
 from bottlenet.control.protocol import HardenedAMP
-from bottlenet.control.server import REFUSED_PEER_LOG_INTERVAL, ControlServerFactory
+from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import NotFound
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.tap import control_service
@@ -63,11 +71,8 @@ class UNIXControlTests(unittest.TestCase):
         self.path = os.path.join(self.dir, "ctl", "control.sock")
         self.backend = FakeBackend()
         self.factory = ControlServerFactory(
-            self.backend,
-            server_version="9.9",
-            smolvm_version=None,
-            allowed_uids=default_allowed_uids(),
-            clock=reactor,
+            ControlContext(backend=self.backend, server_version="9.9", clock=reactor),
+            UnixAdmission(default_allowed_uids()),
         )
         self.fatal: list[str] = []
         self.service = control_service(
@@ -208,7 +213,7 @@ class UNIXControlTests(unittest.TestCase):
 
     @inlineCallbacks
     def test_uid_not_allowed_is_dropped(self) -> Any:
-        self.factory.allowed_uids = frozenset({os.geteuid() + 12345})
+        self.factory.admission = UnixAdmission(frozenset({os.geteuid() + 12345}))
 
         def script() -> str:
             try:
@@ -225,9 +230,12 @@ class UNIXControlTests(unittest.TestCase):
     def test_uid_refusal_says_so(self) -> Any:
         """Issue 30: refused for its uid, each client raises ClosedBeforeAnswer, and
         bottlenetctl's hint names the uid and --allow-uid, not "is the daemon running?"."""
-        self.factory.allowed_uids = frozenset({os.geteuid() + 12345})
+        self.factory.admission = UnixAdmission(frozenset({os.geteuid() + 12345}))
         # three refusals of one uid: the log's suppression timer on a clock of its own
-        self.factory.refused_log = RateLimitedLogger(Logger(), Clock(), REFUSED_PEER_LOG_INTERVAL)
+        self.factory.context = evolve(
+            self.factory.context,
+            refused_log=RateLimitedLogger(Logger(), Clock(), REFUSED_PEER_LOG_INTERVAL),
+        )
 
         def script() -> list[object]:
             out: list[object] = []
@@ -266,11 +274,13 @@ class SystemdTests(unittest.TestCase):
         fd = os.dup(s.fileno())
         s.close()
         factory = ControlServerFactory(
-            FakeBackend(),
-            server_version="sd",
-            smolvm_version="1.0",
-            allowed_uids=default_allowed_uids(),
-            clock=reactor,
+            ControlContext(
+                backend=FakeBackend(),
+                server_version="sd",
+                clock=reactor,
+                smolvm=SmolvmFacts("1.0"),
+            ),
+            UnixAdmission(default_allowed_uids()),
         )
         fatal: list[str] = []
         svc = control_service(
@@ -306,16 +316,15 @@ class TLSTests(unittest.TestCase):
         self.key, self.cert = certs.write(self.dir, "server", server)
         self.ca_path = certs.write(self.dir, "ca", self.ca)[1]
         self.backend = FakeBackend()
-        factory = ControlServerFactory(
-            self.backend,
+        context = ControlContext(
+            backend=self.backend,
             server_version="tls",
-            smolvm_version=None,
-            allowed_uids=frozenset(),
             clock=reactor,
             # Refusals logged without the flush timer, which outlives the listener (until the
             # reactor stops) while a refused key is still within its interval.
             refused_log=RateLimitedLogger(Logger(), reactor, REFUSED_PEER_LOG_INTERVAL),
-        ).for_tls()
+        )
+        factory = ControlServerFactory(context, TLSAdmission.of(context))
         self.server_protos: list[Any] = []
         build = factory.buildProtocol
 

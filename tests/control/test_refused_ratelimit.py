@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from attrs import evolve
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent
 
+from bottlenet.control.context import REFUSED_PEER_LOG_INTERVAL
 from bottlenet.control.peercred import PeerCred
-from bottlenet.control.server import REFUSED_PEER_LOG_INTERVAL, ControlServerFactory
+from bottlenet.control.server import ControlServerFactory
 
 from .fakes import Conn, make_factory
 
@@ -43,7 +45,9 @@ def test_flood_from_one_uid_is_one_line_per_interval(logs: list[LogEvent]) -> No
 def test_uids_are_limited_separately(logs: list[LogEvent]) -> None:
     uids = iter([0, 2000, 0, 2000, 3000])
     factory = make_factory(clock=Clock())
-    factory.peer_credentials = lambda sock: PeerCred(uid=next(uids), pid=7)
+    factory.admission = evolve(
+        factory.admission, peer_credentials=lambda sock: PeerCred(uid=next(uids), pid=7)
+    )
     for _ in range(5):
         _connect(factory)
     assert [e["uid"] for e in _refused(logs)] == [0, 2000, 3000]
@@ -75,7 +79,7 @@ def test_stop_reports_what_is_pending_without_a_clock(logs: list[LogEvent]) -> N
     assert len(_refused(logs)) == 1
     # Without a reactor the interval has not passed yet, so nothing is summed up early,
     # but nothing raises either; the counts stay with the limiter for the next refusal.
-    assert factory.refused_log.limiter.allow(("refused-peer", 0)) is None
+    assert factory.context.refused_log.limiter.allow(("refused-peer", 0)) is None
 
 
 def test_connections_themselves_add_no_lines() -> None:

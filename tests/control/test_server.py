@@ -6,6 +6,7 @@ import ipaddress
 from typing import Any
 
 import pytest
+from attrs import evolve
 from twisted.internet.error import ConnectionDone
 from twisted.logger import LogEvent
 from twisted.protocols import amp
@@ -15,6 +16,7 @@ from bottlenet.bottles.model import Bottle, TCPEndpoint
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.control import commands as C
 from bottlenet.control.codec import RemoteError
+from bottlenet.control.context import TLSAdmission
 from bottlenet.control.records import (
     BottleRecord,
     EndpointRecord,
@@ -22,6 +24,7 @@ from bottlenet.control.records import (
     bottle_record,
     encode_records,
 )
+from bottlenet.control.server import ControlServerFactory
 from bottlenet.errors import (
     ALL_ERRORS,
     AlreadyExists,
@@ -66,7 +69,7 @@ def test_hello_without_common_protocol(conn: Conn) -> None:
 
 
 def test_bottle_lifecycle(conn: Conn) -> None:
-    backend = conn.factory.backend
+    backend = conn.factory.context.backend
     assert isinstance(backend, FakeBackend)
     r = conn.call(C.CreateBottle, name="b1")
     assert r["bottle"] == BottleRecord("b1", "127.77.0.2", "control", "ready", 1700000000.5, 0)
@@ -95,7 +98,7 @@ def test_bottle_lifecycle(conn: Conn) -> None:
 
 
 def test_pagination(conn: Conn) -> None:
-    backend = conn.factory.backend
+    backend = conn.factory.context.backend
     assert isinstance(backend, FakeBackend)
     for i in range(250):
         conn.call(C.CreateBottle, name=f"b{i:03d}")
@@ -128,7 +131,7 @@ def test_bad_names_change_nothing(conn: Conn, name: str) -> None:
     ]:
         with pytest.raises(InvalidArgument):
             conn.call(cmd, **kw)
-    backend = conn.factory.backend
+    backend = conn.factory.context.backend
     assert isinstance(backend, FakeBackend)
     assert backend.calls == []
 
@@ -137,7 +140,7 @@ def test_bad_names_change_nothing(conn: Conn, name: str) -> None:
 def test_bad_ports(conn: Conn, port: int) -> None:
     with pytest.raises(InvalidArgument):
         conn.call(C.AddForward, bottle="b", label="web", target="127.0.0.1:80", port=port)
-    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+    assert conn.factory.context.backend.calls == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -146,13 +149,13 @@ def test_bad_ports(conn: Conn, port: int) -> None:
 def test_bad_targets(conn: Conn, target: str) -> None:
     with pytest.raises(InvalidArgument):
         conn.call(C.AddForward, bottle="b", label="web", target=target)
-    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+    assert conn.factory.context.backend.calls == []  # type: ignore[attr-defined]
 
 
 def test_bad_alias(conn: Conn) -> None:
     with pytest.raises(InvalidArgument):
         conn.call(C.CreateBottle, name="b", alias="127.1")
-    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+    assert conn.factory.context.backend.calls == []  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize("exc_type", ALL_ERRORS)
@@ -230,7 +233,7 @@ def test_unreadable_credentials_dropped() -> None:
         raise OSError("nope")
 
     f = make_factory()
-    f.peer_credentials = broken  # type: ignore[assignment]
+    f.admission = evolve(f.admission, peer_credentials=broken)
     c = Conn(f)
     assert c.transport.aborted
     c.close()
@@ -260,7 +263,7 @@ def test_unknown_code_becomes_remote_error() -> None:
 
 
 def test_busy_maps(conn: Conn) -> None:
-    conn.factory.backend.fail_with = Busy("try later")  # type: ignore[attr-defined]
+    conn.factory.context.backend.fail_with = Busy("try later")  # type: ignore[attr-defined]
     with pytest.raises(Busy):
         conn.call(C.DestroyBottle, name="b")
 
@@ -296,7 +299,9 @@ def test_every_handled_command_is_reported_once_with_its_result() -> None:
         ("BottleStatus", "INVALID_ARGUMENT"),
         ("ListBottles", "INTERNAL"),
     ]
-    assert c.factory.for_tls().on_command is c.factory.on_command
+    tls = ControlServerFactory(c.factory.context, TLSAdmission.of(c.factory.context))
+    tls_proto = tls.buildProtocol(None)
+    assert tls_proto is not None and tls_proto.control.on_command is c.proto.control.on_command
     c.close()
 
 
@@ -307,7 +312,7 @@ def test_huge_spec_integer_is_invalid_argument(conn: Conn, digits: int) -> None:
     with pytest.raises(InvalidArgument) as info:
         conn.call(C.CreateBottle, name="b1", spec=spec)
     assert info.value.message == "spec: integers have at most 20 digits"
-    assert conn.factory.backend.calls == []  # type: ignore[attr-defined]
+    assert conn.factory.context.backend.calls == []  # type: ignore[attr-defined]
 
 
 def test_concurrent_control_connections_are_capped() -> None:
@@ -335,7 +340,7 @@ def test_concurrent_control_connections_are_capped() -> None:
 
 def test_backend_gets_values_parsed_once(conn: Conn) -> None:
     """The responder hands the bottles layer parsed values, never raw text or dicts."""
-    backend = conn.factory.backend
+    backend = conn.factory.context.backend
     assert isinstance(backend, FakeBackend)
     conn.call(C.CreateBottle, name="b1", alias="127.77.0.9", spec='{"mode": "none"}')
     op, (name, alias, spec) = backend.mutations[-1]
@@ -377,7 +382,7 @@ def test_vm_bottle_record_is_a_view_without_raw_ports(tmp_path: Any) -> None:
 def test_hello_reports_the_vm_uid_model() -> None:
     """Issue 19: Hello (and ``bottlenetctl status``) says which privilege model is in force."""
     factory = make_factory(smolvm_version="1.32.2")
-    factory.vm_uids = str(VmUids.for_euid(0))
+    factory.context.smolvm.vm_uids = lambda: (str(VmUids.for_euid(0)), None)
     assert Conn(factory).call(C.Hello, client_version="x", protocols=[1])["vm_uids"] == (
         "per-VM uids"
     )

@@ -60,7 +60,7 @@ def _connect(factory: ControlServerFactory, host: str) -> tuple[Any, _TLSStringT
 
 def _tls_factory(max_connections: int = 64) -> tuple[ControlServerFactory, Clock]:
     clock = Clock()
-    return make_factory(clock=clock, max_connections=max_connections).for_tls(), clock
+    return make_factory(clock=clock, max_connections=max_connections, tls=True), clock
 
 
 def _launcher_pings(proto: ControlServerProtocol, transport: _TLSStringTransport) -> bool:
@@ -110,7 +110,7 @@ def test_tls_handshake_deadline_ends_silent_peers() -> None:
         early.handshakeCompleted()  # authenticated before the deadline: kept
         clock.advance(HANDSHAKE_DEADLINE)
     assert [t.aborted for _, t in conns] == [False] + [True] * 9
-    assert factory.admission is not None and factory.admission.waiting == 0
+    assert factory.admission is not None and factory.admission.handshakes.waiting == 0
     text = [e.get("log_format", "") for e in events]
     assert sum("did not complete its handshake" in t for t in text) == 1
 
@@ -151,8 +151,8 @@ def test_tls_settled_handshakes_give_their_source_slot_back() -> None:
         proto, transport = _connect(factory, "10.5.0.1")
         assert _launcher_pings(proto, transport)
         proto.connectionLost(Failure(ConnectionDone()))
-    assert factory.admission is not None and factory.admission.waiting == 0
-    assert factory.admission.ended == 0
+    assert factory.admission is not None and factory.admission.handshakes.waiting == 0
+    assert factory.admission.handshakes.ended == 0
 
 
 def test_tls_a_source_at_its_cap_evicts_only_its_own() -> None:
@@ -164,7 +164,7 @@ def test_tls_a_source_at_its_cap_evicts_only_its_own() -> None:
     assert not other.aborted
     assert sum(not t.aborted for _, t in flood) == MAX_PENDING_PER_SOURCE
     assert factory.admission is not None
-    assert factory.admission.waiting == MAX_PENDING_PER_SOURCE + 1
+    assert factory.admission.handshakes.waiting == MAX_PENDING_PER_SOURCE + 1
 
 
 def test_tls_the_deadline_is_five_seconds() -> None:
