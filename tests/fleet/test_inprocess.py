@@ -15,6 +15,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import pytest
 import ray
@@ -119,12 +120,15 @@ def all_bottles_free() -> bool:
 def fleet() -> Iterator[Fleet]:
     root = tempfile.mkdtemp(prefix="bnf-", dir="/tmp")
     f = Fleet(root)
-    try:
-        f.start()
-        yield f
-    finally:
-        f.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    # Ray's Cluster writes the head's address to <RAY_TMPDIR or /tmp>/ray/ray_current_cluster
+    # and fails where that directory does not exist (a fresh machine): keep it in ours.
+    with mock.patch.dict(os.environ, {"RAY_TMPDIR": root}):
+        try:
+            f.start()
+            yield f
+        finally:
+            f.stop()
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def test_pool_fills_every_daemon_retrying_refusals_then_destroys_all(fleet: Fleet) -> None:
