@@ -172,11 +172,15 @@ def qemu_argv(
     work: str,
     sock: str,
     shares: list[tuple[str, str, bool]],
+    ports: int = 1,
 ) -> list[str]:
+    """QEMU's command line; ``ports`` virtio ports onto ``sock`` (the relay's pool)."""
     argv = [
         "qemu-system-x86_64",
         "-accel",
         "tcg",
+        "-cpu",
+        "max",  # RDRAND among its features: with random.trust_cpu the guest has entropy at once
         "-m",
         "384",
         "-smp",
@@ -186,7 +190,9 @@ def qemu_argv(
         "-initrd",
         initrd,
         "-append",
-        "console=ttyS0 quiet panic=-1 rdinit=/init",
+        # random.trust_cpu: the guest's first python3 would otherwise wait seconds for the
+        # kernel to gather entropy (its hash seed reads /dev/urandom before the pool is ready)
+        "console=ttyS0 quiet panic=-1 rdinit=/init random.trust_cpu=on",
         "-display",
         "none",
         "-monitor",
@@ -204,6 +210,13 @@ def qemu_argv(
         "-device",
         "virtserialport,chardev=egress0,name=egress",
     ]
+    for i in range(1, ports):
+        argv += [
+            "-chardev",
+            f"socket,id=egress{i},path={sock},reconnect=1",
+            "-device",
+            f"virtserialport,chardev=egress{i},name=egress-{i}",
+        ]
     net = variant["net"]
     if net == "none":
         argv += ["-nic", "none"]

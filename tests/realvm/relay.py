@@ -4,6 +4,9 @@ Stands in for smolvm's ``--mount-socket``: the host end of the port is a QEMU ch
 connects to the daemon's real listener. One connection at a time; each opens the port, waits
 for its host end to be connected (QEMU reconnects a second after the previous connection
 ended), pumps bytes both ways, and ends when the guest side and then the host side are done.
+A run may give the guest a pool of such ports (``NAME``, ``NAME-1``, ...; each a chardev onto
+the same listener): connections take them in turn, so one need not wait out the previous
+one's reconnect second (smolvm's vsock has no such wait).
 """
 
 import os
@@ -13,13 +16,18 @@ import sys
 import time
 
 
-def port_path(name):
+def port_paths(name):
+    """The ports named ``name`` and ``name-N``, in that order (``name`` first)."""
     base = "/sys/class/virtio-ports"
+    found = {}
     for entry in os.listdir(base):
         with open(os.path.join(base, entry, "name")) as fh:
-            if fh.read().strip() == name:
-                return "/dev/" + entry
-    raise SystemExit("no virtio port named " + name)
+            port = fh.read().strip()
+        if port == name or (port.startswith(name + "-") and port[len(name) + 1 :].isdigit()):
+            found[port] = "/dev/" + entry
+    if name not in found:
+        raise SystemExit("no virtio port named " + name)
+    return [found[p] for p in sorted(found, key=lambda p: (len(p), p))]
 
 
 def write_all(fd, data):
@@ -36,24 +44,29 @@ def write_all(fd, data):
             select.select([], [fd], [], 0.1)
 
 
-def host_connected(fd, seconds):
-    """Wait until the port's host end is connected (until then it polls HUP, not OUT, and
-    reads as end of file)."""
+def host_connected(devs, seconds):
+    """Open the first of ``devs`` whose host end is connected (until then a port polls HUP,
+    not OUT, and reads as end of file), waiting for one: its index and fd, or None."""
+    fds = [os.open(dev, os.O_RDWR | os.O_NONBLOCK) for dev in devs]
     p = select.poll()
-    p.register(fd, select.POLLOUT)
+    for fd in fds:
+        p.register(fd, select.POLLOUT)
     end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if any(ev & select.POLLOUT for _, ev in p.poll(100)):
-            return True
-    return False
+    chosen = None
+    try:
+        while chosen is None and time.monotonic() < end:
+            ready = {fd for fd, ev in p.poll(100) if ev & select.POLLOUT}
+            chosen = next((i for i, fd in enumerate(fds) if fd in ready), None)
+    finally:
+        for i, fd in enumerate(fds):
+            if i != chosen:
+                os.close(fd)
+    return None if chosen is None else (chosen, fds[chosen])
 
 
-def pump(conn, dev):
-    fd = os.open(dev, os.O_RDWR | os.O_NONBLOCK)
+def pump(conn, fd):
     guest_open, deadline = True, None
     try:
-        if not host_connected(fd, 30.0):
-            return
         while True:
             wait = None if deadline is None else max(0.0, deadline - time.monotonic())
             if deadline is not None and wait == 0.0:
@@ -80,14 +93,19 @@ def pump(conn, dev):
 
 def main():
     path, name = sys.argv[1], sys.argv[2]
-    dev = port_path(name)
+    devs = port_paths(name)
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(8)
+    turn = 0
     while True:
         conn, _ = srv.accept()
         try:
-            pump(conn, dev)
+            order = devs[turn:] + devs[:turn]  # the port used last comes last
+            got = host_connected(order, 30.0)
+            if got is not None:
+                turn = (turn + got[0] + 1) % len(devs)
+                pump(conn, got[1])
         except OSError:
             pass
         finally:
