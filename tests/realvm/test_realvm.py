@@ -1,8 +1,8 @@
 """The launch gate in real guest kernels (QEMU, software emulation): the real-VM tier.
 
-Each variant boots once (one per core, at least two at a time), inside ``unshare -n`` (only ``lo``), with the
-daemon's real forward listener witnessing the own-endpoint check; every check below reads the
-result of that one boot. The verdict lines of each run are written to
+Each variant boots once (one QEMU per core, at least two at a time), inside ``unshare -n``
+(only ``lo``), with the daemon's real forward listener witnessing the own-endpoint check; every
+check below reads the result of that one boot. The verdict lines of each run are written to
 ``$BOTTLENET_REALVM_REPORT`` (if set) for the CI log. See tests/realvm/host.py for the guests.
 """
 
