@@ -35,6 +35,14 @@ mkdir -p /run/bottle
 python3 -I -S /relay.py /run/bottle/egress.sock egress &
 i=0
 while [ ! -S /run/bottle/egress.sock ] && [ $i -lt 100 ]; do sleep 0.1; i=$((i + 1)); done
+# With a NIC, the kernel takes an IPv6 default route from slirp's router advertisement (a
+# second or two after eth0 came up); the gate must find that path, so the probe waits for it.
+if [ "$NET" != none ]; then
+    i=0
+    while ! grep -q '^0\{32\} 00 .* eth0$' /proc/net/ipv6_route && [ $i -lt 100 ]; do
+        sleep 0.1; i=$((i + 1))
+    done
+fi
 if [ "$BLIND" = 1 ]; then
     mkdir -p /blind && cp /blind-python3 /blind/python3 && export PATH=/blind:$PATH
 fi
