@@ -91,6 +91,14 @@ class _Lazy:
         return getattr(module, attr)
 
 
+def _import_all_now() -> None:
+    """Every ``_Lazy`` module imported at once: the "VMM" needs them after its uid drop, as a
+    uid that may not read the interpreter's library (``/root/...``), so it imports as root."""
+    for name, value in list(globals().items()):
+        if isinstance(value, _Lazy):
+            globals()[name] = __import__(name)
+
+
 hashlib = _Lazy("hashlib")
 secrets = _Lazy("secrets")
 selectors = _Lazy("selectors")
@@ -1941,6 +1949,7 @@ def expose_readiness(cfg: dict) -> Callable[[str], bool]:
 
 def boot_vm(d: str) -> None:
     """The long-lived VM stand-in: listen on the published ports and echo."""
+    _import_all_now()
     with open(os.path.join(d, "boot-config.json")) as fh:
         cfg = json.load(fh)
     if cfg.get("ignore_term"):
