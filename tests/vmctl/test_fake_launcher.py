@@ -123,8 +123,7 @@ def test_a_cache_owned_by_another_user_is_not_run(copy: str) -> None:
 
 
 def test_a_link_under_another_name_is_that_name(copy: str) -> None:
-    """A symlink named ``smol-vmm`` runs the body (found through the link) and prints the
-    packed-assets note under its own name, unless ``smol-vmm.smolmachine`` lies beside it."""
+    """A link named ``smol-vmm`` finds the body; the note names it unless a pack lies beside."""
     other = tempfile.mkdtemp(prefix="fake-launcher-link-")
     try:
         link = os.path.join(other, "smol-vmm")
