@@ -22,6 +22,7 @@ from bottlenet.control.records import EventRecord
 from bottlenet.errors import Busy
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
+from vmctl.uids import registered_vm_uid
 
 from .daemon_helpers import ENV, REPO
 from .test_bridge import create, daemon, fetch, page_server
@@ -189,7 +190,8 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
         wait_for(lambda: named in d.log(), 60, "the cause to be logged")
         log = d.log()
         assert f"bottlenet's listener at {endpoint} never saw the connection" in log
-        assert "cannot write the socket (0600 0:2000" in log
+        agent_uid = registered_vm_uid(d.fake.vm_dir("bn-b1-agent"))
+        assert f"cannot write the socket (0600 0:{agent_uid})" in log
     finally:
         assert not d.cleanup()
 
