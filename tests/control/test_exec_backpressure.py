@@ -28,9 +28,7 @@ FEED_LIMIT = 64 * 1024 * 1024
 
 
 class StdinBackPressureTests(unittest.TestCase):
-    def _session(
-        self, *, tty: bool
-    ) -> tuple[ExecBridge, StringTransport, Clock, Deferred[None]]:
+    def _session(self, *, tty: bool) -> tuple[ExecBridge, StringTransport, Clock, Deferred[None]]:
         ended: Deferred[None] = Deferred()
         clock = Clock()  # the KILL grace's timer: the test ends it at once, not in 3 s
         bridge = ExecBridge(
