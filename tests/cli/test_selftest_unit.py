@@ -176,7 +176,10 @@ def test_spec_from_images_and_from_a_file() -> None:
     doc = st.build_spec(None, args, "/var/tmp/v")
     assert [s["guest_port"] for s in doc["sidecar"]["service"]] == [3128, 9418]
     assert doc["agent"]["volumes"] == ["/var/tmp/v:/var/tmp/v:rw"]
-    base: dict[str, Any] = {"mode": "socket", "agent": {"image": "/a.tar", "volumes": ["/p:/work:ro"]}}
+    base: dict[str, Any] = {
+        "mode": "socket",
+        "agent": {"image": "/a.tar", "volumes": ["/p:/work:ro"]},
+    }
     doc = st.build_spec(base, args, "/var/tmp/v")
     assert doc["agent"]["volumes"] == ["/p:/work:ro", "/var/tmp/v:/var/tmp/v:rw"]
     assert base["agent"]["volumes"] == ["/p:/work:ro"]  # the user's own value is untouched
