@@ -120,7 +120,7 @@ def test_ten_sessions_past_the_cap_are_busy_and_bottlenet_keeps_its_own(paged: V
 def _fetched(d: VMDaemon) -> Any:
     """A fetch once the closed session's slot is free again (the daemon frees it when the
     session's smolvm child has ended)."""
-    got = fetch(d)
+    got = fetch(d, "b1")
     return got if got.returncode == 0 else None
 
 
