@@ -8,11 +8,15 @@ this process can be another uid. ``test_scoped.py`` keeps the proof with a real 
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
+from typing import Any
 
 from attrs import evolve
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
 
 from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.context import UnixAdmission
 from bottlenet.control.peercred import PeerCred, get_peer_credentials
 from bottlenet.errors import NotFound, PermissionDenied
 from tests.bottles.harness import DaemonCase
@@ -38,6 +42,7 @@ class ScopedRuleTests(DaemonCase):
         await client.ping()  # its own connection is admitted before the door changes
         assert self.root is not None
         for factory in self.root.control_factories:
+            assert isinstance(factory.admission, UnixAdmission)
             factory.admission = evolve(factory.admission, peer_credentials=self.credentials)
         return client
 
@@ -62,7 +67,7 @@ class ScopedRuleTests(DaemonCase):
         await client.create_bottle("r1")  # the daemon's own uid: full control
 
         self.assertEqual([b.name for b in await alice.all_bottles()], ["a1"])
-        refused = (
+        refused: tuple[Callable[[], Deferred[Any]], ...] = (
             lambda: alice.bottle_status("b1"),
             lambda: alice.destroy_bottle("b1"),
             lambda: alice.destroy_bottle("r1"),
