@@ -129,8 +129,7 @@ class WorkloadTests(DaemonCase):
             bufsize=0,  # unbuffered: select() sees every line not yet read
         )
         try:
-            await self.when_logged("watches events")
-            record = await self.create(client, "b1", script)
+            record = await self.create(client, "b1", script)  # while the watcher starts
             assert (record.state, record.workload) == ("ready", "running")
             await in_thread(
                 wait_for,
@@ -138,6 +137,7 @@ class WorkloadTests(DaemonCase):
                 30,
                 "the workload's output",
             )
+            await self.when_logged("watches events")  # before the workload can end
             self.release("b1", gate)
             kinds = await in_thread(read_until_exited, watcher)
             event = kinds[-1]
