@@ -19,6 +19,7 @@ from bottlenet.control.execsession import ExecSession
 from bottlenet.errors import Busy
 from tests import netguard
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
+from vmctl.uids import registered_vm_uid
 
 from .daemon_helpers import ENV, REPO
 from .test_bridge import create, daemon, fetch, page_server
@@ -157,7 +158,8 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
         log = d.log()
         assert "bridged connection(s) to egress (guest port 3128) never reached" in log
         assert f"bottlenet's listener at {endpoint} never saw the connection" in log
-        assert "cannot write the socket (0600 0:2000" in log
+        agent_uid = registered_vm_uid(d.fake.vm_dir("bn-b1-agent"))
+        assert f"cannot write the socket (0600 0:{agent_uid})" in log
     finally:
         assert not d.cleanup()
 
