@@ -6,9 +6,10 @@ the launch gate has something real to check). Each fake fault that a first real 
 gives exactly the FAIL line it should; against the real smolvm of the ``vm`` extra on this
 host (no bootable KVM) the one FAIL is ``kvm``, and nothing is left behind.
 
-A whole run is costly (a VM bottle made, used and destroyed): the good setup runs once in
-text and once in ``--json``; a stale uid reservation is checked here as the daemon's
-``Leftovers`` answer, and the teardown line it fails in ``test_selftest_unit.py``.
+A whole run is costly (a VM bottle made, used and destroyed): the good setup runs once, in
+text, with a non-root image user; its ``--json`` report is checked over a stub daemon in
+``test_selftest_unit.py`` (the failing runs here are ``--json``). A stale uid reservation is
+checked here as the daemon's ``Leftovers`` answer, and the teardown line it fails there.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from bottlenet.cli.selftest import STEPS
 from tests.control.vmdaemon import VMDaemon
 
 pytestmark = pytest.mark.skipif(
@@ -50,11 +52,19 @@ def lines(report: dict[str, Any], verdict: str) -> list[str]:
     return [c["step"] for c in report["checks"] if c["verdict"] == verdict]
 
 
-def test_all_pass_on_a_good_setup_one_text_line_a_check(daemon: VMDaemon) -> None:
-    """A good setup, without --json: a line per check (PASS, the step, what was seen), every
-    line PASS ending with teardown, exit 0, and the bottle gone with nothing left."""
+def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) -> None:
+    """A good setup whose agent image's USER is not root (the fake's images file), without
+    --json: a line per check (PASS, the step, what was seen), every line PASS ending with
+    teardown, exit 0; exec-user names that user (bottlenet's own execs run with -u 0); the
+    bottle gone with nothing left. (A good run's --json report: test_selftest_unit.py.)"""
     daemon.fake.set_faults("exec-netns", version="1.32.2")
-    r = daemon.ctl("selftest", "--spec", daemon.spec, "--name", "st-text", timeout=300)
+    images = os.path.join(daemon.fake.path, "fake-images.json")
+    with open(images, "w") as f:
+        json.dump({daemon.image: {"user": "4242:4243"}}, f)
+    try:
+        r = daemon.ctl("selftest", "--spec", daemon.spec, "--name", "st-text", timeout=300)
+    finally:
+        os.unlink(images)
     out = r.stdout.decode().splitlines()
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr.decode(), r.stderr
@@ -62,27 +72,9 @@ def test_all_pass_on_a_good_setup_one_text_line_a_check(daemon: VMDaemon) -> Non
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
     assert len(out) == 14 and all(line.startswith("PASS") for line in out)
-    assert out[-1].split()[1] == "teardown"
-    with daemon.client() as c:
-        assert c.list_bottles().total == 0
-
-
-def test_a_non_root_image_user_passes_and_is_named(daemon: VMDaemon) -> None:
-    """An agent image whose USER is not root (the fake's images file): every line still
-    passes (--json: ok, exit 0, ending with teardown, the bottle gone), and exec-user names
-    that user (bottlenet's own execs run with -u 0)."""
-    daemon.fake.set_faults("exec-netns", version="1.32.2")
-    images = os.path.join(daemon.fake.path, "fake-images.json")
-    with open(images, "w") as f:
-        json.dump({daemon.image: {"user": "4242:4243"}}, f)
-    try:
-        code, report = selftest(daemon)
-    finally:
-        os.unlink(images)
-    assert code == 0 and lines(report, "FAIL") == [] and lines(report, "SKIP") == [], report
-    assert report["ok"] is True and [c["step"] for c in report["checks"]][-1] == "teardown"
-    user = next(c for c in report["checks"] if c["step"] == "exec-user")
-    assert "uid=4242" in user["seen"]
+    assert [line.split()[1] for line in out] == [*STEPS]  # every step once, teardown last
+    (user,) = [line for line in out if line.split()[1] == "exec-user"]
+    assert "uid=4242" in user
     with daemon.client() as c:
         assert c.list_bottles().total == 0
 
@@ -92,7 +84,7 @@ def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
     left behind."""
     daemon.fake.set_faults("exec-netns", "kvm", version="1.32.2")
     code, report = selftest(daemon)
-    assert code == 1 and lines(report, "FAIL") == ["kvm"]
+    assert code == 1 and report["ok"] is False and lines(report, "FAIL") == ["kvm"]
     kvm = next(c for c in report["checks"] if c["step"] == "kvm")
     assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
     assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids

@@ -397,22 +397,26 @@ def _run(daemon: _GoodDaemon, volume: str) -> tuple[bool, dict[str, Any]]:
     return False, json.loads(out.getvalue())
 
 
+def test_a_good_runs_json_report_passes_every_line(tmp_path: Any) -> None:
+    """``--json`` on a good setup: ok, no failure (exit 0), every step PASS once, in order,
+    teardown last. (The whole run against a daemon process is test_selftest.py's, in text.)"""
+    failed, report = _run(_GoodDaemon([]), str(tmp_path))
+    assert not failed and report["ok"] is True and report["bottle"] == "st-unit"
+    assert [(c["step"], c["verdict"]) for c in report["checks"]] == [
+        (step, "PASS") for step in st.STEPS
+    ], report
+
+
 def test_a_stale_uid_reservation_fails_the_teardown_line_alone(tmp_path: Any) -> None:
-    """A good run whose daemon's Leftovers names a uid still reserved for a VM that is gone:
-    the one FAIL is teardown, saying it, and the command fails (exit 1). The daemon's side
-    (Leftovers reads smolvm's registry) is tests/cli/test_selftest.py's."""
+    """The same good run, but the daemon's Leftovers names a uid still reserved for a VM that
+    is gone: the one FAIL is teardown, saying it, and the command fails (exit 1). The daemon's
+    side (Leftovers reads smolvm's registry) is test_selftest.py's."""
     left = "uid 2065000 is still reserved for VM 0123456789abcdef, whose directory is gone"
-    for leftovers, volume in (([], tmp_path / "good"), ([left], tmp_path / "stale")):
-        volume.mkdir()
-        failed, report = _run(_GoodDaemon(leftovers), str(volume))
-        verdicts = [(c["step"], c["verdict"]) for c in report["checks"]]
-        if not leftovers:  # the same daemon without the reservation: a good setup
-            assert not failed and report["ok"] is True
-            assert verdicts == [(step, "PASS") for step in st.STEPS], report
-            continue
-        assert failed and report["ok"] is False
-        assert [step for step, v in verdicts if v == "FAIL"] == ["teardown"], report
-        assert [step for step, v in verdicts if v == "PASS"] == list(st.STEPS[:-1])
-        teardown = report["checks"][-1]
-        assert teardown["step"] == "teardown"
-        assert "uid 2065000 is still reserved for VM 0123456789abcdef" in teardown["seen"]
+    failed, report = _run(_GoodDaemon([left]), str(tmp_path))
+    verdicts = [(c["step"], c["verdict"]) for c in report["checks"]]
+    assert failed and report["ok"] is False
+    assert [step for step, v in verdicts if v == "FAIL"] == ["teardown"], report
+    assert [step for step, v in verdicts if v == "PASS"] == list(st.STEPS[:-1])
+    teardown = report["checks"][-1]
+    assert teardown["step"] == "teardown"
+    assert "uid 2065000 is still reserved for VM 0123456789abcdef" in teardown["seen"]

@@ -151,11 +151,12 @@ def test_daemon_restart_starts_the_bridge_again(shared: VMDaemon) -> None:
     wait_for(lambda: old not in bridge_pids(d, "restarted"), 30, "the old bridge to end")
     d.start()
     wait_for(lambda: bridge_pids(d, "restarted"), 30, "a new bridge")
-    wait_for(
-        lambda: b"running (3128)" in d.ctl("bottle", "status", "restarted").stdout,
-        30,
-        "the bridge to run",
-    )
+    with d.client() as c:  # polled on one connection, not a bottlenetctl process a try
+        wait_for(
+            lambda: "running (3128)" in (c.bottle_status("restarted").bridge or ""),
+            30,
+            "the bridge to run",
+        )
     r = fetch(d, "restarted")
     assert r.returncode == 0 and r.stdout == PAGE, r
 
