@@ -74,8 +74,6 @@ def test_bad_value_is_one_line_on_stderr_and_exit_status_1(tmp_path) -> None:  #
 @pytest.mark.parametrize(
     ("runner", "args", "line"),
     [
-        (["-m", "twisted"], ["--allow-uid", "abc"], "--allow-uid: 'abc' is not a uid"),
-        (["-m", "twisted"], ["--log-format", "yaml"], "--log-format must be one of: json, text"),
         (["-m", "twisted"], ["--confg", "x"], "option --confg not recognized"),
         (
             ["-c", "from twisted.scripts.twistd import run; run()", "--pidfile="],
@@ -85,8 +83,8 @@ def test_bad_value_is_one_line_on_stderr_and_exit_status_1(tmp_path) -> None:  #
     ],
 )
 def test_usage_errors_are_one_line(tmp_path, runner: list[str], args: list[str], line: str) -> None:  # type: ignore[no-untyped-def]
-    """Issue 30: an unknown option or a bad ``--allow-uid``/``--log-format`` is one line and
-    status 1 under twist and twistd, not Twisted's 77 lines of help and status 64."""
+    """Issue 30: a usage error is one line and status 1 under twist and twistd, not Twisted's
+    77 lines of help and status 64 (each usage error's line: the in-process test below)."""
     out = subprocess.run(
         [sys.executable, *runner, "bottlenet", *args],
         env=_env(),
@@ -103,6 +101,22 @@ def test_usage_errors_are_one_line(tmp_path, runner: list[str], args: list[str],
     assert out.stdout == ""
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--allow-uid", "abc"], "--allow-uid: 'abc' is not a uid"),
+        (["--log-format", "yaml"], "--log-format must be one of: json, text"),
+        (["--confg", "x"], "option --confg not recognized"),
+    ],
+)
+def test_usage_error_is_its_one_line(tmp_path, args: list[str], line: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: an unknown option or a bad ``--allow-uid``/``--log-format`` stops the plugin's
+    option parsing with its one line (which twist prints, exit 1: the test above)."""
+    assert _build_fails("--state-dir", str(tmp_path / "s"), *args) == (
+        f"bottlenet: error: {line} (see --help)"
+    )
+
+
 def _taken_port(host: str) -> socket.socket:
     """A listening TCP socket on ``host``: the port a daemon option then finds taken."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -111,32 +125,52 @@ def _taken_port(host: str) -> socket.socket:
     return s
 
 
-@pytest.mark.parametrize("kind", ["control-dir", "metrics-port", "config-port"])
-def test_listen_failure_at_start_is_one_line_once(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
-    """Issue 30: a listener that cannot listen at start is one line on stderr, once, exit 1:
-    not the same text three times, not an "Unhandled error in Deferred" traceback."""
-    run = tmp_path / "run"
-    run.mkdir(mode=0o700)
-    args = ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{run}/c.sock"]
-    with _taken_port("127.0.0.1" if kind == "metrics-port" else "127.77.0.9") as taken:
-        port = taken.getsockname()[1]
-        if kind == "control-dir":
-            run.chmod(0o755)
-            want = f"control: cannot listen on unix:{run}/c.sock: {run} is mode 0755; "
-        elif kind == "metrics-port":
-            args += ["--metrics", f"tcp:{port}:interface=127.0.0.1"]
-            want = f"metrics: cannot listen on 127.0.0.1:{port}: EADDRINUSE ("
-        else:
-            body = "[[bottle]]\nname = 'b'\nalias = '127.77.0.9'\n[[bottle.forward]]\n"
-            body += f"label = 'web'\nport = {port}\ntarget = '127.0.0.1:9'\n"
-            args += ["--config", _write_config(tmp_path, body)]
-            want = f"bottle[0].forward[0]: cannot listen on 127.77.0.9:{port}: EADDRINUSE ("
-        out = _run_fail(args)
+def _one_line_once(out: subprocess.CompletedProcess[str], want: str) -> None:
+    """A start-up failure as issue 30 has it: one line on stderr (containing ``want``), once,
+    exit 1: not the same text three times, not an "Unhandled error in Deferred" traceback."""
     lines = out.stderr.splitlines()
     assert out.returncode == 1 and len(lines) == 1, out.stderr
     assert lines[0].startswith("bottlenet: error: ") and want in lines[0]
     assert "Traceback" not in out.stdout + out.stderr
     assert out.stdout.count("fatal: ") == 1
+
+
+@pytest.mark.parametrize("kind", ["control-dir", "metrics-port"])
+def test_listen_failure_at_start_is_one_line_once(tmp_path, kind: str) -> None:  # type: ignore[no-untyped-def]
+    """Issue 30: a listener that cannot listen at start is one line on stderr, once, exit 1
+    (a config forward's: ``test_bind_failure_exits_nonzero_and_names_the_key``)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    args = ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{run}/c.sock"]
+    with _taken_port("127.0.0.1") as taken:
+        port = taken.getsockname()[1]
+        if kind == "control-dir":
+            run.chmod(0o755)
+            want = f"control: cannot listen on unix:{run}/c.sock: {run} is mode 0755; "
+        else:
+            args += ["--metrics", f"tcp:{port}:interface=127.0.0.1"]
+            want = f"metrics: cannot listen on 127.0.0.1:{port}: EADDRINUSE ("
+        out = _run_fail(args)
+    _one_line_once(out, want)
+
+
+def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A config forward whose port is taken (past one that did bind) stops the daemon with
+    one line naming the file and the key, once, exit 1 (issue 30, as every listener)."""
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    args = ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{run}/c.sock"]
+    with _taken_port("127.77.0.9") as taken:
+        port = taken.getsockname()[1]
+        config = _write_config(
+            tmp_path,
+            "[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n"
+            "[[bottle.forward]]\nlabel = 'a'\nport = 0\ntarget = '127.0.0.1:9'\n"
+            f"[[bottle.forward]]\nlabel = 'b'\nport = {port}\ntarget = '127.0.0.1:9'\n",
+        )
+        out = _run_fail([*args, "--config", config])
+    want = f"{config}: bottle[0].forward[1]: cannot listen on 127.77.0.9:{port}: EADDRINUSE ("
+    _one_line_once(out, want)
 
 
 def _build_fails(*args: str) -> str:
@@ -260,26 +294,6 @@ def test_bad_control_is_one_line_before_anything_binds(tmp_path) -> None:  # typ
     assert not (state / "metrics.sock").exists()
 
 
-def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    squatter = socket.socket()
-    squatter.bind(("127.77.0.9", 0))
-    squatter.listen(1)
-    port = squatter.getsockname()[1]
-    config = _write_config(
-        tmp_path,
-        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.9'\n"
-        "[[bottle.forward]]\nlabel = 'a'\nport = 0\ntarget = '127.0.0.1:9'\n"
-        f"[[bottle.forward]]\nlabel = 'b'\nport = {port}\ntarget = '127.0.0.1:9'\n",
-    )
-    try:
-        out = _run_fail(["--state-dir", str(tmp_path / "s"), "--config", config])
-    finally:
-        squatter.close()
-    assert out.returncode == 1
-    assert f"{config}: bottle[0].forward[1]:" in out.stderr
-    assert "Traceback" not in out.stdout + out.stderr
-
-
 def _start(cmd: list[str]) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
@@ -299,12 +313,48 @@ def _wait_listening(proc: subprocess.Popen[bytes], timeout: float = 90) -> tuple
 REACTOR = re.compile(rb"relay engine (\S+), reactor (\w+)")
 
 
+def _forward_config(tmp_path, echo_server: int) -> str:  # type: ignore[no-untyped-def]
+    """A config with one bottle whose one forward (port 0) relays to ``echo_server``."""
+    return _write_config(
+        tmp_path,
+        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
+        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
+    )
+
+
+def _serves_its_forward(
+    proc: subprocess.Popen[bytes], reactor: str
+) -> tuple[OutputReader, str, int]:
+    """The daemon ``proc`` (of ``_forward_config``) says it relays with splice on ``reactor``,
+    and its forward relays 300 KB both ways: its output so far, the forward's host and port."""
+    assert proc.stdout is not None
+    reader = OutputReader(proc.stdout.fileno())
+    try:
+        started = reader.wait_for(REACTOR, 90)
+        m = reader.wait_for(LISTENING, 90)
+    except AssertionError:
+        proc.kill()
+        raise
+    assert started.groups() == (b"splice", reactor.encode())
+    host, port = m.group(3).decode(), int(m.group(4))
+    assert host == "127.77.0.2" and port != 0
+    payload = os.urandom(300_000)
+    assert roundtrip(host, port, payload) == payload
+    return reader, host, port
+
+
+def _nothing_listens(host: str, port: int) -> None:
+    """After a clean stop nothing listens on the forward any more."""
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection((host, port), timeout=5).close()
+
+
 @pytest.mark.parametrize(
     ("runner", "reactor"),
     [
-        # Started the README's way or as the units do, the daemon runs on the fast reactor
-        # and the splice engine without any flag; --reactor still chooses another reactor.
-        ("twist", "QuietEPollReactor"),
+        # Started as the units do, the daemon runs on the fast reactor and the splice engine
+        # without any flag; --reactor still chooses another reactor. Started the README's way
+        # (twist): the first daemon of test_second_daemon_on_the_state_dir_exits_before_...
         ("twistd", "QuietEPollReactor"),
         ("twist --reactor epoll", "EPollReactor"),
     ],
@@ -312,40 +362,21 @@ REACTOR = re.compile(rb"relay engine (\S+), reactor (\w+)")
 def test_daemon_serves_the_configured_forward(
     tmp_path, echo_server: int, runner: str, reactor: str
 ) -> None:  # type: ignore[no-untyped-def]
-    config = _write_config(
-        tmp_path,
-        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
-        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
-    )
-    args = ["bottlenet", "--state-dir", str(tmp_path / "s"), "--config", config]
-    if runner.startswith("twist "):
-        cmd = [sys.executable, "-m", "twisted", *runner.split()[1:], "--log-format=text", *args]
-    elif runner == "twist":
-        cmd = [sys.executable, "-m", "twisted", "--log-format=text", *args]
-    else:
+    """The daemon under ``runner`` serves its configured forward; stopped, it frees it."""
+    args = ["bottlenet", "--state-dir", str(tmp_path / "s")]
+    args += ["--config", _forward_config(tmp_path, echo_server)]
+    if runner == "twistd":
         twistd = os.path.join(os.path.dirname(sys.executable), "twistd")
         cmd = [twistd, "-n", "--pidfile=", "--logfile=-", *args]
+    else:
+        cmd = [sys.executable, "-m", "twisted", *runner.split()[1:], "--log-format=text", *args]
     proc = _start(cmd)
     try:
-        assert proc.stdout is not None
-        reader = OutputReader(proc.stdout.fileno())
-        try:
-            started = reader.wait_for(REACTOR, 90)
-            m = reader.wait_for(LISTENING, 90)
-        except AssertionError:
-            proc.kill()
-            raise
-        assert started.groups() == (b"splice", reactor.encode())
-        host, port = m.group(3).decode(), int(m.group(4))
-        assert host == "127.77.0.2" and port != 0
-        payload = os.urandom(300_000)
-        assert roundtrip(host, port, payload) == payload
+        _, host, port = _serves_its_forward(proc, reactor)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
-    # After a clean stop nothing listens on the forward any more.
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection((host, port), timeout=5).close()
+    _nothing_listens(host, port)
 
 
 def test_second_daemon_on_the_state_dir_exits_before_touching_it(
@@ -355,12 +386,10 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
 
     The second daemon has its own control socket (so the control lock cannot stop it); it
     must exit 1 naming the first one's pid, and leave ``state.json`` byte for byte as it was.
+    The first one is started the README's way (``twist``, no flag): it runs on the fast
+    reactor and the splice engine, serves its forward, and once stopped frees it (what
+    ``test_daemon_serves_the_configured_forward`` checks of twistd and ``--reactor``).
     """
-    config = _write_config(
-        tmp_path,
-        "[[bottle]]\nname = 'demo'\nalias = '127.77.0.2'\n"
-        f"[[bottle.forward]]\nlabel = 'web'\nport = 0\ntarget = '127.0.0.1:{echo_server}'\n",
-    )
     state = tmp_path / "s"
     first = _start(
         [
@@ -372,14 +401,11 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
             "--state-dir",
             str(state),
             "--config",
-            config,
+            _forward_config(tmp_path, echo_server),
         ]
     )
     try:
-        assert first.stdout is not None
-        reader = OutputReader(first.stdout.fileno())
-        m = reader.wait_for(LISTENING, 90)
-        host, port = m.group(3).decode(), int(m.group(4))
+        reader, host, port = _serves_its_forward(first, "QuietEPollReactor")
         # Recovery's final save (a new snapshot) may land after the listener: wait for it.
         if b"recovery done" not in reader.seen:
             reader.wait_for(rb"recovery done", 90)
@@ -402,6 +428,7 @@ def test_second_daemon_on_the_state_dir_exits_before_touching_it(
     finally:
         first.send_signal(signal.SIGTERM)
         first.wait(30)
+    _nothing_listens(host, port)
 
 
 def test_shared_state_dir_is_refused_never_chmodded(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 
 from bottlenet.cli.main import build_parser
-from bottlenet.control.blocking import BlockingControlClient
 from tests import netguard
 from tests.fakes import FakeSmolvm
 
@@ -50,7 +49,13 @@ def _free_port(host: str) -> int:
 
 def _env() -> dict[str, str]:
     env = dict(os.environ)
-    for name in ("BOTTLENET_CONTROL", "XDG_RUNTIME_DIR", "LISTEN_FDS", "LISTEN_PID"):
+    for name in (
+        "BOTTLENET_CONTROL",
+        "XDG_RUNTIME_DIR",
+        "LISTEN_FDS",
+        "LISTEN_PID",
+        "NOTIFY_SOCKET",
+    ):
         env.pop(name, None)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env["PYTHONPATH"] = ROOT
@@ -69,19 +74,40 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
         proc.wait(5)
 
 
+def _wait_ready(notify: socket.socket, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until the daemon sends ``READY=1`` to ``$NOTIFY_SOCKET`` (its control socket is up).
+
+    Fails at once if the daemon exits first, or after a minute without it.
+    """
+    deadline = time.monotonic() + 60
+    notify.settimeout(0.5)  # only how often the daemon's exit is checked for
+    while True:
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"the daemon never said READY=1:\n{log.read_text()}"
+        try:
+            datagram = notify.recv(4096)
+        except TimeoutError:
+            continue
+        if b"READY=1" in datagram.split(b"\n"):
+            return
+
+
 def _run_against_daemon(
     tmp_path: Path, daemon_block: str, steps: list[str], cwd: str
 ) -> tuple[int, str, str]:
-    """Start ``daemon_block`` in the background, run ``steps`` in one bash, stop the daemon.
+    """Start ``daemon_block`` in the background, run ``steps`` in one bash once the daemon is
+    ready (its systemd readiness message), stop the daemon.
 
     Returns (exit status, stdout, stderr) of the steps; the daemon's log has no traceback.
     """
     env = _env()
-    base = str(tmp_path / "bn-quick")
-    log = open(tmp_path / "daemon.log", "wb")  # closed in the finally below
+    log_path = tmp_path / "daemon.log"
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify.sock"))
+    log = open(log_path, "wb")  # closed in the finally below
     proc = subprocess.Popen(
         ["bash", "-euc", daemon_block],
-        env=env,
+        env={**env, "NOTIFY_SOCKET": str(tmp_path / "notify.sock")},
         cwd=cwd,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -90,15 +116,7 @@ def _run_against_daemon(
     script: subprocess.Popen[bytes] | None = None
     out = err = ""
     try:
-        sock = os.path.join(base, "run", "control.sock")
-        for _ in range(400):
-            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()
-            try:
-                with BlockingControlClient(sock, timeout=2) as c:
-                    c.ping()
-                break
-            except Exception:
-                time.sleep(0.05)
+        _wait_ready(notify, proc, log_path)
         script = subprocess.Popen(
             ["bash", "-euo", "pipefail", "-c", "\n".join(steps)],
             env=env,
@@ -114,7 +132,8 @@ def _run_against_daemon(
             _kill_group(script)
         _kill_group(proc)
         log.close()
-    assert "Traceback" not in (tmp_path / "daemon.log").read_text()
+        notify.close()
+    assert "Traceback" not in log_path.read_text()
     assert script.returncode is not None
     return script.returncode, out, err
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 import os
 
 import pytest
+from twisted.internet.testing import MemoryReactorClock
 
+from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
 from bottlenet.settings import (
     DaemonSettings,
     Options,
@@ -22,6 +24,7 @@ from bottlenet.settings import (
     bounded_seconds,
     settings_from,
 )
+from bottlenet.tap import build_service
 
 
 def _settings(tmp_path, *args: str) -> DaemonSettings:  # type: ignore[no-untyped-def]
@@ -98,6 +101,21 @@ def test_numeric_flags_reach_the_settings(tmp_path) -> None:  # type: ignore[no-
     assert (budgets.per_bottle_connections, budgets.max_connections) == (9, 11)
     assert budgets.idle_timeout == 0.0
     assert budgets.reserved_fds == 4 * 100 * 2
+
+
+def test_max_bottles_reaches_the_registry(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``--max-bottles`` is the cap of the registry the daemon builds (the default otherwise)."""
+    caps = []
+    for args in (["--max-bottles", "7"], []):
+        options = Options()
+        options.parseOptions(["--state-dir", str(tmp_path / f"s{len(caps)}"), *args])
+        root = build_service(options, MemoryReactorClock())
+        try:
+            caps.append(root.registry.max_bottles)
+        finally:
+            assert root.state_lock is not None
+            root.state_lock.release()
+    assert caps == [7, DEFAULT_MAX_BOTTLES]
 
 
 def test_coerce_functions_document_their_range() -> None:

@@ -7,7 +7,8 @@ once the sidecar's container is started, not listening. The egress policy's relo
 after the start, and the launch gate's early ``CONNECT``, would race a slow proxy.
 
 So after the sidecar starts, each service is tried: a connection that is still open after
-:data:`SETTLE` seconds has reached its app (a dropped one closes at once). Tries back off from
+:data:`SETTLE` seconds has reached its app (a dropped one closes at once). The services are
+tried together, so a round costs one :data:`SETTLE`, not one per service. Tries back off from
 :data:`BACKOFF_FIRST` to :data:`BACKOFF_MAX` on the injected clock, for at most
 :data:`TIMEOUT` seconds in all; a service that never answers fails the create with
 ``SIDECAR_NOT_READY`` naming it, and the create's undo removes the sidecar.
@@ -18,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, FirstError, gatherResults
 from twisted.internet.endpoints import TCP4ClientEndpoint, UNIXClientEndpoint, connectProtocol
 from twisted.internet.protocol import Protocol
 from twisted.internet.task import deferLater
@@ -77,6 +78,21 @@ async def answers(reactor: Any, target: str | int) -> bool:
             transport.abortConnection()
 
 
+async def _one(probe: Answers, reactor: Any, target: str | int) -> bool:
+    return await probe(reactor, target)
+
+
+async def _try_all(
+    reactor: Any, services: Sequence[tuple[str, str | int]], probe: Answers
+) -> list[bool]:
+    """One try of every service, all at once; a probe's own error is raised as it was."""
+    tries = [Deferred.fromCoroutine(_one(probe, reactor, target)) for _, target in services]
+    try:
+        return await gatherResults(tries, consumeErrors=True)
+    except FirstError as e:
+        raise e.subFailure.value from None
+
+
 async def wait_ready(
     reactor: Any,
     services: Sequence[tuple[str, str | int]],
@@ -90,7 +106,8 @@ async def wait_ready(
     waiting = list(services)
     pause = BACKOFF_FIRST
     while True:
-        waiting = [s for s in waiting if not await probe(reactor, s[1])]
+        answered = await _try_all(reactor, waiting, probe)
+        waiting = [s for s, ok in zip(waiting, answered, strict=True) if not ok]
         if not waiting:
             return
         left = deadline - reactor.seconds()

@@ -1,12 +1,16 @@
 """The real daemon process (``python -m twisted bottlenet``) against the fake smolvm.
 
 kill -9 and restart must restore every live bottle's listeners on the same addresses and
-ports (within 5 s) and leave no orphan; SIGTERM in the middle of a create must leave no half
-bottle once the daemon has restarted. The fake smolvm is a test double (no VM, no KVM).
+ports and leave no orphan (and a clean stop keeps the VMs); SIGTERM in the middle of a create
+must leave no half bottle once the daemon has restarted. ``bottlenetctl``'s output needs no
+daemon process: its ``main`` runs against the daemon in process (``DaemonCase``). The
+restart's rules (what recovery keeps, tears down, re-checks) are ``test_recovery.py``'s and
+``test_policy_and_limits.py``'s. The fake smolvm is a test double (no VM, no KVM).
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -22,8 +26,9 @@ from typing import Any
 import pytest
 
 from bottlenet.bottles.store import StateStore
+from bottlenet.cli.main import main
 from bottlenet.control.blocking import BlockingControlClient
-from tests.bottles.harness import spec_doc
+from tests.bottles.harness import DaemonCase, in_thread, spec_doc
 from tests.fakes import FAKE_SMOLVM, FakeSmolvm
 from tests.netguard import GATE_STAND_INS
 from tests.netio import ping_tcp, ping_unix
@@ -105,6 +110,7 @@ def fake_smolvm() -> Iterator[FakeSmolvm]:
 
 
 def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
+    """kill -9, restart: every listener answers on its old address, no orphan, VMs kept."""
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     with daemon.client() as c:
@@ -150,10 +156,12 @@ def test_kill9_restart_restores_listeners_on_same_ports(daemon: Daemon) -> None:
     assert sorted(daemon.fake.state()["machines"]) == machines
     assert sorted(daemon.fake.live_pids()) == pids
     daemon.kill(signal.SIGTERM)
+    assert sorted(daemon.fake.live_pids()) == pids  # the VMs outlive a clean stop too
 
 
 def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
-    daemon.fake.set_faults("slow-start", slow_start=2.0)
+    """SIGTERM mid-create: a clean stop, the create fails; the restart leaves no half bottle."""
+    daemon.fake.set_faults("slow-start", slow_start=1.0)
     daemon.start("--unsafe-skip-isolation-probe")
     daemon.wait_ready()
     errors: list[BaseException] = []
@@ -167,11 +175,12 @@ def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
 
     t = threading.Thread(target=create)
     t.start()
-    deadline = time.monotonic() + 20
-    while not daemon.fake.state()["machines"] and time.monotonic() < deadline:
+    # The create is in flight once the sidecar's VM process exists: its start waits out the
+    # fake's slow start (the daemon's stop waits for it), and the agent's start would too.
+    deadline = time.monotonic() + 30
+    while not daemon.fake.live_pids() and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert daemon.fake.state()["machines"], daemon.log()
-    time.sleep(0.3)  # the sidecar's start is in flight (its VM process exists)
+    assert daemon.fake.live_pids(), daemon.log()
     daemon.kill(signal.SIGTERM)
     t.join(30)
     assert errors, "the create cannot have succeeded"
@@ -199,15 +208,15 @@ def test_sigterm_during_create_leaves_no_half_bottle(daemon: Daemon) -> None:
     daemon.kill(signal.SIGTERM)
 
 
-def test_bottlenetctl_spec_egress_verify(daemon: Daemon) -> None:
-    import io
-
-    from bottlenet.cli.main import main
-
-    toml = os.path.join(daemon.tmp, "t1.toml")
-    with open(toml, "w") as f:
-        f.write(
-            f"""mode = "socket"
+class CtlTests(DaemonCase):
+    async def test_bottlenetctl_spec_egress_verify(self) -> None:
+        """bottlenetctl's own output (its ``main`` in a thread, the daemon in process): create
+        prints the stamped env, the mount flags and a warning; egress set writes the policy
+        file; status shows it; verify exits 1 naming the failed check; rm leaves no machine."""
+        toml = os.path.join(self.tmp, "t1.toml")
+        with open(toml, "w") as f:
+            f.write(
+                f"""mode = "socket"
 [sidecar]
 image = "registry.example/sidecar:1"
 [[sidecar.service]]
@@ -216,34 +225,36 @@ guest_port = 3128
 env = ["HTTPS_PROXY=http://{{host}}:{{port}}"]
 [sidecar.egress]
 allow_hosts = ["pypi.org"]
-policy_path = "{daemon.tmp}/policy.txt"
+policy_path = "{self.tmp}/policy.txt"
 reload = ["/bin/true"]
 [agent]
-image = "{daemon.tmp}/agent.tar"
+image = "{self.tmp}/agent.tar"
 bridge = "none"  # the plain fake execs on the host: no mounted socket for a bridge there
 """
-        )
-    with open(os.path.join(daemon.tmp, "agent.tar"), "wb") as f:
-        f.write(b"\0" * 1024)
-    daemon.start("--unsafe-skip-isolation-probe")
-    daemon.wait_ready()
-    base = ["--control", daemon.control, "--timeout", "60"]
+            )
+        with open(os.path.join(self.tmp, "agent.tar"), "wb") as f:
+            f.write(b"\0" * 1024)
+        await self.start("--unsafe-skip-isolation-probe")
+        base = ["--control", self.control, "--timeout", "60"]
 
-    def ctl(*args: str) -> tuple[int, str, str]:
-        out, err = io.StringIO(), io.StringIO()
-        code = main([*base, *args], env={}, out=out, err=err)
-        return code, out.getvalue(), err.getvalue()
+        def run(args: tuple[str, ...]) -> tuple[int, str, str]:
+            out, err = io.StringIO(), io.StringIO()
+            code = main([*base, *args], env={}, out=out, err=err)
+            return code, out.getvalue(), err.getvalue()
 
-    code, out, err = ctl("bottle", "create", "t1", "--spec", toml)
-    assert code == 0, err
-    assert "HTTPS_PROXY" in out and "--mount-socket" in out and "WARNING" in out
-    assert ctl("egress", "set", "t1", "example.org", "*.pypi.org")[0] == 0
-    with open(os.path.join(daemon.tmp, "policy.txt")) as f:
-        assert f.read() == "example.org\n*.pypi.org\n"
-    code, out, err = ctl("--json", "bottle", "status", "t1")
-    assert json.loads(out)["bottle"]["policy"] == ["example.org", "*.pypi.org"]
-    code, out, err = ctl("bottle", "verify", "t1")  # the plain fake isolates nothing
-    assert code == 1 and "ISOLATION_FAILED" in err and "own endpoint" in err
-    assert ctl("bottle", "rm", "t1")[0] == 0
-    assert daemon.fake.state()["machines"] == {}
-    daemon.kill(signal.SIGTERM)
+        async def ctl(*args: str) -> tuple[int, str, str]:
+            result: tuple[int, str, str] = await in_thread(run, args)
+            return result
+
+        code, out, err = await ctl("bottle", "create", "t1", "--spec", toml)
+        assert code == 0, err
+        assert "HTTPS_PROXY" in out and "--mount-socket" in out and "WARNING" in out
+        assert (await ctl("egress", "set", "t1", "example.org", "*.pypi.org"))[0] == 0
+        with open(os.path.join(self.tmp, "policy.txt")) as f:
+            assert f.read() == "example.org\n*.pypi.org\n"
+        code, out, err = await ctl("--json", "bottle", "status", "t1")
+        assert json.loads(out)["bottle"]["policy"] == ["example.org", "*.pypi.org"]
+        code, out, err = await ctl("bottle", "verify", "t1")  # the plain fake isolates nothing
+        assert code == 1 and "ISOLATION_FAILED" in err and "own endpoint" in err
+        assert (await ctl("bottle", "rm", "t1"))[0] == 0
+        assert self.machines() == {}

@@ -1,160 +1,169 @@
-"""SetEgressPolicy, BUSY, --max-bottles, and in-process restarts (fake smolvm test double)."""
+"""SetEgressPolicy, BUSY, --max-bottles and a restart's port re-check, in process (unit seam).
+
+These ran through an in-process daemon and the fake smolvm executable (12 s); they are rules of
+the control server, the registry, the egress push and recovery, so the daemon's own control
+server answers AMP boxes over a rig's registry on a clock (``tests/bottles/wire.py``) with the
+in-memory smolvm (a TEST DOUBLE) whose sidecar keeps its policy file as the image contract says
+(docs/sidecar.md). The process-level proofs stay in ``test_daemon_restart.py``: a kill -9
+restart (bytes through the restored listeners, no orphan) and ``bottlenetctl egress set``.
+The rest of a restart's rules are ``test_recovery.py``'s.
+"""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
+import socket
 import subprocess
+from collections.abc import Callable, Iterator, Sequence
 
+import pytest
 from twisted.logger import capturedLogs
 
+from bottlenet.bottles.egress import WRITE_ARGV
+from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
-from bottlenet.errors import BottlenetError, Busy, InvalidArgument, ResourceExhausted
-from tests.bottles.harness import DaemonCase, in_thread, sleep
-from tests.fakes import FAKE_SMOLVM
-from tests.netio import ping_tcp, ping_unix
+from bottlenet.bottles.store import State, StateStore
+from bottlenet.control import calls
+from bottlenet.errors import (
+    AlreadyExists,
+    BottlenetError,
+    Busy,
+    InvalidArgument,
+    ResourceExhausted,
+)
+from tests.bottles.harness import spec_doc
+from tests.bottles.memsmolvm import MemorySmolvm, Rig, exits
+from tests.bottles.wire import Wire
+from vmctl.ports import check_port_owner
+from vmctl.smolvm import ExecResult
+
+Rigs = Callable[..., Rig]
 
 
-class EgressPolicyTests(DaemonCase):
-    async def test_set_policy_then_failed_reload_keeps_previous(self) -> None:
-        client = await self.start("--unsafe-skip-isolation-probe")
-        reload_flag = os.path.join(self.tmp, "reload-ok")
-        reload = ("/bin/sh", "-c", f'test -e "{reload_flag}"')
-        open(reload_flag, "w").close()
-        await client.create_bottle("e1", spec=self.spec_json(reload=reload))
-        policy = os.path.join(self.tmp, "policy.txt")
+class Sidecar:
+    """The sidecar image's side of the egress contract: the write puts stdin at the policy
+    path (a host path here), the reload exits 0 unless the test says it fails."""
 
-        hosts = await client.set_egress_policy(
-            "e1", ["example.org", "*.pypi.org", "Bücher.de".lower()]
-        )
-        self.assertEqual(hosts, ("example.org", "*.pypi.org", "xn--bcher-kva.de"))
-        with open(policy) as f:
-            self.assertEqual(f.read(), "example.org\n*.pypi.org\nxn--bcher-kva.de\n")
-        self.assertEqual((await client.bottle_status("e1")).policy, hosts)
+    def __init__(self) -> None:
+        self.reload_ok = True
 
-        os.unlink(reload_flag)  # the sidecar's reload now fails
-        with self.assertRaises(BottlenetError) as cm:
-            await client.set_egress_policy("e1", ["evil.example"])
-        self.assertEqual(cm.exception.code, "SMOLVM_FAILED")
-        self.assertIn("reload", str(cm.exception))
-        self.assertEqual((await client.bottle_status("e1")).policy, hosts)
-        self.assertEqual(self.state_file()["bottles"]["e1"]["policy"], list(hosts))
-        with open(policy) as f:  # the previous file was put back
-            self.assertEqual(f.read(), "example.org\n*.pypi.org\nxn--bcher-kva.de\n")
-
-        for bad in (["UPPER.example"], ["1.2.3.4"], ["a" * 300], ["x.example"] * 2 + [""]):
-            with self.assertRaises(InvalidArgument):
-                await client.set_egress_policy("e1", bad)
-        with self.assertRaises(InvalidArgument):
-            await client.set_egress_policy("e1", [f"h{i}.example" for i in range(257)])
-
-    async def test_policy_needs_a_vm_bottle(self) -> None:
-        client = await self.start()
-        await client.create_bottle("plain")
-        with self.assertRaises(InvalidArgument):
-            await client.set_egress_policy("plain", ["example.org"])
-        with self.assertRaises(InvalidArgument):
-            await client.verify_bottle("plain")
+    def __call__(self, name: str, argv: Sequence[str], stdin: bytes | None) -> ExecResult | None:
+        if list(argv[: len(WRITE_ARGV)]) == WRITE_ARGV:
+            with open(argv[len(WRITE_ARGV)], "wb") as f:
+                f.write(stdin or b"")
+            return exits(0)
+        if list(argv) == ["/bin/true"]:  # spec_doc's reload
+            return exits(0 if self.reload_ok else 1)
+        return None
 
 
-class LimitTests(DaemonCase):
-    async def test_busy_and_max_bottles(self) -> None:
-        client = await self.start("--unsafe-skip-isolation-probe", "--max-bottles", "2")
-        first = client.create_bottle("m1", spec=self.spec_json())
-        # while m1 is being created: BUSY for a second operation on it
-        await self._until(lambda: self.registry.state_of("m1") is Lifecycle.CREATING)
-        with self.assertRaises(Busy):
-            await client.destroy_bottle("m1")
-        with self.assertRaises(Busy):
-            await client.create_bottle("m1")
-        await client.create_bottle("m2")  # forward-only counts too
-        with self.assertRaises(ResourceExhausted):
-            await client.create_bottle("m3")
-        await first
-        with self.assertRaises(BottlenetError) as cm:
-            await client.create_bottle("m1")
-        self.assertEqual(cm.exception.code, "ALREADY_EXISTS")
-        await client.destroy_bottle("m1")
-        await client.create_bottle("m3")
+@pytest.fixture
+def wired(rigs: Rigs) -> Iterator[Callable[..., Wire]]:
+    made: list[Wire] = []
 
-    async def _until(self, cond: object) -> None:
-        for _ in range(500):
-            if cond():  # type: ignore[operator]
-                return
-            await sleep(0.01)
-        self.fail("condition never held")
+    def make(**kw: object) -> Wire:
+        made.append(Wire(rigs(**kw)))
+        return made[-1]
+
+    yield make
+    for wire in made:
+        wire.close()
 
 
-class RestartTests(DaemonCase):
-    async def test_restart_restores_vm_and_forward_only_bottles(self) -> None:
-        client = await self.start("--unsafe-skip-isolation-probe")
-        b = await client.create_bottle("r1", spec=self.spec_json(mode="socket", listen="tcp"))
-        plain = await client.create_bottle("plain", alias="127.77.0.5")
-        ep = await client.add_forward(
-            "plain", "web", f"127.0.0.1:{self.registry.get_bottle('r1').require_vms().raw_ports[0]}"
-        )
-        # a labelled machine of ours that no bottle claims, one of another owner, one unlabelled
-        env = self.fake.environ(SMOLVM_DATA_DIR=self.fake.path)
-        owner = f"bottlenet.owner={self.registry.instance_id}"
-        for name, labels in (
-            ("orphan", ["--label", owner]),
-            ("foreign", ["--label", "bottlenet.owner=someoneelse"]),
-            ("unlabelled", []),
-        ):
-            subprocess.run(
-                [FAKE_SMOLVM, "machine", "create", "--name", name, *labels],
-                env=env,
-                check=True,
-                capture_output=True,
-            )
-        await self.stop()  # VMs survive the daemon
+def read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
 
-        self.assertEqual(len(self.fake.live_pids()), 2)
-        client = await self.start("--unsafe-skip-isolation-probe")
-        again = await client.bottle_status("r1")
-        self.assertEqual([e.endpoint for e in again.endpoints], [e.endpoint for e in b.endpoints])
-        self.assertEqual(again.env, b.env)
-        for e in again.endpoints:
-            assert e.host_path is not None
-            self.assertEqual(await in_thread(ping_unix, e.host_path), b"ping")
-        self.assertEqual((await client.bottle_status("plain")).alias, plain.alias)
-        forwards = (await client.list_forwards("plain")).items
-        self.assertEqual([f.endpoint for f in forwards], [ep.forward.endpoint])
-        assert ep.port is not None
-        self.assertEqual(await in_thread(ping_tcp, "127.77.0.5", ep.port), b"ping")
-        self.assertEqual(
-            sorted(self.machines()), ["bn-r1-agent", "bn-r1-sidecar", "foreign", "unlabelled"]
-        )
 
-    async def test_restart_tears_down_bottle_whose_sidecar_is_gone(self) -> None:
-        client = await self.start("--unsafe-skip-isolation-probe")
-        await client.create_bottle("g1", spec=self.spec_json(mode="socket"))
-        sidecar_pid = self.registry.list_bottles()[0].require_vms().sidecar_pid
-        await self.stop()
-        os.kill(sidecar_pid, 9)
-        client = await self.start("--unsafe-skip-isolation-probe")
-        self.assertEqual((await client.list_bottles()).total, 0)
-        self.assertEqual(self.machines(), {})
-        self.assertEqual(self.fake.live_pids(), [])
-        self.assertEqual(self.state_file()["bottles"], {})
-        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
+def test_set_policy_then_failed_reload_keeps_previous(wired: Callable[..., Wire], tmp: str) -> None:
+    """A policy is normalised (IDNA), written and reloaded; a failed reload is SMOLVM_FAILED and
+    keeps the previous one (record, state file, the sidecar's file); bad lists are refused."""
+    wire = wired()
+    sidecar = Sidecar()
+    wire.rig.smolvm.on_exec = sidecar
+    wire(calls.create_bottle("e1", spec=json.dumps(spec_doc(tmp))))
+    policy = os.path.join(tmp, "policy.txt")
 
-    async def test_restart_tears_down_bottle_whose_raw_port_someone_else_holds(self) -> None:
-        """docs/bottles.md recovery step 3: a raw port is trusted again only if the sidecar's
-        VM process still owns it. Here a squatter (this test) holds the port the state file
-        names: the bottle must be torn down, never re-bound to relay into the squatter."""
-        import copy
-        import socket
+    hosts = wire(calls.set_egress_policy("e1", ["example.org", "*.pypi.org", "bücher.de"]))
+    assert hosts == ("example.org", "*.pypi.org", "xn--bcher-kva.de")
+    assert read(policy) == "example.org\n*.pypi.org\nxn--bcher-kva.de\n"
+    assert wire(calls.bottle_status("e1")).policy == hosts
 
-        from bottlenet.bottles.store import State, StateStore
+    sidecar.reload_ok = False  # the sidecar's reload now fails
+    with pytest.raises(BottlenetError) as cm:
+        wire(calls.set_egress_policy("e1", ["evil.example"]))
+    assert cm.value.code == "SMOLVM_FAILED" and "reload" in str(cm.value)
+    assert wire(calls.bottle_status("e1")).policy == hosts
+    assert wire.rig.state()["e1"]["policy"] == list(hosts)
+    assert read(policy) == "example.org\n*.pypi.org\nxn--bcher-kva.de\n"  # put back
 
-        client = await self.start("--unsafe-skip-isolation-probe")
-        # Raw ports exist only for a sidecar that serves TCP (the opt-in ``listen = "tcp"``).
-        await client.create_bottle("q1", spec=self.spec_json(mode="socket", listen="tcp"))
-        await self.stop()
-        squatter = socket.create_server(("127.0.0.1", 0))
-        self.addCleanup(squatter.close)
+    for bad in (["UPPER.example"], ["1.2.3.4"], ["a" * 300], ["x.example"] * 2 + [""]):
+        with pytest.raises(InvalidArgument):
+            wire(calls.set_egress_policy("e1", bad))
+    with pytest.raises(InvalidArgument):
+        wire(calls.set_egress_policy("e1", [f"h{i}.example" for i in range(257)]))
+
+
+def test_policy_needs_a_vm_bottle(wired: Callable[..., Wire]) -> None:
+    """A forward-only bottle has no sidecar: SetEgressPolicy and VerifyBottle are refused."""
+    wire = wired()
+    wire(calls.create_bottle("plain"))
+    with pytest.raises(InvalidArgument):
+        wire(calls.set_egress_policy("plain", ["example.org"]))
+    with pytest.raises(InvalidArgument):
+        wire(calls.verify_bottle("plain"))
+
+
+def test_busy_and_max_bottles(wired: Callable[..., Wire], tmp: str) -> None:
+    """While a create runs, a second operation on its name is BUSY; every bottle counts
+    against the limit (RESOURCE_EXHAUSTED); the finished name is ALREADY_EXISTS."""
+    wire = wired(max_bottles=2)
+    rig = wire.rig
+    gate = rig.smolvm.hold("start", "bn-m1-sidecar")
+    first = calls.create_bottle("m1", spec=json.dumps(spec_doc(tmp)))
+    tag = wire.send(first)
+    assert not wire.answered(tag) and rig.registry.state_of("m1") is Lifecycle.CREATING
+    with pytest.raises(Busy):
+        wire(calls.destroy_bottle("m1"))
+    with pytest.raises(Busy):
+        wire(calls.create_bottle("m1"))
+    wire(calls.create_bottle("m2"))  # forward-only counts too
+    with pytest.raises(ResourceExhausted):
+        wire(calls.create_bottle("m3"))
+    gate.callback(None)
+    assert wire.answer(tag, first).state == "ready"
+    with pytest.raises(AlreadyExists) as cm:
+        wire(calls.create_bottle("m1"))
+    assert cm.value.code == "ALREADY_EXISTS"
+    wire(calls.destroy_bottle("m1"))
+    wire(calls.create_bottle("m3"))
+
+
+@pytest.fixture
+def vmm() -> Iterator[int]:
+    """A live process standing in for the sidecar's VMM: it holds no socket."""
+    child = subprocess.Popen(["sleep", "600"])
+    yield child.pid
+    child.kill()
+    child.wait()
+
+
+def test_restart_tears_down_bottle_whose_raw_port_someone_else_holds(
+    rigs: Rigs, tmp: str, vmm: int
+) -> None:
+    """docs/bottles.md recovery step 3: a raw port is trusted again only if the sidecar's VM
+    process still owns it; a squatter holds the port the state file names, so the bottle is
+    torn down (never re-bound to relay into the squatter) and the log says why, once."""
+    first = rigs(smolvm=MemorySmolvm(pid=vmm))
+    doc = spec_doc(tmp, mode="socket", listen="tcp")  # raw ports: the TCP opt-in
+    first.run(first.registry.create_bottle("q1", spec=parse_bottle_spec("q1", doc)))
+    first.close()
+    squatter = socket.create_server(("127.0.0.1", 0))
+    try:
         # Edit the stored state as a whole (snapshot + journal), written back as a snapshot.
-        store = StateStore(self.state_dir)
+        store = StateStore(first.state_dir)
         state = store.load()
         bottles = copy.deepcopy(dict(state.bottles))
         record = bottles["q1"]
@@ -162,10 +171,13 @@ class RestartTests(DaemonCase):
         endpoints[0]["raw_port"] = squatter.getsockname()[1]
         store.save(State(state.instance_id, bottles))
         store.close()
+        rig = rigs(smolvm=first.smolvm)
+        rig.vms.check_port = check_port_owner  # the daemon's own check
         with capturedLogs() as events:
-            client = await self.start("--unsafe-skip-isolation-probe")
-        self.assertEqual((await client.list_bottles()).total, 0)
-        self.assertEqual(self.machines(), {})
-        why = [e for e in events if "torn down at recovery" in e.get("log_format", "")]
-        self.assertEqual(len(why), 1)
-        self.assertIn("no longer held by its sidecar", why[0]["why"])
+            rig.recover()
+    finally:
+        squatter.close()
+    assert rig.registry.list_bottles() == [] and rig.smolvm.machines == {}
+    why = [e for e in events if "torn down at recovery" in e.get("log_format", "")]
+    assert len(why) == 1
+    assert "no longer held by its sidecar (foreign)" in why[0]["why"]

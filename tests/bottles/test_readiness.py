@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
-from twisted.internet.task import Clock
+from twisted.internet.task import Clock, deferLater
 from twisted.trial.unittest import TestCase
 
-from bottlenet.bottles.readiness import BACKOFF_FIRST, TIMEOUT, answers, wait_ready
+from bottlenet.bottles.readiness import BACKOFF_FIRST, SETTLE, TIMEOUT, answers, wait_ready
 from bottlenet.errors import SidecarNotReady
 from bottlenet.forward.spec import sidecar_socket_path
 from tests.bottles.memsmolvm import Rig
@@ -61,6 +61,36 @@ def test_a_service_that_never_answers_is_named_after_the_bound() -> None:
     assert failure.value.code == "SIDECAR_NOT_READY"
     assert "service(s) egress did not answer" in failure.value.message
     assert tried.count("git") == 1
+
+
+def test_the_services_are_tried_together() -> None:
+    """Two services that each answer after SETTLE are ready after one SETTLE, not two (a
+    round tries them all at once)."""
+    clock = Clock()
+    started: list[str | int] = []
+
+    async def probe(reactor: Any, target: str | int) -> bool:
+        started.append(target)
+        return await deferLater(reactor, SETTLE, lambda: True)
+
+    d = Deferred.fromCoroutine(wait_ready(clock, [("a", "a"), ("b", "b")], probe=probe))
+    assert started == ["a", "b"] and not d.called
+    clock.advance(SETTLE)
+    assert d.called and d.result is None
+
+
+def test_a_probe_error_is_raised_as_itself() -> None:
+    """A probe that raises fails the wait with its own exception (not a wrapper)."""
+
+    async def probe(_reactor: Any, target: str | int) -> bool:
+        if target == "b":
+            raise ValueError("probe broke")
+        return False
+
+    d = Deferred.fromCoroutine(wait_ready(Clock(), [("a", "a"), ("b", "b")], probe=probe))
+    failure = d.result
+    d.addErrback(lambda _: None)
+    assert isinstance(failure.value, ValueError) and str(failure.value) == "probe broke"
 
 
 def test_a_create_whose_sidecar_never_answers_leaves_nothing(

@@ -29,8 +29,11 @@ from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
 from tests.vmctl.test_contract import _vmm_processes, kvm_usable
+from tests.vmctl.wheeltemplates import real_templates
 from vmctl.install import find_wheel
 from vmctl.runner import build_env
+
+__all__ = ["real_templates"]  # the fixture: the wheel's disk templates expanded once
 
 TWIST = os.path.join(os.path.dirname(sys.executable), "twist")
 
@@ -45,6 +48,7 @@ def _can_unshare() -> bool:
     find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
 )
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
 def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
     wheel = find_wheel()
@@ -168,6 +172,7 @@ def _stop(daemon: subprocess.Popen[bytes]) -> None:
     find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
 )
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
 def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> None:
     """smolvm's start adds o+x to the state dir (per-VM uid traverse); the daemon still restarts."""
@@ -204,6 +209,7 @@ def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> N
     find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
 )
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
 def test_selftest_against_the_real_smolvm_fails_only_kvm() -> None:
     """``bottlenetctl selftest`` with the real smolvm where KVM cannot boot: the one FAIL is

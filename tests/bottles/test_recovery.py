@@ -2,8 +2,8 @@
 
 A restart is two rigs on one state directory sharing one in-memory smolvm (test double):
 the machines survive, the first rig's listeners are closed, the second rig recovers. The
-same restart through the daemon and the fake smolvm executable stays in
-``test_policy_and_limits.py`` and ``test_daemon_restart.py``.
+same restart through daemon processes and the fake smolvm executable (kill -9, bytes through
+the restored sockets) stays in ``test_daemon_restart.py``.
 """
 
 from __future__ import annotations

@@ -13,6 +13,7 @@ import socket
 import struct
 import tempfile
 
+from bottlenet.bottles import readiness
 from bottlenet.bottles.store import JOURNAL_FILE, STATE_FILE
 from bottlenet.errors import BottlenetError, IsolationFailed, NotFound
 from bottlenet.paths import LOCK_NAME
@@ -23,8 +24,22 @@ from tests.netio import ping_unix
 #: A directory's POSIX access ACL (``volumeaccess``'s grants).
 ACL = "system.posix_acl_access"
 
+#: How long the sidecar readiness probe holds a connection to count its service as answering
+#: (``readiness.SETTLE``, 0.25 s: one service after another, 0.5 s of every create here). The
+#: fake's services never drop a connection, so a shorter hold cannot fail a create that passes;
+#: the rule itself is tests/bottles/test_readiness.py's.
+SETTLE = 0.01
 
-class SocketModeTests(DaemonCase):
+
+class E2ECase(DaemonCase):
+    """``DaemonCase`` with the readiness probe's hold at :data:`SETTLE`."""
+
+    def setUp(self) -> None:
+        super().setUp()
+        self.patch(readiness, "SETTLE", SETTLE)
+
+
+class SocketModeTests(E2ECase):
     async def test_create_gate_passes_bytes_flow_destroy_leaves_nothing(self) -> None:
         self.fake.set_faults("exec-netns")
         client = await self.start()
@@ -100,7 +115,7 @@ class SocketModeTests(DaemonCase):
         self.assertEqual((await client.list_bottles()).total, 0)
 
 
-class AliasModeTests(DaemonCase):
+class AliasModeTests(E2ECase):
     async def test_alias_mode_fails_closed_with_the_reason(self) -> None:
         from bottlenet.errors import IsolationUnavailable
 
@@ -113,7 +128,7 @@ class AliasModeTests(DaemonCase):
         self.assertEqual(self.machines(), {})
 
 
-class SidecarSocketTests(DaemonCase):
+class SidecarSocketTests(E2ECase):
     """Sidecar services on exposed UNIX sockets in the bottle's 0700 directory (default)."""
 
     async def test_no_sidecar_tcp_and_other_uids_cannot_connect(self) -> None:
@@ -159,28 +174,35 @@ class SidecarSocketTests(DaemonCase):
         behind = {
             n: list(self.registry.get_bottle(n).require_vms().sidecar_sockets) for n in bottles
         }
+        # the daemon's own state stays closed to every VMM uid (asked with each uid's others)
+        state_files = [
+            os.path.join(self.state_dir, f) for f in (STATE_FILE, JOURNAL_FILE, LOCK_NAME)
+        ]
+        self.assertTrue(all(os.path.exists(f) for f in state_files))
+        closed = (("read", state_files), ("echo", [self.control]))
         for n in bottles:
             agent, sidecar = uids[n]["agent"], uids[n]["sidecar"]
             other = "u2" if n == "u1" else "u1"
-            # bytes both ways through each own endpoint, as the agent VMM's uid (setpriv)
-            self.assertEqual(await in_thread(_echo_as, agent, own[n]), own[n])
+            # one process per uid (setpriv), for all of that uid's tries
+            mine, theirs, *state = await in_thread(
+                _as_uid, agent, ("echo", own[n]), ("echo", own[other] + behind[n]), *closed
+            )
+            # bytes both ways through each own endpoint, as the agent VMM's uid
+            self.assertEqual(mine, own[n])
             # ... and not into the other bottle, nor into its own sidecar's socket directory
-            self.assertEqual(await in_thread(_echo_as, agent, own[other] + behind[n]), [])
+            self.assertEqual(theirs, [])
+            self.assertEqual(state, [[], []])
             # the sidecar's uid has no business at the agent endpoints
-            self.assertEqual(await in_thread(_echo_as, sidecar, own[n] + own[other]), [])
+            agents, *state = await in_thread(
+                _as_uid, sidecar, ("echo", own[n] + own[other]), *closed
+            )
+            self.assertEqual(agents, [])
+            self.assertEqual(state, [[], []])
             self.assertEqual(await in_thread(_echo_as, 65534, own[n] + behind[n]), [])
             # the sidecar VMM created its sockets itself, as its uid, in a directory of its own
             for path in behind[n]:
                 self.assertEqual(os.lstat(path).st_uid, sidecar)
                 self.assertEqual(os.stat(os.path.dirname(path)).st_mode & 0o777, 0o700)
-        # the daemon's own state stays closed to every VMM uid
-        state_files = [
-            os.path.join(self.state_dir, f) for f in (STATE_FILE, JOURNAL_FILE, LOCK_NAME)
-        ]
-        self.assertTrue(all(os.path.exists(f) for f in state_files))
-        for uid in every:
-            self.assertEqual(await in_thread(_readable_as, uid, state_files), [])
-            self.assertEqual(await in_thread(_echo_as, uid, [self.control]), [])
         for n in bottles:
             await client.destroy_bottle(n)
         registry = os.path.join(self.fake.path, ".cache", "smolvm", "uids")
@@ -329,7 +351,7 @@ class SidecarSocketTests(DaemonCase):
         await client.destroy_bottle("t1")
 
 
-class EntrypointOrderTests(DaemonCase):
+class EntrypointOrderTests(E2ECase):
     async def test_entrypoint_never_runs_and_workload_starts_after_the_gate(self) -> None:
         """The agent image's ENTRYPOINT records when it starts; it must never start (the
         wait command replaces it), and the workload must start after the gate's exec."""
@@ -446,19 +468,23 @@ def _connect_as(uid: int, paths: list[str]) -> list[str]:
 _AS_UID = (
     "import socket, sys\n"
     "payload = b'as-uid'\n"
-    "for p in sys.argv[2:]:\n"
+    "group, what = -1, None\n"
+    "for p in sys.argv[1:]:\n"
+    "    if p in ('echo', 'read'):\n"
+    "        group, what = group + 1, p\n"
+    "        continue\n"
     "    s = socket.socket(socket.AF_UNIX)\n"
     "    s.settimeout(10)\n"
     "    try:\n"
-    "        if sys.argv[1] == 'read':\n"
-    "            open(p, 'rb').close(); print(p)\n"
+    "        if what == 'read':\n"
+    "            open(p, 'rb').close(); print(group, p)\n"
     "            continue\n"
     "        s.connect(p); s.sendall(payload); s.shutdown(socket.SHUT_WR)\n"
     "        got = b''\n"
     "        while chunk := s.recv(4096):\n"
     "            got += chunk\n"
     "        if got == payload:\n"
-    "            print(p)\n"
+    "            print(group, p)\n"
     "    except OSError:\n"
     "        pass\n"
     "    finally:\n"
@@ -466,29 +492,31 @@ _AS_UID = (
 )
 
 
-def _as_uid(uid: int, what: str, paths: list[str]) -> list[str]:
-    """Run the probe above as ``uid`` (``setpriv``, no groups) with the system python."""
+def _as_uid(uid: int, *jobs: tuple[str, list[str]]) -> list[list[str]]:
+    """Run the probe above as ``uid`` (``setpriv``, no groups) with the system python, one
+    process for every job (``echo`` or ``read``, and its paths): each job's paths that
+    passed."""
     import subprocess
 
+    argv = [word for what, paths in jobs for word in (what, *paths)]
     r = subprocess.run(
         ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "/usr/bin/python3",
-         "-c", _AS_UID, what, *paths],
+         "-c", _AS_UID, *argv],
         capture_output=True, text=True, timeout=60, check=True, cwd="/",
     )  # fmt: skip
-    return [line for line in r.stdout.splitlines() if line]
+    passed: list[list[str]] = [[] for _ in jobs]
+    for line in r.stdout.splitlines():
+        group, _, path = line.partition(" ")
+        passed[int(group)].append(path)
+    return passed
 
 
 def _echo_as(uid: int, paths: list[str]) -> list[str]:
     """The paths where ``uid`` connected and got its bytes back (the fake's sidecar echoes)."""
-    return _as_uid(uid, "echo", paths)
+    return _as_uid(uid, ("echo", paths))[0]
 
 
-def _readable_as(uid: int, paths: list[str]) -> list[str]:
-    """The files ``uid`` could open for reading."""
-    return _as_uid(uid, "read", paths)
-
-
-class DegradedTests(DaemonCase):
+class DegradedTests(E2ECase):
     async def test_sidecar_crash_turns_bottle_degraded(self) -> None:
         from tests.bottles.harness import sleep
 

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import io
+import json
 import os
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from types import SimpleNamespace
+from typing import IO, Any
 
 import pytest
 
@@ -172,7 +176,10 @@ def test_spec_from_images_and_from_a_file() -> None:
     doc = st.build_spec(None, args, "/var/tmp/v")
     assert [s["guest_port"] for s in doc["sidecar"]["service"]] == [3128, 9418]
     assert doc["agent"]["volumes"] == ["/var/tmp/v:/var/tmp/v:rw"]
-    base = {"mode": "socket", "agent": {"image": "/a.tar", "volumes": ["/p:/work:ro"]}}
+    base: dict[str, Any] = {
+        "mode": "socket",
+        "agent": {"image": "/a.tar", "volumes": ["/p:/work:ro"]},
+    }
     doc = st.build_spec(base, args, "/var/tmp/v")
     assert doc["agent"]["volumes"] == ["/p:/work:ro", "/var/tmp/v:/var/tmp/v:rw"]
     assert base["agent"]["volumes"] == ["/p:/work:ro"]  # the user's own value is untouched
@@ -305,3 +312,111 @@ def test_the_host_side_of_the_volume_trusts_nothing_the_guest_put_there(tmp_path
     assert target.read_text() == "keep\n"
     st._write_new(str(tmp_path / "fresh"), "token\n")
     assert st._read_text(str(tmp_path / "fresh")) == "token"
+
+
+# -- a whole run over a daemon that answers as a good setup's does ----------------------------
+
+
+class _GoodDaemon:
+    """What :class:`st.Run` reads from a daemon whose bottle passes every check, without a
+    daemon or a VM: its guest commands are answered here (the volume's on the host, for
+    real), and its ``Leftovers`` answer is the test's."""
+
+    path = "/c.sock"
+
+    def __init__(self, leftovers: Sequence[str]) -> None:
+        self.leftovers = tuple(leftovers)
+        self.running: set[str] = set()  # markers of the attached commands that still run
+        self.told: list[str] = []
+
+    def hello(self) -> Any:
+        return hello()
+
+    def watch(self, bottle: str) -> None:
+        pass
+
+    def call(self, c: Any) -> Any:
+        self.told.append(c.command)
+        answers = {
+            "CreateBottle": record(name=c.arguments.get("name")),
+            "BottleStatus": record(),
+            "DestroyBottle": None,
+            "Leftovers": self.leftovers,
+        }
+        return answers[c.command]
+
+    def exec(self, bottle: str, argv: Sequence[str], *, stdout: IO[bytes], **kw: Any) -> int:
+        argv = list(argv)
+        if argv == ["id", "-u"]:
+            stdout.write(b"0\n")
+        elif argv == ["id"]:
+            stdout.write(b"uid=0(root) gid=0(root)\n")
+        elif argv[:3] == ["python3", "-c", st.COUNTER]:
+            stdout.write(b"%d\n" % (argv[3][::-1] in self.running))
+        elif argv[:2] == ["/bin/sh", "-c"]:  # the guest's write: echo TOKEN > VOLUME/from-guest
+            _, token, _, path = argv[2].split()
+            with open(path, "w") as f:
+                f.write(token + "\n")
+        elif argv[0] == "cat":
+            with open(argv[1], "rb") as f:
+                stdout.write(f.read())
+        return 0  # and the bridge's connect to each service port, the workload's go file
+
+    @contextmanager
+    def start_exec(self, request: Any) -> Iterator[None]:
+        self.running.add(request.argv[-1])
+        try:
+            yield None
+        finally:
+            self.running.discard(request.argv[-1])  # its session ended, and so did it
+
+    def events(self, bottle: str, *, idle: float) -> Iterator[Any]:
+        if "DestroyBottle" in self.told:
+            yield SimpleNamespace(kind="destroyed", exit_code=None)
+            return
+        for kind in ("created", "ready"):
+            yield SimpleNamespace(kind=kind, exit_code=None)
+        yield SimpleNamespace(kind="workload_exited", exit_code=st.WORKLOAD_EXIT)
+
+    def logs(self, bottle: str, *, stdout: IO[bytes], **kw: Any) -> None:
+        stdout.write(st.WORKLOAD_MARK.encode() + b"\n")
+
+
+def _run(daemon: _GoodDaemon, volume: str) -> tuple[bool, dict[str, Any]]:
+    """``cmd_selftest --json`` against ``daemon``: whether it raised SelftestFailed (bottlenetctl
+    exits 1 on it), and its report."""
+    options = argparse.Namespace(name="st-unit", agent_image=None, sidecar_image=None,
+                                 service=None, volume_dir=volume)  # fmt: skip
+    inv: Any = SimpleNamespace(options=options, spec_json=json.dumps({"mode": "socket"}),
+                               json=True, vm_timeout=60.0)  # fmt: skip
+    out = io.StringIO()
+    try:
+        st.cmd_selftest(daemon, inv, out)  # type: ignore[arg-type]
+    except st.SelftestFailed:
+        return True, json.loads(out.getvalue())
+    return False, json.loads(out.getvalue())
+
+
+def test_a_good_runs_json_report_passes_every_line(tmp_path: Any) -> None:
+    """``--json`` on a good setup: ok, no failure (exit 0), every step PASS once, in order,
+    teardown last. (The whole run against a daemon process is test_selftest.py's, in text.)"""
+    failed, report = _run(_GoodDaemon([]), str(tmp_path))
+    assert not failed and report["ok"] is True and report["bottle"] == "st-unit"
+    assert [(c["step"], c["verdict"]) for c in report["checks"]] == [
+        (step, "PASS") for step in st.STEPS
+    ], report
+
+
+def test_a_stale_uid_reservation_fails_the_teardown_line_alone(tmp_path: Any) -> None:
+    """The same good run, but the daemon's Leftovers names a uid still reserved for a VM that
+    is gone: the one FAIL is teardown, saying it, and the command fails (exit 1). The daemon's
+    side (Leftovers reads smolvm's registry) is test_selftest.py's."""
+    left = "uid 2065000 is still reserved for VM 0123456789abcdef, whose directory is gone"
+    failed, report = _run(_GoodDaemon([left]), str(tmp_path))
+    verdicts = [(c["step"], c["verdict"]) for c in report["checks"]]
+    assert failed and report["ok"] is False
+    assert [step for step, v in verdicts if v == "FAIL"] == ["teardown"], report
+    assert [step for step, v in verdicts if v == "PASS"] == list(st.STEPS[:-1])
+    teardown = report["checks"][-1]
+    assert teardown["step"] == "teardown"
+    assert "uid 2065000 is still reserved for VM 0123456789abcdef" in teardown["seen"]

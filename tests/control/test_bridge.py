@@ -2,7 +2,11 @@
 stand-in (a TEST DOUBLE: one network namespace per network-less "VM", the mounted sockets at
 their guest paths; needs root), an agent image with no bridge of its own, a real HTTP client
 (python's urllib with the stamped proxy variable) and a real HTTP server behind the sidecar's
-exposed socket."""
+exposed socket.
+
+One daemon serves the tests that need no option of their own (module fixture: the restart
+runs first, while its bottle is the daemon's only one to recover); each test's bottle has its
+own name, and the bridge processes are told apart by the agent VM they run in."""
 
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import signal
 import tempfile
 import threading
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -81,6 +85,17 @@ def daemon(port: int, *extra: str) -> VMDaemon:
     return d
 
 
+@pytest.fixture(scope="module")
+def shared() -> Iterator[VMDaemon]:
+    """A daemon (and the page server behind its sidecar's egress) for the module's tests."""
+    with ExitStack() as stack:
+        d = daemon(stack.enter_context(page_server())).start()
+        try:
+            yield d
+        finally:
+            assert not d.cleanup()
+
+
 def create(d: VMDaemon, name: str, *, env: str = '"LANG=C.UTF-8"', extra: str = "") -> Any:
     spec = os.path.join(d.dir, f"{name}.toml")
     with open(spec, "w") as f:
@@ -88,10 +103,28 @@ def create(d: VMDaemon, name: str, *, env: str = '"LANG=C.UTF-8"', extra: str = 
     return d.ctl("--json", "bottle", "create", name, "--spec", spec)
 
 
-def bridge_pids(d: VMDaemon) -> list[int]:
-    """The guest processes running bottlenet's bridge program."""
+def bridge_pids(d: VMDaemon, bottle: str) -> list[int]:
+    """The processes running bottlenet's bridge program in ``bottle``'s agent "VM" (the
+    fake's execs there, and their descendants)."""
+    from tests.fakes import process_alive
+
+    parents: dict[int, int] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    parents[int(entry)] = int(fh.read().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                pass
+    kind = f"exec:bn-{bottle}-agent"
+    found = {p for p, st, k in d.fake.spawned() if k == kind and process_alive(p, st)}
+    grew = True
+    while grew:
+        more = {p for p, pp in parents.items() if pp in found} - found
+        grew = bool(more)
+        found |= more
     out = []
-    for pid in d.guest_pids():
+    for pid in sorted(found):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 if b"BRIDGES = [[3128, '/run/bottle/egress.sock']]" in fh.read():
@@ -101,52 +134,67 @@ def bridge_pids(d: VMDaemon) -> list[int]:
     return out
 
 
-def fetch(d: VMDaemon) -> Any:
-    return d.ctl("bottle", "exec", "b1", "--", "python3", "-I", "-c", FETCH)
+def fetch(d: VMDaemon, bottle: str) -> Any:
+    return d.ctl("bottle", "exec", bottle, "--", "python3", "-I", "-c", FETCH)
 
 
-def test_stock_image_fetches_through_the_bridge_and_survives_its_death() -> None:
+PAGE = b"page for http://pages.test/hello\n"
+
+
+def test_daemon_restart_starts_the_bridge_again(shared: VMDaemon) -> None:
+    """The daemon stops (its sessions end, and the bridges with them) and starts again:
+    recovery starts a new bridge and the agent fetches through it."""
+    d = shared
+    assert create(d, "restarted").returncode == 0
+    (old,) = bridge_pids(d, "restarted")
+    d.stop()
+    wait_for(lambda: old not in bridge_pids(d, "restarted"), 30, "the old bridge to end")
+    d.start()
+    wait_for(lambda: bridge_pids(d, "restarted"), 30, "a new bridge")
+    with d.client() as c:  # polled on one connection, not a bottlenetctl process a try
+        wait_for(
+            lambda: "running (3128)" in (c.bottle_status("restarted").bridge or ""),
+            30,
+            "the bridge to run",
+        )
+    r = fetch(d, "restarted")
+    assert r.returncode == 0 and r.stdout == PAGE, r
+
+
+def test_stock_image_fetches_through_the_bridge_and_survives_its_death(shared: VMDaemon) -> None:
     """No bridge in the image: urllib with the stamped proxy gets a page; a killed bridge is
     restarted (``bridge_restarted``) and the next fetch works."""
-    with page_server() as port:
-        d = daemon(port).start()
-        try:
-            r = create(d, "b1")
-            assert r.returncode == 0, (r.stderr, d.log())
-            status = d.ctl("bottle", "status", "b1")
-            assert b"running (3128)" in status.stdout, status.stdout
-            r = fetch(d)
-            assert r.returncode == 0 and r.stdout == b"page for http://pages.test/hello\n", r
-            with d.client(timeout=60) as c:
-                c.watch("b1")
-                (pid,) = bridge_pids(d)
-                os.kill(pid, signal.SIGKILL)
-                kinds = []
-                for event in c.events("b1", idle=60):
-                    kinds.append(event.kind)
-                    if event.kind == "bridge_restarted":
-                        break
-            assert "degraded" not in kinds
-            r = fetch(d)
-            assert r.returncode == 0 and r.stdout == b"page for http://pages.test/hello\n", r
-            assert b"restarted 1x" in d.ctl("bottle", "status", "b1").stdout
-        finally:
-            assert not d.cleanup()
+    d = shared
+    r = create(d, "b1")
+    assert r.returncode == 0, (r.stderr, d.log())
+    status = d.ctl("bottle", "status", "b1")
+    assert b"running (3128)" in status.stdout, status.stdout
+    r = fetch(d, "b1")
+    assert r.returncode == 0 and r.stdout == PAGE, r
+    with d.client(timeout=60) as c:
+        c.watch("b1")
+        (pid,) = bridge_pids(d, "b1")
+        os.kill(pid, signal.SIGKILL)
+        kinds = []
+        for event in c.events("b1", idle=60):
+            kinds.append(event.kind)
+            if event.kind == "bridge_restarted":
+                break
+    assert "degraded" not in kinds
+    r = fetch(d, "b1")
+    assert r.returncode == 0 and r.stdout == PAGE, r
+    assert b"restarted 1x" in d.ctl("bottle", "status", "b1").stdout
 
 
-def test_bridge_none_starts_no_bridge() -> None:
+def test_bridge_none_starts_no_bridge(shared: VMDaemon) -> None:
     """``agent.bridge = "none"``: no bridge process, nothing on the guest port."""
-    with page_server() as port:
-        d = daemon(port).start()
-        try:
-            r = create(d, "b1", extra='bridge = "none"')
-            assert r.returncode == 0, (r.stderr, d.log())
-            assert json.loads(r.stdout)["bridge"].startswith("off (agent.bridge")
-            assert bridge_pids(d) == []
-            r = fetch(d)
-            assert r.returncode != 0 and b"Connection refused" in r.stderr, r
-        finally:
-            assert not d.cleanup()
+    d = shared
+    r = create(d, "nobridge", extra='bridge = "none"')
+    assert r.returncode == 0, (r.stderr, d.log())
+    assert json.loads(r.stdout)["bridge"].startswith("off (agent.bridge")
+    assert bridge_pids(d, "nobridge") == []
+    r = fetch(d, "nobridge")
+    assert r.returncode != 0 and b"Connection refused" in r.stderr, r
 
 
 def no_python_path() -> str:
@@ -176,28 +224,5 @@ def test_no_python3_fails_the_create_and_rolls_back() -> None:
             assert b"BRIDGE_FAILED" in r.stderr and b"no python3 in the agent image" in r.stderr
             wait_for(lambda: d.fake.state()["machines"] == {}, 30, "the machines to go")
             assert d.ctl("bottle", "ls").stdout.count(b"b1") == 0
-        finally:
-            assert not d.cleanup()
-
-
-def test_daemon_restart_starts_the_bridge_again() -> None:
-    """The daemon stops (its sessions end, and the bridges with them) and starts again:
-    recovery starts a new bridge and the agent fetches through it."""
-    with page_server() as port:
-        d = daemon(port).start()
-        try:
-            assert create(d, "b1").returncode == 0
-            (old,) = bridge_pids(d)
-            d.stop()
-            wait_for(lambda: old not in bridge_pids(d), 30, "the old bridge to end")
-            d.start()
-            wait_for(lambda: bridge_pids(d), 30, "a new bridge")
-            wait_for(
-                lambda: b"running (3128)" in d.ctl("bottle", "status", "b1").stdout,
-                30,
-                "the bridge to run",
-            )
-            r = fetch(d)
-            assert r.returncode == 0 and r.stdout == b"page for http://pages.test/hello\n", r
         finally:
             assert not d.cleanup()

@@ -97,12 +97,14 @@ def test_a_client_that_dies_mid_stream_ends_the_command(daemon: VMDaemon) -> Non
 
 
 def test_the_daemon_still_ends_a_command_past_its_time_limit(daemon: VMDaemon) -> None:
-    """time_limit: the daemon ends the command (exit 124) though it never saw its bytes."""
+    """time_limit: the daemon ends an fd session's command (exit 124) and says so. The
+    shortest limit (1 s) is waited out, and nothing here races it: the command never ends
+    by itself. That its output before the end is the client's, the daemon framing none of it,
+    is checked without waiting a limit out: tests/control/test_exec_fds_limit.py."""
     before = fd_sessions(daemon)
     with daemon.client() as c:
-        out = io.BytesIO()
-        code = c.exec("b1", ["sh", "-c", "echo early; exec sleep 1000"], stdout=out, time_limit=5)
-    assert (code, out.getvalue()) == (124, b"early\n")
+        code = c.exec("b1", ["sh", "-c", "exec sleep 1000"], stdout=io.BytesIO(), time_limit=1)
+    assert code == 124
     assert fd_sessions(daemon) == before + 1
     assert "timeout; ending the command" in daemon.log()
 

@@ -1,4 +1,6 @@
-"""pytest fixtures for vmctl tests: a fake smolvm state dir that never leaks processes."""
+"""pytest fixtures for vmctl tests: a fake smolvm state dir that never leaks processes; and
+the session hooks that expand the real smolvm's disk templates in the background
+(``tests/vmctl/wheeltemplates.py``) once a collected test needs them."""
 
 from __future__ import annotations
 
@@ -9,6 +11,18 @@ from collections.abc import Iterator
 import pytest
 
 from tests.fakes import FakeSmolvm
+from tests.vmctl.wheeltemplates import start_expansion, stop_expansion
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the templates' decode now if a collected test starts the real smolvm."""
+    if any("real_templates" in getattr(item, "fixturenames", ()) for item in session.items):
+        start_expansion()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """End a decode nobody waited for (a run of only the tests before the first start)."""
+    stop_expansion()
 
 
 @pytest.fixture

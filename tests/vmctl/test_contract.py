@@ -38,6 +38,7 @@ from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.vmmaccess import read_started_uid
 from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
+from tests.vmctl.wheeltemplates import real_templates
 from vmctl.errors import (
     AlreadyExists,
     KvmUnavailable,
@@ -62,6 +63,8 @@ from vmctl.spec import (
 )
 from vmctl.uids import LAST_RESERVED, registered_vm_uid, registry_of, reserve_vm_uid
 
+__all__ = ["real_templates"]  # the fixture (tests/vmctl/wheeltemplates.py)
+
 WHEEL = find_wheel()
 needs_wheel = pytest.mark.skipif(
     WHEEL is None,
@@ -69,6 +72,12 @@ needs_wheel = pytest.mark.skipif(
     "pip install '.[vm]' (.ci/run does)",
 )
 LABELS = (("bottlenet.owner", "c0ffee"), ("bottlenet.bottle", "b1"), ("bottlenet.role", "agent"))
+
+
+#: The features each binary's ``--help`` reports, read from it once per session (its help
+#: text is fixed; every test builds its argv from these, and
+#: ``test_version_is_supported_and_features_agree`` checks them).
+_FEATURES: dict[str, Features] = {}
 
 
 class CLI:
@@ -80,9 +89,11 @@ class CLI:
         self.state_dir = state_dir
         self.env = build_env({"PATH": FAST_PATH, "HOME": home, "LANG": "C.UTF-8"}, None,
                              install.env())  # fmt: skip
-        create_help = self.raw(["machine", "create", "--help"]).stdout
-        exec_help = self.raw(["machine", "exec", "--help"]).stdout
-        self.features = Features.from_help(create_help, exec_help)
+        if install.binary not in _FEATURES:
+            create_help = self.raw(["machine", "create", "--help"]).stdout
+            exec_help = self.raw(["machine", "exec", "--help"]).stdout
+            _FEATURES[install.binary] = Features.from_help(create_help, exec_help)
+        self.features = _FEATURES[install.binary]
 
     def raw(self, args: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
         r = subprocess.run(
@@ -481,6 +492,7 @@ def kvm_usable() -> bool:
 
 
 @needs_wheel
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 def test_start_without_usable_kvm_is_one_typed_error_and_leaves_nothing(
     clis: dict[str, CLI],
@@ -491,7 +503,8 @@ def test_start_without_usable_kvm_is_one_typed_error_and_leaves_nothing(
     fake_faults.write_text(json.dumps({"fail": ["kvm-root" if os.geteuid() == 0 else "kvm"]}))
     create = ["--name", "k1", "--label", "bottlenet.owner=c0ffee", "--cpus", "1", "--mem", "256"]
     assert agree(clis, "create", *create, "--", *AGENT_WAIT_COMMAND).ok
-    # The first real start unpacks the bundled agent rootfs (tens of seconds), then fails.
+    # The first real start after an install expands the wheel's disk templates (~19 s, done
+    # beforehand by real_templates); from then on the start fails on KVM within a second.
     start = {k: c.machine("start", "--name", "k1", timeout=300) for k, c in clis.items()}
     for kind, out in start.items():
         assert isinstance(out.error, KvmUnavailable), (kind, out.r.stderr[-400:])
@@ -533,6 +546,7 @@ FIRST_VM_UID = 2_000_000
 
 
 @needs_wheel
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(os.geteuid() != 0, reason="smolvm drops to per-VM uids only as root")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 @pytest.mark.parametrize("kind", ["real", "fake"])
@@ -599,6 +613,7 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
 
 
 @needs_wheel
+@pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(os.geteuid() != 0, reason="smolvm drops to per-VM uids only as root")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 @pytest.mark.parametrize("kind", ["real", "fake"])

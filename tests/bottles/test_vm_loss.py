@@ -1,0 +1,64 @@
+"""A workload waiter that ends without an exit code (``bottles/vmloss.py``, issue 27 item 6),
+driven on one VM bottle's owner with a clock and the in-memory smolvm (a TEST DOUBLE).
+
+The rule half of ``tests/control/test_agent_limits.py``'s dying agent VM: what smolvm says of
+the agent VM decides whether the bottle turns degraded, naming it, and the log says the waiter
+lost the workload either way. That test keeps the process-level half (a killed VMM ends an open
+``bottle exec`` with ``connection to VM lost``, exit 1, and the daemon degrades the bottle);
+a bridge not restarted against a dead VM is ``test_bridge_keeper.py``'s.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+from twisted.internet.error import ProcessTerminated
+from twisted.logger import capturedLogs, formatEvent
+from twisted.python.failure import Failure
+
+from bottlenet.bottles.events import DEGRADED
+from bottlenet.bottles.model import BottleState
+from tests.bottles.memsmolvm import Rig
+from tests.bottles.test_bottle import Attached, Owned
+
+LOST = "bottle b1: its workload waiter ended without an exit code"
+
+
+@pytest.fixture
+def owned(rigs: Callable[..., Rig], tmp: str) -> Iterator[Owned]:
+    owned = Owned(rigs(), Attached())
+    owned.create(tmp, workload=("/agent", "run"))
+    yield owned
+    owned.owner.stop_watching()  # the rig's registry does not know this owner
+
+
+def lose_the_waiter(owned: Owned) -> list[str]:
+    """smolvm's CLI ends the waiter as a VM's loss does (exit 1, no code printed): the log."""
+    [waiter] = owned.attached.protocols
+    with capturedLogs() as events:
+        waiter.processEnded(Failure(ProcessTerminated(exitCode=1)))
+        owned.rig.settle()
+    return [formatEvent(e) for e in events]
+
+
+def test_a_waiter_lost_with_its_stopped_agent_vm_degrades_the_bottle_naming_it(
+    owned: Owned,
+) -> None:
+    """smolvm calls the agent VM stopped: degraded at once, the detail names the VM, one
+    DEGRADED event, and the log says the waiter ended without an exit code (agent VM ...)."""
+    owned.rig.smolvm.machines["bn-b1-agent"].state = "stopped"
+    said = lose_the_waiter(owned)
+    bottle = owned.owner.require()
+    assert bottle.state is BottleState.DEGRADED
+    assert (bottle.detail or "").startswith("agent VM bn-b1-agent is stopped"), bottle.detail
+    assert owned.rig.state()["b1"]["state"] == "degraded"
+    assert [(e[0], e[3]) for e in owned.events] == [(DEGRADED, bottle.detail)]
+    assert any(f"{LOST} (agent VM bn-b1-agent is stopped" in line for line in said), said
+
+
+def test_a_waiter_lost_while_its_agent_vm_runs_keeps_the_bottle(owned: Owned) -> None:
+    """smolvm says the agent VM runs: nothing degrades; the log says the end goes unnoticed."""
+    said = lose_the_waiter(owned)
+    assert owned.owner.require().state is BottleState.READY and owned.events == []
+    assert any(f"{LOST} (the agent VM runs" in line for line in said), said

@@ -1,0 +1,111 @@
+"""Scoped control peers' rules (``--allow-uid UID:scoped``, issue 28) against the daemon's real
+service tree in process (``tests/bottles/harness.py``, fake smolvm test double): the registry,
+the scope, the event hub and a restart on the same state dir are the daemon's own; only the
+peer's uid is told to the socket's door instead of read with ``SO_PEERCRED``, so a client in
+this process can be another uid. ``test_scoped.py`` keeps the proof with a real second uid and
+``bottlenetctl``'s output."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Callable
+from typing import Any
+
+from attrs import evolve
+from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+
+from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.context import UnixAdmission
+from bottlenet.control.peercred import PeerCred, get_peer_credentials
+from bottlenet.errors import NotFound, PermissionDenied
+from tests.bottles.harness import DaemonCase
+
+ALICE, BOB = 4243, 4244
+SCOPED = ("--allow-uid", f"{ALICE}:scoped", "--allow-uid", f"{BOB}:scoped")
+
+
+class ScopedRuleTests(DaemonCase):
+    def setUp(self) -> None:
+        super().setUp()
+        #: The uids the next connections are told to have, in order of arrival.
+        self.arriving: list[int] = []
+
+    def credentials(self, sock: socket.socket) -> PeerCred:
+        """The next arriving uid, else the kernel's word (the daemon's own uid)."""
+        real = get_peer_credentials(sock)
+        return PeerCred(uid=self.arriving.pop(0), pid=real.pid) if self.arriving else real
+
+    async def start_scoped(self) -> ControlClient:
+        """The daemon with two scoped uids; its UNIX door asks :meth:`credentials`."""
+        client = await self.start(*SCOPED, vm_bottles=False)
+        await client.ping()  # its own connection is admitted before the door changes
+        assert self.root is not None
+        for factory in self.root.control_factories:
+            assert isinstance(factory.admission, UnixAdmission)
+            factory.admission = evolve(factory.admission, peer_credentials=self.credentials)
+        return client
+
+    async def as_uid(self, uid: int) -> ControlClient:
+        """A control connection the daemon admits as ``uid``."""
+        self.arriving.append(uid)
+        client = await connect_control(reactor, self.control, timeout=30)
+        self.clients.append(client)
+        await client.ping()  # admitted: the door has taken its uid
+        assert self.arriving == []
+        return client
+
+    async def test_a_scoped_uid_is_confined_to_its_own_bottles(self) -> None:
+        """It creates and uses its bottles; another's name is NOT_FOUND for everything;
+        listings and events show its own only; Drain is PERMISSION_DENIED; the creator
+        survives a restart."""
+        client = await self.start_scoped()
+        alice, bob = await self.as_uid(ALICE), await self.as_uid(BOB)
+        a1 = await alice.create_bottle("a1", owner="alice-actor")
+        self.assertEqual(a1.owner, "alice-actor")
+        await bob.create_bottle("b1")
+        await client.create_bottle("r1")  # the daemon's own uid: full control
+
+        self.assertEqual([b.name for b in await alice.all_bottles()], ["a1"])
+        refused: tuple[Callable[[], Deferred[Any]], ...] = (
+            lambda: alice.bottle_status("b1"),
+            lambda: alice.destroy_bottle("b1"),
+            lambda: alice.destroy_bottle("r1"),
+            lambda: alice.renew_lease("r1", 60),
+            lambda: alice.add_forward("b1", "web", "127.0.0.1:9"),
+            lambda: alice.all_forwards("r1"),
+            lambda: alice.all_stats("b1"),
+        )
+        for i, call in enumerate(refused):
+            with self.assertRaises(NotFound, msg=str(i)):
+                await call()
+        await alice.add_forward("a1", "web", "127.0.0.1:9")
+        self.assertEqual([f.bottle for f in await alice.all_forwards()], ["a1"])
+        with self.assertRaises(PermissionDenied):
+            await alice.drain()
+        self.assertFalse((await client.node_info()).draining)
+        await alice.node_info()
+
+        # events: another's bottle is never shown, its own are
+        stream = await alice.events()
+        await client.create_bottle("r2")
+        await client.destroy_bottle("r1")
+        await alice.destroy_bottle("a1")
+        await alice.create_bottle("a2")
+        seen = []
+        async for event in stream:
+            seen.append((event.kind, event.bottle))
+            if len(seen) == 2:
+                break
+        self.assertEqual(seen, [("destroyed", "a1"), ("created", "a2")])
+
+        names = sorted(b.name for b in await client.all_bottles())
+        self.assertEqual(names, ["a2", "b1", "r2"])
+        # the creator survives a restart: still BOB's, still hidden from ALICE
+        await self.stop()
+        await self.start_scoped()
+        alice, bob = await self.as_uid(ALICE), await self.as_uid(BOB)
+        with self.assertRaises(NotFound):
+            await alice.destroy_bottle("b1")
+        await bob.destroy_bottle("b1")
+        self.assertEqual([b.name for b in await bob.all_bottles()], [])
