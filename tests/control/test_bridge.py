@@ -106,25 +106,8 @@ def create(d: VMDaemon, name: str, *, env: str = '"LANG=C.UTF-8"', extra: str = 
 def bridge_pids(d: VMDaemon, bottle: str) -> list[int]:
     """The processes running bottlenet's bridge program in ``bottle``'s agent "VM" (the
     fake's execs there, and their descendants)."""
-    from tests.fakes import process_alive
-
-    parents: dict[int, int] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    parents[int(entry)] = int(fh.read().rpartition(")")[2].split()[1])
-            except (OSError, ValueError, IndexError):
-                pass
-    kind = f"exec:bn-{bottle}-agent"
-    found = {p for p, st, k in d.fake.spawned() if k == kind and process_alive(p, st)}
-    grew = True
-    while grew:
-        more = {p for p, pp in parents.items() if pp in found} - found
-        grew = bool(more)
-        found |= more
     out = []
-    for pid in sorted(found):
+    for pid in d.guest_pids(f"bn-{bottle}-agent"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
                 if b"BRIDGES = [[3128, '/run/bottle/egress.sock']]" in fh.read():

@@ -149,19 +149,22 @@ class VMDaemon:
         pid: int = self.fake.state()["machines"][name]["pid"]
         return pid
 
-    def exec_pids(self) -> list[int]:
-        """Live "guest" processes started by the fake's exec (never the VMs)."""
+    def exec_pids(self, machine: str | None = None) -> list[int]:
+        """Live "guest" processes started by the fake's exec (never the VMs), in ``machine``
+        only when given."""
         from tests.fakes import process_alive
 
+        want = "exec:" if machine is None else f"exec:{machine}"
         return [
             p
             for p, s, kind in self.fake.spawned()
-            if kind.startswith("exec:") and process_alive(p, s)
+            if (kind == want if machine else kind.startswith(want)) and process_alive(p, s)
         ]
 
-    def guest_pids(self) -> list[int]:
-        """The "guest" processes and every live descendant of theirs (an exec's command runs
-        under vmctl's session wrapper, so the command itself is a child of the exec's pid)."""
+    def guest_pids(self, machine: str | None = None) -> list[int]:
+        """The "guest" processes (in ``machine`` only when given) and every live descendant of
+        theirs (an exec's command runs under vmctl's session wrapper, so the command itself
+        is a child of the exec's pid)."""
         parents: dict[int, int] = {}
         for entry in os.listdir("/proc"):
             if entry.isdigit():
@@ -170,7 +173,7 @@ class VMDaemon:
                         parents[int(entry)] = int(fh.read().rpartition(")")[2].split()[1])
                 except (OSError, ValueError, IndexError):
                     pass
-        found = set(self.exec_pids())
+        found = set(self.exec_pids(machine))
         grew = True
         while grew:
             more = {p for p, pp in parents.items() if pp in found} - found
