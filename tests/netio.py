@@ -16,6 +16,16 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 
+def refusing_socket(host: str = "127.0.0.1") -> socket.socket:
+    """A TCP socket bound to a free port on ``host`` and never listening: a connect to that
+    port is refused, and while the caller holds the socket no listener (a test's own server,
+    a daemon's forward) can take the port. A port merely found free and closed again could be
+    handed to the next ``bind(0)``, and a "refused" target would then answer."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind((host, 0))
+    return sock
+
+
 @contextmanager
 def echo_server(host: str = "127.0.0.1") -> Iterator[int]:
     """A threaded TCP echo server (one thread per connection); yields its port.

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.netio import OutputReader, echo_server, roundtrip
+from tests.netio import OutputReader, echo_server, refusing_socket, roundtrip
 
 # Both lines reach the pipe in one write, then the child stays quiet (as a daemon does).
 TWO_LINES = "import sys, time; sys.stdout.write('starting\\nlistening on 7\\n'); sys.stdout.flush(); time.sleep(30)"  # noqa: E501
@@ -33,3 +33,20 @@ def test_roundtrip_of_more_than_the_socket_buffers_hold() -> None:
     with echo_server() as port:
         assert roundtrip("127.0.0.1", port, payload, timeout=30) == payload
         assert roundtrip("127.0.0.1", port, b"") == b""
+
+
+def test_a_refusing_port_refuses_and_cannot_be_taken_while_held() -> None:
+    """A connect to it is refused, and no listener can bind its port while it is held."""
+    import errno
+    import socket
+
+    held = refusing_socket()
+    try:
+        port = held.getsockname()[1]
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", port), timeout=5).close()
+        with pytest.raises(OSError) as taken:
+            socket.create_server(("127.0.0.1", port)).close()
+        assert taken.value.errno == errno.EADDRINUSE
+    finally:
+        held.close()

@@ -160,9 +160,11 @@ class BudgetTests(Base):
 
     async def test_failed_relays_are_logged_rate_limited(self) -> None:
         """Issue 13 item 5: 30 failed relays (target down) give one line, not 30."""
-        from tests.ops.test_canary import closed_port
+        from tests.netio import refusing_socket
 
-        info = await self.add("b1", ALIAS, "dead", closed_port())
+        dead = refusing_socket()
+        self.addCleanup(dead.close)
+        info = await self.add("b1", ALIAS, "dead", dead.getsockname()[1])
         with capturedLogs() as events:
             for _ in range(30):
                 await self.assert_reset(info)

@@ -31,6 +31,7 @@ import pytest
 from twisted.logger import eventsFromJSONLogFile, formatEvent
 
 from bottlenet.control.blocking import BlockingControlClient
+from tests.netio import refusing_socket
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ENV = {**os.environ, "PYTHONPATH": REPO}
@@ -103,6 +104,13 @@ class Servers:
         srv.listen(16)
         self._serve(srv, handle)
 
+    def refused(self) -> int:
+        """A port that refuses every connect, held until :meth:`close`."""
+        sock = refusing_socket()
+        self._socks.append(sock)
+        port: int = sock.getsockname()[1]
+        return port
+
     def close(self) -> None:
         self._stop.set()
         for t in self._threads:
@@ -135,13 +143,6 @@ def flood(canary: bytes) -> Callable[[socket.socket], None]:
             conn.sendall(chunk)
 
     return handle
-
-
-def closed_port() -> int:
-    s = socket.create_server(("127.0.0.1", 0))
-    port: int = s.getsockname()[1]
-    s.close()
-    return port
 
 
 # -- AMP boxes, hand-built so that nothing in the client library can clean them up ----------
@@ -319,7 +320,7 @@ def drive_relays(c: bytes, client: BlockingControlClient, state: str, servers: S
     client.create_bottle("canary")
     for label, target in [
         ("echo", f"127.0.0.1:{echo_port}"),
-        ("refused", f"127.0.0.1:{closed_port()}"),
+        ("refused", f"127.0.0.1:{servers.refused()}"),
         ("reset", f"127.0.0.1:{servers.tcp(reset_after(c))}"),
         ("flood", f"127.0.0.1:{servers.tcp(flood(c))}"),
         ("unix", f"unix:{unix_target}"),
