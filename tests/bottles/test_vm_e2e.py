@@ -25,7 +25,7 @@ from tests.netio import ping_unix
 ACL = "system.posix_acl_access"
 
 #: How long the sidecar readiness probe holds a connection to count its service as answering
-#: (``readiness.SETTLE``, 0.25 s: one service after another, 0.5 s of every create here). The
+#: (``readiness.SETTLE``, 0.25 s a round, the services tried together, in every create here). The
 #: fake's services never drop a connection, so a shorter hold cannot fail a create that passes;
 #: the rule itself is tests/bottles/test_readiness.py's.
 SETTLE = 0.01

@@ -173,10 +173,15 @@ def _source_hash() -> str:
     return h.hexdigest()[:12]
 
 
+def _kit_in(dest: str, version: str) -> Kit:
+    """The kit whose files are in ``dest`` (built or not)."""
+    return Kit(os.path.join(dest, "vmlinux"), os.path.join(dest, "initrd.cpio"), version)
+
+
 def _cached(package: str) -> tuple[str, Kit]:
     version = package.removeprefix("linux-image-")
     dest = os.path.join(CACHE, f"{version}-{_source_hash()}")
-    return dest, Kit(os.path.join(dest, "vmlinux"), os.path.join(dest, "initrd.cpio"), version)
+    return dest, _kit_in(dest, version)
 
 
 #: Set by the tier's fixture for its runs: the kit it found, so that each run need not ask apt.
@@ -188,7 +193,7 @@ def find_kit() -> Kit | None:
     named = os.environ.get(KIT_ENV)
     if named and os.path.basename(named).endswith(f"-{_source_hash()}"):
         version = os.path.basename(named).rsplit("-", 1)[0]
-        kit = Kit(os.path.join(named, "vmlinux"), os.path.join(named, "initrd.cpio"), version)
+        kit = _kit_in(named, version)
         return kit if os.path.exists(kit.initrd) else None
     try:
         _, kit = _cached(kernel_package())

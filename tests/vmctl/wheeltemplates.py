@@ -34,11 +34,9 @@ from vmctl.install import SmolvmInstall, find_wheel
 TEMPLATES = ("storage-template.ext4", "overlay-template.ext4")
 #: The private name each one is decoded to before its rename (never smolvm's ``.partial``).
 _TMP = ".{name}.bn-expanding"
-#: ``sh -c`` script: decode one template (``$2``, in directory ``$1``), then move it into place.
-_SCRIPT = (
-    'zstd -q -d --sparse -f -o "$1/.$2.bn-expanding" "$1/$2.zst" && '
-    'mv -f "$1/.$2.bn-expanding" "$1/$2"'
-)
+#: ``sh -c`` script: decode one template (``$2``, in directory ``$1``) to its private name
+#: (``$3``, :data:`_TMP`), then move it into place.
+_SCRIPT = 'zstd -q -d --sparse -f -o "$1/$3" "$1/$2.zst" && mv -f "$1/$3" "$1/$2"'
 
 #: The decodes in flight or done, one process per template (two cores: they run side by side).
 _running: list[subprocess.Popen[bytes]] | None = None
@@ -65,7 +63,7 @@ def start_expansion() -> None:
     names = missing_templates(install) if os.access(here, os.W_OK) else []
     _running = [
         subprocess.Popen(
-            ["sh", "-c", _SCRIPT, "sh", here, name],
+            ["sh", "-c", _SCRIPT, "sh", here, name, _TMP.format(name=name)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
