@@ -18,7 +18,8 @@ and then:
 
 * Ray worker processes on each node with the first pool placed (not Ray's own two agents of
   every node), their memory (proportional set size, PSS) and that memory per bottle of the
-  node;
+  node; their PSS once that pool is closed, and what the second pool's bottles added to it,
+  per bottle;
 * seconds from a node's loss (its link down) to its last bottle reaped by its daemon, against
   the bound lease + grace .. 2 x lease + grace;
 * orphans left once the pool is closed and the lost node has reaped: bottles on any daemon,
@@ -61,6 +62,16 @@ def pss_mib(pid: int) -> float:
     return 0.0
 
 
+def workers_pss(cluster: NetCluster) -> dict[str, tuple[int, float]]:
+    """Each node's Ray worker processes (not the node's two agents) and their PSS, MiB."""
+    out = {}
+    for n in cluster.nodes:
+        agents = set(n.ns.pids("Agent"))
+        workers = [pid for pid in n.ns.pids("ray::") if pid not in agents]
+        out[n.label] = (len(workers), sum(pss_mib(pid) for pid in workers))
+    return out
+
+
 def timed_pool(
     driver: Any, labels: dict[str, str], pool: str, bottles: int, lease: float
 ) -> dict[str, Any]:
@@ -90,18 +101,7 @@ def run(bottles: int, lease: float) -> dict[str, Any]:
         driver = cluster.driver()
         labels = {k: v["bottlenet-node"] for k, v in driver.call("nodes").items()}
         out["cold"] = timed_pool(driver, labels, "cold", bottles, lease)
-        memory: dict[str, dict[str, float]] = {}
-        for n in cluster.nodes:
-            workers = [p for p in n.ns.pids("ray::") if p not in n.ns.pids("Agent")]
-            pss = sum(pss_mib(pid) for pid in workers)
-            held = out["cold"]["per_node"].get(n.label, 0)
-            memory[n.label] = {
-                "bottles": held,
-                "ray_workers": len(workers),
-                "workers_pss_mib": round(pss, 1),
-                "pss_mib_per_bottle": round(pss / held, 2) if held else 0.0,
-            }
-        out["node_memory"] = memory
+        with_pool = workers_pss(cluster)
         driver.call("close", id="cold", timeout=600)
         wait_until(
             "the cold pool destroyed and every bottle free again",
@@ -110,8 +110,24 @@ def run(bottles: int, lease: float) -> dict[str, Any]:
             ),
             120,
         )
+        idle = workers_pss(cluster)
         out["warm"] = timed_pool(driver, labels, "bench", bottles, lease)
         per_node = out["warm"]["per_node"]
+        warm = workers_pss(cluster)
+        out["node_memory"] = {}
+        for n in cluster.nodes:
+            held, (workers, pss) = out["cold"]["per_node"].get(n.label, 0), with_pool[n.label]
+            grew = warm[n.label][1] - idle[n.label][1]
+            out["node_memory"][n.label] = {
+                "bottles": held,
+                "ray_workers": workers,
+                "workers_pss_mib": round(pss, 1),
+                "pss_mib_per_bottle": round(pss / held, 2) if held else 0.0,
+                "workers_pss_mib_no_bottle": round(idle[n.label][1], 1),
+                "pss_kib_per_bottle_added": round(grew * 1024 / per_node[n.label], 1)
+                if per_node.get(n.label)
+                else 0.0,
+            }
         lost = max(cluster.nodes, key=lambda n: per_node.get(n.label, 0))
         out["lost_node_bottles"] = len(lost.names())
         lost_at = time.monotonic()

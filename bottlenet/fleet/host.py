@@ -312,8 +312,11 @@ class NodeHost:
                     pass
                 continue  # a new lease may have shortened the interval
             self._last_round = self._clock()
-            if not await self.round():
-                break
+            try:
+                if not await self.round():
+                    break
+            except Exception as e:  # a bug must not end the keeper and leave the host up
+                self.log.exception("a round failed: %s", type(e).__name__)
         await self.end()
         ray.actor.exit_actor()
 
