@@ -405,6 +405,9 @@ def test_readme_says_the_real_vm_tier_needs_its_kit() -> None:
         readme = f.read()
     demo = readme.split("## What it is")[0]
     assert "python -m tests.realvm.build" in demo
+    assert "pip install '.[ray]'" in demo  # the fleet tiers' skip (tests/fleet/conftest.py)
+    with open(os.path.join(ROOT, "tests", "fleet", "conftest.py")) as f:
+        assert "pip install '.[ray]'" in f.read()
     with open(os.path.join(ROOT, "tests", "realvm", "test_realvm.py")) as f:
         assert "run python -m tests.realvm.build first" in f.read()
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
