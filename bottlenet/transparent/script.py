@@ -67,9 +67,7 @@ def check_proxy_path(path: str) -> str:
 def program() -> str:
     """The bootstrap with the layer's sources in it."""
     room = resources.files("bottlenet.transparent")
-    sources = {
-        f"bottlenet.transparent.{m}": room.joinpath(f"{m}.py").read_text() for m in MODULES
-    }
+    sources = {f"bottlenet.transparent.{m}": room.joinpath(f"{m}.py").read_text() for m in MODULES}
     return _BOOT.format(sources=sources)
 
 
