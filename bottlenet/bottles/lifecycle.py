@@ -21,6 +21,7 @@ from twisted.logger import Logger
 from bottlenet.bottles import egress, readiness, volumeaccess
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges
+from bottlenet.bottles.egresslayer import Layers
 from bottlenet.bottles.isolation import (
     IsolationPlan,
     choose_isolation,
@@ -142,6 +143,7 @@ class VMLifecycle:
             reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
         )
         self.bridges = Bridges(reactor, smolvm, table)
+        self.layers = Layers(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
         #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
         self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
