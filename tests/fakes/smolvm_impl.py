@@ -34,10 +34,10 @@ Faults are injected with ``$SMOLVM_DATA_DIR/fake-faults.json`` (works through a 
 scrubs the environment) or ``FAKE_SMOLVM_FAIL=a,b`` / ``FAKE_SMOLVM_VERSION=X.Y.Z``. Keys:
 ``fail`` (list of: kvm, kvm-denied, kvm-root, port-clash, slow-start, crash-after-start,
 ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``version``,
-``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s), ``ready_timeout`` (s),
-``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int), ``fail_start`` (machine names
-whose start fails as if KVM were missing), ``unreachable`` (machine names reported
-``unreachable`` while their VMM lives; the ``unreachable`` fail name means every machine),
+``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
+``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
+``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
+(machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name means every machine),
 ``agent_connections`` (the guest agent's limit on connections at once, default 8 as smolvm
 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services drop connections
 after the start), ``expose_never_ready`` (guest paths of exposed services that never answer).
