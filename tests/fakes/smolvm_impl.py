@@ -37,10 +37,11 @@ ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``v
 ``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
 ``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
 ``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
-(machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name means every machine),
-``agent_connections`` (the guest agent's limit on connections at once, default 8 as smolvm
-1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services drop connections
-after the start), ``expose_never_ready`` (guest paths of exposed services that never answer).
+(machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
+means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
+default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services
+drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that
+never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
