@@ -29,6 +29,7 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
+from bottlenet.bottles.egresslayer import LayerKeeper, layer_status, proxy_endpoint
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -40,7 +41,7 @@ from bottlenet.bottles.events import (
     EventBus,
 )
 from bottlenet.bottles.host import VMHost, runs_bridge
-from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
+from bottlenet.bottles.model import Bottle, BottleState, BottleVMs, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
@@ -173,6 +174,8 @@ class _BottleCore:
     watch: Watch | None = None
     #: bottlenet's in-guest bridge (a VM bottle's that runs one, from its create or restore).
     bridge: BridgeKeeper | None = None
+    #: The transparent egress layer (a VM bottle's whose spec names one).
+    layer: LayerKeeper | None = None
     pending: _Unsynced | None = None
 
 
@@ -188,9 +191,10 @@ def unwatch(core: _BottleCore) -> None:
     watch, core.watch = core.watch, None
     if watch is not None:
         watch.cancel()
-    bridge, core.bridge = core.bridge, None
-    if bridge is not None:
-        bridge.stop()
+    for keeper in (core.bridge, core.layer):
+        if keeper is not None:
+            keeper.stop()
+    core.bridge = core.layer = None
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -579,11 +583,13 @@ class VMBottle(BottleOwner):
                     "this daemon runs without smolvm: VM bottles are unavailable"
                 )
 
-            def commit(bottle: Bottle, bridge: BridgeKeeper | None) -> None:
+            def commit(
+                bottle: Bottle, bridge: BridgeKeeper | None, layer: LayerKeeper | None
+            ) -> None:
                 if tenancy is not None:
                     bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
                 self.commit(bottle)
-                self.core.bridge = bridge
+                self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
             created = await create_vm(hands.host, spec, commit)
@@ -643,7 +649,11 @@ class VMBottle(BottleOwner):
         else:
             status = self.core.bridge.status()
         ports = [str(e.guest_port) for e in vm.endpoints if e.guest_path is not None]
-        return status.describe(ports)
+        text = status.describe(ports)
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is not None:
+            text += "; transparent egress " + layer_status(self.core.layer, service).describe()
+        return text
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
@@ -678,7 +688,22 @@ class VMBottle(BottleOwner):
                 ),
                 on_failed=self.degrade_later,
             )
+        self.keep_layer(host, vm)
         self.wait_for_workload()
+
+    def keep_layer(self, host: VMHost, vm: BottleVMs) -> None:
+        """Keep the transparent egress layer running (its spec's), as the bridge is kept."""
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is None:
+            return
+        self.core.layer = host.layers.keep_layer(
+            self.core.layer,
+            self.name,
+            vm.agent_vm,
+            proxy_endpoint(vm.endpoints, service),
+            on_restarted=lambda detail: emit(self.hands, BRIDGE_RESTARTED, self.name, None, detail),
+            on_failed=self.degrade_later,
+        )
 
     @property
     def watched(self) -> bool:

@@ -28,6 +28,7 @@ from bottlenet.bottles import egress, readiness, volumeaccess, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import BridgeKeeper
+from bottlenet.bottles.egresslayer import LayerKeeper, proxy_endpoint
 from bottlenet.bottles.host import (
     Reserved,
     VMHost,
@@ -56,6 +57,7 @@ from bottlenet.bottles.spec import (
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
+    EgressLayerFailed,
     IsolationFailed,
     IsolationUnavailable,
     SmolvmFailed,
@@ -140,8 +142,9 @@ def agent_machine_spec(
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
-#: The last step: the bottle's owner records it, with the bridge its create started (if any).
-Commit = Callable[[Bottle, BridgeKeeper | None], None]
+#: The last step: the bottle's owner records it, with the bridge and the transparent egress
+#: layer its create started (if any).
+Commit = Callable[[Bottle, BridgeKeeper | None, LayerKeeper | None], None]
 
 
 @frozen
@@ -203,6 +206,8 @@ class Creation:
         self.reserved: dict[Role, Reserved] = {}
         #: The bridge this create started (handed to the bottle's owner with the record).
         self.bridge: BridgeKeeper | None = None
+        #: The transparent egress layer this create started (the same).
+        self.layer: LayerKeeper | None = None
 
     async def run(self, commit: Commit) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
@@ -215,7 +220,7 @@ class Creation:
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
-            commit(bottle, self.bridge)  # 7. its owner records it (the state file)
+            commit(bottle, self.bridge, self.layer)  # 7. its owner records it (the state file)
         except BaseException as e:
             undone = await self._rollback(e)
             # A smolvm failure says what became of the bottle (an isolation failure's own
@@ -224,6 +229,8 @@ class Creation:
             if isinstance(e, VmctlError):
                 mapped = map_vmctl(e)
                 raise type(mapped)(f"{mapped.message}; {after}") from None
+            if isinstance(e, EgressLayerFailed):
+                raise EgressLayerFailed(f"{e.message}; {after}") from None
             if isinstance(e, OSError):
                 raise SmolvmFailed(
                     f"creating bottle {self.name} failed: {e.strerror}; {after}"
@@ -432,6 +439,7 @@ class Creation:
             await self.host.check_started_uid(self.name, reserved)
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
+        await self.step_layer(name, endpoints)
         if agent.workload:
             await workload.start(self.smolvm, name, agent.workload, agent.user, env)
         return AgentStarted(name, env, probe)
@@ -523,6 +531,32 @@ class Creation:
         self.bridge = await self.host.bridges.start(self.name, agent_vm, endpoints)
         self.undo.append(("bridge", stop))
         await self.host.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
+
+    async def step_layer(self, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """6d. The transparent egress layer (``agent.transparent_egress``), installed after the
+        gate's isolation checks and proven: canaries reach the proxy service as CONNECT."""
+        service = self.agent.transparent_egress
+        if service is None:
+            return
+        proxy = proxy_endpoint(endpoints, service)
+
+        async def stop() -> None:
+            if self.layer is not None:
+                self.layer.stop()
+
+        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy)
+        self.undo.append(("egress layer", stop))
+        if self.options.skip_probe:
+            return
+        verdict = await self.host.layers.prove(
+            self.name, agent_vm, proxy, self.host.gate.settings.outside
+        )
+        if not verdict.passed:
+            raise IsolationFailed(
+                f"transparent egress check failed in {agent_vm}: {verdict.describe()}; "
+                "bottle torn down"
+            )
+        self.layer.counters.reset()
 
     def _uid(self, role: Role) -> int | None:
         reserved = self.reserved.get(role)

@@ -21,6 +21,7 @@ from twisted.logger import Logger
 from bottlenet.bottles import egress, readiness, volumeaccess
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges
+from bottlenet.bottles.egresslayer import Layers
 from bottlenet.bottles.isolation import (
     IsolationPlan,
     choose_isolation,
@@ -128,6 +129,7 @@ class VMHost:
     access: VmmAccess
     gate: Gate
     bridges: Bridges
+    layers: Layers
     watcher: PidWatcher
     #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
     blocking: Callable[..., Any]
@@ -385,6 +387,7 @@ def vm_host(
             reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
         ),
         bridges=Bridges(reactor, smolvm, table),
+        layers=Layers(reactor, smolvm, table),
         watcher=PidWatcher(reactor),
         **seams,
     )
