@@ -77,7 +77,9 @@ class Phase(enum.StrEnum):
 
 @attrs.define(eq=False)
 class Hosted:
-    """One bottle as its host holds it."""
+    """One bottle as its host holds it: what every later call on it needs (its control
+    socket, its lease; the per-bottle capability the daemon is to return at create,
+    security-4 N6, belongs here too, and goes with each call made from this row)."""
 
     name: str
     request: BottleRequest
