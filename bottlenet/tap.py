@@ -349,7 +349,9 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles),
+            metrics.SnapshotSource(
+                table.list, registry.list_bottles, registry.transparent_outcomes
+            ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,

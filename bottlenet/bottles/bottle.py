@@ -29,7 +29,12 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
-from bottlenet.bottles.egresslayer import LayerKeeper, layer_status, proxy_endpoint
+from bottlenet.bottles.egresslayer import (
+    LayerKeeper,
+    TransparentCount,
+    layer_status,
+    proxy_endpoint,
+)
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -654,6 +659,11 @@ class VMBottle(BottleOwner):
         if service is not None:
             text += "; transparent egress " + layer_status(self.core.layer, service).describe()
         return text
+
+    def transparent_counts(self) -> list[TransparentCount]:
+        """Its transparent connects per target (none without a layer)."""
+        layer = self.core.layer
+        return [] if layer is None else layer.counters.rows(self.name)
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""

@@ -31,6 +31,7 @@ from bottlenet.bottles.bottle import (
     emit,
     write,
 )
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.execs import Execs
 from bottlenet.bottles.leftovers import find_leftovers
@@ -357,6 +358,27 @@ class BottleRegistry:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         owner = self._owner(name)
         return owner.bridge_status() if isinstance(owner, VMBottle) else None
+
+    def transparent_stats(self, bottle: str | None = None) -> list[TransparentCount]:
+        """Each bottle's transparent connects per target (``bottle stats``)."""
+        owners = [self._owner(bottle)] if bottle is not None else self._listed()
+        rows: list[TransparentCount] = []
+        for owner in owners:
+            if isinstance(owner, VMBottle):
+                rows += owner.transparent_counts()
+        return rows
+
+    def transparent_outcomes(self) -> list[tuple[str, str, int]]:
+        """(bottle, outcome, connects) of every bottle with a layer (the metrics)."""
+        out = []
+        for owner in self._listed():
+            if isinstance(owner, VMBottle) and owner.core.layer is not None:
+                for outcome, n in owner.core.layer.counters.outcomes.items():
+                    out.append((owner.name, outcome.value, n))
+        return out
+
+    def _listed(self) -> list[BottleOwner]:
+        return [self._owners[name] for name in sorted(self._owners)]
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
@@ -64,6 +65,10 @@ class ControlBackend(Protocol):
 
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
+        ...
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        """Transparent egress connects per bottle and target (``bottle stats``)."""
         ...
 
     async def spawn_exec(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
@@ -158,6 +159,13 @@ class ScopedBackend:
     def bridge_status(self, name: str) -> str | None:
         self._mine(name)
         return self._backend.bridge_status(name)
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        if bottle is not None:
+            self._mine(bottle)
+            return self._backend.transparent_stats(bottle)
+        mine = {b.name for b in self.list_bottles()}
+        return [r for r in self._backend.transparent_stats(None) if r.bottle in mine]
 
     async def spawn_exec(
         self,
