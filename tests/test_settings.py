@@ -216,7 +216,7 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "run" / "c.sock")
     s = _settings(tmp_path, "--control", f"unix:{path}")
     assert (s.control, s.control_path) == (f"unix:{path}", path)
-    assert os.path.dirname(path) in s.protected_dirs
+    assert os.path.dirname(path) in s.protected_paths
     assert _settings(tmp_path, "--control", "systemd:domain=UNIX:name=c").control_path is None
     assert _error(tmp_path, "--control", "relative/c.sock") == (
         "--control must be unix:PATH, an absolute PATH or systemd:domain=UNIX:name=N, not "
@@ -238,7 +238,7 @@ def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     missing = str(tmp_path / "smolvm-typo")
     assert _error(tmp_path, "--smolvm", missing) == f"--smolvm {missing}: no such file"
     s = _settings(tmp_path, "--smolvm-data-dir", "/tmp/sv")
-    assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_dirs
+    assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_paths
     assert _settings(tmp_path).smolvm.data_dir == str(tmp_path / "s" / "smolvm")
 
 
