@@ -17,8 +17,8 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from twisted.application.service import IService, MultiService
-from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, maybeDeferred, succeed
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -42,7 +42,7 @@ from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import metrics, rlimits, sdnotify
-from bottlenet.ops.fatal import fatal_stopper
+from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
 from bottlenet.ops.metricsservice import metrics_listener
 from bottlenet.paths import (
@@ -108,6 +108,8 @@ class BottlenetService(MultiService):
         self.state_lock: StateDirLock | None = None
         #: The node contract (NodeInfo, Drain); compose sets it.
         self.node: Node | None = None
+        #: The ``on_fatal`` every child is given; compose sets it.
+        self.fatal: FatalStopper | None = None
 
     def startService(self) -> None:
         if self.state_lock is not None:
@@ -122,7 +124,13 @@ class BottlenetService(MultiService):
             engine=self.table.engine,
             reactor=type(self.reactor).__qualname__,
         )
-        super().startService()
+        Service.startService(self)
+        for child in self:  # as MultiService does, but none after a fatal stop began
+            if self._stopping():
+                return
+            child.startService()
+        if self._stopping():
+            return  # no start-up advice for a daemon that is about to exit
         vm_uids = self.vm_uids if self.smolvm.binary is not None else None
         facts = self.smolvm_facts
         facts.probing(self.smolvm.describe(), self.vm_uids_now)
@@ -137,6 +145,9 @@ class BottlenetService(MultiService):
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
         self._say_what_smolvm_opens(vm_uids)
         self.probe_smolvm().addBoth(lambda _: facts.settle())
+
+    def _stopping(self) -> bool:
+        return self.fatal is not None and self.fatal.stopping
 
     @property
     def smolvm_facts(self) -> SmolvmFacts:
@@ -217,7 +228,11 @@ class BottlenetService(MultiService):
         if self.node is not None:
             self.node.leases.stop()
         try:
-            await super().stopService()
+            Service.stopService(self)
+            # In reverse, as MultiService does, but only what started (a fatal stop can
+            # end the start half-way).
+            started = [child for child in self if child.running]
+            await DeferredList([maybeDeferred(c.stopService) for c in reversed(started)])
         finally:
             if self.state_lock is not None:
                 self.state_lock.release()
@@ -293,6 +308,7 @@ def compose(
     """
     on_fatal = fatal_stopper(reactor)
     root, vmctl_service, vms = _core(settings, store, state, reactor)
+    root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
     table.setName("forwards")

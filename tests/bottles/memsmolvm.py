@@ -216,7 +216,11 @@ class MemorySmolvm:
     def status(self, name: str) -> Deferred[Machine]:
         return self._answer("status", name, lambda: self._machine(name).record())
 
-    def list(self, labels: Mapping[str, str] | None = None) -> Deferred[list[Machine]]:
+    def list(
+        self, labels: Mapping[str, str] | None = None, *, include_ephemeral: bool = False
+    ) -> Deferred[list[Machine]]:
+        """Every machine (bottlenet makes no ephemeral ones: ``include_ephemeral`` changes
+        nothing here)."""
         want = dict(labels or {})
 
         def listing() -> list[Machine]:
