@@ -101,10 +101,15 @@ class VolumeRuleTests(DaemonCase):
         os.chmod(self.control, 0o666)
         r = await self.as_uid(SCOPED, "bottle", "create", "v1", "--spec", self.spec_file(victim))
         self.assertEqual(r.returncode, 1, r.stderr)
-        self.assertEqual(
-            r.stderr.decode(),
-            f"error: INVALID_ARGUMENT: agent.volumes[0] {victim!r}: a scoped peer's read-write "
-            "volumes must lie under a --volume-root (and the daemon has none)\n",
+        line = r.stderr.decode()
+        self.assertTrue(line.startswith("error: INVALID_ARGUMENT: "), line)
+        self.assertEqual(line.count("\n"), 1, line)
+        self.assertTrue(
+            line.endswith(
+                f"agent.volumes[0] {victim!r}: a scoped peer's read-write volumes must lie "
+                "under a --volume-root (and the daemon has none)\n"
+            ),
+            line,
         )
         self.assertEqual(named_users(victim), [])
         self.assertEqual(os.stat(victim).st_mode & 0o7777, 0o755)
