@@ -521,8 +521,6 @@ def _own_paths(
     metrics_spec: metrics.MetricsEndpoint | None,
     config_path: str | None,
     environ: Mapping[str, str],
-    *,
-    inherited_path: Callable[[SystemdDescription], str | None] = inherited_socket_path,
 ) -> tuple[str, ...]:
     """Every path the daemon reads or serves: its state, smolvm's data, the control socket's
     directory (a ``systemd:`` one's from the inherited descriptor, and the unit's own
@@ -538,7 +536,7 @@ def _own_paths(
     if isinstance(described, UNIXDescription):
         paths.append(os.path.dirname(os.path.abspath(described.path)))
     elif isinstance(described, SystemdDescription):
-        found = inherited_path(described)
+        found = inherited_socket_path(described)
         if found is not None:
             paths.append(os.path.dirname(found))
     for name in SYSTEMD_DIRS:

@@ -7,6 +7,7 @@ the server takes the function as a parameter so tests can fake it.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import os
 import socket
@@ -58,23 +59,32 @@ def get_peer_credentials(sock: socket.socket) -> PeerCred:
 
 #: Linux ``SO_PEERGROUPS`` (not in Python's socket module before 3.13).
 _SO_PEERGROUPS = 59
-#: Groups read at first; the kernel says ERANGE when the peer has more (up to NGROUPS_MAX).
+#: Groups read at first (Python's own ``getsockopt`` reads at most 1024 bytes).
 _FEW_GROUPS = 64
-_MAX_GROUPS = 65536
 
 
 def _peer_groups(sock: socket.socket) -> tuple[int, ...]:
     """The peer's supplementary groups as the kernel recorded them at connect (Linux); empty
-    where it cannot tell (then only the peer's uid and primary gid count)."""
-    for count in (_FEW_GROUPS, _MAX_GROUPS):
-        try:
-            raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, count * 4)
-        except OSError as e:
-            if e.errno == errno.ERANGE:
-                continue
+    where it cannot tell (then only the peer's uid and primary gid count). A peer with more
+    than :data:`_FEW_GROUPS` is read again at the size the kernel asks for (ERANGE), up to
+    ``NGROUPS_MAX``, through libc (Python's ``getsockopt`` stops at 1024 bytes)."""
+    try:
+        raw = sock.getsockopt(socket.SOL_SOCKET, _SO_PEERGROUPS, _FEW_GROUPS * 4)
+    except OSError as e:
+        if e.errno != errno.ERANGE:
             return ()
-        return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-    return ()
+        raw = _peer_groups_raw(sock.fileno())
+    return struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+
+
+def _peer_groups_raw(fd: int) -> bytes:
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = ctypes.c_uint(0)
+    libc.getsockopt(fd, socket.SOL_SOCKET, _SO_PEERGROUPS, None, ctypes.byref(size))
+    buf = ctypes.create_string_buffer(max(size.value, 4))
+    if libc.getsockopt(fd, socket.SOL_SOCKET, _SO_PEERGROUPS, buf, ctypes.byref(size)) != 0:
+        return b""
+    return buf.raw[: size.value]
 
 
 def default_allowed_uids(extra: Iterable[int] = ()) -> frozenset[int]:
