@@ -25,7 +25,7 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
@@ -307,7 +307,7 @@ def compose(
     and smolvm calls drain last.
     """
     on_fatal = fatal_stopper(reactor)
-    root, vmctl_service, vms = _core(settings, store, state, reactor)
+    root, vmctl_service, host = _core(settings, store, state, reactor)
     root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
@@ -320,7 +320,7 @@ def compose(
         bottles.setServiceParent(root)
         waits.append(config_ready := bottles.ready)
     recovery = RecoveryService(
-        Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
+        Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
     if root.node is not None:
@@ -375,7 +375,7 @@ def _restored(result: object, root: BottlenetService) -> object:
 
 def _core(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
-) -> tuple[BottlenetService, IService, VMLifecycle]:
+) -> tuple[BottlenetService, IService, VMHost]:
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -413,7 +413,7 @@ def _core(
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
         volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
-    vms = VMLifecycle(
+    host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
     registry = BottleRegistry(
@@ -424,7 +424,7 @@ def _core(
         max_bottles=settings.max_bottles,
         store=store,
         instance_id=state.instance_id,
-        vms=vms,
+        host=host,
     )
     node = _node(settings, store, state, reactor, registry, table, vm_uids)
     if settings.control_path is not None:
@@ -444,7 +444,7 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
-    return root, vmctl_service, vms
+    return root, vmctl_service, host
 
 
 def _control_factory(

@@ -221,3 +221,17 @@ def test_volumes_default_to_read_only() -> None:
     spec = parse_bottle_spec("b1", doc(agent__volumes=["/w:/w", "/w:/x:rw"]))
     assert spec.agent is not None
     assert spec.agent.volumes == ("/w:/w:ro", "/w:/x:rw")
+
+
+def test_transparent_egress_names_a_sidecar_service_in_socket_mode() -> None:
+    """``agent.transparent_egress``: absent means no layer; it must name a service; a
+    bottle in alias mode (whose agent has a network) cannot have it."""
+    assert parse_bottle_spec("b", doc()).agent.transparent_egress is None  # type: ignore[union-attr]
+    spec = parse_bottle_spec("b", doc(agent__transparent_egress="egress"))
+    assert spec.agent is not None and spec.agent.transparent_egress == "egress"
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress: must name one of"):
+        parse_bottle_spec("b", doc(agent__transparent_egress="proxy"))
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress: needs socket mode"):
+        parse_bottle_spec("b", doc(mode="alias", agent__transparent_egress="egress"))
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress"):
+        parse_bottle_spec("b", doc(agent__transparent_egress=""))

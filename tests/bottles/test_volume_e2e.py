@@ -17,6 +17,7 @@ from typing import Any
 from twisted.internet.defer import Deferred
 
 from bottlenet.bottles import posixacl, volumeaccess
+from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.volumegrants import GrantBook
 from bottlenet.bottles.volumes import Requester, VolumeRules, resolve
 from bottlenet.errors import BottlenetError
@@ -150,29 +151,27 @@ class VolumeRuleTests(DaemonCase):
         self.directory("alice", "proj", owner=ALICE)
         victim = self.directory("sys", "work")
         client = await self.start()
-        vms = self.registry.vms
-        assert vms is not None
-        reserve = vms.reserve_uid
+        reserve = VMHost.reserve_uid
         seen: dict[str, Any] = {}
 
-        async def reserve_then_swap(machine: str) -> Any:
-            reserved = await reserve(machine)
+        async def reserve_then_swap(host: VMHost, machine: str) -> Any:
+            reserved = await reserve(host, machine)
             if machine.endswith("-agent"):
                 os.rename(os.path.join(alice, "proj"), os.path.join(alice, "proj.old"))
                 os.symlink(os.path.dirname(victim), os.path.join(alice, "proj"))
                 seen["uid"] = reserved.uid
             return reserved
 
-        vms.reserve_uid = reserve_then_swap  # type: ignore[method-assign]
-        check_started = vms.check_started_uid
+        self.patch(VMHost, "reserve_uid", reserve_then_swap)
+        check_started = VMHost.check_started_uid
 
-        async def look_then_check(bottle: str, reserved: Any) -> None:
+        async def look_then_check(host: VMHost, bottle: str, reserved: Any) -> None:
             # the agent's VMM runs: where is its grant?
             seen["moved"] = named_users(os.path.join(alice, "proj.old", "work"))
             seen["victim"] = named_users(victim)
-            await check_started(bottle, reserved)
+            await check_started(host, bottle, reserved)
 
-        vms.check_started_uid = look_then_check  # type: ignore[method-assign]
+        self.patch(VMHost, "check_started_uid", look_then_check)
         try:
             await client.create_bottle("s1", spec=self.spec_json(work))
         except BottlenetError as e:
