@@ -135,14 +135,19 @@ def _revoke_one(g: Grant) -> str | None:
         )
         return None
     try:
-        acl = posixacl.read(fd)
-        if acl.user(g.uid) is not None:
-            posixacl.write(fd, acl.without_user(g.uid))
+        _take_back(fd, g.uid)
     except OSError as e:
         return e.strerror or str(e)
     finally:
         os.close(fd)
     return None
+
+
+def _take_back(fd: int, uid: int) -> None:
+    """Remove ``user:<uid>`` from the ACL of the directory behind ``fd``, if it is there."""
+    acl = posixacl.read(fd)
+    if acl.user(uid) is not None:
+        posixacl.write(fd, acl.without_user(uid))
 
 
 def reopen(g: Grant) -> int | None:
@@ -215,9 +220,7 @@ def revoke_by_path(paths: Sequence[str], uid: int) -> None:
         except OSError:
             continue
         try:
-            acl = posixacl.read(fd)
-            if acl.user(uid) is not None:
-                posixacl.write(fd, acl.without_user(uid))
+            _take_back(fd, uid)
         except OSError as e:
             log.error(
                 "the volume grant for uid {uid} on {path} could not be taken back: {why}",

@@ -22,6 +22,7 @@ from bottlenet.bottles.volumegrants import GrantBook
 from bottlenet.bottles.volumes import Requester, VolumeRules, resolve
 from bottlenet.errors import BottlenetError
 from tests.bottles.harness import DaemonCase, in_thread, spec_doc
+from tests.bottles.test_volumeaccess import named_users
 from tests.control.test_scoped import _argv, _env
 from tests.control.vmdaemon import SPEC_TOML
 from vmctl.spec import Volume
@@ -29,14 +30,6 @@ from vmctl.spec import Volume
 SCOPED = 4243
 ALICE = 4244
 ACL = "system.posix_acl_access"
-
-
-def named_users(path: str) -> list[int]:
-    try:
-        acl = posixacl.Acl.decode(os.getxattr(path, ACL))
-    except OSError:
-        return []
-    return [e.id for e in acl.entries if e.tag == posixacl.USER]
 
 
 class VolumeRuleTests(DaemonCase):

@@ -45,7 +45,7 @@ def acl_bytes(*entries: tuple[int, int, int]) -> bytes:
     )
 
 
-def named_users(path: Path) -> list[int]:
+def named_users(path: str | Path) -> list[int]:
     try:
         acl = posixacl.Acl.decode(os.getxattr(path, ACL))
     except OSError:
