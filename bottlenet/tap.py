@@ -32,6 +32,7 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
+from bottlenet.bottles.volumes import VolumeRules
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
@@ -412,6 +413,7 @@ def _core(
         skip_probe=settings.skip_probe,
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
+        volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
@@ -426,7 +428,6 @@ def _core(
         instance_id=state.instance_id,
         host=host,
     )
-    registry.protected_dirs = settings.protected_dirs
     node = _node(settings, store, state, reactor, registry, table, vm_uids)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)

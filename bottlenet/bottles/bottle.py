@@ -53,6 +53,7 @@ from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.vmloss import lost_reason
+from bottlenet.bottles.volumes import Requester
 from bottlenet.bottles.watch import Watch
 from bottlenet.errors import (
     BottlenetError,
@@ -103,13 +104,15 @@ def emit(
 @frozen
 class CreateRequest:
     """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
-    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec``; either's
+    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
+    it (``requester``: its volumes are checked for it; None: the daemon itself); either's
     ``tenancy``, its lease counted from the commit."""
 
     alias: ipaddress.IPv4Address | None = None
     spec: BottleSpec | None = None
     source: Source = Source.CONTROL
     tenancy: Tenancy | None = None
+    requester: Requester | None = None
 
 
 @frozen
@@ -597,7 +600,7 @@ class VMBottle(BottleOwner):
                 self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
-            created = await create_vm(hands.host, spec, commit)
+            created = await create_vm(hands.host, spec, commit, asked.requester)
         except BaseException as e:
             detail = f"create failed: {getattr(e, 'code', 'INTERNAL')}"
             emit(hands, DESTROYED, self.name, None, detail)

@@ -42,6 +42,7 @@ from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -79,8 +80,6 @@ class BottleRegistry:
         host: VMHost | None = None,
     ) -> None:
         self._state_dir = state_dir
-        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
-        self.protected_dirs: tuple[str, ...] = (state_dir,)
         #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
         self.max_bottles = max_bottles
         self.instance_id = instance_id
@@ -220,11 +219,13 @@ class BottleRegistry:
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
         ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
-        from the commit."""
-        with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
+        from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
+        daemon itself)."""
+        with_vms = spec is not None and check_create(name, alias, spec)
 
         async def create() -> Bottle:
             if self.admission is not None:
@@ -236,7 +237,8 @@ class BottleRegistry:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
                 )
-            return await owner.create(CreateRequest(alias, spec, source, tenancy), self._named)
+            asked = CreateRequest(alias, spec, source, tenancy, requester)
+            return await owner.create(asked, self._named)
 
         owner_class = VMBottle if with_vms else ForwardBottle
         return await self._locked(name, create, make=lambda: owner_class(name, self._hands))

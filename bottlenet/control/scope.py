@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.control.backend import ControlBackend
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
@@ -104,12 +105,15 @@ class ScopedBackend:
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         stamped = evolve(tenancy or Tenancy(), creator=self.creator)
         if not self._exists(name):
             self._creators.expect(name, self.creator)
         try:
-            return await self._backend.create_bottle(name, alias, spec=spec, tenancy=stamped)
+            return await self._backend.create_bottle(
+                name, alias, spec=spec, tenancy=stamped, requester=requester
+            )
         finally:
             if self._creators.creator(name) == self.creator:
                 self._creators.settle(name, self._exists(name))
