@@ -401,6 +401,38 @@ def _core(
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
+    registry, node = _registry(settings, store, state, reactor, table, aliases, host)
+    if settings.control_path is not None:
+        table.own_sockets.add_unix(settings.control_path)
+    if settings.tls is not None:
+        table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
+    factory = _control_factory(settings, reactor, registry, node, control_commands)
+    root = BottlenetService(
+        reactor,
+        table,
+        registry,
+        smolvm,
+        factory,
+        settings.state_dir,
+        smolvm_calls,
+        control_commands,
+        vm_uids=vm_uids,
+    )
+    root.node = node
+    return root, vmctl_service, host
+
+
+def _registry(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    host: VMHost,
+) -> tuple[BottleRegistry, Node]:
+    """The bottles' table, the node's policies it tells (built first: the table takes them)
+    and the node over both."""
     events = EventBus()
     parts = node_parts(
         reactor,
@@ -431,26 +463,9 @@ def _core(
         parts,
         host=socket.gethostname(),
         labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {vm_uids}",
+        privilege=f"{who}; smolvm VMs run with {host.options.vm_uids}",
     )
-    if settings.control_path is not None:
-        table.own_sockets.add_unix(settings.control_path)
-    if settings.tls is not None:
-        table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
-    factory = _control_factory(settings, reactor, registry, node, control_commands)
-    root = BottlenetService(
-        reactor,
-        table,
-        registry,
-        smolvm,
-        factory,
-        settings.state_dir,
-        smolvm_calls,
-        control_commands,
-        vm_uids=vm_uids,
-    )
-    root.node = node
-    return root, vmctl_service, host
+    return registry, node
 
 
 def _control_factory(
