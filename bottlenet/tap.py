@@ -32,6 +32,7 @@ from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
+from bottlenet.bottles.volumes import VolumeRules
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
@@ -345,7 +346,9 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles),
+            metrics.SnapshotSource(
+                table.list, registry.list_bottles, registry.transparent_outcomes
+            ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,
@@ -397,6 +400,7 @@ def _core(
         skip_probe=settings.skip_probe,
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
+        volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
@@ -454,7 +458,6 @@ def _registry(
         events=events,
         policies=parts.policies(),
     )
-    registry.protected_dirs = settings.protected_dirs
     euid = os.geteuid()
     who = "root" if euid == 0 else f"uid {euid}"
     node = Node(

@@ -29,7 +29,12 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
-from bottlenet.bottles.egresslayer import LayerKeeper, layer_status, proxy_endpoint
+from bottlenet.bottles.egresslayer import (
+    LayerKeeper,
+    TransparentCount,
+    layer_status,
+    proxy_endpoint,
+)
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -51,6 +56,7 @@ from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
 from bottlenet.bottles.store import StateStore, write
 from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
 from bottlenet.bottles.vmloss import lost_reason
+from bottlenet.bottles.volumes import Requester
 from bottlenet.bottles.watch import Watch
 from bottlenet.errors import (
     BottlenetError,
@@ -112,13 +118,15 @@ def emit(
 @frozen
 class CreateRequest:
     """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
-    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec``; either's
+    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
+    it (``requester``: its volumes are checked for it; None: the daemon itself); either's
     ``tenancy``, its lease counted from the commit."""
 
     alias: ipaddress.IPv4Address | None = None
     spec: BottleSpec | None = None
     source: Source = Source.CONTROL
     tenancy: Tenancy | None = None
+    requester: Requester | None = None
 
 
 @frozen
@@ -663,7 +671,7 @@ class VMBottle(BottleOwner):
                 self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
-            created = await create_vm(hands.host, spec, commit)
+            created = await create_vm(hands.host, spec, commit, asked.requester)
         except BaseException as e:
             code = getattr(e, "code", "INTERNAL")
             emit(self.core, DESTROYED, None, f"create failed: {code}")
@@ -728,6 +736,11 @@ class VMBottle(BottleOwner):
         if service is not None:
             text += "; transparent egress " + layer_status(self.core.layer, service).describe()
         return text
+
+    def transparent_counts(self) -> list[TransparentCount]:
+        """Its transparent connects per target (none without a layer)."""
+        layer = self.core.layer
+        return [] if layer is None else layer.counters.rows(self.name)
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""

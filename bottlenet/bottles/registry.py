@@ -30,6 +30,7 @@ from bottlenet.bottles.bottle import (
     Resync,
     VMBottle,
 )
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.leftovers import find_leftovers
@@ -40,6 +41,7 @@ from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore, write
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -79,8 +81,6 @@ class BottleRegistry:
         policies: Policies | None = None,
     ) -> None:
         self._state_dir = state_dir
-        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
-        self.protected_dirs: tuple[str, ...] = (state_dir,)
         #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
         self.max_bottles = max_bottles
         self.instance_id = instance_id
@@ -220,11 +220,13 @@ class BottleRegistry:
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
         ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
-        from the commit."""
-        with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
+        from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
+        daemon itself)."""
+        with_vms = spec is not None and check_create(name, alias, spec)
 
         async def create() -> Bottle:
             self.policies.admission.admit(source)
@@ -235,7 +237,8 @@ class BottleRegistry:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
                 )
-            return await owner.create(CreateRequest(alias, spec, source, tenancy), self._named)
+            asked = CreateRequest(alias, spec, source, tenancy, requester)
+            return await owner.create(asked, self._named)
 
         owner_class = VMBottle if with_vms else ForwardBottle
         creator = None if tenancy is None else tenancy.creator
@@ -368,6 +371,27 @@ class BottleRegistry:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         owner = self._owner(name)
         return owner.bridge_status() if isinstance(owner, VMBottle) else None
+
+    def transparent_stats(self, bottle: str | None = None) -> list[TransparentCount]:
+        """Each bottle's transparent connects per target (``bottle stats``)."""
+        owners = [self._owner(bottle)] if bottle is not None else self._listed()
+        rows: list[TransparentCount] = []
+        for owner in owners:
+            if isinstance(owner, VMBottle):
+                rows += owner.transparent_counts()
+        return rows
+
+    def transparent_outcomes(self) -> list[tuple[str, str, int]]:
+        """(bottle, outcome, connects) of every bottle with a layer (the metrics)."""
+        out = []
+        for owner in self._listed():
+            if isinstance(owner, VMBottle) and owner.core.layer is not None:
+                for outcome, n in owner.core.layer.counters.outcomes.items():
+                    out.append((owner.name, outcome.value, n))
+        return out
+
+    def _listed(self) -> list[BottleOwner]:
+        return [self._owners[name] for name in sorted(self._owners)]
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""
