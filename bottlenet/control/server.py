@@ -28,6 +28,7 @@ from zope.interface import implementer
 
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
 from bottlenet.bottles.volumes import Requester, RequesterKind
@@ -50,6 +51,7 @@ from bottlenet.control.records import (
     encode_records,
     forward_record,
     stats_record,
+    transparent_record,
 )
 from bottlenet.control.scope import ScopedBackend
 from bottlenet.errors import (
@@ -569,9 +571,19 @@ class ControlLocator(SafeCommandLocator):
 
     @C.Stats.responder
     def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records: LazyView[StatsRecord] = LazyView(self._forwards(bottle), stats_record)
+        forwards = self._forwards(bottle)
+        layer = self.backend.transparent_stats(bottle)
+        # The forwards, then one row per transparent egress target (label "transparent:T").
+        rows: list[ForwardInfo | TransparentCount] = [*forwards, *layer]
+        records: LazyView[StatsRecord] = LazyView(rows, _stats_row)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+
+
+def _stats_row(row: ForwardInfo | TransparentCount) -> StatsRecord:
+    if isinstance(row, TransparentCount):
+        return transparent_record(row)
+    return stats_record(row)
 
 
 @implementer(IHandshakeListener)
@@ -631,9 +643,7 @@ class ControlServerProtocol(HardenedAMP):
         through a view of its own bottles)."""
         self.control.peer = peer
         if peer.scoped and peer.uid is not None:
-            self.control.backend = ScopedBackend(
-                self.context.backend, creator_of_uid(peer.uid), self.context.creators
-            )
+            self.control.backend = ScopedBackend(self.context.backend, creator_of_uid(peer.uid))
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
