@@ -9,8 +9,10 @@ process model that bottlenet's vmctl relies on, so the real spawn path can be te
 where no VM boots. ``tests/vmctl/test_contract.py`` runs the same argv through the real CLI
 (the ``smolmachines`` wheel) and this fake and fails where they disagree:
 
-* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock,
-  plus per-VM dirs;
+* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock
+  for each read-modify-write only, plus per-VM dirs; a ``start`` holds the machine's own
+  ``vm.lock`` and a ``stop`` or ``delete`` its ``.NAME.fork-operation.lock`` for the whole
+  boot or stop, as the real CLIs do, so two machines start and stop at once;
 * the flags it accepts depend on its version (``FLAGS_SINCE``): ``--label`` from 1.8.0,
   ``--error-format``/``--state-dir``/``--user``/``--block-private`` from 1.32.0 (the fake's
   model: 1.9.3 lacks them, 1.32.2 has them), and ``--help`` lists exactly those;
@@ -35,7 +37,9 @@ scrubs the environment) or ``FAKE_SMOLVM_FAIL=a,b`` / ``FAKE_SMOLVM_VERSION=X.Y.
 ``fail`` (list of: kvm, kvm-denied, kvm-root, port-clash, slow-start, crash-after-start,
 ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``version``,
 ``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
-``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
+``ready_timeout`` (s), ``boot_hold`` (machine names whose "VM" boots only once the test
+writes ``boot-release`` into its VM dir), ``crash_after`` (s), ``stop_grace`` (s),
+``device_budget`` (int),
 ``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
 (machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
 means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
@@ -242,12 +246,65 @@ def write_json(path: str, obj: object) -> None:
 
 @contextlib.contextmanager
 def locked():
+    """The state file's lock: held only for one read-modify-write of it, as the real CLIs
+    hold their SQLite database's write lock for one short transaction."""
     fd = os.open(os.path.join(data_dir(), "fake-state.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+#: What ``machine start`` says when another start of the machine holds its ``vm.lock``
+#: (1.32.2 and 1.37.3, run here with the lock held by hand).
+ALREADY_STARTING = (
+    "agent operation failed: start machine: agent operation failed: start agent: another "
+    "process is already starting or running this VM"
+)
+
+
+@contextlib.contextmanager
+def machine_lock(path: str, wait: bool = True):
+    """One machine's own lock, an flock held for a whole start or stop (docs/smolvm.md,
+    "Locks"): the real CLIs take ``vms/<id>/vm.lock`` (without waiting) for ``start`` and
+    ``vms/.<name>.fork-operation.lock`` (waiting) for ``stop`` and ``delete``, and nothing
+    that spans machines for longer than a registry write, so two machines start and stop at
+    once."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise fail(ALREADY_STARTING) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def start_lock(name: str) -> str:
+    return os.path.join(vm_dir(name), "vm.lock")
+
+
+def stop_lock(name: str) -> str:
+    return os.path.join(data_dir(), ".cache", "smolvm", "vms", f".{name}.fork-operation.lock")
+
+
+def existing(name: str) -> None:
+    """NOT_FOUND for a machine with no record (before any lock file is made for it)."""
+    with locked():
+        get(load(), name)
+
+
+def commit(name: str, rec: dict) -> None:
+    """Write one machine's record back, under the state lock, into the state as it is now
+    (other machines' records may have changed since ``rec`` was read)."""
+    with locked():
+        state = load()
+        if name in state["machines"]:
+            state["machines"][name] = rec
+            save(state)
 
 
 def load() -> dict:
@@ -776,7 +833,8 @@ def cmd_start(args: list[str]) -> None:
     opts, _rest = parse(args, "machine start", spec)
     name = one(opts, "name", "default")
     f = faults()
-    with locked():
+    existing(name)
+    with machine_lock(start_lock(name), wait=False):
         state = load()
         rec = get(state, name)
         if state_of(rec) == "running":
@@ -849,6 +907,7 @@ def cmd_start(args: list[str]) -> None:
             "ports": rec["ports"],
             "publish_addr": os.environ.get("SMOLVM_PUBLISH_ADDR"),
             "slow_start": float(f.get("slow_start", 2.0)) if "slow-start" in f["fail"] else 0.0,
+            "boot_hold": name in f.get("boot_hold", []),
             "crash_after": float(f.get("crash_after", 0.3))
             if "crash-after-start" in f["fail"]
             else None,
@@ -897,7 +956,7 @@ def cmd_start(args: list[str]) -> None:
             code = vm.poll()
             if code is not None:
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 reason = read(os.path.join(d, "agent-startup-error.log"))
                 if "Address already in use" in reason:
                     raise fail(foreign_clash())
@@ -909,14 +968,14 @@ def cmd_start(args: list[str]) -> None:
                 kill_group(vm.pid, 0.5)
                 vm.wait()
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 raise fail(
                     "agent operation failed: start machine: agent operation failed: "
                     f"wait for ready: agent did not become ready within {limit:g} seconds"
                 )
             time.sleep(0.01)
         rec.update(state="running", pid=vm.pid, start_time=started)
-        save(state)
+        commit(name, rec)
     out(f"Machine '{name}' running (PID: {vm.pid})")
 
 
@@ -1054,19 +1113,19 @@ def cmd_stop(args: list[str]) -> None:
     opts, _ = parse(args, "machine stop", {"--name": ("name", True), "-n": ("name", True)})
     name = one(opts, "name", "default")
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         current = state_of(rec)
         if current not in ("running", "unreachable"):
             if rec["state"] == "running":
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
             kill_orphan(name, grace)
             out(f"Machine '{name}' is not running (state: {current})")
             return
         stop_rec(rec, grace)
-        save(state)
+        commit(name, rec)
     out(f"Stopped machine: {name}")
 
 
@@ -1085,12 +1144,12 @@ def cmd_delete(args: list[str]) -> None:
             "the following required arguments were not provided:\n  --name <NAME>", "machine delete"
         )
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         if state_of(rec) in ("running", "unreachable"):
             stop_rec(rec, grace)
-            save(state)
+            commit(name, rec)
         if not opts.get("force"):
             sys.stderr.write(f"Delete machine '{name}'? [y/N] ")
             sys.stderr.flush()
@@ -1105,8 +1164,12 @@ def cmd_delete(args: list[str]) -> None:
 
             shutil.rmtree(d, ignore_errors=True)
         release_vm_uid(name)
-        del state["machines"][name]
-        save(state)
+        with locked():
+            state = load()
+            state["machines"].pop(name, None)
+            save(state)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stop_lock(name))  # as smolvm: its lock file goes with the machine
     out(f"Deleted machine: {name}")
 
 
@@ -1992,6 +2055,10 @@ def expose_readiness(cfg: dict) -> Callable[[str], bool]:
     return ready
 
 
+#: ``boot_hold``: the file in a held machine's VM dir that lets its "VM" finish booting.
+BOOT_RELEASE = "boot-release"
+
+
 def boot_vm(d: str) -> None:
     """The long-lived VM stand-in: listen on the published ports and echo."""
     _import_all_now()
@@ -2020,6 +2087,8 @@ def boot_vm(d: str) -> None:
         relay.listen(64)
         threading.Thread(target=relay_service, args=(relay, host_path), daemon=True).start()
     time.sleep(cfg.get("slow_start") or 0)
+    while cfg.get("boot_hold") and not os.path.exists(os.path.join(d, BOOT_RELEASE)):
+        time.sleep(0.02)  # boot_hold: the test says when this "VM" has booted
     sel = selectors.DefaultSelector()
     listeners = []
     try:
