@@ -36,7 +36,6 @@ from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
-from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
@@ -364,11 +363,9 @@ def compose(
 
 
 def _restored(result: object, root: BottlenetService) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again), and
-    their scoped creators are known."""
+    """Recovery is done: the restored bottles' leases count on (their grace again)."""
     assert root.node is not None
     root.node.leases.restore()
-    root.control_factory.context.creators.restore(root.registry.list_bottles())
     return result
 
 
@@ -462,7 +459,6 @@ def _control_factory(
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
         node=node,
-        creators=Creators(registry.events.subscribe),
         unix_target_root=settings.state_dir,
     )
     admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)

@@ -13,6 +13,7 @@ import atexit
 import io
 import logging
 import os
+import secrets
 import socket
 import threading
 from collections.abc import Sequence
@@ -68,6 +69,9 @@ class BottleActor:
         self.owner = owner
         self.owner_label = owner_label
         self.control = node_control(request)
+        #: The bottle's capability (docs/protocol.md, "Scoped peers"): the daemon admits the
+        #: Ray uid scoped, so every call about the bottle presents it; held by this actor only.
+        self.capability = secrets.token_urlsafe(24)
         self.node_id = ray.get_runtime_context().get_node_id()
         self.hostname = socket.gethostname()
         self._lock = threading.Lock()
@@ -83,7 +87,7 @@ class BottleActor:
     # -- the bottle ----------------------------------------------------------------------------
 
     def _client(self, timeout: float = 30.0) -> BlockingControlClient:
-        return BlockingControlClient(self.control, timeout=timeout)
+        return BlockingControlClient(self.control, timeout=timeout, capability=self.capability)
 
     def _create(self) -> None:
         r = self.request
