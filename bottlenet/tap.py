@@ -25,13 +25,14 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
+from bottlenet.bottles.volumes import VolumeRules
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
@@ -305,7 +306,7 @@ def compose(
     and smolvm calls drain last.
     """
     on_fatal = fatal_stopper(reactor)
-    root, vmctl_service, vms = _core(settings, store, state, reactor)
+    root, vmctl_service, host = _core(settings, store, state, reactor)
     root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
@@ -318,7 +319,7 @@ def compose(
         bottles.setServiceParent(root)
         waits.append(config_ready := bottles.ready)
     recovery = RecoveryService(
-        Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
+        Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
     if root.node is not None:
@@ -371,7 +372,7 @@ def _restored(result: object, root: BottlenetService) -> object:
 
 def _core(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
-) -> tuple[BottlenetService, IService, VMLifecycle]:
+) -> tuple[BottlenetService, IService, VMHost]:
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -407,8 +408,9 @@ def _core(
         skip_probe=settings.skip_probe,
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
+        volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
-    vms = VMLifecycle(
+    host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
     registry = BottleRegistry(
@@ -419,9 +421,8 @@ def _core(
         max_bottles=settings.max_bottles,
         store=store,
         instance_id=state.instance_id,
-        vms=vms,
+        host=host,
     )
-    registry.protected_dirs = settings.protected_dirs
     node = _node(settings, store, state, reactor, registry, table, vm_uids)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
@@ -440,7 +441,7 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
-    return root, vmctl_service, vms
+    return root, vmctl_service, host
 
 
 def _control_factory(

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.bottles.tenancy import Tenancy
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
@@ -38,6 +39,7 @@ class ControlBackend(Protocol):
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle: ...
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...

@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.control.backend import ControlBackend
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
@@ -167,6 +168,7 @@ class ScopedBackend:
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         if alias is not None:
             raise PermissionDenied(
@@ -176,7 +178,9 @@ class ScopedBackend:
         node_name = self.identity.node_name(name)
         stamped = evolve(tenancy or Tenancy(), creator=self.identity.creator)
         own_spec = None if spec is None else evolve(spec, name=node_name)
-        created = await self._backend.create_bottle(node_name, None, spec=own_spec, tenancy=stamped)
+        created = await self._backend.create_bottle(
+            node_name, None, spec=own_spec, tenancy=stamped, requester=requester
+        )
         return self._out(created)
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:

@@ -31,6 +31,7 @@ import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester, RequesterKind
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.backend import ControlBackend, NodeControl
@@ -167,6 +168,15 @@ def paginate(
         "total": len(records),
         "next_offset": end if end < len(records) else None,
     }
+
+
+def requester_of(peer: PeerIdentity | None) -> Requester:
+    """Who a create's volumes are checked for: a UNIX peer's own uid and groups (scoped or
+    not); a TLS launcher (or a peer not known) has no local uid."""
+    if peer is None or peer.kind != "unix" or peer.uid is None:
+        return Requester(RequesterKind.REMOTE)
+    gid = -1 if peer.gid is None else peer.gid
+    return Requester.local(peer.uid, gid, peer.groups, scoped=peer.scoped)
 
 
 class ControlLocator(SafeCommandLocator):
@@ -344,8 +354,10 @@ class ControlLocator(SafeCommandLocator):
         subject = name if scope is None else scope.inner(name)
         create = (
             backend.create_bottle(name, addr, spec=parsed)
-            if tenancy is None
-            else backend.create_bottle(name, addr, spec=parsed, tenancy=tenancy)
+            if tenancy is None and parsed is None
+            else backend.create_bottle(
+                name, addr, spec=parsed, tenancy=tenancy, requester=requester_of(self.peer)
+            )
         )
         bottle = await self._mutate("CreateBottle", subject, create)
         record = self._record(bottle, backend)
