@@ -78,12 +78,13 @@ class LeaseKeeper:
                 self._arm(bottle.name, max(lease.expires_at - now, 0.0))
 
     def renew(self, name: str, seconds: float) -> Tenancy:
-        """Extend ``name``'s lease to ``seconds`` from now: counted at once; then written
+        """Extend ``name``'s lease to ``seconds`` from now: counted at once (also for a
+        bottle whose restored lease the keeper has not counted yet); then written
         (UNAVAILABLE when the state file cannot be: the new deadline holds in memory)."""
         check_lease_seconds(seconds)
         bottle = self._registry.get_bottle(name)
         tenancy = bottle.tenancy
-        if tenancy is None or tenancy.lease is None or name not in self._deadlines:
+        if tenancy is None or tenancy.lease is None:
             raise InvalidArgument(f"bottle {name} has no lease to renew")
         if name in self._reaping:
             raise NotFound(f"bottle {name}: its lease expired; it is being destroyed")

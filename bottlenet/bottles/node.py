@@ -192,6 +192,10 @@ class Node:
     def renew_lease(self, name: str, seconds: float) -> None:
         self.leases.renew(name, seconds)
 
+    async def when_serving(self) -> None:
+        """Returns once the daemon's recovery is done (``RenewLease`` waits for it)."""
+        await self._registry.when_serving()
+
     def undrain(self) -> None:
         self.gate.undrain()
 

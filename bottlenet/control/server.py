@@ -366,13 +366,17 @@ class ControlLocator(SafeCommandLocator):
         return {"bottle": record}
 
     @C.RenewLease.responder
-    def renew_lease(
+    async def renew_lease(
         self, name: str, seconds: float, capability: str | None = None
     ) -> dict[str, Any]:
         name = check_bottle_name(name)
         backend, inner = self._view(capability)
+        node = self._node()
+        # A restarted daemon answers a bottle it has not restored yet after its restore
+        # (its owner's renewal must not look like a lost bottle).
+        await node.when_serving()
         backend.get_bottle(name)  # NOT_FOUND for a scoped peer's other bottles
-        self._node().renew_lease(inner(name), seconds)
+        node.renew_lease(inner(name), seconds)
         return {"bottle": self._record(backend.get_bottle(name), backend)}
 
     @C.VerifyBottle.responder

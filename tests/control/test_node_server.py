@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 from attrs import evolve
+from twisted.internet.defer import Deferred
 
 from bottlenet.bottles.node import Capacity, NodeReport
+from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.scope import Identity
 from bottlenet.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
@@ -26,6 +28,8 @@ class FakeNode:
         self.draining = False
         self.bottles = 1
         self.renewed: list[tuple[str, float]] = []
+        #: While not None, the daemon is restoring its state until this fires.
+        self.restoring: Deferred[None] | None = None
         self.waited: list[float] = []
 
     def report(self) -> NodeReport:
@@ -54,6 +58,11 @@ class FakeNode:
 
     def renew_lease(self, name: str, seconds: float) -> None:
         self.renewed.append((name, seconds))
+
+    async def when_serving(self) -> None:
+        """Recovery is done unless a test holds ``restoring`` (then: once it fires)."""
+        if self.restoring is not None:
+            await self.restoring
 
     async def when_empty(self, timeout: float) -> bool:
         self.waited.append(timeout)
@@ -234,3 +243,20 @@ def test_a_name_of_a_scoped_name_space_made_by_another_is_not_its_own() -> None:
     assert len(backend.bottles) == 3
     for conn in (c, other, full):
         conn.close()
+
+
+def test_renew_lease_waits_for_the_restore() -> None:
+    """While the daemon restores its state a RenewLease is answered after the restore, not
+    as a missing bottle."""
+    backend = FakeBackend()
+    node = FakeNode()
+    c = Conn(make_factory(backend, node=node))
+    c.call(C.CreateBottle, name="b1", lease_seconds=60.0)
+    node.restoring = Deferred()
+    c.send(codec.encode_request(C.RenewLease, b"r1", {"name": "b1", "seconds": 90.0}))
+    assert c.boxes() == [] and node.renewed == []
+    node.restoring.callback(None)
+    (box,) = c.boxes()
+    assert codec.decode_answer(C.RenewLease, box)["bottle"].name == "b1"
+    assert node.renewed == [("b1", 90.0)]
+    c.close()
