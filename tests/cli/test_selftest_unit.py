@@ -330,7 +330,9 @@ class _GoodDaemon:
         self.told: list[str] = []
 
     def hello(self) -> Any:
-        return hello()
+        """Before the create as the daemon's uid implies it; after, as its VMs showed it."""
+        basis = "seen: bn-st-unit-sidecar's VM process ran as uid 2000001"
+        return hello()._replace(vm_uids_basis=basis if "CreateBottle" in self.told else None)
 
     def watch(self, bottle: str) -> None:
         pass
@@ -405,6 +407,8 @@ def test_a_good_runs_json_report_passes_every_line(tmp_path: Any) -> None:
     assert [(c["step"], c["verdict"]) for c in report["checks"]] == [
         (step, "PASS") for step in st.STEPS
     ], report
+    [privilege] = [c for c in report["checks"] if c["step"] == "privilege"]
+    assert privilege["seen"] == "one (seen: bn-st-unit-sidecar's VM process ran as uid 2000001)"
 
 
 def test_a_stale_uid_reservation_fails_the_teardown_line_alone(tmp_path: Any) -> None:
