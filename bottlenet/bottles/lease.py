@@ -11,7 +11,8 @@ Time: while the daemon runs, deadlines are counted on the injected monotonic clo
 (``time.monotonic`` in the daemon), so a wall-clock jump forward never reaps a live lease
 early; the reactor's timer (wall time in Twisted) only wakes the keeper, which looks at the
 monotonic clock and sleeps again if it woke early, and it sleeps at most
-:data:`MAX_SLEEP` at a time, so a jump backward delays a reap by at most that. Across a restart
+:data:`MAX_SLEEP` at a time. A jump backward delays the keeper's pending wake by the jump
+(Twisted's timers are wall time): a reap comes late by that much, never early. Across a restart
 only wall time exists: each lease's expiry is recorded as wall time, and a restarted daemon
 counts what is left of it, then the grace again, from its start (a bottle whose lease ran out
 while the daemon was down still gets the grace, so its owner can renew it).
@@ -33,7 +34,8 @@ from bottlenet.errors import BottlenetError, Busy, InvalidArgument, NotFound, sa
 
 #: Seconds of grace after a lease runs out, unless ``--lease-grace`` says otherwise.
 DEFAULT_GRACE = 30.0
-#: The keeper's longest sleep (seconds): bounds how late a wall-clock jump back makes a reap.
+#: The keeper's longest sleep (seconds): it looks at the monotonic clock at least this often
+#: (unless the wall clock is stepped back while it sleeps: then the step later).
 MAX_SLEEP = 60.0
 #: A reap that found the bottle busy (or failed) is tried again this much later (seconds).
 RETRY = 5.0
