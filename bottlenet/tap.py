@@ -25,8 +25,8 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
+from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost, VMOptions, vm_host
-from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
@@ -40,6 +40,7 @@ from bottlenet.control.events import EventHub
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
@@ -224,8 +225,6 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
-        if self.node is not None:
-            self.node.leases.stop()
         try:
             Service.stopService(self)
             # In reverse, as MultiService does, but only what started (a fatal stop can
@@ -322,8 +321,6 @@ def compose(
         Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
-    if root.node is not None:
-        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -349,7 +346,9 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles),
+            metrics.SnapshotSource(
+                table.list, registry.list_bottles, registry.transparent_outcomes
+            ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,
@@ -361,13 +360,6 @@ def compose(
     status = partial(ready_status, registry, len(settings.config.bottles))
     sdnotify.SystemdNotifier(ready, status=status).setServiceParent(root)
     return root
-
-
-def _restored(result: object, root: BottlenetService) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again)."""
-    assert root.node is not None
-    root.node.leases.restore()
-    return result
 
 
 def _core(
@@ -413,17 +405,7 @@ def _core(
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
-    registry = BottleRegistry(
-        reactor,
-        table,
-        aliases,
-        state_dir=settings.state_dir,
-        max_bottles=settings.max_bottles,
-        store=store,
-        instance_id=state.instance_id,
-        host=host,
-    )
-    node = _node(settings, store, state, reactor, registry, table, vm_uids)
+    registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -442,6 +424,51 @@ def _core(
     )
     root.node = node
     return root, vmctl_service, host
+
+
+def _registry(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    host: VMHost,
+) -> tuple[BottleRegistry, Node]:
+    """The bottles' table, the node's policies it tells (built first: the table takes them)
+    and the node over both."""
+    events = EventBus()
+    parts = node_parts(
+        reactor,
+        store,
+        state,
+        events.emit,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
+    )
+    registry = BottleRegistry(
+        reactor,
+        table,
+        aliases,
+        state_dir=settings.state_dir,
+        max_bottles=settings.max_bottles,
+        store=store,
+        instance_id=state.instance_id,
+        host=host,
+        events=events,
+        policies=parts.policies(),
+    )
+    euid = os.geteuid()
+    who = "root" if euid == 0 else f"uid {euid}"
+    node = Node(
+        registry,
+        table.budget,
+        parts,
+        host=socket.gethostname(),
+        labels=settings.labels,
+        privilege=f"{who}; smolvm VMs run with {host.options.vm_uids}",
+    )
+    return registry, node
 
 
 def _control_factory(
@@ -464,32 +491,6 @@ def _control_factory(
     )
     admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)
     return ControlServerFactory(context, admission, max_connections=settings.control_cap)
-
-
-def _node(
-    settings: DaemonSettings,
-    store: StateStore,
-    state: State,
-    reactor: Any,
-    registry: BottleRegistry,
-    table: ForwardTable,
-    vm_uids: VmUids,
-) -> Node:
-    """The node contract (NodeInfo, Drain) over the registry."""
-    euid = os.geteuid()
-    who = "root" if euid == 0 else f"uid {euid}"
-    return build_node(
-        reactor,
-        registry,
-        table.budget,
-        store,
-        state,
-        monotonic=time.monotonic,
-        lease_grace=settings.lease_grace,
-        host=socket.gethostname(),
-        labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {vm_uids}",
-    )
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

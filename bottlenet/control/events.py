@@ -146,4 +146,5 @@ def _record(seq: int, event: BottleEvent) -> EventRecord:
         state=event.state,
         detail=event.detail,
         exit_code=event.exit_code,
+        creator=event.creator,
     )

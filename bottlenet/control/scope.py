@@ -46,6 +46,7 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
@@ -138,7 +139,14 @@ class ScopedBackend:
         if event.bottle == "":
             return event
         own = self.identity.own_name(event.bottle)
-        return None if own is None else evolve(event, bottle=own)
+        creator = event.creator
+        if (
+            own is None
+            or creator is None
+            or not hmac.compare_digest(creator, self.identity.creator)
+        ):
+            return None
+        return evolve(event, bottle=own)
 
     def _mine(self, name: str) -> str:
         """The node's name of its bottle ``name``; NOT_FOUND as for a missing one else."""
@@ -151,15 +159,17 @@ class ScopedBackend:
             raise NotFound(f"bottle {name} does not exist")
         return node_name
 
-    def _out(self, bottle: Bottle) -> Bottle:
-        own = self.identity.own_name(bottle.name)
+    def _own(self, node_name: str) -> str:
+        """Its name of one of its bottles (found through :meth:`Identity.made`)."""
+        own = self.identity.own_name(node_name)
         assert own is not None
-        return evolve(bottle, name=own)
+        return own
+
+    def _out(self, bottle: Bottle) -> Bottle:
+        return evolve(bottle, name=self._own(bottle.name))
 
     def _out_forward(self, info: ForwardInfo) -> ForwardInfo:
-        own = self.identity.own_name(info.spec.bottle)
-        assert own is not None
-        return evolve(info, spec=evolve(info.spec, bottle=own))
+        return evolve(info, spec=evolve(info.spec, bottle=self._own(info.spec.bottle)))
 
     async def create_bottle(
         self,
@@ -219,6 +229,14 @@ class ScopedBackend:
 
     def bridge_status(self, name: str) -> str | None:
         return self._backend.bridge_status(self._mine(name))
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        if bottle is not None:
+            found = self._backend.transparent_stats(self._mine(bottle))
+        else:
+            mine = {b.name for b in self._backend.list_bottles() if self.identity.made(b)}
+            found = [r for r in self._backend.transparent_stats(None) if r.bottle in mine]
+        return [evolve(r, bottle=self._own(r.bottle)) for r in found]
 
     async def spawn_exec(
         self,

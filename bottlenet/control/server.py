@@ -29,6 +29,7 @@ from zope.interface import implementer
 
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.volumes import Requester, RequesterKind
@@ -51,6 +52,7 @@ from bottlenet.control.records import (
     encode_records,
     forward_record,
     stats_record,
+    transparent_record,
 )
 from bottlenet.control.scope import Identity, ScopedBackend, check_capability, mint_capability
 from bottlenet.errors import (
@@ -73,8 +75,8 @@ from bottlenet.views import LazyView
 
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
-    from bottlenet.bottles.node import Capacity
     from bottlenet.forward.table import ForwardInfo
+    from bottlenet.node.info import Capacity
 
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
@@ -673,9 +675,20 @@ class ControlLocator(SafeCommandLocator):
         limit: int | None,
         capability: str | None = None,
     ) -> dict[str, Any]:
-        records: LazyView[StatsRecord] = LazyView(self._forwards(bottle, capability), stats_record)
+        backend, _ = self._view(capability)
+        forwards = self._forwards(bottle, capability)
+        layer = backend.transparent_stats(bottle)
+        # The forwards, then one row per transparent egress target (label "transparent:T").
+        rows: list[ForwardInfo | TransparentCount] = [*forwards, *layer]
+        records: LazyView[StatsRecord] = LazyView(rows, _stats_row)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+
+
+def _stats_row(row: ForwardInfo | TransparentCount) -> StatsRecord:
+    if isinstance(row, TransparentCount):
+        return transparent_record(row)
+    return stats_record(row)
 
 
 @implementer(IHandshakeListener)

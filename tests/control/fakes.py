@@ -121,6 +121,9 @@ class FakeBackend:
     def bridge_status(self, name: str) -> str | None:
         return None
 
+    def transparent_stats(self, bottle: str | None = None) -> list[Any]:
+        return []
+
     def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
         self.calls.append(("list_forwards", (bottle,)))
         self._check()

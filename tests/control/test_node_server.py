@@ -9,11 +9,11 @@ import pytest
 from attrs import evolve
 from twisted.internet.defer import Deferred
 
-from bottlenet.bottles.node import Capacity, NodeReport
 from bottlenet.control import codec
 from bottlenet.control import commands as C
 from bottlenet.control.scope import Identity
 from bottlenet.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from bottlenet.node.info import Capacity, NodeReport
 
 from .fakes import OWN_UID, Conn, FakeBackend, counters, make_factory
 

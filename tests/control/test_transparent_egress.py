@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import threading
 from collections.abc import Iterator
@@ -140,6 +141,13 @@ def test_raw_dials_reach_the_named_service_as_connect(shared: VMDaemon, recorder
         assert wait_for(lambda line=line: line in recorder.lines, 30, line)
     status = d.ctl("bottle", "status", "t1").stdout.decode()
     assert "transparent egress running (via egress, 3 connects)" in status, status
+    # bottle stats: one row per target (refused by the proxy), no payload, no canary
+    rows = {r["label"]: r for r in json.loads(d.ctl("--json", "stats", "t1").stdout)}
+    for target in ("203.0.113.7:443", "[2001:db8::1]:443", "pypi.example:8443"):
+        row = rows[f"transparent:{target}"]
+        assert (row["accepted"], row["refused"], row["failed"]) == (0, 1, 0), row
+    assert "egress" in rows  # the forward's own row is still there
+    assert not any("gate.bottlenet.invalid" in label for label in rows)
 
 
 def test_a_bottle_without_the_key_has_no_layer(shared: VMDaemon, recorder: Recorder) -> None:
@@ -167,3 +175,42 @@ def test_a_kernel_without_nf_tables_fails_the_create_naming_it(recorder: Recorde
         assert d.ctl("--json", "bottle", "list").stdout.strip() in (b"[]", b"")
     finally:
         assert not d.cleanup()
+
+
+def layer_pids(d: VMDaemon, bottle: str) -> list[int]:
+    """The processes running the layer's program in ``bottle``'s agent "VM"."""
+    out = []
+    for pid in d.guest_pids(f"bn-{bottle}-agent"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"run" in argv and any(b"bottlenet.transparent.layer" in a for a in argv):
+            out.append(pid)
+    return out
+
+
+def test_a_killed_layer_is_restarted_and_carries_again(
+    shared: VMDaemon, recorder: Recorder
+) -> None:
+    """The layer dies (SIGKILL in the guest): the daemon starts it again (an event, the status
+    says so) and the next dial reaches the proxy as CONNECT."""
+    d = shared
+    r = create(d, "t2", 'transparent_egress = "egress"')
+    assert r.returncode == 0, (r.stderr, d.log())  # type: ignore[attr-defined]
+    (pid,) = layer_pids(d, "t2")
+    with d.client(timeout=60) as c:
+        c.watch("t2")
+        os.kill(pid, signal.SIGKILL)
+        for event in c.events("t2", idle=60):
+            assert event.kind != "degraded", event
+            if event.kind == "bridge_restarted":
+                assert "egress layer restarted" in (event.detail or "")
+                break
+    assert wait_for(lambda: layer_pids(d, "t2") and pid not in layer_pids(d, "t2"), 30, "a layer")
+    out = dial(d, "t2", "198.51.100.99", 4443)
+    assert "reset by peer" in out or out == "read b''", out
+    assert wait_for(lambda: "CONNECT 198.51.100.99:4443 HTTP/1.1" in recorder.lines, 30, "CONNECT")
+    status = d.ctl("bottle", "status", "t2").stdout.decode()
+    assert "transparent egress running (via egress, 1 connects), restarted 1x" in status, status
