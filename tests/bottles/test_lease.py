@@ -221,14 +221,15 @@ def test_a_vm_bottles_lease_counts_from_its_commit(rigs: Rigs, tmp: str) -> None
 
 def test_a_renewal_during_recovery_is_answered_after_the_restore(rigs: Rigs, tmp: str) -> None:
     """A restarted daemon that has not restored a VM bottle yet makes a renewal wait for the
-    restore; then it is renewed, also before the keeper counted its restored lease."""
+    restore; then the bottle is renewed and its new lease counts."""
     first = rigs()
     node_of(first, Monotonic())
     spec = parse_bottle_spec("vm1", spec_doc(tmp))
     first.run(first.registry.create_bottle("vm1", spec=spec, tenancy=lease(60)))
     first.close()
     second = rigs(smolvm=first.smolvm)
-    node = node_of(second, Monotonic())
+    mono = Monotonic()
+    node = node_of(second, mono)
     gate = second.smolvm.hold("list", "")
     recovering = second.start(second.recover_later())
     assert second.registry.recovering and not second.registry.has_bottle("vm1")
@@ -237,6 +238,9 @@ def test_a_renewal_during_recovery_is_answered_after_the_restore(rigs: Rigs, tmp
     gate.callback(None)
     second.result(recovering)
     second.result(waiting)
-    node.renew_lease("vm1", 600)  # before node.leases.restore(), as at the daemon's start
+    node.renew_lease("vm1", 600)
     assert second.state()["vm1"]["tenancy"]["lease"]["seconds"] == 600
-    assert node.leases.deadline_in("vm1") == 600 + 30
+    advance(second, mono, 600 + 29)
+    assert second.registry.has_bottle("vm1")
+    advance(second, mono, 2)
+    assert not second.registry.has_bottle("vm1")
