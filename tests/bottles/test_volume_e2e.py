@@ -263,3 +263,21 @@ class VolumeRuleTests(DaemonCase):
         self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
         self.assertIsNotNone(await in_thread(lambda: left.wait(timeout=30)))
         self.assertEqual(named_users(work), [agent])  # taken back at the next start
+
+    async def test_a_bottle_from_before_the_grant_records_still_gives_its_grant_back(
+        self,
+    ) -> None:
+        """A bottle created by a daemon that kept no grant records (its record removed here):
+        ``bottle rm`` still takes its agent uid's entry off each read-write volume, found
+        without following links."""
+        work = self.directory("old", mode=0o755)
+        client = await self.start()
+        await client.create_bottle("o1", spec=self.spec_json(work))
+        agent = self.agent_uid("o1")
+        book = GrantBook(self.state_dir)
+        for g in book.grants():
+            book.forget(g)
+        self.assertEqual(named_users(work), [agent])
+        await client.destroy_bottle("o1")
+        self.assertEqual(named_users(work), [])
+        self.assertEqual(os.stat(work).st_mode & 0o7777, 0o755)
