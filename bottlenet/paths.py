@@ -160,7 +160,7 @@ def open_regular(path: str, *, dir_fd: int | None = None) -> int:
     open itself is ``O_NONBLOCK | O_NOFOLLOW``, and the descriptor must be the same regular
     file (a swap between the two calls is refused too). Raises OSError (NotRegularFile).
     """
-    st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    st = os.lstat(path, dir_fd=dir_fd)
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFile(errno.EINVAL, "not a regular file", path)
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
