@@ -31,6 +31,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from bottlenet.errors import InvalidArgument
 from bottlenet.fleet.errors import (
     PlacementFailed,
     PlacementTimeout,
@@ -101,6 +102,10 @@ class Placer:
     _pending: dict[Any, tuple[_Slot, Step]] = attrs.field(factory=dict)
 
     def run(self) -> list[PlacedBottle]:
+        if self.count < 0:
+            raise InvalidArgument(f"a pool of {self.count} bottles")
+        if self.count == 0:
+            return []  # Ray refuses a placement group without bundles
         deadline = time.monotonic() + self.timeout
         try:
             self._owner = job_owner()
