@@ -57,7 +57,7 @@ from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
-from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids, tested_names
 
 __all__ = [
     "BottlenetService",
@@ -204,8 +204,15 @@ class BottlenetService(MultiService):
             return
         if self.node is not None:
             self.node.smolvm_version = str(version)
+            self.node.smolvm_tested = version.tested
             self.node.smolvm_problem = None if version.supported else "version not supported"
-        self.smolvm_facts.learned(str(version), version.supported, self.smolvm.describe())
+        self.smolvm_facts.learned(
+            str(version),
+            version.supported,
+            self.smolvm.describe(),
+            version.tested,
+            tested_names(),
+        )
         self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
     def stopService(self) -> Deferred[None]:

@@ -39,7 +39,7 @@ from vmctl.errors import (
     stderr_tail,
     strip_notes,
 )
-from vmctl.install import SOURCE_OPTION, SmolvmInstall, assets_beside
+from vmctl.install import SOURCE_OPTION, SmolvmInstall, with_assets
 from vmctl.runner import ProcessRunner, ProcResult, build_env
 from vmctl.spec import (
     DEFAULT_DEVICE_BUDGET,
@@ -65,8 +65,12 @@ P = ParamSpec("P")
 #: ``labels`` in ``ls --json`` (every create sends labels, recovery finds our machines by
 #: them), and the first whose ``--mount-socket`` sockets are visible inside image containers.
 MIN_VERSION = (1, 8, 0)
-#: The newest minor line tested against the real CLI (the ``bottlenet[vm]`` pin).
-TESTED_VERSION = (1, 32, 2)
+#: The releases the contract tiers run against the real CLI (CI runs both; docs/smolvm.md).
+#: Another version is driven too, with one warning at start and an "untested" mark in
+#: ``status``, ``NodeInfo`` and the self-test.
+TESTED_VERSIONS = frozenset({(1, 32, 2), (1, 37, 3)})
+#: The ``bottlenet[vm]`` extra's pin (pyproject.toml), said in the untested warning.
+EXTRA_PIN = ">=1.32.2,<1.38"
 _VERSION = re.compile(r"^smolvm (\d+)\.(\d+)\.(\d+)(\S*)\s*$", re.MULTILINE)
 _PID = re.compile(r"running \(PID: (\d+)\)")
 #: Longest ``--state-dir`` smolvm can use: it binds per-machine sockets 46 bytes below it
@@ -181,6 +185,24 @@ class SmolvmVersion:
     @property
     def supported(self) -> bool:
         return self.triple >= MIN_VERSION
+
+    @property
+    def tested(self) -> bool:
+        """One of :data:`TESTED_VERSIONS` (a suffix such as ``-rc1`` is another build)."""
+        return self.triple in TESTED_VERSIONS and not self.suffix
+
+
+def tested_names() -> tuple[str, ...]:
+    """The tested versions, oldest first: ``("1.32.2", "1.37.3")``."""
+    return tuple(".".join(map(str, v)) for v in sorted(TESTED_VERSIONS))
+
+
+def untested_note(version: SmolvmVersion) -> str:
+    """What the start warning, ``status`` and the self-test say of an untested smolvm."""
+    return (
+        f"smolvm {version} is untested: bottlenet is tested with {', '.join(tested_names())} "
+        f"(the vm extra pins smolmachines{EXTRA_PIN}); it is driven all the same"
+    )
 
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -376,7 +398,7 @@ class Smolvm:
         if isinstance(binary, str):
             if not os.path.isabs(binary):
                 raise ValueError("binary must be an absolute path (see vmctl.install.discover)")
-            binary = SmolvmInstall(binary, SOURCE_OPTION, *assets_beside(binary))
+            binary = with_assets(binary, SOURCE_OPTION)
         self.install = binary
         self.binary = binary.binary if binary is not None else None
         self.runner = runner
@@ -411,8 +433,11 @@ class Smolvm:
         """Which smolvm this is and where it came from (for status and the start log)."""
         if self.install is None:
             return "no smolvm (none given with --smolvm, none on PATH, no bottlenet[vm] wheel)"
-        version = f"smolvm {self._version} " if self._version is not None else ""
-        return version + self.install.describe()
+        version = self._version
+        said = "" if version is None else f"smolvm {version} "
+        if version is not None and not version.tested:
+            said += "(untested) "
+        return said + self.install.describe()
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -538,8 +563,11 @@ class Smolvm:
             parsed.append(version)
 
         await self._run(["--version"], self.timeouts.version, check=check)
-        self._version = parsed[0]
-        return parsed[0]
+        version = parsed[0]
+        if not version.tested and self._version is None:
+            self.log.warn("{note}", note=untested_note(version))
+        self._version = version
+        return version
 
     async def _feature_call(self) -> Features:
         helps: list[bytes] = []
@@ -929,8 +957,9 @@ def _json(result: ProcResult, what: str) -> object:
 
 
 __all__ = [
+    "EXTRA_PIN",
     "MIN_VERSION",
-    "TESTED_VERSION",
+    "TESTED_VERSIONS",
     "ExecResult",
     "Features",
     "InvalidArgument",
@@ -941,4 +970,6 @@ __all__ = [
     "UidReservation",
     "VmUids",
     "set_pty_size",
+    "tested_names",
+    "untested_note",
 ]
