@@ -121,15 +121,15 @@ FLAGS_SINCE = {
     "--mount-socket": (1, 6, 4),
     "--allow-private": (1, 37, 0),
     "--auto-ports": (1, 37, 0),
-    "--limit": (1, 37, 0),
+    "--limit": (1, 32, 0),
 }
 #: The first version (in this fake's model) that behaves as 1.37.3 where 1.32.2 differs
 #: (docs/smolvm.md, "Versions"; read from the 1.37.3 binary, its help, strings and API spec):
 #: a duplicate create is CONFLICT, a missing machine's status NOT_FOUND, a failed start leaves
 #: the machine ``stopped`` with its dead VMM's pid, ``SMOLVM_AGENT_ROOTFS`` must be a
 #: directory, the guest's /tmp is on the machine's disk, the agent refuses an exec past its
-#: limit (``exec was not admitted``) instead of queueing it, ``status --json`` reports
-#: ``block_private``, and ``machine egress-events`` exists.
+#: limit (``exec was not admitted``) instead of queueing it, and ``status --json`` reports
+#: ``block_private``.
 V137 = (1, 37, 0)
 #: Host sources smolvm 1.32.2 refuses for --volume (symlinks resolved first).
 PROTECTED_TREES = (
@@ -2190,10 +2190,10 @@ def boot_vm(d: str) -> None:
 
 
 def cmd_egress_events(args: list[str]) -> None:
-    """1.37's ``machine egress-events``: the denials of a machine's egress policy, oldest
+    """``machine egress-events`` (1.32.2 and 1.37.3): the denials of a machine's egress policy, oldest
     first, the newest ``--limit`` (200) kept. Here they come from the faults' ``egress_events``
     (``{machine: [{"timestamp", "operation", "dest"}]}``, the API spec's EgressDenialInfo);
-    a machine that does not exist answers ``[]``, exit 0, as 1.37.3 does (run here)."""
+    a machine that does not exist answers ``[]``, exit 0, as both do (run here)."""
     spec = {"--name": ("name", True), "-n": ("name", True), "--json": ("json", False),
             "--limit": ("limit", True)}  # fmt: skip
     opts, _ = parse(args, "machine egress-events", spec)
@@ -2223,8 +2223,9 @@ MACHINE = {
     "data-dir": cmd_data_dir,
     "egress-events": cmd_egress_events,
 }
-#: Subcommands a fake older than :data:`V137` does not know.
-V137_ONLY = frozenset({"egress-events"})
+#: The first version (in this fake's model) with each newer subcommand (1.32.2 has
+#: ``egress-events``, run here; 1.9.3 has not).
+SUBCOMMANDS_SINCE = {"egress-events": (1, 32, 0)}
 
 
 def packed_note() -> None:
@@ -2264,7 +2265,9 @@ def main(argv: list[str]) -> int:
             raise usage("'smolvm' requires a subcommand but one was not provided", "<COMMAND>")
         if argv[0] not in ("machine", "vm"):
             raise usage(f"unrecognized subcommand '{argv[0]}'", "<COMMAND>")
-        known = MACHINE if v137() else {k: v for k, v in MACHINE.items() if k not in V137_ONLY}
+        known = {
+            k: v for k, v in MACHINE.items() if version_tuple() >= SUBCOMMANDS_SINCE.get(k, (0,))
+        }
         if len(argv) < 2 or argv[1] not in known:
             sub = argv[1] if len(argv) > 1 else ""
             raise usage(f"unrecognized subcommand '{sub}'", "machine <COMMAND>")

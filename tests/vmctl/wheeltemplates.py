@@ -27,7 +27,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from vmctl.install import SmolvmInstall, find_wheel
+from tests.vmctl.realclis import installs
+from vmctl.install import SmolvmInstall
 
 #: The templates smolvm 1.32.2 expands next to its binary on the first start (each from
 #: ``<name>.zst`` beside it).
@@ -54,23 +55,25 @@ def missing_templates(install: SmolvmInstall) -> list[str]:
 
 
 def start_expansion() -> None:
-    """Start decoding the wheel's missing templates in the background (at most once)."""
+    """Start decoding every real smolvm's missing templates in the background (at most once;
+    each tested version's wheel has its own, ``tests/vmctl/realclis.py``)."""
     global _running
-    install = find_wheel()
-    if _running is not None or install is None or shutil.which("zstd") is None:
+    if _running is not None or shutil.which("zstd") is None:
         return
-    here = os.path.dirname(os.path.realpath(install.binary))
-    names = missing_templates(install) if os.access(here, os.W_OK) else []
-    _running = [
-        subprocess.Popen(
-            ["sh", "-c", _SCRIPT, "sh", here, name, _TMP.format(name=name)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own group: stop_expansion ends zstd with it
-        )
-        for name in names
-    ]
+    _running = []
+    for install in installs().values():
+        here = os.path.dirname(os.path.realpath(install.binary))
+        names = missing_templates(install) if os.access(here, os.W_OK) else []
+        _running += [
+            subprocess.Popen(
+                ["sh", "-c", _SCRIPT, "sh", here, name, _TMP.format(name=name)],
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,  # its own group: stop_expansion ends zstd with it
+            )
+            for name in names
+        ]
 
 
 def wait_for_expansion() -> None:
@@ -88,8 +91,9 @@ def stop_expansion() -> None:
     for proc in live:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    install = find_wheel()
-    if live and install is not None:
+    if not live:
+        return
+    for install in installs().values():
         here = os.path.dirname(os.path.realpath(install.binary))
         for name in TEMPLATES:
             try:
