@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import termios
+import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
@@ -24,7 +25,7 @@ from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from vmctl import sessionend
+from vmctl import sessionend, templates
 from vmctl.errors import (
     InvalidArgument,
     NotFound,
@@ -418,6 +419,10 @@ class Smolvm:
         #: The version+features run in flight; it fires with None or the exception it met (a
         #: value, so it never fails and every waiter sees the same outcome).
         self._learning: Deferred[Exception | None] | None = None
+        #: The disk templates' unpack (:meth:`unpack_templates`): fires with None when it is
+        #: over, whatever its outcome; None when none was started.
+        self._templates: Deferred[None] | None = None
+        self._templates_stop = threading.Event()
 
     @property
     def env(self) -> dict[str, str]:
@@ -634,6 +639,7 @@ class Smolvm:
         :meth:`delete`.
         """
         validate_name(name)
+        await self._templates_ready(name)
         result = await self._call("start", ["--name", name], self.timeouts.start)
         m = _PID.search(result.stdout.decode("utf-8", "replace"))
         pid = int(m.group(1)) if m else None
@@ -860,6 +866,66 @@ class Smolvm:
         if not path or "\n" in path or not os.path.isabs(path):
             raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
         return path
+
+    # -- disk templates (issue 38) ---------------------------------------------------
+
+    def unpack_templates(self) -> Deferred[None] | None:
+        """Unpack smolvm's disk templates beside its binary now, in the background
+        (:mod:`vmctl.templates`), so the first ``machine start`` expands nothing; every start
+        waits for it. None when there is nothing to do (or no way to do it here)."""
+        if self.install is None or self._templates is not None:
+            return self._templates
+        here = os.path.dirname(os.path.realpath(self.install.binary))
+        if not templates.unpackable(here):
+            return None
+        reactor: Any = self.runner.reactor
+        clock = self.runner.clock
+        began = clock.seconds()
+        self.log.info("unpacking smolvm's disk templates in {dir}, in the background", dir=here)
+        work: Deferred[list[str]] = deferToThreadPool(
+            reactor, reactor.getThreadPool(), templates.unpack, here, self._templates_stop
+        )
+
+        def done(names: list[str]) -> None:
+            self.log.info(
+                "smolvm's disk templates are ready ({names} unpacked in {secs:.1f}s)",
+                names=", ".join(names) or "none needed",
+                secs=clock.seconds() - began,
+            )
+
+        def failed(failure: Any) -> None:
+            if failure.check(templates.Stopped):
+                return
+            self.log.warn(
+                "could not unpack smolvm's disk templates ({why}); its first start will",
+                why=str(failure.value),
+            )
+
+        self._templates = work.addCallbacks(done, failed)
+        return self._templates
+
+    def stop_templates(self) -> None:
+        """Stop an unpack in flight (the daemon is stopping): nothing half-written is left."""
+        self._templates_stop.set()
+
+    async def _templates_ready(self, name: str) -> None:
+        """A start that comes while the templates are unpacked waits for them, and says so."""
+        pending = self._templates
+        if pending is None or pending.called:
+            return
+        self.log.info(
+            "machine start of {name} waits for smolvm's disk templates (being unpacked: the "
+            "first start after an install)",
+            name=name,
+        )
+        waiter: Deferred[None] = Deferred()
+
+        def relay(result: None) -> None:
+            waiter.callback(None)
+            return result
+
+        pending.addBoth(relay)
+        await waiter
 
     # -- per-VM uids (smolvm as root) -------------------------------------------------
 

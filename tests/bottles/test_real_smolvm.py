@@ -2,10 +2,11 @@
 
 No ``--smolvm`` and no smolvm on PATH: the daemon must find the ``smolmachines`` wheel and its
 assets by itself (the venv's, or a ``--target`` prefix of another tested version on its
-``PYTHONPATH``: ``tests/vmctl/realclis.py``), say so in Hello (``bottlenetctl status``), and a socket-mode VM bottle create
-must fail with one typed error that names KVM and leave nothing behind: no machine in
-``machine ls --json``, no VMM process, no bottle. These hosts' KVM runs only PVM guests (and a
-root daemon's VM process drops to its own uid), so ``machine start`` always fails here.
+``PYTHONPATH``: ``tests/vmctl/realclis.py``), say so in Hello (``bottlenetctl status``), and a
+socket-mode VM bottle create must fail with one typed error that names KVM and leave nothing
+behind: no machine in ``machine ls --json``, no VMM process, no bottle. These hosts' KVM runs
+only PVM guests (and a root daemon's VM process drops to its own uid), so ``machine start``
+always fails here.
 
 The daemon runs in a network namespace of its own with only ``lo`` (``unshare -n``): the real
 smolvm dials public resolvers (IPv6, port 443) when it starts a machine with ``--net`` (the
@@ -29,8 +30,8 @@ from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
-from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from tests.vmctl.realclis import prefix_of, real_install, versions
+from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from tests.vmctl.wheeltemplates import real_templates
 from vmctl.install import SmolvmInstall, find_wheel
 from vmctl.runner import build_env

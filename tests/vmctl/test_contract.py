@@ -2,14 +2,13 @@
 
 The real CLIs are every tested version (``tests/vmctl/realclis.py``: 1.32.2 and 1.37.3, the
 venv's wheel and ``.smolvm/<version>`` prefixes that ``.ci/run`` installs); each test runs
-against each, with the fake playing the same version. Nothing here boots a VM (these hosts cannot): every call is one that needs no
-KVM, plus one ``machine start`` that must fail with a KVM error on a host without usable KVM.
-Each case runs the same argv (built by vmctl's own argv functions, with the features each
-binary reports) through both binaries, each in its own fresh state directory, and checks that
-they agree: accepted or refused, the ``--error-format json`` code, the class vmctl's
-:func:`classify` gives, and the shape of ``ls --json`` / ``status --json`` as vmctl parses it.
-Where they disagree the fake is wrong and gets fixed.
-"""
+against each, with the fake playing the same version. Nothing here boots a VM (these hosts
+cannot): every call is one that needs no KVM, plus one ``machine start`` that must fail with a
+KVM error on a host without usable KVM. Each case runs the same argv (built by vmctl's own argv
+functions, with the features each binary reports) through both binaries, each in its own fresh
+state directory, and checks that they agree: accepted or refused, the ``--error-format json``
+code, the class vmctl's :func:`classify` gives, and the shape of ``ls --json`` / ``status
+--json`` as vmctl parses it. Where they disagree the fake is wrong and gets fixed."""
 
 from __future__ import annotations
 
@@ -39,6 +38,7 @@ from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.vmmaccess import read_started_uid
 from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
+from tests.vmctl.realclis import VERSIONS, real_install, versions
 from tests.vmctl.wheeltemplates import real_templates
 from vmctl.errors import (
     AlreadyExists,
@@ -51,7 +51,6 @@ from vmctl.errors import (
     json_error,
     strip_notes,
 )
-from tests.vmctl.realclis import VERSIONS, real_install, versions
 from vmctl.install import SmolvmInstall
 from vmctl.ports import pid_alive
 from vmctl.runner import build_env
@@ -764,8 +763,13 @@ def test_the_rootfs_tarball_goes_where_each_cli_reads_it(clis: dict[str, CLI]) -
         outs = {}
         for kind, cli in clis.items():
             argv = machine_argv(cli.features, cli.state_dir, "start", ["--name", "t1"])
-            r = subprocess.run([cli.install.binary, *argv], env={**base, **extra},
-                               capture_output=True, timeout=300, stdin=subprocess.DEVNULL)  # fmt: skip
+            r = subprocess.run(
+                [cli.install.binary, *argv],
+                env={**base, **extra},
+                capture_output=True,
+                timeout=300,
+                stdin=subprocess.DEVNULL,
+            )
             outs[kind] = Outcome(
                 subprocess.CompletedProcess(r.args, r.returncode, r.stdout, strip_notes(r.stderr)),
                 "machine start",
