@@ -627,7 +627,10 @@ class Smolvm:
             if spec.user is not None and not features.user:
                 raise UnsupportedVersion(f"smolvm {self._version} has no create --user")
             if spec.block_private and not features.block_private:
-                raise UnsupportedVersion(f"smolvm {self._version} has no --block-private")
+                raise UnsupportedVersion(
+                    f"smolvm {self._version} has no --block-private: {spec.name} would reach "
+                    "the host's loopback, LAN and cloud metadata, so it is not created"
+                )
         await self._call("create", create_args(spec)[2:], self.timeouts.create)
 
     @as_deferred

@@ -292,7 +292,7 @@ def sidecar_spec(tmp: Path, features: Features) -> MachineSpec:
         ExposeSocket(sidecar_guest_socket(s.name), sidecar_socket_path(state, "b1", s.name))
         for s in bottle.sidecar.services
     ]
-    return sidecar_machine_spec("bn-b1-sidecar", bottle.sidecar, LABELS, features, sockets=sockets)
+    return sidecar_machine_spec("bn-b1-sidecar", bottle.sidecar, LABELS, sockets=sockets)
 
 
 def sidecar_tcp_spec(tmp: Path, features: Features) -> MachineSpec:
@@ -300,7 +300,7 @@ def sidecar_tcp_spec(tmp: Path, features: Features) -> MachineSpec:
     bottle = _bottle(tmp, listen="tcp")
     assert bottle.sidecar is not None
     ports = [PortMapping(38401, 3128), PortMapping(38402, 9418)]
-    return sidecar_machine_spec("bn-b2-sidecar", bottle.sidecar, LABELS, features, ports=ports)
+    return sidecar_machine_spec("bn-b2-sidecar", bottle.sidecar, LABELS, ports=ports)
 
 
 def agent_spec(tmp: Path) -> MachineSpec:
