@@ -220,7 +220,7 @@ class Creation:
             # message already says "bottle torn down").
             after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
             if isinstance(e, VmctlError):
-                mapped = map_vmctl(e)
+                mapped = map_vmctl(e, self.name)
                 raise type(mapped)(f"{mapped.message}; {after}") from None
             if isinstance(e, OSError):
                 raise SmolvmFailed(

@@ -269,7 +269,7 @@ class VMLifecycle:
                 else (),
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
 
     # -- egress -----------------------------------------------------------------------
 
@@ -283,7 +283,7 @@ class VMLifecycle:
                 self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
         return evolve(bottle, vms=evolve(vm, policy=hosts))
 
     # -- teardown -----------------------------------------------------------------------
