@@ -278,6 +278,21 @@ class Machine:
     created_at: int | None = None
     state_reason: str | None = None
     cmd: tuple[str, ...] = ()
+    #: ``--block-private`` as the record reports it (1.37): the private ranges re-opened under
+    #: it (``()``: the floor whole), or None when the record does not show it.
+    block_private: tuple[str, ...] | None = None
+    #: Whether the record reports the floor at all: 1.37's records (which carry
+    #: ``port_mappings``) show ``block_private`` exactly on machines created with it; 1.32's
+    #: say nothing of it.
+    reports_floor: bool = False
+
+    @property
+    def floor_whole(self) -> bool | None:
+        """The private-range floor as recorded: True whole, False missing or re-opened,
+        None when this smolvm does not report it."""
+        if not self.reports_floor:
+            return None
+        return self.block_private == ()
 
     @property
     def running(self) -> bool:
@@ -308,6 +323,8 @@ class Machine:
         reason = obj.get("state_reason")
         raw_cmd = obj.get("cmd")
         cmd = tuple(w for w in raw_cmd if isinstance(w, str)) if isinstance(raw_cmd, list) else ()
+        raw_floor = obj.get("block_private")
+        floor = tuple(str(c) for c in raw_floor) if isinstance(raw_floor, list) else None
         return cls(
             name=name,
             state=state if isinstance(state, str) else "unknown",
@@ -323,6 +340,8 @@ class Machine:
             created_at=_int(obj.get("created_at")),
             state_reason=reason if isinstance(reason, str) else None,
             cmd=cmd,
+            block_private=floor,
+            reports_floor=floor is not None or "port_mappings" in obj,
         )
 
 
