@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
+from bottlenet.bottles.egresswatch import EgressWatch
 from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
 from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
@@ -316,6 +317,10 @@ def compose(
     if root.node is not None:
         recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
+    if vms.smolvm.binary is not None:
+        EgressWatch(reactor, vms.smolvm, registry.list_bottles, registry.emit).setServiceParent(
+            root
+        )
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
     )

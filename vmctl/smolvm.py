@@ -32,6 +32,7 @@ from vmctl.errors import (
     SmolvmFailed,
     SmolvmUnavailable,
     UnsupportedVersion,
+    UsageError,
     VmctlError,
     classify,
     error_text,
@@ -88,8 +89,8 @@ GUEST_ROOT = "0:0"
 
 #: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
 SUBCOMMANDS = frozenset(
-    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "help",
-     "other"}
+    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "egress-events",
+     "version", "help", "other"}
 )  # fmt: skip
 #: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
 CANCELLED = "CANCELLED"
@@ -361,6 +362,37 @@ class ExecResult:
     stderr_truncated: bool = False
 
 
+#: The operations an egress denial names (the API spec's EgressDenialInfo); others: "other".
+EGRESS_OPERATIONS = frozenset({"connect", "sendto"})
+#: The most denials asked for in one ``machine egress-events`` call (smolvm's default 200).
+MAX_EGRESS_EVENTS = 200
+_DEST = re.compile(r"^[0-9A-Za-z.:\[\]%-]{1,64}$")
+
+
+@frozen
+class EgressDenial:
+    """One denial of a machine's egress policy (``machine egress-events --json``): what the
+    guest tried, never a byte of its traffic. ``at`` is smolvm's RFC 3339 time ('' if none)."""
+
+    at: str
+    operation: str
+    dest: str
+
+    @classmethod
+    def from_json(cls, obj: object) -> EgressDenial | None:
+        """One record, checked: a destination that is not an address and port is dropped."""
+        if not isinstance(obj, dict):
+            return None
+        op, dest, at = obj.get("operation"), obj.get("dest"), obj.get("timestamp")
+        if not isinstance(dest, str) or not _DEST.match(dest):
+            return None
+        return cls(
+            at=at if isinstance(at, str) and len(at) <= 40 and at.isprintable() else "",
+            operation=op if op in EGRESS_OPERATIONS else "other",
+            dest=dest,
+        )
+
+
 def machine_argv(
     features: Features, state_dir: str | None, sub: str, rest: Sequence[str]
 ) -> list[str]:
@@ -442,6 +474,8 @@ class Smolvm:
         #: over, whatever its outcome; None when none was started.
         self._templates: Deferred[None] | None = None
         self._templates_stop = threading.Event()
+        #: Set once the CLI turned out to have no ``machine egress-events``.
+        self._no_egress_events = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -880,6 +914,28 @@ class Smolvm:
         return machine
 
     @as_deferred
+    async def egress_events(self, name: str, limit: int = 50) -> tuple[EgressDenial, ...] | None:
+        """``machine egress-events --json``: the newest ``limit`` denials of ``name``'s egress
+        policy, oldest first (smolvm keeps them in the VMM's log); None when this CLI has no
+        such subcommand (then it is not asked again). Malformed records are dropped."""
+        validate_name(name)
+        if self._no_egress_events:
+            return None
+        limit = max(1, min(limit, MAX_EGRESS_EVENTS))
+        try:
+            result = await self._call(
+                "egress-events", ["--name", name, "--json", "--limit", str(limit)],
+                self.timeouts.query,
+            )  # fmt: skip
+        except UsageError:
+            self._no_egress_events = True
+            return None
+        data = _json(result, "machine egress-events")
+        if not isinstance(data, list):
+            raise SmolvmFailed("smolvm machine egress-events --json did not print a JSON array")
+        return tuple(d for d in map(EgressDenial.from_json, data[-limit:]) if d is not None)
+
+    @as_deferred
     async def data_dir(self, name: str) -> str:
         """``machine data-dir``: the machine's per-VM state directory on the host."""
         validate_name(name)
@@ -1048,6 +1104,7 @@ __all__ = [
     "EXTRA_PIN",
     "MIN_VERSION",
     "TESTED_VERSIONS",
+    "EgressDenial",
     "ExecResult",
     "Features",
     "InvalidArgument",
