@@ -37,6 +37,10 @@ UID_BLOCK_COUNTER = "/tmp/bottlenet-fake-uid-block"
 #: ``version``): ``BOTTLENET_FAKE_SMOLVM=1.37.3`` runs the suite's VM tests against the fake's
 #: 1.37 model (``.ci/run`` does, for the VM tiers), else the fake's own default (1.32.2).
 PLAYED_VERSION = os.environ.get("BOTTLENET_FAKE_SMOLVM") or None
+#: The version the fakes of this run report: ``PLAYED_VERSION``, else the fake's own default.
+PLAYED = PLAYED_VERSION or "1.32.2"
+#: Whether they play 1.37's model (``tests/fakes/smolvm_impl.py`` ``V137``).
+PLAYS_137 = tuple(int(x) for x in PLAYED.split("-")[0].split(".")[:2]) >= (1, 37)
 
 
 def _stat_fields(pid: int) -> list[str] | None:

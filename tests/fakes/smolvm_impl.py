@@ -1849,10 +1849,14 @@ exec "$@"
 def guest_tmp(name: str) -> str:
     """The exec-netns guest's /tmp: the machine's own, kept across its execs, emptied at each
     start (both versions' help says so). 1.32's is a tmpfs (RAM): here a directory on the
-    host's /dev/shm; 1.37's a directory on the machine's root disk: here in its VM dir."""
+    host's /dev/shm (``guest-tmp`` in the VM dir a link to it); 1.37's a directory on the
+    machine's root disk: here ``guest-tmp`` in its VM dir."""
     d = os.path.join(vm_dir(name), "guest-tmp")
-    if not v137() and os.path.isdir("/dev/shm"):
-        d = shm_tmp(name)
+    if not v137() and os.path.isdir("/dev/shm") and not os.path.lexists(d):
+        shm = shm_tmp(name)
+        os.makedirs(shm, exist_ok=True)
+        os.chmod(shm, 0o1777)
+        os.symlink(shm, d)
     os.makedirs(d, exist_ok=True)
     os.chmod(d, 0o1777)
     return d
@@ -1869,7 +1873,10 @@ def empty_guest_tmp(name: str) -> None:
     """A start empties the guest's /tmp (1.32: a new tmpfs; 1.37: emptied at boot)."""
     import shutil
 
-    for d in (os.path.join(vm_dir(name), "guest-tmp"), shm_tmp(name)):
+    link = os.path.join(vm_dir(name), "guest-tmp")
+    if os.path.islink(link):
+        os.unlink(link)
+    for d in (link, shm_tmp(name)):
         shutil.rmtree(d, ignore_errors=True)
 
 
