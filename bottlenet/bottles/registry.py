@@ -31,16 +31,18 @@ from bottlenet.bottles.bottle import (
     emit,
     write,
 )
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.execs import Execs
+from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.leftovers import find_leftovers
-from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import State, StateStore
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -75,15 +77,13 @@ class BottleRegistry:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: StateStore | None = None,
         instance_id: str = "",
-        vms: VMLifecycle | None = None,
+        host: VMHost | None = None,
     ) -> None:
         self._state_dir = state_dir
-        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
-        self.protected_dirs: tuple[str, ...] = (state_dir,)
         #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
         self.max_bottles = max_bottles
         self.instance_id = instance_id
-        self.vms = vms
+        self.host = host
         #: One owner per name: every bottle, and per name a create is making.
         self._owners: dict[str, BottleOwner] = {}
         #: The names of the bottles made (not those being created), sorted as they come and go.
@@ -96,11 +96,11 @@ class BottleRegistry:
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
         #: Launcher sessions (Exec, Logs), admitted per bottle up to its cap.
-        self.execs = Execs(vms)
+        self.execs = Execs(host)
         #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
         self.admission: Callable[[Source], None] | None = None
         self._hands = Hands(
-            clock, table, aliases, vms, store, self.events, max_connections, self._resync.arm,
+            clock, table, aliases, host, store, self.events, max_connections, self._resync.arm,
             self._forget,
         )  # fmt: skip
 
@@ -219,11 +219,13 @@ class BottleRegistry:
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
         ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
-        from the commit."""
-        with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
+        from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
+        daemon itself)."""
+        with_vms = spec is not None and check_create(name, alias, spec)
 
         async def create() -> Bottle:
             if self.admission is not None:
@@ -235,7 +237,8 @@ class BottleRegistry:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
                 )
-            return await owner.create(CreateRequest(alias, spec, source, tenancy), self._named)
+            asked = CreateRequest(alias, spec, source, tenancy, requester)
+            return await owner.create(asked, self._named)
 
         owner_class = VMBottle if with_vms else ForwardBottle
         return await self._locked(name, create, make=lambda: owner_class(name, self._hands))
@@ -277,7 +280,7 @@ class BottleRegistry:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
         if self.has_bottle(name):
             return [f"bottle {name} still exists"]
-        return await find_leftovers(name, self.vms, self._state_dir)
+        return await find_leftovers(name, self.host, self._state_dir)
 
     # -- VM bottles ---------------------------------------------------------------------
 
@@ -357,6 +360,27 @@ class BottleRegistry:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         owner = self._owner(name)
         return owner.bridge_status() if isinstance(owner, VMBottle) else None
+
+    def transparent_stats(self, bottle: str | None = None) -> list[TransparentCount]:
+        """Each bottle's transparent connects per target (``bottle stats``)."""
+        owners = [self._owner(bottle)] if bottle is not None else self._listed()
+        rows: list[TransparentCount] = []
+        for owner in owners:
+            if isinstance(owner, VMBottle):
+                rows += owner.transparent_counts()
+        return rows
+
+    def transparent_outcomes(self) -> list[tuple[str, str, int]]:
+        """(bottle, outcome, connects) of every bottle with a layer (the metrics)."""
+        out = []
+        for owner in self._listed():
+            if isinstance(owner, VMBottle) and owner.core.layer is not None:
+                for outcome, n in owner.core.layer.counters.outcomes.items():
+                    out.append((owner.name, outcome.value, n))
+        return out
+
+    def _listed(self) -> list[BottleOwner]:
+        return [self._owners[name] for name in sorted(self._owners)]
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

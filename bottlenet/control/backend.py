@@ -19,11 +19,13 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.bottles.tenancy import Tenancy
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
@@ -38,6 +40,7 @@ class ControlBackend(Protocol):
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle: ...
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
@@ -64,6 +67,10 @@ class ControlBackend(Protocol):
 
     def bridge_status(self, name: str) -> str | None:
         """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
+        ...
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        """Transparent egress connects per bottle and target (``bottle stats``)."""
         ...
 
     async def spawn_exec(

@@ -50,6 +50,9 @@ class PeerIdentity:
     subject: str | None = None
     #: ``--allow-uid UID:scoped``: it sees and acts on the bottles it created only.
     scoped: bool = False
+    #: A UNIX peer's primary gid and supplementary groups (what its volumes are checked with).
+    gid: int | None = None
+    groups: tuple[int, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "unix":
@@ -243,7 +246,16 @@ class UnixAdmission:
             conn.abort()
             return
         conn.produce()
-        conn.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid, scoped=scoped))
+        conn.authenticated_as(
+            PeerIdentity(
+                "unix",
+                uid=cred.uid,
+                pid=cred.pid,
+                scoped=scoped,
+                gid=cred.gid,
+                groups=cred.groups,
+            )
+        )
 
     def first_bytes(self, conn: Arrival) -> None:
         """Only the TLS layer reports first bytes."""

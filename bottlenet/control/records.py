@@ -23,6 +23,7 @@ from bottlenet.control.results import RecordError as RecordError  # raised by th
 from bottlenet.control.results import record_fields as _fields
 
 if TYPE_CHECKING:
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
 
@@ -126,6 +127,10 @@ class ForwardRecord:
         )
 
 
+#: The label of a ``bottle stats`` row that counts transparent egress connects to a target.
+TRANSPARENT_LABEL = "transparent:"
+
+
 @frozen
 class StatsRecord:
     bottle: str
@@ -206,6 +211,22 @@ def forward_record(info: ForwardInfo) -> ForwardRecord:
         label=info.spec.label,
         target=info.spec.target.describe(),
         endpoint=info.bound.describe(),
+    )
+
+
+def transparent_record(info: TransparentCount) -> StatsRecord:
+    """A bottle's transparent egress connects to one target, as the row ``transparent:TARGET``
+    (accepted: tunnelled; refused: by the proxy; failed: the proxy did not answer)."""
+    return StatsRecord(
+        bottle=info.bottle,
+        label=f"{TRANSPARENT_LABEL}{info.target}",
+        endpoint="transparent egress",
+        accepted=info.ok,
+        active=0,
+        refused=info.refused,
+        failed=info.failed,
+        bytes_in=0,
+        bytes_out=0,
     )
 
 

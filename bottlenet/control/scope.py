@@ -27,9 +27,11 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.control.backend import ControlBackend
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
@@ -103,12 +105,15 @@ class ScopedBackend:
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         stamped = evolve(tenancy or Tenancy(), creator=self.creator)
         if not self._exists(name):
             self._creators.expect(name, self.creator)
         try:
-            return await self._backend.create_bottle(name, alias, spec=spec, tenancy=stamped)
+            return await self._backend.create_bottle(
+                name, alias, spec=spec, tenancy=stamped, requester=requester
+            )
         finally:
             if self._creators.creator(name) == self.creator:
                 self._creators.settle(name, self._exists(name))
@@ -158,6 +163,13 @@ class ScopedBackend:
     def bridge_status(self, name: str) -> str | None:
         self._mine(name)
         return self._backend.bridge_status(name)
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        if bottle is not None:
+            self._mine(bottle)
+            return self._backend.transparent_stats(bottle)
+        mine = {b.name for b in self.list_bottles()}
+        return [r for r in self._backend.transparent_stats(None) if r.bottle in mine]
 
     async def spawn_exec(
         self,
