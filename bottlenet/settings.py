@@ -24,8 +24,6 @@ from twisted.python import usage
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
-from bottlenet.bottles.lease import DEFAULT_GRACE
-from bottlenet.bottles.node import check_labels, parse_label
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
 from bottlenet.control.endpoints import (
@@ -42,6 +40,8 @@ from bottlenet.forward import fastreactor
 from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE, reserved_fds
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.splice import check_engine
+from bottlenet.node.info import check_labels, parse_label
+from bottlenet.node.lease import DEFAULT_GRACE
 from bottlenet.ops import logs, metrics
 from bottlenet.paths import MAX_SUN_PATH, default_control_endpoint, default_state_dir
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name

@@ -26,8 +26,8 @@ from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
 from bottlenet.bottles.egresswatch import EgressWatch
+from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost, VMOptions, vm_host
-from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
@@ -38,10 +38,10 @@ from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
-from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
@@ -233,8 +233,6 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
-        if self.node is not None:
-            self.node.leases.stop()
         try:
             Service.stopService(self)
             # In reverse, as MultiService does, but only what started (a fatal stop can
@@ -331,8 +329,6 @@ def compose(
         Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
-    if root.node is not None:
-        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     if host.smolvm.binary is not None:
         EgressWatch(reactor, host.smolvm, registry.list_bottles, registry.emit).setServiceParent(
@@ -378,15 +374,6 @@ def compose(
     return root
 
 
-def _restored(result: object, root: BottlenetService) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again), and
-    their scoped creators are known."""
-    assert root.node is not None
-    root.node.leases.restore()
-    root.control_factory.context.creators.restore(root.registry.list_bottles())
-    return result
-
-
 def _core(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
 ) -> tuple[BottlenetService, IService, VMHost]:
@@ -430,17 +417,7 @@ def _core(
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
-    registry = BottleRegistry(
-        reactor,
-        table,
-        aliases,
-        state_dir=settings.state_dir,
-        max_bottles=settings.max_bottles,
-        store=store,
-        instance_id=state.instance_id,
-        host=host,
-    )
-    node = _node(settings, store, state, reactor, registry, table, vm_uids)
+    registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -461,6 +438,51 @@ def _core(
     return root, vmctl_service, host
 
 
+def _registry(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    host: VMHost,
+) -> tuple[BottleRegistry, Node]:
+    """The bottles' table, the node's policies it tells (built first: the table takes them)
+    and the node over both."""
+    events = EventBus()
+    parts = node_parts(
+        reactor,
+        store,
+        state,
+        events.emit,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
+    )
+    registry = BottleRegistry(
+        reactor,
+        table,
+        aliases,
+        state_dir=settings.state_dir,
+        max_bottles=settings.max_bottles,
+        store=store,
+        instance_id=state.instance_id,
+        host=host,
+        events=events,
+        policies=parts.policies(),
+    )
+    euid = os.geteuid()
+    who = "root" if euid == 0 else f"uid {euid}"
+    node = Node(
+        registry,
+        table.budget,
+        parts,
+        host=socket.gethostname(),
+        labels=settings.labels,
+        privilege=f"{who}; smolvm VMs run with {host.options.vm_uids}",
+    )
+    return registry, node
+
+
 def _control_factory(
     settings: DaemonSettings,
     reactor: Any,
@@ -477,37 +499,10 @@ def _control_factory(
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
         node=node,
-        creators=Creators(registry.events.subscribe),
         unix_target_root=settings.state_dir,
     )
     admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)
     return ControlServerFactory(context, admission, max_connections=settings.control_cap)
-
-
-def _node(
-    settings: DaemonSettings,
-    store: StateStore,
-    state: State,
-    reactor: Any,
-    registry: BottleRegistry,
-    table: ForwardTable,
-    vm_uids: VmUids,
-) -> Node:
-    """The node contract (NodeInfo, Drain) over the registry."""
-    euid = os.geteuid()
-    who = "root" if euid == 0 else f"uid {euid}"
-    return build_node(
-        reactor,
-        registry,
-        table.budget,
-        store,
-        state,
-        monotonic=time.monotonic,
-        lease_grace=settings.lease_grace,
-        host=socket.gethostname(),
-        labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {vm_uids}",
-    )
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

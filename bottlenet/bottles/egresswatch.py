@@ -22,7 +22,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from bottlenet.bottles.events import EGRESS_DENIED
+from bottlenet.bottles.events import EGRESS_DENIED, BottleEvent
 from bottlenet.bottles.model import Bottle, BottleState
 from vmctl.errors import VmctlError
 from vmctl.smolvm import EgressDenial, Smolvm
@@ -32,7 +32,7 @@ INTERVAL = 15.0
 #: Denials asked per sidecar and published per poll; more are one summing event.
 PER_POLL = 20
 
-Emit = Callable[[str, str, str | None, str | None], None]
+Emit = Callable[[BottleEvent], None]
 
 
 def new_denials(

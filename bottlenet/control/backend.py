@@ -21,13 +21,13 @@ if TYPE_CHECKING:
     from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
-    from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.bottles.tenancy import Tenancy
     from bottlenet.bottles.volumes import Requester
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
+    from bottlenet.node.info import NodeReport
 
 
 class ControlBackend(Protocol):
@@ -90,7 +90,7 @@ class ControlBackend(Protocol):
 
 
 class NodeControl(Protocol):
-    """What the control plane needs of the node (``bottlenet.bottles.node.Node``)."""
+    """What the control plane needs of the node (``bottlenet.node.info.Node``)."""
 
     def report(self) -> NodeReport: ...
 

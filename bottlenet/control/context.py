@@ -23,7 +23,6 @@ from twisted.logger import Logger
 
 from bottlenet.control.admission import HandshakeAdmission, peer_source
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.scope import Creators
 from bottlenet.errors import safe_repr
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.waiters import OneShot
@@ -135,10 +134,6 @@ def _refused_log(context: ControlContext) -> RateLimitedLogger:
     )
 
 
-def _no_creators() -> Creators:
-    return Creators(lambda subscriber: lambda: None)
-
-
 @frozen(kw_only=True)
 class ControlContext:
     """The control service both listeners serve: one value, shared by their factories.
@@ -161,8 +156,6 @@ class ControlContext:
     event_hub: EventHub | None = None
     #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
     node: NodeControl | None = None
-    #: Who created which bottle, for scoped peers' events.
-    creators: Creators = field(factory=_no_creators)
     #: The state dir, under which each bottle's UNIX forward targets live.
     unix_target_root: str | None = None
 

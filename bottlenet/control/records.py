@@ -94,6 +94,8 @@ class EventRecord:
     state: str | None = None
     detail: str | None = None
     exit_code: int | None = None
+    #: The scoped peer (``uid:N``) that created the bottle; None: not a scoped peer.
+    creator: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EventRecord:
@@ -106,6 +108,7 @@ class EventRecord:
             state=f.value("state", str, optional=True),
             detail=f.value("detail", str, optional=True),
             exit_code=f.value("exit_code", int, optional=True),
+            creator=f.value("creator", str, optional=True),
         )
 
 

@@ -646,9 +646,7 @@ class ControlServerProtocol(HardenedAMP):
         through a view of its own bottles)."""
         self.control.peer = peer
         if peer.scoped and peer.uid is not None:
-            self.control.backend = ScopedBackend(
-                self.context.backend, creator_of_uid(peer.uid), self.context.creators
-            )
+            self.control.backend = ScopedBackend(self.context.backend, creator_of_uid(peer.uid))
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:
