@@ -121,7 +121,8 @@ class EgressWatch(Service):
         if not fresh:
             return
         self.seen[name] = found[-PER_POLL:]
-        for denial in fresh:
-            self.emit(EGRESS_DENIED, name, None, f"{denial.operation} {denial.dest}")
+        details = [f"{d.operation} {d.dest}" for d in fresh]
         if len(fresh) >= PER_POLL:
-            self.emit(EGRESS_DENIED, name, None, f"at least {PER_POLL} denials since the last look")
+            details.append(f"at least {PER_POLL} denials since the last look")
+        for detail in details:
+            self.emit(BottleEvent(EGRESS_DENIED, name, self.clock.seconds(), None, detail))

@@ -50,7 +50,7 @@ def rig(bottles: list[Any]) -> tuple[Clock, StubSmolvm, list[tuple[str, str, str
         clock,
         smolvm,  # type: ignore[arg-type]
         lambda: bottles,
-        lambda kind, name, state, detail: seen.append((kind, name, detail)),
+        lambda e: seen.append((e.kind, e.bottle, e.detail)),
     )
     watch.startService()
     return clock, smolvm, seen
