@@ -93,7 +93,7 @@ def recorder() -> Iterator[Recorder]:
 def daemon(recorder: Recorder, *faults: str) -> VMDaemon:
     d = VMDaemon()
     relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{recorder.port}"}
-    d.fake.set_faults("exec-netns", *faults, version="1.32.2", expose_relay=relay)
+    d.fake.set_faults("exec-netns", *faults, expose_relay=relay)
     return d.start()
 
 
