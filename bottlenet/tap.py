@@ -330,10 +330,10 @@ def compose(
     )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
-    if host.smolvm.binary is not None:
-        EgressWatch(
-            reactor, host.smolvm, registry.list_bottles, registry.events.emit
-        ).setServiceParent(root)
+    # No VM bottle without a smolvm: then it never asks anything.
+    EgressWatch(reactor, host.smolvm, registry.list_bottles, registry.events.emit).setServiceParent(
+        root
+    )
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
     )
