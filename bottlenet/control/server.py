@@ -240,6 +240,8 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": smolvm.available,
             "smolvm_version": smolvm.version,
             "smolvm_source": smolvm.source,
+            "smolvm_tested": smolvm.tested,
+            "smolvm_tested_versions": list(smolvm.tested_versions),
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
         }
@@ -290,6 +292,7 @@ class ControlLocator(SafeCommandLocator):
             "labels": [f"{k}={v}" for k, v in r.labels],
             "privilege": r.privilege,
             "smolvm": r.smolvm,
+            "smolvm_tested": r.smolvm_tested,
             "vm_possible": r.vm_possible,
             "vm_why_not": r.vm_why_not,
             "kvm": r.kvm,
