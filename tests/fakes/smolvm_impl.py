@@ -928,7 +928,7 @@ def vmm_died(state: dict, rec: dict) -> None:
     dead = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
     dead.wait()
     rec.update(state="stopped", pid=dead.pid, start_time=None)
-    save(state)
+    commit(rec["name"], rec)
 
 
 def cmd_start(args: list[str]) -> None:
@@ -943,7 +943,10 @@ def cmd_start(args: list[str]) -> None:
     name = one(opts, "name", "default")
     f = faults()
     existing(name)
-    with machine_lock(start_lock(name), wait=False):
+    with contextlib.ExitStack() as locks:
+        if v137():  # 1.37.3 also holds the machine's stop lock through its start
+            locks.enter_context(machine_lock(stop_lock(name)))
+        locks.enter_context(machine_lock(start_lock(name), wait=False))
         state = load()
         rec = get(state, name)
         if state_of(rec) == "running":
