@@ -194,6 +194,14 @@ class Options(usage.Options):
                 "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
             ],
             [
+                "guest-kit",
+                None,
+                "auto",
+                "bottlenet's guest kit: auto (built at start, cached in <state-dir>/kit), off "
+                "(the images' python3 and /bin/sh run bottlenet's guest commands), or a "
+                "directory to cache it in instead.",
+            ],
+            [
                 "log-format",
                 None,
                 None,
@@ -389,6 +397,8 @@ class DaemonSettings:
     lease_grace: float = DEFAULT_GRACE
     #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
     scoped_uids: frozenset[int] = frozenset()
+    #: ``--guest-kit``: where the guest kit is cached (None: off).
+    kit_dir: str | None = None
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -467,7 +477,20 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         labels=labels,
         lease_grace=options["lease-grace"],
         scoped_uids=scoped,
+        kit_dir=_kit_dir(options["guest-kit"], state_dir),
     )
+
+
+def _kit_dir(value: str, state_dir: str) -> str | None:
+    """``--guest-kit``: ``auto`` is the state directory's, ``off`` none, else an absolute
+    directory (its ``kit/`` folder holds the kits)."""
+    if value == "off":
+        return None
+    if value == "auto":
+        return state_dir
+    if not os.path.isabs(value):
+        raise StartupError("--guest-kit: use auto, off or an absolute directory")
+    return value
 
 
 def _metrics_option(

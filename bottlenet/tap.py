@@ -40,6 +40,8 @@ from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.build import KitCache
+from bottlenet.kit.keeper import KitKeeper
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import fatal_stopper
 from bottlenet.ops.listening import ListeningService
@@ -51,7 +53,6 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
-from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
@@ -294,6 +295,8 @@ def compose(
     root, vmctl_service, vms = _core(settings, store, state, reactor)
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
+    if vms.kit is not None:
+        vms.kit.setServiceParent(root)  # builds the guest kit off the reactor thread
     table.setName("forwards")
     table.setServiceParent(root)
     waits: list[Deferred[Any]] = []
@@ -362,13 +365,7 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    # The session wrapper prefers the trusted probe kit's python3, as the gate does.
-    vmctl_service, smolvm = build_smolvm(
-        reactor,
-        settings.smolvm,
-        on_call=smolvm_calls.record,
-        session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
-    )
+    vmctl_service, smolvm = build_smolvm(reactor, settings.smolvm, on_call=smolvm_calls.record)
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
     table = ForwardTable(
@@ -395,8 +392,9 @@ def _core(
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
     )
+    kit = KitKeeper(reactor, None if settings.kit_dir is None else KitCache(settings.kit_dir))
     vms = VMLifecycle(
-        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
+        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options, kit=kit
     )
     registry = BottleRegistry(
         reactor,
@@ -415,6 +413,7 @@ def _core(
     if settings.tls is not None:
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
     factory = _control_factory(settings, reactor, registry, node, control_commands)
+    factory.context.smolvm.guest_kit = kit.describe
     root = BottlenetService(
         reactor,
         table,

@@ -677,6 +677,7 @@ class VMBottle(BottleOwner):
                     self.hands, BRIDGE_RESTARTED, self.name, None, detail
                 ),
                 on_failed=self.degrade_later,
+                kit=vm.kit,
             )
         self.wait_for_workload()
 
@@ -702,7 +703,7 @@ class VMBottle(BottleOwner):
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)), user=GUEST_ROOT)
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm, vm.kit)), user=GUEST_ROOT)
 
         def failed(f: Failure) -> None:
             lost()

@@ -68,6 +68,8 @@ from bottlenet.forward.spec import (
     sidecar_socket_path,
     unix_listen_for,
 )
+from bottlenet.kit.build import Kit
+from bottlenet.kit.program import GUEST_DIR, KitRef
 from bottlenet.probe.judge import ProbeResult
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.ports import (
@@ -99,10 +101,12 @@ def sidecar_machine_spec(
     *,
     sockets: Sequence[ExposeSocket] = (),
     ports: Sequence[PortMapping] = (),
+    kit: Kit | None = None,
 ) -> MachineSpec:
     """The sidecar's ``machine create``: outbound network for its egress proxy, with smolvm's
     private-range floor (``--block-private``: no host loopback, LAN or metadata) where the CLI
-    has it, and its services as exposed sockets or (opt-in) published ports."""
+    has it, its services as exposed sockets or (opt-in) published ports, and bottlenet's
+    guest kit read-only at its fixed path (it writes the egress policy)."""
     fields: dict[str, Any] = {
         **image_fields(sidecar.image),
         "labels": labels,
@@ -112,8 +116,14 @@ def sidecar_machine_spec(
         "block_private": features.block_private,
         "expose_sockets": tuple(sockets),
         "ports": tuple(ports),
+        "volumes": kit_volumes(kit),
     }
     return MachineSpec(name, **fields)
+
+
+def kit_volumes(kit: Kit | None) -> tuple[Volume, ...]:
+    """The kit's read-only mount at its fixed guest path (none without a kit)."""
+    return () if kit is None else (Volume(kit.root, GUEST_DIR, read_only=True),)
 
 
 def agent_machine_spec(
@@ -122,19 +132,21 @@ def agent_machine_spec(
     labels: tuple[tuple[str, str], ...],
     env: tuple[tuple[str, str], ...],
     endpoints: Sequence[Endpoint],
+    kit: Kit | None = None,
 ) -> MachineSpec:
     """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
-    and bottlenet's wait command as the workload (it replaces the image's ENTRYPOINT+CMD)."""
+    bottlenet's guest kit read-only at its fixed path, and bottlenet's wait command as the
+    workload (it replaces the image's ENTRYPOINT+CMD)."""
     mounts = tuple(MountSocket(e.path, e.guest_path) for e in endpoints)
     fields: dict[str, Any] = {
         **image_fields(agent.image),
         "labels": labels,
         "cpus": agent.cpus,
         "mem": agent.mem,
-        "volumes": tuple(Volume.parse(v) for v in agent.volumes),
+        "volumes": tuple(Volume.parse(v) for v in agent.volumes) + kit_volumes(kit),
         "env": env,
         "mount_sockets": mounts,
-        "workload": AGENT_WAIT_COMMAND,
+        "workload": AGENT_WAIT_COMMAND if kit is None else tuple(kit.program.argv("idle")),
     }
     return MachineSpec(name, net=False, **fields)
 
@@ -200,11 +212,18 @@ class Creation:
         self.reserved: dict[Role, Reserved] = {}
         #: The bridge this create started (handed to the bottle's owner with the record).
         self.bridge: BridgeKeeper | None = None
+        #: bottlenet's guest kit, checked before it is mounted (None: the image's python3).
+        self.kit: Kit | None = None
+
+    @property
+    def kit_ref(self) -> KitRef | None:
+        return None if self.kit is None else self.kit.ref
 
     async def run(self, commit: Commit) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
         self.vms.check_volumes(self.agent)  # before any machine: nothing to undo yet
         try:
+            self.kit = await self.vms.checked_kit()
             await self.step_allocate()
             sidecar = await self.step_sidecar()
             await self.step_sidecar_ready(sidecar)
@@ -317,7 +336,9 @@ class Creation:
             for s, p in zip(self.sidecar.services, paths, strict=True)
         ]
         labels = self.vms.labels(self.name, Role.SIDECAR)
-        spec = sidecar_machine_spec(name, self.sidecar, labels, features, sockets=sockets)
+        spec = sidecar_machine_spec(
+            name, self.sidecar, labels, features, sockets=sockets, kit=self.kit
+        )
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
@@ -360,7 +381,7 @@ class Creation:
                 PortMapping(raw, svc.guest_port)
                 for raw, svc in zip(ports, sidecar.services, strict=True)
             ]
-            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped, kit=self.kit)
 
         async def reserve() -> None:
             # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
@@ -413,7 +434,9 @@ class Creation:
         if egress_spec is None:
             return EgressSet(())
         policy = egress_spec.allow_hosts
-        await egress.push_policy(self.vms.smolvm, sidecar.vm, egress_spec, policy, previous=None)
+        await egress.push_policy(
+            self.vms.smolvm, sidecar.vm, egress_spec, policy, previous=None, kit=self.kit_ref
+        )
         return EgressSet(policy)
 
     async def step_agent(self, bound: EndpointsBound, egress_set: EgressSet) -> AgentStarted:
@@ -433,7 +456,9 @@ class Creation:
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
         if agent.workload:
-            await workload.start(self.vms.smolvm, name, agent.workload, agent.user, env)
+            await workload.start(
+                self.vms.smolvm, name, agent.workload, agent.user, env, self.kit_ref
+            )
         return AgentStarted(name, env, probe)
 
     async def _create_agent(
@@ -446,7 +471,7 @@ class Creation:
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
         reservation (None under one uid)."""
         spec = agent_machine_spec(
-            name, self.agent, self.vms.labels(self.name, Role.AGENT), env, endpoints
+            name, self.agent, self.vms.labels(self.name, Role.AGENT), env, endpoints, self.kit
         )
         if self.agent.user is not None:
             await self.vms.version()
@@ -503,6 +528,7 @@ class Creation:
             witness=True,
             egress=self.sidecar.egress,
             policy=policy,
+            kit=self.kit_ref,
         )
         if not verdict.passed:
             raise IsolationFailed(
@@ -520,9 +546,9 @@ class Creation:
             if self.bridge is not None:
                 self.bridge.stop()
 
-        self.bridge = await self.vms.bridges.start(self.name, agent_vm, endpoints)
+        self.bridge = await self.vms.bridges.start(self.name, agent_vm, endpoints, self.kit_ref)
         self.undo.append(("bridge", stop))
-        await self.vms.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
+        await self.vms.bridges.prove(self.name, agent_vm, endpoints, self.bridge, self.kit_ref)
 
     def _uid(self, role: Role) -> int | None:
         reserved = self.reserved.get(role)
@@ -554,6 +580,7 @@ class Creation:
                 workload=WorkloadState.RUNNING if self.agent.workload else None,
                 agent_uid=self._uid(Role.AGENT),
                 sidecar_uid=self._uid(Role.SIDECAR),
+                kit=self.kit_ref,
             ),
         )
 

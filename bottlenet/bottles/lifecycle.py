@@ -61,6 +61,8 @@ from bottlenet.forward.spec import (
     UNIXTarget,
 )
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.build import Kit
+from bottlenet.kit.keeper import KitKeeper
 from bottlenet.probe.judge import Verdict
 from vmctl.errors import VmctlError
 from vmctl.ports import (
@@ -128,8 +130,11 @@ class VMLifecycle:
         check_port: Checker = check_port_owner,
         check_socket: SocketChecker = check_socket_owner,
         service_ready: readiness.Answers = readiness.answers,
+        kit: KitKeeper | None = None,
     ) -> None:
         self.reactor = reactor
+        #: bottlenet's guest kit (None: none, as ``--guest-kit off``: the image's python3).
+        self.kit = kit
         self.service_ready = service_ready
         self.smolvm = smolvm
         self.table = table
@@ -149,6 +154,11 @@ class VMLifecycle:
         )
 
     # -- helpers ----------------------------------------------------------------------
+
+    async def checked_kit(self) -> Kit | None:
+        """The guest kit to mount in a new bottle's VMs, checked against its digest (None:
+        none can be built here; the image's python3 serves)."""
+        return None if self.kit is None else await self.kit.checked()
 
     async def version(self) -> SmolvmVersion:
         try:
@@ -267,6 +277,7 @@ class VMLifecycle:
                 bridged=[e.guest_port for e in vm.endpoints]
                 if runs_bridge(vm.spec, vm.endpoints)
                 else (),
+                kit=vm.kit,
             )
         except VmctlError as e:
             raise map_vmctl(e) from None
@@ -280,7 +291,7 @@ class VMLifecycle:
             raise InvalidArgument(f"bottle {bottle.name}: its sidecar declares no egress policy")
         try:
             await egress.push_policy(
-                self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy
+                self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy, kit=vm.kit
             )
         except VmctlError as e:
             raise map_vmctl(e) from None

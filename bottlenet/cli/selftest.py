@@ -53,6 +53,7 @@ STEPS = (
     "daemon",
     "smolvm",
     "privilege",
+    "kit",
     "kvm",
     "sidecar",
     "gate",
@@ -89,8 +90,11 @@ FIXES = {
     "gate": "the agent VM must reach its own endpoints and nothing else; read the verdict"
     " above and docs/bottles.md (launch gate)",
     "gate-skipped": "restart the daemon without --unsafe-skip-isolation-probe",
-    "bridge": "the agent image needs python3, /bin/sh and sleep on its PATH; docs/sidecar.md"
-    " (the in-guest bridge)",
+    "bridge": "bottlenet's guest kit runs the bridge (see the kit line); without a kit the"
+    " agent image needs python3 and /bin/sh; docs/sidecar.md (the in-guest bridge)",
+    "kit": "bottlenet builds its guest kit from its own interpreter at start (--guest-kit"
+    " auto): the daemon's log says why it could not; without it every agent image needs"
+    " python3 and /bin/sh; docs/sidecar.md",
     "exec-root": "smolvm must run `machine exec -u 0`; docs/smolvm.md",
     "exec-user": "the image's USER (or agent.user) must exist in the image's /etc/passwd",
     "session-end": "bottlenet runs attached guest commands under a session wrapper that ends"
@@ -182,7 +186,18 @@ def judge_hello(hello: HelloResult, control: str) -> list[Check]:
             Check("smolvm", Verdict.FAIL, "the daemon has no usable smolvm", FIXES["smolvm"])
         )
     checks.append(Check("privilege", Verdict.PASS, hello.vm_uids or "not reported"))
+    checks.append(judge_kit(hello.guest_kit))
     return checks
+
+
+def judge_kit(kit: str | None) -> Check:
+    """``kit``: bottlenet's guest kit is built (an image then needs nothing of bottlenet's);
+    without one the images' python3 and /bin/sh serve, which this line says as a FAIL."""
+    if kit is None:
+        return Check("kit", Verdict.SKIP, "the daemon does not report a guest kit (older daemon)")
+    if kit.startswith(("ready:", "building")):
+        return Check("kit", Verdict.PASS, kit)
+    return Check("kit", Verdict.FAIL, kit, FIXES["kit"])
 
 
 def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> list[Check]:

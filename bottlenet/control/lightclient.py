@@ -68,6 +68,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "smolvm_source": (Kind.UNICODE, True),
             "vm_uids": (Kind.UNICODE, True),
             "vm_uids_basis": (Kind.UNICODE, True),
+            "guest_kit": (Kind.UNICODE, True),
         },
     ),
     "Ping": ({}, {}),

@@ -31,6 +31,8 @@ class HelloResult(NamedTuple):
     vm_uids: str | None = None
     #: Why ``vm_uids`` says what it says: ``seen: ...`` or ``expected: ...`` (protocol.md).
     vm_uids_basis: str | None = None
+    #: bottlenet's guest kit (``KitKeeper.describe``); None from an older daemon.
+    guest_kit: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -43,6 +45,7 @@ class HelloResult(NamedTuple):
             smolvm_source=d.get("smolvm_source"),
             vm_uids=d.get("vm_uids"),
             vm_uids_basis=d.get("vm_uids_basis"),
+            guest_kit=d.get("guest_kit"),
         )
 
 

@@ -208,6 +208,7 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_source": smolvm.source,
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
+            "guest_kit": smolvm.guest_kit(),
         }
 
     @C.Ping.responder

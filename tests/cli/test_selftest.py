@@ -71,7 +71,7 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     assert [line.split()[:2] for line in out][:3] == [
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
-    assert len(out) == 14 and all(line.startswith("PASS") for line in out)
+    assert len(out) == len(STEPS) and all(line.startswith("PASS") for line in out)
     assert [line.split()[1] for line in out] == [*STEPS]  # every step once, teardown last
     (user,) = [line for line in out if line.split()[1] == "exec-user"]
     assert "uid=4242" in user

@@ -65,6 +65,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "blind": {"net": "leaky", "blind": True},
     # bottlenet's bridge with real clients and a real proxy (tests/realvm/bridgehost.py)
     "bridge": {"net": "none", "bridge": True},
+    # bottlenet's guest kit on libkrunfw's kernel, in images with no python3 and no libc
+    # (tests/realvm/kitvm.py): a static busybox only, and no shell at all
+    "kit-busybox": {"net": "none", "kit": "busybox"},
+    "kit-noshell": {"net": "none", "kit": "noshell"},
 }
 
 
@@ -275,6 +279,10 @@ async def boot(reactor: Any, argv: list[str]) -> tuple[QemuProtocol, int, float]
 
 async def run(reactor: Any, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
+    if variant.get("kit"):
+        from tests.realvm import kitvm
+
+        return await kitvm.run(reactor, name, busybox=variant["kit"] == "busybox")
     if variant.get("bridge"):
         from tests.realvm import bridgehost
 
