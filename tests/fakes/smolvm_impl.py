@@ -41,7 +41,8 @@ whose start fails as if KVM were missing), ``unreachable`` (machine names report
 ``volume_swap`` ({GUEST: HOST}: under ``exec-netns`` the guest finds HOST at a volume's
 GUEST path instead of what was mounted), ``agent_connections`` (the guest agent's limit
 on connections at once, default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s
-during which exposed services drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that never answer).
+during which exposed services drop connections after the start), ``expose_never_ready``
+(guest paths of exposed services that never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
