@@ -17,33 +17,34 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from twisted.application.service import IService, MultiService
-from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, maybeDeferred, succeed
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
-from bottlenet.bottles.node import Node, build_node
+from bottlenet.bottles.events import EventBus
+from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
+from bottlenet.bottles.volumes import VolumeRules
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
-from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
 from bottlenet.kit.build import KitCache
 from bottlenet.kit.keeper import KitKeeper
+from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
-from bottlenet.ops.fatal import fatal_stopper
+from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
 from bottlenet.ops.metricsservice import metrics_listener
 from bottlenet.paths import (
@@ -108,6 +109,8 @@ class BottlenetService(MultiService):
         self.state_lock: StateDirLock | None = None
         #: The node contract (NodeInfo, Drain); compose sets it.
         self.node: Node | None = None
+        #: The ``on_fatal`` every child is given; compose sets it.
+        self.fatal: FatalStopper | None = None
 
     def startService(self) -> None:
         if self.state_lock is not None:
@@ -122,7 +125,13 @@ class BottlenetService(MultiService):
             engine=self.table.engine,
             reactor=type(self.reactor).__qualname__,
         )
-        super().startService()
+        Service.startService(self)
+        for child in self:  # as MultiService does, but none after a fatal stop began
+            if self._stopping():
+                return
+            child.startService()
+        if self._stopping():
+            return  # no start-up advice for a daemon that is about to exit
         vm_uids = self.vm_uids if self.smolvm.binary is not None else None
         facts = self.smolvm_facts
         facts.probing(self.smolvm.describe(), self.vm_uids_now)
@@ -137,6 +146,9 @@ class BottlenetService(MultiService):
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
         self._say_what_smolvm_opens(vm_uids)
         self.probe_smolvm().addBoth(lambda _: facts.settle())
+
+    def _stopping(self) -> bool:
+        return self.fatal is not None and self.fatal.stopping
 
     @property
     def smolvm_facts(self) -> SmolvmFacts:
@@ -214,10 +226,12 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
-        if self.node is not None:
-            self.node.leases.stop()
         try:
-            await super().stopService()
+            Service.stopService(self)
+            # In reverse, as MultiService does, but only what started (a fatal stop can
+            # end the start half-way).
+            started = [child for child in self if child.running]
+            await DeferredList([maybeDeferred(c.stopService) for c in reversed(started)])
         finally:
             if self.state_lock is not None:
                 self.state_lock.release()
@@ -292,11 +306,12 @@ def compose(
     and smolvm calls drain last.
     """
     on_fatal = fatal_stopper(reactor)
-    root, vmctl_service, vms = _core(settings, store, state, reactor)
+    root, vmctl_service, host = _core(settings, store, state, reactor)
+    root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
-    if vms.kit is not None:
-        vms.kit.setServiceParent(root)  # builds the guest kit off the reactor thread
+    if host.kit is not None:
+        host.kit.setServiceParent(root)  # builds the guest kit off the reactor thread
     table.setName("forwards")
     table.setServiceParent(root)
     waits: list[Deferred[Any]] = []
@@ -306,11 +321,9 @@ def compose(
         bottles.setServiceParent(root)
         waits.append(config_ready := bottles.ready)
     recovery = RecoveryService(
-        Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
+        Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
-    if root.node is not None:
-        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -336,7 +349,9 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles),
+            metrics.SnapshotSource(
+                table.list, registry.list_bottles, registry.transparent_outcomes
+            ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,
@@ -350,18 +365,9 @@ def compose(
     return root
 
 
-def _restored(result: object, root: BottlenetService) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again), and
-    their scoped creators are known."""
-    assert root.node is not None
-    root.node.leases.restore()
-    root.control_factory.context.creators.restore(root.registry.list_bottles())
-    return result
-
-
 def _core(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
-) -> tuple[BottlenetService, IService, VMLifecycle]:
+) -> tuple[BottlenetService, IService, VMHost]:
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -391,23 +397,13 @@ def _core(
         skip_probe=settings.skip_probe,
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
+        volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
     kit = KitKeeper(reactor, None if settings.kit_dir is None else KitCache(settings.kit_dir))
-    vms = VMLifecycle(
+    host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options, kit=kit
     )
-    registry = BottleRegistry(
-        reactor,
-        table,
-        aliases,
-        state_dir=settings.state_dir,
-        max_bottles=settings.max_bottles,
-        store=store,
-        instance_id=state.instance_id,
-        vms=vms,
-    )
-    registry.protected_dirs = settings.protected_dirs
-    node = _node(settings, store, state, reactor, registry, table, vm_uids)
+    registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -426,7 +422,52 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
-    return root, vmctl_service, vms
+    return root, vmctl_service, host
+
+
+def _registry(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    host: VMHost,
+) -> tuple[BottleRegistry, Node]:
+    """The bottles' table, the node's policies it tells (built first: the table takes them)
+    and the node over both."""
+    events = EventBus()
+    parts = node_parts(
+        reactor,
+        store,
+        state,
+        events.emit,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
+    )
+    registry = BottleRegistry(
+        reactor,
+        table,
+        aliases,
+        state_dir=settings.state_dir,
+        max_bottles=settings.max_bottles,
+        store=store,
+        instance_id=state.instance_id,
+        host=host,
+        events=events,
+        policies=parts.policies(),
+    )
+    euid = os.geteuid()
+    who = "root" if euid == 0 else f"uid {euid}"
+    node = Node(
+        registry,
+        table.budget,
+        parts,
+        host=socket.gethostname(),
+        labels=settings.labels,
+        privilege=f"{who}; smolvm VMs run with {host.options.vm_uids}",
+    )
+    return registry, node
 
 
 def _control_factory(
@@ -445,37 +486,10 @@ def _control_factory(
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
         node=node,
-        creators=Creators(registry.events.subscribe),
         unix_target_root=settings.state_dir,
     )
     admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)
     return ControlServerFactory(context, admission, max_connections=settings.control_cap)
-
-
-def _node(
-    settings: DaemonSettings,
-    store: StateStore,
-    state: State,
-    reactor: Any,
-    registry: BottleRegistry,
-    table: ForwardTable,
-    vm_uids: VmUids,
-) -> Node:
-    """The node contract (NodeInfo, Drain) over the registry."""
-    euid = os.geteuid()
-    who = "root" if euid == 0 else f"uid {euid}"
-    return build_node(
-        reactor,
-        registry,
-        table.budget,
-        store,
-        state,
-        monotonic=time.monotonic,
-        lease_grace=settings.lease_grace,
-        host=socket.gethostname(),
-        labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {vm_uids}",
-    )
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

@@ -29,24 +29,34 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
+from bottlenet.bottles.egresslayer import (
+    LayerKeeper,
+    TransparentCount,
+    layer_status,
+    proxy_endpoint,
+)
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
     DEGRADED,
     DESTROYED,
+    LEASE_EXPIRED,
     READY,
     WORKLOAD_EXITED,
     BottleEvent,
     EventBus,
 )
-from bottlenet.bottles.lifecycle import VMLifecycle, runs_bridge
-from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
+from bottlenet.bottles.host import VMHost, runs_bridge
+from bottlenet.bottles.model import Bottle, BottleState, BottleVMs, Forward, Source
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.probe import ProbeVerdict
+from bottlenet.bottles.sessions import Sessions
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
-from bottlenet.bottles.store import StateStore
-from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.store import StateStore, write
+from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
 from bottlenet.bottles.vmloss import lost_reason
+from bottlenet.bottles.volumes import Requester
 from bottlenet.bottles.watch import Watch
 from bottlenet.errors import (
     BottlenetError,
@@ -54,8 +64,10 @@ from bottlenet.errors import (
     Degraded,
     InvalidArgument,
     IsolationFailed,
+    NotFound,
     SmolvmUnavailable,
     Unavailable,
+    safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
@@ -72,7 +84,7 @@ class Hands:
     clock: IReactorTime
     table: ForwardTable
     aliases: AliasRegistry
-    vms: VMLifecycle | None
+    host: VMHost | None
     store: StateStore | None
     events: EventBus
     max_connections: int
@@ -80,30 +92,41 @@ class Hands:
     arm_resync: Callable[[str], None]
     #: The bottle's record and value are gone: the table forgets the name.
     forget: Callable[[str], None]
+    #: The table's destroy of a name (a lease's reap).
+    reap: Callable[[str], Deferred[None]]
+    #: The node's policies: the bottles' outputs tell them (``bottles.policy``).
+    policies: Policies
 
 
 def emit(
-    hands: Hands,
+    core: _BottleCore,
     kind: str,
-    name: str,
     state: str | None = None,
     detail: str | None = None,
     exit_code: int | None = None,
 ) -> None:
-    """One bottle event, stamped with the clock's time, to every subscriber."""
-    hands.events.emit(BottleEvent(kind, name, hands.clock.seconds(), state, detail, exit_code))
+    """One event of the bottle, stamped with the clock's time and its creator, to the wire."""
+    hands = core.hands
+    if hands is None:
+        return
+    event = BottleEvent(
+        kind, core.name, hands.clock.seconds(), state, detail, exit_code, core.creator
+    )
+    hands.events.emit(event)
 
 
 @frozen
 class CreateRequest:
     """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
-    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec``; either's
+    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
+    it (``requester``: its volumes are checked for it; None: the daemon itself); either's
     ``tenancy``, its lease counted from the commit."""
 
     alias: ipaddress.IPv4Address | None = None
     spec: BottleSpec | None = None
     source: Source = Source.CONTROL
     tenancy: Tenancy | None = None
+    requester: Requester | None = None
 
 
 @frozen
@@ -167,12 +190,16 @@ class _BottleCore:
 
     name: str
     hands: Hands | None = None
+    #: The scoped peer that created it (``tenancy.creator``): on each of its events.
+    creator: str | None = None
     value: Bottle | None = None
     waiter: workload.WorkloadWaiter | None = None
     #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
     watch: Watch | None = None
     #: bottlenet's in-guest bridge (a VM bottle's that runs one, from its create or restore).
     bridge: BridgeKeeper | None = None
+    #: The transparent egress layer (a VM bottle's whose spec names one).
+    layer: LayerKeeper | None = None
     pending: _Unsynced | None = None
 
 
@@ -188,9 +215,10 @@ def unwatch(core: _BottleCore) -> None:
     watch, core.watch = core.watch, None
     if watch is not None:
         watch.cancel()
-    bridge, core.bridge = core.bridge, None
-    if bridge is not None:
-        bridge.stop()
+    for keeper in (core.bridge, core.layer):
+        if keeper is not None:
+            keeper.stop()
+    core.bridge = core.layer = None
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -218,15 +246,6 @@ def persist_quietly(core: _BottleCore, bottle: Bottle) -> None:
         pass
 
 
-def write(store: StateStore, change: Callable[[StateStore], None]) -> None:
-    """One change to the state file; an I/O failure is UNAVAILABLE (and logged)."""
-    try:
-        change(store)
-    except OSError as e:
-        log.error("cannot write the state file: {err}", err=e.strerror)
-        raise Unavailable(f"cannot write the state file: {e.strerror}") from None
-
-
 def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferred[None] | None:
     hands, bottle = core.hands, core.value
     if hands is None or bottle is None:
@@ -234,7 +253,7 @@ def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferr
     degraded = core.value = evolve(bottle, state=BottleState.DEGRADED, detail=why)
     stop_waiter(core)
     log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
-    emit(hands, DEGRADED, core.name, BottleState.DEGRADED, why)
+    emit(core, DEGRADED, BottleState.DEGRADED, why)
     unwatch(core)
     removing = hands.table.remove_bottle(core.name)
     return removing.addCallback(lambda _: persist_quietly(core, degraded))
@@ -249,7 +268,7 @@ def _exited(machine: BottleMachine, core: _BottleCore, code: int = 0) -> bool:
     exited = core.value = evolve(bottle, state=BottleState.EXITED, detail=detail, vms=vms)
     log.info("bottle {bottle}: {detail}", bottle=core.name, detail=detail)
     persist_quietly(core, exited)
-    emit(hands, WORKLOAD_EXITED, core.name, BottleState.EXITED, detail, code)
+    emit(core, WORKLOAD_EXITED, BottleState.EXITED, detail, code)
     return True
 
 
@@ -257,8 +276,8 @@ def _teardown_failed(core: _BottleCore, detail: str, newly: bool) -> bool:
     if core.value is not None:
         degraded = core.value = evolve(core.value, state=BottleState.DEGRADED, detail=detail)
         persist_quietly(core, degraded)
-        if newly and core.hands is not None:
-            emit(core.hands, DEGRADED, core.name, BottleState.DEGRADED, detail)
+        if newly:
+            emit(core, DEGRADED, BottleState.DEGRADED, detail)
     return newly
 
 
@@ -340,11 +359,20 @@ class BottleOwner:
     #: What an operation for this kind says of a bottle of the other kind.
     other_kind = "is of another kind"
 
-    def __init__(self, name: str, hands: Hands, kept: BottleState | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        hands: Hands,
+        kept: BottleState | None = None,
+        *,
+        creator: str | None = None,
+    ) -> None:
         self.name = name
         self.hands = hands
-        self.core = _BottleCore(name, hands)
+        self.core = _BottleCore(name, hands, creator)
         self.machine = creating(self.core) if kept is None else adopted(kept, self.core)
+        #: Its lease, counted by the node's lease policy (never armed without one).
+        self.lease = hands.policies.leases.timer(name, self._lease_ran_out, self._reap)
 
     @property
     def value(self) -> Bottle | None:
@@ -356,11 +384,52 @@ class BottleOwner:
         assert value is not None, "an operation on a bottle not yet made"
         return value
 
-    def set_tenancy(self, tenancy: Tenancy) -> None:
-        """Record the bottle's new tenancy (a renewed lease): in memory at once, then on disk
-        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
-        bottle = self.core.value = evolve(self.require(), tenancy=tenancy)
+    # -- its lease ------------------------------------------------------------------------
+
+    def count_lease(self, now: float) -> None:
+        """Count the lease the bottle was made or restored with: what is left of it at
+        ``now`` (wall time), then the grace."""
+        tenancy = self.require().tenancy
+        if tenancy is not None and tenancy.lease is not None:
+            self.lease.arm(max(tenancy.lease.expires_at - now, 0.0))
+
+    def renew(self, seconds: float) -> Tenancy:
+        """Extend its lease to ``seconds`` from now: counted at once; then written
+        (UNAVAILABLE when the state file cannot be: the new deadline holds in memory)."""
+        check_lease_seconds(seconds)
+        tenancy = self.require().tenancy
+        if tenancy is None or tenancy.lease is None or not self.lease.armed:
+            raise InvalidArgument(f"bottle {self.name} has no lease to renew")
+        if self.lease.reaping:
+            raise NotFound(f"bottle {self.name}: its lease expired; it is being destroyed")
+        self.lease.arm(seconds)
+        renewed = tenancy.renewed(seconds, self.hands.clock.seconds())
+        bottle = self.core.value = evolve(self.require(), tenancy=renewed)
         self.persist(bottle)
+        return renewed
+
+    def _lease_ran_out(self) -> None:
+        tenancy = self.require().tenancy
+        assert tenancy is not None and tenancy.lease is not None
+        grace = self.hands.policies.leases.grace
+        detail = (
+            f"lease of {tenancy.lease.seconds:g}s ran out and {grace:g}s of grace passed "
+            "without a renewal"
+        )
+        log.warn(
+            "bottle {bottle}: {detail} (owner {owner}): destroying it",
+            bottle=self.name,
+            detail=detail,
+            owner="-" if tenancy.owner is None else safe_repr(tenancy.owner, 128),
+        )
+        emit(self.core, LEASE_EXPIRED, None, detail)
+
+    def _reap(self) -> Deferred[None]:
+        return self.hands.reap(self.name)
+
+    def stop(self) -> None:
+        """The daemon stops: its lease is no longer counted (it is on disk)."""
+        self.lease.cancel()
 
     def commit(self, bottle: Bottle) -> None:
         """The create's last step: the value, recorded (nothing kept when it cannot be)."""
@@ -419,7 +488,8 @@ class BottleOwner:
         self.core.pending = None
         self.gone()
         log.info("bottle {bottle} destroyed", bottle=self.name)
-        emit(self.hands, DESTROYED, self.name)
+        self.lease.cancel()
+        emit(self.core, DESTROYED)
 
     def sync_pending(self) -> None:
         """Before another operation: its earlier revocation must be durable."""
@@ -502,8 +572,9 @@ class ForwardBottle(BottleOwner):
         log.info("bottle {bottle} created on {alias}", bottle=self.name, alias=str(addr))
         listed(self)
         self.machine.created()
-        emit(hands, CREATED, self.name, bottle.state)
-        emit(hands, READY, self.name, bottle.state)
+        emit(self.core, CREATED, bottle.state)
+        emit(self.core, READY, bottle.state)
+        self.count_lease(now)
         return bottle
 
     async def restore(self, bottle: Bottle) -> Bottle:
@@ -565,6 +636,18 @@ class VMBottle(BottleOwner):
     #: What a VM operation says of a bottle of the other kind.
     other_kind = "is forward-only: it has no VMs"
 
+    def __init__(
+        self,
+        name: str,
+        hands: Hands,
+        kept: BottleState | None = None,
+        *,
+        creator: str | None = None,
+    ) -> None:
+        super().__init__(name, hands, kept, creator=creator)
+        #: The launcher sessions (Exec, Logs) it holds now, capped.
+        self.sessions = Sessions(name)
+
     async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
         """Run the ``spec``'s create steps (CREATED first, DESTROYED naming the error if one
         fails); the last one records the bottle (with its ``tenancy``, its lease counted from
@@ -572,29 +655,34 @@ class VMBottle(BottleOwner):
         refused one; ``source`` is always the control plane's.)"""
         hands, spec, tenancy = self.hands, asked.spec, asked.tenancy
         assert spec is not None
-        emit(hands, CREATED, self.name, BottleState.CREATING)
+        emit(self.core, CREATED, BottleState.CREATING)
         try:
-            if hands.vms is None:
+            if hands.host is None:
                 raise SmolvmUnavailable(
                     "this daemon runs without smolvm: VM bottles are unavailable"
                 )
 
-            def commit(bottle: Bottle, bridge: BridgeKeeper | None) -> None:
+            def commit(
+                bottle: Bottle, bridge: BridgeKeeper | None, layer: LayerKeeper | None
+            ) -> None:
                 if tenancy is not None:
                     bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
                 self.commit(bottle)
-                self.core.bridge = bridge
+                self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
-            created = await create_vm(hands.vms, spec, commit)
+            created = await create_vm(hands.host, spec, commit, asked.requester)
         except BaseException as e:
-            detail = f"create failed: {getattr(e, 'code', 'INTERNAL')}"
-            emit(hands, DESTROYED, self.name, None, detail)
+            code = getattr(e, "code", "INTERNAL")
+            emit(self.core, DESTROYED, None, f"create failed: {code}")
+            hands.policies.tracker.create_failed(code)
             raise
         self.machine.created()  # an Exec was BUSY ("being created") until now
         self.watch()
         bottle = self.core.value or created  # as committed (with its tenancy)
-        emit(hands, READY, self.name, bottle.state)
+        emit(self.core, READY, bottle.state)
+        hands.policies.tracker.vm_started()
+        self.count_lease(hands.clock.seconds())
         return bottle
 
     async def restore(self, bottle: Bottle) -> Bottle:
@@ -603,15 +691,15 @@ class VMBottle(BottleOwner):
         self.core.value = bottle
         return bottle
 
-    def _vms(self) -> VMLifecycle:
-        vms = self.hands.vms
-        assert vms is not None, "a VM bottle's operation in a daemon without smolvm"
-        return vms
+    def _host(self) -> VMHost:
+        host = self.hands.host
+        assert host is not None, "a VM bottle's operation in a daemon without smolvm"
+        return host
 
     async def verify(self) -> tuple[Bottle, ProbeVerdict]:
         """The gate again; its verdict is recorded on the bottle. ISOLATION_FAILED names
         the leak."""
-        verdict = await self._vms().verify(self.require())
+        verdict = await self._host().verify(self.require())
         current = self.core.value
         if current is not None and current.vms is not None:
             current = self.core.value = evolve(
@@ -624,7 +712,7 @@ class VMBottle(BottleOwner):
 
     async def set_policy(self, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new allow-list; the record changes only after the sidecar reloaded it."""
-        updated = await self._vms().set_policy(self.require(), hosts)
+        updated = await self._host().set_policy(self.require(), hosts)
         # Its kept state is the machine's (it may have degraded while the push ran).
         updated = self.core.value = evolve(updated, state=self.machine.kept_state())
         self.persist(updated)
@@ -634,7 +722,7 @@ class VMBottle(BottleOwner):
     def bridge_status(self) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status``."""
         vm = self.require().vms
-        if self.hands.vms is None or vm is None:
+        if self.hands.host is None or vm is None:
             return None
         if not runs_bridge(vm.spec, vm.endpoints):
             status = BridgeStatus(BridgeState.OFF)  # the image bridges its own ports
@@ -643,7 +731,16 @@ class VMBottle(BottleOwner):
         else:
             status = self.core.bridge.status()
         ports = [str(e.guest_port) for e in vm.endpoints if e.guest_path is not None]
-        return status.describe(ports)
+        text = status.describe(ports)
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is not None:
+            text += "; transparent egress " + layer_status(self.core.layer, service).describe()
+        return text
+
+    def transparent_counts(self) -> list[TransparentCount]:
+        """Its transparent connects per target (none without a layer)."""
+        layer = self.core.layer
+        return [] if layer is None else layer.counters.rows(self.name)
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
@@ -658,28 +755,41 @@ class VMBottle(BottleOwner):
         """Turn the bottle degraded when its sidecar's VM process exits (the pid watch is
         held in its machine's core), keep its bridge running, and turn it ``exited`` when its
         workload ends."""
-        vms, bottle = self.hands.vms, self.core.value
-        if vms is None or bottle is None or bottle.vms is None:
+        host, bottle = self.hands.host, self.core.value
+        if host is None or bottle is None or bottle.vms is None:
             return
         if self.machine.kept_state() is BottleState.DEGRADED:
             return  # nothing left to watch: its endpoints are gone
         vm = bottle.vms
         if self.core.watch is not None:
             self.core.watch.cancel()
-        self.core.watch = vms.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
+        self.core.watch = host.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
         if runs_bridge(vm.spec, vm.endpoints):
-            self.core.bridge = vms.bridges.keep(
+            self.core.bridge = host.bridges.keep(
                 self.core.bridge,
                 self.name,
                 vm.agent_vm,
                 vm.endpoints,
-                on_restarted=lambda detail: emit(
-                    self.hands, BRIDGE_RESTARTED, self.name, None, detail
-                ),
+                on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
                 on_failed=self.degrade_later,
                 kit=vm.kit,
             )
+        self.keep_layer(host, vm)
         self.wait_for_workload()
+
+    def keep_layer(self, host: VMHost, vm: BottleVMs) -> None:
+        """Keep the transparent egress layer running (its spec's), as the bridge is kept."""
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is None:
+            return
+        self.core.layer = host.layers.keep_layer(
+            self.core.layer,
+            self.name,
+            vm.agent_vm,
+            proxy_endpoint(vm.endpoints, service),
+            on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
+            on_failed=self.degrade_later,
+        )
 
     @property
     def watched(self) -> bool:
@@ -688,9 +798,9 @@ class VMBottle(BottleOwner):
 
     def wait_for_workload(self) -> None:
         """Wait for the bottle's running workload to end (nothing if one already waits)."""
-        vms, bottle = self.hands.vms, self.core.value
+        host, bottle = self.hands.host, self.core.value
         vm = None if bottle is None else bottle.vms
-        if vms is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
+        if host is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
             return
         if self.core.waiter is not None:
             return
@@ -699,7 +809,7 @@ class VMBottle(BottleOwner):
             if self.core.waiter is waiter:
                 self.core.waiter = None
                 if not waiter.cancelled:
-                    Deferred.fromCoroutine(self._after_loss(vms.smolvm, vm.agent_vm))
+                    Deferred.fromCoroutine(self._after_loss(host.smolvm, vm.agent_vm))
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
@@ -714,7 +824,7 @@ class VMBottle(BottleOwner):
             )
 
         assert bottle is not None
-        d = Deferred.fromCoroutine(attach.spawn_exec(vms, bottle, request, waiter))
+        d = Deferred.fromCoroutine(attach.spawn_exec(host, bottle, request, waiter))
         d.addErrback(failed)
 
     async def _after_loss(self, smolvm: Any, agent_vm: str) -> None:
@@ -765,13 +875,13 @@ class VMBottle(BottleOwner):
 
     async def destroy(self) -> None:
         """Tear the VMs down (a failure leaves it degraded), then the record and the value."""
-        vms = self.hands.vms
-        assert vms is not None
+        host = self.hands.host
+        assert host is not None
         bottle = self.require()
         self.stop_watching()
         self.machine.tearing_down()
         try:
-            await vms.teardown(bottle)
+            await host.teardown(bottle)
         except Exception as e:
             self.machine.teardown_failed(
                 f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"

@@ -183,6 +183,7 @@ class MetricsSource(Protocol):
 
     def forwards(self) -> Iterable[ForwardInfo]: ...
     def bottles(self) -> Iterable[Bottle]: ...
+    def transparent(self) -> Iterable[tuple[str, str, int]]: ...
 
 
 @frozen
@@ -192,12 +193,17 @@ class SnapshotSource:
 
     list_forwards: Callable[[], Iterable[ForwardInfo]]
     list_bottles: Callable[[], Iterable[Bottle]] = tuple
+    #: (bottle, outcome, connects) of each bottle's transparent egress layer.
+    list_transparent: Callable[[], Iterable[tuple[str, str, int]]] = tuple
 
     def forwards(self) -> Iterable[ForwardInfo]:
         return self.list_forwards()
 
     def bottles(self) -> Iterable[Bottle]:
         return self.list_bottles()
+
+    def transparent(self) -> Iterable[tuple[str, str, int]]:
+        return self.list_transparent()
 
 
 def _name(value: object, allowed: frozenset[str] | None) -> str:
@@ -384,6 +390,11 @@ def render_metrics(
     w.family("bottlenet_bottles", "gauge", "Bottles by state.")
     for state in sorted(states):
         w.sample("bottlenet_bottles", [("state", state)], states[state])
+
+    name = "bottlenet_transparent_connects_total"
+    w.family(name, "counter", "Transparent egress connects by bottle and outcome (no targets).")
+    for bottle, outcome, n in source.transparent():
+        w.sample(name, [("bottle", _name(bottle, None)), ("outcome", _name(outcome, None))], n)
 
     if smolvm is not None:
         name = "bottlenet_smolvm_call_duration_seconds"

@@ -28,6 +28,7 @@ from bottlenet.bottles.events import (
     EventBus,
 )
 from bottlenet.bottles.model import BottleState
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.errors import SmolvmFailed
@@ -68,12 +69,12 @@ class Owned:
         self.attached = attached
         self.events: list[Event] = []
         self.forgotten: list[str] = []
-        rig.vms.smolvm = _WithAttach(rig.smolvm, attached)  # type: ignore[assignment]
+        rig.use(smolvm=_WithAttach(rig.smolvm, attached))
         bus = EventBus()
         bus.subscribe(self.heard)
         hands = Hands(
-            rig.clock, rig.table, rig.aliases, rig.vms, rig.store, bus, 64,
-            lambda name: None, self.forgotten.append,
+            rig.clock, rig.table, rig.aliases, rig.host, rig.store, bus, 64,
+            lambda name: None, self.forgotten.append, lambda name: succeed(None), Policies(),
         )  # fmt: skip
         self.owner = VMBottle("b1", hands)
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.host import VMOptions
 from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.spec import HeldSocket, UNIXTarget
@@ -51,13 +51,13 @@ def per_vm(rigs: Callable[..., Rig], tmp: str, smolvm: MemorySmolvm | None = Non
     """A rig whose daemon runs under per-VM uids, its VM dirs under ``tmp/vms``."""
     smolvm = smolvm or MemorySmolvm(vm_root=os.path.join(tmp, "vms"))
     rig = rigs(smolvm=smolvm, options=VMOptions(instance_id="", vm_uids=VmUids.PER_VM))
-    rig.vms.access = RecordingAccess(rig.state_dir)
+    rig.use(access=RecordingAccess(rig.state_dir))
     return rig
 
 
 def access(rig: Rig) -> RecordingAccess:
-    assert isinstance(rig.vms.access, RecordingAccess)
-    return rig.vms.access
+    assert isinstance(rig.host.access, RecordingAccess)
+    return rig.host.access
 
 
 def created(rigs: Callable[..., Rig], tmp: str) -> Rig:

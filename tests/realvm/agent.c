@@ -1,4 +1,4 @@
-/* PID 1 of the real-VM tier's libkrunfw guests: a stand-in for smolvm's guest agent.
+/* /init, PID 1 of the real-VM tier's kit guests: a stand-in for smolvm's guest agent.
  *
  * smolvm's agent is a static program that sets up the guest's mounts and runs each
  * `machine exec` it is sent; a guest image needs no shell for it. This one does the same for

@@ -44,8 +44,12 @@ MODULES = (
     "net/9p/9pnet_virtio.ko",
     "fs/9p/9p.ko",
 )
-#: What the guest's python3 must import: the probe (bottlenet/probe/guest.py) and the relay.
-PY_IMPORTS = "hashlib os socket struct sys tempfile threading time select"
+#: What the guest's python3 must import: the probe (bottlenet/probe/guest.py), the relay, and
+#: the transparent egress layer (bottlenet/transparent, its ``egress-nonft`` run).
+PY_IMPORTS = (
+    "hashlib os socket struct sys tempfile threading time select"
+    " __future__ argparse ipaddress re collections errno stat importlib.abc importlib.util"
+)
 
 
 class Kit(NamedTuple):
@@ -247,77 +251,17 @@ if __name__ == "__main__":
     sys.exit(0)
 
 
-# -- libkrunfw's kernel: the kernel smolvm's users boot, under QEMU (krunfw-kernel.md) ------
-
-#: Seen in libkrunfw's image: the ELF note name and type of XEN_ELFNOTE_PHYS32_ENTRY (PVH).
-_PVH_NOTE_TYPE = 18
-#: QEMU's microvm with ACPI off (with it on, this kernel cannot load the DSDT and finds no
-#: virtio device), a virtio-blk root (it has no initrd support), the console on hvc0.
-KRUNFW_MACHINE = "microvm,acpi=off"
+# -- the static programs of the libkrunfw guests (tests/realvm/krunfw.py boots the kernel) ----
 
 
 class KrunfwKit(NamedTuple):
-    """libkrunfw's kernel wrapped for QEMU, and the static programs its guests run."""
+    """libkrunfw's kernel wrapped for QEMU (``krunfw.write_elf``), and the static programs
+    the kit's guests run (tests/realvm/kitvm.py)."""
 
-    kernel: str  # an ELF with one PT_LOAD at the image's load address and a PVH note
-    version: str  # the libkrunfw the kernel came from (its sha256's first 12 hex digits)
+    kernel: str
+    version: str  # the kernel's own version string (libkrunfw's Linux)
     agent: str  # tests/realvm/agent.c, static: PID 1, a stand-in for smolvm's guest agent
-    hello: str  # a static program with no shell and no libc of the image behind it
-
-
-def find_libkrunfw() -> str | None:
-    """``smol/libkrunfw.so.5`` of the installed ``bottlenet[vm]`` extra (smolmachines)."""
-    spec = importlib.util.find_spec("smol")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    for d in spec.submodule_search_locations:
-        path = os.path.join(d, "libkrunfw.so.5")
-        if os.path.exists(path):
-            return path
-    return None
-
-
-def wrap_krunfw_kernel(lib: str, out: str) -> None:
-    """``krunfw_get_kernel``'s raw image (a flat copy of vmlinux's loadable segments, no ELF
-    or bzImage header) as an ELF QEMU's ``-kernel`` boots through PVH: one PT_LOAD at the
-    load address, one PT_NOTE with the kernel's own PHYS32_ENTRY note, the 64-bit entry."""
-    import ctypes
-    import struct
-
-    krunfw = ctypes.CDLL(lib)
-    get = krunfw.krunfw_get_kernel
-    get.restype = ctypes.c_void_p
-    load, entry, size = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
-    image = ctypes.string_at(
-        get(ctypes.byref(load), ctypes.byref(entry), ctypes.byref(size)), size.value
-    )
-    pvh = None
-    at = image.find(b"Xen\0")
-    while at >= 12 and pvh is None:
-        namesz, descsz, kind = struct.unpack_from("<III", image, at - 12)
-        if namesz == 4 and kind == _PVH_NOTE_TYPE and descsz in (4, 8):
-            pvh = struct.unpack_from("<Q" if descsz == 8 else "<I", image, at + 4)[0]
-        at = image.find(b"Xen\0", at + 1)
-    if pvh is None:
-        raise RuntimeError(f"{lib}: no PVH entry note in the kernel image")
-    note = struct.pack("<III", 4, 8, _PVH_NOTE_TYPE) + b"Xen\0" + struct.pack("<Q", pvh)
-    ehsize, phsize, data_at = 64, 56, 0x1000
-    header = struct.pack(
-        "<16sHHIQQQIHHHHHH",
-        b"\x7fELF\x02\x01\x01" + bytes(9), 2, 62, 1, entry.value, ehsize, 0, 0,
-        ehsize, phsize, 2, 64, 0, 0,
-    )  # fmt: skip
-    header += struct.pack(
-        "<IIQQQQQQ", 1, 7, data_at, load.value, load.value, len(image), len(image), 0x1000
-    )
-    header += struct.pack("<IIQQQQQQ", 4, 4, ehsize + 2 * phsize, 0, 0, len(note), len(note), 4)
-    header += note
-    with open(out, "wb") as fh:
-        fh.write(header + bytes(data_at - len(header)) + image)
-
-
-def _static(source: str, out: str) -> None:
-    _run("gcc", "-static", "-O2", "-o", out, source)
+    hello: str  # a static program: no shell and no libc of the image behind it
 
 
 HELLO_C = '#include <stdio.h>\nint main(void) { puts("hello from a static program"); return 0; }\n'
@@ -325,9 +269,10 @@ HELLO_C = '#include <stdio.h>\nint main(void) { puts("hello from a static progra
 
 def krunfw_missing() -> list[str]:
     """What the libkrunfw guests need that this host lacks."""
-    need = ["qemu-system-x86_64", "gcc", "mke2fs", "unshare"]
-    out = [t for t in need if shutil.which(t) is None]
-    if find_libkrunfw() is None:
+    from tests.realvm import krunfw
+
+    out = [t for t in ("qemu-system-x86_64", "gcc", "mke2fs", "unshare") if not shutil.which(t)]
+    if krunfw.find_libkrunfw() is None:
         out.append("smolmachines (the bottlenet[vm] extra: libkrunfw.so.5)")
     return out
 
@@ -335,38 +280,35 @@ def krunfw_missing() -> list[str]:
 def ensure_krunfw() -> KrunfwKit:
     """The wrapped kernel and the static agent and program, cached by libkrunfw's and the
     agent's bytes (about a second to build)."""
-    lib = find_libkrunfw()
+    from tests.realvm import krunfw
+
+    lib = krunfw.find_libkrunfw()
     if lib is None:
         raise RuntimeError("no libkrunfw.so.5: install bottlenet[vm]")
     h = hashlib.sha256()
-    with open(lib, "rb") as fh:
-        h.update(fh.read())
-    version = h.hexdigest()[:12]
-    with open(os.path.join(HERE, "agent.c"), "rb") as fh:
-        h.update(fh.read())
+    for path in (lib, os.path.join(HERE, "agent.c")):
+        with open(path, "rb") as fh:
+            h.update(fh.read())
     h.update(HELLO_C.encode())
     dest = os.path.join(CACHE, f"krunfw-{h.hexdigest()[:12]}")
-    kit = KrunfwKit(*(os.path.join(dest, n) for n in ("vmlinux-krunfw.elf",)), version,
-                    os.path.join(dest, "agent"), os.path.join(dest, "hello"))  # fmt: skip
-    if os.path.exists(kit.hello):
-        return kit
-    os.makedirs(CACHE, exist_ok=True)
-    work = tempfile.mkdtemp(prefix="krunfw-", dir=CACHE)
-    try:
-        wrap_krunfw_kernel(lib, os.path.join(work, "vmlinux-krunfw.elf"))
-        _static(os.path.join(HERE, "agent.c"), os.path.join(work, "agent"))
-        with open(os.path.join(work, "hello.c"), "w") as fh:
-            fh.write(HELLO_C)
-        _static(os.path.join(work, "hello.c"), os.path.join(work, "hello"))
-        os.unlink(os.path.join(work, "hello.c"))
-        shutil.rmtree(dest, ignore_errors=True)
-        os.rename(work, dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return kit
-
-
-def ext4_image(root: str, out: str, size_mb: int = 96) -> None:
-    """An ext4 image of the directory ``root`` (``mke2fs -d``: no loop mount, no root needed
-    beyond reading ``root``)."""
-    _run("mke2fs", "-q", "-t", "ext4", "-d", root, "-L", "root", out, f"{size_mb}M")
+    names = ("vmlinux-krunfw.elf", "version", "agent", "hello")
+    kernel, version, agent, hello = (os.path.join(dest, n) for n in names)
+    if not os.path.exists(hello):
+        os.makedirs(CACHE, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="krunfw-", dir=CACHE)
+        try:
+            with open(os.path.join(work, "version"), "w") as fh:
+                fh.write(krunfw.write_elf(lib, os.path.join(work, "vmlinux-krunfw.elf")))
+            _run("gcc", "-static", "-O2", "-o", os.path.join(work, "agent"),
+                 os.path.join(HERE, "agent.c"))  # fmt: skip
+            with open(os.path.join(work, "hello.c"), "w") as fh:
+                fh.write(HELLO_C)
+            _run("gcc", "-static", "-O2", "-o", os.path.join(work, "hello"),
+                 os.path.join(work, "hello.c"))  # fmt: skip
+            os.unlink(os.path.join(work, "hello.c"))
+            shutil.rmtree(dest, ignore_errors=True)
+            os.rename(work, dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    with open(version) as fh:
+        return KrunfwKit(kernel, fh.read().strip(), agent, hello)

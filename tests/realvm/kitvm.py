@@ -1,10 +1,10 @@
 """bottlenet's guest kit in the kernel smolvm's users boot (issue 36): libkrunfw's, under QEMU.
 
 Runs inside the caller's ``unshare -n -m`` (only ``lo``), like tests/realvm/host.py. The guest
-boots libkrunfw's own kernel (``build.ensure_krunfw``: its raw image wrapped in an ELF with a
-PVH note, ``-M microvm,acpi=off``, a virtio-blk ext4 root, the console on hvc0, no initrd). Its
-PID 1 is ``agent.c``, a static stand-in for smolvm's guest agent: it mounts what smolvm's
-mounts (the kit read-only at ``/run/bottlenet-kit``) and runs a fixed list of steps, each
+boots libkrunfw's own kernel as ``krunfw.py`` boots it (its raw image wrapped in an ELF with a
+PVH note, ``-M microvm,acpi=off``, a virtio-blk ext4 root, the console on hvc0, no initrd).
+Its PID 1 is ``agent.c`` (at ``/init``), a static stand-in for smolvm's guest agent: it mounts
+what smolvm's mounts (the kit read-only at ``/run/bottlenet-kit``) and runs a fixed list of steps, each
 one of bottlenet's guest commands exactly as the daemon sends it (``kit.program``). The
 image has no python3 and no libc; ``busybox`` has a static busybox and nothing else,
 ``noshell`` has no shell at all, only a static program.
@@ -39,7 +39,8 @@ from bottlenet.probe.judge import judge
 from bottlenet.probe.script import kit_request
 from bottlenet.probe.witness import Witness, WitnessFactory
 from tests.netguard import TEST_KIT_DIR
-from tests.realvm.build import KRUNFW_MACHINE, KrunfwKit, ensure_krunfw, ext4_image
+from tests.realvm import krunfw
+from tests.realvm.build import KrunfwKit, ensure_krunfw
 from tests.realvm.host import (
     CONTROL_PORT,
     DNS_NAME,
@@ -70,33 +71,6 @@ def guest_kit() -> Kit:
     return KitCache(KIT_DIR).ensure()
 
 
-def qemu_argv(k: KrunfwKit, work: str, sock: str | None) -> list[str]:
-    """libkrunfw's kernel under QEMU, as krunfw-kernel.md boots it; the console and the
-    transcript on virtio ports, and (``sock``) the endpoint's port onto the host listener."""
-    argv = [
-        "qemu-system-x86_64", "-M", KRUNFW_MACHINE, "-accel", "tcg", "-cpu", "max",
-        "-m", "384", "-smp", "1", "-nodefaults", "-no-user-config", "-display", "none",
-        "-serial", "none", "-monitor", "none", "-nic", "none", "-no-reboot",
-        "-kernel", k.kernel,
-        "-append",
-        "console=hvc0 root=/dev/vda rw rootfstype=ext4 panic=-1 loglevel=4 init=/agent "
-        f"reboot=t random.trust_cpu=on {NO_DUMMY}",
-        "-drive", f"file={work}/root.ext4,format=raw,if=none,id=d0",
-        "-device", "virtio-blk-device,drive=d0",
-        "-device", "virtio-serial-device",
-        "-device", "virtconsole,chardev=c0",
-        "-chardev", f"file,id=c0,path={work}/console.log",
-        "-device", "virtserialport,chardev=t0,name=transcript",
-        "-chardev", f"file,id=t0,path={work}/transcript.txt",
-    ]  # fmt: skip
-    if sock is not None:
-        argv += [
-            "-chardev", f"socket,id=egress0,path={sock},reconnect=1",
-            "-device", "virtserialport,chardev=egress0,name=egress",
-        ]  # fmt: skip
-    return argv
-
-
 def rootfs(k: KrunfwKit, kit: Kit, work: str, steps: list[list[str]], files: dict[str, bytes],
            busybox: bool) -> None:  # fmt: skip
     """The guest's root disk: the agent, the kit at /kit, the steps and their inputs, and
@@ -104,7 +78,7 @@ def rootfs(k: KrunfwKit, kit: Kit, work: str, steps: list[list[str]], files: dic
     root = os.path.join(work, "root")
     for d in ("proc", "sys", "dev", "run", "tmp", "rvm", "bin", "etc"):
         os.makedirs(os.path.join(root, d))
-    shutil.copy2(k.agent, os.path.join(root, "agent"))
+    shutil.copy2(k.agent, os.path.join(root, "init"))
     shutil.copytree(kit.root, os.path.join(root, "kit"))
     shutil.copy2(os.path.join(HERE, "relay.py"), os.path.join(root, "relay.py"))
     shutil.copy2(k.hello, os.path.join(root, "bin", "hello"))
@@ -119,7 +93,7 @@ def rootfs(k: KrunfwKit, kit: Kit, work: str, steps: list[list[str]], files: dic
             fh.write(data)
     with open(os.path.join(root, "rvm", "steps"), "w") as fh:
         fh.write("".join("\t".join(step) + "\n" for step in steps))
-    ext4_image(root, os.path.join(work, "root.ext4"))
+    krunfw.make_root(root, os.path.join(work, "root.ext4"))
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -197,7 +171,15 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         ),
     )  # fmt: skip
     rootfs(k, kit, work, steps_for(ref, busybox), {"probe.json": kit_request(plan)}, busybox)
-    qemu, code, wall = await boot(reactor, qemu_argv(k, work, info.bound.path))  # type: ignore[union-attr]
+    argv = krunfw.qemu_argv(
+        k.kernel,
+        os.path.join(work, "root.ext4"),
+        os.path.join(work, "console.log"),
+        [(info.bound.path, "egress")],  # type: ignore[union-attr]
+        append=NO_DUMMY,
+        files=[(os.path.join(work, "transcript.txt"), "transcript")],
+    )
+    qemu, code, wall = await boot(reactor, argv)
     witness.close()
     markers.remove()
     await table.stopService()
@@ -235,5 +217,5 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         "wall": round(wall, 1),
         "console": [ln.strip() for ln in console.splitlines() if ln.startswith("RVM-")],
         "qemu_output": qemu.output.decode("utf-8", "replace")[-2000:] if code else "",
-        "kernel": f"libkrunfw {k.version}",
+        "kernel": k.version,
     }

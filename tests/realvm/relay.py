@@ -21,10 +21,10 @@ def port_paths(name):
     base = "/sys/class/virtio-ports"
     found = {}
     for entry in os.listdir(base):
-        try:
+        try:  # a console port (virtconsole) has no name
             with open(os.path.join(base, entry, "name")) as fh:
                 port = fh.read().strip()
-        except FileNotFoundError:  # a console port has no name
+        except FileNotFoundError:
             continue
         if port == name or (port.startswith(name + "-") and port[len(name) + 1 :].isdigit()):
             found[port] = "/dev/" + entry
