@@ -4,8 +4,8 @@ Runs inside the caller's ``unshare -n -m`` (only ``lo``), like tests/realvm/host
 boots libkrunfw's own kernel as ``krunfw.py`` boots it (its raw image wrapped in an ELF with a
 PVH note, ``-M microvm,acpi=off``, a virtio-blk ext4 root, the console on hvc0, no initrd).
 Its PID 1 is ``agent.c`` (at ``/init``), a static stand-in for smolvm's guest agent: it mounts
-what smolvm's mounts (the kit read-only at ``/run/bottlenet-kit``) and runs a fixed list of steps, each
-one of bottlenet's guest commands exactly as the daemon sends it (``kit.program``). The
+what smolvm's mounts (the kit read-only at ``/run/bottlenet-kit``) and runs a fixed list of
+steps, each one of bottlenet's guest commands exactly as the daemon sends it. The
 image has no python3 and no libc; ``busybox`` has a static busybox and nothing else,
 ``noshell`` has no shell at all, only a static program.
 
