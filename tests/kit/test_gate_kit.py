@@ -3,14 +3,22 @@
 from __future__ import annotations
 
 import json
+import os
+from typing import Any
 
 import pytest
+from twisted.internet import defer
+from twisted.internet.task import Clock
 
+from bottlenet.bottles.probe import Gate, GateSettings
 from bottlenet.kit.build import Kit, KitCache
+from bottlenet.kit.program import KitRef
 from bottlenet.probe.judge import judge
 from bottlenet.probe.script import kit_request
 from tests.kit.test_build import in_empty_root, needs_root
+from tests.probe.test_gate_step import ENDPOINT, Table
 from tests.probe.test_probe import NONCE, plan, transcript
+from vmctl.smolvm import ExecResult
 
 BUILT = "ab" * 32
 OTHER = "cd" * 32
@@ -66,3 +74,39 @@ def test_the_request_carries_the_plan_and_the_digest() -> None:
     p = plan(kit=BUILT)
     request = json.loads(kit_request(p))
     assert request["kit"] == BUILT and request["plan"]["nonce"] == NONCE
+
+
+class ForeignGuest:
+    """``exec`` in a guest whose architecture is not the kit's: the loader cannot start."""
+
+    def __init__(self) -> None:
+        self.argv: list[str] = []
+
+    def exec(self, name: str, argv: list[str], **kw: Any) -> Any:
+        self.argv = list(argv)
+        return defer.succeed(ExecResult(126, b"", b"exec format error\n", 0.1))
+
+
+def test_a_guest_the_kit_cannot_start_in_gets_a_clear_error(tmp_path: Any) -> None:
+    """The kit is the host's architecture; a guest that cannot run it (exec format error)
+    fails the gate with one line naming the architecture, and no transcript is judged."""
+    state = str(tmp_path)
+    guest = ForeignGuest()
+    gate = Gate(
+        Clock(),
+        guest,  # type: ignore[arg-type]
+        Table(),  # type: ignore[arg-type]
+        state_dir=state,
+        settings=GateSettings(outside="198.18.0.1:9", dns_name="gate.invalid", home=state),
+    )
+    ref = KitRef(BUILT, "lib/ld-linux-x86-64.so.2")
+    d = defer.Deferred.fromCoroutine(
+        gate.run("b1", "bn-b1-agent", "socket", [ENDPOINT], other_bottle=None, kit=ref)
+    )
+    _plan, verdict = d.result  # type: ignore[attr-defined]
+    assert guest.argv[-1] == "probe" and guest.argv[0].startswith("/run/bottlenet-kit/")
+    machine = os.uname().machine
+    assert verdict.problems == (
+        f"bottlenet's guest kit could not start in the guest (exec format error): it is built "
+        f"for {machine}, this host's architecture, and the guest must be {machine} too",
+    )
