@@ -19,7 +19,6 @@ and busybox ``wget`` reaches tinyproxy (behind the forward) through it.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import secrets
 import shutil
@@ -27,17 +26,12 @@ import subprocess
 import tempfile
 from typing import Any
 
-from bottlenet.bottles.model import TCPEndpoint
 from bottlenet.bottles.probe import GateSettings, Markers, plan_gate
 from bottlenet.bridge.script import Bridge, bridge_args
-from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
-from bottlenet.forward.table import ForwardTable
 from bottlenet.kit.build import Kit, KitCache
 from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.probe.judge import judge
 from bottlenet.probe.script import kit_request
-from bottlenet.probe.witness import Witness, WitnessFactory
 from tests.netguard import TEST_KIT_DIR
 from tests.realvm import krunfw
 from tests.realvm.build import KrunfwKit, ensure_krunfw
@@ -48,10 +42,11 @@ from tests.realvm.host import (
     METRICS_PORT,
     OTHER_BOTTLE,
     OUTSIDE,
-    RAW_PORT,
-    Accepts,
     boot,
+    divert_to_witness,
     namespace_setup,
+    own_forward,
+    stand_ins,
 )
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -126,11 +121,7 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
     kit = guest_kit()
     ref = kit.ref
     namespace_setup()
-    services = Accepts()
-    for port in (RAW_PORT, CONTROL_PORT, METRICS_PORT):
-        services.listen("127.0.0.1", port)
-    services.listen(*OTHER_BOTTLE)
-    services.listen(OUTSIDE, 443)
+    services = stand_ins()
     work = tempfile.mkdtemp(prefix=f"rvm-{name}-")
     proxy = None
     if busybox:
@@ -141,12 +132,7 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         proxy = bridgehost.start_tinyproxy(work)
     state_dir = os.path.join(work, "state")
     os.makedirs(state_dir, mode=0o700)
-    table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
-    table.startService()
-    listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
-    target = TCPTarget(ipaddress.IPv4Address("127.0.0.1"), bridgehost.PROXY_PORT)
-    info = await table.add(ForwardSpec("rvm", "egress", listen, target))
-    endpoint = TCPEndpoint("egress", BRIDGE_PORT, listen.path, GUEST_SOCKET, RAW_PORT)
+    table, sock, endpoint = await own_forward(reactor, state_dir, bridgehost.PROXY_PORT)
     nonce = secrets.token_hex(16)
     markers = Markers(nonce, [state_dir])
     settings = GateSettings(
@@ -161,21 +147,13 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         absent=markers.paths,
         kit=ref.digest,
     )
-    witness = Witness(nonce)
-    table.divert(
-        "rvm",
-        "egress",
-        WitnessFactory(
-            reactor, witness, str(plan.own[0]), lambda: table.divert("rvm", "egress", None),
-            timeout=300.0,
-        ),
-    )  # fmt: skip
+    witness = divert_to_witness(reactor, table, nonce, str(plan.own[0]))
     rootfs(k, kit, work, steps_for(ref, busybox), {"probe.json": kit_request(plan)}, busybox)
     argv = krunfw.qemu_argv(
         k.kernel,
         os.path.join(work, "root.ext4"),
         os.path.join(work, "console.log"),
-        [(info.bound.path, "egress")],  # type: ignore[union-attr]
+        [(sock, "egress")],
         append=NO_DUMMY,
         files=[(os.path.join(work, "transcript.txt"), "transcript")],
     )
