@@ -522,7 +522,7 @@ def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ign
     root = build_service(options, MemoryReactorClock())
     try:
         assert [type(child).__name__ for child in root] == [
-            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService",
+            "VmctlService", "KitKeeper", "ForwardTable", "ConfigBottles", "RecoveryService",
             "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
         ]  # fmt: skip
         assert root.getServiceNamed("forwards") is root.table
