@@ -449,7 +449,7 @@ class Run:
         if first[1].verdict is Verdict.FAIL:
             yield from first
             return
-        yield from first[:2]  # the privilege line after the create: what its VMs showed
+        yield from first[:2]  # privilege and kit after the create: what its VMs showed
         import shutil  # here, not at bottlenetctl's start (shutil imports bz2 and lzma)
         import tempfile
 
@@ -465,18 +465,24 @@ class Run:
             if made:
                 shutil.rmtree(volume, ignore_errors=True)
 
+    def _hello_lines(self) -> Iterator[Check]:
+        """``privilege`` (what the create's VMs showed) and ``kit``, from one Hello."""
+        hello = self.c.hello()
+        yield judge_privilege(hello)
+        yield judge_kit(hello.guest_kit)
+
     def _with_bottle(self, volume: str) -> Iterator[Check]:
         spec = build_spec(self.base_spec, self.args, volume)
         self.c.watch(self.name)
         try:
             record = self.c.call(calls.create_bottle(self.name, spec=json.dumps(spec)))
         except BottlenetError as e:
-            yield judge_privilege(self.c.hello())
+            yield from self._hello_lines()
             yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
             yield from self._teardown(destroy=False)
             return
         try:
-            yield judge_privilege(self.c.hello())
+            yield from self._hello_lines()
             yield from judge_created(record)
             yield judge_bridge(self.c.call(calls.bottle_status(self.name)), self._reach(spec))
             yield judge_exec_root(self._exec(["id", "-u"], user="0"))
