@@ -155,7 +155,7 @@ async def spawn_exec(
             session=kit_session(bottle.require_vms().kit),
         )
     except VmctlError as e:
-        raise map_vmctl(e) from None
+        raise map_vmctl(e, bottle.name) from None
     return transport
 
 

@@ -326,7 +326,7 @@ class VMHost:
                 kit=vm.kit,
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
 
     # -- egress -----------------------------------------------------------------------
 
@@ -340,7 +340,7 @@ class VMHost:
                 self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy, kit=vm.kit
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
         return evolve(bottle, vms=evolve(vm, policy=hosts))
 
     # -- teardown -----------------------------------------------------------------------

@@ -87,6 +87,8 @@ def cmd_status(c: Client, inv: Invocation, out: TextIO) -> None:
         _json({"daemon": hello, "bottles": bottles, "control": c.path, "node": node}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
+    if hello.smolvm_available and hello.smolvm_tested is False:
+        smolvm = f"{smolvm} (untested: tested with {', '.join(hello.smolvm_tested_versions)})"
     node_rows = [] if node is None else node_cli.node_rows(node)[:3]  # host, draining, health
     write_table(
         ["FIELD", "VALUE"],
