@@ -522,7 +522,8 @@ def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ign
     try:
         assert [type(child).__name__ for child in root] == [
             "VmctlService", "KitKeeper", "ForwardTable", "ConfigBottles", "RecoveryService",
-            "EgressWatch", "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
+            "EgressWatch", "ListeningService", "ListeningService", "ListeningService",
+            "SystemdNotifier",
         ]  # fmt: skip
         assert root.getServiceNamed("forwards") is root.table
         assert not root.running and len(root.control_factories) == 2
