@@ -43,10 +43,11 @@ writes ``boot-release`` into its VM dir), ``crash_after`` (s), ``stop_grace`` (s
 ``device_budget`` (int),
 ``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
 (machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
-means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
-default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services
-drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that
-never answer).
+means every machine), ``volume_swap`` ({GUEST: HOST}: under ``exec-netns`` the guest finds
+HOST at a volume's GUEST path instead of what was mounted), ``agent_connections`` (the guest
+agent's limit on connections at once, default 8 as smolvm 1.9.3's; 0: none),
+``expose_ready_after`` (s during which exposed services drop connections after the start),
+``expose_never_ready`` (guest paths of exposed services that never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
@@ -1103,7 +1104,7 @@ def main_container(rec: dict, name: str) -> tuple[list[str], str | None]:
     on the image's PATH fails ``crun create``, so the start fails (1.32.2 context string
     ``start background CMD``; the rest of the real text is not pinned). Each start gives the
     container a fresh ``/tmp`` (a RAM tmpfs with no size, ``oci.rs`` ``default_mounts``)."""
-    argv = rec["cmd"] or image_entrypoint(rec)
+    argv = at_volume_hosts(rec["cmd"] or image_entrypoint(rec), rec)
     user = default_user(rec)
     if argv and not on_guest_path(argv[0], guest_env(rec)):
         raise fail(
@@ -1157,6 +1158,21 @@ def default_user(rec: dict) -> str | None:
     """Who runs a command given no ``-u``: the machine's ``--user``, then the image's USER
     (1.32.2 ``machine exec --help``; ``ResolvedLaunch::resolve``). None: root."""
     return rec.get("user") or image_config(rec).get("user") or None
+
+
+def at_volume_hosts(argv: list[str], rec: dict) -> list[str]:
+    """A command run on the host (the fake's plain mode) names a read-only volume's files by
+    their host path: the word at or under the volume's GUEST path becomes its HOST path, so a
+    program mounted into the "guest" (bottlenet's kit at /run/bottlenet-kit) runs. Only argv
+    is mapped: the program's own file accesses must follow from it (the kit's do)."""
+    out = []
+    for word in argv:
+        for host, guest, ro in rec.get("volumes", []):
+            if ro and (word == guest or word.startswith(guest + "/")):
+                word = host + word[len(guest) :]
+                break
+        out.append(word)
+    return out
 
 
 def on_guest_path(word: str, env: dict) -> bool:
@@ -1563,8 +1579,12 @@ def cmd_exec(args: list[str]) -> None:
     user = one(opts, "user") or default_user(rec)
     preexec = as_user(user)
     if "exec-netns" in faults()["fail"] and not rec["network"]:
+        bare = bare_bin(rec)
         if preexec is not None:  # drop the user inside the namespaces (unshare needs root)
-            command = [*drop_argv(*resolve_user(user)), *command]
+            drop = drop_argv(*resolve_user(user))
+            if bare is not None:  # no setpriv on the bare image's PATH: the fake's own copy
+                drop[0] = BARE_SETPRIV
+            command = [*drop, *command]
             preexec = None
         command = netns_wrap(
             name,
@@ -1572,7 +1592,10 @@ def cmd_exec(args: list[str]) -> None:
             command,
             rec.get("pid"),
             guest_volumes(rec, vm_uid_of(name)),
+            bare,
         )
+    else:
+        command = at_volume_hosts(command, rec)
     if "no-nftables" in faults()["fail"]:
         preexec = _then(preexec, deny_nf_tables)
     timeout = one(opts, "timeout")
@@ -1953,8 +1976,30 @@ if [ -e /etc/machine-id ]; then
     mount --bind /run/.fake-machine-id /etc/machine-id
 fi
 hostname fake-guest
+# A bare image (fake-images.json "bare": [names]): no shell and no python3 anywhere a guest
+# looks. /usr/bin (and /bin, its link) holds copies of the named programs only; /usr/sbin,
+# /usr/local/bin and /root (pyenv's interpreters) are empty. The fake's setpriv, for a user
+# drop, is copied to /run first. Run after everything above: it hides the tools it used.
+if [ -n "${FAKE_BARE+x}" ]; then
+    cp /usr/bin/setpriv /run/.fake-setpriv
+    mkdir /run/.fake-bin
+    for b in $FAKE_BARE; do cp -L "/usr/bin/$b" /run/.fake-bin/; done
+    for d in /usr/sbin /usr/local/bin /usr/local/sbin /root; do
+        [ -d "$d" ] && mount -t tmpfs -o mode=0755,size=1m fake-bare "$d"
+    done
+    mount --bind /run/.fake-bin /usr/bin
+fi
 exec "$@"
 """
+
+#: Where the bare image's guest finds the fake's setpriv (its /usr/bin has none).
+BARE_SETPRIV = "/run/.fake-setpriv"
+
+
+def bare_bin(rec: dict) -> list[str] | None:
+    """The programs a bare image keeps in /usr/bin (None: not a bare image)."""
+    bare = image_config(rec).get("bare")
+    return [str(b) for b in bare] if isinstance(bare, list) else None
 
 
 def guest_tmp(name: str) -> str:
@@ -2003,6 +2048,7 @@ def netns_wrap(
     command: list[str],
     vm_pid: int | None = None,
     volumes: list[str] = (),
+    bare: list[str] | None = None,
 ) -> list[str]:
     """The exec-netns stand-in: no network at all, mounted sockets at their guest paths; the
     network namespace is the VM's own (its VMM's), shared by all its execs."""
@@ -2032,6 +2078,7 @@ def netns_wrap(
         f"FAKE_GUEST_ID={secrets.token_hex(16)}",
         f"FAKE_HOST_HOME={os.environ.get('HOME', '')}",
         f"FAKE_GUEST_TMP={guest_tmp(name)}",
+        *([] if bare is None else [f"FAKE_BARE={' '.join(bare)}"]),
         "/bin/sh",
         "-c",
         NETNS_SETUP,
@@ -2181,10 +2228,13 @@ def guest_volumes(rec: dict, vm_uid: int | None) -> list[str]:
     make the guest's writes the VMM uid's, so they fail (EROFS where the real fails EACCES);
     the files the guest writes are root's here, the VMM uid's in a real VM."""
     words = []
+    swapped = faults().get("volume_swap", {})
     for host, guest, ro in rec.get("volumes", []):
         if not ro and vm_uid is not None and not writable_as(host, vm_uid):
             ro = True
-        words += [host, guest, "ro" if ro else "rw"]
+        # volume_swap {GUEST: HOST}: the guest finds another directory there (a guest that
+        # replaced what was mounted, e.g. bottlenet's kit)
+        words += [swapped.get(guest, host), guest, "ro" if ro else "rw"]
     return words
 
 
