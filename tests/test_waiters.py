@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from twisted.internet.defer import CancelledError, Deferred, ensureDeferred
 from twisted.python.failure import Failure
 
-from bottlenet.waiters import OneShot
+from bottlenet.waiters import OneShot, both, together
 
 
 def _result(d):  # type: ignore[no-untyped-def]
@@ -54,3 +55,55 @@ def test_firing_twice_is_refused() -> None:
     shot.fire(None)
     with pytest.raises(RuntimeError):
         shot.fire(None)
+
+
+def test_together_runs_every_step_at_once_and_keeps_their_order() -> None:
+    """Both steps are under way before either ends; the results come in the steps' order."""
+    first: Deferred[str] = Deferred()
+    second: Deferred[int] = Deferred()
+    done = ensureDeferred(both(first, second))
+    second.callback(2)
+    assert not done.called
+    first.callback("one")
+    assert _result(done) == ("one", 2)
+
+
+def test_together_waits_for_every_step_then_raises_the_first_failure() -> None:
+    """A step that fails does not end the wait while another still runs; the first failure
+    in time is raised and told at once, the later one only consumed."""
+    steps: list[Deferred[None]] = [Deferred(), Deferred(), Deferred()]
+    told: list[BaseException] = []
+    done = ensureDeferred(together(steps, told.append))
+    steps[1].errback(KeyError("first"))
+    assert [type(e) for e in told] == [KeyError]
+    steps[0].errback(ValueError("second"))
+    assert not done.called, "returned while a step still ran"
+    steps[2].callback(None)
+    out = _result(done)
+    assert isinstance(out, Failure) and out.check(KeyError)
+    assert len(told) == 1
+
+
+def test_together_cancelled_cancels_every_step_and_waits_for_each() -> None:
+    """Cancelled from outside: each step is cancelled, and the CancelledError comes only
+    once every step has ended (one that cleans up after its cancel is waited for)."""
+    cleanup: Deferred[None] = Deferred()
+    cancelled: list[str] = []
+
+    async def slow_to_end() -> None:
+        try:
+            await Deferred(lambda _: cancelled.append("slow"))
+        except CancelledError:
+            await cleanup  # its own undo, after the cancel
+            raise
+
+    plain: Deferred[None] = Deferred(lambda _: cancelled.append("plain"))
+    done = ensureDeferred(together([slow_to_end(), plain]))
+    outcome: list[object] = []
+    done.addBoth(outcome.append)
+    done.cancel()
+    assert sorted(cancelled) == ["plain", "slow"]
+    assert outcome == [], "ended while a step was still cleaning up"
+    cleanup.callback(None)
+    assert len(outcome) == 1
+    assert isinstance(outcome[0], Failure) and outcome[0].check(CancelledError)

@@ -259,8 +259,8 @@ def start_with_raw_ports(
     ``make_spec(ports)`` builds the spec for a given list of host ports. When smolvm reports a
     port collision at start (another machine's record, or a foreign bind), the failed machine
     is deleted (``-f``) and the whole create+start is retried with fresh ports, at most
-    ``attempts`` times. After start, each port must be held by the VM pid from
-    ``status --json``; otherwise the machine is deleted and PortNotOwned raised. A platform
+    ``attempts`` times. After start, each port must be held by the VM pid the start reported
+    (:func:`started_pid`); otherwise the machine is deleted and PortNotOwned raised. A platform
     without /proc gives UNVERIFIABLE, accepted only with ``allow_unverifiable``.
     ``before_start`` runs between each create and its start (e.g. reserving the VMM's uid).
     """
@@ -274,7 +274,7 @@ def start_with_raw_ports(
             try:
                 if before_start is not None:
                     await before_start()
-                await smolvm.start(spec.name)
+                reported = await smolvm.start(spec.name)
             except PortInUse as e:
                 last = e
                 log.warn(
@@ -289,7 +289,9 @@ def start_with_raw_ports(
                 await _undo(smolvm, spec.name)
                 raise
             try:
-                return await _verify(smolvm, spec, ports, attempt, check, allow_unverifiable)
+                return await _verify(
+                    smolvm, spec, ports, attempt, check, allow_unverifiable, reported
+                )
             except BaseException:
                 await _undo(smolvm, spec.name)
                 raise
@@ -312,8 +314,9 @@ async def _verify(
     attempt: int,
     check: Checker,
     allow_unverifiable: bool,
+    reported: int | None,
 ) -> RawPortsResult:
-    pid = await started_pid(smolvm, spec.name)
+    pid = await started_pid(smolvm, spec.name, reported)
     checks = tuple(check(p, pid) for p in ports)
     for c in checks:
         if c.owned or (allow_unverifiable and c.ownership is Ownership.UNVERIFIABLE):
@@ -325,9 +328,13 @@ async def _verify(
     return RawPortsResult(spec, pid, tuple(ports), checks, attempt)
 
 
-async def started_pid(smolvm: Smolvm, name: str) -> int:
-    """The VM pid of a machine that was just started; ``unreachable`` with a live pid counts
-    as started (smolvm's agent ping has a 250 ms budget that a busy host misses)."""
+async def started_pid(smolvm: Smolvm, name: str, reported: int | None = None) -> int:
+    """The VM pid of a machine that was just started: the one its ``machine start`` reported
+    (``running (PID: N)``, both tested versions) while it lives, else as ``status --json``
+    has it (not asked twice: issue 38); ``unreachable`` with a live pid counts as started
+    (smolvm's agent ping has a 250 ms budget that a busy host misses)."""
+    if reported is not None and pid_alive(reported):
+        return reported
     machine = await smolvm.status(name)
     if machine.pid is None or not vmm_alive(machine):
         why = f" ({sanitize(machine.state_reason, 120)})" if machine.state_reason else ""
@@ -373,8 +380,7 @@ def start_with_sockets(
         try:
             if before_start is not None:
                 await before_start()
-            await smolvm.start(spec.name)
-            pid = await started_pid(smolvm, spec.name)
+            pid = await started_pid(smolvm, spec.name, await smolvm.start(spec.name))
             checks = tuple(check(e.host, pid) for e in spec.expose_sockets)
             for c, e in zip(checks, spec.expose_sockets, strict=True):
                 if c.owned or (allow_unverifiable and c.ownership is Ownership.UNVERIFIABLE):

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.model import AgentSocket
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.specrules import stamp_template
 from bottlenet.probe.plan import IsolationMode
 
 
 def stamp_env(
-    spec: BottleSpec, mode: IsolationMode, endpoints: Sequence[Endpoint]
+    spec: BottleSpec, mode: IsolationMode, endpoints: Sequence[AgentSocket]
 ) -> tuple[tuple[str, str], ...]:
     assert spec.sidecar is not None and spec.agent is not None
     env: dict[str, str] = {}

@@ -1,15 +1,25 @@
 """Create a VM bottle, step by step, each step with its undo.
 
-Create runs, in order: make the bottle's socket directory and its sidecar's (``vmmaccess``
-says for whom); create and start the sidecar (its VMM's uid reserved in smolvm's registry
-first) with its services exposed as UNIX sockets in its directory (or, opted in, raw published
-ports) and verify that its VM process holds them; bind one agent endpoint per service; push
-the egress policy; create the agent VM with bottlenet's wait command as its workload (so the
-image's own ENTRYPOINT never starts), with the stamped env and no network device; refuse a
-packed image that turned the network on; start it; run the launch gate inside it; only then
-start the workload (``exec -d``, as the spec's user); record the state. Any failure runs the
-undos of the steps done so far, in reverse (every machine is stopped before it is deleted, so
-no VMM outlives its record), and surfaces as one typed error (design invariant 6).
+Create first makes the bottle's socket directory and its sidecar's (``vmmaccess`` says for
+whom). Then its two sides run at once, so a create waits for one boot, not two (issue 38):
+
+* the sidecar's: create and start the sidecar (its VMM's uid reserved in smolvm's registry
+  first) with its services exposed as UNIX sockets in its directory (or, opted in, raw
+  published ports), verify that its VM process holds them, wait until each service answers,
+  bind one agent endpoint per service, push the egress policy;
+* the agent's: create the agent VM with bottlenet's wait command as its workload (so the
+  image's own ENTRYPOINT never starts), with the stamped env, no network device and the
+  endpoints' host paths mounted (bottlenet binds those itself; smolvm connects one only when
+  the guest does, and nothing in the guest does before the gate); refuse a packed image that
+  turned the network on; start it.
+
+Once both are done: the agent VMM's uid is granted the endpoints, the launch gate runs inside
+the agent, then the bridge and the transparent egress layer; only then the workload (``exec
+-d``, as the spec's user); the state is recorded. A failure on one side stops the other at its
+next step (a step in flight finishes, so nothing it made goes unrecorded). Any failure runs
+the undos of the steps done so far, in reverse, the two sides' at once (every machine is
+stopped before it is deleted, so no VMM outlives its record), and surfaces as one typed error
+(design invariant 6).
 
 One :class:`Creation` per create holds what that create has done; the host
 (:class:`~bottlenet.bottles.host.VMHost`) keeps nothing of it.
@@ -38,8 +48,10 @@ from bottlenet.bottles.host import (
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
     IsolationPlan,
+    guest_socket_path,
 )
 from bottlenet.bottles.model import (
+    AgentSocket,
     Bottle,
     BottleVMs,
     Endpoint,
@@ -73,6 +85,7 @@ from bottlenet.forward.spec import (
 from bottlenet.kit.build import Kit
 from bottlenet.kit.program import GUEST_DIR, KitRef
 from bottlenet.probe.judge import ProbeResult
+from bottlenet.waiters import both, together
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.ports import (
     RawPortsResult,
@@ -134,7 +147,7 @@ def agent_machine_spec(
     agent: AgentSpec,
     labels: tuple[tuple[str, str], ...],
     env: tuple[tuple[str, str], ...],
-    endpoints: Sequence[Endpoint],
+    endpoints: Sequence[AgentSocket],
     volumes: Sequence[Volume] = (),
     kit: Kit | None = None,
 ) -> MachineSpec:
@@ -192,12 +205,27 @@ class EgressSet:
 
 
 @frozen
+class AgentBooted:
+    """Step 6a: the agent machine, started, the env stamped into it, and its VMM's uid
+    (None under one uid)."""
+
+    vm: str
+    env: tuple[tuple[str, str], ...]
+    reserved: Reserved | None
+
+
+@frozen
 class AgentStarted:
     """Step 6: the agent machine, the env stamped into it, and the launch gate's word."""
 
     vm: str
     env: tuple[tuple[str, str], ...]
     probe: ProbeResult
+
+
+class SideStopped(Exception):
+    """A side of the create stopped at its next step because the other side failed (never
+    raised out of the create: the other side's failure is)."""
 
 
 class Creation:
@@ -226,7 +254,14 @@ class Creation:
         #: The spec's sidecar and agent, narrowed once: a VM bottle has both.
         self.sidecar, self.agent = vm_parts(spec)
         self.plan = plan
+        #: The undos of the bottle's own steps (its directory; after the sides, the bridge's
+        #: and the layer's), and of each side's (``Role``), done at once on a rollback.
         self.undo: list[Undo] = []
+        self.side_undo: dict[Role, list[Undo]] = {Role.SIDECAR: [], Role.AGENT: []}
+        #: Where the sides began in ``undo`` (its later entries are undone before theirs).
+        self.sides_at: int | None = None
+        #: The failure that stops the other side at its next step.
+        self.stopping: BaseException | None = None
         #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
         self.reserved: dict[Role, Reserved] = {}
         #: The bridge this create started (handed to the bottle's owner with the record).
@@ -251,12 +286,13 @@ class Creation:
         """The steps, then the commit; a failure undoes every step done."""
         try:
             self.kit = await self.host.checked_kit()
+            await self.step_features()
             await self.step_allocate()
-            sidecar = await self.step_sidecar()
-            await self.step_sidecar_ready(sidecar)
-            bound = await self.step_bind(sidecar)
-            egress_set = await self.step_egress(sidecar)
-            agent = await self.step_agent(bound, egress_set)
+            self.sides_at = len(self.undo)
+            (sidecar, bound, egress_set), booted = await both(
+                self.sidecar_side(), self.agent_side(), self.stop_sides
+            )
+            agent = await self.step_agent(booted, bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
             commit(bottle, self.bridge, self.layer)  # 7. its owner records it (the state file)
         except BaseException as e:
@@ -299,10 +335,20 @@ class Creation:
             code=code,
             # a typed error's message is sanitised where it is made; anything else by type
             why=getattr(why, "message", type(why).__name__),
-            n=len(self.undo),
+            n=len(self.undo) + sum(len(u) for u in self.side_undo.values()),
         )
+        at = len(self.undo) if self.sides_at is None else self.sides_at
+        undone = await self._undo(self.undo[at:])
+        sides = [self._undo(undos) for undos in self.side_undo.values()]
+        undone = all(await together(sides)) and undone  # the two sides' at once
+        undone = await self._undo(self.undo[:at]) and undone
+        await self.host.end_uids(self.name, [r.uid for r in self.reserved.values()])
+        return undone
+
+    async def _undo(self, undos: Sequence[Undo]) -> bool:
+        """Run ``undos``, last first; whether every one succeeded (a failure is logged)."""
         undone = True
-        for what, undo in reversed(self.undo):
+        for what, undo in reversed(undos):
             try:
                 await undo()
             except Exception as e:
@@ -313,8 +359,78 @@ class Creation:
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
-        await self.host.end_uids(self.name, [r.uid for r in self.reserved.values()])
         return undone
+
+    def stop_sides(self, why: BaseException) -> None:
+        """One side failed: the other stops at its next step."""
+        self.stopping = why
+
+    def go_on(self) -> None:
+        """Between a side's steps: stop here if the other side failed."""
+        if self.stopping is not None:
+            raise SideStopped()
+
+    async def sidecar_side(self) -> tuple[SidecarStarted, EndpointsBound, EgressSet]:
+        """2-5. The sidecar, its services ready, the agent endpoints bound, the egress policy
+        pushed (while the agent side runs)."""
+        sidecar = await self.step_sidecar()
+        self.go_on()
+        await self.step_sidecar_ready(sidecar)
+        self.go_on()
+        bound = await self.step_bind(sidecar)
+        self.go_on()
+        egress_set = await self.step_egress(sidecar)
+        return sidecar, bound, egress_set
+
+    async def agent_side(self) -> AgentBooted:
+        """6a. The agent VM created and started (while the sidecar side runs): its mounted
+        sockets are the endpoints' host paths, bound by the sidecar side before the gate."""
+        name = machine_name(self.name, Role.AGENT)
+        sockets = self.agent_sockets()
+        env = stamp_env(self.spec, self.plan.mode, sockets)
+        reserved = await self._create_agent(name, env, sockets)
+        self.go_on()
+        await self.smolvm.start(name)
+        self.go_on()
+        if reserved is not None:
+            await self.host.check_started_uid(self.name, reserved)
+        return AgentBooted(name, env, reserved)
+
+    def agent_sockets(self) -> tuple[AgentSocket, ...]:
+        """Per service, the agent endpoint's host path (bottlenet's listener, bound in step 4)
+        and where the agent VM mounts it: known from the spec alone."""
+        return tuple(
+            AgentSocket(
+                svc.name,
+                svc.guest_port,
+                unix_listen_for(self.state_dir, self.name, svc.name).path,
+                guest_socket_path(svc.name),
+            )
+            for svc in self.sidecar.services
+        )
+
+    async def step_features(self) -> None:
+        """0. What this spec needs of the CLI (read once per daemon, ``Smolvm.features``), or
+        the create is refused before any machine exists."""
+        await self.host.version()
+        features = self.smolvm.features or Features()
+        version = self.smolvm.known_version
+        if not features.block_private:
+            raise SmolvmUnavailable(
+                f"smolvm {version} has no --block-private, the sidecar's egress floor "
+                "(without it a networked machine reaches the host's loopback, LAN and cloud "
+                "metadata): the sidecar is not created; use smolvm 1.32 or newer"
+            )
+        if self.sidecar.listen != LISTEN_TCP and not features.expose_socket:
+            raise SmolvmUnavailable(
+                f"smolvm {version} has no --expose-socket, so sidecar services cannot be "
+                'UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
+            )
+        if self.agent.user is not None and not features.exec_user:
+            raise SmolvmUnavailable(
+                f"smolvm {version} has no exec --user, so agent.user cannot be honoured; "
+                "upgrade smolvm (1.32 has it) or drop agent.user"
+            )
 
     async def step_allocate(self) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
@@ -341,27 +457,15 @@ class Creation:
         """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
         (opt-in, retried on collisions); either way held by its VM process, verified."""
         name = machine_name(self.name, Role.SIDECAR)
-        await self.host.version()
         features = self.smolvm.features or Features()
 
         async def remove() -> None:
             await self.smolvm.remove(name)
 
-        if not features.block_private:
-            raise SmolvmUnavailable(
-                f"smolvm {self.smolvm.known_version} has no --block-private, the sidecar's "
-                "egress floor (without it a networked machine reaches the host's loopback, LAN "
-                "and cloud metadata): the sidecar is not created; use smolvm 1.32 or newer"
-            )
         if self.sidecar.listen == LISTEN_TCP:
             raw = await self._start_raw_sidecar(name, features)
-            self.undo.append(("sidecar", remove))
+            self.side_undo[Role.SIDECAR].append(("sidecar", remove))
             return SidecarStarted(name, raw.pid, tuple(raw.ports))
-        if not features.expose_socket:
-            raise SmolvmUnavailable(
-                f"smolvm {self.smolvm.known_version} has no --expose-socket, so sidecar "
-                'services cannot be UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
-            )
         paths = [
             sidecar_socket_path(self.state_dir, self.name, s.name) for s in self.sidecar.services
         ]
@@ -398,7 +502,7 @@ class Creation:
                 "it only to the parents of its own data dir); chmod o+x it, or keep "
                 "--smolvm-data-dir under --state-dir (the default)"
             ) from None
-        self.undo.append(("sidecar", remove))
+        self.side_undo[Role.SIDECAR].append(("sidecar", remove))
         return SidecarStarted(name, started.pid, tuple(paths))
 
     async def _start_raw_sidecar(self, name: str, features: Features) -> RawPortsResult:
@@ -435,10 +539,16 @@ class Creation:
             (svc.name, behind)
             for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True)
         ]
+        answers = self.host.service_ready
+
+        async def ready(reactor: Any, target: str | int) -> bool:
+            self.go_on()  # each try: the wait ends soon after the agent side failed
+            return await answers(reactor, target)
+
         await readiness.wait_ready(
             self.host.reactor,
             services,
-            probe=self.host.service_ready,
+            probe=ready,
             timeout=self.options.sidecar_ready_timeout,
         )
 
@@ -448,7 +558,7 @@ class Creation:
         async def unbind() -> None:
             await self.table.remove_bottle(self.name)
 
-        self.undo.append(("endpoints", unbind))
+        self.side_undo[Role.SIDECAR].append(("endpoints", unbind))
         endpoints = []
         for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True):
             listen = unix_listen_for(self.state_dir, self.name, svc.name)
@@ -469,36 +579,36 @@ class Creation:
         )
         return EgressSet(policy)
 
-    async def step_agent(self, bound: EndpointsBound, egress_set: EgressSet) -> AgentStarted:
-        """6. Agent VM: create (bottlenet's wait command), start, gate, then the workload.
+    async def step_agent(
+        self, booted: AgentBooted, bound: EndpointsBound, egress_set: EgressSet
+    ) -> AgentStarted:
+        """6b-6e. Once both sides are done: the agent VMM's uid granted the endpoints, the
+        gate, the bridge, the egress layer, then the workload.
 
         The order is the point: the image's ENTRYPOINT+CMD is replaced by the wait command
         at create, so nothing of the agent's runs before the gate has passed.
         """
-        agent = self.agent
-        name = machine_name(self.name, Role.AGENT)
-        endpoints = bound.endpoints
-        env = stamp_env(self.spec, self.plan.mode, endpoints)
-        reserved = await self._create_agent(name, env, endpoints)
-        await self.smolvm.start(name)
-        if reserved is not None:
-            await self.host.check_started_uid(self.name, reserved)
+        agent, name, endpoints = self.agent, booted.vm, bound.endpoints
+        if booted.reserved is not None:
+            self.host.grant_agent(self.name, endpoints, booted.reserved.uid)
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
         await self.step_layer(name, endpoints)
         if agent.workload:
-            await workload.start(self.smolvm, name, agent.workload, agent.user, env, self.kit_ref)
-        return AgentStarted(name, env, probe)
+            await workload.start(
+                self.smolvm, name, agent.workload, agent.user, booted.env, self.kit_ref
+            )
+        return AgentStarted(name, booted.env, probe)
 
     async def _create_agent(
         self,
         name: str,
         env: tuple[tuple[str, str], ...],
-        endpoints: Sequence[Endpoint],
+        endpoints: Sequence[AgentSocket],
     ) -> Reserved | None:
         """6a. ``machine create`` of the agent (its undo registered), its VMM uid reserved and
-        granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
-        reservation (None under one uid)."""
+        granted its volumes (per-VM uids; the endpoints once they are bound, in 6b), and a
+        network-enabling pack refused. Returns the reservation (None under one uid)."""
         spec = agent_machine_spec(
             name,
             self.agent,
@@ -508,24 +618,15 @@ class Creation:
             self.volumes.volumes,
             self.kit,
         )
-        if self.agent.user is not None:
-            await self.host.version()
-            features = self.smolvm.features or Features()
-            if not features.exec_user:
-                raise SmolvmUnavailable(
-                    f"smolvm {self.smolvm.known_version} has no exec --user, so agent.user "
-                    "cannot be honoured; upgrade smolvm (1.32 has it) or drop agent.user"
-                )
         await self.smolvm.create(spec)
 
         async def remove() -> None:
             await self.smolvm.remove(name)
 
-        self.undo.append(("agent", remove))
+        self.side_undo[Role.AGENT].append(("agent", remove))
         reserved = await self.host.reserve_uid(name)
         if reserved is not None:
             self.reserved[Role.AGENT] = reserved
-            self.host.grant_agent(self.name, endpoints, reserved.uid)
             await self.grant_volumes(reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
@@ -550,7 +651,7 @@ class Creation:
             if problems:
                 raise IsolationFailed(f"a volume grant was not taken back: {problems[0]}")
 
-        self.undo.append(("volume access", revoke))
+        self.side_undo[Role.AGENT].append(("volume access", revoke))
 
     async def step_gate(
         self, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]

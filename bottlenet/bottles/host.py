@@ -68,6 +68,7 @@ from bottlenet.forward.table import ForwardTable
 from bottlenet.kit.build import Kit
 from bottlenet.kit.keeper import KitKeeper
 from bottlenet.probe.judge import Verdict
+from bottlenet.waiters import together
 from vmctl.errors import VmctlError
 from vmctl.ports import (
     Checker,
@@ -348,7 +349,9 @@ class VMHost:
     async def teardown(
         self, bottle: Bottle, *, listed: Mapping[str, Machine] | None = None
     ) -> None:
-        """Listeners and relays, agent VM, sidecar VM, alias or directory; idempotent.
+        """Listeners and relays, both VMs at once (each stopped, then deleted, so no VMM
+        outlives its record, within vmctl's stop and delete timeouts: issue 38), volume
+        grants, VM uids, alias or directory; idempotent.
 
         ``listed`` (recovery): smolvm's listing of our machines. The names come from the
         state file then, so a machine is deleted only if the listing shows it with our owner
@@ -356,19 +359,17 @@ class VMHost:
         """
         vm = bottle.require_vms()
         await self.table.remove_bottle(bottle.name)
-        removed = []
+        machines = ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid))
+        removed: list[int | None] = []
+
+        async def remove(name: str, uid: int | None) -> None:
+            await self.smolvm.remove(name)
+            removed.append(uid)
+
         try:
-            for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
-                if listed is not None and not self._labelled_ours(listed.get(name), bottle.name):
-                    if name in listed:
-                        self.log.warn(
-                            "machine {name} of bottle {bottle} lacks our labels: left alone",
-                            name=name,
-                            bottle=bottle.name,
-                        )
-                    continue
-                await self.smolvm.remove(name)  # stopped first: no VMM outlives its record
-                removed.append(uid)
+            await together(
+                [remove(name, uid) for name, uid in machines if self._ours(listed, name, bottle)]
+            )
         except VmctlError as e:
             raise map_vmctl(e) from None
         await self.revoke_volumes(bottle.name, vm)
@@ -394,6 +395,19 @@ class VMHost:
                     n=len(left),
                     uid=uid,
                 )
+
+    def _ours(self, listed: Mapping[str, Machine] | None, name: str, bottle: Bottle) -> bool:
+        """Whether the teardown removes machine ``name``: always, but after a restart
+        (``listed``) only one the listing shows with our labels."""
+        if listed is None or self._labelled_ours(listed.get(name), bottle.name):
+            return True
+        if name in listed:
+            self.log.warn(
+                "machine {name} of bottle {bottle} lacks our labels: left alone",
+                name=name,
+                bottle=bottle.name,
+            )
+        return False
 
     def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
         return (

@@ -93,7 +93,7 @@ def machine_name(bottle: str, role: Role) -> str:
 
 
 @frozen
-class _AgentSocket:
+class AgentSocket:
     """The agent side of a VM bottle's endpoint for ``service``: ``path`` is the host UNIX
     socket (bottlenet's listener), mounted in the agent VM at ``guest_path``."""
 
@@ -108,7 +108,7 @@ class _AgentSocket:
 
 
 @frozen
-class SocketEndpoint(_AgentSocket):
+class SocketEndpoint(AgentSocket):
     """An endpoint behind ``sidecar_path``, the sidecar service's socket exposed into the
     bottle's own directory (the default). It is never given to the agent."""
 
@@ -119,7 +119,7 @@ class SocketEndpoint(_AgentSocket):
 
 
 @frozen
-class TCPEndpoint(_AgentSocket):
+class TCPEndpoint(AgentSocket):
     """An endpoint behind ``raw_port``, the sidecar's published port on 127.0.0.1 (the
     ``sidecar.listen = "tcp"`` opt-in). It is never given to the agent."""
 
