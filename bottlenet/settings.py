@@ -43,6 +43,7 @@ from bottlenet.ops import logs, metrics
 from bottlenet.paths import MAX_SUN_PATH, default_control_endpoint, default_state_dir
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl.service import SmolvmChoice, StartupRefused, choose_smolvm
+from vmctl.uidranges import DEFAULT_LEDGER
 
 T = TypeVar("T")
 log = Logger()
@@ -192,6 +193,13 @@ class Options(usage.Options):
                 None,
                 "smolvm's own state directory (default: <state-dir>/smolvm), passed as "
                 "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
+            ],
+            [
+                "uid-ledger",
+                None,
+                DEFAULT_LEDGER,
+                "As root: the host's record of which smolvm data dir owns which per-VM uids "
+                "(every daemon on a host must share it).",
             ],
             [
                 "log-format",
@@ -389,6 +397,8 @@ class DaemonSettings:
     lease_grace: float = DEFAULT_GRACE
     #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
     scoped_uids: frozenset[int] = frozenset()
+    #: ``--uid-ledger``: the host's record of per-VM uid blocks (vmctl.uidranges).
+    uid_ledger: str = DEFAULT_LEDGER
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -462,11 +472,14 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         gate=_gate_settings(options, tls, metrics_spec),
         skip_probe=options["unsafe-skip-isolation-probe"],
         smolvm=smolvm,
-        protected_dirs=_own_dirs(state_dir, control, options["smolvm-data-dir"]),
+        protected_dirs=_own_dirs(
+            state_dir, control, options["smolvm-data-dir"], options["uid-ledger"]
+        ),
         log_relay_ends=logs_relay_ends(options.parent),
         labels=labels,
         lease_grace=options["lease-grace"],
         scoped_uids=scoped,
+        uid_ledger=os.path.abspath(options["uid-ledger"]),
     )
 
 
@@ -490,9 +503,11 @@ def _metrics_option(
         raise StartupError(f"--metrics: {e.message}") from None
 
 
-def _own_dirs(state_dir: str, control: str, smolvm_data: str | None) -> tuple[str, ...]:
+def _own_dirs(
+    state_dir: str, control: str, smolvm_data: str | None, uid_ledger: str = DEFAULT_LEDGER
+) -> tuple[str, ...]:
     """The daemon's own directories: no agent volume may be, hold or lie inside one."""
-    dirs = [os.path.abspath(state_dir)]
+    dirs = [os.path.abspath(state_dir), os.path.abspath(uid_ledger)]
     path = _unix_path(control)
     if path is not None:
         dirs.append(os.path.dirname(path))

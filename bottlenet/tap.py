@@ -58,6 +58,8 @@ from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
 from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
+from vmctl.uidranges import UidRangeError
+from vmctl.uids import UidRegistryError
 
 __all__ = [
     "BottlenetService",
@@ -141,6 +143,11 @@ class BottlenetService(MultiService):
     def smolvm_facts(self) -> SmolvmFacts:
         """What Hello says of smolvm, one object for every control listener."""
         return self.control_factory.context.smolvm
+
+    def vm_uids_left(self) -> int | None:
+        """Per-VM uids the node can still give out (None: not counted; metrics)."""
+        supply = self.node.vm_uids if self.node is not None else None
+        return None if supply is None else supply.left
 
     def vm_uids_now(self) -> tuple[str | None, str | None]:
         """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
@@ -234,11 +241,29 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             if unix_path_state(settings.metrics.path)[0] == "stale":
                 os.unlink(settings.metrics.path)
         root = compose(settings, store, state, reactor)
+        _check_vm_uids(root)
     except BaseException:
         lock.release()
         raise
     root.state_lock = lock
     return root
+
+
+def _check_vm_uids(root: BottlenetService) -> None:
+    """As root: the per-VM uids this daemon's smolvm data dir owns are still its alone on
+    the host (``vmctl.uidranges``); one line naming the conflict otherwise."""
+    pool = root.smolvm.uid_pool
+    if pool is None or root.smolvm.binary is None or root.vm_uids is not VmUids.PER_VM:
+        return
+    try:
+        supply = pool.check()
+    except (UidRangeError, UidRegistryError) as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e}") from None
+    except OSError as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e.strerror or e}") from None
+    root.log.info("per-VM uids: {supply}", supply=supply.describe())
+    if root.node is not None:
+        root.node.vm_uids = supply
 
 
 def _lock_state_dir(state_dir: str) -> StateDirLock:
@@ -333,7 +358,7 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles),
+            metrics.SnapshotSource(table.list, registry.list_bottles, root.vm_uids_left),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,
@@ -368,6 +393,8 @@ def _core(
         settings.smolvm,
         on_call=smolvm_calls.record,
         session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
+        uid_ledger=settings.uid_ledger,
+        uid_roots=(os.path.join(settings.state_dir, "bottles"),),
     )
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
@@ -427,6 +454,7 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
+    vms.on_uid_supply = node.learn_uids
     return root, vmctl_service, vms
 
 

@@ -22,6 +22,8 @@ from vmctl.install import (
 from vmctl.runner import ProcessRunner, build_env
 from vmctl.smolvm import MAX_STATE_DIR, CallObserver, Smolvm, SmolvmVersion, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
+from vmctl.uidranges import DEFAULT_LEDGER
+from vmctl.uids import UidPool
 
 DEFAULT_STOP_DEADLINE = 10.0
 
@@ -100,10 +102,16 @@ def build_smolvm(
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
     on_call: CallObserver | None = None,
     session_pythons: Sequence[str] = ("python3",),
+    uid_ledger: str = DEFAULT_LEDGER,
+    uid_roots: Sequence[str] = (),
 ) -> tuple[VmctlService, Smolvm]:
     """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call;
-    ``session_pythons``: the guest interpreters the session wrapper tries)."""
+    ``session_pythons``: the guest interpreters the session wrapper tries; ``uid_ledger``:
+    the host's record of uid blocks, ``uid_roots``: where else VM uids' files may stay)."""
     runner = ProcessRunner(reactor, clock)
+    pool = None
+    if choice.data_dir is not None:
+        pool = UidPool(choice.data_dir, ledger=uid_ledger, roots=uid_roots)
     smolvm = Smolvm(
         runner,
         choice.install,
@@ -113,6 +121,7 @@ def build_smolvm(
         device_budget=device_budget,
         on_call=on_call,
         session_pythons=session_pythons,
+        uid_pool=pool,
     )
     return VmctlService(runner, stop_deadline), smolvm
 

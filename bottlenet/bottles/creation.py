@@ -265,7 +265,8 @@ class Creation:
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
-        await self.vms.end_uids(self.name, [r.uid for r in self.reserved.values()])
+        reserved = [r.uid for r in self.reserved.values()]
+        await self.vms.end_uids(self.name, reserved, give_back=True)
         return undone
 
     async def step_allocate(self) -> None:
@@ -462,7 +463,8 @@ class Creation:
             await self.vms.smolvm.remove(name)
 
         self.undo.append(("agent", remove))
-        reserved = await self.vms.reserve_uid(name)
+        writable = [v.host for v in volumes_of(self.agent)[0] if not v.read_only]
+        reserved = await self.vms.reserve_uid(name, writable)
         if reserved is not None:
             self.reserved[Role.AGENT] = reserved
             self.vms.grant_agent(self.name, endpoints, reserved.uid)

@@ -69,7 +69,7 @@ from vmctl.ports import (
     check_port_owner,
     check_socket_owner,
 )
-from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
+from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, UidSupply, VmUids
 from vmctl.spec import Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
@@ -143,6 +143,8 @@ class VMLifecycle:
         )
         self.bridges = Bridges(reactor, smolvm, table)
         self.access = VmmAccess(state_dir, options.vm_uids)
+        #: Told how many per-VM uids are left after each reservation and retirement.
+        self.on_uid_supply: Callable[[UidSupply], None] | None = None
         #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
         self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
             reactor, reactor.getThreadPool(), fn, *args
@@ -163,14 +165,27 @@ class VMLifecycle:
             (LABEL_ROLE, role),
         )
 
-    async def reserve_uid(self, machine: str) -> Reserved | None:
+    async def reserve_uid(self, machine: str, volumes: Sequence[str] = ()) -> Reserved | None:
         """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
         into smolvm's registry now (honoured at start), with a parent of the state dir that
-        VMM could not pass (to say why a start then fails); None under one uid."""
+        VMM could not pass (to say why a start then fails); None under one uid. ``volumes``:
+        the host directories the VMM may write (where its uid's files may outlive it)."""
         if not self.access.per_vm:
             return None
-        reserved = await self.smolvm.reserve_uid(machine)
+        reserved = await self.smolvm.reserve_uid(machine, volumes)
+        await self.count_uids()
         return Reserved(reserved, self.access.closed_ancestor(reserved.registry))
+
+    async def count_uids(self) -> None:
+        """Tell ``on_uid_supply`` how many per-VM uids are left (a failure is logged)."""
+        if not self.access.per_vm or self.on_uid_supply is None:
+            return
+        try:
+            supply = await self.smolvm.uid_supply()
+        except VmctlError as e:
+            self.log.warn("per-VM uids could not be counted: {err}", err=e.message)
+            return
+        self.on_uid_supply(supply)
 
     async def check_started_uid(self, bottle: str, reserved: Reserved) -> None:
         """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
@@ -319,25 +334,40 @@ class VMLifecycle:
         await self.end_uids(bottle.name, removed)
         await self.release(bottle)
 
-    async def end_uids(self, bottle: str, uids: Sequence[int | None]) -> None:
-        """Per-VM uids: after the VMs are deleted, end whatever still runs as their uids (what
-        a compromised VMM left behind); those uids are never handed out again either. A
-        failure is logged, never raised."""
+    async def end_uids(
+        self, bottle: str, uids: Sequence[int | None], *, give_back: bool = False
+    ) -> None:
+        """Per-VM uids: after the VMs are deleted, end whatever their machines left running
+        as their uids (what a compromised VMM left behind), then retire the uids: one is
+        given out again only once nothing of it is left (``give_back``, a failed create:
+        looked at now). A failure is logged, never raised."""
+        if not self.access.per_vm:
+            return
         for uid in uids:
-            if uid is None or not self.access.per_vm:
+            if uid is None:
                 continue
             try:
-                left = await self.smolvm.end_uid(uid)
+                ended = await self.smolvm.end_uid(uid)
+                if ended.spared:
+                    self.log.error(
+                        "bottle {bottle}: VM uid {uid} is also run by pid(s) {pids}, which show "
+                        "no sign of this daemon's smolvm data dir: not killed, and the uid is "
+                        "not given out again while they run (docs/operations.md, VM uids)",
+                        bottle=bottle,
+                        uid=uid,
+                        pids=", ".join(str(p) for p in ended.spared[:8]),
+                    )
+                if ended.left:
+                    self.log.error(
+                        "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
+                        bottle=bottle,
+                        n=len(ended.left),
+                        uid=uid,
+                    )
+                await self.smolvm.retire_uid(uid, give_back)
             except VmctlError as e:
                 self.log.error("bottle {bottle}: {err}", bottle=bottle, err=e.message)
-                continue
-            if left:
-                self.log.error(
-                    "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
-                    bottle=bottle,
-                    n=len(left),
-                    uid=uid,
-                )
+        await self.count_uids()
 
     def _labelled_ours(self, machine: Machine | None, bottle: str) -> bool:
         return (

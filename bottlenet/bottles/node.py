@@ -26,6 +26,7 @@ from bottlenet.bottles.store import State, StateStore
 from bottlenet.errors import InvalidArgument, ResourceExhausted, safe_repr
 from bottlenet.forward.budget import ConnectionBudget
 from vmctl.kvm import KvmStatus
+from vmctl.uids import UidSupply
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -94,6 +95,10 @@ class NodeReport:
     health: str
     reasons: tuple[str, ...]
     draining: bool
+    #: Per-VM uids this node can still give out (None: not per-VM uids, or not counted yet).
+    vm_uids_left: int | None = None
+    #: The same in words: blocks, in use, waiting (None as above).
+    vm_uids: str | None = None
 
 
 class Node:
@@ -130,6 +135,8 @@ class Node:
         self.smolvm_version: str | None = None
         self.smolvm_problem: str | None = "no smolvm found"
         self.kvm = KvmStatus(False, "not looked at yet")
+        #: Per-VM uids left (as root; ``learn_uids``), None until counted.
+        self.vm_uids: UidSupply | None = None
         self._drain_waiters = 0
         registry.events.subscribe(self._learn)
 
@@ -142,6 +149,19 @@ class Node:
         ):
             if self._registry.get_bottle(event.bottle).has_vms:
                 self.kvm = KvmStatus(True)
+
+    def learn_uids(self, supply: UidSupply) -> None:
+        """How many per-VM uids are left; a warning when they run short, and when not."""
+        was = self.vm_uids is not None and self.vm_uids.short
+        self.vm_uids = supply
+        if supply.short and not was:
+            self.log.warn(
+                "per-VM uids are running out: {supply}; no further block could be claimed "
+                "(docs/operations.md, VM uids)",
+                supply=supply.describe(),
+            )
+        elif was and not supply.short:
+            self.log.info("per-VM uids: {supply}", supply=supply.describe())
 
     def report(self) -> NodeReport:
         bottles = self._registry.list_bottles()
@@ -165,6 +185,8 @@ class Node:
             health=DEGRADED if reasons else OK,
             reasons=reasons,
             draining=self.gate.draining,
+            vm_uids_left=None if self.vm_uids is None else self.vm_uids.left,
+            vm_uids=None if self.vm_uids is None else self.vm_uids.describe(),
         )
 
     def reasons(self) -> tuple[str, ...]:
@@ -177,6 +199,8 @@ class Node:
             out.append("the relay connection budget is used up")
         if self.smolvm_found and self.smolvm_problem is not None:
             out.append(f"smolvm: {self.smolvm_problem}")
+        if self.vm_uids is not None and self.vm_uids.short:
+            out.append(f"per-VM uids are running out: {self.vm_uids.left} left")
         return tuple(out)
 
     @property

@@ -66,6 +66,9 @@ class NodeInfoRecord(NamedTuple):
     health: str
     health_reasons: tuple[str, ...]
     draining: bool
+    #: Per-VM uids the node can still give out (None: not per-VM uids, or an older daemon).
+    vm_uids_left: int | None = None
+    vm_uids: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> NodeInfoRecord:

@@ -246,6 +246,8 @@ class ControlLocator(SafeCommandLocator):
             "health": r.health,
             "health_reasons": list(r.reasons),
             "draining": r.draining,
+            "vm_uids_left": r.vm_uids_left,
+            "vm_uids": r.vm_uids,
         }
 
     @C.Drain.responder

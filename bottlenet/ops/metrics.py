@@ -183,6 +183,7 @@ class MetricsSource(Protocol):
 
     def forwards(self) -> Iterable[ForwardInfo]: ...
     def bottles(self) -> Iterable[Bottle]: ...
+    def vm_uids_left(self) -> int | None: ...
 
 
 @frozen
@@ -192,12 +193,16 @@ class SnapshotSource:
 
     list_forwards: Callable[[], Iterable[ForwardInfo]]
     list_bottles: Callable[[], Iterable[Bottle]] = tuple
+    count_vm_uids: Callable[[], int | None] = lambda: None
 
     def forwards(self) -> Iterable[ForwardInfo]:
         return self.list_forwards()
 
     def bottles(self) -> Iterable[Bottle]:
         return self.list_bottles()
+
+    def vm_uids_left(self) -> int | None:
+        return self.count_vm_uids()
 
 
 def _name(value: object, allowed: frozenset[str] | None) -> str:
@@ -384,6 +389,12 @@ def render_metrics(
     w.family("bottlenet_bottles", "gauge", "Bottles by state.")
     for state in sorted(states):
         w.sample("bottlenet_bottles", [("state", state)], states[state])
+
+    left = source.vm_uids_left()
+    if left is not None:
+        name = "bottlenet_vm_uids_left"
+        w.family(name, "gauge", "Per-VM uids the smolvm data dir can still give out (as root).")
+        w.sample(name, [], left)
 
     if smolvm is not None:
         name = "bottlenet_smolvm_call_duration_seconds"
