@@ -2,10 +2,13 @@
 
 A teardown is complete only when no uid entry in smolvm's registry names a VM whose directory
 is gone, and no process runs as such a uid (it could reach what the next VM under that uid is
-given). Only this data dir's registry is read: another smolvm data dir on the host hands out
-the same uids for its own VMs, so a per-VM uid seen in ``/proc`` alone proves nothing.
-``bottlenetctl selftest`` asks for this after its throwaway bottle is destroyed. Blocking
-file calls: run them off the reactor thread.
+given). Only this data dir's registry is read: a smolvm data dir bottlenet does not drive hands
+out uids of its own from 2000000, so a per-VM uid seen in ``/proc`` alone proves nothing.
+``bottlenetctl selftest`` asks for this after its throwaway bottle is destroyed.
+
+What else a uid may still hold (a process with it as any of its ids, a System V IPC object,
+an IP socket, a file under the shared places or a volume) is what ``vmctl.uids`` asks before
+it gives a retired uid out again. Blocking file calls: run them off the reactor thread.
 
 Every file here may be written by a VMM uid, so nothing is followed or read whole: entries are
 opened ``O_NOFOLLOW|O_NONBLOCK`` (a FIFO never blocks), only regular files are read, and at most

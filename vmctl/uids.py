@@ -133,6 +133,9 @@ class UidSupply:
     retired: int
     held: int
     blocks: tuple[int, ...]
+    #: One thing a retired uid still held at the last sweep (for the daemon's log only: it
+    #: may name a path of anyone's).
+    example: str | None = None
 
     @property
     def short(self) -> bool:
@@ -268,6 +271,7 @@ class UidPool:
         self._ids = ids
         self._clock = clock
         self._last_sweep: float | None = None
+        self._example: str | None = None
 
     @classmethod
     def of_vm_dir(cls, vm_dir: str, **kw: object) -> UidPool:
@@ -439,6 +443,7 @@ class UidPool:
             retired=len(self._retired()),
             held=len(_numbers(self._path(HELD))),
             blocks=blocks,
+            example=self._example,
         )
 
     # -- reserving ----------------------------------------------------------------------
@@ -648,10 +653,13 @@ class UidPool:
             # A held uid without its entry: smolvm's delete removed it, the retire never came.
             self._retire_held([u for u in _numbers(self._path(HELD)) if u not in entries])
             volumes = {u: v for u, v in self._retired().items() if only is None or u in only}
-        self._last_sweep = self._clock()
+        if only is None:
+            self._last_sweep = self._clock()
         if not volumes:
             return _SweepRun(Sweep(0), set())
         kept = self._holdings(set(volumes), volumes, entries)
+        if only is None:
+            self._example = next((f"uid {u}: {w}" for u, w in sorted(kept.items())), None)
         with self._locked():
             entries = set(_numbers(self.registry))
             retired = self._retired()

@@ -156,9 +156,10 @@ class Node:
         self.vm_uids = supply
         if supply.short and not was:
             self.log.warn(
-                "per-VM uids are running out: {supply}; no further block could be claimed "
-                "(docs/operations.md, VM uids)",
+                "per-VM uids are running out: {supply}; no further block could be claimed; "
+                "what a retired uid still holds, e.g. {example} (docs/operations.md, VM uids)",
                 supply=supply.describe(),
+                example=supply.example or "not looked at yet",
             )
         elif was and not supply.short:
             self.log.info("per-VM uids: {supply}", supply=supply.describe())

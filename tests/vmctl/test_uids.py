@@ -287,6 +287,7 @@ def test_uids_proven_unused_are_reused_once_the_block_is_used_up(tmp_path: Path)
     assert supply.blocks == (1,)  # reclaiming sufficed: no block claimed
     assert supply.retired == 1 and list(pool._retired()) == [kept]
     assert pool.sweep().kept == {kept: f"file {shared / 'left-behind'}"}
+    assert pool.supply().example == f"uid {kept}: file {shared / 'left-behind'}"
     (shared / "left-behind").unlink()
     assert pool.sweep().freed == 1
 
