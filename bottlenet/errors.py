@@ -78,6 +78,13 @@ class BridgeFailed(SmolvmFailed):
     code = "BRIDGE_FAILED"
 
 
+class EgressLayerFailed(SmolvmFailed):
+    """bottlenet's transparent egress layer could not be installed or kept in the agent VM
+    (a kernel without nf_tables among the reasons, named)."""
+
+    code = "EGRESS_LAYER_FAILED"
+
+
 class SidecarNotReady(SmolvmFailed):
     """A sidecar service never answered on its socket after the sidecar started (within the
     bound); the create was rolled back."""
@@ -128,6 +135,7 @@ ALL_ERRORS: tuple[type[BottlenetError], ...] = (
     SmolvmFailed,
     KvmUnavailable,
     BridgeFailed,
+    EgressLayerFailed,
     SidecarNotReady,
     IsolationUnavailable,
     IsolationFailed,

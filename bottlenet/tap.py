@@ -17,15 +17,15 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
-from twisted.application.service import IService, MultiService
-from twisted.internet.defer import Deferred, gatherResults, succeed
+from twisted.application.service import IService, MultiService, Service
+from twisted.internet.defer import Deferred, DeferredList, gatherResults, maybeDeferred, succeed
 from twisted.internet.interfaces import IProtocolFactory
 from twisted.logger import Logger
 from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
@@ -41,7 +41,7 @@ from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
 from bottlenet.ops import metrics, rlimits, sdnotify
-from bottlenet.ops.fatal import fatal_stopper
+from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
 from bottlenet.ops.metricsservice import metrics_listener
 from bottlenet.paths import (
@@ -109,6 +109,8 @@ class BottlenetService(MultiService):
         self.state_lock: StateDirLock | None = None
         #: The node contract (NodeInfo, Drain); compose sets it.
         self.node: Node | None = None
+        #: The ``on_fatal`` every child is given; compose sets it.
+        self.fatal: FatalStopper | None = None
 
     def startService(self) -> None:
         if self.state_lock is not None:
@@ -123,7 +125,13 @@ class BottlenetService(MultiService):
             engine=self.table.engine,
             reactor=type(self.reactor).__qualname__,
         )
-        super().startService()
+        Service.startService(self)
+        for child in self:  # as MultiService does, but none after a fatal stop began
+            if self._stopping():
+                return
+            child.startService()
+        if self._stopping():
+            return  # no start-up advice for a daemon that is about to exit
         vm_uids = self.vm_uids if self.smolvm.binary is not None else None
         facts = self.smolvm_facts
         facts.probing(self.smolvm.describe(), self.vm_uids_now)
@@ -138,6 +146,9 @@ class BottlenetService(MultiService):
         self.log.info("smolvm runs VMs with {model}", model=str(vm_uids))
         self._say_what_smolvm_opens(vm_uids)
         self.probe_smolvm().addBoth(lambda _: facts.settle())
+
+    def _stopping(self) -> bool:
+        return self.fatal is not None and self.fatal.stopping
 
     @property
     def smolvm_facts(self) -> SmolvmFacts:
@@ -223,7 +234,11 @@ class BottlenetService(MultiService):
         if self.node is not None:
             self.node.leases.stop()
         try:
-            await super().stopService()
+            Service.stopService(self)
+            # In reverse, as MultiService does, but only what started (a fatal stop can
+            # end the start half-way).
+            started = [child for child in self if child.running]
+            await DeferredList([maybeDeferred(c.stopService) for c in reversed(started)])
         finally:
             if self.state_lock is not None:
                 self.state_lock.release()
@@ -316,7 +331,8 @@ def compose(
     and smolvm calls drain last.
     """
     on_fatal = fatal_stopper(reactor)
-    root, vmctl_service, vms = _core(settings, store, state, reactor)
+    root, vmctl_service, host = _core(settings, store, state, reactor)
+    root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
     table.setName("forwards")
@@ -328,7 +344,7 @@ def compose(
         bottles.setServiceParent(root)
         waits.append(config_ready := bottles.ready)
     recovery = RecoveryService(
-        Recovery(registry, vms, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
+        Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
     if root.node is not None:
@@ -383,7 +399,7 @@ def _restored(result: object, root: BottlenetService) -> object:
 
 def _core(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
-) -> tuple[BottlenetService, IService, VMLifecycle]:
+) -> tuple[BottlenetService, IService, VMHost]:
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
@@ -422,7 +438,7 @@ def _core(
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
     )
-    vms = VMLifecycle(
+    host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
     registry = BottleRegistry(
@@ -433,7 +449,7 @@ def _core(
         max_bottles=settings.max_bottles,
         store=store,
         instance_id=state.instance_id,
-        vms=vms,
+        host=host,
     )
     registry.protected_dirs = settings.protected_dirs
     node = _node(settings, store, state, reactor, registry, table, vm_uids)
@@ -454,8 +470,8 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
-    vms.on_uid_supply = node.learn_uids
-    return root, vmctl_service, vms
+    host.uid_reports.listeners.append(node.learn_uids)
+    return root, vmctl_service, host
 
 
 def _control_factory(

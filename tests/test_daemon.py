@@ -142,6 +142,7 @@ def test_listen_failure_at_start_is_one_line_once(tmp_path, kind: str) -> None: 
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     args = ["--state-dir", str(tmp_path / "s"), "--control", f"unix:{run}/c.sock"]
+    args += ["--smolvm", os.path.join(ROOT, "tests", "fakes", "smolvm")]
     with _taken_port("127.0.0.1") as taken:
         port = taken.getsockname()[1]
         if kind == "control-dir":
@@ -152,6 +153,11 @@ def test_listen_failure_at_start_is_one_line_once(tmp_path, kind: str) -> None: 
             want = f"metrics: cannot listen on 127.0.0.1:{port}: EADDRINUSE ("
         out = _run_fail(args)
     _one_line_once(out, want)
+    # Nothing starts after the fatal line, and no start-up advice follows it (newcomer-3
+    # trap 15): the metrics listener after the control socket, the smolvm lines.
+    after = out.stdout.split("fatal: ", 1)[1]
+    for later in ("metrics: listening on", "smolvm runs VMs", "using smolvm"):
+        assert later not in after, after
 
 
 def test_bind_failure_exits_nonzero_and_names_the_key(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -405,7 +405,51 @@ def test_readme_says_the_real_vm_tier_needs_its_kit() -> None:
         readme = f.read()
     demo = readme.split("## What it is")[0]
     assert "python -m tests.realvm.build" in demo
+    assert "pip install '.[ray]'" in demo  # the fleet tiers' skip (tests/fleet/conftest.py)
+    with open(os.path.join(ROOT, "tests", "fleet", "conftest.py")) as f:
+        assert "pip install '.[ray]'" in f.read()
     with open(os.path.join(ROOT, "tests", "realvm", "test_realvm.py")) as f:
         assert "run python -m tests.realvm.build first" in f.read()
     with open(os.path.join(ROOT, "pyproject.toml")) as f:
         assert re.search(r'addopts = ".*-rs', f.read())
+
+
+def _readme_demo() -> tuple[str, str]:
+    """The README's daemon command (its ``twist`` part) and its demo block."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        top = f.read().split("## What it is")[0]
+    blocks = [body for _, body in BLOCK_ANY.findall(top)]
+    daemon = blocks[0].splitlines()[0].split("&& ")[-1].replace(".venv/bin/", "")
+    return daemon, blocks[1]
+
+
+BLOCK_ANY = re.compile(r"(<!-- test[^>]*-->\n)?```sh\n(.*?)```", re.S)
+
+
+def test_readme_demo_waits_for_its_web_server() -> None:
+    """The demo's first request through the bottle comes only after a loop that waits for the
+    web server it started in the background (pasted as one block, curl would otherwise race it)."""
+    lines = _readme_demo()[1].splitlines()
+    server = next(i for i, line in enumerate(lines) if "http.server" in line)
+    through = next(i for i, line in enumerate(lines) if "127.77.0.2" in line)
+    assert lines[server].rstrip().endswith("&")
+    waits = [line for line in lines[server + 1 : through] if line.startswith("until curl")]
+    assert waits and "127.0.0.1:8080" in waits[0], lines
+
+
+def test_readme_demo_runs(tmp_path: Path) -> None:
+    """The README's first command's daemon and its demo block, pasted as written (fresh
+    directories and free ports), print the promised line."""
+    daemon, demo = _readme_demo()
+    web, agent = _free_port("127.0.0.1"), _free_port("127.77.0.2")
+    with open(os.path.join(ROOT, "examples", "demo.toml")) as f:
+        config = f.read().replace("8077", str(agent)).replace("8080", str(web))
+    (tmp_path / "demo.toml").write_text(config)
+    daemon = daemon.replace("examples/demo.toml", str(tmp_path / "demo.toml"))
+    demo = demo.replace("/tmp/bn-demo", str(tmp_path / "www"))
+    demo = demo.replace("8077", str(agent)).replace("8080", str(web))
+    home = f"export XDG_STATE_HOME={tmp_path}/state XDG_RUNTIME_DIR={tmp_path}/run\n"
+    os.mkdir(tmp_path / "run", 0o700)
+    code, out, err = _run_against_daemon(tmp_path, home + daemon, [home + demo], ROOT)
+    assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
+    assert out.endswith("hello through bottlenet\n"), out

@@ -179,10 +179,15 @@ def check_port_owner(port: int, pid: int, proc: str = "/proc") -> PortCheck:
     return PortCheck(port, pid, Ownership.OWNED)
 
 
-def unix_listener_inodes(path: str, proc: str = "/proc") -> set[int]:
-    """Inodes of listening UNIX sockets bound at ``path`` (raises OSError without /proc)."""
+def unix_listener_inodes(path: str, pid: int, proc: str = "/proc") -> set[int]:
+    """Inodes of listening UNIX sockets bound at ``path`` in ``pid``'s network namespace.
+
+    ``/proc/PID/net/unix`` lists the sockets of that process's namespace, which need not be the
+    daemon's: a daemon restarted in a new namespace (``unshare -n``) still sees its VMs'
+    sockets. Raises OSError when the table cannot be read (ENOENT: the process is gone).
+    """
     found: set[int] = set()
-    with open(os.path.join(proc, "net", "unix")) as f:
+    with open(os.path.join(proc, str(pid), "net", "unix")) as f:
         lines = f.read().splitlines()[1:]
     for line in lines:
         fields = line.split(None, 7)
@@ -200,22 +205,20 @@ def unix_listener_inodes(path: str, proc: str = "/proc") -> set[int]:
 
 
 def check_socket_owner(path: str, pid: int, proc: str = "/proc") -> PortCheck:
-    """Is the UNIX socket listening at ``path`` held by ``pid`` (and by nobody else)?
+    """Is the UNIX socket listening at ``path`` held by ``pid`` (and by nobody else in its
+    network namespace)?
 
     The result's ``port`` is 0: a socket has a path, not a port.
     """
     try:
-        listeners = unix_listener_inodes(path, proc)
+        listeners = unix_listener_inodes(path, pid, proc)
+        mine = socket_inodes(pid, proc) if listeners else set()
     except OSError as e:
-        return PortCheck(0, pid, Ownership.UNVERIFIABLE, f"cannot read socket table: {e}")
+        if e.errno == errno.ENOENT and not os.path.exists(os.path.join(proc, str(pid))):
+            return PortCheck(0, pid, Ownership.FOREIGN, "the VM process is gone")
+        return PortCheck(0, pid, Ownership.UNVERIFIABLE, f"cannot read its sockets: {e}")
     if not listeners:
         return PortCheck(0, pid, Ownership.NOT_LISTENING, "no listener at the path")
-    try:
-        mine = socket_inodes(pid, proc)
-    except OSError as e:
-        if e.errno == errno.ENOENT:
-            return PortCheck(0, pid, Ownership.FOREIGN, "the VM process is gone")
-        return PortCheck(0, pid, Ownership.UNVERIFIABLE, f"cannot read its fds: {e}")
     if listeners - mine:
         return PortCheck(0, pid, Ownership.FOREIGN, "held by another process")
     return PortCheck(0, pid, Ownership.OWNED)

@@ -13,7 +13,8 @@
   transitions do the work, its runtime handles); :mod:`~bottlenet.bottles.states`: the
   lifecycle's states and the registry's gate.
 - :mod:`~bottlenet.bottles.creation`: a VM create's steps with their undos.
-- :mod:`~bottlenet.bottles.lifecycle`: verify, egress, teardown.
+- :mod:`~bottlenet.bottles.host`: the frozen ``VMHost`` of the parts a VM bottle's steps use
+  (built once in ``tap.py``), and its own steps: uids, endpoints, verify, egress, teardown.
 - :mod:`~bottlenet.bottles.vmerrors`: vmctl's errors as the control plane's.
 - :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start (whether
   a kept VM bottle lives on: ``check_alive``, ``rebind``).

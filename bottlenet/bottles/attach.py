@@ -123,7 +123,7 @@ def logs_request(bottle: Bottle, tail: int, follow: bool) -> ExecRequest:
 
 
 async def spawn_exec(
-    vms: Any,
+    host: Any,
     bottle: Bottle,
     request: ExecRequest,
     protocol: IProcessProtocol,
@@ -132,12 +132,12 @@ async def spawn_exec(
 ) -> IProcessTransport:
     """Start ``machine exec`` in the bottle's agent VM with ``protocol`` attached to its stdio.
 
-    ``vms`` is the VMLifecycle (its ``smolvm``); vmctl errors become the control plane's.
+    ``host`` is the VMHost (its ``smolvm``); vmctl errors become the control plane's.
     """
-    if vms is None:
+    if host is None:
         raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
     try:
-        transport: IProcessTransport = await vms.smolvm.spawn_exec(
+        transport: IProcessTransport = await host.smolvm.spawn_exec(
             bottle.require_vms().agent_vm,
             list(request.argv),
             protocol,

@@ -29,6 +29,7 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
+from bottlenet.bottles.egresslayer import LayerKeeper, layer_status, proxy_endpoint
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
@@ -39,8 +40,8 @@ from bottlenet.bottles.events import (
     BottleEvent,
     EventBus,
 )
-from bottlenet.bottles.lifecycle import VMLifecycle, runs_bridge
-from bottlenet.bottles.model import Bottle, BottleState, Forward, Source
+from bottlenet.bottles.host import VMHost, runs_bridge
+from bottlenet.bottles.model import Bottle, BottleState, BottleVMs, Forward, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
@@ -72,7 +73,7 @@ class Hands:
     clock: IReactorTime
     table: ForwardTable
     aliases: AliasRegistry
-    vms: VMLifecycle | None
+    host: VMHost | None
     store: StateStore | None
     events: EventBus
     max_connections: int
@@ -173,6 +174,8 @@ class _BottleCore:
     watch: Watch | None = None
     #: bottlenet's in-guest bridge (a VM bottle's that runs one, from its create or restore).
     bridge: BridgeKeeper | None = None
+    #: The transparent egress layer (a VM bottle's whose spec names one).
+    layer: LayerKeeper | None = None
     pending: _Unsynced | None = None
 
 
@@ -188,9 +191,10 @@ def unwatch(core: _BottleCore) -> None:
     watch, core.watch = core.watch, None
     if watch is not None:
         watch.cancel()
-    bridge, core.bridge = core.bridge, None
-    if bridge is not None:
-        bridge.stop()
+    for keeper in (core.bridge, core.layer):
+        if keeper is not None:
+            keeper.stop()
+    core.bridge = core.layer = None
 
 
 def persist(core: _BottleCore, bottle: Bottle) -> None:
@@ -574,19 +578,21 @@ class VMBottle(BottleOwner):
         assert spec is not None
         emit(hands, CREATED, self.name, BottleState.CREATING)
         try:
-            if hands.vms is None:
+            if hands.host is None:
                 raise SmolvmUnavailable(
                     "this daemon runs without smolvm: VM bottles are unavailable"
                 )
 
-            def commit(bottle: Bottle, bridge: BridgeKeeper | None) -> None:
+            def commit(
+                bottle: Bottle, bridge: BridgeKeeper | None, layer: LayerKeeper | None
+            ) -> None:
                 if tenancy is not None:
                     bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
                 self.commit(bottle)
-                self.core.bridge = bridge
+                self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
-            created = await create_vm(hands.vms, spec, commit)
+            created = await create_vm(hands.host, spec, commit)
         except BaseException as e:
             detail = f"create failed: {getattr(e, 'code', 'INTERNAL')}"
             emit(hands, DESTROYED, self.name, None, detail)
@@ -603,15 +609,15 @@ class VMBottle(BottleOwner):
         self.core.value = bottle
         return bottle
 
-    def _vms(self) -> VMLifecycle:
-        vms = self.hands.vms
-        assert vms is not None, "a VM bottle's operation in a daemon without smolvm"
-        return vms
+    def _host(self) -> VMHost:
+        host = self.hands.host
+        assert host is not None, "a VM bottle's operation in a daemon without smolvm"
+        return host
 
     async def verify(self) -> tuple[Bottle, ProbeVerdict]:
         """The gate again; its verdict is recorded on the bottle. ISOLATION_FAILED names
         the leak."""
-        verdict = await self._vms().verify(self.require())
+        verdict = await self._host().verify(self.require())
         current = self.core.value
         if current is not None and current.vms is not None:
             current = self.core.value = evolve(
@@ -624,7 +630,7 @@ class VMBottle(BottleOwner):
 
     async def set_policy(self, hosts: tuple[str, ...]) -> tuple[str, ...]:
         """Push a new allow-list; the record changes only after the sidecar reloaded it."""
-        updated = await self._vms().set_policy(self.require(), hosts)
+        updated = await self._host().set_policy(self.require(), hosts)
         # Its kept state is the machine's (it may have degraded while the push ran).
         updated = self.core.value = evolve(updated, state=self.machine.kept_state())
         self.persist(updated)
@@ -634,7 +640,7 @@ class VMBottle(BottleOwner):
     def bridge_status(self) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status``."""
         vm = self.require().vms
-        if self.hands.vms is None or vm is None:
+        if self.hands.host is None or vm is None:
             return None
         if not runs_bridge(vm.spec, vm.endpoints):
             status = BridgeStatus(BridgeState.OFF)  # the image bridges its own ports
@@ -643,7 +649,11 @@ class VMBottle(BottleOwner):
         else:
             status = self.core.bridge.status()
         ports = [str(e.guest_port) for e in vm.endpoints if e.guest_path is not None]
-        return status.describe(ports)
+        text = status.describe(ports)
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is not None:
+            text += "; transparent egress " + layer_status(self.core.layer, service).describe()
+        return text
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
@@ -658,17 +668,17 @@ class VMBottle(BottleOwner):
         """Turn the bottle degraded when its sidecar's VM process exits (the pid watch is
         held in its machine's core), keep its bridge running, and turn it ``exited`` when its
         workload ends."""
-        vms, bottle = self.hands.vms, self.core.value
-        if vms is None or bottle is None or bottle.vms is None:
+        host, bottle = self.hands.host, self.core.value
+        if host is None or bottle is None or bottle.vms is None:
             return
         if self.machine.kept_state() is BottleState.DEGRADED:
             return  # nothing left to watch: its endpoints are gone
         vm = bottle.vms
         if self.core.watch is not None:
             self.core.watch.cancel()
-        self.core.watch = vms.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
+        self.core.watch = host.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
         if runs_bridge(vm.spec, vm.endpoints):
-            self.core.bridge = vms.bridges.keep(
+            self.core.bridge = host.bridges.keep(
                 self.core.bridge,
                 self.name,
                 vm.agent_vm,
@@ -678,7 +688,22 @@ class VMBottle(BottleOwner):
                 ),
                 on_failed=self.degrade_later,
             )
+        self.keep_layer(host, vm)
         self.wait_for_workload()
+
+    def keep_layer(self, host: VMHost, vm: BottleVMs) -> None:
+        """Keep the transparent egress layer running (its spec's), as the bridge is kept."""
+        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
+        if service is None:
+            return
+        self.core.layer = host.layers.keep_layer(
+            self.core.layer,
+            self.name,
+            vm.agent_vm,
+            proxy_endpoint(vm.endpoints, service),
+            on_restarted=lambda detail: emit(self.hands, BRIDGE_RESTARTED, self.name, None, detail),
+            on_failed=self.degrade_later,
+        )
 
     @property
     def watched(self) -> bool:
@@ -687,9 +712,9 @@ class VMBottle(BottleOwner):
 
     def wait_for_workload(self) -> None:
         """Wait for the bottle's running workload to end (nothing if one already waits)."""
-        vms, bottle = self.hands.vms, self.core.value
+        host, bottle = self.hands.host, self.core.value
         vm = None if bottle is None else bottle.vms
-        if vms is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
+        if host is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
             return
         if self.core.waiter is not None:
             return
@@ -698,7 +723,7 @@ class VMBottle(BottleOwner):
             if self.core.waiter is waiter:
                 self.core.waiter = None
                 if not waiter.cancelled:
-                    Deferred.fromCoroutine(self._after_loss(vms.smolvm, vm.agent_vm))
+                    Deferred.fromCoroutine(self._after_loss(host.smolvm, vm.agent_vm))
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
@@ -713,7 +738,7 @@ class VMBottle(BottleOwner):
             )
 
         assert bottle is not None
-        d = Deferred.fromCoroutine(attach.spawn_exec(vms, bottle, request, waiter))
+        d = Deferred.fromCoroutine(attach.spawn_exec(host, bottle, request, waiter))
         d.addErrback(failed)
 
     async def _after_loss(self, smolvm: Any, agent_vm: str) -> None:
@@ -764,13 +789,13 @@ class VMBottle(BottleOwner):
 
     async def destroy(self) -> None:
         """Tear the VMs down (a failure leaves it degraded), then the record and the value."""
-        vms = self.hands.vms
-        assert vms is not None
+        host = self.hands.host
+        assert host is not None
         bottle = self.require()
         self.stop_watching()
         self.machine.tearing_down()
         try:
-            await vms.teardown(bottle)
+            await host.teardown(bottle)
         except Exception as e:
             self.machine.teardown_failed(
                 f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"

@@ -108,6 +108,8 @@ class BridgeSession(ProcessProtocol):
 
     MAX_OUTPUT = 512
     MAX_LINE = 64
+    #: The line that says the program is up.
+    READY = re.compile(rb"^BNB ready [0-9]+$", re.MULTILINE)
 
     def __init__(self, script: bytes) -> None:
         self.script = script
@@ -131,7 +133,7 @@ class BridgeSession(ProcessProtocol):
         if childFD != 1 or len(self._out) >= self.MAX_OUTPUT:
             return
         self._out += data[: self.MAX_OUTPUT - len(self._out)]
-        if not self.ready.called and re.search(rb"^BNB ready [0-9]+$", self._out, re.MULTILINE):
+        if not self.ready.called and self.READY.search(self._out):
             self.ready.callback(None)
 
     def _reports(self, data: bytes) -> None:
@@ -257,6 +259,8 @@ class Bridges:
     It holds no bottle's keeper: the bottle's owner does (stopped with ``BridgeKeeper.stop``)."""
 
     log = Logger()
+    #: What the keeper's log lines and reasons call the guest program it keeps.
+    what = "bridge"
 
     def __init__(self, reactor: Any, smolvm: Smolvm, table: ForwardTable) -> None:
         self.reactor = reactor
@@ -453,7 +457,7 @@ class Bridges:
             self.log.warn("bottle {bottle}: {detail}", bottle=kept.bottle, detail=gone)
             kept.on_failed(gone)
             return
-        self._failed_once(kept, f"the bridge ended (exit {code})")
+        self._failed_once(kept, f"the {self.what} ended (exit {code})")
 
     def _failed_once(self, kept: BridgeKeeper, why: str) -> None:
         kept.detail = why
@@ -461,7 +465,7 @@ class Bridges:
             kept.state = BridgeState.FAILED
             kept.detail = f"{why}; gave up after {kept.failures} failures in a row"
             self.log.warn("bottle {bottle}: {detail}", bottle=kept.bottle, detail=kept.detail)
-            kept.on_failed(f"bridge failed: {kept.detail}")
+            kept.on_failed(f"{self.what} failed: {kept.detail}")
             return
         kept.state = BridgeState.RESTARTING
         delay = min(BACKOFF_MAX, BACKOFF_FIRST * 2 ** max(0, kept.failures - 1))
@@ -493,7 +497,7 @@ class Bridges:
             kept.restarts += 1
             kept.detail = ""
             session.ended.addCallback(lambda code: self._ended(kept, session, code))
-            self.log.info("bottle {bottle}: bridge restarted", bottle=kept.bottle)
-            kept.on_restarted(f"bridge restarted in {kept.agent_vm} ({kept.restarts}x)")
+            self.log.info("bottle {bottle}: {what} restarted", bottle=kept.bottle, what=self.what)
+            kept.on_restarted(f"{self.what} restarted in {kept.agent_vm} ({kept.restarts}x)")
 
         Deferred.fromCoroutine(go())

@@ -11,8 +11,8 @@ start the workload (``exec -d``, as the spec's user); record the state. Any fail
 undos of the steps done so far, in reverse (every machine is stopped before it is deleted, so
 no VMM outlives its record), and surfaces as one typed error (design invariant 6).
 
-One :class:`Creation` per create holds what that create has done; the lifecycle
-(:class:`~bottlenet.bottles.lifecycle.VMLifecycle`) keeps nothing of it.
+One :class:`Creation` per create holds what that create has done; the host
+(:class:`~bottlenet.bottles.host.VMHost`) keeps nothing of it.
 """
 
 from __future__ import annotations
@@ -28,16 +28,17 @@ from bottlenet.bottles import egress, readiness, volumeaccess, workload
 from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import BridgeKeeper
-from bottlenet.bottles.isolation import (
-    AGENT_WAIT_COMMAND,
-    IsolationPlan,
-)
-from bottlenet.bottles.lifecycle import (
+from bottlenet.bottles.egresslayer import LayerKeeper, proxy_endpoint
+from bottlenet.bottles.host import (
     Reserved,
-    VMLifecycle,
+    VMHost,
     runs_bridge,
     vm_parts,
     volumes_of,
+)
+from bottlenet.bottles.isolation import (
+    AGENT_WAIT_COMMAND,
+    IsolationPlan,
 )
 from bottlenet.bottles.model import (
     Bottle,
@@ -56,6 +57,7 @@ from bottlenet.bottles.spec import (
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
+    EgressLayerFailed,
     IsolationFailed,
     IsolationUnavailable,
     SmolvmFailed,
@@ -140,8 +142,9 @@ def agent_machine_spec(
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
-#: The last step: the bottle's owner records it, with the bridge its create started (if any).
-Commit = Callable[[Bottle, BridgeKeeper | None], None]
+#: The last step: the bottle's owner records it, with the bridge and the transparent egress
+#: layer its create started (if any).
+Commit = Callable[[Bottle, BridgeKeeper | None, LayerKeeper | None], None]
 
 
 @frozen
@@ -184,12 +187,15 @@ class AgentStarted:
 
 class Creation:
     """One create of a VM bottle: its spec, its plan and what it has done so far (the undo
-    list); the lifecycle's services (``vms``) do each step's work."""
+    list); the host's parts (``host``) do each step's work."""
 
     log = Logger()
 
-    def __init__(self, vms: VMLifecycle, spec: BottleSpec, plan: IsolationPlan) -> None:
-        self.vms = vms
+    def __init__(self, host: VMHost, spec: BottleSpec, plan: IsolationPlan) -> None:
+        self.host = host
+        #: The parts the steps use most, from the host.
+        self.smolvm, self.state_dir, self.options = host.smolvm, host.state_dir, host.options
+        self.access, self.table = host.access, host.table
         self.name = spec.name
         self.spec = spec
         #: The spec's sidecar and agent, narrowed once: a VM bottle has both.
@@ -200,10 +206,12 @@ class Creation:
         self.reserved: dict[Role, Reserved] = {}
         #: The bridge this create started (handed to the bottle's owner with the record).
         self.bridge: BridgeKeeper | None = None
+        #: The transparent egress layer this create started (the same).
+        self.layer: LayerKeeper | None = None
 
     async def run(self, commit: Commit) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
-        self.vms.check_volumes(self.agent)  # before any machine: nothing to undo yet
+        self.host.check_volumes(self.agent)  # before any machine: nothing to undo yet
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
@@ -212,7 +220,7 @@ class Creation:
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
-            commit(bottle, self.bridge)  # 7. its owner records it (the state file)
+            commit(bottle, self.bridge, self.layer)  # 7. its owner records it (the state file)
         except BaseException as e:
             undone = await self._rollback(e)
             # A smolvm failure says what became of the bottle (an isolation failure's own
@@ -221,6 +229,8 @@ class Creation:
             if isinstance(e, VmctlError):
                 mapped = map_vmctl(e)
                 raise type(mapped)(f"{mapped.message}; {after}") from None
+            if isinstance(e, EgressLayerFailed):
+                raise EgressLayerFailed(f"{e.message}; {after}") from None
             if isinstance(e, OSError):
                 raise SmolvmFailed(
                     f"creating bottle {self.name} failed: {e.strerror}; {after}"
@@ -266,13 +276,13 @@ class Creation:
                     err=getattr(e, "message", type(e).__name__),
                 )
         reserved = [r.uid for r in self.reserved.values()]
-        await self.vms.end_uids(self.name, reserved, give_back=True)
+        await self.host.end_uids(self.name, reserved, give_back=True)
         return undone
 
     async def step_allocate(self) -> None:
         """1. The bottle's own socket directory (its agent endpoints) and the sidecar's inside
         it, 0700 (0701 and per VMM uid under per-VM uids: ``vmmaccess``)."""
-        path = bottle_dir(self.vms.state_dir, self.name)
+        path = bottle_dir(self.state_dir, self.name)
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         try:
             os.mkdir(path, 0o700)
@@ -280,25 +290,25 @@ class Creation:
             # The registry holds the name, so no bottle owns this: a leftover (a cleanup
             # that was cut short, or what a VMM uid left). It goes, whatever is in it.
             self.log.warn("bottle {bottle}: clearing a leftover directory", bottle=self.name)
-            await self.vms.blocking(remove_bottle_dir, self.vms.state_dir, self.name)
+            await self.host.blocking(remove_bottle_dir, self.state_dir, self.name)
             os.mkdir(path, 0o700)
 
         async def remove() -> None:
-            await self.vms.blocking(remove_bottle_dir, self.vms.state_dir, self.name)
+            await self.host.blocking(remove_bottle_dir, self.state_dir, self.name)
 
         self.undo.append(("directory", remove))
-        os.mkdir(sidecar_dir(self.vms.state_dir, self.name), 0o700)
-        self.vms.access.open_path(path)
+        os.mkdir(sidecar_dir(self.state_dir, self.name), 0o700)
+        self.access.open_path(path)
 
     async def step_sidecar(self) -> SidecarStarted:
         """2 + 3. The sidecar, its services on exposed UNIX sockets (default) or raw ports
         (opt-in, retried on collisions); either way held by its VM process, verified."""
         name = machine_name(self.name, Role.SIDECAR)
-        await self.vms.version()
-        features = self.vms.smolvm.features or Features()
+        await self.host.version()
+        features = self.smolvm.features or Features()
 
         async def remove() -> None:
-            await self.vms.smolvm.remove(name)
+            await self.smolvm.remove(name)
 
         if self.sidecar.listen == LISTEN_TCP:
             raw = await self._start_raw_sidecar(name, features)
@@ -306,35 +316,32 @@ class Creation:
             return SidecarStarted(name, raw.pid, tuple(raw.ports))
         if not features.expose_socket:
             raise SmolvmUnavailable(
-                f"smolvm {self.vms.smolvm.known_version} has no --expose-socket, so sidecar "
+                f"smolvm {self.smolvm.known_version} has no --expose-socket, so sidecar "
                 'services cannot be UNIX sockets; upgrade smolvm or set sidecar.listen = "tcp"'
             )
         paths = [
-            sidecar_socket_path(self.vms.state_dir, self.name, s.name)
-            for s in self.sidecar.services
+            sidecar_socket_path(self.state_dir, self.name, s.name) for s in self.sidecar.services
         ]
         sockets = [
             ExposeSocket(sidecar_guest_socket(s.name), p)
             for s, p in zip(self.sidecar.services, paths, strict=True)
         ]
-        labels = self.vms.labels(self.name, Role.SIDECAR)
+        labels = self.host.labels(self.name, Role.SIDECAR)
         spec = sidecar_machine_spec(name, self.sidecar, labels, features, sockets=sockets)
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
-            reserved = await self.vms.reserve_uid(name)
+            reserved = await self.host.reserve_uid(name)
             if reserved is not None:
                 self.reserved[Role.SIDECAR] = reserved
-                self.vms.access.hand_sidecar_dir(
-                    sidecar_dir(self.vms.state_dir, self.name), reserved.uid
-                )
+                self.access.hand_sidecar_dir(sidecar_dir(self.state_dir, self.name), reserved.uid)
 
         try:
             started = await start_with_sockets(
-                self.vms.smolvm,
+                self.smolvm,
                 spec,
-                check=self.vms.check_socket,
-                allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+                check=self.host.check_socket,
+                allow_unverifiable=self.options.allow_unverifiable_ports,
                 before_start=hand_over,
             )
         except PortNotOwned:
@@ -354,7 +361,7 @@ class Creation:
     async def _start_raw_sidecar(self, name: str, features: Features) -> RawPortsResult:
         """The sidecar with its services published on raw ports (``sidecar.listen = "tcp"``)."""
         sidecar = self.sidecar
-        labels = self.vms.labels(self.name, Role.SIDECAR)
+        labels = self.host.labels(self.name, Role.SIDECAR)
 
         def make_spec(ports: Sequence[int]) -> MachineSpec:
             mapped = [
@@ -365,16 +372,16 @@ class Creation:
 
         async def reserve() -> None:
             # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
-            reserved = await self.vms.reserve_uid(name)
+            reserved = await self.host.reserve_uid(name)
             if reserved is not None:
                 self.reserved[Role.SIDECAR] = reserved
 
         return await start_with_raw_ports(
-            self.vms.smolvm,
+            self.smolvm,
             make_spec,
             len(sidecar.services),
-            check=self.vms.check_port,
-            allow_unverifiable=self.vms.options.allow_unverifiable_ports,
+            check=self.host.check_port,
+            allow_unverifiable=self.options.allow_unverifiable_ports,
             before_start=reserve,
         )
 
@@ -386,26 +393,26 @@ class Creation:
             for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True)
         ]
         await readiness.wait_ready(
-            self.vms.reactor,
+            self.host.reactor,
             services,
-            probe=self.vms.service_ready,
-            timeout=self.vms.options.sidecar_ready_timeout,
+            probe=self.host.service_ready,
+            timeout=self.options.sidecar_ready_timeout,
         )
 
     async def step_bind(self, sidecar: SidecarStarted) -> EndpointsBound:
         """4. One agent endpoint per service, relaying to the sidecar's socket (or raw port)."""
 
         async def unbind() -> None:
-            await self.vms.table.remove_bottle(self.name)
+            await self.table.remove_bottle(self.name)
 
         self.undo.append(("endpoints", unbind))
         endpoints = []
         for svc, behind in zip(self.sidecar.services, sidecar.behind, strict=True):
-            listen = unix_listen_for(self.vms.state_dir, self.name, svc.name)
+            listen = unix_listen_for(self.state_dir, self.name, svc.name)
             endpoints.append(
-                await self.vms.bind_endpoint(self.name, svc.name, svc.guest_port, behind, listen)
+                await self.host.bind_endpoint(self.name, svc.name, svc.guest_port, behind, listen)
             )
-        self.vms.table.admit_peers(self.name, self.vms.access.peers(None))
+        self.table.admit_peers(self.name, self.access.peers(None))
         return EndpointsBound(tuple(endpoints))
 
     async def step_egress(self, sidecar: SidecarStarted) -> EgressSet:
@@ -414,7 +421,7 @@ class Creation:
         if egress_spec is None:
             return EgressSet(())
         policy = egress_spec.allow_hosts
-        await egress.push_policy(self.vms.smolvm, sidecar.vm, egress_spec, policy, previous=None)
+        await egress.push_policy(self.smolvm, sidecar.vm, egress_spec, policy, previous=None)
         return EgressSet(policy)
 
     async def step_agent(self, bound: EndpointsBound, egress_set: EgressSet) -> AgentStarted:
@@ -428,13 +435,14 @@ class Creation:
         endpoints = bound.endpoints
         env = stamp_env(self.spec, self.plan.mode, endpoints)
         reserved = await self._create_agent(name, env, endpoints)
-        await self.vms.smolvm.start(name)
+        await self.smolvm.start(name)
         if reserved is not None:
-            await self.vms.check_started_uid(self.name, reserved)
+            await self.host.check_started_uid(self.name, reserved)
         probe = await self.step_gate(name, endpoints, egress_set.policy)
         await self.step_bridge(name, endpoints)
+        await self.step_layer(name, endpoints)
         if agent.workload:
-            await workload.start(self.vms.smolvm, name, agent.workload, agent.user, env)
+            await workload.start(self.smolvm, name, agent.workload, agent.user, env)
         return AgentStarted(name, env, probe)
 
     async def _create_agent(
@@ -447,31 +455,31 @@ class Creation:
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
         reservation (None under one uid)."""
         spec = agent_machine_spec(
-            name, self.agent, self.vms.labels(self.name, Role.AGENT), env, endpoints
+            name, self.agent, self.host.labels(self.name, Role.AGENT), env, endpoints
         )
         if self.agent.user is not None:
-            await self.vms.version()
-            features = self.vms.smolvm.features or Features()
+            await self.host.version()
+            features = self.smolvm.features or Features()
             if not features.exec_user:
                 raise SmolvmUnavailable(
-                    f"smolvm {self.vms.smolvm.known_version} has no exec --user, so agent.user "
+                    f"smolvm {self.smolvm.known_version} has no exec --user, so agent.user "
                     "cannot be honoured; upgrade smolvm (1.32 has it) or drop agent.user"
                 )
-        await self.vms.smolvm.create(spec)
+        await self.smolvm.create(spec)
 
         async def remove() -> None:
-            await self.vms.smolvm.remove(name)
+            await self.smolvm.remove(name)
 
         self.undo.append(("agent", remove))
         writable = [v.host for v in volumes_of(self.agent)[0] if not v.read_only]
-        reserved = await self.vms.reserve_uid(name, writable)
+        reserved = await self.host.reserve_uid(name, writable)
         if reserved is not None:
             self.reserved[Role.AGENT] = reserved
-            self.vms.grant_agent(self.name, endpoints, reserved.uid)
+            self.host.grant_agent(self.name, endpoints, reserved.uid)
             self.grant_volumes(reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
-            created = await self.vms.smolvm.status(name)
+            created = await self.smolvm.status(name)
             if created.network:
                 raise IsolationFailed(
                     f"the packed agent image of {self.name} turns on networking (smolvm reports "
@@ -494,9 +502,9 @@ class Creation:
         self, agent_vm: str, endpoints: Sequence[Endpoint], policy: Sequence[str]
     ) -> ProbeResult:
         """6b. The launch gate, between the agent VM's start and its workload."""
-        if self.vms.options.skip_probe:
+        if self.options.skip_probe:
             return ProbeResult.SKIPPED
-        verdict = await self.vms.gate.check(
+        verdict = await self.host.gate.check(
             self.name,
             agent_vm,
             self.plan.mode,
@@ -522,9 +530,35 @@ class Creation:
             if self.bridge is not None:
                 self.bridge.stop()
 
-        self.bridge = await self.vms.bridges.start(self.name, agent_vm, endpoints)
+        self.bridge = await self.host.bridges.start(self.name, agent_vm, endpoints)
         self.undo.append(("bridge", stop))
-        await self.vms.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
+        await self.host.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
+
+    async def step_layer(self, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
+        """6d. The transparent egress layer (``agent.transparent_egress``), installed after the
+        gate's isolation checks and proven: canaries reach the proxy service as CONNECT."""
+        service = self.agent.transparent_egress
+        if service is None:
+            return
+        proxy = proxy_endpoint(endpoints, service)
+
+        async def stop() -> None:
+            if self.layer is not None:
+                self.layer.stop()
+
+        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy)
+        self.undo.append(("egress layer", stop))
+        if self.options.skip_probe:
+            return
+        verdict = await self.host.layers.prove(
+            self.name, agent_vm, proxy, self.host.gate.settings.outside
+        )
+        if not verdict.passed:
+            raise IsolationFailed(
+                f"transparent egress check failed in {agent_vm}: {verdict.describe()}; "
+                "bottle torn down"
+            )
+        self.layer.counters.reset()
 
     def _uid(self, role: Role) -> int | None:
         reserved = self.reserved.get(role)
@@ -540,7 +574,7 @@ class Creation:
         return Bottle(
             name=self.name,
             alias=None,
-            created_at=self.vms.reactor.seconds(),
+            created_at=self.host.reactor.seconds(),
             vms=BottleVMs(
                 spec=self.spec,
                 mode=self.plan.mode,
@@ -551,7 +585,7 @@ class Creation:
                 endpoints=bound.endpoints,
                 env=agent.env,
                 policy=egress_set.policy,
-                probe_skipped=self.vms.options.skip_probe,
+                probe_skipped=self.options.skip_probe,
                 probe=agent.probe,
                 workload=WorkloadState.RUNNING if self.agent.workload else None,
                 agent_uid=self._uid(Role.AGENT),
@@ -560,8 +594,8 @@ class Creation:
         )
 
 
-async def create_vm(vms: VMLifecycle, spec: BottleSpec, commit: Commit) -> Bottle:
+async def create_vm(host: VMHost, spec: BottleSpec, commit: Commit) -> Bottle:
     """Create the VM bottle ``spec`` names; ``commit`` records it with the bridge the create
     started, if any (the last step)."""
-    plan = await vms.plan(spec)
-    return await Creation(vms, spec, plan).run(commit)
+    plan = await host.plan(spec)
+    return await Creation(host, spec, plan).run(commit)

@@ -13,7 +13,7 @@ from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
 from bottlenet.bottles import attach
 from bottlenet.bottles.attach import ExecRequest
-from bottlenet.bottles.lifecycle import VMLifecycle
+from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.sessions import CountedSession, SessionSlots
 
@@ -21,8 +21,8 @@ from bottlenet.bottles.sessions import CountedSession, SessionSlots
 class Execs:
     """Every bottle's launcher sessions: admitted per bottle, then run in its agent VM."""
 
-    def __init__(self, vms: VMLifecycle | None) -> None:
-        self._vms = vms
+    def __init__(self, host: VMHost | None) -> None:
+        self._host = host
         #: Launcher sessions per bottle, capped below the guest agent's limit.
         self.sessions = SessionSlots()
 
@@ -39,7 +39,7 @@ class Execs:
         slot = self.sessions.take(bottle.name)
         try:
             return await attach.spawn_exec(
-                self._vms, bottle, request, CountedSession(protocol, slot), stdio=stdio
+                self._host, bottle, request, CountedSession(protocol, slot), stdio=stdio
             )
         except BaseException:
             slot.release()

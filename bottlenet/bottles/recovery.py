@@ -9,7 +9,7 @@ owner label but that no bottle claims (a create cut short by a crash); removes u
 socket directories. A sidecar smolvm calls ``unreachable`` (its agent missed a 250 ms ping)
 whose recorded VMM pid is alive is not dead. It never touches a machine without our owner
 label. Whether one kept bottle lives on is :func:`check_alive` and :func:`rebind` here, over
-the lifecycle's smolvm, forward table and ownership checks.
+the host's smolvm, forward table and ownership checks.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.bottledirs import BOTTLES, remove_bottle_dir
-from bottlenet.bottles.lifecycle import VMLifecycle
+from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.model import (
     LABEL_OWNER,
     Bottle,
@@ -52,9 +52,7 @@ from vmctl.ports import Ownership
 from vmctl.smolvm import Machine
 
 
-def check_alive(
-    vms: VMLifecycle, bottle: Bottle, machines: Mapping[str, Machine] | None
-) -> str | None:
+def check_alive(host: VMHost, bottle: Bottle, machines: Mapping[str, Machine] | None) -> str | None:
     """Why a persisted bottle cannot be kept, or None when its sidecar still runs with
     the recorded pid holding every exposed socket and raw port. ``machines`` is smolvm's
     listing by name (None when smolvm could not list: then the pid alone is checked).
@@ -76,33 +74,33 @@ def check_alive(
     if not alive:
         return "its sidecar VM is gone"
     for path in vm.sidecar_sockets:
-        sock = vms.check_socket(path, vm.sidecar_pid)
+        sock = host.check_socket(path, vm.sidecar_pid)
         if not sock.owned and not (
-            vms.options.allow_unverifiable_ports and sock.ownership is Ownership.UNVERIFIABLE
+            host.options.allow_unverifiable_ports and sock.ownership is Ownership.UNVERIFIABLE
         ):
             return f"a sidecar socket is no longer held by its VM ({sock.ownership.value})"
     for port in vm.raw_ports:
-        check = vms.check_port(port, vm.sidecar_pid)
+        check = host.check_port(port, vm.sidecar_pid)
         if not check.owned and not (
-            vms.options.allow_unverifiable_ports and check.ownership is Ownership.UNVERIFIABLE
+            host.options.allow_unverifiable_ports and check.ownership is Ownership.UNVERIFIABLE
         ):
             return f"raw port {port} is no longer held by its sidecar ({check.ownership.value})"
     return None
 
 
-async def restored_uids(vms: VMLifecycle, bottle: Bottle) -> BottleVMs:
+async def restored_uids(host: VMHost, bottle: Bottle) -> BottleVMs:
     """Under per-VM uids: the VMM uids the daemon reserved at create, checked against
     smolvm's root-owned registry (a record older than them takes the registry's). Never
     a VMM-writable file: a disagreement fails the bottle (ISOLATION_FAILED)."""
     vm = bottle.require_vms()
-    if not vms.access.per_vm:
+    if not host.access.per_vm:
         return vm
     found: dict[Role, int | None] = {}
     for role, machine, kept in (
         (Role.AGENT, vm.agent_vm, vm.agent_uid),
         (Role.SIDECAR, vm.sidecar_vm, vm.sidecar_uid),
     ):
-        registered = await vms.smolvm.vmm_uid(machine)
+        registered = await host.smolvm.vmm_uid(machine)
         if (kept is not None and registered != kept) or (role, registered) == (
             Role.AGENT,
             None,
@@ -115,7 +113,7 @@ async def restored_uids(vms: VMLifecycle, bottle: Bottle) -> BottleVMs:
     return evolve(vm, agent_uid=found[Role.AGENT], sidecar_uid=found[Role.SIDECAR])
 
 
-async def rebind(vms: VMLifecycle, bottle: Bottle) -> Bottle:
+async def rebind(host: VMHost, bottle: Bottle) -> Bottle:
     """Re-bind a persisted bottle's agent endpoints on the same paths, behind the same
     sidecar sockets or raw ports, granted to the agent VMM uid reserved at create.
 
@@ -124,37 +122,37 @@ async def rebind(vms: VMLifecycle, bottle: Bottle) -> Bottle:
     """
     vm = bottle.require_vms()
     try:
-        vm = await restored_uids(vms, bottle)
+        vm = await restored_uids(host, bottle)
         for e in vm.endpoints:
             behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
-            await vms.bind_endpoint(
+            await host.bind_endpoint(
                 bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
             )
-        vms.table.admit_peers(bottle.name, vms.access.peers(None))
+        host.table.admit_peers(bottle.name, host.access.peers(None))
         if vm.agent_uid is not None:
-            vms.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
+            host.grant_agent(bottle.name, vm.endpoints, vm.agent_uid)
     except VmctlError as e:
-        await vms.table.remove_bottle(bottle.name)
+        await host.table.remove_bottle(bottle.name)
         raise map_vmctl(e) from None
     except OSError as e:
-        await vms.table.remove_bottle(bottle.name)
+        await host.table.remove_bottle(bottle.name)
         raise SmolvmFailed(f"granting the agent VM its endpoints: {e.strerror}") from None
     except BottlenetError:
-        await vms.table.remove_bottle(bottle.name)
+        await host.table.remove_bottle(bottle.name)
         raise
     return evolve(bottle, vms=vm)
 
 
 class Recovery:
-    """One reconcile pass: the registry and the lifecycle do the work, this decides."""
+    """One reconcile pass: the registry and the host do the work, this decides."""
 
     log = Logger()
 
     def __init__(
-        self, registry: BottleRegistry, vms: VMLifecycle | None, state: State, state_dir: str
+        self, registry: BottleRegistry, host: VMHost | None, state: State, state_dir: str
     ) -> None:
         self.registry = registry
-        self.vms = vms
+        self.host = host
         self.state = state
         self.state_dir = state_dir
         #: A persisted record could not be read: no machine is an orphan for sure then.
@@ -209,10 +207,10 @@ class Recovery:
 
     async def _list_ours(self, expected: bool) -> list[Machine] | None:
         """Our labelled machines; None when smolvm cannot tell (missing, failing)."""
-        if self.vms is None:
+        if self.host is None:
             return None
         try:
-            return await self.vms.list_ours()
+            return await self.host.list_ours()
         except VmctlError as e:
             if not expected and e.code == "SMOLVM_UNAVAILABLE":
                 # A forward-only daemon without smolvm: nothing to reconcile, nothing wrong.
@@ -227,14 +225,14 @@ class Recovery:
         by_name = {m.name: m for m in machines or []}
         claimed: set[str] = set()
         for bottle in bottles:
-            if self.vms is None:
+            if self.host is None:
                 self.log.error("bottle {bottle}: no smolvm; kept as degraded", bottle=bottle.name)
                 await self.registry.restore(evolve(bottle, state=BottleState.DEGRADED))
                 continue
-            await self._restore(self.vms, bottle, by_name if machines is not None else None)
+            await self._restore(self.host, bottle, by_name if machines is not None else None)
             # kept, or torn down (its machines removed by the teardown): not orphans either way
             claimed |= set(bottle.require_vms().machines)
-        if machines is None or self.vms is None:
+        if machines is None or self.host is None:
             return
         if self.dropped:
             # A record that could not be read may be the one that claims these machines:
@@ -248,30 +246,30 @@ class Recovery:
                 "deleting orphan machine {name} (ours, claimed by no bottle)", name=m.name
             )
             try:
-                await self.vms.smolvm.remove(m.name)
+                await self.host.smolvm.remove(m.name)
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
 
     async def _stop_unfinished(self, machines: list[Machine]) -> None:
         """``stop`` every machine of ours whose record is neither running nor unreachable:
         it kills a VMM that a start cut short left behind (``delete`` would not)."""
-        assert self.vms is not None or not machines
+        assert self.host is not None or not machines
         for m in machines:
-            if m.running or m.unreachable or self.vms is None:
+            if m.running or m.unreachable or self.host is None:
                 continue
             try:
-                await self.vms.smolvm.stop(m.name)
+                await self.host.smolvm.stop(m.name)
             except VmctlError as e:
                 self.log.warn("could not stop {name}: {err}", name=m.name, err=e.message)
 
     async def _restore(
-        self, vms: VMLifecycle, bottle: Bottle, machines: dict[str, Machine] | None
+        self, host: VMHost, bottle: Bottle, machines: dict[str, Machine] | None
     ) -> bool:
         """Re-bind a live bottle's endpoints; tear down one that cannot be restored."""
-        why = check_alive(vms, bottle, machines)
+        why = check_alive(host, bottle, machines)
         if why is None:
             try:
-                bottle = await rebind(vms, bottle)
+                bottle = await rebind(host, bottle)
             except BottlenetError as e:
                 why = f"endpoint not restored: {e.message}"
         if why is None:
@@ -282,7 +280,7 @@ class Recovery:
         try:
             # Delete only machines smolvm lists with our labels (none when it cannot list;
             # the next start's orphan sweep finds them by label).
-            await vms.teardown(bottle, listed=machines if machines is not None else {})
+            await host.teardown(bottle, listed=machines if machines is not None else {})
         except (BottlenetError, OSError) as e:
             # One bottle's cleanup never stops the daemon's start.
             self.log.error(

@@ -33,8 +33,8 @@ from bottlenet.bottles.bottle import (
 )
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.execs import Execs
+from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.leftovers import find_leftovers
-from bottlenet.bottles.lifecycle import VMLifecycle
 from bottlenet.bottles.model import Bottle, Source
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
@@ -75,7 +75,7 @@ class BottleRegistry:
         max_connections: int = DEFAULT_MAX_CONNECTIONS,
         store: StateStore | None = None,
         instance_id: str = "",
-        vms: VMLifecycle | None = None,
+        host: VMHost | None = None,
     ) -> None:
         self._state_dir = state_dir
         #: The daemon's own directories, which no agent volume may overlap (tap adds more).
@@ -83,7 +83,7 @@ class BottleRegistry:
         #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
         self.max_bottles = max_bottles
         self.instance_id = instance_id
-        self.vms = vms
+        self.host = host
         #: One owner per name: every bottle, and per name a create is making.
         self._owners: dict[str, BottleOwner] = {}
         #: The names of the bottles made (not those being created), sorted as they come and go.
@@ -96,11 +96,11 @@ class BottleRegistry:
         #: Every bottle event (created, ready, degraded, destroyed) as it happens.
         self.events = EventBus()
         #: Launcher sessions (Exec, Logs), admitted per bottle up to its cap.
-        self.execs = Execs(vms)
+        self.execs = Execs(host)
         #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
         self.admission: Callable[[Source], None] | None = None
         self._hands = Hands(
-            clock, table, aliases, vms, store, self.events, max_connections, self._resync.arm,
+            clock, table, aliases, host, store, self.events, max_connections, self._resync.arm,
             self._forget,
         )  # fmt: skip
 
@@ -277,7 +277,7 @@ class BottleRegistry:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
         if self.has_bottle(name):
             return [f"bottle {name} still exists"]
-        return await find_leftovers(name, self.vms, self._state_dir)
+        return await find_leftovers(name, self.host, self._state_dir)
 
     # -- VM bottles ---------------------------------------------------------------------
 

@@ -108,6 +108,9 @@ class AgentSpec:
     user: str | None = None
     #: Whether bottlenet runs its own in-guest bridge (``none``: the image brings one).
     bridge: BridgeMode = BridgeMode.BOTTLENET
+    #: The sidecar service (an HTTP CONNECT proxy) every TCP connect of the agent goes to,
+    #: through bottlenet's transparent egress layer (None: no layer).
+    transparent_egress: str | None = None
 
 
 @frozen
@@ -253,8 +256,11 @@ def _sidecar(raw: object) -> SidecarSpec:
 
 def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     f = _fields(
-        raw, "agent", {"image", "cpus", "mem", "env", "workload", "volumes", "user", "bridge"}
-    )
+        raw,
+        "agent",
+        {"image", "cpus", "mem", "env", "workload", "volumes", "user", "bridge",
+         "transparent_egress"},
+    )  # fmt: skip
     image = _string(f, "image")
     cpus = f.integer("cpus", AGENT_CPUS[0], AGENT_CPUS[1], default=AGENT_CPUS[2])
     mem = f.integer("mem", AGENT_MEM[0], AGENT_MEM[1], default=AGENT_MEM[2])
@@ -270,7 +276,12 @@ def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     bridge = f.get("bridge", BridgeMode.BOTTLENET.value)
     if bridge not in tuple(BridgeMode):
         raise InvalidArgument('agent.bridge: must be "bottlenet" (the default) or "none"')
-    return AgentSpec(image, cpus, mem, env, workload, volumes, user, BridgeMode(bridge))
+    layer = (
+        _string(f, "transparent_egress", required=False)
+        if "transparent_egress" in f.table
+        else None
+    )
+    return AgentSpec(image, cpus, mem, env, workload, volumes, user, BridgeMode(bridge), layer)
 
 
 def _refuse_unencodable(data: Mapping[str, Any]) -> None:
@@ -298,6 +309,23 @@ def _check_encodes(value: object, where: str) -> None:
             raise InvalidArgument(f"{where}: must be valid Unicode (no lone surrogates)") from None
 
 
+def _check_transparent_egress(mode: str, sidecar: SidecarSpec, agent: AgentSpec) -> None:
+    """``agent.transparent_egress`` names a service of the sidecar, in socket mode (the layer
+    reaches the proxy through its mounted socket; an alias-mode agent has a network)."""
+    service = agent.transparent_egress
+    if service is None:
+        return
+    if service not in [s.name for s in sidecar.services]:
+        raise InvalidArgument(
+            "agent.transparent_egress: must name one of sidecar.service (the HTTP CONNECT proxy)"
+        )
+    if mode not in ("socket", "auto"):
+        raise InvalidArgument(
+            f"agent.transparent_egress: needs socket mode (the agent VM has no network device "
+            f"and reaches the proxy through its mounted socket), not mode {mode!r}"
+        )
+
+
 def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:
     """Validate a parsed spec document (from TOML or JSON) for bottle ``name``.
 
@@ -318,6 +346,7 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
         return BottleSpec(name, mode, None, None, dict(f.table))
     sidecar = _sidecar(f.get("sidecar", required=True))
     agent = _agent(f.get("agent", required=True), protected)
+    _check_transparent_egress(mode, sidecar, agent)
     if mode == "socket" and not is_local_image(agent.image):
         raise InvalidArgument(
             "agent.image: socket mode gives the agent VM no network, so smolvm cannot pull a "

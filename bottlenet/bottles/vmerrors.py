@@ -1,7 +1,7 @@
 """vmctl's errors as the control plane's: one mapping for every caller that drives smolvm.
 
 A leaf of the bottles wing (it knows the two error hierarchies, nothing of bottles), so a
-module that only runs a command in a VM (``attach``) need not import the lifecycle.
+module that only runs a command in a VM (``attach``) need not import the host.
 """
 
 from __future__ import annotations

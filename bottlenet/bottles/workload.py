@@ -33,12 +33,14 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable
+from importlib import resources
 
 from twisted.internet.error import ProcessDone
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from bottlenet.errors import SmolvmFailed
+from bottlenet.kit import parent
 from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 
@@ -56,7 +58,7 @@ MAX_TAIL = 100_000
 #: ``oci.rs`` ``default_mounts``, fidelity.md #7), so the workload's log is bounded: at this
 #: size ``log`` becomes ``log.1`` (replacing the older one) and a new ``log`` starts. At most
 #: twice this much of the guest's RAM holds the workload's output.
-LOG_CAP = 8 * 1024 * 1024
+LOG_CAP = parent.CAP
 
 #: A quick guest step of the start (the workload's command check, the image's user).
 SETUP_TIMEOUT = 60.0
@@ -79,65 +81,10 @@ _PREPARE_ROOT = (
     f'command -v -- "$2" >/dev/null 2>&1 || exit {PREPARE_NOT_FOUND}; {_PY}'
     f'command -v -- "$py" >/dev/null 2>&1 || exit {PREPARE_NO_PYTHON}'
 )
-# The root-run parent: it starts the workload as the user, copies its output into the log
-# (rotated at CAP), waits for it, and writes its code where the user cannot (argv: the
-# directory, the user, the workload's argv). Python 3.7+.
-_PARENT = (
-    f"CAP = {LOG_CAP}\n"
-    + """\
-import os, pwd, sys, threading
-d, user, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
-name, _, group = user.partition(":")
-try:
-    pw = pwd.getpwuid(int(name)) if name.isdigit() else pwd.getpwnam(name)
-    uid, gid = pw.pw_uid, pw.pw_gid
-except KeyError:
-    if not name.isdigit():
-        sys.exit(126)
-    uid = gid = int(name)
-if group:
-    gid = int(group)
-null = os.open(os.devnull, os.O_RDONLY)
-r, w = os.pipe()
-pid = os.fork()
-if pid == 0:
-    try:
-        os.dup2(null, 0); os.dup2(w, 1); os.dup2(w, 2); os.close(r); os.close(w)
-        os.setgroups([gid]); os.setgid(gid); os.setuid(uid)
-        os.execvp(argv[0], argv)
-    finally:
-        os._exit(127)
-os.close(w)
-def copy():
-    log = os.open(d + "/log", os.O_WRONLY | os.O_APPEND)
-    size = os.fstat(log).st_size
-    while True:
-        data = os.read(r, 65536)
-        if not data:
-            return
-        if size + len(data) > CAP:
-            os.close(log)
-            os.rename(d + "/log", d + "/log.1")
-            log = os.open(d + "/log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-            size = 0
-        os.write(log, data)
-        size += len(data)
-copier = threading.Thread(target=copy)
-copier.start()
-while True:
-    try:
-        _, status = os.waitpid(pid, 0)
-        break
-    except InterruptedError:
-        pass
-code = os.WEXITSTATUS(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
-copier.join(2.0)
-with open(d + "/exit.tmp", "w") as f:
-    f.write("%d\\n" % code)
-os.rename(d + "/exit.tmp", d + "/exit")
-copier.join()
-"""
-)
+# The root-run parent (``kit/parent.py``): it starts the workload as the user, copies its
+# output into the log (rotated at its CAP), waits for it, and writes its code where the user
+# cannot (argv: the directory, the user, the workload's argv). Python 3.7+.
+_PARENT = resources.files("bottlenet.kit").joinpath("parent.py").read_text()
 _WRAPPER_ROOT = f'd=$1; u=$2; shift 2; {_PY}exec "$py" -I -S -c "$0" "$d" "$u" "$@"'
 # The directory exists before the waiter starts: if it is gone, no exit code will ever come
 # (the guest's /tmp was cleaned), so the waiter ends without one instead of waiting forever.

@@ -40,6 +40,8 @@ class Invocation(NamedTuple):
     spec_json: str | None
     #: ``bottle exec``: the words after ``--``.
     after_dashes: tuple[str, ...]
+    #: The command line's words (before ``--``), to show an error about one of them as typed.
+    words: tuple[str, ...] = ()
 
     @property
     def call_timeout(self) -> float:
@@ -88,7 +90,7 @@ class ClientCommand(NamedTuple):
             with inv.client(light=self.light) as client:
                 self.handler(client, inv, out)
         except (ControlConnectionError, BottlenetError) as e:
-            return report_control_error(e, inv.path, err, as_json=inv.json)
+            return report_control_error(e, inv.path, err, as_json=inv.json, typed=inv.words)
         except KeyboardInterrupt:
             return 130
         except Exception as e:  # never a traceback for a person at a terminal

@@ -136,6 +136,18 @@ class SpecFileError(Exception):
 MAX_SPEC_JSON = 0xFFFF
 
 
+def in_spec_file(e: InvalidArgument, path: str | None, spec_json: str | None) -> InvalidArgument:
+    """The daemon's refusal of a ``--spec`` key (``mode: ...``, ``agent.image: ...``) with the
+    file's name in front, so the line says which file to fix; any other refusal as it is."""
+    if path is None or spec_json is None:
+        return e
+    keys = json.loads(spec_json)
+    key = e.message.split(":", 1)[0].split(".", 1)[0].split("[", 1)[0]
+    if key not in keys:
+        return e
+    return InvalidArgument(f"--spec {path}: {e.message}")
+
+
 def read_spec(path: str) -> str:
     """Read a TOML bottle spec and return it as JSON text for CreateBottle.
 
@@ -202,7 +214,10 @@ def _bottle_rows(b: Any) -> list[list[object]]:
 
 def cmd_bottle_create(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
     o = inv.options
-    b = c.call(calls.create_bottle(o.name, o.alias, inv.spec_json, o.owner, o.lease))
+    try:
+        b = c.call(calls.create_bottle(o.name, o.alias, inv.spec_json, o.owner, o.lease))
+    except InvalidArgument as e:
+        raise in_spec_file(e, o.spec, inv.spec_json) from None
     if inv.json:
         _json(b, out)
     elif b.mode:
@@ -613,7 +628,7 @@ def main(
     except SystemExit as e:  # --help, --version
         return int(e.code or 0) if isinstance(e.code, int) else EXIT_USAGE
     try:
-        inv = invocation(args, after_dashes, environ)
+        inv = invocation(args, after_dashes, environ)._replace(words=tuple(words))
     except UsageError as e:
         return usage_error(err, str(e), as_json=args.json)
     return inv.run(inv, out, err)

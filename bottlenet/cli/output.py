@@ -13,7 +13,7 @@ from bottlenet.control.clienterrors import (
     ControlConnectionError,
     DaemonUnreachable,
 )
-from bottlenet.errors import BottlenetError
+from bottlenet.errors import BottlenetError, safe_repr
 
 EXIT_OK, EXIT_DAEMON, EXIT_USAGE, EXIT_UNREACHABLE = 0, 1, 2, 3
 
@@ -84,12 +84,29 @@ def _unreachable_hint(e: ControlConnectionError, path: str) -> str:
     )
 
 
+def own_words(message: str, typed: Iterable[str]) -> str:
+    """``message`` with the daemon's digest of a word this person typed (``<9 bytes
+    sha256:...>``: the daemon never echoes an odd value raw) shown as the word, escaped: it is
+    their own input, on their own terminal."""
+    for word in typed:
+        digest = safe_repr(word)
+        if digest.startswith("<") and digest in message:
+            message = message.replace(digest, ascii(word))
+    return message
+
+
 def report_control_error(
-    e: ControlConnectionError | BottlenetError, path: str, err: TextIO, *, as_json: bool = False
+    e: ControlConnectionError | BottlenetError,
+    path: str,
+    err: TextIO,
+    *,
+    as_json: bool = False,
+    typed: Iterable[str] = (),
 ) -> int:
     """Explain a failed control call on ``err``; the exit status to return.
 
     An unreachable daemon is code ``UNREACHABLE`` (exit 3), a refusal the daemon's code (1).
+    ``typed``: the words of the command line, shown as typed where the daemon digested them.
     """
     if isinstance(e, ControlConnectionError):
         hint = _unreachable_hint(e, path)
@@ -98,5 +115,5 @@ def report_control_error(
         else:
             err.write(f"error: {clean(e)}\n{clean(hint)}\n")
         return EXIT_UNREACHABLE
-    write_error(err, e.code, e.message, as_json=as_json)
+    write_error(err, e.code, own_words(e.message, typed), as_json=as_json)
     return EXIT_DAEMON

@@ -73,6 +73,7 @@ CODE_STEP = {
     "ISOLATION_FAILED": "gate",
     "ISOLATION_UNAVAILABLE": "gate",
     "BRIDGE_FAILED": "bridge",
+    "EGRESS_LAYER_FAILED": "bridge",
 }
 FIXES = {
     "smolvm": "install the vm extra (pip install 'bottlenet[vm]') or start the daemon with"

@@ -10,6 +10,7 @@ the environment (``BOTTLENET_CONTROL_CERT``, ``BOTTLENET_CONTROL_KEY``, ``BOTTLE
 from __future__ import annotations
 
 import ipaddress
+import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,6 +22,10 @@ if TYPE_CHECKING:
 ENV_CERT = "BOTTLENET_CONTROL_CERT"
 ENV_KEY = "BOTTLENET_CONTROL_KEY"
 ENV_CA = "BOTTLENET_CONTROL_CA"
+
+#: ``tcp:``, ``ssl:``, ``systemd:``...: an endpoint-style prefix, never a socket file's name
+#: (a path is absolute, or relative without a scheme-like first word).
+_SCHEME = re.compile(r"([a-z][a-z0-9+.-]*):")
 
 
 class TLSCredentials(NamedTuple):
@@ -86,6 +91,12 @@ def parse_control_address(text: str) -> ControlAddress:
             raise InvalidArgument("--control tls: the port must be 1-65535")
         _check_host(host)
         return ControlAddress("tls", host=host, port=int(port_text))
+    scheme = _SCHEME.match(text)
+    if scheme and scheme.group(1) != "unix":
+        raise InvalidArgument(
+            f"--control {safe_repr(text)} is not a control address: use PATH, "
+            "unix:PATH or tls:HOST:PORT (remote control is TLS only, with a client certificate)"
+        )
     path = text[len("unix:") :] if text.startswith("unix:") else text
     if not path or "\0" in path:
         raise InvalidArgument("--control: an empty or invalid socket path")

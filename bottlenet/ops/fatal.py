@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
 from typing import Any
 
 from twisted.logger import Logger
@@ -44,10 +43,27 @@ def fatal_stop(reactor: Any, message: str, code: int = 1) -> None:
         reactor.callWhenRunning(reactor.stop)
 
 
-def fatal_stopper(reactor: Any, code: int = 1) -> Callable[[str], None]:
-    """:func:`fatal_stop` bound to ``reactor``: the ``on_fatal`` every listener is given."""
+class FatalStopper:
+    """:func:`fatal_stop` bound to ``reactor``: the ``on_fatal`` every listener is given.
 
-    def on_fatal(message: str) -> None:
-        fatal_stop(reactor, message, code)
+    ``stopping`` says a fatal stop is under way, so the start that is still running starts
+    nothing more and logs no start-up advice for a daemon that will not run (newcomer-3 trap
+    15: a VM warning after the one error line). Only the first message stops the daemon.
+    """
 
-    return on_fatal
+    def __init__(self, reactor: Any, code: int = 1) -> None:
+        self.reactor = reactor
+        self.code = code
+        self.stopping = False
+
+    def __call__(self, message: str) -> None:
+        if self.stopping:
+            log.error("fatal: {message}", message=message)
+            return
+        self.stopping = True
+        fatal_stop(self.reactor, message, self.code)
+
+
+def fatal_stopper(reactor: Any, code: int = 1) -> FatalStopper:
+    """The ``on_fatal`` of a daemon on ``reactor`` (:class:`FatalStopper`)."""
+    return FatalStopper(reactor, code)

@@ -349,7 +349,77 @@ def volumes():
         say("rw", d, "ok" if good else "fail")
 
 
+def dial(canary):
+    """A canary through the transparent egress layer: ``connected`` when the connect
+    completes (the layer's listener took it; the host must have seen its CONNECT), else
+    ``failed``. A name is resolved first (by the layer's fake-IP resolver)."""
+    kind, _, rest = canary.partition(":")
+    host, _, port = rest.rpartition(":")
+    if kind == "name":
+        found = []
+
+        def look():
+            try:
+                found.extend(
+                    socket.getaddrinfo(host, int(port), socket.AF_INET, socket.SOCK_STREAM)
+                )
+            except Exception:
+                pass
+
+        th = threading.Thread(target=look, daemon=True)
+        th.start()
+        th.join(PLAN["timeout"])
+        if not found:
+            return "failed"
+        rest = "%s:%s" % (found[0][4][0], port)
+    end = time.monotonic() + PLAN["timeout"] * 3
+    try:
+        family, target = sockaddr("tcp", rest)
+        s = socket.socket(family, socket.SOCK_STREAM)
+    except (OSError, ValueError):
+        return "failed"
+    try:
+        s.settimeout(PLAN["timeout"])
+        try:
+            s.connect(target)
+        except ConnectionResetError:
+            return "connected"  # reset by the layer before this thread ran again
+        except (OSError, ValueError):
+            return "failed"
+        try:  # until the layer ends it (the proxy refused the canary)
+            while time.monotonic() < end and s.recv(256):
+                pass
+        except OSError:
+            pass
+        return "connected"
+    finally:
+        s.close()
+
+
+def layer_main():
+    """The layer's check: canaries redirected, UDP and ICMP to the outside still blocked."""
+    if not controls():
+        say("end", "blind")
+        return EXIT_BLIND
+    fail = False
+    canaries = list(PLAN["canaries"])
+    for c, r in zip(canaries, parallel(dial, canaries)):
+        say("redirect", c, r)
+        fail = fail or r != "connected"
+    udp = "udp:" + PLAN["outside"][4:]
+    r = reach(udp)
+    say("deny", udp, "reachable" if r else "blocked")
+    outside_ip = PLAN["outside"][4:].rpartition(":")[0].strip("[]")
+    answered = ping(outside_ip)
+    say("icmp", outside_ip, "answers" if answered else "blocked")
+    fail = fail or r or bool(answered)
+    say("end", "fail" if fail else "pass")
+    return EXIT_FAIL if fail else EXIT_PASS
+
+
 def main():
+    if PLAN.get("layer"):
+        return layer_main()
     if not controls():
         say("end", "blind")
         return EXIT_BLIND

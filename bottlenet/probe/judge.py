@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from attrs import frozen
 
-from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, IsolationMode, ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, IsolationMode, LayerPlan, ProbePlan
 
 _IFACE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 _HASH = re.compile(r"[0-9a-f]{64}|none")
@@ -81,7 +81,7 @@ def _target(kind: str, host: str, port: int) -> str:
 class _Transcript:
     """The parsed lines of one run; ``unexpected`` counts everything that does not fit."""
 
-    def __init__(self, plan: ProbePlan, data: bytes) -> None:
+    def __init__(self, plan: ProbePlan | LayerPlan, data: bytes) -> None:
         self.unexpected = 0
         self.duplicates = 0
         self.begun = False
@@ -153,6 +153,8 @@ class _Transcript:
                 self._result(("id", w[1]), w[2], (w[2],))
             else:
                 self.unexpected += 1
+        elif verb == "redirect" and n == 3:
+            self._result(("redirect", w[1]), w[2], ("connected", "failed"))
         elif verb == "connect" and n == 3:
             self._result(("connect", w[1]), w[2], ("answered", "refused", "unreachable"))
         elif verb == "ro" and n == 3:
@@ -389,3 +391,69 @@ def _agreement(t: _Transcript, exit_code: int | None, *, clean: bool) -> list[st
     if exit_code is not None and (exit_code == 0) != (t.end == "pass"):
         problems.append(f"the probe's exit status {exit_code} does not match its transcript")
     return problems
+
+
+class Redirect(enum.StrEnum):
+    """What became of one canary dial through the transparent egress layer. Only the host's
+    witness can tell a redirect from a leak: in the guest both read "connected"."""
+
+    #: Connected in the guest, seen at the proxy service as CONNECT, refused there.
+    REDIRECTED = "redirected and refused"
+    #: Connected in the guest, never seen at the proxy: it went somewhere else.
+    LEAKED = "connected, never seen at the proxy"
+    #: The layer did not take it (no listener, no rule, no resolver).
+    NOT_TAKEN = "not taken by the layer"
+
+
+def redirect_outcome(result: str | None, witnessed: bool) -> Redirect | None:
+    if result == "connected":
+        return Redirect.REDIRECTED if witnessed else Redirect.LEAKED
+    if result == "failed":
+        return Redirect.NOT_TAKEN
+    return None
+
+
+def judge_layer(
+    plan: LayerPlan,
+    transcript: bytes,
+    *,
+    exit_code: int | None = None,
+    connects: Iterable[str] = (),
+) -> Verdict:
+    """PASS when every canary was redirected and refused (``connects``: the CONNECT targets
+    the host's witness saw at the proxy service) and UDP and ICMP to the outside address
+    stayed blocked."""
+    t = _Transcript(plan, transcript)
+    problems, finished = _framing(t)
+    if not finished:
+        return Verdict(False, tuple(problems))
+    seen = set(connects)
+    notes = []
+    for canary in plan.canaries():
+        target = plan.connect_target(canary)
+        outcome = redirect_outcome(t.results.get(("redirect", canary)), target in seen)
+        if outcome is None:
+            problems.append(f"check missing: redirect {canary}")
+        elif outcome is Redirect.REDIRECTED:
+            notes.append(f"{target}: {outcome.value}")
+        elif outcome is Redirect.LEAKED:
+            problems.append(f"leak: canary {target} {outcome.value} (no CONNECT {target})")
+        else:
+            problems.append(f"transparent egress: canary {target} {outcome.value}")
+    assert plan.outside.host is not None
+    udp = f"udp:{str(plan.outside)[4:]}"
+    checks = [
+        ("deny", udp, "reachable", f"leak: {udp} (the outside address over UDP) is reachable"),
+        ("icmp", plan.outside.host, "answers", "leak: the outside address answers ICMP echo"),
+    ]
+    for kind, key, bad, message in checks:
+        r = t.results.get((kind, key))
+        if r is None:
+            problems.append(f"check missing: {kind} {key}")
+        elif r == bad:
+            problems.append(message)
+    wanted = {("redirect", c) for c in plan.canaries()} | {(k, key) for k, key, _, _ in checks}
+    if any(key not in wanted for key in t.results):
+        problems.append("result(s) for checks that were not planned")
+    problems += _agreement(t, exit_code, clean=not problems)
+    return Verdict(not problems, tuple(dict.fromkeys(problems)), tuple(notes))

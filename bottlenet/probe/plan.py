@@ -236,3 +236,40 @@ class ProbePlan:
 def host_id_hash(nonce: str, value: str) -> str:
     """The form in which a host identity (machine-id, hostname) is compared in the guest."""
     return hashlib.sha256(f"{nonce}:{value.strip()}".encode()).hexdigest()
+
+
+#: The canaries' reserved ranges (RFC 5737 TEST-NET-1, RFC 3849) and a name under .invalid.
+CANARY_V4_NET = "192.0.2"
+CANARY_V6_NET = "2001:db8::"
+CANARY_DOMAIN = "gate.bottlenet.invalid"
+
+
+@frozen
+class LayerPlan:
+    """The second half of the gate for a bottle with transparent egress: with the layer
+    installed, canary dials to reserved addresses and to a name (each chosen from the nonce)
+    must arrive at the proxy service as ``CONNECT``, witnessed by the host; UDP and ICMP to
+    the outside address must still go nowhere."""
+
+    nonce: str = field(converter=check_nonce)
+    outside: Target = field(converter=_outside, default=Target("tcp", "1.1.1.1", 443))
+    timeout: float = CHECK_TIMEOUT
+
+    @property
+    def port(self) -> int:
+        return 1024 + int(self.nonce[2:6], 16) % 60000
+
+    def canaries(self) -> tuple[str, ...]:
+        """``tcp:HOST:PORT`` for the IPv4 and IPv6 literals, ``name:NAME:PORT`` for the name
+        the guest resolves through the layer's resolver."""
+        host = int(self.nonce[:2], 16) % 254 + 1
+        return (
+            f"tcp:{CANARY_V4_NET}.{host}:{self.port}",
+            f"tcp:[{CANARY_V6_NET}{self.nonce[6:10]}]:{self.port}",
+            f"name:{self.nonce[:16]}.{CANARY_DOMAIN}:443",
+        )
+
+    @staticmethod
+    def connect_target(canary: str) -> str:
+        """What the proxy must be asked for a canary: ``CONNECT`` of this."""
+        return canary.partition(":")[2]

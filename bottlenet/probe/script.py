@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from importlib import resources
 
-from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, ProbePlan
+from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, LayerPlan, ProbePlan
 
 #: Where a trusted probe kit (a directory with ``bin/python3``) is mounted read-only, if any.
 KIT_DIR = "/run/bottlenet-probe"
@@ -68,16 +68,27 @@ def plan_literal(plan: ProbePlan) -> dict[str, object]:
     }
 
 
-def guest_program(plan: ProbePlan) -> str:
+def layer_literal(plan: LayerPlan) -> dict[str, object]:
+    """The layer's check as ``guest.py`` reads it (``PLAN["layer"]``: its own main)."""
+    return {
+        "nonce": plan.nonce,
+        "layer": True,
+        "canaries": list(plan.canaries()),
+        "outside": str(plan.outside),
+        "timeout": plan.timeout,
+    }
+
+
+def guest_program(plan: ProbePlan | LayerPlan) -> str:
     """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
     source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
-    literal = plan_literal(plan)
+    literal = layer_literal(plan) if isinstance(plan, LayerPlan) else plan_literal(plan)
     marker = "PLAN = {}  # type: dict  # filled in by script.render\n"
     assert marker in source
     return source.replace(marker, f"PLAN = {literal!r}\n", 1)
 
 
-def render(plan: ProbePlan) -> bytes:
+def render(plan: ProbePlan | LayerPlan) -> bytes:
     """The script (every plan value was validated to a shell- and heredoc-safe alphabet)."""
     program = guest_program(plan)
     assert _HEREDOC not in program

@@ -9,7 +9,7 @@ itself is untouched, so the data plane stays byte-transparent for everything aft
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
@@ -100,3 +100,83 @@ class WitnessFactory(Factory):
 
     def buildProtocol(self, addr: Any) -> _WitnessProtocol:
         return _WitnessProtocol(self)
+
+
+class ConnectWitness:
+    """What the host saw at the proxy service during the layer's check: the ``CONNECT``
+    targets it expected (a canary's), and a count of anything else (never repeated)."""
+
+    def __init__(self, expected: Iterable[str]) -> None:
+        self.expected = frozenset(expected)
+        self.seen: set[str] = set()
+        self.other = 0
+        self.open = True
+
+    def close(self) -> None:
+        self.open = False
+
+
+class _ConnectProtocol(Protocol):
+    """One connection at the diverted proxy endpoint: its request head is read (bounded), its
+    target recorded when expected, and it is answered 403 (the canary is refused)."""
+
+    def __init__(self, factory: ConnectWitnessFactory) -> None:
+        self.factory = factory
+        self.buf = b""
+        self.timer: IDelayedCall | None = None
+        self.done = False
+
+    def connectionMade(self) -> None:
+        assert self.transport is not None
+        resume = getattr(self.transport, "resumeProducing", None)
+        if resume is not None:
+            resume()
+        self.timer = self.factory.clock.callLater(self.factory.timeout, self._finish, None)
+
+    def dataReceived(self, data: bytes) -> None:
+        if self.done:
+            return
+        self.buf += data
+        if b"\r\n\r\n" in self.buf or len(self.buf) > MAX_LINE:
+            words = self.buf.split(b"\r\n", 1)[0].split(b" ")
+            target = None
+            if len(words) == 3 and words[0] == b"CONNECT" and words[2].startswith(b"HTTP/1."):
+                target = words[1].decode("ascii", "replace")
+            self._finish(target)
+
+    def _finish(self, target: str | None) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+        if self.done:
+            return
+        self.done = True
+        w = self.factory.witness
+        if w.open:
+            if target is not None and target in w.expected:
+                w.seen.add(target)
+            else:
+                w.other += 1
+        assert self.transport is not None
+        self.transport.write(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+        self.transport.loseConnection()
+
+    def connectionLost(self, reason: object = None) -> None:
+        if self.timer is not None and self.timer.active():
+            self.timer.cancel()
+        self.timer = None
+
+
+class ConnectWitnessFactory(Factory):
+    """The proxy endpoint's witness while the layer is checked (every connection, until the
+    endpoint is given back to its relay)."""
+
+    noisy = False
+
+    def __init__(self, clock: IReactorTime, witness: ConnectWitness, timeout: float = 10.0) -> None:
+        self.clock = clock
+        self.witness = witness
+        self.timeout = timeout
+
+    def buildProtocol(self, addr: Any) -> _ConnectProtocol:
+        return _ConnectProtocol(self)

@@ -5,7 +5,7 @@
 Deferred and is recorded, and a test injects failures per (call, machine). It checks specs
 with vmctl's own ``validate_spec`` so a spec smolvm would refuse still fails here.
 
-``Rig`` builds the real ``VMLifecycle``, ``BottleRegistry``, ``ForwardTable``, ``StateStore``
+``Rig`` builds the real ``VMHost``, ``BottleRegistry``, ``ForwardTable``, ``StateStore``
 and ``Recovery`` on a ``Clock`` reactor (procmon's test style: ``twisted.runner.test.
 test_procmon``): listeners are real sockets bound on loopback aliases and in the state dir, the
 reactor only records readers, and ``rig.run(coro)`` advances the clock until the coroutine is
@@ -27,7 +27,7 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles import workload
 from bottlenet.bottles.bottle import VMBottle
-from bottlenet.bottles.lifecycle import VMLifecycle, VMOptions
+from bottlenet.bottles.host import VMOptions, vm_host
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import StateStore
@@ -219,7 +219,11 @@ class MemorySmolvm:
     def status(self, name: str) -> Deferred[Machine]:
         return self._answer("status", name, lambda: self._machine(name).record())
 
-    def list(self, labels: Mapping[str, str] | None = None) -> Deferred[list[Machine]]:
+    def list(
+        self, labels: Mapping[str, str] | None = None, *, include_ephemeral: bool = False
+    ) -> Deferred[list[Machine]]:
+        """Every machine (bottlenet makes no ephemeral ones: ``include_ephemeral`` changes
+        nothing here)."""
         want = dict(labels or {})
 
         def listing() -> list[Machine]:
@@ -392,7 +396,7 @@ class Rig:
         self.table = ForwardTable(self.clock, self.aliases, state_dir=state_dir, engine="portable")
         self.options = options or VMOptions(instance_id=self.instance_id)
         self.options = evolve(self.options, instance_id=self.instance_id)
-        self.vms = VMLifecycle(
+        self.host = vm_host(
             self.clock,
             cast(Smolvm, self.smolvm),
             self.table,
@@ -402,21 +406,31 @@ class Rig:
             check_port=owned,
             check_socket=lambda path, pid: PortCheck(0, pid, Ownership.OWNED),
             service_ready=self.answers,
+            blocking=maybeDeferred,  # a Clock has no thread pool: run them in line
         )
-        self.vms.iptables_argv = lambda alias: ["/bin/true"]
-        self.vms.blocking = maybeDeferred  # a Clock has no thread pool: run them in line
         if self.smolvm.guest is None:
             self.smolvm.guest = self.honest_guest
-        self.registry = BottleRegistry(
+        self.max_bottles = max_bottles
+        self.registry = self._registry()
+
+    def _registry(self) -> BottleRegistry:
+        return BottleRegistry(
             self.clock,
             self.table,
             self.aliases,
-            state_dir=state_dir,
-            max_bottles=max_bottles,
+            state_dir=self.state_dir,
+            max_bottles=self.max_bottles,
             store=self.store,
             instance_id=self.instance_id,
-            vms=self.vms,
+            host=self.host,
         )
+
+    def use(self, **parts: Any) -> None:
+        """The host with ``parts`` in place of its own (an injected check, smolvm or access),
+        and a registry over it: only before the first bottle."""
+        assert not self.registry.list_bottles(), "parts are swapped only on an empty rig"
+        self.host = evolve(self.host, **parts)
+        self.registry = self._registry()
 
     async def answers(self, reactor: Any, target: str | int) -> bool:
         """A sidecar service answers unless the test named its socket or port ``silent``
@@ -467,7 +481,7 @@ class Rig:
         self.run(self.recover_later())
 
     async def recover_later(self) -> None:
-        await Recovery(self.registry, self.vms, self.store.load(), self.state_dir).run()
+        await Recovery(self.registry, self.host, self.store.load(), self.state_dir).run()
 
     def close(self) -> None:
         """Stop every listener and watch (the sockets are real)."""

@@ -68,11 +68,11 @@ class Owned:
         self.attached = attached
         self.events: list[Event] = []
         self.forgotten: list[str] = []
-        rig.vms.smolvm = _WithAttach(rig.smolvm, attached)  # type: ignore[assignment]
+        rig.use(smolvm=_WithAttach(rig.smolvm, attached))
         bus = EventBus()
         bus.subscribe(self.heard)
         hands = Hands(
-            rig.clock, rig.table, rig.aliases, rig.vms, rig.store, bus, 64,
+            rig.clock, rig.table, rig.aliases, rig.host, rig.store, bus, 64,
             lambda name: None, self.forgotten.append,
         )  # fmt: skip
         self.owner = VMBottle("b1", hands)

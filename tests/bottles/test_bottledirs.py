@@ -7,8 +7,10 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+from twisted.internet.defer import Deferred, fail, maybeDeferred
 
 from bottlenet.bottles import bottledirs
 from bottlenet.bottles.bottle import VMBottle
@@ -115,10 +117,12 @@ def test_an_oserror_from_one_bottles_teardown_never_stops_recovery(
     first.close()
     rig = rigs(smolvm=first.smolvm)
 
-    async def failing_release(bottle: object) -> None:
-        raise OSError(36, "File name too long")
+    def failing_release(fn: Callable[..., Any], *args: Any) -> Deferred[Any]:
+        if fn is remove_bottle_dir:  # the teardown's release of the bottle's directory
+            return fail(OSError(36, "File name too long"))
+        return maybeDeferred(fn, *args)
 
-    rig.vms.release = failing_release  # type: ignore[method-assign]
+    rig.use(blocking=failing_release)
     rig.recover()
     assert {b.name: b.state for b in rig.registry.list_bottles()} == {
         "ra": "degraded",

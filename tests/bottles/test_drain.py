@@ -10,14 +10,16 @@ from typing import Any
 import pytest
 
 from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
-from bottlenet.bottles.model import Source
-from bottlenet.bottles.node import Node, build_node
+from bottlenet.bottles.model import Role, Source, machine_name
+from bottlenet.bottles.node import MAX_DRAIN_WAITERS, Node, build_node
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.errors import Draining
+from bottlenet.errors import KvmUnavailable as BnKvmUnavailable
 from bottlenet.forward.spec import parse_target
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
+from vmctl.errors import KvmUnavailable
 
 Rigs = Callable[..., Rig]
 
@@ -106,6 +108,7 @@ def test_wait_for_empty_ends_when_the_last_bottle_goes(rigs: Rigs) -> None:
     waiting = rig.start(node.when_empty(600))
     assert not waiting.called
     rig.run(rig.registry.destroy_bottle("a"))
+    rig.clock.advance(0)  # the empty check runs on the turn after a destroy
     assert not waiting.called
     rig.run(rig.registry.destroy_bottle("b"))
     assert rig.result(waiting) is True
@@ -208,3 +211,70 @@ def test_unwritable_state_keeps_the_node_open(rigs: Rigs, monkeypatch: Any) -> N
     assert getattr(e.value, "code", None) == "UNAVAILABLE"
     assert not node.draining
     rig.run(rig.registry.create_bottle("b1"))
+
+
+def test_undrain_ends_a_waiting_drain_at_once(rigs: Rigs) -> None:
+    """An undrain answers a waiting ``Drain --wait`` False at once, not at its timeout."""
+    rig = rigs()
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("a"))
+    node.drain()
+    waiting = rig.start(node.when_empty(600))
+    assert not waiting.called
+    node.undrain()
+    rig.settle()
+    assert waiting.called and rig.result(waiting) is False
+    assert rig.clock.seconds() == 0
+
+
+def test_a_create_that_fails_while_a_drain_waits_leaves_the_node_empty(
+    rigs: Rigs, tmp: str
+) -> None:
+    """A VM create in flight that fails (its DESTROYED comes while it still holds its name)
+    ends a waiting drain on the next turn, and the node holds nothing after it."""
+    rig = rigs(max_bottles=1)
+    node = node_of(rig)
+    sidecar = machine_name("vm1", Role.SIDECAR)
+    gate = rig.smolvm.hold("start", sidecar)
+    rig.smolvm.fail_on("start", sidecar, KvmUnavailable("injected: no KVM"))
+    creating = rig.start(
+        rig.registry.create_bottle("vm1", spec=parse_bottle_spec("vm1", spec_doc(tmp)))
+    )
+    assert not creating.called and node.held() == 1
+    node.drain()
+    waiting = rig.start(node.when_empty(600))
+    assert not waiting.called
+    gate.callback(None)
+    with pytest.raises(BnKvmUnavailable):
+        rig.result(creating)
+    rig.settle()
+    assert rig.clock.seconds() == 0
+    assert waiting.called and rig.result(waiting) is True
+    assert node.held() == 0
+    node.undrain()
+    rig.run(rig.registry.create_bottle("after"))  # the failed name no longer counts
+
+
+def test_drain_waits_do_not_use_up_the_waiter_bound(rigs: Rigs) -> None:
+    """More waits than MAX_DRAIN_WAITERS, one after another, each timing out: none is
+    refused (the bound is on callers waiting at once)."""
+    rig = rigs()
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("a"))
+    node.drain()
+    for _ in range(MAX_DRAIN_WAITERS + 1):
+        waiting = rig.start(node.when_empty(0.1))
+        rig.clock.advance(0.1)
+        assert rig.result(waiting) is False
+
+
+def test_a_forward_only_bottle_says_nothing_of_kvm(rigs: Rigs) -> None:
+    """After a KVM_UNAVAILABLE create, a forward-only bottle's READY leaves VM bottles
+    impossible (it started no VM)."""
+    rig = rigs()
+    node = node_of(rig)
+    node.smolvm_found, node.smolvm_problem, node.smolvm_version = True, None, "1.32.2"
+    rig.registry.emit("destroyed", "x", None, "create failed: KVM_UNAVAILABLE")
+    rig.run(rig.registry.create_bottle("plain"))
+    r = node.report()
+    assert not r.vm_possible and "KVM_UNAVAILABLE" in (r.vm_why_not or "")

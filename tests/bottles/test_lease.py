@@ -143,3 +143,73 @@ def test_renew_is_recorded_and_checked(rigs: Rigs) -> None:
         node.renew_lease("nope", 60)
     with pytest.raises(InvalidArgument):
         node.renew_lease("b1", 0)
+
+
+def test_a_reap_that_finds_the_bottle_busy_is_tried_again(rigs: Rigs, tmp: str) -> None:
+    """The reap meets another operation on the bottle (BUSY): it is tried again until the
+    bottle is gone, ``destroyed`` after one ``lease_expired``, while other leases run out."""
+    rig = rigs()
+    mono = Monotonic()
+    node_of(rig, mono, grace=30)
+    seen: list[BottleEvent] = []
+    rig.registry.events.subscribe(seen.append)
+    spec = parse_bottle_spec("busy", spec_doc(tmp))
+    rig.run(rig.registry.create_bottle("busy", spec=spec, tenancy=lease(60)))
+    rig.run(rig.registry.create_bottle("later", tenancy=lease(70)))
+    gate = rig.smolvm.hold("exec", "bn-busy-agent")
+    verifying = rig.start(rig.registry.verify_bottle("busy"))
+    assert not verifying.called
+    advance(rig, mono, 91)  # lease and grace ran out: the reap meets the verify (BUSY)
+    assert kinds(seen, "busy")[-1:] == [LEASE_EXPIRED] and rig.registry.has_bottle("busy")
+    advance(rig, mono, 20)  # "later" is reaped meanwhile; "busy" is still retried
+    assert not rig.registry.has_bottle("later") and rig.registry.has_bottle("busy")
+    gate.callback(None)
+    rig.result(verifying)
+    advance(rig, mono, 10)  # the retry (5 s) finds it free
+    assert not rig.registry.has_bottle("busy")
+    assert kinds(seen, "busy")[-2:] == [LEASE_EXPIRED, "destroyed"]
+    assert kinds(seen, "busy").count(LEASE_EXPIRED) == 1  # expired once, however often retried
+
+
+def test_a_renewal_after_the_lease_ran_out_is_refused(rigs: Rigs, tmp: str) -> None:
+    """Once the reap has started a renewal is NOT_FOUND and changes nothing on record."""
+    rig = rigs()
+    mono = Monotonic()
+    node = node_of(rig, mono, grace=30)
+    spec = parse_bottle_spec("late", spec_doc(tmp))
+    rig.run(rig.registry.create_bottle("late", spec=spec, tenancy=lease(60)))
+    recorded = rig.state()["late"]["tenancy"]
+    gate = rig.smolvm.hold("stop", "bn-late-agent")
+    advance(rig, mono, 91)  # the reap's destroy waits on the held stop
+    assert rig.registry.has_bottle("late")
+    with pytest.raises(NotFound, match="being destroyed"):
+        node.renew_lease("late", 600)
+    assert rig.state()["late"]["tenancy"] == recorded
+    assert node.leases.deadline_in("late") is not None
+    assert node.leases.deadline_in("late") <= 0  # type: ignore[operator]
+    gate.callback(None)
+    rig.settle()
+    assert not rig.registry.has_bottle("late")
+
+
+def test_a_vm_bottles_lease_counts_from_its_commit(rigs: Rigs, tmp: str) -> None:
+    """A VM bottle's recorded lease expires ``seconds`` after the wall time it was committed;
+    a restart 10 s later does not reap it before that plus the grace."""
+    first = rigs()
+    node_of(first, Monotonic())
+    first.clock.advance(100)
+    spec = parse_bottle_spec("vm1", spec_doc(tmp))
+    first.run(first.registry.create_bottle("vm1", spec=spec, tenancy=lease(600)))
+    assert first.state()["vm1"]["tenancy"]["lease"] == {"seconds": 600.0, "expires_at": 700.0}
+    assert first.registry.get_bottle("vm1").tenancy == lease(600).started(100.0)
+    first.close()
+    second = rigs(smolvm=first.smolvm)
+    second.clock.advance(110)
+    mono = Monotonic()
+    node = node_of(second, mono, grace=30)
+    second.recover()
+    node.leases.restore()
+    advance(second, mono, 590 + 29)
+    assert second.registry.has_bottle("vm1")
+    advance(second, mono, 2)
+    assert not second.registry.has_bottle("vm1")

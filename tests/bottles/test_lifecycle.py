@@ -1,4 +1,4 @@
-"""VMLifecycle's create steps and the registry's one-operation-per-bottle rule (unit seam).
+"""A VM create's steps and the registry's one-operation-per-bottle rule (unit seam).
 
 The machine specs the lifecycle hands to smolvm are checked on the in-memory double
 (``tests/bottles/memsmolvm.py``); the same create through the fake smolvm executable, with

@@ -172,7 +172,7 @@ def test_restart_tears_down_bottle_whose_raw_port_someone_else_holds(
         store.save(State(state.instance_id, bottles))
         store.close()
         rig = rigs(smolvm=first.smolvm)
-        rig.vms.check_port = check_port_owner  # the daemon's own check
+        rig.use(check_port=check_port_owner)  # the daemon's own check
         with capturedLogs() as events:
             rig.recover()
     finally:

@@ -20,7 +20,7 @@ from twisted.logger import capturedLogs, formatEvent
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.bottle import VMBottle
-from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.host import VMOptions
 from bottlenet.bottles.model import LABEL_OWNER, Bottle, Source
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import RESYNC_INTERVAL
@@ -125,7 +125,7 @@ def test_raw_port_taken_over_is_torn_down(rigs: Rigs, tmp: str) -> None:
     first = rigs()
     first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
     rig = restart(rigs, first)
-    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "x")
+    rig.use(check_port=lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "x"))
     rig.recover()
     assert rig.registry.list_bottles() == [] and rig.smolvm.machines == {}
 
@@ -134,7 +134,7 @@ def test_unverifiable_ports_are_kept_only_when_allowed(rigs: Rigs, tmp: str) -> 
     first = rigs()
     first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
     rig = restart(rigs, first, options=VMOptions(instance_id="", allow_unverifiable_ports=True))
-    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.UNVERIFIABLE, "x")
+    rig.use(check_port=lambda port, pid: PortCheck(port, pid, Ownership.UNVERIFIABLE, "x"))
     rig.recover()
     assert [b.name for b in rig.registry.list_bottles()] == ["r1"]
 
@@ -422,7 +422,7 @@ def test_a_failed_recovery_never_reports_ready_and_stops_the_daemon(rigs: Rigs) 
     from bottlenet.bottles.recovery import RecoveryService
 
     rig = rigs()
-    recovery = Recovery(rig.registry, rig.vms, rig.store.load(), rig.state_dir)
+    recovery = Recovery(rig.registry, rig.host, rig.store.load(), rig.state_dir)
 
     async def broken() -> None:
         raise RuntimeError("injected")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -99,3 +100,64 @@ def test_t5_the_retry_keeps_going_while_the_disk_stays_full(
     rig.clock.advance(RESYNC_INTERVAL)
     assert rig.registry.get_bottle("fo1").detail is None
     assert rig.state()["fo1"]["forwards"] == []
+
+
+def test_a_second_disk_full_episode_is_retried_by_the_timer_too(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The retry timer is armed again for a later failed revocation after its first one
+    fired: the second removal is written by the timer alone, with no other operation."""
+    rig = _forward_bottle(rigs)
+    rig.run(rig.registry.add_forward("fo1", "web", parse_target("127.0.0.1:8080")))
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "db"))
+    monkeypatch.undo()
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.get_bottle("fo1").detail is None
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "web"))
+    monkeypatch.undo()
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert rig.registry.get_bottle("fo1").detail is None
+    assert rig.state()["fo1"]["forwards"] == []
+
+
+def test_a_forward_that_cannot_be_recorded_is_not_left_listening(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """AddForward on a full disk is UNAVAILABLE, and its listener is closed again: no such
+    forward in the table and a connect to its port is refused."""
+    rig = _forward_bottle(rigs)
+    with socket.socket() as probe:
+        probe.bind(("127.79.0.7", 0))
+        port = probe.getsockname()[1]
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable):
+        rig.run(rig.registry.add_forward("fo1", "web", parse_target("127.0.0.1:8080"), port))
+    assert [f.spec.label for f in rig.table.list("fo1")] == ["db"]
+    assert [f.label for f in rig.registry.get_bottle("fo1").forwards] == ["db"]
+    with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+        client.connect(("127.79.0.7", port))
+
+
+def test_a_forward_only_create_that_cannot_be_recorded_gives_its_name_and_alias_back(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward-only create on a full disk is UNAVAILABLE and holds nothing: once the disk
+    takes writes, its name and its alias can be created again."""
+    rig = rigs()
+    alias = ipaddress.IPv4Address("127.79.0.9")
+
+    def enospc(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rig.store, "_append", enospc)
+    with pytest.raises(Unavailable):
+        rig.run(rig.registry.create_bottle("fo2", alias))
+    assert not rig.registry.has_bottle("fo2") and rig.registry.held() == 0
+    monkeypatch.undo()
+    rig.run(rig.registry.create_bottle("fo3", alias))  # the alias is free again
+    rig.run(rig.registry.destroy_bottle("fo3"))
+    assert rig.run(rig.registry.create_bottle("fo2", alias)).alias == str(alias)

@@ -1,6 +1,6 @@
 """A failure at every step of create rolls back everything done so far (unit seam).
 
-The real ``VMLifecycle``, ``BottleRegistry``, ``ForwardTable`` (real listening sockets) and
+The real ``VMHost``, ``BottleRegistry``, ``ForwardTable`` (real listening sockets) and
 ``StateStore`` run on a clock with the in-memory smolvm API (``tests/bottles/memsmolvm.py``,
 a test double), so each case takes milliseconds. Each step is failed twice over: by a fault
 the smolvm double injects where it can, and by wrapping the lifecycle's own step function so
@@ -21,7 +21,7 @@ from twisted.logger import Logger, formatEvent
 
 from bottlenet.bottles import workload as guest_workload
 from bottlenet.bottles.creation import Creation
-from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.host import VMOptions
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
 from tests.bottles.harness import spec_doc
@@ -150,7 +150,7 @@ def test_a_failed_undo_is_no_torn_down_bottle(rigs: Callable[..., Rig], tmp: str
 
 def test_raw_port_not_owned(rigs: Callable[..., Rig], tmp: str) -> None:
     rig = rigs()
-    rig.vms.check_port = lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected")
+    rig.use(check_port=lambda port, pid: PortCheck(port, pid, Ownership.FOREIGN, "injected"))
     error = create_fails(rig, "SMOLVM_FAILED", spec(tmp))
     assert "not held by its VM process" in error.message
 

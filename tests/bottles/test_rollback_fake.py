@@ -31,7 +31,7 @@ def test_sidecar_socket_not_owned(rigs: Rigs, tmp: str) -> None:
     """A sidecar socket its VM process does not hold fails the create (SMOLVM_FAILED) and
     leaves nothing."""
     rig = rigs()
-    rig.vms.check_socket = lambda path, pid: PortCheck(0, pid, Ownership.FOREIGN, "injected")
+    rig.use(check_socket=lambda path, pid: PortCheck(0, pid, Ownership.FOREIGN, "injected"))
     with pytest.raises(BottlenetError) as info:
         rig.run(rig.registry.create_bottle("rb", spec=parse_bottle_spec("rb", spec_doc(tmp))))
     assert info.value.code == "SMOLVM_FAILED", str(info.value)
@@ -58,7 +58,7 @@ class RollbackTests(DaemonCase):
         self.fake.set_faults("exec-netns", "slow-start", slow_start=30)
         client = await self.start()
         assert self.root is not None
-        self.root.registry.vms.smolvm.timeouts = Timeouts(start=1.5)  # type: ignore[union-attr]
+        self.root.registry.host.smolvm.timeouts = Timeouts(start=1.5)  # type: ignore[union-attr]
         try:
             await client.create_bottle("rb", spec=self.spec_json(mode="socket"))
         except BottlenetError as e:

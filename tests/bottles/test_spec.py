@@ -240,3 +240,17 @@ def test_volumes_never_overlap_the_daemons_dirs_and_default_to_read_only(tmp_pat
     check_volumes(spec.agent.volumes, protected)
     with pytest.raises(InvalidArgument, match=r"agent.volumes\[1\].*overlaps"):
         check_volumes((f"{work}:/w:ro", f"{state}/bottles:/b:rw"), protected)
+
+
+def test_transparent_egress_names_a_sidecar_service_in_socket_mode() -> None:
+    """``agent.transparent_egress``: absent means no layer; it must name a service; a
+    bottle in alias mode (whose agent has a network) cannot have it."""
+    assert parse_bottle_spec("b", doc()).agent.transparent_egress is None  # type: ignore[union-attr]
+    spec = parse_bottle_spec("b", doc(agent__transparent_egress="egress"))
+    assert spec.agent is not None and spec.agent.transparent_egress == "egress"
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress: must name one of"):
+        parse_bottle_spec("b", doc(agent__transparent_egress="proxy"))
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress: needs socket mode"):
+        parse_bottle_spec("b", doc(mode="alias", agent__transparent_egress="egress"))
+    with pytest.raises(InvalidArgument, match=r"agent\.transparent_egress"):
+        parse_bottle_spec("b", doc(agent__transparent_egress=""))

@@ -21,6 +21,7 @@ from bottlenet.bottles.events import DEGRADED
 from bottlenet.bottles.model import BottleState
 from tests.bottles.memsmolvm import Rig
 from tests.bottles.test_bottle import Attached, Owned
+from vmctl.errors import SmolvmFailed
 
 LOST = "bottle b1: its workload waiter ended without an exit code"
 
@@ -62,3 +63,31 @@ def test_a_waiter_lost_while_its_agent_vm_runs_keeps_the_bottle(owned: Owned) ->
     said = lose_the_waiter(owned)
     assert owned.owner.require().state is BottleState.READY and owned.events == []
     assert any(f"{LOST} (the agent VM runs" in line for line in said), said
+
+
+def test_a_waiter_lost_while_its_agent_vm_is_unreachable_keeps_the_bottle(owned: Owned) -> None:
+    """smolvm calls the agent VM ``unreachable`` (its VMM runs, its agent did not answer a
+    ping): not a loss, the bottle stays ready."""
+    owned.rig.smolvm.machines["bn-b1-agent"].state = "unreachable"
+    lose_the_waiter(owned)
+    assert owned.owner.require().state is BottleState.READY and owned.events == []
+
+
+def test_a_waiter_lost_with_its_agent_vm_deleted_degrades_the_bottle(owned: Owned) -> None:
+    """The agent VM no longer exists in smolvm: degraded, the detail says so."""
+    del owned.rig.smolvm.machines["bn-b1-agent"]
+    lose_the_waiter(owned)
+    bottle = owned.owner.require()
+    assert bottle.state is BottleState.DEGRADED
+    assert (bottle.detail or "").startswith("agent VM bn-b1-agent no longer exists"), bottle.detail
+    assert [e[0] for e in owned.events] == [DEGRADED]
+
+
+def test_a_waiter_lost_when_smolvm_cannot_tell_keeps_the_bottle_and_says_so(
+    owned: Owned,
+) -> None:
+    """smolvm's status fails: the bottle stays as it is and the log line is still written."""
+    owned.rig.smolvm.fail_on("status", "bn-b1-agent", SmolvmFailed("injected"))
+    said = lose_the_waiter(owned)
+    assert owned.owner.require().state is BottleState.READY and owned.events == []
+    assert any(LOST in line for line in said), said

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from bottlenet.bottles.lifecycle import VMOptions
+from bottlenet.bottles.host import VMOptions
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.errors import BottlenetError
@@ -53,13 +53,13 @@ def per_vm(rigs: Callable[..., Rig], tmp: str, smolvm: MemorySmolvm | None = Non
     """A rig whose daemon runs under per-VM uids, its VM dirs under ``tmp/vms``."""
     smolvm = smolvm or MemorySmolvm(vm_root=os.path.join(tmp, "vms"))
     rig = rigs(smolvm=smolvm, options=VMOptions(instance_id="", vm_uids=VmUids.PER_VM))
-    rig.vms.access = RecordingAccess(rig.state_dir)
+    rig.use(access=RecordingAccess(rig.state_dir))
     return rig
 
 
 def access(rig: Rig) -> RecordingAccess:
-    assert isinstance(rig.vms.access, RecordingAccess)
-    return rig.vms.access
+    assert isinstance(rig.host.access, RecordingAccess)
+    return rig.host.access
 
 
 def created(rigs: Callable[..., Rig], tmp: str) -> Rig:
@@ -318,7 +318,7 @@ def test_the_agents_writable_volumes_are_recorded_with_its_uid(
     smolvm = MemorySmolvm(vm_root=os.path.join(tmp, "vms"))
     options = VMOptions(instance_id="", vm_uids=VmUids.PER_VM, skip_probe=True)
     rig = rigs(smolvm=smolvm, options=options)  # no guest here to answer the volume check
-    rig.vms.access = RecordingAccess(rig.state_dir)
+    rig.use(access=RecordingAccess(rig.state_dir))
     doc = spec_doc(tmp, listen="unix")
     doc["agent"]["volumes"] = [f"{rw}:/work:rw", f"{ro}:/ref:ro"]
     rig.run(rig.registry.create_bottle("rb", spec=parse_bottle_spec("rb", doc)))
@@ -331,7 +331,7 @@ def test_the_node_learns_how_many_uids_are_left(rigs: Callable[..., Rig], tmp: s
     (what NodeInfo and the metrics report)."""
     rig = per_vm(rigs, tmp)
     told: list[int] = []
-    rig.vms.on_uid_supply = lambda supply: told.append(supply.left)
+    rig.host.uid_reports.listeners.append(lambda supply: told.append(supply.left))
     rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
     assert told == [65_535, 65_534]
     rig.run(rig.registry.destroy_bottle("rb"))

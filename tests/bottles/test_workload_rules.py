@@ -59,7 +59,7 @@ class Spawned:
 
 def attach(rig: Rig) -> Spawned:
     spawned = Spawned(rig.smolvm)
-    rig.vms.smolvm = spawned  # type: ignore[assignment]
+    rig.use(smolvm=spawned)
     return spawned
 
 

@@ -45,6 +45,14 @@ def test_bad_control_addresses(text: str) -> None:
         parse_control_address(text)
 
 
+@pytest.mark.parametrize("text", ["tcp:1.2.3.4:5", "ssl:host:443", "systemd:domain=UNIX"])
+def test_an_endpoint_prefix_is_not_taken_for_a_file_name(text: str) -> None:
+    """``tcp:...`` and the like are refused naming the forms a client takes, not looked up as a
+    socket file of that name."""
+    with pytest.raises(InvalidArgument, match=r"is not a control address: use PATH, unix:PATH"):
+        parse_control_address(text)
+
+
 def test_tls_credentials_from_the_environment() -> None:
     assert TLSCredentials.from_env({}) is None
     with pytest.raises(InvalidArgument, match="needs all of"):

@@ -9,6 +9,7 @@ import stat
 import tempfile
 from typing import Any
 
+import pytest
 from attrs import evolve
 from twisted.internet import reactor as _reactor
 from twisted.internet import ssl
@@ -47,6 +48,13 @@ from . import certs
 from .fakes import FakeBackend
 
 reactor: Any = _reactor
+
+#: Twisted's own TLS helpers (``optionsForClientTLS`` with a client certificate,
+#: ``trustRootFromCertificates``) hand pyOpenSSL X509/PKey objects to pyOpenSSL, which now warns;
+#: the daemon's listener passes cryptography objects where Twisted lets it.
+pytestmark = pytest.mark.filterwarnings(
+    r"ignore:Passing pyOpenSSL (X509|PKey) objects is deprecated:DeprecationWarning"
+)
 
 
 def _short_tmp(case: unittest.TestCase) -> str:

@@ -7,6 +7,7 @@ this process can be another uid. ``test_scoped.py`` keeps the proof with a real 
 
 from __future__ import annotations
 
+import contextlib
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -15,10 +16,10 @@ from attrs import evolve
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 
-from bottlenet.control.client import ControlClient, connect_control
+from bottlenet.control.client import ControlClient, EventStream, connect_control
 from bottlenet.control.context import UnixAdmission
 from bottlenet.control.peercred import PeerCred, get_peer_credentials
-from bottlenet.errors import NotFound, PermissionDenied
+from bottlenet.errors import AlreadyExists, Draining, NotFound, PermissionDenied
 from tests.bottles.harness import DaemonCase
 
 ALICE, BOB = 4243, 4244
@@ -109,3 +110,72 @@ class ScopedRuleTests(DaemonCase):
             await alice.destroy_bottle("b1")
         await bob.destroy_bottle("b1")
         self.assertEqual([b.name for b in await bob.all_bottles()], [])
+
+    async def _events_until(
+        self, stream: EventStream, last: tuple[str, str]
+    ) -> list[tuple[str, str]]:
+        """The stream's (kind, bottle) pairs up to and including ``last``."""
+        seen: list[tuple[str, str]] = []
+        async for event in stream:
+            seen.append((event.kind, event.bottle))
+            if seen[-1] == last:
+                return seen
+        raise AssertionError(f"the stream ended before {last}: {seen}")
+
+    async def test_a_scoped_peer_hears_the_node_and_its_own_bottles_only(self) -> None:
+        """Its stream carries the node's drain and undrain, its own bottles' events (their
+        ``destroyed`` too), and nothing of a bottle another made, whatever name it asked
+        for: one another holds, or one its refused create named first."""
+        client = await self.start_scoped()
+        bob = await self.as_uid(BOB)
+        stream = await bob.events()
+        await client.create_bottle("x")
+        with contextlib.suppress(AlreadyExists):
+            await bob.create_bottle("x")  # another's name: never its events
+        await client.drain()
+        with self.assertRaises(Draining):
+            await bob.create_bottle("y")  # a refused create: its name is not its own
+        await client.undrain()
+        await client.create_bottle("y")
+        await client.destroy_bottle("y")
+        await client.destroy_bottle("x")
+        await bob.create_bottle("b1")
+        await bob.destroy_bottle("b1")
+        await bob.create_bottle("end")
+        seen = await self._events_until(stream, ("created", "end"))
+        self.assertNotIn("y", [b for _, b in seen], seen)
+        self.assertNotIn(("destroyed", "x"), seen)
+        mine = [e for e in seen if e[1] in ("", "b1")]
+        self.assertEqual(
+            mine,
+            [("drained", ""), ("undrained", ""), ("created", "b1"), ("ready", "b1"),
+             ("destroyed", "b1")],
+        )  # fmt: skip
+
+    async def test_a_restored_bottles_events_reach_its_scoped_creator(self) -> None:
+        """After a restart the restored bottle's events are still its creator's."""
+        await self.start_scoped()
+        alice = await self.as_uid(ALICE)
+        await alice.create_bottle("a1")
+        await self.stop()
+        await self.start_scoped()
+        alice = await self.as_uid(ALICE)
+        stream = await alice.events()
+        await alice.destroy_bottle("a1")
+        await alice.create_bottle("end")
+        seen = await self._events_until(stream, ("created", "end"))
+        self.assertEqual(seen, [("destroyed", "a1"), ("created", "end")])
+
+    async def test_a_scoped_peers_forward_listings_are_its_own(self) -> None:
+        """ListForwards and Stats without a bottle list its own bottles' forwards only."""
+        client = await self.start_scoped()
+        alice, bob = await self.as_uid(ALICE), await self.as_uid(BOB)
+        await client.create_bottle("r1")
+        await client.add_forward("r1", "db", "127.0.0.1:9")
+        await bob.create_bottle("b1")
+        await bob.add_forward("b1", "db", "127.0.0.1:9")
+        await alice.create_bottle("a1")
+        await alice.add_forward("a1", "web", "127.0.0.1:9")
+        self.assertEqual([(f.bottle, f.label) for f in await alice.all_forwards()], [("a1", "web")])
+        self.assertEqual([s.bottle for s in await alice.all_stats()], ["a1"])
+        self.assertEqual(len(await client.all_forwards()), 3)

@@ -33,14 +33,15 @@ HOME and the names of every environment variable). Every process it starts is ap
 Faults are injected with ``$SMOLVM_DATA_DIR/fake-faults.json`` (works through a runner that
 scrubs the environment) or ``FAKE_SMOLVM_FAIL=a,b`` / ``FAKE_SMOLVM_VERSION=X.Y.Z``. Keys:
 ``fail`` (list of: kvm, kvm-denied, kvm-root, port-clash, slow-start, crash-after-start,
-ignore-term, device-budget, exec-netns, unreachable, uid-drop), ``version``, ``port_clash`` (how
-many starts fail with a foreign EADDRINUSE), ``slow_start`` (s), ``ready_timeout`` (s),
-``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int), ``fail_start`` (machine names
-whose start fails as if KVM were missing), ``unreachable`` (machine names reported
-``unreachable`` while their VMM lives; the ``unreachable`` fail name means every machine),
-``agent_connections`` (the guest agent's limit on connections at once, default 8 as smolvm
-1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services drop connections
-after the start), ``expose_never_ready`` (guest paths of exposed services that never answer).
+ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``version``,
+``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
+``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
+``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
+(machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
+means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
+default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services
+drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that
+never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
@@ -53,6 +54,11 @@ exposed sockets (one it cannot create is logged and disabled, as smolvm does); `
 frees the uid; the "VMM" of a machine with ``--mount-socket``s connects to each host path
 itself, as its uid, for every guest connection (with ``exec-netns`` its relay socket is
 what the guest path shows). Off by default: the rest of the suite models ``one uid``.
+
+``no-nftables`` stands in for a guest kernel built without nf_tables: every ``exec``
+runs under a seccomp filter that fails ``socket(AF_NETLINK, *, NETLINK_NETFILTER)`` with
+EPROTONOSUPPORT, as such a kernel does (the host's kernel has it; this is how it looks
+without).
 
 ``exec-netns`` is an *isolating stand-in* for a network-less VM, for tests only: ``exec`` of a
 machine created without ``--net`` runs the command in a fresh network namespace (only its
@@ -1146,6 +1152,43 @@ def cmd_status(args: list[str]) -> None:
         out(f"Machine '{name}': {reported_state(rec)}")
 
 
+def deny_nf_tables() -> None:
+    """``no-nftables``: this process and its children see a kernel without nf_tables'
+    netlink (a seccomp filter: ``socket(AF_NETLINK, _, NETLINK_NETFILTER)`` fails with
+    EPROTONOSUPPORT; every other call is allowed)."""
+    import ctypes
+
+    def stmt(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
+        return struct.pack("=HBBI", code, jt, jf, k)
+
+    ld, jeq, ret = 0x20, 0x15, 0x06  # BPF_LD|W|ABS, BPF_JMP|JEQ|K, BPF_RET|K
+    allow, errno_ret = 0x7FFF0000, 0x00050000 | 93  # SECCOMP_RET_ALLOW, ERRNO(EPROTONOSUPPORT)
+    prog = b"".join(
+        [
+            stmt(ld, 4),  # arch
+            stmt(jeq, 0xC000003E, 0, 6),  # AUDIT_ARCH_X86_64, else allow
+            stmt(ld, 0),  # nr
+            stmt(jeq, 41, 0, 4),  # __NR_socket
+            stmt(ld, 16),  # args[0]
+            stmt(jeq, 16, 0, 2),  # AF_NETLINK
+            stmt(ld, 32),  # args[2]
+            stmt(jeq, 12, 1, 0),  # NETLINK_NETFILTER: refuse
+            stmt(ret, allow),
+            stmt(ret, errno_ret),
+        ]
+    )
+    n = len(prog) // 8
+    buf = ctypes.create_string_buffer(prog)
+    fprog = struct.pack("=HxxxxxxQ", n, ctypes.addressof(buf))
+    fbuf = ctypes.create_string_buffer(fprog)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl.argtypes = [ctypes.c_int] + [ctypes.c_ulong] * 4
+    if libc.prctl(38, 1, 0, 0, 0) != 0:  # PR_SET_NO_NEW_PRIVS
+        os._exit(126)
+    if libc.prctl(22, 2, ctypes.addressof(fbuf), 0, 0) != 0:  # PR_SET_SECCOMP, FILTER
+        os._exit(126)
+
+
 def _then(first, second):  # type: ignore[no-untyped-def]
     """Two preexec_fns in order (``first`` may be None). The user drop goes first: a change
     of the effective uid or gid clears PR_SET_PDEATHSIG."""
@@ -1341,6 +1384,8 @@ def cmd_exec(args: list[str]) -> None:
             rec.get("pid"),
             guest_volumes(rec, vm_uid_of(name)),
         )
+    if "no-nftables" in faults()["fail"]:
+        preexec = _then(preexec, deny_nf_tables)
     timeout = one(opts, "timeout")
     seconds = humantime(timeout) if timeout else None
     if opts.get("interactive") or opts.get("tty"):

@@ -20,6 +20,7 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from tests.fakes import process_alive
+from tests.sigdefault import sigint_default
 from vmctl import sessionend
 
 from .test_integration import FakeSmolvmTestCase
@@ -40,13 +41,15 @@ def wait_until(condition: object, timeout: float = 20.0) -> bool:
 
 
 def start(argv: list[str]) -> subprocess.Popen[bytes]:
-    """The wrapped command on three pipes, as the agent runs ``crun exec``."""
+    """The wrapped command on three pipes, as the agent runs ``crun exec``; SIGINT at its
+    default, as in a guest, whatever this suite inherited (``tests/sigdefault.py``)."""
     return subprocess.Popen(
         sessionend.wrap(argv, (sys.executable,)),
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         process_group=0,
+        preexec_fn=sigint_default,
     )
 
 
@@ -149,3 +152,33 @@ def test_ctrl_c_is_the_commands_not_the_wrappers() -> None:
     os.killpg(p.pid, signal.SIGINT)
     out, _ = p.communicate(timeout=20)
     assert (p.returncode, out) == (0, b"after\n")
+
+
+def test_ctrl_c_stops_a_command_that_does_not_handle_it() -> None:
+    """The command gets SIGINT back at its default: Ctrl-C stops a plain ``sleep`` (the
+    wrapper exits 128 + SIGINT)."""
+    p = start(["sh", "-c", "echo ready; exec sleep 300"])
+    try:
+        assert first_line(p) == b"ready\n"
+        os.killpg(p.pid, signal.SIGINT)
+        p.communicate(timeout=20)
+        assert p.returncode == 128 + signal.SIGINT
+    finally:
+        os.killpg(p.pid, 9) if p.poll() is None else None
+
+
+def test_a_command_that_ignores_sigterm_is_killed_after_the_grace() -> None:
+    """The session's pipes drop and the command ignores SIGTERM: the wrapper outlives its own
+    SIGTERM to the group and SIGKILLs it after ``GRACE``."""
+    p = start(["sh", "-c", "trap '' TERM; echo $$; sleep 300"])
+    try:
+        shell = int(first_line(p))
+        for f in (p.stdin, p.stdout, p.stderr):
+            assert f is not None
+            f.close()
+        assert wait_until(lambda: not process_alive(shell), sessionend.GRACE + 15), (
+            "a command that ignores SIGTERM outlived its session"
+        )
+        p.wait(20)
+    finally:
+        os.killpg(p.pid, 9) if p.poll() is None else None

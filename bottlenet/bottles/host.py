@@ -1,10 +1,10 @@
-"""The services a VM bottle's operations run on: verify, egress, teardown; the bridge keeper
-and the pid watcher (each ``VMBottle`` holds its own sidecar watch).
+"""The host a VM bottle runs on: one frozen :class:`VMHost` of the parts its steps use.
 
-A create's steps are :mod:`bottlenet.bottles.creation` (one ``Creation`` per create); whether a
-kept bottle lives on after a restart (``check_alive``, ``rebind``) is
-:mod:`bottlenet.bottles.recovery`'s; the registry (bottle names, one operation at a time,
-persistence) calls in here.
+Built once (``tap.py``: :func:`vm_host`) and handed to every step: a create's
+(:mod:`bottlenet.bottles.creation`, one ``Creation`` per create), recovery's
+(:mod:`bottlenet.bottles.recovery`: ``check_alive``, ``rebind``) and each bottle's owner
+(:mod:`bottlenet.bottles.bottle`: its watch, bridge, verify, egress push and teardown). The
+host keeps nothing of any one bottle: what a bottle holds is its owner's.
 """
 
 from __future__ import annotations
@@ -12,15 +12,16 @@ from __future__ import annotations
 import ipaddress
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
-from attrs import evolve, field, frozen
+from attrs import define, evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
 from bottlenet.bottles import egress, readiness, volumeaccess
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges
+from bottlenet.bottles.egresslayer import Layers
 from bottlenet.bottles.isolation import (
     IsolationPlan,
     choose_isolation,
@@ -91,6 +92,17 @@ class VMOptions:
     sidecar_ready_timeout: float = readiness.TIMEOUT
 
 
+@define
+class UidReports:
+    """Who is told how many per-VM uids are left (the node's report, once it is composed)."""
+
+    listeners: list[Callable[[UidSupply], None]] = field(factory=list)
+
+    def tell(self, supply: UidSupply) -> None:
+        for listener in self.listeners:
+            listener(supply)
+
+
 @frozen
 class Reserved:
     """A machine's VMM uid as reserved in smolvm's registry (per-VM uids), and a parent of
@@ -111,44 +123,32 @@ def vm_parts(spec: BottleSpec) -> tuple[SidecarSpec, AgentSpec]:
     return spec.sidecar, spec.agent
 
 
-class VMLifecycle:
-    """The VM bottle steps. ``check_port`` is injectable for tests of the ownership step."""
+@frozen
+class VMHost:
+    """The parts a VM bottle's steps use (smolvm, the forward table, the VMM access, the
+    launch gate, the bridges, the pid watcher, the state dir, the clock, the options), and
+    the steps that are the host's own: uids, endpoints, verify, egress, teardown.
+    ``check_port``, ``check_socket`` and ``service_ready`` are the seams tests inject."""
 
-    log = Logger()
+    log: ClassVar[Logger] = Logger()
 
-    def __init__(
-        self,
-        reactor: Any,
-        smolvm: Smolvm,
-        table: ForwardTable,
-        aliases: AliasRegistry,
-        *,
-        state_dir: str,
-        options: VMOptions,
-        check_port: Checker = check_port_owner,
-        check_socket: SocketChecker = check_socket_owner,
-        service_ready: readiness.Answers = readiness.answers,
-    ) -> None:
-        self.reactor = reactor
-        self.service_ready = service_ready
-        self.smolvm = smolvm
-        self.table = table
-        self.state_dir = state_dir
-        self.options = options
-        self.check_port = check_port
-        self.check_socket = check_socket
-        self.watcher = PidWatcher(reactor)
-        self.gate = Gate(
-            reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
-        )
-        self.bridges = Bridges(reactor, smolvm, table)
-        self.access = VmmAccess(state_dir, options.vm_uids)
-        #: Told how many per-VM uids are left after each reservation and retirement.
-        self.on_uid_supply: Callable[[UidSupply], None] | None = None
-        #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
-        self.blocking: Callable[..., Any] = lambda fn, *args: deferToThreadPool(
-            reactor, reactor.getThreadPool(), fn, *args
-        )
+    reactor: Any
+    smolvm: Smolvm
+    table: ForwardTable
+    state_dir: str
+    options: VMOptions
+    access: VmmAccess
+    gate: Gate
+    bridges: Bridges
+    layers: Layers
+    watcher: PidWatcher
+    #: Runs a blocking call (a guest- or VMM-writable file) off the reactor thread.
+    blocking: Callable[..., Any]
+    check_port: Checker = check_port_owner
+    check_socket: SocketChecker = check_socket_owner
+    service_ready: readiness.Answers = readiness.answers
+    #: Told how many per-VM uids are left after each reservation and retirement.
+    uid_reports: UidReports = field(factory=UidReports)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -177,15 +177,15 @@ class VMLifecycle:
         return Reserved(reserved, self.access.closed_ancestor(reserved.registry))
 
     async def count_uids(self) -> None:
-        """Tell ``on_uid_supply`` how many per-VM uids are left (a failure is logged)."""
-        if not self.access.per_vm or self.on_uid_supply is None:
+        """Tell ``uid_reports`` how many per-VM uids are left (a failure is logged)."""
+        if not self.access.per_vm or not self.uid_reports.listeners:
             return
         try:
             supply = await self.smolvm.uid_supply()
         except VmctlError as e:
             self.log.warn("per-VM uids could not be counted: {err}", err=e.message)
             return
-        self.on_uid_supply(supply)
+        self.uid_reports.tell(supply)
 
     async def check_started_uid(self, bottle: str, reserved: Reserved) -> None:
         """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
@@ -398,3 +398,37 @@ def volumes_of(agent: AgentSpec) -> tuple[list[Volume], list[str]]:
 def runs_bridge(spec: BottleSpec, endpoints: Sequence[Endpoint]) -> bool:
     """bottlenet runs its bridge for the agent's endpoints unless ``agent.bridge = "none"``."""
     return spec.agent is not None and spec.agent.bridge is BridgeMode.BOTTLENET and bool(endpoints)
+
+
+def vm_host(
+    reactor: Any,
+    smolvm: Smolvm,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    *,
+    state_dir: str,
+    options: VMOptions,
+    **seams: Any,
+) -> VMHost:
+    """The host over ``smolvm`` and ``table``: its gate, bridges, watcher and VMM access made
+    here, once; ``seams`` (``check_port``, ``check_socket``, ``service_ready``,
+    ``blocking``) replace the real ones in tests."""
+    seams.setdefault(
+        "blocking",
+        lambda fn, *args: deferToThreadPool(reactor, reactor.getThreadPool(), fn, *args),
+    )
+    return VMHost(
+        reactor=reactor,
+        smolvm=smolvm,
+        table=table,
+        state_dir=state_dir,
+        options=options,
+        access=VmmAccess(state_dir, options.vm_uids),
+        gate=Gate(
+            reactor, smolvm, table, state_dir=state_dir, settings=options.gate, aliases=aliases
+        ),
+        bridges=Bridges(reactor, smolvm, table),
+        layers=Layers(reactor, smolvm, table),
+        watcher=PidWatcher(reactor),
+        **seams,
+    )

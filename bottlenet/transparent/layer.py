@@ -1,0 +1,135 @@
+"""The layer's entry point: ``main(argv)``, one subcommand of bottlenet's guest kit.
+
+``install [--port N]``: the routes and the nf_tables table (as root). ``serve --proxy PATH
+[--port N]``: the listener and the resolver, in the foreground. ``run --proxy PATH [--port
+N]``: both, as the daemon runs it in an attached session. ``remove``: the table deleted (what
+a guest root that flushes the rules does). Every line it prints is ``BNE ...``:
+
+* ``BNE ready`` once installed and listening;
+* ``BNE missing KEY``: the kernel lacks a piece (``nftables.NEEDS[KEY]`` says which; exit 5);
+* ``BNE failed STEP ERRNO``: a step failed otherwise (exit 6);
+* ``BNE conn TARGET OUTCOME`` for each redirected connection.
+
+Like the bridge, its stdin is its lifeline: when stdin is a pipe or a socket (the daemon's
+session), its end ends the layer. The rules stay when it ends: with the listener gone,
+connects are refused, and a restart installs them again.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import stat
+import sys
+import threading
+import time
+from collections.abc import Sequence
+
+from bottlenet.transparent import nftables, routes
+from bottlenet.transparent.listener import Listener
+from bottlenet.transparent.netlink import NetlinkError
+
+#: The listener's port: below 1024, so no agent process (not root) can take it.
+LISTEN_PORT = 1001
+EXIT_MISSING, EXIT_FAILED = 5, 6
+_LOCK = threading.Lock()
+
+
+def say(*words: object) -> None:
+    with _LOCK:
+        sys.stdout.write(" ".join(["BNE", *map(str, words)]) + "\n")
+        sys.stdout.flush()
+
+
+def _errno_name(e: BaseException) -> str:
+    code = getattr(e, "errno", None)
+    return errno.errorcode.get(code, "EUNKNOWN") if isinstance(code, int) else "EUNKNOWN"
+
+
+def install(port: int) -> int:
+    """The routes, then the table; 0, or the exit status after saying why not."""
+    try:
+        routes.install()
+    except (OSError, NetlinkError) as e:
+        say("failed", "routes", _errno_name(e))
+        return EXIT_FAILED
+    try:
+        nftables.install(port)
+    except nftables.Missing as e:
+        say("missing", e.what)
+        return EXIT_MISSING
+    except (OSError, NetlinkError) as e:
+        say("failed", "nftables", _errno_name(e))
+        return EXIT_FAILED
+    return 0
+
+
+def lifeline() -> None:
+    """Exit when stdin (a pipe or a socket: the session) ends; its bytes are discarded."""
+    try:
+        mode = os.fstat(0).st_mode
+    except OSError:
+        return
+    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+        return
+    while True:
+        try:
+            data = os.read(0, 4096)
+        except OSError:
+            data = b""
+        if not data:
+            os._exit(0)
+
+
+def serve(proxy: str, port: int) -> int:
+    threading.stack_size(256 * 1024)
+    t = threading.Thread(target=lifeline)
+    t.daemon = True
+    t.start()
+    listener = Listener(proxy, port, lambda target, outcome: say("conn", target, outcome))
+    try:
+        listener.bind()
+    except OSError as e:
+        say("failed", "bind", _errno_name(e))
+        return EXIT_FAILED
+    listener.start()
+    say("ready")
+    while True:
+        time.sleep(3600)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="egress", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("install", "serve", "run", "remove"):
+        c = sub.add_parser(name)
+        if name != "remove":
+            c.add_argument("--port", type=int, default=LISTEN_PORT)
+        if name in ("serve", "run"):
+            c.add_argument("--proxy", required=True, help="the proxy service's mounted socket")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    if ns.command == "remove":
+        try:
+            nftables.remove()
+        except (OSError, NetlinkError, nftables.Missing) as e:
+            say("failed", "nftables", _errno_name(e))
+            return EXIT_FAILED
+        return 0
+    if ns.command in ("install", "run"):
+        code = install(ns.port)
+        if code or ns.command == "install":
+            return code
+    return serve(ns.proxy, ns.port)
+
+
+def entry(argv: list[str] | None = None) -> None:
+    sys.exit(main(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    entry()
