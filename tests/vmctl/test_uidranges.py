@@ -8,10 +8,10 @@ import os
 import pwd
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
+from tests.vmctl.uidpools import NO_HOST, make_pool
 from vmctl.uidranges import (
     FIRST_BLOCK,
     LAST_BLOCK,
@@ -27,15 +27,6 @@ from vmctl.uidranges import (
 from vmctl.uids import UidPool, UidRegistryError
 
 B1, B2, B3 = Block(1), Block(2), Block(3)
-NO_HOST = HostIds((), ())
-
-
-def make_pool(tmp: Path, name: str = "data", **kw: Any) -> UidPool:
-    kw.setdefault("ledger", str(tmp / "ledger"))
-    kw.setdefault("shared", (str(tmp / "shared"),))
-    kw.setdefault("registries", ())
-    kw.setdefault("ids", lambda: NO_HOST)
-    return UidPool(str(tmp / name), **kw)
 
 
 def first_uid(pool: UidPool, vm_id: str = "v") -> int:

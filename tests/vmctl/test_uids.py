@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from tests.vmctl.uidpools import make_pool
 from vmctl.residue import processes_of
 from vmctl.uidranges import Block, HostIds
 from vmctl.uids import (
@@ -35,17 +36,7 @@ from vmctl.uids import (
 )
 
 B1, B2 = Block(1), Block(2)
-NO_HOST = HostIds((), ())
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="only root runs processes as another uid")
-
-
-def make_pool(tmp: Path, name: str = "data", **kw: Any) -> UidPool:
-    """A pool whose ledger, shared places and host ids are the test's own."""
-    kw.setdefault("ledger", str(tmp / "ledger"))
-    kw.setdefault("shared", (str(tmp / "shared"),))
-    kw.setdefault("registries", ())
-    kw.setdefault("ids", lambda: NO_HOST)
-    return UidPool(str(tmp / name), **kw)
 
 
 def vm(pool: UidPool, vm_id: str) -> str:
