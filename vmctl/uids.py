@@ -570,7 +570,7 @@ class UidPool:
         """Whether a process of the uid is this data dir's machine's: it or a parent names
         one of its VMs, or (a uid of this data dir's own blocks) it started after the
         uid was reserved, since when no one else may have been given it."""
-        if born_after is not None and facts.start >= born_after:
+        if born_after is not None and facts.start > born_after:
             return True
         seen: ProcessFacts | None = facts
         for _ in range(MAX_ANCESTORS):
@@ -614,13 +614,14 @@ class UidPool:
         return UidEnd(left=left, spared=tuple(sorted(spared)))
 
     def _reserved_at(self, uid: int) -> int | None:
-        """When ``uid`` was reserved, in ``/proc`` start ticks (0: in an earlier boot), for
-        a uid of this data dir's own blocks with a record; else None."""
+        """When ``uid`` was reserved, in ``/proc`` start ticks (-1: in an earlier boot), for
+        a uid of this data dir's own blocks with a record; else None. A process that started
+        in the very tick of the reservation does not count as after it."""
         record = self._record(uid) or {}
         at = record.get("at")
         if not self._owned(uid) or not isinstance(at, int):
             return None
-        return at if record.get("boot") == _boot_id() else 0
+        return at if record.get("boot") == _boot_id() else -1
 
     def retire(self, uid: int, prove: bool = False) -> bool:
         """The VM of ``uid`` is deleted: its uid waits until nothing of it is left. With

@@ -28,6 +28,7 @@ from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
+from tests.fakes import UID_LEDGER
 from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from tests.vmctl.wheeltemplates import real_templates
 from vmctl.install import find_wheel
@@ -132,7 +133,7 @@ def _daemon(state: str, control: str, env: dict[str, str]) -> subprocess.Popen[b
     """``twist bottlenet`` in a network namespace with only ``lo``, the wheel's smolvm."""
     return subprocess.Popen(
         ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
-         "--state-dir", state, "--control", f"unix:{control}"],
+         "--state-dir", state, "--control", f"unix:{control}", "--uid-ledger", UID_LEDGER],
         env={**env, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True,
     )  # fmt: skip

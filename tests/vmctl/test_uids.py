@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 
 from tests.vmctl.uidpools import make_pool
-from vmctl.residue import processes_of
+from vmctl import uids as uids_module
+from vmctl.residue import process_facts, processes_of
 from vmctl.uidranges import Block, HostIds
 from vmctl.uids import (
     EXTEND_BELOW,
@@ -406,6 +407,8 @@ def test_every_process_of_the_machine_is_ended_and_checked_gone(tmp_path: Path) 
     reservation) ends; a process of another VM uid is untouched."""
     pool = make_pool(tmp_path)
     uid, other = pool.reserve(vm(pool, "a")), pool.reserve(vm(pool, "b"))
+    reserved = uids_module._ticks_now()
+    wait_until(lambda: uids_module._ticks_now() > reserved, "the next clock tick")
     script = "sleep 300 & exec sleep 300"
     with as_uid(uid, "sh", "-c", script) as left, as_uid(other, "sh", "-c", script):
         wait_until(lambda: len(processes_of({uid, other})) == 4, "both pairs to run")
@@ -423,6 +426,9 @@ def test_a_process_of_the_uid_that_is_not_the_machines_is_never_killed(tmp_path:
     uid = B1.first  # what this fresh data dir will reserve first
     with as_uid(uid, "sleep", "300") as foreign:
         wait_until(lambda: foreign.pid in processes_of({uid}), "the foreign process")
+        facts = process_facts(foreign.pid)
+        assert facts is not None
+        wait_until(lambda: uids_module._ticks_now() > facts.start, "the next clock tick")
         assert pool.reserve(vm(pool, "a")) == uid
         vmm_args = ["sh", "-c", "sleep 300; :", "vmm", os.path.join(pool.vms, "a", "boot.json")]
         with as_uid(uid, *vmm_args) as vmm:
