@@ -143,9 +143,11 @@ class UidSupply:
         return bool(self.blocks) and self.left < EXTEND_BELOW
 
     def describe(self) -> str:
+        if not self.blocks:
+            return f"{self.left} VM uids left (no block claimed yet: the first VM claims one)"
         ranges = ", ".join(Block(b).describe().removeprefix("uids ") for b in self.blocks)
         return (
-            f"{self.left} VM uids left (uids {ranges or 'none claimed yet'}; "
+            f"{self.left} VM uids left (uids {ranges}; "
             f"{self.held} in use, {self.retired} waiting until nothing of theirs is left)"
         )
 
@@ -438,8 +440,9 @@ class UidPool:
     def supply(self) -> UidSupply:
         """How many uids are left, held and retired (reads the registry; no lock)."""
         blocks = self.blocks()
+        fresh = self._fresh(blocks) if blocks else BLOCK_SIZE  # the first VM claims a block
         return UidSupply(
-            left=self._fresh(blocks) + sum(last - first + 1 for first, last in self._free()),
+            left=fresh + sum(last - first + 1 for first, last in self._free()),
             retired=len(self._retired()),
             held=len(_numbers(self._path(HELD))),
             blocks=blocks,

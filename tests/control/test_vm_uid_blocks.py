@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -113,6 +114,11 @@ def test_a_data_dir_with_seventy_thousand_cycles_behind_it_still_creates() -> No
     d = uid_daemon()
     try:
         d.start()
+        fresh = node_info(d)
+        assert (fresh["vm_uids_left"], fresh["vm_uids"]) == (
+            65_536,
+            "65536 VM uids left (no block claimed yet: the first VM claims one)",
+        )
         d.create_vm_bottle("first")
         assert d.ctl("bottle", "rm", "first").returncode == 0
         info = node_info(d)
@@ -136,6 +142,9 @@ def test_a_data_dir_with_seventy_thousand_cycles_behind_it_still_creates() -> No
         assert isinstance(info["vm_uids_left"], int) and info["vm_uids_left"] > 60_000, info
         assert info["health"] == "ok" and f"uids {block.first}-{block.last}" in str(info["vm_uids"])
         assert json.loads((registry(d) / ".uid-blocks").read_text())["blocks"] == [block.index]
+        table = d.ctl("node", "info").stdout.decode()
+        row = rf"VM uids\s+{info['vm_uids_left']} VM uids left \(uids {block.first}-{block.last};"
+        assert re.search(row, table), table
     finally:
         assert not d.cleanup()
 
