@@ -6,12 +6,14 @@ imports nothing of bottlenet but :mod:`bottlenet.errors`.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import itertools
 import os
 import socket
 import stat
+import struct
 from collections.abc import Mapping
 from typing import Literal
 
@@ -168,6 +170,104 @@ def open_regular(path: str) -> int:
     except BaseException:
         os.close(fd)
         raise
+    return fd
+
+
+class SymlinkInPath(OSError):
+    """A path that must be resolved without following links has a symlink at ``filename``."""
+
+
+_PATH_FLAGS = os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def open_dir_nofollow(path: str) -> int:
+    """An ``O_PATH`` descriptor of the directory ``path``, resolved from ``/`` one component
+    at a time (``openat`` with ``O_NOFOLLOW``), so that no symlink anywhere in it is followed.
+
+    For a directory someone else controls a part of (a user's volume): whatever is at the path
+    later, the descriptor stays the directory found now. ``path`` must be absolute, without
+    ``.`` or ``..`` components. Raises SymlinkInPath naming the first symlink met (its
+    ``filename``), NotADirectoryError, FileNotFoundError or another OSError.
+    """
+    if not path.startswith("/"):
+        raise OSError(errno.EINVAL, "not an absolute path", path)
+    fd = os.open("/", _PATH_FLAGS)
+    walked = ""
+    try:
+        for part in (p for p in path.split("/") if p):
+            walked += "/" + part
+            if part in (".", ".."):
+                raise OSError(errno.EINVAL, "a . or .. component", walked)
+            try:
+                child = os.open(part, _PATH_FLAGS, dir_fd=fd)
+            except NotADirectoryError:
+                mode = os.stat(part, dir_fd=fd, follow_symlinks=False).st_mode
+                if stat.S_ISLNK(mode):
+                    raise SymlinkInPath(errno.ELOOP, "a symlink", walked) from None
+                raise NotADirectoryError(errno.ENOTDIR, "not a directory", walked) from None
+            except FileNotFoundError:
+                raise FileNotFoundError(errno.ENOENT, "no such directory", walked) from None
+            os.close(fd)
+            fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def fd_path(fd: int) -> str:
+    """Where the kernel says the file behind ``fd`` is now (``/proc/self/fd``): a path free of
+    symlinks, for calls that take a path; every call on the object itself goes through
+    :func:`proc_fd`."""
+    return os.readlink(proc_fd(fd))
+
+
+def proc_fd(fd: int) -> str:
+    """``/proc/self/fd/N``: the object ``fd`` refers to, for calls that have no ``f`` variant
+    usable on an ``O_PATH`` descriptor (``getxattr``, ``setxattr``); the kernel follows this
+    link to the very object, never by name."""
+    return f"/proc/self/fd/{fd}"
+
+
+#: ``struct file_handle``'s header (``handle_bytes``, ``handle_type``) and the most bytes a
+#: handle may hold (``MAX_HANDLE_SZ``).
+_HANDLE_HEAD = struct.Struct("<Ii")
+_MAX_HANDLE = 128
+_AT_EMPTY_PATH = 0x1000
+
+
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def file_handle(fd: int) -> bytes | None:
+    """The kernel's handle of the file behind ``fd`` (``name_to_handle_at``): its type and
+    bytes, what :func:`open_by_handle` finds the same file by after any rename, or None when
+    its filesystem cannot make one."""
+    buf = ctypes.create_string_buffer(_HANDLE_HEAD.size + _MAX_HANDLE)
+    _HANDLE_HEAD.pack_into(buf, 0, _MAX_HANDLE, 0)
+    mount_id = ctypes.c_int()
+    if _libc().name_to_handle_at(fd, b"", buf, ctypes.byref(mount_id), _AT_EMPTY_PATH) != 0:
+        return None
+    size, _ = _HANDLE_HEAD.unpack_from(buf, 0)
+    return buf.raw[: _HANDLE_HEAD.size + size]
+
+
+def open_by_handle(handle: bytes, mount_fd: int) -> int:
+    """An ``O_PATH`` descriptor of the file ``handle`` (:func:`file_handle`) names, on the
+    filesystem of ``mount_fd`` (an ``O_RDONLY`` descriptor of any of its directories); needs
+    ``CAP_DAC_READ_SEARCH``. Raises OSError (ESTALE: that file is gone)."""
+    if len(handle) < _HANDLE_HEAD.size or len(handle) > _HANDLE_HEAD.size + _MAX_HANDLE:
+        raise OSError(errno.EINVAL, "not a file handle")
+    size, _ = _HANDLE_HEAD.unpack_from(handle, 0)
+    if size != len(handle) - _HANDLE_HEAD.size:
+        raise OSError(errno.EINVAL, "not a file handle")
+    libc = _libc()
+    libc.open_by_handle_at.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+    fd: int = libc.open_by_handle_at(mount_fd, handle, os.O_PATH | os.O_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
     return fd
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ipaddress
 import os
 import sys
+import sysconfig
 from collections.abc import Callable, Mapping
 from functools import wraps
 from typing import Any, TypeVar
@@ -23,13 +24,13 @@ from twisted.python import usage
 
 from bottlenet import __version__
 from bottlenet.bottles.config import ConfigError, DaemonConfig, load_config
-from bottlenet.bottles.lease import DEFAULT_GRACE
-from bottlenet.bottles.node import check_labels, parse_label
 from bottlenet.bottles.probe import GateSettings
 from bottlenet.bottles.registry import DEFAULT_MAX_BOTTLES
 from bottlenet.control.endpoints import (
     ControlListenError,
+    SystemdDescription,
     UNIXDescription,
+    inherited_socket_path,
     parse_control_description,
 )
 from bottlenet.control.peercred import default_allowed_uids
@@ -39,6 +40,8 @@ from bottlenet.forward import fastreactor
 from bottlenet.forward.budget import DEFAULT_IDLE_TIMEOUT, DEFAULT_PER_BOTTLE, reserved_fds
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool
 from bottlenet.forward.splice import check_engine
+from bottlenet.node.info import check_labels, parse_label
+from bottlenet.node.lease import DEFAULT_GRACE
 from bottlenet.ops import logs, metrics
 from bottlenet.paths import MAX_SUN_PATH, default_control_endpoint, default_state_dir
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
@@ -296,6 +299,12 @@ class Options(usage.Options):
         self["allow-uid"] = []
         self["label"] = []
         self["scoped-uid"] = []
+        self["volume-root"] = []
+
+    def opt_volume_root(self, value: str) -> None:
+        """A directory under which scoped peers' read-write volumes and TLS launchers'
+        volumes may lie (repeatable; none by default: such volumes are refused)."""
+        self["volume-root"].append(value)
 
     def opt_label(self, value: str) -> None:
         """A label of this node, KEY=VALUE, reported by NodeInfo (repeatable)."""
@@ -388,8 +397,8 @@ class DaemonSettings:
     gate: GateSettings
     skip_probe: bool
     smolvm: SmolvmChoice
-    #: The daemon's own directories: no agent volume may be, hold or lie inside one.
-    protected_dirs: tuple[str, ...]
+    #: Every path the daemon reads or serves: no agent volume may be, hold or lie inside one.
+    protected_paths: tuple[str, ...]
     log_relay_ends: bool
     #: ``--label KEY=VALUE``s, sorted by key (NodeInfo).
     labels: tuple[tuple[str, str], ...] = ()
@@ -397,6 +406,8 @@ class DaemonSettings:
     lease_grace: float = DEFAULT_GRACE
     #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
     scoped_uids: frozenset[int] = frozenset()
+    #: ``--volume-root``: where scoped peers' rw volumes and TLS launchers' volumes may lie.
+    volume_roots: tuple[str, ...] = ()
     #: ``--uid-ledger``: the host's record of per-VM uid blocks (vmctl.uidranges).
     uid_ledger: str = DEFAULT_LEDGER
 
@@ -472,13 +483,21 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         gate=_gate_settings(options, tls, metrics_spec),
         skip_probe=options["unsafe-skip-isolation-probe"],
         smolvm=smolvm,
-        protected_dirs=_own_dirs(
-            state_dir, control, options["smolvm-data-dir"], options["uid-ledger"]
+        protected_paths=_own_paths(
+            state_dir,
+            control,
+            smolvm,
+            tls,
+            metrics_spec,
+            config_path,
+            env,
+            uid_ledger=options["uid-ledger"],
         ),
         log_relay_ends=logs_relay_ends(options.parent),
         labels=labels,
         lease_grace=options["lease-grace"],
         scoped_uids=scoped,
+        volume_roots=_volume_roots(options["volume-root"]),
         uid_ledger=os.path.abspath(options["uid-ledger"]),
     )
 
@@ -503,17 +522,94 @@ def _metrics_option(
         raise StartupError(f"--metrics: {e.message}") from None
 
 
-def _own_dirs(
-    state_dir: str, control: str, smolvm_data: str | None, uid_ledger: str = DEFAULT_LEDGER
+#: What systemd tells a unit about its own directories (each may list several, ``:``-separated).
+SYSTEMD_DIRS = (
+    "RUNTIME_DIRECTORY",
+    "STATE_DIRECTORY",
+    "CACHE_DIRECTORY",
+    "LOGS_DIRECTORY",
+    "CONFIGURATION_DIRECTORY",
+    "CREDENTIALS_DIRECTORY",
+)
+
+
+def _own_paths(
+    state_dir: str,
+    control: str,
+    smolvm: SmolvmChoice,
+    tls: TLSSettings | None,
+    metrics_spec: metrics.MetricsEndpoint | None,
+    config_path: str | None,
+    environ: Mapping[str, str],
+    *,
+    uid_ledger: str = DEFAULT_LEDGER,
 ) -> tuple[str, ...]:
-    """The daemon's own directories: no agent volume may be, hold or lie inside one."""
-    dirs = [os.path.abspath(state_dir), os.path.abspath(uid_ledger)]
-    path = _unix_path(control)
-    if path is not None:
-        dirs.append(os.path.dirname(path))
-    if smolvm_data:
-        dirs.append(os.path.abspath(smolvm_data))
-    return tuple(dict.fromkeys(dirs))
+    """Every path the daemon reads or serves: its state, smolvm's data and the uid ledger
+    (``--uid-ledger``: a VM that could write it would hand uids around), the control socket's
+    directory (a ``systemd:`` one's from the inherited descriptor, and the unit's own
+    directories systemd names), the metrics socket's, the TLS key, certificate and CA, the
+    config file, smolvm's binary and libraries, and its own install (the ``bottlenet`` and
+    ``vmctl`` packages, the interpreter's library and site directories, the venv). No agent
+    volume may be, hold or lie inside one (``bottles/volumes.py``)."""
+    paths = [state_dir]
+    try:
+        described = parse_control_description(control)
+    except ControlListenError:
+        described = None
+    if isinstance(described, UNIXDescription):
+        paths.append(os.path.dirname(os.path.abspath(described.path)))
+    elif isinstance(described, SystemdDescription):
+        found = inherited_socket_path(described)
+        if found is not None:
+            paths.append(os.path.dirname(found))
+    for name in SYSTEMD_DIRS:
+        paths.extend(p for p in environ.get(name, "").split(":") if os.path.isabs(p))
+    if smolvm.data_dir:
+        paths.append(smolvm.data_dir)
+    paths.append(os.path.abspath(uid_ledger))
+    if smolvm.install is not None:
+        paths.extend(
+            p
+            for p in (smolvm.install.binary, smolvm.install.lib_dir, smolvm.install.agent_rootfs)
+            if p
+        )
+    if metrics_spec is not None and metrics_spec.kind == "unix" and metrics_spec.path:
+        paths.append(os.path.dirname(os.path.abspath(metrics_spec.path)))
+    if tls is not None:
+        paths.extend((tls.key, tls.cert, tls.ca))
+    if config_path:
+        paths.append(config_path)
+    paths.extend(install_paths())
+    return tuple(dict.fromkeys(os.path.realpath(p) for p in paths))
+
+
+def install_paths() -> tuple[str, ...]:
+    """Where the daemon's own code lives: its packages (an editable install's checkout
+    included), the interpreter's library and site directories, and the venv."""
+    import bottlenet
+    import vmctl
+
+    found = []
+    for package in (bottlenet, vmctl):
+        where = os.path.dirname(os.path.abspath(package.__file__ or ""))
+        found += [where, os.path.dirname(where)]
+    found += [p for k, p in sysconfig.get_paths().items() if k in _CODE_PATHS]
+    if sys.prefix != sys.base_prefix:
+        found.append(sys.prefix)
+    return tuple(found)
+
+
+_CODE_PATHS = ("stdlib", "platstdlib", "purelib", "platlib", "scripts")
+
+
+def _volume_roots(given: list[str]) -> tuple[str, ...]:
+    """``--volume-root``s: absolute existing directories (their real paths)."""
+    roots = []
+    for root in given:
+        if not os.path.isabs(root) or not os.path.isdir(root):
+            raise StartupError(f"--volume-root: {root} is not an absolute existing directory")
+        roots.append(os.path.realpath(root))
+    return tuple(dict.fromkeys(roots))
 
 
 def _unix_path(control: str) -> str | None:

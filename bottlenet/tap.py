@@ -25,21 +25,22 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
+from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost, VMOptions, vm_host
-from bottlenet.bottles.node import Node, build_node
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.services import ConfigBottles
 from bottlenet.bottles.store import State, StateError, StateStore
 from bottlenet.bottles.vmmaccess import closed_parents
+from bottlenet.bottles.volumes import VolumeRules
 from bottlenet.control.commands import ALL_COMMANDS, CONTROL_ERRORS
 from bottlenet.control.context import ControlContext, SmolvmFacts, TLSAdmission, UnixAdmission
 from bottlenet.control.endpoints import control_endpoint, tls_control_endpoint
 from bottlenet.control.events import EventHub
-from bottlenet.control.scope import Creators
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import FatalStopper, fatal_stopper
 from bottlenet.ops.listening import ListeningService
@@ -231,8 +232,6 @@ class BottlenetService(MultiService):
         return d
 
     async def _stop(self) -> None:
-        if self.node is not None:
-            self.node.leases.stop()
         try:
             Service.stopService(self)
             # In reverse, as MultiService does, but only what started (a fatal stop can
@@ -347,8 +346,6 @@ def compose(
         Recovery(registry, host, state, settings.state_dir), after=config_ready, on_fatal=on_fatal
     )
     recovery.setServiceParent(root)
-    if root.node is not None:
-        recovery.ready.addCallback(_restored, root)
     waits.append(recovery.ready)
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
@@ -374,7 +371,12 @@ def compose(
             reactor,
             settings.metrics,
             settings.metrics_cap,
-            metrics.SnapshotSource(table.list, registry.list_bottles, root.vm_uids_left),
+            metrics.SnapshotSource(
+                table.list,
+                registry.list_bottles,
+                registry.transparent_outcomes,
+                count_vm_uids=root.vm_uids_left,
+            ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
             table.own_sockets,
@@ -386,15 +388,6 @@ def compose(
     status = partial(ready_status, registry, len(settings.config.bottles))
     sdnotify.SystemdNotifier(ready, status=status).setServiceParent(root)
     return root
-
-
-def _restored(result: object, root: BottlenetService) -> object:
-    """Recovery is done: the restored bottles' leases count on (their grace again), and
-    their scoped creators are known."""
-    assert root.node is not None
-    root.node.leases.restore()
-    root.control_factory.context.creators.restore(root.registry.list_bottles())
-    return result
 
 
 def _core(
@@ -437,22 +430,12 @@ def _core(
         skip_probe=settings.skip_probe,
         vm_uids=vm_uids,
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
+        volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
     )
-    registry = BottleRegistry(
-        reactor,
-        table,
-        aliases,
-        state_dir=settings.state_dir,
-        max_bottles=settings.max_bottles,
-        store=store,
-        instance_id=state.instance_id,
-        host=host,
-    )
-    registry.protected_dirs = settings.protected_dirs
-    node = _node(settings, store, state, reactor, registry, table, vm_uids)
+    registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
         table.own_sockets.add_unix(settings.control_path)
     if settings.tls is not None:
@@ -474,6 +457,51 @@ def _core(
     return root, vmctl_service, host
 
 
+def _registry(
+    settings: DaemonSettings,
+    store: StateStore,
+    state: State,
+    reactor: Any,
+    table: ForwardTable,
+    aliases: AliasRegistry,
+    host: VMHost,
+) -> tuple[BottleRegistry, Node]:
+    """The bottles' table, the node's policies it tells (built first: the table takes them)
+    and the node over both."""
+    events = EventBus()
+    parts = node_parts(
+        reactor,
+        store,
+        state,
+        events.emit,
+        monotonic=time.monotonic,
+        lease_grace=settings.lease_grace,
+    )
+    registry = BottleRegistry(
+        reactor,
+        table,
+        aliases,
+        state_dir=settings.state_dir,
+        max_bottles=settings.max_bottles,
+        store=store,
+        instance_id=state.instance_id,
+        host=host,
+        events=events,
+        policies=parts.policies(),
+    )
+    euid = os.geteuid()
+    who = "root" if euid == 0 else f"uid {euid}"
+    node = Node(
+        registry,
+        table.budget,
+        parts,
+        host=socket.gethostname(),
+        labels=settings.labels,
+        privilege=f"{who}; smolvm VMs run with {host.options.vm_uids}",
+    )
+    return registry, node
+
+
 def _control_factory(
     settings: DaemonSettings,
     reactor: Any,
@@ -490,37 +518,10 @@ def _control_factory(
         on_command=control_commands.record,
         event_hub=EventHub(registry.events.subscribe),
         node=node,
-        creators=Creators(registry.events.subscribe),
         unix_target_root=settings.state_dir,
     )
     admission = UnixAdmission(settings.allowed_uids, settings.scoped_uids)
     return ControlServerFactory(context, admission, max_connections=settings.control_cap)
-
-
-def _node(
-    settings: DaemonSettings,
-    store: StateStore,
-    state: State,
-    reactor: Any,
-    registry: BottleRegistry,
-    table: ForwardTable,
-    vm_uids: VmUids,
-) -> Node:
-    """The node contract (NodeInfo, Drain) over the registry."""
-    euid = os.geteuid()
-    who = "root" if euid == 0 else f"uid {euid}"
-    return build_node(
-        reactor,
-        registry,
-        table.budget,
-        store,
-        state,
-        monotonic=time.monotonic,
-        lease_grace=settings.lease_grace,
-        host=socket.gethostname(),
-        labels=settings.labels,
-        privilege=f"{who}; smolvm VMs run with {vm_uids}",
-    )
 
 
 def _recorders() -> tuple[metrics.CallStats, metrics.CommandStats]:

@@ -26,6 +26,8 @@ UPWARD = [
     ("bottlenet.probe.plan", "bottlenet.bridge.reach"),  # no forbidden contract sees it
     ("bottlenet.control.blocking", "bottlenet.fleet.request"),  # the daemon's side -> Ray's
     ("bottlenet.tap", "bottlenet.fleet.pool"),  # side by side on the top floor
+    ("bottlenet.bottles.registry", "bottlenet.node.drain"),  # bottles -> the node's policies
+    ("bottlenet.node.lease", "bottlenet.control.server"),  # side by side: node -> control
 ]
 #: forward.table imports forward.spec; this closes a ring.
 CYCLE = ("bottlenet.forward.spec", "bottlenet.forward.table")

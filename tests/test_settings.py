@@ -10,6 +10,10 @@ test of that contract is in ``tests/test_daemon.py``).
 from __future__ import annotations
 
 import os
+import shlex
+import socket
+import sys
+from pathlib import Path
 
 import pytest
 from twisted.internet.testing import MemoryReactorClock
@@ -216,7 +220,7 @@ def test_control_endpoint(tmp_path) -> None:  # type: ignore[no-untyped-def]
     path = str(tmp_path / "run" / "c.sock")
     s = _settings(tmp_path, "--control", f"unix:{path}")
     assert (s.control, s.control_path) == (f"unix:{path}", path)
-    assert os.path.dirname(path) in s.protected_dirs
+    assert os.path.dirname(path) in s.protected_paths
     assert _settings(tmp_path, "--control", "systemd:domain=UNIX:name=c").control_path is None
     assert _error(tmp_path, "--control", "relative/c.sock") == (
         "--control must be unix:PATH, an absolute PATH or systemd:domain=UNIX:name=N, not "
@@ -238,7 +242,7 @@ def test_smolvm_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     missing = str(tmp_path / "smolvm-typo")
     assert _error(tmp_path, "--smolvm", missing) == f"--smolvm {missing}: no such file"
     s = _settings(tmp_path, "--smolvm-data-dir", "/tmp/sv")
-    assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_dirs
+    assert s.smolvm.data_dir == "/tmp/sv" and "/tmp/sv" in s.protected_paths
     assert _settings(tmp_path).smolvm.data_dir == str(tmp_path / "s" / "smolvm")
 
 
@@ -277,3 +281,69 @@ def test_node_options(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "given both scoped and with full control" in _error(
         tmp_path, "--allow-uid", f"{own}:scoped"
     )
+
+
+def test_the_shipped_units_own_paths_are_protected(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """Issue 40 N7: the shipped system unit's own options (``contrib/systemd``: ``--state-dir``,
+    ``--control systemd:...``), with TLS files and a config file, the runtime directory systemd
+    names and the socket it passes: each path the daemon reads or serves (the socket's
+    directory from the inherited descriptor, the TLS directory, the config file's, the state
+    dir, the daemon's own code and venv) is refused as a volume; a directory beside them is
+    not. Stand-ins under a temporary directory for ``/var/lib``, ``/run`` and ``/etc``."""
+    from twisted.python.systemd import ListenFDs
+
+    from bottlenet import settings as settings_module
+    from bottlenet.bottles.volumes import Requester, VolumeRules, resolve
+    from bottlenet.control.endpoints import inherited_socket_path
+    from bottlenet.errors import InvalidArgument
+    from vmctl.spec import Volume
+
+    unit = (Path(__file__).parent.parent / "contrib/systemd/system/bottlenet.service").read_text()
+    exec_start = next(line for line in unit.splitlines() if line.startswith("ExecStart="))
+    argv = shlex.split(exec_start.removeprefix("ExecStart="))
+    assert argv[1] == "bottlenet" and "systemd:domain=UNIX:name=control" in argv
+    state, run, tls, conf = (
+        tmp_path / n for n in ("var-lib-bottlenet", "run-bottlenet", "tls", "etc")
+    )
+    for d in (state, run, tls, conf):
+        d.mkdir()
+    # (--log-format is the runner's: twist parses it, not a bare Options)
+    options_argv = [
+        a.replace("/var/lib/bottlenet", str(state))
+        for a in argv[2:]
+        if not a.startswith("--log-format")
+    ]
+    for name in ("daemon.key", "daemon.pem", "launchers-ca.pem"):
+        (tls / name).write_text("")
+    config = conf / "bottlenet.toml"
+    config.write_text("")
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(run / "control"))
+    sock.listen()
+    passed = ListenFDs([sock.fileno()], ["control"])
+    monkeypatch.setattr(
+        settings_module, "inherited_socket_path", lambda d: inherited_socket_path(d, passed)
+    )
+    options = Options()
+    options.parseOptions(
+        [
+            *options_argv,
+            *("--control-tls-port", "7443", "--control-tls-interface", "10.0.0.5"),
+            *("--control-tls-key", str(tls / "daemon.key"), "--control-tls-cert"),
+            *(str(tls / "daemon.pem"), "--control-tls-ca", str(tls / "launchers-ca.pem")),
+            *("--config", str(config)),
+        ]
+    )
+    try:
+        s = settings_from(options, {"PATH": os.environ.get("PATH", "")})
+    finally:
+        sock.close()
+    rules = VolumeRules(s.protected_paths)
+    code = Path(settings_module.__file__).parent
+    refused = [state, run, tls, conf, code, Path(sys.prefix)]
+    for host in refused:
+        with pytest.raises(InvalidArgument, match="overlaps the daemon's own path"):
+            resolve([Volume(str(host), "/x")], ["v"], Requester.daemon(), rules, reachable=False)
+    beside = tmp_path / "work"
+    beside.mkdir()
+    resolve([Volume(str(beside), "/x")], ["v"], Requester.daemon(), rules, reachable=False).close()

@@ -29,12 +29,18 @@ from bottlenet.bottles import attach, workload
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.creation import create_vm
-from bottlenet.bottles.egresslayer import LayerKeeper, layer_status, proxy_endpoint
+from bottlenet.bottles.egresslayer import (
+    LayerKeeper,
+    TransparentCount,
+    layer_status,
+    proxy_endpoint,
+)
 from bottlenet.bottles.events import (
     BRIDGE_RESTARTED,
     CREATED,
     DEGRADED,
     DESTROYED,
+    LEASE_EXPIRED,
     READY,
     WORKLOAD_EXITED,
     BottleEvent,
@@ -42,12 +48,15 @@ from bottlenet.bottles.events import (
 )
 from bottlenet.bottles.host import VMHost, runs_bridge
 from bottlenet.bottles.model import Bottle, BottleState, BottleVMs, Forward, Source
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.probe import ProbeVerdict
+from bottlenet.bottles.sessions import Sessions
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
-from bottlenet.bottles.store import StateStore
-from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.store import StateStore, write
+from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
 from bottlenet.bottles.vmloss import lost_reason
+from bottlenet.bottles.volumes import Requester
 from bottlenet.bottles.watch import Watch
 from bottlenet.errors import (
     BottlenetError,
@@ -55,8 +64,10 @@ from bottlenet.errors import (
     Degraded,
     InvalidArgument,
     IsolationFailed,
+    NotFound,
     SmolvmUnavailable,
     Unavailable,
+    safe_repr,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
@@ -81,30 +92,41 @@ class Hands:
     arm_resync: Callable[[str], None]
     #: The bottle's record and value are gone: the table forgets the name.
     forget: Callable[[str], None]
+    #: The table's destroy of a name (a lease's reap).
+    reap: Callable[[str], Deferred[None]]
+    #: The node's policies: the bottles' outputs tell them (``bottles.policy``).
+    policies: Policies
 
 
 def emit(
-    hands: Hands,
+    core: _BottleCore,
     kind: str,
-    name: str,
     state: str | None = None,
     detail: str | None = None,
     exit_code: int | None = None,
 ) -> None:
-    """One bottle event, stamped with the clock's time, to every subscriber."""
-    hands.events.emit(BottleEvent(kind, name, hands.clock.seconds(), state, detail, exit_code))
+    """One event of the bottle, stamped with the clock's time and its creator, to the wire."""
+    hands = core.hands
+    if hands is None:
+        return
+    event = BottleEvent(
+        kind, core.name, hands.clock.seconds(), state, detail, exit_code, core.creator
+    )
+    hands.events.emit(event)
 
 
 @frozen
 class CreateRequest:
     """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
-    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec``; either's
+    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
+    it (``requester``: its volumes are checked for it; None: the daemon itself); either's
     ``tenancy``, its lease counted from the commit."""
 
     alias: ipaddress.IPv4Address | None = None
     spec: BottleSpec | None = None
     source: Source = Source.CONTROL
     tenancy: Tenancy | None = None
+    requester: Requester | None = None
 
 
 @frozen
@@ -168,6 +190,8 @@ class _BottleCore:
 
     name: str
     hands: Hands | None = None
+    #: The scoped peer that created it (``tenancy.creator``): on each of its events.
+    creator: str | None = None
     value: Bottle | None = None
     waiter: workload.WorkloadWaiter | None = None
     #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
@@ -222,15 +246,6 @@ def persist_quietly(core: _BottleCore, bottle: Bottle) -> None:
         pass
 
 
-def write(store: StateStore, change: Callable[[StateStore], None]) -> None:
-    """One change to the state file; an I/O failure is UNAVAILABLE (and logged)."""
-    try:
-        change(store)
-    except OSError as e:
-        log.error("cannot write the state file: {err}", err=e.strerror)
-        raise Unavailable(f"cannot write the state file: {e.strerror}") from None
-
-
 def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferred[None] | None:
     hands, bottle = core.hands, core.value
     if hands is None or bottle is None:
@@ -238,7 +253,7 @@ def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferr
     degraded = core.value = evolve(bottle, state=BottleState.DEGRADED, detail=why)
     stop_waiter(core)
     log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
-    emit(hands, DEGRADED, core.name, BottleState.DEGRADED, why)
+    emit(core, DEGRADED, BottleState.DEGRADED, why)
     unwatch(core)
     removing = hands.table.remove_bottle(core.name)
     return removing.addCallback(lambda _: persist_quietly(core, degraded))
@@ -253,7 +268,7 @@ def _exited(machine: BottleMachine, core: _BottleCore, code: int = 0) -> bool:
     exited = core.value = evolve(bottle, state=BottleState.EXITED, detail=detail, vms=vms)
     log.info("bottle {bottle}: {detail}", bottle=core.name, detail=detail)
     persist_quietly(core, exited)
-    emit(hands, WORKLOAD_EXITED, core.name, BottleState.EXITED, detail, code)
+    emit(core, WORKLOAD_EXITED, BottleState.EXITED, detail, code)
     return True
 
 
@@ -261,8 +276,8 @@ def _teardown_failed(core: _BottleCore, detail: str, newly: bool) -> bool:
     if core.value is not None:
         degraded = core.value = evolve(core.value, state=BottleState.DEGRADED, detail=detail)
         persist_quietly(core, degraded)
-        if newly and core.hands is not None:
-            emit(core.hands, DEGRADED, core.name, BottleState.DEGRADED, detail)
+        if newly:
+            emit(core, DEGRADED, BottleState.DEGRADED, detail)
     return newly
 
 
@@ -344,11 +359,20 @@ class BottleOwner:
     #: What an operation for this kind says of a bottle of the other kind.
     other_kind = "is of another kind"
 
-    def __init__(self, name: str, hands: Hands, kept: BottleState | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        hands: Hands,
+        kept: BottleState | None = None,
+        *,
+        creator: str | None = None,
+    ) -> None:
         self.name = name
         self.hands = hands
-        self.core = _BottleCore(name, hands)
+        self.core = _BottleCore(name, hands, creator)
         self.machine = creating(self.core) if kept is None else adopted(kept, self.core)
+        #: Its lease, counted by the node's lease policy (never armed without one).
+        self.lease = hands.policies.leases.timer(name, self._lease_ran_out, self._reap)
 
     @property
     def value(self) -> Bottle | None:
@@ -360,11 +384,52 @@ class BottleOwner:
         assert value is not None, "an operation on a bottle not yet made"
         return value
 
-    def set_tenancy(self, tenancy: Tenancy) -> None:
-        """Record the bottle's new tenancy (a renewed lease): in memory at once, then on disk
-        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
-        bottle = self.core.value = evolve(self.require(), tenancy=tenancy)
+    # -- its lease ------------------------------------------------------------------------
+
+    def count_lease(self, now: float) -> None:
+        """Count the lease the bottle was made or restored with: what is left of it at
+        ``now`` (wall time), then the grace."""
+        tenancy = self.require().tenancy
+        if tenancy is not None and tenancy.lease is not None:
+            self.lease.arm(max(tenancy.lease.expires_at - now, 0.0))
+
+    def renew(self, seconds: float) -> Tenancy:
+        """Extend its lease to ``seconds`` from now: counted at once; then written
+        (UNAVAILABLE when the state file cannot be: the new deadline holds in memory)."""
+        check_lease_seconds(seconds)
+        tenancy = self.require().tenancy
+        if tenancy is None or tenancy.lease is None or not self.lease.armed:
+            raise InvalidArgument(f"bottle {self.name} has no lease to renew")
+        if self.lease.reaping:
+            raise NotFound(f"bottle {self.name}: its lease expired; it is being destroyed")
+        self.lease.arm(seconds)
+        renewed = tenancy.renewed(seconds, self.hands.clock.seconds())
+        bottle = self.core.value = evolve(self.require(), tenancy=renewed)
         self.persist(bottle)
+        return renewed
+
+    def _lease_ran_out(self) -> None:
+        tenancy = self.require().tenancy
+        assert tenancy is not None and tenancy.lease is not None
+        grace = self.hands.policies.leases.grace
+        detail = (
+            f"lease of {tenancy.lease.seconds:g}s ran out and {grace:g}s of grace passed "
+            "without a renewal"
+        )
+        log.warn(
+            "bottle {bottle}: {detail} (owner {owner}): destroying it",
+            bottle=self.name,
+            detail=detail,
+            owner="-" if tenancy.owner is None else safe_repr(tenancy.owner, 128),
+        )
+        emit(self.core, LEASE_EXPIRED, None, detail)
+
+    def _reap(self) -> Deferred[None]:
+        return self.hands.reap(self.name)
+
+    def stop(self) -> None:
+        """The daemon stops: its lease is no longer counted (it is on disk)."""
+        self.lease.cancel()
 
     def commit(self, bottle: Bottle) -> None:
         """The create's last step: the value, recorded (nothing kept when it cannot be)."""
@@ -423,7 +488,8 @@ class BottleOwner:
         self.core.pending = None
         self.gone()
         log.info("bottle {bottle} destroyed", bottle=self.name)
-        emit(self.hands, DESTROYED, self.name)
+        self.lease.cancel()
+        emit(self.core, DESTROYED)
 
     def sync_pending(self) -> None:
         """Before another operation: its earlier revocation must be durable."""
@@ -506,8 +572,9 @@ class ForwardBottle(BottleOwner):
         log.info("bottle {bottle} created on {alias}", bottle=self.name, alias=str(addr))
         listed(self)
         self.machine.created()
-        emit(hands, CREATED, self.name, bottle.state)
-        emit(hands, READY, self.name, bottle.state)
+        emit(self.core, CREATED, bottle.state)
+        emit(self.core, READY, bottle.state)
+        self.count_lease(now)
         return bottle
 
     async def restore(self, bottle: Bottle) -> Bottle:
@@ -569,6 +636,18 @@ class VMBottle(BottleOwner):
     #: What a VM operation says of a bottle of the other kind.
     other_kind = "is forward-only: it has no VMs"
 
+    def __init__(
+        self,
+        name: str,
+        hands: Hands,
+        kept: BottleState | None = None,
+        *,
+        creator: str | None = None,
+    ) -> None:
+        super().__init__(name, hands, kept, creator=creator)
+        #: The launcher sessions (Exec, Logs) it holds now, capped.
+        self.sessions = Sessions(name)
+
     async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
         """Run the ``spec``'s create steps (CREATED first, DESTROYED naming the error if one
         fails); the last one records the bottle (with its ``tenancy``, its lease counted from
@@ -576,7 +655,7 @@ class VMBottle(BottleOwner):
         refused one; ``source`` is always the control plane's.)"""
         hands, spec, tenancy = self.hands, asked.spec, asked.tenancy
         assert spec is not None
-        emit(hands, CREATED, self.name, BottleState.CREATING)
+        emit(self.core, CREATED, BottleState.CREATING)
         try:
             if hands.host is None:
                 raise SmolvmUnavailable(
@@ -592,15 +671,18 @@ class VMBottle(BottleOwner):
                 self.core.bridge, self.core.layer = bridge, layer
                 listed(self)
 
-            created = await create_vm(hands.host, spec, commit)
+            created = await create_vm(hands.host, spec, commit, asked.requester)
         except BaseException as e:
-            detail = f"create failed: {getattr(e, 'code', 'INTERNAL')}"
-            emit(hands, DESTROYED, self.name, None, detail)
+            code = getattr(e, "code", "INTERNAL")
+            emit(self.core, DESTROYED, None, f"create failed: {code}")
+            hands.policies.tracker.create_failed(code)
             raise
         self.machine.created()  # an Exec was BUSY ("being created") until now
         self.watch()
         bottle = self.core.value or created  # as committed (with its tenancy)
-        emit(hands, READY, self.name, bottle.state)
+        emit(self.core, READY, bottle.state)
+        hands.policies.tracker.vm_started()
+        self.count_lease(hands.clock.seconds())
         return bottle
 
     async def restore(self, bottle: Bottle) -> Bottle:
@@ -655,6 +737,11 @@ class VMBottle(BottleOwner):
             text += "; transparent egress " + layer_status(self.core.layer, service).describe()
         return text
 
+    def transparent_counts(self) -> list[TransparentCount]:
+        """Its transparent connects per target (none without a layer)."""
+        layer = self.core.layer
+        return [] if layer is None else layer.counters.rows(self.name)
+
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
         if self.machine.lifecycle() is Lifecycle.DESTROYING:
@@ -683,9 +770,7 @@ class VMBottle(BottleOwner):
                 self.name,
                 vm.agent_vm,
                 vm.endpoints,
-                on_restarted=lambda detail: emit(
-                    self.hands, BRIDGE_RESTARTED, self.name, None, detail
-                ),
+                on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
                 on_failed=self.degrade_later,
             )
         self.keep_layer(host, vm)
@@ -701,7 +786,7 @@ class VMBottle(BottleOwner):
             self.name,
             vm.agent_vm,
             proxy_endpoint(vm.endpoints, service),
-            on_restarted=lambda detail: emit(self.hands, BRIDGE_RESTARTED, self.name, None, detail),
+            on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
             on_failed=self.degrade_later,
         )
 

@@ -34,7 +34,6 @@ from bottlenet.bottles.host import (
     VMHost,
     runs_bridge,
     vm_parts,
-    volumes_of,
 )
 from bottlenet.bottles.isolation import (
     AGENT_WAIT_COMMAND,
@@ -55,6 +54,7 @@ from bottlenet.bottles.spec import (
     image_fields,
 )
 from bottlenet.bottles.vmerrors import map_vmctl
+from bottlenet.bottles.volumes import Requester, ResolvedVolumes
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
     EgressLayerFailed,
@@ -124,16 +124,18 @@ def agent_machine_spec(
     labels: tuple[tuple[str, str], ...],
     env: tuple[tuple[str, str], ...],
     endpoints: Sequence[Endpoint],
+    volumes: Sequence[Volume] = (),
 ) -> MachineSpec:
     """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
-    and bottlenet's wait command as the workload (it replaces the image's ENTRYPOINT+CMD)."""
+    its ``volumes`` as resolved at create (``volumes.py``), and bottlenet's wait command as
+    the workload (it replaces the image's ENTRYPOINT+CMD)."""
     mounts = tuple(MountSocket(e.path, e.guest_path) for e in endpoints)
     fields: dict[str, Any] = {
         **image_fields(agent.image),
         "labels": labels,
         "cpus": agent.cpus,
         "mem": agent.mem,
-        "volumes": tuple(Volume.parse(v) for v in agent.volumes),
+        "volumes": tuple(volumes),
         "env": env,
         "mount_sockets": mounts,
         "workload": AGENT_WAIT_COMMAND,
@@ -191,11 +193,21 @@ class Creation:
 
     log = Logger()
 
-    def __init__(self, host: VMHost, spec: BottleSpec, plan: IsolationPlan) -> None:
+    def __init__(
+        self,
+        host: VMHost,
+        spec: BottleSpec,
+        plan: IsolationPlan,
+        requester: Requester | None = None,
+    ) -> None:
         self.host = host
         #: The parts the steps use most, from the host.
         self.smolvm, self.state_dir, self.options = host.smolvm, host.state_dir, host.options
         self.access, self.table = host.access, host.table
+        #: Who asks (its volumes are checked for it); None: the daemon itself.
+        self.requester = requester or Requester.daemon()
+        #: The agent's volumes, resolved at the create's start, open until it ends.
+        self.volumes = ResolvedVolumes()
         self.name = spec.name
         self.spec = spec
         #: The spec's sidecar and agent, narrowed once: a VM bottle has both.
@@ -211,7 +223,13 @@ class Creation:
 
     async def run(self, commit: Commit) -> Bottle:
         """Run every step; on any failure undo them all and raise one typed error."""
-        self.host.check_volumes(self.agent)  # before any machine: nothing to undo yet
+        # Before any machine: nothing to undo yet.
+        self.volumes = await self.host.resolve_volumes(self.agent, self.requester)
+        with self.volumes:
+            return await self._run(commit)
+
+    async def _run(self, commit: Commit) -> Bottle:
+        """The steps, then the commit; a failure undoes every step done."""
         try:
             await self.step_allocate()
             sidecar = await self.step_sidecar()
@@ -455,7 +473,12 @@ class Creation:
         granted the endpoints (per-VM uids), and a network-enabling pack refused. Returns the
         reservation (None under one uid)."""
         spec = agent_machine_spec(
-            name, self.agent, self.host.labels(self.name, Role.AGENT), env, endpoints
+            name,
+            self.agent,
+            self.host.labels(self.name, Role.AGENT),
+            env,
+            endpoints,
+            self.volumes.volumes,
         )
         if self.agent.user is not None:
             await self.host.version()
@@ -471,12 +494,12 @@ class Creation:
             await self.smolvm.remove(name)
 
         self.undo.append(("agent", remove))
-        writable = [v.host for v in volumes_of(self.agent)[0] if not v.read_only]
+        writable = [r.volume.host for r in self.volumes if not r.volume.read_only]
         reserved = await self.host.reserve_uid(name, writable)
         if reserved is not None:
             self.reserved[Role.AGENT] = reserved
             self.host.grant_agent(self.name, endpoints, reserved.uid)
-            self.grant_volumes(reserved.uid)
+            await self.grant_volumes(reserved.uid)
         if spec.from_file is not None:
             # A .smolmachine pack's own `network` flag is ORed in by smolvm at create.
             created = await self.smolvm.status(name)
@@ -488,13 +511,17 @@ class Creation:
                 )
         return reserved
 
-    def grant_volumes(self, uid: int) -> None:
-        """The agent VMM's uid may write the read-write volumes (``volumeaccess``), until
-        teardown or this create's rollback."""
-        granted = volumeaccess.grant(*volumes_of(self.agent), uid)
+    async def grant_volumes(self, uid: int) -> None:
+        """The agent VMM's uid may write the read-write volumes (``volumeaccess``: on the
+        directories resolved at the start, each grant recorded first), until teardown or this
+        create's rollback."""
+        book = self.host.grants
+        granted = await self.host.blocking(volumeaccess.grant, self.volumes, uid, book, self.name)
 
         async def revoke() -> None:
-            volumeaccess.revoke(granted, uid)
+            problems = await self.host.blocking(volumeaccess.revoke, granted, book)
+            if problems:
+                raise IsolationFailed(f"a volume grant was not taken back: {problems[0]}")
 
         self.undo.append(("volume access", revoke))
 
@@ -509,7 +536,7 @@ class Creation:
             agent_vm,
             self.plan.mode,
             endpoints,
-            volumes=self.agent.volumes,
+            volumes=self.volumes.specs(),
             witness=True,
             egress=self.sidecar.egress,
             policy=policy,
@@ -594,8 +621,11 @@ class Creation:
         )
 
 
-async def create_vm(host: VMHost, spec: BottleSpec, commit: Commit) -> Bottle:
-    """Create the VM bottle ``spec`` names; ``commit`` records it with the bridge the create
-    started, if any (the last step)."""
+async def create_vm(
+    host: VMHost, spec: BottleSpec, commit: Commit, requester: Requester | None = None
+) -> Bottle:
+    """Create the VM bottle ``spec`` names for ``requester`` (its volumes are checked for it;
+    None: the daemon itself); ``commit`` records it with the bridge the create started, if any
+    (the last step)."""
     plan = await host.plan(spec)
-    return await Creation(host, spec, plan).run(commit)
+    return await Creation(host, spec, plan, requester).run(commit)

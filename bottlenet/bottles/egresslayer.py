@@ -43,8 +43,8 @@ CHECK_TIMEOUT = 60.0
 #: Distinct targets counted by name; the rest are counted as ``other``.
 MAX_TARGETS = 64
 OTHER = "other"
-_MISSING = re.compile(rb"^BNE missing ([a-z-]{1,20})$", re.MULTILINE)
-_FAILED = re.compile(rb"^BNE failed ([a-z]{1,12}) ([A-Z0-9]{1,20})$", re.MULTILINE)
+_MISSING = re.compile(rb"^BNE missing ([a-z-]{1,20})\r?$", re.MULTILINE)
+_FAILED = re.compile(rb"^BNE failed ([a-z]{1,12}) ([A-Z0-9]{1,20})\r?$", re.MULTILINE)
 _CONN = re.compile(
     rb"^BNE conn (-|[a-z0-9_.-]{1,253}:[0-9]{1,5}|\[[0-9a-f:.]{2,45}\]:[0-9]{1,5}) "
     rb"(ok|refused|unreachable|loop|unknown)$"
@@ -61,12 +61,25 @@ class Outcome(StrEnum):
     UNKNOWN = "unknown"  # a fake address the resolver had forgotten
 
 
+@frozen
+class TransparentCount:
+    """One row of ``bottle stats``: a bottle's transparent connects to one target (``other``:
+    the targets past the bound), tunnelled, refused by the proxy, or failed."""
+
+    bottle: str
+    target: str
+    ok: int
+    refused: int
+    failed: int
+
+
 @define
 class LayerCounters:
     """A bottle's transparent connects: per outcome, and per target (bounded)."""
 
     outcomes: dict[Outcome, int] = field(factory=lambda: dict.fromkeys(Outcome, 0))
-    targets: dict[str, int] = field(factory=dict)
+    #: target -> [tunnelled, refused, failed]
+    targets: dict[str, list[int]] = field(factory=dict)
 
     @property
     def total(self) -> int:
@@ -82,7 +95,11 @@ class LayerCounters:
         if outcome in (Outcome.LOOP, Outcome.UNKNOWN):
             return
         key = target if target in self.targets or len(self.targets) < MAX_TARGETS else OTHER
-        self.targets[key] = self.targets.get(key, 0) + 1
+        row = self.targets.setdefault(key, [0, 0, 0])
+        row[0 if outcome is Outcome.OK else 1 if outcome is Outcome.REFUSED else 2] += 1
+
+    def rows(self, bottle: str) -> list[TransparentCount]:
+        return [TransparentCount(bottle, t, *n) for t, n in sorted(self.targets.items())]
 
 
 class LayerSession(BridgeSession):

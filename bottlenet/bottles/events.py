@@ -1,7 +1,9 @@
 """Bottle events (created, ready, degraded, workload exited, destroyed, bridge restarted,
 lease expired) and the node's own (drained, undrained: their bottle is empty).
 
-The registry emits them; whoever wants them (the control plane's watchers) subscribes. The
+Each bottle's owner emits them (the node's drain gate emits the node's); the bus is the
+wire's feed (the control plane's watchers, and tests): no part of the daemon learns a bottle's
+life by subscribing (the node's policies hear the owners' outputs, ``bottles.policy``). The
 bus only fans out: it keeps no history and never blocks the emitter (a failing subscriber is
 logged and skipped).
 """
@@ -20,10 +22,10 @@ WORKLOAD_EXITED = "workload_exited"
 DESTROYED = "destroyed"
 #: bottlenet's in-guest bridge died and was started again (docs/sidecar.md).
 BRIDGE_RESTARTED = "bridge_restarted"
-#: The daemon destroyed a bottle whose lease ran out (plus its grace): ``bottles.lease``.
+#: The daemon destroyed a bottle whose lease ran out (plus its grace): ``node.lease``.
 LEASE_EXPIRED = "lease_expired"
 KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED, LEASE_EXPIRED)
-#: Events of the node itself (``bottles.drain``): their ``bottle`` is empty.
+#: Events of the node itself (``node.drain``): their ``bottle`` is empty.
 DRAINED = "drained"
 UNDRAINED = "undrained"
 NODE_KINDS = (DRAINED, UNDRAINED)
@@ -37,6 +39,9 @@ class BottleEvent:
     state: str | None = None
     detail: str | None = None
     exit_code: int | None = None
+    #: The scoped peer that created the bottle (``uid:N``, its ``tenancy.creator``), stamped
+    #: by its owner on every event: a scoped peer sees its own bottles' events by it.
+    creator: str | None = None
 
 
 Subscriber = Callable[[BottleEvent], None]

@@ -12,13 +12,14 @@ from __future__ import annotations
 import ipaddress
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import Any, ClassVar
 
-from attrs import define, evolve, field, frozen
+from attrs import Factory, define, evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from bottlenet.bottles import egress, readiness, volumeaccess
+from bottlenet.bottles import egress, readiness, volumeaccess, volumes
 from bottlenet.bottles.bottledirs import remove_bottle_dir
 from bottlenet.bottles.bridge import Bridges
 from bottlenet.bottles.egresslayer import Layers
@@ -48,6 +49,8 @@ from bottlenet.bottles.spec import (
 )
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.vmmaccess import VmmAccess, read_started_uid
+from bottlenet.bottles.volumegrants import GrantBook
+from bottlenet.bottles.volumes import Requester, ResolvedVolumes, VolumeRules
 from bottlenet.bottles.watch import PidWatcher
 from bottlenet.errors import (
     InvalidArgument,
@@ -90,6 +93,8 @@ class VMOptions:
     vm_uids: VmUids = VmUids.ONE
     #: Seconds a new sidecar's services get to answer (``readiness.py``).
     sidecar_ready_timeout: float = readiness.TIMEOUT
+    #: The daemon's own paths and ``--volume-root`` (``volumes.py``).
+    volumes: VolumeRules = field(factory=VolumeRules)
 
 
 @define
@@ -147,6 +152,10 @@ class VMHost:
     check_port: Checker = check_port_owner
     check_socket: SocketChecker = check_socket_owner
     service_ready: readiness.Answers = readiness.answers
+    #: Every volume grant made and not yet taken back (``volumegrants``), in the state dir.
+    grants: GrantBook = field(
+        default=Factory(lambda self: GrantBook(self.state_dir), takes_self=True)
+    )
     #: Told how many per-VM uids are left after each reservation and retirement.
     uid_reports: UidReports = field(factory=UidReports)
 
@@ -236,26 +245,75 @@ class VMHost:
             return SocketEndpoint(service, guest_port, listen.path, guest_path, behind)
         return TCPEndpoint(service, guest_port, listen.path, guest_path, behind)
 
-    def check_volumes(self, agent: AgentSpec) -> None:
-        """Under per-VM uids, before any machine: the agent VM's uid can reach each volume
-        (``volumeaccess``: InvalidArgument naming the volume and the fix otherwise)."""
-        if self.access.per_vm and agent.volumes:
-            volumeaccess.check_reachable(*volumes_of(agent))
+    async def resolve_volumes(self, agent: AgentSpec, requester: Requester) -> ResolvedVolumes:
+        """Before any machine: each volume resolved without following links and checked for
+        ``requester`` (``volumes``: InvalidArgument naming the volume and the rule), off the
+        reactor thread (a user's directory may sit on a slow filesystem)."""
+        found, labels = volumes_of(agent)
+        if not found:
+            return ResolvedVolumes()
+        rules = self.options.volumes
+        resolved: ResolvedVolumes = await self.blocking(
+            partial(
+                volumes.resolve,
+                found,
+                labels,
+                requester,
+                # its own state dir always, whatever the daemon's settings add
+                evolve(rules, protected=(self.state_dir, *rules.protected)),
+                reachable=self.access.per_vm,
+            )
+        )
+        return resolved
 
-    async def _revoke_volumes(self, vm: BottleVMs) -> Callable[[], None]:
-        """What revokes the agent VMM's volume grants (its reserved uid, from the bottle's
-        record); nothing to do under one uid or without a read-write volume."""
+    async def revoke_volumes(self, bottle: str, vm: BottleVMs) -> None:
+        """Take back the agent VMM's volume grants (its reserved uid, from the bottle's
+        record): those ``volumegrants`` holds, or for a bottle recorded before it, the
+        ``user:<uid>`` entry on each read-write volume. Never raises (``volumeaccess.revoke``
+        logs what it could not do; the record stays for the next try)."""
+        uid = vm.agent_uid
         agent = vm.spec.agent
-        if not self.access.per_vm or agent is None:
-            return lambda: None
-        volumes, _ = volumes_of(agent)
-        paths = [v.host for v in volumes if not v.read_only]
-        if not paths:
-            return lambda: None
-        uid = vm.agent_uid  # the uid reserved for it, kept on the bottle's record
-        if uid is None:
-            return lambda: None
-        return lambda: volumeaccess.revoke(paths, uid)
+        if not self.access.per_vm or agent is None or uid is None:
+            return
+        legacy = [v.host for v in volumes_of(agent)[0] if not v.read_only]
+
+        def revoke() -> None:
+            grants = self.grants.grants(uid)
+            if grants:
+                volumeaccess.revoke(grants, self.grants)
+            else:
+                volumeaccess.revoke_by_path(legacy, uid)
+
+        try:
+            await self.blocking(revoke)
+        except Exception as e:  # the grant records unreadable: teardown goes on
+            self.log.error(
+                "bottle {bottle}: volume grants not taken back: {err}",
+                bottle=bottle,
+                err=getattr(e, "strerror", None) or type(e).__name__,
+            )
+
+    async def revoke_left_grants(self, keep: set[int]) -> None:
+        """Recovery: take back every recorded grant whose uid no kept bottle holds (a create
+        or a teardown a crash cut short)."""
+
+        def revoke() -> None:
+            left = [g for g in self.grants.grants() if g.uid not in keep]
+            for g in left:
+                self.log.warn(
+                    "bottle {bottle}: taking back the volume grant a crash left for uid {uid}",
+                    bottle=g.bottle,
+                    uid=g.uid,
+                )
+            volumeaccess.revoke(left, self.grants)
+
+        try:
+            await self.blocking(revoke)
+        except Exception as e:
+            self.log.error(
+                "volume grants left by a crash not taken back: {err}",
+                err=getattr(e, "strerror", None) or type(e).__name__,
+            )
 
     def grant_agent(self, bottle: str, endpoints: Sequence[Endpoint], uid: int) -> None:
         """The agent VMM's uid, and only it (and the daemon), may connect to the endpoints."""
@@ -314,7 +372,6 @@ class VMHost:
         """
         vm = bottle.require_vms()
         await self.table.remove_bottle(bottle.name)
-        revoke = await self._revoke_volumes(vm)
         removed = []
         try:
             for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
@@ -330,7 +387,7 @@ class VMHost:
                 removed.append(uid)
         except VmctlError as e:
             raise map_vmctl(e) from None
-        revoke()
+        await self.revoke_volumes(bottle.name, vm)
         await self.end_uids(bottle.name, removed)
         await self.release(bottle)
 

@@ -7,7 +7,11 @@ once the sidecar's container is started, not listening. The egress policy's relo
 after the start, and the launch gate's early ``CONNECT``, would race a slow proxy.
 
 So after the sidecar starts, each service is tried: a connection that is still open after
-:data:`SETTLE` seconds has reached its app (a dropped one closes at once). The services are
+:data:`SETTLE` seconds has reached its app (a dropped one closes at once). An exposed socket
+lives in the sidecar VMM uid's own directory, where that uid can put anything: the probe opens
+the name without following a link (``O_PATH|O_NOFOLLOW``), refuses what is not a socket, and
+connects to that very inode (``/proc/self/fd/N``), so the daemon never connects through a link
+the VMM planted, nor to a socket swapped in after the check. The services are
 tried together, so a round costs one :data:`SETTLE`, not one per service. Tries back off from
 :data:`BACKOFF_FIRST` to :data:`BACKOFF_MAX` on the injected clock, for at most
 :data:`TIMEOUT` seconds in all; a service that never answers fails the create with
@@ -16,6 +20,8 @@ tried together, so a round costs one :data:`SETTLE`, not one per service. Tries 
 
 from __future__ import annotations
 
+import os
+import stat
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -26,6 +32,7 @@ from twisted.internet.task import deferLater
 from twisted.python.failure import Failure
 
 from bottlenet.errors import SidecarNotReady
+from bottlenet.paths import proc_fd
 
 #: Seconds a connection must stay open to count as reaching the app.
 SETTLE = 0.25
@@ -51,17 +58,38 @@ class _Held(Protocol):
             self.lost.callback(False)
 
 
+def _socket_at(path: str) -> int | None:
+    """An ``O_PATH`` descriptor of the socket at ``path`` itself (a link is not followed), or
+    None when there is none (nothing, a link, a file, a FIFO...)."""
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
 async def answers(reactor: Any, target: str | int) -> bool:
-    """A connection to ``target`` that the far side does not drop within :data:`SETTLE`."""
+    """A connection to ``target`` that the far side does not drop within :data:`SETTLE`; a
+    path must be a socket itself, and the connect goes to that inode."""
+    pinned = None
     if isinstance(target, int):
         endpoint: Any = TCP4ClientEndpoint(reactor, "127.0.0.1", target, CONNECT_TIMEOUT)
     else:
-        endpoint = UNIXClientEndpoint(reactor, target, CONNECT_TIMEOUT)
+        pinned = _socket_at(target)
+        if pinned is None:
+            return False
+        endpoint = UNIXClientEndpoint(reactor, proc_fd(pinned), CONNECT_TIMEOUT)
     held = _Held()
     try:
         await connectProtocol(endpoint, held)
     except Exception:
         return False
+    finally:
+        if pinned is not None:
+            os.close(pinned)
 
     def settled() -> None:
         if not held.lost.called:

@@ -164,6 +164,7 @@ class Recovery:
             bottles = self._load()
             await self._forward_only([b for b in bottles if not b.has_vms])
             await self._vm_bottles([b for b in bottles if b.has_vms])
+            await self._revoke_left_grants()
             self._remove_unclaimed_dirs()
         finally:
             self.registry.end_restore()
@@ -249,6 +250,18 @@ class Recovery:
                 await self.host.smolvm.remove(m.name)
             except VmctlError as e:
                 self.log.error("could not delete orphan {name}: {err}", name=m.name, err=e.message)
+
+    async def _revoke_left_grants(self) -> None:
+        """Volume grants no kept bottle holds (a create or teardown a crash cut short) are
+        taken back (``volumegrants``)."""
+        if self.host is None:
+            return
+        kept = {
+            b.vms.agent_uid
+            for b in self.registry.list_bottles()
+            if b.vms is not None and b.vms.agent_uid is not None
+        }
+        await self.host.revoke_left_grants(kept)
 
     async def _stop_unfinished(self, machines: list[Machine]) -> None:
         """``stop`` every machine of ours whose record is neither running nor unreachable:

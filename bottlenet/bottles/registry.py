@@ -17,9 +17,10 @@ import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
 
-from bottlenet.bottles import states
+from bottlenet.bottles import execs, states
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.bottle import (
     BottleOwner,
@@ -28,19 +29,19 @@ from bottlenet.bottles.bottle import (
     Hands,
     Resync,
     VMBottle,
-    emit,
-    write,
 )
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.events import EventBus
-from bottlenet.bottles.execs import Execs
 from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.model import Bottle, Source
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import Lifecycle
-from bottlenet.bottles.store import State, StateStore
+from bottlenet.bottles.store import State, StateStore, write
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester
 from bottlenet.errors import (
     AlreadyExists,
     Busy,
@@ -76,10 +77,10 @@ class BottleRegistry:
         store: StateStore | None = None,
         instance_id: str = "",
         host: VMHost | None = None,
+        events: EventBus | None = None,
+        policies: Policies | None = None,
     ) -> None:
         self._state_dir = state_dir
-        #: The daemon's own directories, which no agent volume may overlap (tap adds more).
-        self.protected_dirs: tuple[str, ...] = (state_dir,)
         #: The most bottles the daemon holds (``--max-bottles``), creates in flight counted.
         self.max_bottles = max_bottles
         self.instance_id = instance_id
@@ -93,22 +94,16 @@ class BottleRegistry:
         #: The revocations not yet durable, retried until they are.
         self._resync = Resync(clock, self._owners, RESYNC_INTERVAL)
         self._gate = states.registry_gate()
-        #: Every bottle event (created, ready, degraded, destroyed) as it happens.
-        self.events = EventBus()
-        #: Launcher sessions (Exec, Logs), admitted per bottle up to its cap.
-        self.execs = Execs(host)
-        #: Asked before each create (``bottles.drain``: DRAINING while the node drains).
-        self.admission: Callable[[Source], None] | None = None
+        #: Every bottle event (created, ready, degraded, destroyed) as it happens: the
+        #: wire's feed (the node's policies hear the owners' outputs instead).
+        self.events = events or EventBus()
+        #: The node's policies: asked before each create (DRAINING), told the count as
+        #: bottles leave, told by each owner what it learned, counting its lease.
+        self.policies = policies or Policies()
         self._hands = Hands(
             clock, table, aliases, host, store, self.events, max_connections, self._resync.arm,
-            self._forget,
+            self._forget, self.reap, self.policies,
         )  # fmt: skip
-
-    def emit(
-        self, kind: str, name: str, state: str | None = None, detail: str | None = None
-    ) -> None:
-        """A bottle event from outside the owners (the lease keeper's LEASE_EXPIRED)."""
-        emit(self._hands, kind, name, state, detail)
 
     @property
     def recovering(self) -> bool:
@@ -160,11 +155,14 @@ class BottleRegistry:
             owner.sync_pending()
             return await op()
         finally:
+            held = self.held()
             if make is not None:
                 self._creating.discard(name)
             owner.machine.finish()
             if owner.machine.lifecycle() is Lifecycle.GONE and self._owners.get(name) is owner:
                 del self._owners[name]
+            if self.held() < held:  # a create that failed let go of its name
+                self.policies.admission.held(self.held())
 
     def _named(self, owner: BottleOwner) -> None:
         """The owner's bottle is made (created or restored): listed from now on, counted as a
@@ -174,11 +172,13 @@ class BottleRegistry:
         self._creating.discard(owner.name)
 
     def _forget(self, name: str) -> None:
-        """The bottle and its record are gone (its owner's ``gone``)."""
+        """The bottle and its record are gone (its owner's ``gone``): the admission hears
+        the count."""
         del self._owners[name]
         i = bisect.bisect_left(self._names, name)
         if i < len(self._names) and self._names[i] == name:
             del self._names[i]
+        self.policies.admission.held(self.held())
 
     def _owner(self, name: str) -> BottleOwner:
         owner = self._owners.get(name)
@@ -205,6 +205,7 @@ class BottleRegistry:
         """The daemon stops: every watch and workload waiter ends (the VMs and workloads keep
         running); the revocations not yet durable get one last write, and no more timer."""
         for owner in list(self._owners.values()):
+            owner.stop()
             if isinstance(owner, VMBottle):
                 owner.stop_watching()
         self._resync.stop()
@@ -219,15 +220,16 @@ class BottleRegistry:
         spec: BottleSpec | None = None,
         source: Source = Source.CONTROL,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
         ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
-        from the commit."""
-        with_vms = spec is not None and check_create(name, alias, spec, self.protected_dirs)
+        from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
+        daemon itself)."""
+        with_vms = spec is not None and check_create(name, alias, spec)
 
         async def create() -> Bottle:
-            if self.admission is not None:
-                self.admission(source)
+            self.policies.admission.admit(source)
             owner = self._owners[name]
             if owner.value is not None:
                 raise AlreadyExists(f"bottle {name} already exists")
@@ -235,13 +237,17 @@ class BottleRegistry:
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
                 )
-            return await owner.create(CreateRequest(alias, spec, source, tenancy), self._named)
+            asked = CreateRequest(alias, spec, source, tenancy, requester)
+            return await owner.create(asked, self._named)
 
         owner_class = VMBottle if with_vms else ForwardBottle
-        return await self._locked(name, create, make=lambda: owner_class(name, self._hands))
+        creator = None if tenancy is None else tenancy.creator
+        return await self._locked(
+            name, create, make=lambda: owner_class(name, self._hands, creator=creator)
+        )
 
     def held(self) -> int:
-        """The bottles the node holds, creates in flight included (``bottles.drain``)."""
+        """The bottles the node holds, creates in flight included (the drain's count)."""
         return len(self._names) + len(self._creating)
 
     async def destroy_bottle(self, name: str) -> None:
@@ -256,6 +262,15 @@ class BottleRegistry:
 
         await self._locked(name, destroy)
 
+    def reap(self, name: str) -> Deferred[None]:
+        """Destroy ``name`` for the node's lease policy (it retries on BUSY)."""
+        return Deferred.fromCoroutine(self.destroy_bottle(name))
+
+    def renew_lease(self, name: str, seconds: float) -> Tenancy:
+        """Extend the bottle's lease to ``seconds`` from now (NOT_FOUND, INVALID_ARGUMENT
+        without a lease); written at once, UNAVAILABLE when it cannot be."""
+        return self._owner(name).renew(seconds)
+
     def list_bottles(self) -> Sequence[Bottle]:
         """Every bottle by name. The names are kept sorted as bottles come and go, so a page
         of a listing costs the page, not a sort of every bottle."""
@@ -267,11 +282,6 @@ class BottleRegistry:
     def has_bottle(self, name: str) -> bool:
         owner = self._owners.get(name)
         return owner is not None and owner.value is not None
-
-    def set_tenancy(self, name: str, tenancy: Tenancy) -> None:
-        """Record a bottle's new tenancy (a renewed lease): in memory at once, then on disk
-        (UNAVAILABLE when it cannot be written; the bottle keeps it in memory)."""
-        self._owner(name).set_tenancy(tenancy)
 
     async def leftovers(self, name: str) -> list[str]:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
@@ -307,13 +317,15 @@ class BottleRegistry:
         stdio: tuple[int, int, int] | None = None,
     ) -> IProcessTransport:
         """Run ``request`` in the bottle's agent VM (``bottles/execs.py``)."""
-        return await self.execs.spawn_exec(self.exec_target(name), request, protocol, stdio)
+        bottle, owner = self.exec_target(name), self.owner(name, VMBottle)
+        return await execs.spawn_exec(self.host, bottle, owner.sessions, request, protocol, stdio)
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport:
         """``tail`` of the workload's log in the agent VM (``bottles/execs.py``)."""
-        return await self.execs.spawn_logs(self.exec_target(name), tail, follow, protocol)
+        bottle, owner = self.exec_target(name), self.owner(name, VMBottle)
+        return await execs.spawn_logs(self.host, bottle, owner.sessions, tail, follow, protocol)
 
     # -- recovery -----------------------------------------------------------------------
 
@@ -322,9 +334,11 @@ class BottleRegistry:
         in the state it was kept in; a VM bottle's sidecar, bridge and workload are watched
         again once it is listed (a degraded one's are not)."""
         owner_class = ForwardBottle if bottle.vms is None else VMBottle
-        owner = owner_class(bottle.name, self._hands, bottle.state)
+        creator = None if bottle.tenancy is None else bottle.tenancy.creator
+        owner = owner_class(bottle.name, self._hands, bottle.state, creator=creator)
         kept = await owner.restore(bottle)
         self._named(owner)
+        owner.count_lease(self._hands.clock.seconds())
         if isinstance(owner, VMBottle):
             owner.watch()
         return kept
@@ -357,6 +371,27 @@ class BottleRegistry:
         """bottlenet's in-guest bridge, described for ``bottle status`` (None: no VMs)."""
         owner = self._owner(name)
         return owner.bridge_status() if isinstance(owner, VMBottle) else None
+
+    def transparent_stats(self, bottle: str | None = None) -> list[TransparentCount]:
+        """Each bottle's transparent connects per target (``bottle stats``)."""
+        owners = [self._owner(bottle)] if bottle is not None else self._listed()
+        rows: list[TransparentCount] = []
+        for owner in owners:
+            if isinstance(owner, VMBottle):
+                rows += owner.transparent_counts()
+        return rows
+
+    def transparent_outcomes(self) -> list[tuple[str, str, int]]:
+        """(bottle, outcome, connects) of every bottle with a layer (the metrics)."""
+        out = []
+        for owner in self._listed():
+            if isinstance(owner, VMBottle) and owner.core.layer is not None:
+                for outcome, n in owner.core.layer.counters.outcomes.items():
+                    out.append((owner.name, outcome.value, n))
+        return out
+
+    def _listed(self) -> list[BottleOwner]:
+        return [self._owners[name] for name in sorted(self._owners)]
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

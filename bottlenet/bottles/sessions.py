@@ -1,16 +1,11 @@
 """A cap on the attached sessions launchers hold in one agent VM (issue 27 item 4).
 
-smolvm's guest agent serves 8 connections at once; the 9th waits in its accept loop (1.9.3
-``crates/smolvm-agent/src/main.rs`` ``run_server_with_listener``,
-``MAX_CONCURRENT_CONNECTIONS``; 1.32.2's value is not in its strings). Every ``machine exec``
-holds one while it runs, and so does smolvm's own 250 ms state ping. bottlenet holds two for
-good per agent VM (the bridge session and the workload waiter) and one now and then (the
-launch gate's ``verify``, the bridge's reach check or its restart). Without a cap, six
-``bottle exec``/``bottle logs -f`` sessions would make every later exec -- bottlenet's own
-included -- wait until its timeout, and ``machine ls`` would call the VM ``unreachable``.
-
-So a bottle takes at most :data:`SESSION_CAP` launcher sessions (``Exec`` and ``Logs``) at
-once; the next is refused at once with ``BUSY`` naming the cap, never queued.
+smolvm's guest agent serves 8 connections at once (1.9.3, ``MAX_CONCURRENT_CONNECTIONS``):
+an exec holds one while it runs, smolvm's state ping one, bottlenet two for good (bridge,
+workload waiter) and one now and then (``verify``, a reach check, a bridge restart). Uncapped,
+six ``bottle exec``/``logs -f`` sessions would make every later exec wait for its timeout. So
+a bottle (its owner's :class:`Sessions`) takes at most :data:`SESSION_CAP` launcher sessions
+at once; the next is BUSY naming the cap, never queued.
 """
 
 from __future__ import annotations
@@ -22,65 +17,40 @@ from twisted.python.failure import Failure
 
 from bottlenet.errors import Busy
 
-#: Connections smolvm's guest agent serves at once (1.9.3).
-AGENT_CONNECTIONS = 8
-#: Kept for bottlenet's own: the bridge, the workload waiter, one gate/reach check/bridge
-#: restart, and smolvm's state ping.
-RESERVED = 4
-#: Launcher sessions one agent VM takes at once.
+#: Connections smolvm's guest agent serves at once (1.9.3); of them, kept for bottlenet's own
+#: (the bridge, the waiter, a check or restart) and smolvm's state ping; left for launchers.
+AGENT_CONNECTIONS, RESERVED = 8, 4
 SESSION_CAP = AGENT_CONNECTIONS - RESERVED
 
 
-class SessionSlots:
-    """How many launcher sessions each bottle holds; :meth:`take` refuses past the cap."""
+class Sessions:
+    """One bottle's launcher sessions held now; past the cap a new one is BUSY."""
 
-    def __init__(self, cap: int = SESSION_CAP) -> None:
-        self.cap = cap
-        self._held: dict[str, int] = {}
+    def __init__(self, bottle: str, cap: int = SESSION_CAP) -> None:
+        self.bottle, self.cap, self.held = bottle, cap, 0
 
-    def held(self, bottle: str) -> int:
-        return self._held.get(bottle, 0)
-
-    def take(self, bottle: str) -> Slot:
-        """One slot of ``bottle``'s, or BUSY naming the cap."""
-        if self.held(bottle) >= self.cap:
+    def session(self, inner: Any) -> CountedSession:
+        """``inner`` counted as one of the bottle's sessions, or BUSY naming the cap."""
+        if self.held >= self.cap:
             raise Busy(
-                f"bottle {bottle} already has {self.cap} exec/logs sessions open, the most "
+                f"bottle {self.bottle} already has {self.cap} exec/logs sessions open, the most "
                 f"one agent VM takes at once (smolvm's guest agent serves {AGENT_CONNECTIONS} "
                 f"connections; {RESERVED} are kept for bottlenet's bridge, workload waiter, "
                 "checks and smolvm's state ping): retry when one ends"
             )
-        self._held[bottle] = self.held(bottle) + 1
-        return Slot(self, bottle)
-
-    def _release(self, bottle: str) -> None:
-        left = self.held(bottle) - 1
-        if left > 0:
-            self._held[bottle] = left
-        else:
-            self._held.pop(bottle, None)
-
-
-class Slot:
-    """One held session slot; :meth:`release` gives it back (twice is once)."""
-
-    def __init__(self, slots: SessionSlots, bottle: str) -> None:
-        self._slots = slots
-        self.bottle = bottle
-        self.released = False
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self._slots._release(self.bottle)
+        self.held += 1
+        return CountedSession(inner, self)
 
 
 class CountedSession(ProcessProtocol):
-    """``inner`` as smolvm's child sees it, the slot given back when the child has ended."""
+    """``inner`` as smolvm's child sees it; its slot back at its end (or release: once)."""
 
-    def __init__(self, inner: Any, slot: Slot) -> None:
-        self.inner = inner
-        self.slot = slot
+    def __init__(self, inner: Any, sessions: Sessions) -> None:
+        self.inner, self.sessions, self.released = inner, sessions, False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released, self.sessions.held = True, self.sessions.held - 1
 
     def makeConnection(self, transport: Any) -> None:
         self.transport = transport
@@ -96,5 +66,5 @@ class CountedSession(ProcessProtocol):
         self.inner.processExited(reason)
 
     def processEnded(self, reason: Failure) -> None:
-        self.slot.release()
+        self.release()
         self.inner.processEnded(reason)

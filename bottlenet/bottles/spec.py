@@ -8,7 +8,7 @@ InvalidArgument naming the field, so no half-valid spec ever reaches smolvm.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -153,36 +153,12 @@ def _strings(f: Fields, key: str, *, limit: int = MAX_ENV) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _overlaps(a: str, b: str) -> bool:
-    """True when one path is the other or lies inside it."""
-    return a == b or a.startswith(b.rstrip("/") + "/") or b.startswith(a.rstrip("/") + "/")
-
-
-def _check_volume(spec: str, where: str, protected: Sequence[str]) -> str:
-    """``HOST:GUEST[:ro|:rw]``, read-only unless ``:rw`` is written; never a daemon dir."""
+def _check_volume(spec: str, where: str) -> str:
+    """``HOST:GUEST[:ro|:rw]``, read-only unless ``:rw`` is written. The host directory is the
+    create's to resolve and check, once, for whoever asks (``volumes.py``): not here, by a
+    path, and not again when a kept bottle's spec is read back."""
     host, guest, access = split_volume(spec, where)
-    if not os.path.isdir(host) or os.path.islink(host):
-        raise InvalidArgument(f"{where}: host path {safe_repr(host)} is not an existing directory")
-    _check_protected(host, where, protected)
     return f"{host}:{guest}:{access}"
-
-
-def _check_protected(host: str, where: str, protected: Sequence[str]) -> None:
-    real = os.path.realpath(host)
-    for own in protected:
-        if _overlaps(real, os.path.realpath(own)):
-            raise InvalidArgument(
-                f"{where}: host path {safe_repr(host)} overlaps the daemon's own directory "
-                f"{safe_repr(own)}"
-            )
-
-
-def check_volumes(volumes: Sequence[str], protected: Sequence[str]) -> None:
-    """Re-check parsed ``agent.volumes`` against the daemon's own directories (the registry
-    does, whoever parsed the spec): none may be, hold or lie inside one."""
-    for i, volume in enumerate(volumes):
-        where = f"agent.volumes[{i}]"
-        _check_protected(split_volume(volume, where)[0], where, protected)
 
 
 def check_local_images(spec: BottleSpec) -> None:
@@ -254,7 +230,7 @@ def _sidecar(raw: object) -> SidecarSpec:
     return SidecarSpec(image, cpus, mem, services, egress, listen)
 
 
-def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
+def _agent(raw: object) -> AgentSpec:
     f = _fields(
         raw,
         "agent",
@@ -267,8 +243,7 @@ def _agent(raw: object, protected: Sequence[str]) -> AgentSpec:
     env = check_env(_strings(f, "env"), "agent.env", templates=False)
     workload = _strings(f, "workload", limit=256)
     volumes = tuple(
-        _check_volume(v, f"agent.volumes[{i}]", protected)
-        for i, v in enumerate(_strings(f, "volumes"))
+        _check_volume(v, f"agent.volumes[{i}]") for i, v in enumerate(_strings(f, "volumes"))
     )
     user = f.get("user")
     if user is not None and (not isinstance(user, str) or not USER_RE.fullmatch(user)):
@@ -326,12 +301,8 @@ def _check_transparent_egress(mode: str, sidecar: SidecarSpec, agent: AgentSpec)
         )
 
 
-def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) -> BottleSpec:
-    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``.
-
-    ``protected``: the daemon's own directories (state, control socket, smolvm data); no
-    agent volume may be one of them, inside one, or contain one (``/``).
-    """
+def parse_bottle_spec(name: str, data: object) -> BottleSpec:
+    """Validate a parsed spec document (from TOML or JSON) for bottle ``name``."""
     check_bottle_name(name)
     if not isinstance(data, Mapping):
         raise InvalidArgument("spec: must be a table")
@@ -345,7 +316,7 @@ def parse_bottle_spec(name: str, data: object, protected: Sequence[str] = ()) ->
             raise InvalidArgument("mode: 'none' is a forward-only bottle: no sidecar or agent")
         return BottleSpec(name, mode, None, None, dict(f.table))
     sidecar = _sidecar(f.get("sidecar", required=True))
-    agent = _agent(f.get("agent", required=True), protected)
+    agent = _agent(f.get("agent", required=True))
     _check_transparent_egress(mode, sidecar, agent)
     if mode == "socket" and not is_local_image(agent.image):
         raise InvalidArgument(
@@ -374,15 +345,11 @@ __all__ = [
 ]
 
 
-def check_create(
-    name: str, alias: object | None, spec: BottleSpec, protected: Sequence[str]
-) -> bool:
-    """A create's spec checked against its other arguments (its name, an ``alias``, the
-    daemon's own directories, local images); True when it makes VMs."""
+def check_create(name: str, alias: object | None, spec: BottleSpec) -> bool:
+    """A create's spec checked against its other arguments (its name, an ``alias``, local
+    images); True when it makes VMs. (Its volumes: the create's first step, ``volumes.py``.)"""
     if spec.name != name:
         raise InvalidArgument(f"the spec was read for bottle {spec.name}, not {name}")
-    if spec.agent is not None:
-        check_volumes(spec.agent.volumes, protected)
     check_local_images(spec)
     if spec.has_vms and alias is not None:
         # An alias is a forward-only bottle's: a VM bottle's agent reaches its endpoints

@@ -41,12 +41,13 @@ import os
 import secrets
 import stat
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 from attrs import field, frozen
 from twisted.logger import Logger
 
-from bottlenet.errors import BottlenetError
+from bottlenet.errors import BottlenetError, Unavailable
 from bottlenet.paths import NotRegularFile, open_regular
 
 SCHEMA_VERSION = 1
@@ -423,3 +424,13 @@ class StateStore:
             os.fsync(dfd)
         finally:
             os.close(dfd)
+
+
+def write(store: StateStore, change: Callable[[StateStore], None]) -> None:
+    """One change to the state file (a bottle's record, the node's); an I/O failure is
+    UNAVAILABLE (and logged)."""
+    try:
+        change(store)
+    except OSError as e:
+        StateStore.log.error("cannot write the state file: {err}", err=e.strerror)
+        raise Unavailable(f"cannot write the state file: {e.strerror}") from None

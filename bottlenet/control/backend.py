@@ -19,13 +19,15 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
-    from bottlenet.bottles.node import NodeReport
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.bottles.tenancy import Tenancy
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
+    from bottlenet.node.info import NodeReport
 
 
 class ControlBackend(Protocol):
@@ -38,6 +40,7 @@ class ControlBackend(Protocol):
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle: ...
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
@@ -66,6 +69,10 @@ class ControlBackend(Protocol):
         """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
         ...
 
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        """Transparent egress connects per bottle and target (``bottle stats``)."""
+        ...
+
     async def spawn_exec(
         self,
         name: str,
@@ -83,7 +90,7 @@ class ControlBackend(Protocol):
 
 
 class NodeControl(Protocol):
-    """What the control plane needs of the node (``bottlenet.bottles.node.Node``)."""
+    """What the control plane needs of the node (``bottlenet.node.info.Node``)."""
 
     def report(self) -> NodeReport: ...
 

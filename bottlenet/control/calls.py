@@ -76,7 +76,7 @@ PACE: Mapping[str, Pace] = {
     "RenewLease": Pace.QUICK,
     "Leftovers": Pace.VM,
 }
-#: The daemon's longest ``Drain`` wait (``bottles.node.MAX_DRAIN_WAIT``), and a wait's
+#: The daemon's longest ``Drain`` wait (``node.info.MAX_DRAIN_WAIT``), and a wait's
 #: without a ``timeout``.
 MAX_WAIT = 7 * 86400.0
 

@@ -414,7 +414,7 @@ class RenewLease(ControlCommand):
 
 class NodeInfo(ControlCommand):
     """This node for a placer: identity, labels, whether VM bottles can run, capacity, health,
-    draining (``bottlenet.bottles.node``)."""
+    draining (``bottlenet.node.info``)."""
 
     commandName = b"bottlenet.NodeInfo"
     arguments = []

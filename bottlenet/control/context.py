@@ -23,7 +23,6 @@ from twisted.logger import Logger
 
 from bottlenet.control.admission import HandshakeAdmission, peer_source
 from bottlenet.control.peercred import PeerCredentials, get_peer_credentials
-from bottlenet.control.scope import Creators
 from bottlenet.errors import safe_repr
 from bottlenet.forward.ratelimit import RateLimitedLogger
 from bottlenet.waiters import OneShot
@@ -50,6 +49,9 @@ class PeerIdentity:
     subject: str | None = None
     #: ``--allow-uid UID:scoped``: it sees and acts on the bottles it created only.
     scoped: bool = False
+    #: A UNIX peer's primary gid and supplementary groups (what its volumes are checked with).
+    gid: int | None = None
+    groups: tuple[int, ...] = ()
 
     def describe(self) -> str:
         if self.kind == "unix":
@@ -119,10 +121,6 @@ def _refused_log(context: ControlContext) -> RateLimitedLogger:
     )
 
 
-def _no_creators() -> Creators:
-    return Creators(lambda subscriber: lambda: None)
-
-
 @frozen(kw_only=True)
 class ControlContext:
     """The control service both listeners serve: one value, shared by their factories.
@@ -145,8 +143,6 @@ class ControlContext:
     event_hub: EventHub | None = None
     #: The node contract (NodeInfo, Drain, Undrain); None: those answer UNAVAILABLE.
     node: NodeControl | None = None
-    #: Who created which bottle, for scoped peers' events.
-    creators: Creators = field(factory=_no_creators)
     #: The state dir, under which each bottle's UNIX forward targets live.
     unix_target_root: str | None = None
 
@@ -230,7 +226,16 @@ class UnixAdmission:
             conn.abort()
             return
         conn.produce()
-        conn.authenticated_as(PeerIdentity("unix", uid=cred.uid, pid=cred.pid, scoped=scoped))
+        conn.authenticated_as(
+            PeerIdentity(
+                "unix",
+                uid=cred.uid,
+                pid=cred.pid,
+                scoped=scoped,
+                gid=cred.gid,
+                groups=cred.groups,
+            )
+        )
 
     def first_bytes(self, conn: Arrival) -> None:
         """Only the TLS layer reports first bytes."""

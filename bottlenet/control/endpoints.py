@@ -300,6 +300,45 @@ class PrivateUNIXServerEndpoint:
         return succeed(port)
 
 
+def inherited_fd(
+    description: SystemdDescription, listen_fds: ListenFDs | None = None, reactor: Any = None
+) -> int:
+    """The descriptor systemd passed for ``description`` (ControlListenError: none)."""
+    d = description
+    try:
+        if listen_fds is None:
+            # twisted.internet.endpoints reads (and deletes) LISTEN_FDS when it is
+            # imported, so ask its systemd parser instead of the environment.
+            spec = f"name={d.name}" if d.name is not None else f"index={d.index}"
+            adopted = serverFromString(reactor, f"systemd:domain=UNIX:{spec}")
+            fd: int = adopted.fileno
+            return fd
+        if d.name is not None:
+            return listen_fds.inheritedNamedDescriptors()[d.name]
+        assert d.index is not None
+        return listen_fds.inheritedDescriptors()[d.index]
+    except (KeyError, IndexError):
+        raise ControlListenError(f"systemd passed no {d.describe()}") from None
+
+
+def inherited_socket_path(
+    description: SystemdDescription, listen_fds: ListenFDs | None = None
+) -> str | None:
+    """The path of the UNIX socket systemd passed for ``description`` (``getsockname`` of the
+    inherited descriptor, which stays where it is), or None: none passed, not a UNIX socket
+    with a path (an abstract one), or unreadable."""
+    try:
+        fd = inherited_fd(description, listen_fds)
+        with socket.socket(fileno=os.dup(fd)) as sock:
+            if sock.family != socket.AF_UNIX:
+                return None
+            name = sock.getsockname()
+    except (ControlListenError, OSError):
+        return None
+    path = name if isinstance(name, str) else os.fsdecode(name)
+    return path if path.startswith("/") else None
+
+
 @implementer(IStreamServerEndpoint)
 class SystemdUNIXServerEndpoint:
     """Adopt a UNIX listening socket passed by systemd, without touching its path or mode."""
@@ -314,21 +353,7 @@ class SystemdUNIXServerEndpoint:
         self._fds = listen_fds
 
     def _fd(self) -> int:
-        d = self.description
-        try:
-            if self._fds is None:
-                # twisted.internet.endpoints reads (and deletes) LISTEN_FDS when it is
-                # imported, so ask its systemd parser instead of the environment.
-                spec = f"name={d.name}" if d.name is not None else f"index={d.index}"
-                adopted = serverFromString(self._reactor, f"systemd:domain=UNIX:{spec}")
-                fd: int = adopted.fileno
-                return fd
-            if d.name is not None:
-                return self._fds.inheritedNamedDescriptors()[d.name]
-            assert d.index is not None
-            return self._fds.inheritedDescriptors()[d.index]
-        except (KeyError, IndexError):
-            raise ControlListenError(f"systemd passed no {d.describe()}") from None
+        return inherited_fd(self.description, self._fds, self._reactor)
 
     def listen(self, protocolFactory: IProtocolFactory) -> Deferred[IListeningPort]:
         try:

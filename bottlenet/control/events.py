@@ -108,6 +108,7 @@ class EventHub:
             state=event.state,
             detail=event.detail,
             exit_code=event.exit_code,
+            creator=event.creator,
         )
         for key, w in list(self._watchers.items()):
             if None not in w.bottles and event.bottle not in w.bottles:

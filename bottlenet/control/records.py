@@ -23,6 +23,7 @@ from bottlenet.control.results import RecordError as RecordError  # raised by th
 from bottlenet.control.results import record_fields as _fields
 
 if TYPE_CHECKING:
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
 
@@ -93,6 +94,8 @@ class EventRecord:
     state: str | None = None
     detail: str | None = None
     exit_code: int | None = None
+    #: The scoped peer (``uid:N``) that created the bottle; None: not a scoped peer.
+    creator: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> EventRecord:
@@ -105,6 +108,7 @@ class EventRecord:
             state=f.value("state", str, optional=True),
             detail=f.value("detail", str, optional=True),
             exit_code=f.value("exit_code", int, optional=True),
+            creator=f.value("creator", str, optional=True),
         )
 
 
@@ -124,6 +128,10 @@ class ForwardRecord:
             target=f.value("target", str),
             endpoint=f.value("endpoint", str),
         )
+
+
+#: The label of a ``bottle stats`` row that counts transparent egress connects to a target.
+TRANSPARENT_LABEL = "transparent:"
 
 
 @frozen
@@ -206,6 +214,22 @@ def forward_record(info: ForwardInfo) -> ForwardRecord:
         label=info.spec.label,
         target=info.spec.target.describe(),
         endpoint=info.bound.describe(),
+    )
+
+
+def transparent_record(info: TransparentCount) -> StatsRecord:
+    """A bottle's transparent egress connects to one target, as the row ``transparent:TARGET``
+    (accepted: tunnelled; refused: by the proxy; failed: the proxy did not answer)."""
+    return StatsRecord(
+        bottle=info.bottle,
+        label=f"{TRANSPARENT_LABEL}{info.target}",
+        endpoint="transparent egress",
+        accepted=info.ok,
+        active=0,
+        refused=info.refused,
+        failed=info.failed,
+        bytes_in=0,
+        bytes_out=0,
     )
 
 

@@ -14,12 +14,12 @@ listings, stats and events show its own bottles only; ``Drain``, ``Undrain`` and
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from attrs import evolve
 
-from bottlenet.bottles.events import DESTROYED, BottleEvent
+from bottlenet.bottles.events import BottleEvent
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import NotFound, PermissionDenied
 
@@ -27,68 +27,29 @@ if TYPE_CHECKING:
     from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
     from bottlenet.bottles.attach import ExecRequest
+    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
+    from bottlenet.bottles.volumes import Requester
     from bottlenet.control.backend import ControlBackend
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
 
 
-class Creators:
-    """Which scoped peer created which bottle, as the events need it: a bottle's
-    ``destroyed`` event comes when the bottle is already gone from the registry, and a VM
-    bottle's ``created`` before it is in it. Kept for bottles with a creator only."""
-
-    def __init__(
-        self, subscribe: Callable[[Callable[[BottleEvent], None]], Callable[[], None]]
-    ) -> None:
-        self._by_name: dict[str, str] = {}
-        #: The bottle whose ``destroyed`` event is being published, and its creator.
-        self._gone: tuple[str, str] | None = None
-        subscribe(self._event)
-
-    def restore(self, bottles: Sequence[Bottle]) -> None:
-        """After recovery: the restored bottles' creators."""
-        for b in bottles:
-            if b.tenancy is not None and b.tenancy.creator is not None:
-                self._by_name[b.name] = b.tenancy.creator
-
-    def expect(self, name: str, creator: str) -> None:
-        """A scoped peer is creating ``name`` (its events are the creator's from now on)."""
-        self._by_name[name] = creator
-
-    def settle(self, name: str, exists: bool) -> None:
-        """A create by a scoped peer ended; a failed one leaves no entry."""
-        if not exists:
-            self._by_name.pop(name, None)
-
-    def creator(self, name: str) -> str | None:
-        found = self._by_name.get(name)
-        if found is None and self._gone is not None and self._gone[0] == name:
-            return self._gone[1]
-        return found
-
-    def _event(self, event: BottleEvent) -> None:
-        if event.kind == DESTROYED:
-            creator = self._by_name.pop(event.bottle, None)
-            self._gone = None if creator is None else (event.bottle, creator)
-
-
 class ScopedBackend:
     """The registry as one scoped peer sees it (a ``ControlBackend``)."""
 
-    def __init__(self, backend: ControlBackend, creator: str, creators: Creators) -> None:
+    def __init__(self, backend: ControlBackend, creator: str) -> None:
         self._backend = backend
         self.creator = creator
-        self._creators = creators
 
     def owns(self, bottle: Bottle) -> bool:
         return bottle.tenancy is not None and bottle.tenancy.creator == self.creator
 
     def sees(self, event: BottleEvent) -> bool:
         """Its own bottles' events, and the node's (their bottle is empty)."""
-        return event.bottle == "" or self._creators.creator(event.bottle) == self.creator
+        return event.bottle == "" or event.creator == self.creator
 
     def _mine(self, name: str) -> Bottle:
         bottle = self._backend.get_bottle(name)
@@ -103,22 +64,12 @@ class ScopedBackend:
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         stamped = evolve(tenancy or Tenancy(), creator=self.creator)
-        if not self._exists(name):
-            self._creators.expect(name, self.creator)
-        try:
-            return await self._backend.create_bottle(name, alias, spec=spec, tenancy=stamped)
-        finally:
-            if self._creators.creator(name) == self.creator:
-                self._creators.settle(name, self._exists(name))
-
-    def _exists(self, name: str) -> bool:
-        try:
-            self._backend.get_bottle(name)
-        except NotFound:
-            return False
-        return True
+        return await self._backend.create_bottle(
+            name, alias, spec=spec, tenancy=stamped, requester=requester
+        )
 
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
         self._mine(name)
@@ -158,6 +109,13 @@ class ScopedBackend:
     def bridge_status(self, name: str) -> str | None:
         self._mine(name)
         return self._backend.bridge_status(name)
+
+    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
+        if bottle is not None:
+            self._mine(bottle)
+            return self._backend.transparent_stats(bottle)
+        mine = {b.name for b in self.list_bottles()}
+        return [r for r in self._backend.transparent_stats(None) if r.bottle in mine]
 
     async def spawn_exec(
         self,

@@ -28,8 +28,10 @@ from zope.interface import implementer
 
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
+from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
+from bottlenet.bottles.volumes import Requester, RequesterKind
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
 from bottlenet.control.backend import ControlBackend, NodeControl
@@ -49,6 +51,7 @@ from bottlenet.control.records import (
     encode_records,
     forward_record,
     stats_record,
+    transparent_record,
 )
 from bottlenet.control.scope import ScopedBackend
 from bottlenet.errors import (
@@ -148,6 +151,15 @@ def paginate(
         "total": len(records),
         "next_offset": end if end < len(records) else None,
     }
+
+
+def requester_of(peer: PeerIdentity | None) -> Requester:
+    """Who a create's volumes are checked for: a UNIX peer's own uid and groups (scoped or
+    not); a TLS launcher (or a peer not known) has no local uid."""
+    if peer is None or peer.kind != "unix" or peer.uid is None:
+        return Requester(RequesterKind.REMOTE)
+    gid = -1 if peer.gid is None else peer.gid
+    return Requester.local(peer.uid, gid, peer.groups, scoped=peer.scoped)
 
 
 class ControlLocator(SafeCommandLocator):
@@ -299,8 +311,10 @@ class ControlLocator(SafeCommandLocator):
         tenancy = Tenancy.requested(owner, lease_seconds, None)
         create = (
             self.backend.create_bottle(name, addr, spec=parsed)
-            if tenancy is None
-            else self.backend.create_bottle(name, addr, spec=parsed, tenancy=tenancy)
+            if tenancy is None and parsed is None
+            else self.backend.create_bottle(
+                name, addr, spec=parsed, tenancy=tenancy, requester=requester_of(self.peer)
+            )
         )
         bottle = await self._mutate("CreateBottle", name, create)
         return {"bottle": self._record(bottle)}
@@ -559,9 +573,19 @@ class ControlLocator(SafeCommandLocator):
 
     @C.Stats.responder
     def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        records: LazyView[StatsRecord] = LazyView(self._forwards(bottle), stats_record)
+        forwards = self._forwards(bottle)
+        layer = self.backend.transparent_stats(bottle)
+        # The forwards, then one row per transparent egress target (label "transparent:T").
+        rows: list[ForwardInfo | TransparentCount] = [*forwards, *layer]
+        records: LazyView[StatsRecord] = LazyView(rows, _stats_row)
         page = paginate(records, offset, limit)
         return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+
+
+def _stats_row(row: ForwardInfo | TransparentCount) -> StatsRecord:
+    if isinstance(row, TransparentCount):
+        return transparent_record(row)
+    return stats_record(row)
 
 
 @implementer(IHandshakeListener)
@@ -621,9 +645,7 @@ class ControlServerProtocol(HardenedAMP):
         through a view of its own bottles)."""
         self.control.peer = peer
         if peer.scoped and peer.uid is not None:
-            self.control.backend = ScopedBackend(
-                self.context.backend, creator_of_uid(peer.uid), self.context.creators
-            )
+            self.control.backend = ScopedBackend(self.context.backend, creator_of_uid(peer.uid))
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:

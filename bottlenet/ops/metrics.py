@@ -183,6 +183,7 @@ class MetricsSource(Protocol):
 
     def forwards(self) -> Iterable[ForwardInfo]: ...
     def bottles(self) -> Iterable[Bottle]: ...
+    def transparent(self) -> Iterable[tuple[str, str, int]]: ...
     def vm_uids_left(self) -> int | None: ...
 
 
@@ -193,6 +194,8 @@ class SnapshotSource:
 
     list_forwards: Callable[[], Iterable[ForwardInfo]]
     list_bottles: Callable[[], Iterable[Bottle]] = tuple
+    #: (bottle, outcome, connects) of each bottle's transparent egress layer.
+    list_transparent: Callable[[], Iterable[tuple[str, str, int]]] = tuple
     count_vm_uids: Callable[[], int | None] = lambda: None
 
     def forwards(self) -> Iterable[ForwardInfo]:
@@ -200,6 +203,9 @@ class SnapshotSource:
 
     def bottles(self) -> Iterable[Bottle]:
         return self.list_bottles()
+
+    def transparent(self) -> Iterable[tuple[str, str, int]]:
+        return self.list_transparent()
 
     def vm_uids_left(self) -> int | None:
         return self.count_vm_uids()
@@ -389,6 +395,11 @@ def render_metrics(
     w.family("bottlenet_bottles", "gauge", "Bottles by state.")
     for state in sorted(states):
         w.sample("bottlenet_bottles", [("state", state)], states[state])
+
+    name = "bottlenet_transparent_connects_total"
+    w.family(name, "counter", "Transparent egress connects by bottle and outcome (no targets).")
+    for bottle, outcome, n in source.transparent():
+        w.sample(name, [("bottle", _name(bottle, None)), ("outcome", _name(outcome, None))], n)
 
     left = source.vm_uids_left()
     if left is not None:

@@ -111,6 +111,8 @@ class ConnectWitness:
         self.seen: set[str] = set()
         self.other = 0
         self.open = True
+        #: Told once, when every expected target has been seen.
+        self.on_all: Callable[[], None] = lambda: None
 
     def close(self) -> None:
         self.open = False
@@ -155,6 +157,8 @@ class _ConnectProtocol(Protocol):
         if w.open:
             if target is not None and target in w.expected:
                 w.seen.add(target)
+                if w.seen == w.expected:
+                    w.on_all()
             else:
                 w.other += 1
         assert self.transport is not None

@@ -17,7 +17,6 @@ connects are refused, and a restart installs them again.
 
 from __future__ import annotations
 
-import argparse
 import errno
 import os
 import stat
@@ -32,7 +31,7 @@ from bottlenet.transparent.netlink import NetlinkError
 
 #: The listener's port: below 1024, so no agent process (not root) can take it.
 LISTEN_PORT = 1001
-EXIT_MISSING, EXIT_FAILED = 5, 6
+EXIT_USAGE, EXIT_MISSING, EXIT_FAILED = 2, 5, 6
 _LOCK = threading.Lock()
 
 
@@ -99,32 +98,50 @@ def serve(proxy: str, port: int) -> int:
         time.sleep(3600)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="egress", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    for name in ("install", "serve", "run", "remove"):
-        c = sub.add_parser(name)
-        if name != "remove":
-            c.add_argument("--port", type=int, default=LISTEN_PORT)
-        if name in ("serve", "run"):
-            c.add_argument("--proxy", required=True, help="the proxy service's mounted socket")
-    return p
+USAGE = "usage: egress install [--port N] | serve|run --proxy PATH [--port N] | remove"
+
+
+def parse(argv: Sequence[str]) -> tuple[str, str | None, int] | None:
+    """(command, proxy socket, port), or None for a command line that is not one. No
+    argparse: the kit carries only what the guest programs import."""
+    if not argv or argv[0] not in ("install", "serve", "run", "remove"):
+        return None
+    command, proxy, port = argv[0], None, LISTEN_PORT
+    rest = list(argv[1:])
+    while rest:
+        if len(rest) < 2 or command == "remove":
+            return None
+        flag, value = rest.pop(0), rest.pop(0)
+        if flag == "--proxy" and command in ("serve", "run"):
+            proxy = value
+        elif flag == "--port" and value.isdigit() and 1 <= int(value) <= 65535:
+            port = int(value)
+        else:
+            return None
+    if command in ("serve", "run") and proxy is None:
+        return None
+    return command, proxy, port
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ns = _parser().parse_args(argv)
-    if ns.command == "remove":
+    parsed = parse(sys.argv[1:] if argv is None else argv)
+    if parsed is None:
+        sys.stderr.write(USAGE + "\n")
+        return EXIT_USAGE
+    command, proxy, port = parsed
+    if command == "remove":
         try:
             nftables.remove()
         except (OSError, NetlinkError, nftables.Missing) as e:
             say("failed", "nftables", _errno_name(e))
             return EXIT_FAILED
         return 0
-    if ns.command in ("install", "run"):
-        code = install(ns.port)
-        if code or ns.command == "install":
+    if command in ("install", "run"):
+        code = install(port)
+        if code or command == "install":
             return code
-    return serve(ns.proxy, ns.port)
+    assert proxy is not None
+    return serve(proxy, port)
 
 
 def entry(argv: list[str] | None = None) -> None:

@@ -54,7 +54,7 @@ if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3
 elif command -v python3 >/dev/null 2>&1; then PY=python3
 else echo "{notool}"; exit {no_tool}
 fi
-exec "$PY" -I -S -c '{program}' run --proxy {proxy} --port {port}
+exec "$PY" -I -S -c '{program}' {command}
 """
 
 
@@ -71,14 +71,18 @@ def program() -> str:
     return _BOOT.format(sources=sources)
 
 
-def render(proxy: str, port: int) -> bytes:
-    """The script for a layer whose proxy service is mounted at ``proxy``."""
+def render(proxy: str, port: int, command: str = "run") -> bytes:
+    """The script for a layer whose proxy service is mounted at ``proxy`` (``command``:
+    ``run``, or ``remove``: the table deleted, as a guest root may)."""
     if not 1 <= port <= 65535:
         raise ValueError(f"port {port} is out of range")
     text = program().replace("'", "'\\''")
+    proxy = check_proxy_path(proxy)
+    argv = {"run": f"run --proxy {proxy} --port {port}", "remove": "remove"}[command]
     return _SH.format(
         port=port,
-        proxy=check_proxy_path(proxy),
+        command=argv,
+        proxy=proxy,
         kit=KIT_DIR,
         no_tool=EXIT_NO_TOOL,
         notool=NO_TOOL,

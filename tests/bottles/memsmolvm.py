@@ -27,7 +27,9 @@ from twisted.python.failure import Failure
 
 from bottlenet.bottles import workload
 from bottlenet.bottles.bottle import VMBottle
+from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMOptions, vm_host
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.recovery import Recovery
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import StateStore
@@ -411,6 +413,9 @@ class Rig:
         if self.smolvm.guest is None:
             self.smolvm.guest = self.honest_guest
         self.max_bottles = max_bottles
+        #: The bottles' events (the wire's feed) and the node's policies the table tells.
+        self.events = EventBus()
+        self.policies = Policies()
         self.registry = self._registry()
 
     def _registry(self) -> BottleRegistry:
@@ -423,13 +428,16 @@ class Rig:
             store=self.store,
             instance_id=self.instance_id,
             host=self.host,
+            events=self.events,
+            policies=self.policies,
         )
 
-    def use(self, **parts: Any) -> None:
+    def use(self, policies: Policies | None = None, **parts: Any) -> None:
         """The host with ``parts`` in place of its own (an injected check, smolvm or access),
-        and a registry over it: only before the first bottle."""
+        or the node's ``policies``, and a registry over them: only before the first bottle."""
         assert not self.registry.list_bottles(), "parts are swapped only on an empty rig"
         self.host = evolve(self.host, **parts)
+        self.policies = policies or self.policies
         self.registry = self._registry()
 
     async def answers(self, reactor: Any, target: str | int) -> bool:

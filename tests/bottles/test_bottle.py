@@ -28,6 +28,7 @@ from bottlenet.bottles.events import (
     EventBus,
 )
 from bottlenet.bottles.model import BottleState
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.errors import SmolvmFailed
@@ -73,7 +74,7 @@ class Owned:
         bus.subscribe(self.heard)
         hands = Hands(
             rig.clock, rig.table, rig.aliases, rig.host, rig.store, bus, 64,
-            lambda name: None, self.forgotten.append,
+            lambda name: None, self.forgotten.append, lambda name: succeed(None), Policies(),
         )  # fmt: skip
         self.owner = VMBottle("b1", hands)
 

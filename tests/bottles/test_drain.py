@@ -11,12 +11,12 @@ import pytest
 
 from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
 from bottlenet.bottles.model import Role, Source, machine_name
-from bottlenet.bottles.node import MAX_DRAIN_WAITERS, Node, build_node
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
 from bottlenet.errors import Draining
 from bottlenet.errors import KvmUnavailable as BnKvmUnavailable
 from bottlenet.forward.spec import parse_target
+from bottlenet.node.info import MAX_DRAIN_WAITERS, Node, node_parts
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
 from vmctl.errors import KvmUnavailable
@@ -25,20 +25,28 @@ Rigs = Callable[..., Rig]
 
 
 def node_of(rig: Rig, monotonic: Callable[[], float] | None = None, grace: float = 30) -> Node:
-    """The node as the daemon builds it over this rig's registry and state (``monotonic``:
-    the lease keeper's clock, by default the rig's)."""
-    return build_node(
+    """The node as the daemon builds it over this rig's state, its policies told by the
+    rig's table (``monotonic``: the lease policy's clock, by default the rig's)."""
+    parts = node_parts(
         rig.clock,
-        rig.registry,
-        rig.table.budget,
         rig.store,
         StateStore(rig.state_dir).load(),
+        rig.events.emit,
         monotonic=monotonic or rig.clock.seconds,
         lease_grace=grace,
-        host="n1",
-        labels=(("zone", "a"),),
-        privilege="root",
     )
+    rig.use(policies=parts.policies())
+    return Node(
+        rig.registry, rig.table.budget, parts, host="n1", labels=(("zone", "a"),), privilege="root"
+    )
+
+
+def fail_a_create_without_kvm(rig: Rig, tmp: str, name: str = "x") -> None:
+    """A VM create whose sidecar's start finds no KVM (KVM_UNAVAILABLE)."""
+    sidecar = machine_name(name, Role.SIDECAR)
+    rig.smolvm.fail_on("start", sidecar, KvmUnavailable("injected: no KVM"))
+    with pytest.raises(BnKvmUnavailable):
+        rig.run(rig.registry.create_bottle(name, spec=parse_bottle_spec(name, spec_doc(tmp))))
 
 
 def events_of(rig: Rig) -> list[BottleEvent]:
@@ -183,7 +191,7 @@ def test_uids_running_short_degrade_the_node_with_a_warning(rigs: Rigs) -> None:
     assert len(warnings) == 1 and warnings[0]["log_level"].name == "warn"
 
 
-def test_a_kvm_failure_is_learned(rigs: Rigs) -> None:
+def test_a_kvm_failure_is_learned(rigs: Rigs, tmp: str) -> None:
     """A create that failed with KVM_UNAVAILABLE makes VM bottles impossible, with why."""
     rig = rigs()
     node = node_of(rig)
@@ -192,7 +200,7 @@ def test_a_kvm_failure_is_learned(rigs: Rigs) -> None:
 
     node.kvm = KvmStatus(True)
     assert node.report().vm_possible
-    rig.registry.emit("destroyed", "x", None, "create failed: KVM_UNAVAILABLE")
+    fail_a_create_without_kvm(rig, tmp)
     r = node.report()
     assert not r.vm_possible and "KVM_UNAVAILABLE" in (r.vm_why_not or "")
 
@@ -268,13 +276,13 @@ def test_drain_waits_do_not_use_up_the_waiter_bound(rigs: Rigs) -> None:
         assert rig.result(waiting) is False
 
 
-def test_a_forward_only_bottle_says_nothing_of_kvm(rigs: Rigs) -> None:
+def test_a_forward_only_bottle_says_nothing_of_kvm(rigs: Rigs, tmp: str) -> None:
     """After a KVM_UNAVAILABLE create, a forward-only bottle's READY leaves VM bottles
     impossible (it started no VM)."""
     rig = rigs()
     node = node_of(rig)
     node.smolvm_found, node.smolvm_problem, node.smolvm_version = True, None, "1.32.2"
-    rig.registry.emit("destroyed", "x", None, "create failed: KVM_UNAVAILABLE")
+    fail_a_create_without_kvm(rig, tmp)
     rig.run(rig.registry.create_bottle("plain"))
     r = node.report()
     assert not r.vm_possible and "KVM_UNAVAILABLE" in (r.vm_why_not or "")

@@ -9,6 +9,7 @@ from collections.abc import Callable
 import pytest
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.events import LEASE_EXPIRED, BottleEvent
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
@@ -111,9 +112,8 @@ def test_a_restart_keeps_counting_and_gives_the_grace_again(rigs: Rigs) -> None:
     second = rigs()
     second.clock.advance(300)  # wall time while the daemon was down: "short" ran out
     mono = Monotonic()
-    node = node_of(second, mono, grace=30)
+    node_of(second, mono, grace=30)
     second.recover()
-    node.leases.restore()
     assert second.registry.has_bottle("short"), "never reaped at start"
     assert second.registry.get_bottle("long").tenancy == lease(600).started(0.0)
     advance(second, mono, 29)
@@ -185,8 +185,8 @@ def test_a_renewal_after_the_lease_ran_out_is_refused(rigs: Rigs, tmp: str) -> N
     with pytest.raises(NotFound, match="being destroyed"):
         node.renew_lease("late", 600)
     assert rig.state()["late"]["tenancy"] == recorded
-    assert node.leases.deadline_in("late") is not None
-    assert node.leases.deadline_in("late") <= 0  # type: ignore[operator]
+    timer = rig.registry.owner("late", VMBottle).lease
+    assert timer.armed and timer.reaping  # its deadline passed: being reaped
     gate.callback(None)
     rig.settle()
     assert not rig.registry.has_bottle("late")
@@ -206,9 +206,8 @@ def test_a_vm_bottles_lease_counts_from_its_commit(rigs: Rigs, tmp: str) -> None
     second = rigs(smolvm=first.smolvm)
     second.clock.advance(110)
     mono = Monotonic()
-    node = node_of(second, mono, grace=30)
+    node_of(second, mono, grace=30)
     second.recover()
-    node.leases.restore()
     advance(second, mono, 590 + 29)
     assert second.registry.has_bottle("vm1")
     advance(second, mono, 2)

@@ -17,6 +17,7 @@ import pytest
 from twisted.internet import reactor
 from twisted.internet.defer import Deferred
 from twisted.internet.task import Clock, deferLater
+from twisted.internet.threads import deferToThread
 from twisted.trial.unittest import TestCase
 
 from bottlenet.bottles.readiness import BACKOFF_FIRST, SETTLE, TIMEOUT, answers, wait_ready
@@ -61,6 +62,41 @@ def test_a_service_that_never_answers_is_named_after_the_bound() -> None:
     assert failure.value.code == "SIDECAR_NOT_READY"
     assert "service(s) egress did not answer" in failure.value.message
     assert tried.count("git") == 1
+
+
+def tries_until_done(timeout: float) -> tuple[list[float], Any]:
+    """A service that never answers: the clock times of its tries (the clock jumps to each
+    call it holds), and how the wait ended."""
+    clock = Clock()
+    at: list[float] = []
+
+    async def probe(reactor: Any, target: str | int) -> bool:
+        at.append(round(reactor.seconds(), 6))
+        return False
+
+    d = Deferred.fromCoroutine(wait_ready(clock, [("a", "a")], probe=probe, timeout=timeout))
+    while not d.called:
+        clock.advance(min(c.getTime() for c in clock.getDelayedCalls()) - clock.seconds())
+    failure = d.result
+    d.addErrback(lambda _: None)
+    return at, failure
+
+
+def test_the_deadline_is_the_timeout_given() -> None:
+    """``timeout=0.5`` (``--sidecar-ready-timeout``): the last try at 0.5 s on the clock (its
+    pause cut at the deadline), not at the default's 60 s; SIDECAR_NOT_READY says 0.5 s
+    (tests-4 R06, R04)."""
+    at, failure = tries_until_done(0.5)
+    assert at == [0.0, 0.1, 0.3, 0.5]
+    assert isinstance(failure.value, SidecarNotReady)
+    assert "did not answer within 0.5 s" in failure.value.message
+
+
+def test_the_pauses_double_up_to_their_cap() -> None:
+    """Tries at 0, 0.1, 0.3, 0.7, 1.5, 3.1, then every BACKOFF_MAX seconds (tests-4 R05: the
+    pauses never grow past it, so a late service is seen within 2 s)."""
+    at, _ = tries_until_done(10)
+    assert at == [0.0, 0.1, 0.3, 0.7, 1.5, 3.1, 5.1, 7.1, 9.1, 10.0]
 
 
 def test_the_services_are_tried_together() -> None:
@@ -116,6 +152,8 @@ class RealProbe(TestCase):
     def setUp(self) -> None:
         self.dir = tempfile.mkdtemp(prefix="bnr-", dir="/tmp")
         self.addCleanup(lambda: __import__("shutil").rmtree(self.dir, True))
+        #: Per listener, the connections it accepted.
+        self.accepted: dict[str, list[socket.socket]] = {}
 
     def listener(self, name: str, drop: bool) -> str:
         path = os.path.join(self.dir, name)
@@ -123,6 +161,7 @@ class RealProbe(TestCase):
         s.bind(path)
         s.listen(8)
         held: list[socket.socket] = []
+        self.accepted[path] = held
 
         def serve() -> None:
             while True:
@@ -130,10 +169,9 @@ class RealProbe(TestCase):
                     conn, _ = s.accept()
                 except OSError:
                     return
+                held.append(conn)
                 if drop:
                     conn.close()
-                else:
-                    held.append(conn)
 
         threading.Thread(target=serve, daemon=True).start()
 
@@ -150,3 +188,37 @@ class RealProbe(TestCase):
         self.assertTrue(await answers(reactor, self.listener("held", drop=False)))
         self.assertFalse(await answers(reactor, self.listener("dropped", drop=True)))
         self.assertFalse(await answers(reactor, os.path.join(self.dir, "absent")))
+
+    async def test_the_probes_connection_is_closed_after_it(self) -> None:
+        """Once ``answers`` said yes, the service sees its connection closed (tests-4 R07:
+        one left open per try, for the VM's life)."""
+        path = self.listener("held", drop=False)
+        self.assertTrue(await answers(reactor, path))
+        conn = self.accepted[path][0]
+        conn.settimeout(10)
+        self.assertEqual(await deferToThread(conn.recv, 1), b"")
+
+    async def test_a_link_or_a_file_at_the_path_is_never_connected_through(self) -> None:
+        """The sidecar VMM uid's directory holds a symlink to a live socket elsewhere, or a
+        plain file: not ready, and the socket behind the link never sees a connection."""
+        target = self.listener("elsewhere", drop=False)
+        link = os.path.join(self.dir, "egress.sock")
+        os.symlink(target, link)
+        self.assertFalse(await answers(reactor, link))
+        plain = os.path.join(self.dir, "git.sock")
+        with open(plain, "w"):
+            pass
+        self.assertFalse(await answers(reactor, plain))
+        self.assertEqual(self.accepted[target], [])
+
+    async def test_the_connect_goes_to_the_socket_checked(self) -> None:
+        """A socket swapped for a link to another between the check and the connect (which
+        the reactor makes a turn later): the connection reaches the socket that was checked."""
+        checked = self.listener("egress.sock", drop=False)
+        other = self.listener("other", drop=False)
+        d = Deferred.fromCoroutine(answers(reactor, checked))
+        os.rename(checked, checked + ".aside")
+        os.symlink(other, checked)
+        self.assertTrue(await d)
+        self.assertEqual(len(self.accepted[checked]), 1)
+        self.assertEqual(self.accepted[other], [])

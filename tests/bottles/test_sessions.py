@@ -7,7 +7,7 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.sessions import AGENT_CONNECTIONS, RESERVED, CountedSession, SessionSlots
+from bottlenet.bottles.sessions import AGENT_CONNECTIONS, RESERVED, Sessions
 from bottlenet.errors import Busy
 
 
@@ -28,27 +28,27 @@ class _Recorder(ProcessProtocol):
 def test_cap_leaves_room_for_bottlenets_own_and_busy_names_it() -> None:
     """The cap is the agent's 8 connections less the ones kept; past it BUSY names the cap,
     per bottle, and a slot given back (twice is once) makes room again."""
-    slots = SessionSlots()
-    assert slots.cap == AGENT_CONNECTIONS - RESERVED < AGENT_CONNECTIONS - 2
-    held = [slots.take("b1") for _ in range(slots.cap)]
-    with pytest.raises(Busy, match=f"already has {slots.cap} exec/logs sessions open"):
-        slots.take("b1")
-    slots.take("b2")  # another bottle's VM has its own agent
+    b1, b2 = Sessions("b1"), Sessions("b2")
+    assert b1.cap == AGENT_CONNECTIONS - RESERVED < AGENT_CONNECTIONS - 2
+    held = [b1.session(_Recorder()) for _ in range(b1.cap)]
+    with pytest.raises(Busy, match=f"already has {b1.cap} exec/logs sessions open"):
+        b1.session(_Recorder())
+    b2.session(_Recorder())  # another bottle's VM has its own agent
     held[0].release()
     held[0].release()
-    assert slots.held("b1") == slots.cap - 1
-    slots.take("b1")
+    assert b1.held == b1.cap - 1
+    b1.session(_Recorder())
     with pytest.raises(Busy):
-        slots.take("b1")
+        b1.session(_Recorder())
 
 
 def test_counted_session_passes_everything_and_frees_its_slot_at_the_end() -> None:
     """The inner protocol hears its child as before; the slot is free once the child ended."""
-    slots = SessionSlots(cap=1)
+    sessions = Sessions("b1", cap=1)
     inner = _Recorder()
-    counted = CountedSession(inner, slots.take("b1"))
+    counted = sessions.session(inner)
     counted.makeConnection(object())
     counted.childDataReceived(1, b"x")
-    assert slots.held("b1") == 1
+    assert sessions.held == 1
     counted.processEnded(Failure(ProcessDone(0)))
-    assert inner.heard == ["made", (1, b"x"), "ended"] and slots.held("b1") == 0
+    assert inner.heard == ["made", (1, b"x"), "ended"] and sessions.held == 0

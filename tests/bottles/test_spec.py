@@ -80,7 +80,6 @@ def test_forward_only_mode() -> None:
         ({"agent__env": ["1BAD=x"]}, "agent.env[0]"),
         ({"agent__env": ["NOEQUALS"]}, "agent.env[0]"),
         ({"agent__env": ["A=b\nc"]}, "agent.env[0]"),
-        ({"agent__volumes": ["/nonexistent-dir-xyz:/work"]}, "agent.volumes[0]"),
         ({"agent__volumes": ["relative:/work"]}, "agent.volumes[0]"),
         ({"agent__colour": "red"}, "agent.colour: unknown key"),
         ({"sidecar__service": []}, "sidecar.service"),
@@ -115,12 +114,11 @@ def test_socket_mode_needs_a_local_agent_image() -> None:
     assert parse_bottle_spec("b1", doc(mode="socket")).mode == "socket"
 
 
-def test_volume_must_be_an_existing_directory(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    spec = parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}:/work:ro"]))
-    assert spec.agent is not None and spec.agent.volumes == (f"{tmp_path}:/work:ro",)
-    (tmp_path / "f").write_text("x")
-    with pytest.raises(InvalidArgument):
-        parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}/f:/work"]))
+def test_a_volumes_host_directory_is_not_looked_at_when_the_spec_is_read() -> None:
+    """The host side is the create's to resolve, once (``volumes.py``): a kept bottle whose
+    volume went away is still read back; the syntax is checked here."""
+    spec = parse_bottle_spec("b1", doc(agent__volumes=["/nonexistent-dir-xyz:/work"]))
+    assert spec.agent is not None and spec.agent.volumes == ("/nonexistent-dir-xyz:/work:ro",)
 
 
 @pytest.mark.parametrize(
@@ -218,28 +216,11 @@ def test_stamp_is_plain_substitution() -> None:
     assert stamp_template("{{literal}}", fields) == "{literal}"
 
 
-def test_volumes_never_overlap_the_daemons_dirs_and_default_to_read_only(tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Issue 13 item 9: the state dir, anything inside it, and ``/`` are refused."""
-    state = tmp_path / "state"
-    (state / "bottles").mkdir(parents=True)
-    work = tmp_path / "work"
-    work.mkdir()
-    (tmp_path / "link").symlink_to(state)
-    protected = [str(state)]
-    for host in (str(state), f"{state}/bottles", "/", str(tmp_path)):
-        with pytest.raises(InvalidArgument, match="overlaps the daemon's own directory"):
-            parse_bottle_spec("b1", doc(agent__volumes=[f"{host}:/mnt:rw"]), protected)
-    with pytest.raises(InvalidArgument):  # a symlink to it is no way round
-        parse_bottle_spec("b1", doc(agent__volumes=[f"{tmp_path}/link:/mnt"]), protected)
-    spec = parse_bottle_spec("b1", doc(agent__volumes=[f"{work}:/w", f"{work}:/x:rw"]), protected)
+def test_volumes_default_to_read_only() -> None:
+    """``HOST:GUEST`` is read-only; ``:rw`` must be written."""
+    spec = parse_bottle_spec("b1", doc(agent__volumes=["/w:/w", "/w:/x:rw"]))
     assert spec.agent is not None
-    assert spec.agent.volumes == (f"{work}:/w:ro", f"{work}:/x:rw")
-    # the registry re-checks parsed volumes against its own dirs, whoever parsed the spec
-    from bottlenet.bottles.spec import check_volumes
-
-    check_volumes(spec.agent.volumes, protected)
-    with pytest.raises(InvalidArgument, match=r"agent.volumes\[1\].*overlaps"):
-        check_volumes((f"{work}:/w:ro", f"{state}/bottles:/b:rw"), protected)
+    assert spec.agent.volumes == ("/w:/w:ro", "/w:/x:rw")
 
 
 def test_transparent_egress_names_a_sidecar_service_in_socket_mode() -> None:

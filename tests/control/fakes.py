@@ -14,6 +14,7 @@ from twisted.protocols import amp
 from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import BottleSpec
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.bottles.volumes import Requester
 from bottlenet.control import codec
 from bottlenet.control.context import (
     Admission,
@@ -58,6 +59,7 @@ class FakeBackend:
         *,
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
+        requester: Requester | None = None,
     ) -> Bottle:
         self.calls.append(("create_bottle", (name, alias) if spec is None else (name, alias, spec)))
         self._check()
@@ -118,6 +120,9 @@ class FakeBackend:
 
     def bridge_status(self, name: str) -> str | None:
         return None
+
+    def transparent_stats(self, bottle: str | None = None) -> list[Any]:
+        return []
 
     def list_forwards(self, bottle: str | None = None) -> list[ForwardInfo]:
         self.calls.append(("list_forwards", (bottle,)))

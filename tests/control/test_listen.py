@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import subprocess
 import tempfile
 from collections.abc import Iterator
 
@@ -261,6 +262,37 @@ def test_peer_credentials_of_a_real_socketpair() -> None:
         b.close()
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s, pytest.raises(OSError):
         get_peer_credentials(s)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="another uid with chosen groups needs root")
+def test_peer_groups_are_the_peers_own_at_connect(tmp: str) -> None:
+    """A peer of uid 4244 with 100 supplementary groups (more than the first read asks for):
+    ``groups`` holds exactly those, as the kernel recorded them at connect (what a volume is
+    checked with)."""
+    path = os.path.join(tmp, "p.sock")
+    os.chmod(tmp, 0o755)
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(path)
+    os.chmod(path, 0o666)
+    server.listen(1)
+    groups = list(range(5000, 5100))
+    peer = subprocess.Popen(
+        ["setpriv", "--reuid=4244", "--regid=4244", f"--groups={','.join(map(str, groups))}",
+         "/usr/bin/python3", "-c",
+         "import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.recv(1)",
+         path],
+    )  # fmt: skip
+    try:
+        server.settimeout(30)
+        conn, _ = server.accept()
+        with conn:
+            cred = get_peer_credentials(conn)
+            conn.sendall(b"x")
+    finally:
+        peer.wait(30)
+        server.close()
+    assert (cred.uid, cred.gid) == (4244, 4244)
+    assert sorted(cred.groups) == groups
 
 
 def test_service_failure_is_fatal_with_one_clear_line(tmp: str, logs: list[LogEvent]) -> None:

@@ -7,9 +7,9 @@ from typing import Any
 
 import pytest
 
-from bottlenet.bottles.node import Capacity, NodeReport
 from bottlenet.control import commands as C
 from bottlenet.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
+from bottlenet.node.info import Capacity, NodeReport
 
 from .fakes import OWN_UID, Conn, FakeBackend, make_factory
 

@@ -140,6 +140,13 @@ def test_raw_dials_reach_the_named_service_as_connect(shared: VMDaemon, recorder
         assert wait_for(lambda line=line: line in recorder.lines, 30, line)
     status = d.ctl("bottle", "status", "t1").stdout.decode()
     assert "transparent egress running (via egress, 3 connects)" in status, status
+    # bottle stats: one row per target (refused by the proxy), no payload, no canary
+    rows = {r["label"]: r for r in json.loads(d.ctl("--json", "stats", "t1").stdout)}
+    for target in ("203.0.113.7:443", "[2001:db8::1]:443", "pypi.example:8443"):
+        row = rows[f"transparent:{target}"]
+        assert (row["accepted"], row["refused"], row["failed"]) == (0, 1, 0), row
+    assert "egress" in rows  # the forward's own row is still there
+    assert not any("gate.bottlenet.invalid" in label for label in rows)
 
 
 def test_a_bottle_without_the_key_has_no_layer(shared: VMDaemon, recorder: Recorder) -> None:

@@ -44,8 +44,12 @@ MODULES = (
     "net/9p/9pnet_virtio.ko",
     "fs/9p/9p.ko",
 )
-#: What the guest's python3 must import: the probe (bottlenet/probe/guest.py) and the relay.
-PY_IMPORTS = "hashlib os socket struct sys tempfile threading time select"
+#: What the guest's python3 must import: the probe (bottlenet/probe/guest.py), the relay, and
+#: the transparent egress layer (bottlenet/transparent, its ``egress-nonft`` run).
+PY_IMPORTS = (
+    "hashlib os socket struct sys tempfile threading time select"
+    " __future__ argparse ipaddress re collections errno stat importlib.abc importlib.util"
+)
 
 
 class Kit(NamedTuple):

@@ -65,6 +65,10 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "blind": {"net": "leaky", "blind": True},
     # bottlenet's bridge with real clients and a real proxy (tests/realvm/bridgehost.py)
     "bridge": {"net": "none", "bridge": True},
+    # transparent egress in libkrunfw's kernel; the layer on a kernel without nf_tables
+    # (tests/realvm/egresshost.py)
+    "egress": {"net": "none", "egress": True},
+    "egress-nonft": {"net": "none", "nonft": True},
 }
 
 
@@ -279,6 +283,11 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         from tests.realvm import bridgehost
 
         return await bridgehost.run(reactor, name)
+    if variant.get("egress") or variant.get("nonft"):
+        from tests.realvm import egresshost
+
+        run_egress = egresshost.run if variant.get("egress") else egresshost.run_nonft
+        return await run_egress(reactor, name)
     kit = find_kit()
     if kit is None:
         raise SystemExit("no real-VM kit: run python -m tests.realvm.build first")

@@ -21,8 +21,11 @@ def port_paths(name):
     base = "/sys/class/virtio-ports"
     found = {}
     for entry in os.listdir(base):
-        with open(os.path.join(base, entry, "name")) as fh:
-            port = fh.read().strip()
+        try:  # a console port (virtconsole) has no name
+            with open(os.path.join(base, entry, "name")) as fh:
+                port = fh.read().strip()
+        except FileNotFoundError:
+            continue
         if port == name or (port.startswith(name + "-") and port[len(name) + 1 :].isdigit()):
             found[port] = "/dev/" + entry
     if name not in found:

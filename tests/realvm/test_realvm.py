@@ -93,8 +93,8 @@ def runs() -> Iterator[dict[str, dict[str, Any]]]:
             )
             for name, r in results.items():
                 fh.write(
-                    f"== {name}: {r['wall']} s, probe exit {r['probe_exit']}, "
-                    f"witnessed {r['witnessed']}\n"
+                    f"== {name} (kernel {r['kernel']}): {r['wall']} s, probe exit "
+                    f"{r['probe_exit']}, witnessed {r['witnessed']}\n"
                 )
                 fh.write("\n".join(r["lines"]) + "\n")
     yield results
@@ -193,3 +193,56 @@ def test_bottlenets_bridge_carries_real_clients_through_a_real_proxy(runs: Any) 
     assert [row.split()[0] for row in res["cost"]] == ["bridge", "least", "socket"] * ROUNDS
     # and the bridge's hop alone, against the least relay there can be
     assert [row.split()[0] for row in res["local"]] == ["direct", "least", "bridge"] * ROUNDS
+
+
+def test_transparent_egress_in_the_kernel_users_boot(runs: Any) -> None:
+    """libkrunfw's kernel (smolvm's own), no NIC: the layer installs by netlink; the gate's
+    canaries are redirected and refused (witnessed on the host); clients that ignore proxy
+    variables get the allowed page through the real proxy, raw IPv4 and IPv6 dials reach it
+    as CONNECT ip:port and are reset, UDP and ICMP fail at once; once a guest root removes the
+    rules, egress is gone and the bottle's own socket still answers."""
+    r = runs["egress"]
+    res = r["results"]
+    assert r["kernel"].startswith("6.18."), r["kernel"]  # libkrunfw's, not Debian's
+    assert res["layer"] == ["BNE_ready_"], r
+    assert r["check_passed"], r["check_problems"]
+    assert [n.split(": ")[1] for n in r["check_notes"]] == ["redirected and refused"] * 3
+    assert res["env"] == ["0"]  # the clients ran with an empty environment
+    assert res["urllib"] == ["200 allowed_page"]
+    assert res["wget"] == ["0 allowed_page_"]
+    assert res["curl"] == ["0 allowed_page_"]
+    assert res["resolve"][0].startswith("198.1")  # a fake address from 198.18.0.0/15
+    assert res["urllib-denied"] == ["ConnectionResetError"]  # tinyproxy refused the name
+    assert r["denied_hits"] == 0
+    assert res["raw-v4"] == ["after-connect Connection_reset_by_peer"]
+    assert res["raw-v6"] == ["after-connect Connection_reset_by_peer"]
+    for line in (
+        "CONNECT 203.0.113.7:443 HTTP/1.1",
+        "CONNECT [2001:db8::1]:443 HTTP/1.1",
+        "CONNECT denied.test:18181 HTTP/1.1",
+        "CONNECT allowed.test:18180 HTTP/1.1",
+    ):
+        assert line in r["proxy_lines"], r["proxy_lines"]
+    assert res["udp"] == ["sendto Operation_not_permitted"]
+    assert res["udp6"] == ["sendto Operation_not_permitted"]
+    assert res["ping"][0].startswith("1 ") and "not_permitted" in res["ping"][0]
+    assert r["outside_accepts"] == 0  # nothing reached the outside address but as CONNECT
+    assert res["remove"] == ["0"]
+    assert res["after-v4"] == ["connect TimeoutError"]  # the SYN loops via lo
+    assert res["after-v6"] == ["connect Network_is_unreachable"]
+    assert res["after-own"] == ["200"]  # the bottle's own socket: nothing else lost
+    assert "BNE conn 203.0.113.7:443 refused" in r["layer_conns"]
+    assert "BNE conn allowed.test:18180 ok" in r["layer_conns"]
+
+
+def test_a_kernel_without_nf_tables_names_what_is_missing(runs: Any) -> None:
+    """Debian's kernel with its nf_tables modules not loaded: the layer says which piece is
+    missing and the daemon's create error names it with its kernel options."""
+    r = runs["egress-nonft"]
+    assert r["transcript"] == ["BNE missing netlink"], r
+    assert r["probe_exit"] == 5
+    assert r["error"] == (
+        "the agent VM's kernel lacks nf_tables over netlink (CONFIG_NETFILTER,"
+        " CONFIG_NETFILTER_NETLINK, CONFIG_NF_TABLES); transparent egress needs nf_tables"
+        " with nat and redir built in"
+    )

@@ -182,3 +182,26 @@ def test_proxy_answers_and_targets() -> None:
     assert listener.target_of("198.19.0.9", 443, t, lock) is None  # ours, forgotten
     assert listener.target_of("2001:db8::1", 443, t, lock) == "[2001:db8::1]:443"
     assert listener.is_loopback("127.0.0.1") and listener.is_loopback("::ffff:127.0.0.1")
+
+
+@pytest.mark.parametrize(
+    ("argv", "parsed"),
+    [
+        (["run", "--proxy", "/run/bottle/egress.sock"], ("run", "/run/bottle/egress.sock", 1001)),
+        (["serve", "--port", "2000", "--proxy", "/p"], ("serve", "/p", 2000)),
+        (["install"], ("install", None, 1001)),
+        (["remove"], ("remove", None, 1001)),
+        (["run"], None),  # no proxy
+        (["install", "--proxy", "/p"], None),
+        (["remove", "--port", "1"], None),
+        (["run", "--proxy"], None),
+        (["run", "--proxy", "/p", "--port", "0"], None),
+        (["bogus"], None),
+        ([], None),
+    ],
+)
+def test_the_layer_command_line(argv: list[str], parsed: object) -> None:
+    """The kit's subcommand arguments: exactly the forms the daemon sends."""
+    from bottlenet.transparent.layer import parse
+
+    assert parse(argv) == parsed

@@ -58,6 +58,7 @@ from vmctl.spec import (
     ExposeSocket,
     MachineSpec,
     PortMapping,
+    Volume,
     create_args,
     exec_args,
 )
@@ -301,7 +302,8 @@ def agent_spec(tmp: Path) -> MachineSpec:
         for svc, port in (("proxy", 3128), ("git", 9418))
     ]  # fmt: skip
     env = (("HTTPS_PROXY", "http://127.0.0.1:3128"),)
-    return agent_machine_spec("bn-b1-agent", bottle.agent, LABELS, env, endpoints)
+    volumes = [Volume.parse(v) for v in bottle.agent.volumes]  # as resolved at create
+    return agent_machine_spec("bn-b1-agent", bottle.agent, LABELS, env, endpoints, volumes)
 
 
 @needs_wheel

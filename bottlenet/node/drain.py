@@ -22,10 +22,10 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
 
-from bottlenet.bottles.events import DESTROYED, DRAINED, UNDRAINED, BottleEvent, EventBus
+from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
 from bottlenet.bottles.model import Source
-from bottlenet.bottles.store import StateStore
-from bottlenet.errors import Draining, Unavailable
+from bottlenet.bottles.store import StateStore, write
+from bottlenet.errors import Draining
 
 #: The node record's key in the state store.
 DRAINING_KEY = "draining"
@@ -69,10 +69,12 @@ def drain_machine(draining: bool) -> DrainMachine:
 
 
 class DrainGate:
-    """The node's drain state, its record, its events and the callers waiting for empty.
+    """The node's drain state, its record, its event and the callers waiting for empty: the
+    table's admission (``bottles.policy.Admission``), asked before each create and told its
+    count as bottles leave.
 
-    ``held()`` counts the bottles the node holds (creates in flight too); ``record(doc)``
-    makes the node's record durable (raises ``Unavailable`` when it cannot be written).
+    ``record(doc)`` makes the node's record durable (raises ``Unavailable`` when it cannot be
+    written); ``publish`` sends the node's DRAINED and UNDRAINED events.
     """
 
     log = Logger()
@@ -80,33 +82,38 @@ class DrainGate:
     def __init__(
         self,
         clock: IReactorTime,
-        events: EventBus,
-        held: Callable[[], int],
+        publish: Callable[[BottleEvent], None],
         record: Callable[[dict[str, object]], None],
         *,
         draining: bool = False,
     ) -> None:
         self._clock = clock
-        self._events = events
-        self._held = held
+        self._publish = publish
         self._record = record
         self._machine = drain_machine(draining)
         self._waiters: list[Deferred[bool]] = []
-        events.subscribe(self._bottle_event)
 
     @property
     def draining(self) -> bool:
         return self._machine.draining()
 
     def admit(self, source: Source) -> None:
-        """Called by the registry before a create: DRAINING for the control plane's."""
+        """Called by the table before a create: DRAINING for the control plane's."""
         if source is Source.CONTROL and self._machine.draining():
             raise Draining("this node is draining: it takes no new bottles (try another node)")
 
-    def drain(self) -> None:
-        """Refuse new bottles (durable before it answers); a second drain changes nothing."""
-        if self._switch(draining=True):
-            self.log.info("node: draining: new bottles are refused ({n} held)", n=self._held())
+    def held(self, count: int) -> None:
+        """The table's count after a bottle left it: at 0 the waiters hear the node is empty."""
+        if count != 0 or not self._waiters:
+            return
+        waiters, self._waiters = self._waiters, []
+        self.log.info("node: drained: it holds no bottle")
+        for d in waiters:
+            d.callback(True)
+
+    def drain(self) -> bool:
+        """Refuse new bottles (durable before it answers); False when it already drained."""
+        return self._switch(draining=True)
 
     def undrain(self) -> None:
         """Take new bottles again (durable before it answers)."""
@@ -130,18 +137,13 @@ class DrainGate:
         except BaseException:
             back()
             raise
-        self._events.emit(
-            BottleEvent(DRAINED if draining else UNDRAINED, "", self._clock.seconds())
-        )
+        self._publish(BottleEvent(DRAINED if draining else UNDRAINED, "", self._clock.seconds()))
         return True
 
-    def when_empty(self, timeout: float) -> Deferred[bool]:
-        """True once the node holds no bottle; False when ``timeout`` seconds pass first, or
-        the node is undrained meanwhile."""
+    def wait_empty(self, timeout: float) -> Deferred[bool]:
+        """True once the table says it holds no bottle; False when ``timeout`` seconds pass
+        first, or the node is undrained meanwhile (the caller checks it is not empty now)."""
         d: Deferred[bool] = Deferred()
-        if self._held() == 0:
-            d.callback(True)
-            return d
         self._waiters.append(d)
         call: IDelayedCall = self._clock.callLater(timeout, self._timed_out, d)
 
@@ -158,29 +160,7 @@ class DrainGate:
             self._waiters.remove(d)
             d.callback(False)
 
-    def _bottle_event(self, event: BottleEvent) -> None:
-        if event.kind == DESTROYED and self._waiters:
-            # Looked at on the next turn: a failed create says DESTROYED while it still
-            # holds its name (until its operation ends).
-            self._clock.callLater(0, self._check_empty)
-
-    def _check_empty(self) -> None:
-        if not self._waiters or self._held() != 0:
-            return
-        waiters, self._waiters = self._waiters, []
-        self.log.info("node: drained: it holds no bottle")
-        for d in waiters:
-            d.callback(True)
-
 
 def node_recorder(store: StateStore) -> Callable[[dict[str, object]], None]:
     """Writes the node's record into ``store``: UNAVAILABLE when it cannot be made durable."""
-
-    def record(doc: dict[str, object]) -> None:
-        try:
-            store.put_node(doc)
-        except OSError as e:
-            DrainGate.log.error("cannot write the state file: {err}", err=e.strerror)
-            raise Unavailable(f"cannot write the state file: {e.strerror}") from None
-
-    return record
+    return lambda doc: write(store, lambda s: s.put_node(doc))

@@ -18,15 +18,16 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
-from bottlenet.bottles.drain import DRAINING_KEY, DrainGate, node_recorder
-from bottlenet.bottles.events import DESTROYED, READY, BottleEvent
-from bottlenet.bottles.lease import DEFAULT_GRACE, LeaseKeeper
+from bottlenet.bottles.events import BottleEvent
+from bottlenet.bottles.host import UidSupply
+from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateStore
-from bottlenet.errors import InvalidArgument, ResourceExhausted, safe_repr
+from bottlenet.errors import InvalidArgument, KvmUnavailable, ResourceExhausted, safe_repr
 from bottlenet.forward.budget import ConnectionBudget
+from bottlenet.node.drain import DRAINING_KEY, DrainGate, node_recorder
+from bottlenet.node.lease import DEFAULT_GRACE, LeasePolicy
 from vmctl.kvm import KvmStatus
-from vmctl.uids import UidSupply
 
 OK = "ok"
 DEGRADED = "degraded"
@@ -101,54 +102,95 @@ class NodeReport:
     vm_uids: str | None = None
 
 
+class KvmSeen:
+    """What the creates told of KVM (``bottles.policy.Tracker``): smolvm finds out only when
+    a VM starts. A create that fails with KVM_UNAVAILABLE marks it unusable until a VM bottle
+    is made."""
+
+    def __init__(self) -> None:
+        self.status = KvmStatus(False, "not looked at yet")
+
+    def vm_started(self) -> None:
+        if not self.status.usable:
+            self.status = KvmStatus(True)
+
+    def create_failed(self, code: str) -> None:
+        if code == KvmUnavailable.code:
+            self.status = KvmStatus(False, "a VM create failed with KVM_UNAVAILABLE (daemon log)")
+
+
+@frozen
+class NodeParts:
+    """The node's policies: its drain gate, its lease policy, what it learned of KVM."""
+
+    gate: DrainGate
+    leases: LeasePolicy
+    kvm: KvmSeen
+
+    def policies(self) -> Policies:
+        """As the bottles' table hears them."""
+        return Policies(admission=self.gate, leases=self.leases, tracker=self.kvm)
+
+
+def node_parts(
+    clock: IReactorTime,
+    store: StateStore,
+    state: State,
+    publish: Callable[[BottleEvent], None],
+    *,
+    monotonic: Callable[[], float],
+    lease_grace: float = DEFAULT_GRACE,
+) -> NodeParts:
+    """The node's policies: its drain gate as ``state`` recorded it (its events to
+    ``publish``), its lease policy on the ``monotonic`` clock."""
+    draining = (state.node or {}).get(DRAINING_KEY) is True
+    return NodeParts(
+        DrainGate(clock, publish, node_recorder(store), draining=draining),
+        LeasePolicy(clock, monotonic, lease_grace),
+        KvmSeen(),
+    )
+
+
 class Node:
-    """The node's report and its drain, over the parts that know them.
+    """The node's report and its controls (drain, undrain, renew a lease), over the table
+    and the node's policies.
 
     ``smolvm_found``, ``smolvm_version``, ``smolvm_problem`` and ``kvm`` are set by the
-    daemon's root service as it learns them (at start, after its smolvm probe); a create that
-    fails with ``KVM_UNAVAILABLE`` marks KVM unusable until a VM bottle is made.
+    daemon's root service as it learns them (at start, after its smolvm probe).
     """
 
     log = Logger()
 
     def __init__(
         self,
-        clock: IReactorTime,
         registry: BottleRegistry,
         budget: ConnectionBudget,
-        drain: DrainGate,
-        leases: LeaseKeeper,
+        parts: NodeParts,
         *,
         host: str,
         labels: tuple[tuple[str, str], ...] = (),
         privilege: str,
     ) -> None:
-        self._clock = clock
         self._registry = registry
         self._budget = budget
-        self.gate = drain
-        self.leases = leases
+        self.gate, self.leases, self._kvm = parts.gate, parts.leases, parts.kvm
         self.host = host
         self.labels = labels
         self.privilege = privilege
         self.smolvm_found = False
         self.smolvm_version: str | None = None
         self.smolvm_problem: str | None = "no smolvm found"
-        self.kvm = KvmStatus(False, "not looked at yet")
         #: Per-VM uids left (as root; ``learn_uids``), None until counted.
         self.vm_uids: UidSupply | None = None
         self._drain_waiters = 0
-        registry.events.subscribe(self._learn)
 
-    def _learn(self, event: BottleEvent) -> None:
-        """What a create tells about KVM (smolvm finds out only when a VM starts)."""
-        if event.kind == DESTROYED and event.detail == "create failed: KVM_UNAVAILABLE":
-            self.kvm = KvmStatus(False, "a VM create failed with KVM_UNAVAILABLE (daemon log)")
-        elif (
-            event.kind == READY and not self.kvm.usable and self._registry.has_bottle(event.bottle)
-        ):
-            if self._registry.get_bottle(event.bottle).has_vms:
-                self.kvm = KvmStatus(True)
+    @property
+    def kvm(self) -> KvmStatus:
+        return self._kvm.status
+
+    @kvm.setter
+    def kvm(self, status: KvmStatus) -> None:
+        self._kvm.status = status
 
     def learn_uids(self, supply: UidSupply) -> None:
         """How many per-VM uids are left; a warning when they run short, and when not."""
@@ -209,55 +251,30 @@ class Node:
         return self.gate.draining
 
     def held(self) -> int:
+        """The bottles the node holds, creates in flight included (the table's count)."""
         return self._registry.held()
 
     def drain(self) -> None:
-        self.gate.drain()
-
-    def renew_lease(self, name: str, seconds: float) -> None:
-        self.leases.renew(name, seconds)
+        """Refuse new bottles (durable before it answers); a second drain changes nothing."""
+        if self.gate.drain():
+            self.log.info("node: draining: new bottles are refused ({n} held)", n=self.held())
 
     def undrain(self) -> None:
         self.gate.undrain()
 
+    def renew_lease(self, name: str, seconds: float) -> None:
+        self._registry.renew_lease(name, seconds)
+
     async def when_empty(self, timeout: float) -> bool:
         """True once the node holds no bottle; False after ``timeout`` seconds or an undrain
         (at most MAX_DRAIN_WAITERS callers wait at once)."""
+        if self.held() == 0:
+            return True
         if self._drain_waiters >= MAX_DRAIN_WAITERS:
             raise ResourceExhausted(f"{MAX_DRAIN_WAITERS} callers already wait for the drain")
         self._drain_waiters += 1
         try:
-            d: Deferred[bool] = self.gate.when_empty(timeout)
+            d: Deferred[bool] = self.gate.wait_empty(timeout)
             return await d
         finally:
             self._drain_waiters -= 1
-
-
-def build_node(
-    clock: IReactorTime,
-    registry: BottleRegistry,
-    budget: ConnectionBudget,
-    store: StateStore,
-    state: State,
-    *,
-    monotonic: Callable[[], float],
-    lease_grace: float = DEFAULT_GRACE,
-    host: str,
-    labels: tuple[tuple[str, str], ...] = (),
-    privilege: str,
-) -> Node:
-    """The node over ``registry``: its drain gate (as ``state`` recorded it, asked by the
-    registry before each create), its lease keeper (``restore()`` it after recovery) and
-    its report."""
-    gate = DrainGate(
-        clock,
-        registry.events,
-        registry.held,
-        node_recorder(store),
-        draining=(state.node or {}).get(DRAINING_KEY) is True,
-    )
-    registry.admission = gate.admit
-    leases = LeaseKeeper(clock, monotonic, registry, grace=lease_grace)
-    return Node(
-        clock, registry, budget, gate, leases, host=host, labels=labels, privilege=privilege
-    )
