@@ -129,7 +129,7 @@ class FakeSmolvm:
         while any(process_alive(p, s) for p, s in targets) and time.monotonic() < deadline:
             time.sleep(0.02)
         survivors = [p for p, s in targets if process_alive(p, s)]
-        if not survivors and os.path.isdir(self.uid_ledger):
+        if not survivors and os.geteuid() == 0 and os.path.isdir(self.uid_ledger):
             # Its VMs are gone: its uid blocks go back to the suite's ledger at once.
             Ledger(self.uid_ledger).release(os.path.join(self.path, ".cache", "smolvm", "uids"))
         return survivors
