@@ -408,8 +408,6 @@ class DaemonSettings:
     scoped_uids: frozenset[int] = frozenset()
     #: ``--volume-root``: where scoped peers' rw volumes and TLS launchers' volumes may lie.
     volume_roots: tuple[str, ...] = ()
-    #: ``--uid-ledger``: the host's record of per-VM uid blocks (vmctl.uidranges).
-    uid_ledger: str = DEFAULT_LEDGER
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -442,6 +440,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
             options["smolvm-data-dir"],
             environ=env,
             default_data_dir=os.path.join(state_dir, "smolvm"),
+            uid_ledger=options["uid-ledger"],
         )
     except StartupRefused as e:
         raise StartupError(e.message) from None
@@ -483,22 +482,12 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         gate=_gate_settings(options, tls, metrics_spec),
         skip_probe=options["unsafe-skip-isolation-probe"],
         smolvm=smolvm,
-        protected_paths=_own_paths(
-            state_dir,
-            control,
-            smolvm,
-            tls,
-            metrics_spec,
-            config_path,
-            env,
-            uid_ledger=options["uid-ledger"],
-        ),
+        protected_paths=_own_paths(state_dir, control, smolvm, tls, metrics_spec, config_path, env),
         log_relay_ends=logs_relay_ends(options.parent),
         labels=labels,
         lease_grace=options["lease-grace"],
         scoped_uids=scoped,
         volume_roots=_volume_roots(options["volume-root"]),
-        uid_ledger=os.path.abspath(options["uid-ledger"]),
     )
 
 
@@ -541,8 +530,6 @@ def _own_paths(
     metrics_spec: metrics.MetricsEndpoint | None,
     config_path: str | None,
     environ: Mapping[str, str],
-    *,
-    uid_ledger: str = DEFAULT_LEDGER,
 ) -> tuple[str, ...]:
     """Every path the daemon reads or serves: its state, smolvm's data and the uid ledger
     (``--uid-ledger``: a VM that could write it would hand uids around), the control socket's
@@ -566,7 +553,7 @@ def _own_paths(
         paths.extend(p for p in environ.get(name, "").split(":") if os.path.isabs(p))
     if smolvm.data_dir:
         paths.append(smolvm.data_dir)
-    paths.append(os.path.abspath(uid_ledger))
+    paths.append(smolvm.uid_ledger)
     if smolvm.install is not None:
         paths.extend(
             p

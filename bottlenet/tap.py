@@ -402,7 +402,6 @@ def _core(
         settings.smolvm,
         on_call=smolvm_calls.record,
         session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
-        uid_ledger=settings.uid_ledger,
         uid_roots=(os.path.join(settings.state_dir, "bottles"),),
     )
     aliases = AliasRegistry(settings.pool)

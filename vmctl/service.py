@@ -60,6 +60,8 @@ class SmolvmChoice:
     install: SmolvmInstall | None
     data_dir: str | None
     environ: Mapping[str, str]
+    #: The host's record of which data dir owns which per-VM uids (``vmctl.uidranges``).
+    uid_ledger: str = DEFAULT_LEDGER
 
 
 def choose_smolvm(
@@ -69,6 +71,7 @@ def choose_smolvm(
     environ: Mapping[str, str] | None = None,
     default_data_dir: str | None = None,
     wheel: Callable[[], SmolvmInstall | None] = find_wheel,
+    uid_ledger: str = DEFAULT_LEDGER,
 ) -> SmolvmChoice:
     """Check the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options (StartupRefused).
 
@@ -89,7 +92,8 @@ def choose_smolvm(
     else:
         VmctlService.log.info("smolvm: {where}", where=install.describe())
     chosen = data_dir_option or default_data_dir
-    return SmolvmChoice(install, os.path.abspath(chosen) if chosen else None, env)
+    data_dir = os.path.abspath(chosen) if chosen else None
+    return SmolvmChoice(install, data_dir, env, os.path.abspath(uid_ledger))
 
 
 def build_smolvm(
@@ -102,16 +106,15 @@ def build_smolvm(
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
     on_call: CallObserver | None = None,
     session_pythons: Sequence[str] = ("python3",),
-    uid_ledger: str = DEFAULT_LEDGER,
     uid_roots: Sequence[str] = (),
 ) -> tuple[VmctlService, Smolvm]:
     """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call;
-    ``session_pythons``: the guest interpreters the session wrapper tries; ``uid_ledger``:
-    the host's record of uid blocks, ``uid_roots``: where else VM uids' files may stay)."""
+    ``session_pythons``: the guest interpreters the session wrapper tries; ``uid_roots``:
+    where else VM uids' files may stay)."""
     runner = ProcessRunner(reactor, clock)
     pool = None
     if choice.data_dir is not None:
-        pool = UidPool(choice.data_dir, ledger=uid_ledger, roots=uid_roots)
+        pool = UidPool(choice.data_dir, ledger=choice.uid_ledger, roots=uid_roots)
     smolvm = Smolvm(
         runner,
         choice.install,

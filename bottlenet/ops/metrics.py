@@ -357,6 +357,14 @@ def _collect_forwards(
     return totals, invalid
 
 
+def _vm_uids(w: _Writer, left: int | None) -> None:
+    """The per-VM uids left, once the daemon (as root) has counted them."""
+    if left is not None:
+        name = "bottlenet_vm_uids_left"
+        w.family(name, "gauge", "Per-VM uids the smolvm data dir can still give out (as root).")
+        w.sample(name, [], left)
+
+
 def render_metrics(
     source: MetricsSource,
     smolvm: CallStats | None = None,
@@ -401,12 +409,7 @@ def render_metrics(
     for bottle, outcome, n in source.transparent():
         w.sample(name, [("bottle", _name(bottle, None)), ("outcome", _name(outcome, None))], n)
 
-    left = source.vm_uids_left()
-    if left is not None:
-        name = "bottlenet_vm_uids_left"
-        w.family(name, "gauge", "Per-VM uids the smolvm data dir can still give out (as root).")
-        w.sample(name, [], left)
-
+    _vm_uids(w, source.vm_uids_left())
     if smolvm is not None:
         name = "bottlenet_smolvm_call_duration_seconds"
         w.family(name, "histogram", "smolvm CLI calls by subcommand and result, and their time.")
