@@ -177,6 +177,33 @@ class VolumeRuleTests(DaemonCase):
         self.assertEqual(GrantBook(self.state_dir).grants(), [])
         self.assertEqual((seen["moved"], seen["victim"]), ([seen["uid"]], []))
 
+    async def test_a_parent_swapped_to_a_directory_the_vm_may_write_fails_the_gate(
+        self,
+    ) -> None:
+        """As above, but the link points at a world-writable tree the VMM may write itself:
+        its round trip lands there, not in the directory resolved, so the gate (which looks
+        in that directory) refuses the create, and nothing of the create is left."""
+        alice = self.directory("alice", owner=ALICE)
+        work = self.directory("alice", "proj", "work", owner=ALICE, mode=0o700)
+        self.directory("alice", "proj", owner=ALICE)
+        scratch = self.directory("scratch", "work", mode=0o777)
+        client = await self.start()
+        reserve = VMHost.reserve_uid
+
+        async def reserve_then_swap(host: VMHost, machine: str) -> Any:
+            reserved = await reserve(host, machine)
+            if machine.endswith("-agent"):
+                os.rename(os.path.join(alice, "proj"), os.path.join(alice, "proj.old"))
+                os.symlink(os.path.dirname(scratch), os.path.join(alice, "proj"))
+            return reserved
+
+        self.patch(VMHost, "reserve_uid", reserve_then_swap)
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("s2", spec=self.spec_json(work))
+        self.assertEqual(info.exception.code, "ISOLATION_FAILED")
+        self.assertEqual(named_users(os.path.join(alice, "proj.old", "work")), [])
+        self.assertEqual(self.registry.list_bottles(), [])
+
     async def test_the_destroy_takes_the_grant_off_the_directory_it_was_made_on(self) -> None:
         """alice renames her project after the create and makes a new one at the old path
         (N3 ``keep``): ``bottle rm`` takes the entry off the directory granted, wherever it
@@ -241,3 +268,43 @@ class VolumeRuleTests(DaemonCase):
         await self.start()
         self.assertEqual(named_users(work), [])
         self.assertEqual(stat.S_IMODE(os.stat(work).st_mode), 0o755)
+
+    async def test_a_grant_book_that_cannot_be_read_does_not_stop_the_teardown(self) -> None:
+        """The grant records cannot be listed at ``bottle rm`` (an I/O error): logged, and the
+        VM uid's processes are still ended and the bottle's directory released."""
+        work = self.directory("w", mode=0o755)
+        client = await self.start()
+        await client.create_bottle("g1", spec=self.spec_json(work))
+        agent = self.agent_uid("g1")
+        left = subprocess.Popen(
+            ["setpriv", f"--reuid={agent}", f"--regid={agent}", "--clear-groups", "sleep", "300"],
+            start_new_session=True,
+        )
+        self.addCleanup(lambda: left.poll() is None and (left.kill(), left.wait()))
+
+        def unreadable(book: GrantBook, uid: int | None = None) -> list[Any]:
+            raise OSError(5, "Input/output error")
+
+        self.patch(GrantBook, "grants", unreadable)
+        await client.destroy_bottle("g1")
+        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
+        self.assertIsNotNone(await in_thread(lambda: left.wait(timeout=30)))
+        self.assertEqual(named_users(work), [agent])  # taken back at the next start
+
+    async def test_a_bottle_from_before_the_grant_records_still_gives_its_grant_back(
+        self,
+    ) -> None:
+        """A bottle created by a daemon that kept no grant records (its record removed here):
+        ``bottle rm`` still takes its agent uid's entry off each read-write volume, found
+        without following links."""
+        work = self.directory("old", mode=0o755)
+        client = await self.start()
+        await client.create_bottle("o1", spec=self.spec_json(work))
+        agent = self.agent_uid("o1")
+        book = GrantBook(self.state_dir)
+        for g in book.grants():
+            book.forget(g)
+        self.assertEqual(named_users(work), [agent])
+        await client.destroy_bottle("o1")
+        self.assertEqual(named_users(work), [])
+        self.assertEqual(os.stat(work).st_mode & 0o7777, 0o755)
