@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
+from bottlenet.bottles.egresswatch import EgressWatch
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
@@ -58,7 +59,7 @@ from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
-from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids, tested_names
 from vmctl.uidranges import UidRangeError
 from vmctl.uids import UidRegistryError
 
@@ -223,8 +224,15 @@ class BottlenetService(MultiService):
             return
         if self.node is not None:
             self.node.smolvm_version = str(version)
+            self.node.smolvm_tested = version.tested
             self.node.smolvm_problem = None if version.supported else "version not supported"
-        self.smolvm_facts.learned(str(version), version.supported, self.smolvm.describe())
+        self.smolvm_facts.learned(
+            str(version),
+            version.supported,
+            self.smolvm.describe(),
+            version.tested,
+            tested_names(),
+        )
         self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
     def stopService(self) -> Deferred[None]:
@@ -347,6 +355,10 @@ def compose(
     )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
+    # No VM bottle without a smolvm: then it never asks anything.
+    EgressWatch(reactor, host.smolvm, registry.list_bottles, registry.events.emit).setServiceParent(
+        root
+    )
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
     )

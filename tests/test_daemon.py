@@ -244,8 +244,7 @@ def _bad_smolvm(tmp_path, kind: str) -> str:  # type: ignore[no-untyped-def]
         ("not-executable", "not executable"),
         (
             "not-smolvm",
-            "not a smolvm (`--version` exited 0 and printed no `smolvm X.Y.Z`: "
-            "'GNU coreutils 9.1')",
+            "not a smolvm (`--version` printed no `smolvm X.Y.Z`: 'GNU coreutils 9.1')",
         ),
     ],
 )
@@ -522,7 +521,7 @@ def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ign
     root = build_service(options, MemoryReactorClock())
     try:
         assert [type(child).__name__ for child in root] == [
-            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService",
+            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService", "EgressWatch",
             "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
         ]  # fmt: skip
         assert root.getServiceNamed("forwards") is root.table

@@ -43,12 +43,26 @@ class VmctlService(Service):
 
     log = Logger()
 
-    def __init__(self, runner: ProcessRunner, stop_deadline: float = DEFAULT_STOP_DEADLINE):
+    def __init__(
+        self,
+        runner: ProcessRunner,
+        stop_deadline: float = DEFAULT_STOP_DEADLINE,
+        smolvm: Smolvm | None = None,
+    ):
         self.runner = runner
         self.stop_deadline = stop_deadline
+        #: Whose disk templates are unpacked at start (issue 38: the first create expands none).
+        self.smolvm = smolvm
+
+    def startService(self) -> None:
+        super().startService()
+        if self.smolvm is not None:
+            self.smolvm.unpack_templates()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        if self.smolvm is not None:
+            self.smolvm.stop_templates()
         self.log.info("stopping vmctl: {n} call(s) in flight", n=self.runner.in_flight)
         return self.runner.shutdown(self.stop_deadline)
 
@@ -126,7 +140,7 @@ def build_smolvm(
         session_pythons=session_pythons,
         uid_pool=pool,
     )
-    return VmctlService(runner, stop_deadline), smolvm
+    return VmctlService(runner, stop_deadline, smolvm), smolvm
 
 
 def make_smolvm(
@@ -219,12 +233,15 @@ def _probe_version(install: SmolvmInstall, environ: Mapping[str, str], given: st
         raise StartupRefused(f"--smolvm {given}: `--version` did not answer") from None
     except OSError as e:
         raise StartupRefused(f"--smolvm {given}: cannot run it: {e.strerror or e}") from None
+    said = sanitize(done.stdout or done.stderr, 60)
+    if done.returncode != 0:  # whatever it printed: a smolvm answers --version with 0
+        raise StartupRefused(
+            f"--smolvm {given}: not a usable smolvm (`--version` exited {done.returncode}: "
+            f"{said!r})"
+        )
     try:
-        if done.returncode != 0:
-            raise ValueError
         SmolvmVersion.parse(done.stdout)
     except Exception:
         raise StartupRefused(
-            f"--smolvm {given}: not a smolvm (`--version` exited {done.returncode} and printed "
-            f"no `smolvm X.Y.Z`: {sanitize(done.stdout or done.stderr, 60)!r})"
+            f"--smolvm {given}: not a smolvm (`--version` printed no `smolvm X.Y.Z`: {said!r})"
         ) from None

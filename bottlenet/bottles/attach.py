@@ -149,7 +149,7 @@ async def spawn_exec(
             stdio=stdio,
         )
     except VmctlError as e:
-        raise map_vmctl(e) from None
+        raise map_vmctl(e, bottle.name) from None
     return transport
 
 

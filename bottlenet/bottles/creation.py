@@ -97,21 +97,22 @@ def sidecar_machine_spec(
     name: str,
     sidecar: SidecarSpec,
     labels: tuple[tuple[str, str], ...],
-    features: Features,
     *,
     sockets: Sequence[ExposeSocket] = (),
     ports: Sequence[PortMapping] = (),
 ) -> MachineSpec:
-    """The sidecar's ``machine create``: outbound network for its egress proxy, with smolvm's
-    private-range floor (``--block-private``: no host loopback, LAN or metadata) where the CLI
-    has it, and its services as exposed sockets or (opt-in) published ports."""
+    """The sidecar's ``machine create``: outbound network for its egress proxy, always with
+    smolvm's private-range floor (``--block-private``: no host loopback, LAN or metadata; from
+    1.37 a networked machine reaches host loopback by default without it), so a CLI without
+    the flag has the create refused (``vmctl.smolvm.Smolvm.create``), never sent without it;
+    its services as exposed sockets or (opt-in) published ports."""
     fields: dict[str, Any] = {
         **image_fields(sidecar.image),
         "labels": labels,
         "cpus": sidecar.cpus,
         "mem": sidecar.mem,
         "net": True,
-        "block_private": features.block_private,
+        "block_private": True,
         "expose_sockets": tuple(sockets),
         "ports": tuple(ports),
     }
@@ -245,7 +246,7 @@ class Creation:
             # message already says "bottle torn down").
             after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
             if isinstance(e, VmctlError):
-                mapped = map_vmctl(e)
+                mapped = map_vmctl(e, self.name)
                 raise type(mapped)(f"{mapped.message}; {after}") from None
             if isinstance(e, EgressLayerFailed):
                 raise EgressLayerFailed(f"{e.message}; {after}") from None
@@ -328,6 +329,12 @@ class Creation:
         async def remove() -> None:
             await self.smolvm.remove(name)
 
+        if not features.block_private:
+            raise SmolvmUnavailable(
+                f"smolvm {self.smolvm.known_version} has no --block-private, the sidecar's "
+                "egress floor (without it a networked machine reaches the host's loopback, LAN "
+                "and cloud metadata): the sidecar is not created; use smolvm 1.32 or newer"
+            )
         if self.sidecar.listen == LISTEN_TCP:
             raw = await self._start_raw_sidecar(name, features)
             self.undo.append(("sidecar", remove))
@@ -345,7 +352,7 @@ class Creation:
             for s, p in zip(self.sidecar.services, paths, strict=True)
         ]
         labels = self.host.labels(self.name, Role.SIDECAR)
-        spec = sidecar_machine_spec(name, self.sidecar, labels, features, sockets=sockets)
+        spec = sidecar_machine_spec(name, self.sidecar, labels, sockets=sockets)
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
@@ -386,7 +393,7 @@ class Creation:
                 PortMapping(raw, svc.guest_port)
                 for raw, svc in zip(ports, sidecar.services, strict=True)
             ]
-            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+            return sidecar_machine_spec(name, sidecar, labels, ports=mapped)
 
         async def reserve() -> None:
             # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).

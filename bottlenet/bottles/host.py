@@ -342,7 +342,7 @@ class VMHost:
                 else (),
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
 
     # -- egress -----------------------------------------------------------------------
 
@@ -356,7 +356,7 @@ class VMHost:
                 self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
         return evolve(bottle, vms=evolve(vm, policy=hosts))
 
     # -- teardown -----------------------------------------------------------------------

@@ -109,6 +109,10 @@ class NodeControl(Protocol):
         """Extend ``name``'s lease (NOT_FOUND, INVALID_ARGUMENT without a lease)."""
         ...
 
+    async def when_serving(self) -> None:
+        """Returns once the daemon's recovery is done."""
+        ...
+
     async def when_empty(self, timeout: float) -> bool:
         """True once the node holds no bottle; False after ``timeout`` or an undrain."""
         ...

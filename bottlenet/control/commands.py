@@ -47,6 +47,8 @@ FEATURES = (
     "events",
     "logs",
     "node",
+    # The commands' optional ``capability`` (a scoped peer's, ``control/scope.py``).
+    "capability",
 )
 
 
@@ -185,6 +187,12 @@ def _page_response(key: bytes, arg: amp.Argument) -> list[tuple[bytes, amp.Argum
     ]
 
 
+def _capability() -> tuple[bytes, amp.Argument]:
+    """A scoped peer's capability for the bottles it names (``control/scope.py``): optional,
+    ignored for a peer with full control."""
+    return (b"capability", amp.Unicode(optional=True))
+
+
 class ControlCommand(amp.Command):
     """Base of every bottlenet command: maps every typed error code both ways.
 
@@ -213,6 +221,10 @@ class Hello(ControlCommand):
         (b"smolvm_version", amp.Unicode(optional=True)),
         # Which binary, and where it came from (--smolvm, PATH or the bottlenet[vm] wheel).
         (b"smolvm_source", amp.Unicode(optional=True)),
+        # False for a smolvm outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+        (b"smolvm_tested", StrictBoolean(optional=True)),
+        # The versions bottlenet is tested with ("1.32.2", ...), for that message.
+        (b"smolvm_tested_versions", StrictListOf(amp.Unicode(), optional=True)),
         # smolvm's privilege model for this daemon: "per-VM uids" or "one uid", as seen at
         # the last VM start, else as expected from the daemon's uid; the basis says which.
         (b"vm_uids", amp.Unicode(optional=True)),
@@ -243,6 +255,7 @@ class CreateBottle(ControlCommand):
         # Its owner label, and a lease: reaped unless renewed (``RenewLease``) in time.
         (b"owner", amp.Unicode(optional=True)),
         (b"lease_seconds", StrictFloat(optional=True)),
+        _capability(),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -250,19 +263,19 @@ class CreateBottle(ControlCommand):
 class DestroyBottle(ControlCommand):
     commandName = b"bottlenet.DestroyBottle"
     pace = Pace.VM
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = []
 
 
 class ListBottles(ControlCommand):
     commandName = b"bottlenet.ListBottles"
-    arguments = _page_arguments()
+    arguments = [*_page_arguments(), _capability()]
     response = _page_response(b"bottles", RecordList(BottleRecord))
 
 
 class BottleStatus(ControlCommand):
     commandName = b"bottlenet.BottleStatus"
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = [(b"bottle", Record(BottleRecord))]
 
 
@@ -275,6 +288,7 @@ class AddForward(ControlCommand):
         (b"label", amp.Unicode()),
         (b"target", amp.Unicode()),
         (b"port", StrictInteger(optional=True)),
+        _capability(),
     ]
     response = [
         (b"forward", Record(ForwardRecord)),
@@ -289,13 +303,14 @@ class RemoveForward(ControlCommand):
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"label", amp.Unicode()),
+        _capability(),
     ]
     response = []
 
 
 class ListForwards(ControlCommand):
     commandName = b"bottlenet.ListForwards"
-    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments(), _capability()]
     response = _page_response(b"forwards", RecordList(ForwardRecord))
 
 
@@ -304,7 +319,7 @@ class VerifyBottle(ControlCommand):
 
     commandName = b"bottlenet.VerifyBottle"
     pace = Pace.VM
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = [
         (b"bottle", Record(BottleRecord)),
         (b"result", amp.Unicode()),
@@ -319,13 +334,14 @@ class SetEgressPolicy(ControlCommand):
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"allow_hosts", StrictListOf(amp.Unicode())),
+        _capability(),
     ]
     response = [(b"allow_hosts", StrictListOf(amp.Unicode()))]
 
 
 class Stats(ControlCommand):
     commandName = b"bottlenet.Stats"
-    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments(), _capability()]
     response = _page_response(b"stats", RecordList(StatsRecord))
 
 
@@ -355,6 +371,7 @@ class Exec(ControlCommand):
         (b"cols", StrictInteger(optional=True)),
         (b"fds", StrictBoolean(optional=True)),
         (b"time_limit", StrictInteger(optional=True)),
+        _capability(),
     ]
     response = [(b"tty", StrictBoolean()), (b"fds", StrictBoolean(optional=True))]
 
@@ -369,6 +386,7 @@ class Logs(ControlCommand):
         (b"bottle", amp.Unicode()),
         (b"tail", StrictInteger(optional=True)),
         (b"follow", StrictBoolean(optional=True)),
+        _capability(),
     ]
     response = []
 
@@ -381,7 +399,7 @@ class Watch(ControlCommand):
     """
 
     commandName = b"bottlenet.Watch"
-    arguments = [(b"bottle", amp.Unicode(optional=True))]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), _capability()]
     response = [(b"seq", StrictInteger())]
 
 
@@ -408,7 +426,7 @@ class RenewLease(ControlCommand):
     """Extend a bottle's lease to ``seconds`` from now (a bottle created with one)."""
 
     commandName = b"bottlenet.RenewLease"
-    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat())]
+    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat()), _capability()]
     response = [(b"bottle", Record(BottleRecord))]
 
 
@@ -417,7 +435,7 @@ class NodeInfo(ControlCommand):
     draining (``bottlenet.node.info``)."""
 
     commandName = b"bottlenet.NodeInfo"
-    arguments = []
+    arguments = [_capability()]
     response = [
         (b"server_version", amp.Unicode()),
         (b"protocol", StrictInteger()),
@@ -425,6 +443,8 @@ class NodeInfo(ControlCommand):
         (b"labels", StrictListOf(amp.Unicode())),  # "KEY=VALUE", sorted by key
         (b"privilege", amp.Unicode()),
         (b"smolvm", amp.Unicode(optional=True)),
+        # False when ``smolvm`` is outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+        (b"smolvm_tested", StrictBoolean(optional=True)),
         (b"vm_possible", StrictBoolean()),
         (b"vm_why_not", amp.Unicode(optional=True)),
         (b"kvm", amp.Unicode()),

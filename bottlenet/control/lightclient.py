@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bottlenet import __version__
 from bottlenet.control import calls
-from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
+from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest, presenting
 from bottlenet.control.clienterrors import (
     ControlConnectionError,
     DaemonUnreachable,
@@ -66,13 +66,15 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "smolvm_available": (Kind.BOOLEAN, False),
             "smolvm_version": (Kind.UNICODE, True),
             "smolvm_source": (Kind.UNICODE, True),
+            "smolvm_tested": (Kind.BOOLEAN, True),
+            "smolvm_tested_versions": (Kind.UNICODE_LIST, True),
             "vm_uids": (Kind.UNICODE, True),
             "vm_uids_basis": (Kind.UNICODE, True),
         },
     ),
     "Ping": ({}, {}),
     "NodeInfo": (
-        {},
+        {"capability": (Kind.UNICODE, True)},
         {
             "server_version": (Kind.UNICODE, False),
             "protocol": (Kind.INTEGER, False),
@@ -80,6 +82,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "labels": (Kind.UNICODE_LIST, False),
             "privilege": (Kind.UNICODE, False),
             "smolvm": (Kind.UNICODE, True),
+            "smolvm_tested": (Kind.BOOLEAN, True),
             "vm_possible": (Kind.BOOLEAN, False),
             "vm_why_not": (Kind.UNICODE, True),
             "kvm": (Kind.UNICODE, False),
@@ -108,11 +111,16 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "cols": (Kind.INTEGER, True),
             "fds": (Kind.BOOLEAN, True),
             "time_limit": (Kind.INTEGER, True),
+            "capability": (Kind.UNICODE, True),
         },
         {"tty": (Kind.BOOLEAN, False), "fds": (Kind.BOOLEAN, True)},
     ),
     "ListBottles": (
-        {"offset": (Kind.INTEGER, True), "limit": (Kind.INTEGER, True)},
+        {
+            "offset": (Kind.INTEGER, True),
+            "limit": (Kind.INTEGER, True),
+            "capability": (Kind.UNICODE, True),
+        },
         {
             "bottles": (Kind.BOTTLE_RECORDS, False),
             "total": (Kind.INTEGER, False),
@@ -211,8 +219,17 @@ def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
 class LightControlClient(ExecOpener):
     """One connection to a UNIX control socket for Hello, Ping, ListBottles and Exec."""
 
-    def __init__(self, path: str, timeout: float, *, vm_timeout: float = VM_TIMEOUT) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout: float,
+        *,
+        vm_timeout: float = VM_TIMEOUT,
+        capability: str | None = None,
+    ) -> None:
         self.path = path
+        #: A scoped peer's capability, given with every call about bottles (``calls``).
+        self.capability = capability
         self.timeout = timeout
         self.vm_timeout = vm_timeout
         self._sock: socket.socket | None = None
@@ -254,6 +271,7 @@ class LightControlClient(ExecOpener):
 
     def call(self, c: Call[T], *, timeout: float | None = None) -> T:
         """Send one call, wait for its converted answer (or raise its typed error)."""
+        c = presenting(c, self.capability)
         if self._sock is None:
             self.connect()
         assert self._sock is not None

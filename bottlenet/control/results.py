@@ -31,6 +31,10 @@ class HelloResult(NamedTuple):
     vm_uids: str | None = None
     #: Why ``vm_uids`` says what it says: ``seen: ...`` or ``expected: ...`` (protocol.md).
     vm_uids_basis: str | None = None
+    #: False for a smolvm outside the tested versions; None from an older daemon.
+    smolvm_tested: bool | None = None
+    #: The versions bottlenet is tested with (empty from an older daemon).
+    smolvm_tested_versions: tuple[str, ...] = ()
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -43,6 +47,8 @@ class HelloResult(NamedTuple):
             smolvm_source=d.get("smolvm_source"),
             vm_uids=d.get("vm_uids"),
             vm_uids_basis=d.get("vm_uids_basis"),
+            smolvm_tested=d.get("smolvm_tested"),
+            smolvm_tested_versions=tuple(d.get("smolvm_tested_versions") or ()),
         )
 
 
@@ -66,6 +72,8 @@ class NodeInfoRecord(NamedTuple):
     health: str
     health_reasons: tuple[str, ...]
     draining: bool
+    #: False when ``smolvm`` is outside the tested versions; None from an older daemon.
+    smolvm_tested: bool | None = None
     #: Per-VM uids the node can still give out (None: not per-VM uids, or an older daemon).
     vm_uids_left: int | None = None
     vm_uids: str | None = None
@@ -184,6 +192,7 @@ class BottleRow(NamedTuple):
     owner: str | None = None
     lease_seconds: float | None = None
     lease_expires_at: float | None = None
+    capability: str | None = None
 
     @classmethod
     def from_json(cls, d: object) -> BottleRow:
@@ -211,6 +220,7 @@ class BottleRow(NamedTuple):
             owner=f.value("owner", str, optional=True),
             lease_seconds=_optional_number(f, "lease_seconds"),
             lease_expires_at=_optional_number(f, "lease_expires_at"),
+            capability=f.value("capability", str, optional=True),
         )
 
 

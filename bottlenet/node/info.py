@@ -96,6 +96,8 @@ class NodeReport:
     health: str
     reasons: tuple[str, ...]
     draining: bool
+    #: False when ``smolvm`` is outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+    smolvm_tested: bool | None = None
     #: Per-VM uids this node can still give out (None: not per-VM uids, or not counted yet).
     vm_uids_left: int | None = None
     #: The same in words: blocks, in use, waiting (None as above).
@@ -179,6 +181,8 @@ class Node:
         self.privilege = privilege
         self.smolvm_found = False
         self.smolvm_version: str | None = None
+        #: False once the probe found a version outside the tested ones.
+        self.smolvm_tested: bool | None = None
         self.smolvm_problem: str | None = "no smolvm found"
         #: Per-VM uids left (as root; ``learn_uids``), None until counted.
         self.vm_uids: UidSupply | None = None
@@ -228,6 +232,7 @@ class Node:
             health=DEGRADED if reasons else OK,
             reasons=reasons,
             draining=self.gate.draining,
+            smolvm_tested=self.smolvm_tested if self.smolvm_problem is None else None,
             vm_uids_left=None if self.vm_uids is None else self.vm_uids.left,
             vm_uids=None if self.vm_uids is None else self.vm_uids.describe(),
         )
@@ -258,6 +263,10 @@ class Node:
         """Refuse new bottles (durable before it answers); a second drain changes nothing."""
         if self.gate.drain():
             self.log.info("node: draining: new bottles are refused ({n} held)", n=self.held())
+
+    async def when_serving(self) -> None:
+        """Returns once the daemon's recovery is done (``RenewLease`` waits for it)."""
+        await self._registry.when_serving()
 
     def undrain(self) -> None:
         self.gate.undrain()

@@ -174,7 +174,7 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
     with EOF in a few seconds rather than waiting out its own timeout, and the daemon's log
     names the endpoint and the grant problem."""
     d = VMDaemon()
-    d.fake.set_faults("exec-netns", "uid-drop", version="1.32.2")
+    d.fake.set_faults("exec-netns", "uid-drop")
     d.start()
     try:
         d.create_vm_bottle("b1")

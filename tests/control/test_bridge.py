@@ -81,7 +81,7 @@ def page_server() -> Iterator[int]:
 def daemon(port: int, *extra: str) -> VMDaemon:
     d = VMDaemon(*extra)
     relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{port}"}
-    d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
+    d.fake.set_faults("exec-netns", expose_relay=relay)
     return d
 
 

@@ -50,6 +50,8 @@ def test_hello_negotiates(conn: Conn) -> None:
         "smolvm_available": False,
         "smolvm_version": None,
         "smolvm_source": None,
+        "smolvm_tested": None,
+        "smolvm_tested_versions": [],
         "vm_uids": None,
         "vm_uids_basis": None,
     }

@@ -30,6 +30,14 @@ FAST_PATH = "/usr/bin:/bin"
 #: same uid (each data dir claims blocks of its own, vmctl.uidranges), and no test touches
 #: the host's own ledger. The fake's registry itself starts at 2000000, as smolvm's does.
 UID_LEDGER = "/tmp/bottlenet-test-uid-ranges"
+#: The version every fake of this test run plays unless a test names one (``set_faults``'
+#: ``version``): ``BOTTLENET_FAKE_SMOLVM=1.37.3`` runs the suite's VM tests against the fake's
+#: 1.37 model (``.ci/run`` does, for the VM tiers), else the fake's own default (1.32.2).
+PLAYED_VERSION = os.environ.get("BOTTLENET_FAKE_SMOLVM") or None
+#: The version the fakes of this run report: ``PLAYED_VERSION``, else the fake's own default.
+PLAYED = PLAYED_VERSION or "1.32.2"
+#: Whether they play 1.37's model (``tests/fakes/smolvm_impl.py`` ``V137``).
+PLAYS_137 = tuple(int(x) for x in PLAYED.split("-")[0].split(".")[:2]) >= (1, 37)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -67,6 +75,8 @@ class FakeSmolvm:
     def __init__(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.path.abspath(path)
+        if PLAYED_VERSION is not None:
+            self.set_faults()
 
     def environ(self, **extra: str) -> dict[str, str]:
         """A small source environment for vmctl (it is scrubbed again by vmctl)."""
@@ -78,6 +88,8 @@ class FakeSmolvm:
         """Write ``fake-faults.json``: ``fail`` names plus settings such as port_clash=1."""
         data = dict(settings)
         data["fail"] = list(fail)
+        if PLAYED_VERSION is not None:
+            data.setdefault("version", PLAYED_VERSION)
         with open(os.path.join(self.path, "fake-faults.json"), "w") as fh:
             json.dump(data, fh)
 

@@ -1,4 +1,5 @@
-"""FAKE smolvm: a TEST DOUBLE of the smolvm 1.32.2 CLI. It is not smolvm and isolates nothing.
+"""FAKE smolvm: a TEST DOUBLE of the smolvm 1.32.2 CLI, and of 1.37.3 where it differs (its
+version knob, ``V137``). It is not smolvm and isolates nothing.
 
 This is the fake's body; run it through its launcher ``tests/fakes/smolvm`` (the executable
 every test names), which runs this module from a byte-compiled cache: the fake is a new process
@@ -124,7 +125,18 @@ FLAGS_SINCE = {
     "--deny-cidr": (1, 32, 0),
     "--expose-socket": (1, 6, 4),
     "--mount-socket": (1, 6, 4),
+    "--allow-private": (1, 37, 0),
+    "--auto-ports": (1, 37, 0),
+    "--limit": (1, 32, 0),
 }
+#: The first version (in this fake's model) that behaves as 1.37.3 where 1.32.2 differs
+#: (docs/smolvm.md, "Versions"; read from the 1.37.3 binary, its help, strings and API spec):
+#: a duplicate create is CONFLICT, a missing machine's status NOT_FOUND, a failed start leaves
+#: the machine ``stopped`` with its dead VMM's pid, ``SMOLVM_AGENT_ROOTFS`` must be a
+#: directory, the guest's /tmp is on the machine's disk, the agent refuses an exec past its
+#: limit (``exec was not admitted``) instead of queueing it, and ``status --json`` reports
+#: ``block_private``.
+V137 = (1, 37, 0)
 #: Host sources smolvm 1.32.2 refuses for --volume (symlinks resolved first).
 PROTECTED_TREES = (
     "/etc",
@@ -176,6 +188,11 @@ def version_tuple() -> tuple[int, ...]:
 
 def has_flag(flag: str) -> bool:
     return version_tuple() >= FLAGS_SINCE.get(flag, (0, 0, 0))
+
+
+def v137() -> bool:
+    """This fake plays 1.37 or newer (:data:`V137`)."""
+    return version_tuple() >= V137
 
 
 def usage(msg: str, sub: str) -> Exit:
@@ -429,7 +446,22 @@ def to_json(rec: dict) -> dict:
         "restart_policy": "never",
         "restart_max_retries": 0,
         "restart_count": 0,
+        **(v137_keys(rec) if v137() else {}),
     }
+
+
+def v137_keys(rec: dict) -> dict:
+    """What 1.37.3's records add: ``block_private`` (the re-opened ranges, only on a machine
+    created with ``--block-private``), ``port_mappings`` and ``shared_folders``."""
+    keys: dict = {
+        "port_mappings": [{"host": h, "guest": g} for h, g in rec["ports"]],
+        "shared_folders": [
+            {"host": h, "guest": g, "mode": "ro" if ro else "rw"} for h, g, ro in rec["volumes"]
+        ],
+    }
+    if rec.get("block_private"):
+        keys["block_private"] = list(rec.get("allow_private", []))
+    return keys
 
 
 # -- argv parsing (a small clap look-alike) ------------------------------------------------
@@ -562,6 +594,8 @@ CREATE = {
     "--allow-host": ("allow_host", True),
     "--deny-cidr": ("deny_cidr", True),
     "--block-private": ("block_private", False),
+    "--allow-private": ("allow_private", True),
+    "--auto-ports": ("auto_ports", False),
     "--outbound-localhost-only": ("olo", False),
     "--mount-socket": ("mount_socket", True),
     "--expose-socket": ("expose_socket", True),
@@ -669,6 +703,7 @@ def cmd_create(args: list[str]) -> None:
         or opts.get("olo")
         or opts.get("deny_cidr")
         or opts.get("block_private")
+        or opts.get("allow_private")
     )
     if backend == "tsi" and ports:
         raise cfg_fail(
@@ -711,6 +746,12 @@ def cmd_create(args: list[str]) -> None:
                 network = network or json.load(fh).get("network") is True
     with locked():
         state = load()
+        if name in state["machines"] and v137():
+            raise fail(
+                "agent operation failed: admit VM startup: machine already exists or is being "
+                "created",
+                "CONFLICT",
+            )
         if name in state["machines"]:
             raise cfg_fail(f"create machine: machine '{name}' already exists or is being created")
         shown = image
@@ -741,6 +782,8 @@ def cmd_create(args: list[str]) -> None:
             "ephemeral": False,
             "expose_sockets": exposed,
             "user": one(opts, "user"),
+            "block_private": bool(opts.get("block_private") or opts.get("allow_private")),
+            "allow_private": opts.get("allow_private", []),
         }
         state["machines"][name] = rec
         os.makedirs(vm_dir(name), exist_ok=True)
@@ -765,6 +808,72 @@ def get(state: dict, name: str) -> dict:
     return rec
 
 
+def check_rootfs() -> None:
+    """The agent rootfs variables as the real CLIs read them at ``machine start`` (run here:
+    1.32.2 and 1.37.3): ``SMOLVM_AGENT_ROOTFS_TAR`` names a tarball (both; a missing one fails
+    with ``stat rootfs tar``); ``SMOLVM_AGENT_ROOTFS`` a directory in 1.37 (a tarball there
+    fails every start with ``Not a directory``), a tarball or a directory in 1.32."""
+    tar = os.environ.get("SMOLVM_AGENT_ROOTFS_TAR")
+    if tar is not None and not os.path.isfile(tar):
+        raise fail(
+            "agent operation failed: create agent manager: storage operation failed: stat "
+            "rootfs tar: No such file or directory (os error 2)"
+        )
+    rootfs = os.environ.get("SMOLVM_AGENT_ROOTFS")
+    if tar is not None or rootfs is None:
+        return
+    if v137() and not os.path.isdir(rootfs):
+        why = "Not a directory (os error 20)"
+        if not os.path.exists(rootfs):
+            why = "No such file or directory (os error 2)"
+        raise fail(
+            f"agent operation failed: start machine: agent operation failed: read agent "
+            f"rootfs: {why}"
+        )
+    if not v137() and not os.path.exists(rootfs):
+        raise fail(
+            "agent operation failed: start machine: agent operation failed: verify rootfs: "
+            f"agent rootfs not found: {rootfs}"
+        )
+
+
+#: The disk templates smolvm expands beside its binary on its first start (each from
+#: ``<name>.zst``; both versions, strace).
+TEMPLATES = ("storage-template.ext4", "overlay-template.ext4")
+
+
+def expand_templates() -> None:
+    """smolvm's first start after an install expands the templates beside its binary that
+    have a ``.zst`` and no expansion (to ``<name>.partial``, then a rename), which takes 8-19 s
+    (``template_unpack`` seconds here, default 0); each one it expands is appended to
+    ``templates-expanded.log`` in the data dir, so a test sees that it did. (The fake's
+    "expansion" copies the compressed bytes: nothing reads them.)"""
+    import shutil
+
+    here = os.path.dirname(os.path.realpath(sys.argv[0]))
+    for name in TEMPLATES:
+        target = os.path.join(here, name)
+        if not os.path.isfile(target + ".zst") or os.path.exists(target):
+            continue
+        time.sleep(float(faults().get("template_unpack", 0)))
+        shutil.copyfile(target + ".zst", target + ".partial")
+        os.replace(target + ".partial", target)
+        with open(os.path.join(data_dir(), "templates-expanded.log"), "a") as fh:
+            fh.write(name + "\n")
+
+
+def vmm_died(state: dict, rec: dict) -> None:
+    """A start whose VMM was spawned and died: 1.37 records the machine ``stopped`` with the
+    dead VMM's pid (1.32 leaves it ``created`` with none), so the pid must never be trusted
+    without the state (vmctl checks the state first)."""
+    if not v137():
+        return
+    dead = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+    dead.wait()
+    rec.update(state="stopped", pid=dead.pid, start_time=None)
+    save(state)
+
+
 def cmd_start(args: list[str]) -> None:
     spec = {
         "--name": ("name", True),
@@ -782,6 +891,8 @@ def cmd_start(args: list[str]) -> None:
         if state_of(rec) == "running":
             out(f"Machine '{name}' already running (PID: {rec['pid']})")
             return
+        check_rootfs()
+        expand_templates()
         if "kvm" in f["fail"] or name in f.get("fail_start", []):
             raise fail(
                 "agent operation failed: start machine: kvm not available: KVM not "
@@ -796,6 +907,7 @@ def cmd_start(args: list[str]) -> None:
             )
         if "kvm-root" in f["fail"]:
             err("WARN VMM exited with code 1 pid=1 cause=Exited")
+            vmm_died(state, rec)
             raise fail(
                 "agent operation failed: start machine: agent operation failed: monitor "
                 "agent: Then log out and log back in for the change to take effect.); "
@@ -806,6 +918,7 @@ def cmd_start(args: list[str]) -> None:
         nic = bool(rec["ports"] or rec["egress"] or rec["net_backend"] == "virtio-net")
         devices = len(rec["volumes"]) + int(nic) + int(is_local(rec["image"]) or bool(rec["from"]))
         if "device-budget" in f["fail"] or devices > int(f.get("device_budget", DEFAULT_BUDGET)):
+            vmm_died(state, rec)
             raise fail(
                 "agent operation failed: start machine: monitor agent: agent operation "
                 "failed: start vm: krun_start_enter returned: -22 (EINVAL: Invalid "
@@ -841,6 +954,7 @@ def cmd_start(args: list[str]) -> None:
         for leftover in ("ready", "agent-startup-error.log", *stale):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, leftover))
+        empty_guest_tmp(name)
         vm_uid = per_vm_uid(name)
         if vm_uid is not None:
             hand_vm_dir_to(d, vm_uid)
@@ -1100,10 +1214,12 @@ def cmd_delete(args: list[str]) -> None:
                 return
         d = vm_dir(name)
         if os.path.isdir(d):
-            out(f"Cleaning up data directory for vm: {name}")
+            if not v137():
+                out(f"Cleaning up data directory for vm: {name}")
             import shutil
 
             shutil.rmtree(d, ignore_errors=True)
+        empty_guest_tmp(name)
         release_vm_uid(name)
         del state["machines"][name]
         save(state)
@@ -1141,7 +1257,7 @@ def cmd_status(args: list[str]) -> None:
     with locked():
         rec = load()["machines"].get(name)
     if rec is None:
-        if opts.get("json"):
+        if opts.get("json") and not v137():
             raise cfg_fail(f"machine status: machine '{name}' not found")
         raise fail(f"vm not found: {name}", "NOT_FOUND")
     if opts.get("json"):
@@ -1224,6 +1340,9 @@ def _die_with_parent(parent: int):  # type: ignore[no-untyped-def]
 #: ``MAX_CONCURRENT_CONNECTIONS``). Every ``machine exec`` holds one while it runs, and so does
 #: smolvm's own 250 ms state ping. 1.32.2's value is unknown (a constant, not in its strings).
 AGENT_CONNECTIONS = 8
+#: 1.37's refusal of an exec past the agent's limit (the agent's string; the CLI's prefix is
+#: the one its other agent failures carry).
+AGENT_ADMISSION = "agent operation failed: exec was not admitted"
 
 
 def agent_connections() -> int:
@@ -1251,7 +1370,9 @@ def agent_connection(name: str) -> int | None:
     """One of the agent's connections, held (an flock) until this CLI closes the fd or exits.
 
     With all of them taken the call waits, as the 9th connection waits in the real agent's
-    accept loop (forever: only the caller's own timeout ends it)."""
+    accept loop (forever: only the caller's own timeout ends it). From 1.37 the agent admits
+    execs explicitly and refuses one past its limit at once (``exec was not admitted``, a
+    string of the 1.37.3 agent; the CLI's wrapping of it is inferred: no boot here)."""
     if agent_connections() <= 0:
         return None
     while True:
@@ -1259,6 +1380,8 @@ def agent_connection(name: str) -> int | None:
             fd = _try_slot(path)
             if fd is not None:
                 return fd
+        if v137():
+            raise fail(AGENT_ADMISSION)
         time.sleep(0.05)
 
 
@@ -1769,11 +1892,37 @@ exec "$@"
 
 
 def guest_tmp(name: str) -> str:
-    """The exec-netns guest's /tmp: the machine's own, empty at create, kept across its execs."""
+    """The exec-netns guest's /tmp: the machine's own, kept across its execs, emptied at each
+    start (both versions' help says so). 1.32's is a tmpfs (RAM): here a directory on the
+    host's /dev/shm (``guest-tmp`` in the VM dir a link to it); 1.37's a directory on the
+    machine's root disk: here ``guest-tmp`` in its VM dir."""
     d = os.path.join(vm_dir(name), "guest-tmp")
+    if not v137() and os.path.isdir("/dev/shm") and not os.path.lexists(d):
+        shm = shm_tmp(name)
+        os.makedirs(shm, exist_ok=True)
+        os.chmod(shm, 0o1777)
+        os.symlink(shm, d)
     os.makedirs(d, exist_ok=True)
     os.chmod(d, 0o1777)
     return d
+
+
+def shm_tmp(name: str) -> str:
+    """1.32's tmpfs /tmp of a machine: one per VM dir (the path hashed: two state dirs may
+    hold machines of one name)."""
+    digest = hashlib.sha256(vm_dir(name).encode()).hexdigest()[:16]
+    return os.path.join("/dev/shm", f"fake-smolvm-tmp-{digest}")
+
+
+def empty_guest_tmp(name: str) -> None:
+    """A start empties the guest's /tmp (1.32: a new tmpfs; 1.37: emptied at boot)."""
+    import shutil
+
+    link = os.path.join(vm_dir(name), "guest-tmp")
+    if os.path.islink(link):
+        os.unlink(link)
+    for d in (link, shm_tmp(name)):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def vm_uid_of(name: str) -> int | None:
@@ -2117,6 +2266,29 @@ def boot_vm(d: str) -> None:
 
 # -- entry ------------------------------------------------------------------------------
 
+
+def cmd_egress_events(args: list[str]) -> None:
+    """``machine egress-events`` (1.32.2 and 1.37.3): the denials of a machine's egress policy,
+    oldest first, the newest ``--limit`` (200) kept. Here they come from the faults'
+    ``egress_events`` (``{machine: [{"timestamp", "operation", "dest"}]}``, the API spec's
+    EgressDenialInfo); a machine that does not exist answers ``[]``, exit 0, as both do (run
+    here)."""
+    spec = {"--name": ("name", True), "-n": ("name", True), "--json": ("json", False),
+            "--limit": ("limit", True)}  # fmt: skip
+    opts, _ = parse(args, "machine egress-events", spec)
+    name = one(opts, "name", "default")
+    limit = int(one(opts, "limit", "200") or 200)
+    events = list(faults().get("egress_events", {}).get(name, []))
+    events = events[-limit:] if limit else []
+    if opts.get("json"):
+        out(json.dumps(events))
+    elif not events:
+        out(f"No egress denials recorded for '{name}'.")
+    else:
+        for e in events:
+            out(f"{e.get('timestamp', '')}  {e.get('operation', '')}  {e.get('dest', '')}")
+
+
 MACHINE = {
     "create": cmd_create,
     "start": cmd_start,
@@ -2128,7 +2300,11 @@ MACHINE = {
     "status": cmd_status,
     "exec": cmd_exec,
     "data-dir": cmd_data_dir,
+    "egress-events": cmd_egress_events,
 }
+#: The first version (in this fake's model) with each newer subcommand (1.32.2 has
+#: ``egress-events``, run here; 1.9.3 has not).
+SUBCOMMANDS_SINCE = {"egress-events": (1, 32, 0)}
 
 
 def packed_note() -> None:
@@ -2168,7 +2344,10 @@ def main(argv: list[str]) -> int:
             raise usage("'smolvm' requires a subcommand but one was not provided", "<COMMAND>")
         if argv[0] not in ("machine", "vm"):
             raise usage(f"unrecognized subcommand '{argv[0]}'", "<COMMAND>")
-        if len(argv) < 2 or argv[1] not in MACHINE:
+        known = {
+            k: v for k, v in MACHINE.items() if version_tuple() >= SUBCOMMANDS_SINCE.get(k, (0,))
+        }
+        if len(argv) < 2 or argv[1] not in known:
             sub = argv[1] if len(argv) > 1 else ""
             raise usage(f"unrecognized subcommand '{sub}'", "machine <COMMAND>")
         MACHINE[argv[1]](argv[2:])
