@@ -41,6 +41,8 @@ from bottlenet.control.events import EventHub
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.build import KitCache
+from bottlenet.kit.keeper import KitKeeper
 from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import FatalStopper, fatal_stopper
@@ -53,7 +55,6 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
-from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
@@ -342,6 +343,8 @@ def compose(
     root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
+    if host.kit is not None:
+        host.kit.setServiceParent(root)  # builds the guest kit off the reactor thread
     table.setName("forwards")
     table.setServiceParent(root)
     waits: list[Deferred[Any]] = []
@@ -408,12 +411,10 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    # The session wrapper prefers the trusted probe kit's python3, as the gate does.
     vmctl_service, smolvm = build_smolvm(
         reactor,
         settings.smolvm,
         on_call=smolvm_calls.record,
-        session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
         uid_roots=(os.path.join(settings.state_dir, "bottles"),),
     )
     aliases = AliasRegistry(settings.pool)
@@ -443,8 +444,9 @@ def _core(
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
         volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
+    kit = KitKeeper(reactor, None if settings.kit_dir is None else KitCache(settings.kit_dir))
     host = vm_host(
-        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
+        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options, kit=kit
     )
     registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
@@ -452,6 +454,7 @@ def _core(
     if settings.tls is not None:
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
     factory = _control_factory(settings, reactor, registry, node, control_commands)
+    factory.context.smolvm.guest_kit = kit.describe
     root = BottlenetService(
         reactor,
         table,

@@ -754,6 +754,7 @@ class Smolvm:
         workdir: str | None = None,
         detach: bool = False,
         user: str | None = None,
+        session: Sequence[str] = (),
     ) -> ExecResult:
         """``machine exec``: the guest's exit code is returned, smolvm's failures raised.
 
@@ -767,11 +768,14 @@ class Smolvm:
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
         (or a clap usage error, exit 2).
+
+        ``session``: the guest kit's session program (its argv up to ``session``), when the
+        machine has bottlenet's kit mounted: it, not the image's python3, wraps the command.
         """
         # Refuse bad values before anything is spawned (the gate included).
         exec_args(name, argv, env, workdir, stdin is not None, detach, user)
         if stdin is not None:  # -i: smolvm's --timeout would kill only crun exec
-            argv = sessionend.wrap(argv, self.session_pythons)
+            argv = sessionend.wrap(argv, self.session_pythons, session)
         await self._gate()
         features = self._features or Features()
         user = self._exec_user(user, features)
@@ -829,6 +833,7 @@ class Smolvm:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         stdio: tuple[int, int, int] | None = None,
+        session: Sequence[str] = (),
     ) -> IProcessTransport:
         """``machine exec -i [-t]`` attached to ``protocol``: the caller streams its stdio.
 
@@ -849,7 +854,7 @@ class Smolvm:
         if self.binary is None:
             raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
         reactor: Any = self.runner.reactor
-        argv = sessionend.wrap(argv, self.session_pythons)
+        argv = sessionend.wrap(argv, self.session_pythons, session)
         rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
         full = [self.binary, *self.machine_args("exec", *rest)]
         self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)

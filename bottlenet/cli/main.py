@@ -99,6 +99,7 @@ def cmd_status(c: Client, inv: Invocation, out: TextIO) -> None:
             ["smolvm", smolvm],
             ["smolvm from", hello.smolvm_source or "-"],
             ["VM uids", _vm_uids_row(hello.vm_uids, hello.vm_uids_basis)],
+            ["guest kit", hello.guest_kit or "-"],
             ["bottles", bottles],
             ["control", c.path],
             *node_rows,

@@ -55,6 +55,7 @@ STEPS = (
     "daemon",
     "smolvm",
     "privilege",
+    "kit",
     "kvm",
     "sidecar",
     "gate",
@@ -94,8 +95,11 @@ FIXES = {
     "gate": "the agent VM must reach its own endpoints and nothing else; read the verdict"
     " above and docs/bottles.md (launch gate)",
     "gate-skipped": "restart the daemon without --unsafe-skip-isolation-probe",
-    "bridge": "the agent image needs python3, /bin/sh and sleep on its PATH; docs/sidecar.md"
-    " (the in-guest bridge)",
+    "bridge": "bottlenet's guest kit runs the bridge (see the kit line); without a kit the"
+    " agent image needs python3 and /bin/sh; docs/sidecar.md (the in-guest bridge)",
+    "kit": "bottlenet builds its guest kit from its own interpreter at start (--guest-kit"
+    " auto): the daemon's log says why it could not; without it every agent image needs"
+    " python3 and /bin/sh; docs/sidecar.md",
     "exec-root": "smolvm must run `machine exec -u 0`; docs/smolvm.md",
     "exec-user": "the image's USER (or agent.user) must exist in the image's /etc/passwd",
     "session-end": "bottlenet runs attached guest commands under a session wrapper that ends"
@@ -199,6 +203,7 @@ def judge_hello(hello: HelloResult, control: str) -> list[Check]:
             Check("smolvm", Verdict.FAIL, "the daemon has no usable smolvm", FIXES["smolvm"])
         )
     checks.append(judge_privilege(hello))
+    checks.append(judge_kit(hello.guest_kit))
     return checks
 
 
@@ -211,6 +216,16 @@ def judge_privilege(hello: HelloResult) -> Check:
         Verdict.PASS,
         f"{model} ({hello.vm_uids_basis})" if hello.vm_uids_basis else model,
     )
+
+
+def judge_kit(kit: str | None) -> Check:
+    """``kit``: bottlenet's guest kit is built (an image then needs nothing of bottlenet's);
+    without one the images' python3 and /bin/sh serve, which this line says as a FAIL."""
+    if kit is None:
+        return Check("kit", Verdict.SKIP, "the daemon does not report a guest kit (older daemon)")
+    if kit.startswith(("ready:", "building")):
+        return Check("kit", Verdict.PASS, kit)
+    return Check("kit", Verdict.FAIL, kit, FIXES["kit"])
 
 
 def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> list[Check]:
@@ -454,7 +469,7 @@ class Run:
         if first[1].verdict is Verdict.FAIL:
             yield from first
             return
-        yield from first[:2]  # the privilege line after the create: what its VMs showed
+        yield from first[:2]  # privilege and kit after the create: what its VMs showed
         import shutil  # here, not at bottlenetctl's start (shutil imports bz2 and lzma)
         import tempfile
 
@@ -470,18 +485,24 @@ class Run:
             if made:
                 shutil.rmtree(volume, ignore_errors=True)
 
+    def _hello_lines(self) -> Iterator[Check]:
+        """``privilege`` (what the create's VMs showed) and ``kit``, from one Hello."""
+        hello = self.c.hello()
+        yield judge_privilege(hello)
+        yield judge_kit(hello.guest_kit)
+
     def _with_bottle(self, volume: str) -> Iterator[Check]:
         spec = build_spec(self.base_spec, self.args, volume)
         self.c.watch(self.name)
         try:
             record = self.c.call(calls.create_bottle(self.name, spec=json.dumps(spec)))
         except BottlenetError as e:
-            yield judge_privilege(self.c.hello())
+            yield from self._hello_lines()
             yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
             yield from self._teardown(destroy=False)
             return
         try:
-            yield judge_privilege(self.c.hello())
+            yield from self._hello_lines()
             yield from judge_created(record)
             yield judge_bridge(self.c.call(calls.bottle_status(self.name)), self._reach(spec))
             yield judge_exec_root(self._exec(["id", "-u"], user="0"))

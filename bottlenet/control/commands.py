@@ -229,6 +229,8 @@ class Hello(ControlCommand):
         # the last VM start, else as expected from the daemon's uid; the basis says which.
         (b"vm_uids", amp.Unicode(optional=True)),
         (b"vm_uids_basis", amp.Unicode(optional=True)),
+        # bottlenet's guest kit: "ready: kit ...", "building", or why not and the fallback.
+        (b"guest_kit", amp.Unicode(optional=True)),
     ]
 
 

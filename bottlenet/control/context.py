@@ -90,6 +90,8 @@ class SmolvmFacts:
     tested_versions: tuple[str, ...] = ()
     #: smolvm's privilege model and its basis now (seen at a VM start, or expected).
     vm_uids: Callable[[], tuple[str | None, str | None]] = _no_vm_uids
+    #: bottlenet's guest kit as ``status`` shows it (``KitKeeper.describe``; None: unknown).
+    guest_kit: Callable[[], str | None] = lambda: None
     _settled: OneShot[None] = field(factory=_settled, init=False)
 
     @property

@@ -70,6 +70,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "smolvm_tested_versions": (Kind.UNICODE_LIST, True),
             "vm_uids": (Kind.UNICODE, True),
             "vm_uids_basis": (Kind.UNICODE, True),
+            "guest_kit": (Kind.UNICODE, True),
         },
     ),
     "Ping": ({}, {}),

@@ -35,6 +35,8 @@ class HelloResult(NamedTuple):
     smolvm_tested: bool | None = None
     #: The versions bottlenet is tested with (empty from an older daemon).
     smolvm_tested_versions: tuple[str, ...] = ()
+    #: bottlenet's guest kit (``KitKeeper.describe``); None from an older daemon.
+    guest_kit: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -49,6 +51,7 @@ class HelloResult(NamedTuple):
             vm_uids_basis=d.get("vm_uids_basis"),
             smolvm_tested=d.get("smolvm_tested"),
             smolvm_tested_versions=tuple(d.get("smolvm_tested_versions") or ()),
+            guest_kit=d.get("guest_kit"),
         )
 
 

@@ -244,6 +244,7 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_tested_versions": list(smolvm.tested_versions),
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
+            "guest_kit": smolvm.guest_kit(),
         }
 
     @C.Ping.responder

@@ -256,6 +256,7 @@ class MemorySmolvm:
         detach: bool = False,
         timeout: float | None = None,
         user: str | None = None,
+        session: Sequence[str] = (),
     ) -> Deferred[ExecResult]:
         def run() -> ExecResult:
             if self._machine(name).state != "running":

@@ -71,7 +71,7 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     assert [line.split()[:2] for line in out][:3] == [
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
-    assert len(out) == 14 and all(line.startswith("PASS") for line in out)
+    assert len(out) == len(STEPS) and all(line.startswith("PASS") for line in out)
     assert [line.split()[1] for line in out] == [*STEPS]  # every step once, teardown last
     (user,) = [line for line in out if line.split()[1] == "exec-user"]
     assert "uid=4242" in user
@@ -88,7 +88,7 @@ def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
     kvm = next(c for c in report["checks"] if c["step"] == "kvm")
     assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
     assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids
-    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "teardown"]
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "teardown"]
 
 
 def test_a_sidecar_that_never_answers_fails_the_sidecar_line() -> None:
@@ -104,7 +104,7 @@ def test_a_sidecar_that_never_answers_fails_the_sidecar_line() -> None:
     assert code == 1 and lines(report, "FAIL") == ["sidecar"], report
     sidecar = next(c for c in report["checks"] if c["step"] == "sidecar")
     assert sidecar["seen"].startswith("SIDECAR_NOT_READY: ") and "egress" in sidecar["seen"]
-    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kvm", "teardown"]
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "kvm", "teardown"]
 
 
 def test_a_leaky_guest_fails_the_gate(daemon: VMDaemon) -> None:

@@ -10,8 +10,10 @@ process model that bottlenet's vmctl relies on, so the real spawn path can be te
 where no VM boots. ``tests/vmctl/test_contract.py`` runs the same argv through the real CLI
 (the ``smolmachines`` wheel) and this fake and fails where they disagree:
 
-* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock,
-  plus per-VM dirs;
+* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock
+  for each read-modify-write only, plus per-VM dirs; a ``start`` holds the machine's own
+  ``vm.lock`` and a ``stop`` or ``delete`` its ``.NAME.fork-operation.lock`` for the whole
+  boot or stop, as the real CLIs do, so two machines start and stop at once;
 * the flags it accepts depend on its version (``FLAGS_SINCE``): ``--label`` from 1.8.0,
   ``--error-format``/``--state-dir``/``--user``/``--block-private`` from 1.32.0 (the fake's
   model: 1.9.3 lacks them, 1.32.2 has them), and ``--help`` lists exactly those;
@@ -36,13 +38,16 @@ scrubs the environment) or ``FAKE_SMOLVM_FAIL=a,b`` / ``FAKE_SMOLVM_VERSION=X.Y.
 ``fail`` (list of: kvm, kvm-denied, kvm-root, port-clash, slow-start, crash-after-start,
 ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``version``,
 ``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
-``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
+``ready_timeout`` (s), ``boot_hold`` (machine names whose "VM" boots only once the test
+writes ``boot-release`` into its VM dir), ``crash_after`` (s), ``stop_grace`` (s),
+``device_budget`` (int),
 ``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
 (machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
-means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
-default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services
-drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that
-never answer).
+means every machine), ``volume_swap`` ({GUEST: HOST}: under ``exec-netns`` the guest finds
+HOST at a volume's GUEST path instead of what was mounted), ``agent_connections`` (the guest
+agent's limit on connections at once, default 8 as smolvm 1.9.3's; 0: none),
+``expose_ready_after`` (s during which exposed services drop connections after the start),
+``expose_never_ready`` (guest paths of exposed services that never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
@@ -259,12 +264,65 @@ def write_json(path: str, obj: object) -> None:
 
 @contextlib.contextmanager
 def locked():
+    """The state file's lock: held only for one read-modify-write of it, as the real CLIs
+    hold their SQLite database's write lock for one short transaction."""
     fd = os.open(os.path.join(data_dir(), "fake-state.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+#: What ``machine start`` says when another start of the machine holds its ``vm.lock``
+#: (1.32.2 and 1.37.3, run here with the lock held by hand).
+ALREADY_STARTING = (
+    "agent operation failed: start machine: agent operation failed: start agent: another "
+    "process is already starting or running this VM"
+)
+
+
+@contextlib.contextmanager
+def machine_lock(path: str, wait: bool = True):
+    """One machine's own lock, an flock held for a whole start or stop (docs/smolvm.md,
+    "Locks"): the real CLIs take ``vms/<id>/vm.lock`` (without waiting) for ``start`` and
+    ``vms/.<name>.fork-operation.lock`` (waiting) for ``stop`` and ``delete``, and nothing
+    that spans machines for longer than a registry write, so two machines start and stop at
+    once."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise fail(ALREADY_STARTING) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def start_lock(name: str) -> str:
+    return os.path.join(vm_dir(name), "vm.lock")
+
+
+def stop_lock(name: str) -> str:
+    return os.path.join(data_dir(), ".cache", "smolvm", "vms", f".{name}.fork-operation.lock")
+
+
+def existing(name: str) -> None:
+    """NOT_FOUND for a machine with no record (before any lock file is made for it)."""
+    with locked():
+        get(load(), name)
+
+
+def commit(name: str, rec: dict) -> None:
+    """Write one machine's record back, under the state lock, into the state as it is now
+    (other machines' records may have changed since ``rec`` was read)."""
+    with locked():
+        state = load()
+        if name in state["machines"]:
+            state["machines"][name] = rec
+            save(state)
 
 
 def load() -> dict:
@@ -871,7 +929,7 @@ def vmm_died(state: dict, rec: dict) -> None:
     dead = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
     dead.wait()
     rec.update(state="stopped", pid=dead.pid, start_time=None)
-    save(state)
+    commit(rec["name"], rec)
 
 
 def cmd_start(args: list[str]) -> None:
@@ -885,7 +943,11 @@ def cmd_start(args: list[str]) -> None:
     opts, _rest = parse(args, "machine start", spec)
     name = one(opts, "name", "default")
     f = faults()
-    with locked():
+    existing(name)
+    with contextlib.ExitStack() as locks:
+        if v137():  # 1.37.3 also holds the machine's stop lock through its start
+            locks.enter_context(machine_lock(stop_lock(name)))
+        locks.enter_context(machine_lock(start_lock(name), wait=False))
         state = load()
         rec = get(state, name)
         if state_of(rec) == "running":
@@ -963,6 +1025,7 @@ def cmd_start(args: list[str]) -> None:
             "ports": rec["ports"],
             "publish_addr": os.environ.get("SMOLVM_PUBLISH_ADDR"),
             "slow_start": float(f.get("slow_start", 2.0)) if "slow-start" in f["fail"] else 0.0,
+            "boot_hold": name in f.get("boot_hold", []),
             "crash_after": float(f.get("crash_after", 0.3))
             if "crash-after-start" in f["fail"]
             else None,
@@ -1011,7 +1074,7 @@ def cmd_start(args: list[str]) -> None:
             code = vm.poll()
             if code is not None:
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 reason = read(os.path.join(d, "agent-startup-error.log"))
                 if "Address already in use" in reason:
                     raise fail(foreign_clash())
@@ -1023,14 +1086,14 @@ def cmd_start(args: list[str]) -> None:
                 kill_group(vm.pid, 0.5)
                 vm.wait()
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 raise fail(
                     "agent operation failed: start machine: agent operation failed: "
                     f"wait for ready: agent did not become ready within {limit:g} seconds"
                 )
             time.sleep(0.01)
         rec.update(state="running", pid=vm.pid, start_time=started)
-        save(state)
+        commit(name, rec)
     out(f"Machine '{name}' running (PID: {vm.pid})")
 
 
@@ -1041,7 +1104,7 @@ def main_container(rec: dict, name: str) -> tuple[list[str], str | None]:
     on the image's PATH fails ``crun create``, so the start fails (1.32.2 context string
     ``start background CMD``; the rest of the real text is not pinned). Each start gives the
     container a fresh ``/tmp`` (a RAM tmpfs with no size, ``oci.rs`` ``default_mounts``)."""
-    argv = rec["cmd"] or image_entrypoint(rec)
+    argv = at_volume_hosts(rec["cmd"] or image_entrypoint(rec), rec)
     user = default_user(rec)
     if argv and not on_guest_path(argv[0], guest_env(rec)):
         raise fail(
@@ -1095,6 +1158,21 @@ def default_user(rec: dict) -> str | None:
     """Who runs a command given no ``-u``: the machine's ``--user``, then the image's USER
     (1.32.2 ``machine exec --help``; ``ResolvedLaunch::resolve``). None: root."""
     return rec.get("user") or image_config(rec).get("user") or None
+
+
+def at_volume_hosts(argv: list[str], rec: dict) -> list[str]:
+    """A command run on the host (the fake's plain mode) names a read-only volume's files by
+    their host path: the word at or under the volume's GUEST path becomes its HOST path, so a
+    program mounted into the "guest" (bottlenet's kit at /run/bottlenet-kit) runs. Only argv
+    is mapped: the program's own file accesses must follow from it (the kit's do)."""
+    out = []
+    for word in argv:
+        for host, guest, ro in rec.get("volumes", []):
+            if ro and (word == guest or word.startswith(guest + "/")):
+                word = host + word[len(guest) :]
+                break
+        out.append(word)
+    return out
 
 
 def on_guest_path(word: str, env: dict) -> bool:
@@ -1168,19 +1246,19 @@ def cmd_stop(args: list[str]) -> None:
     opts, _ = parse(args, "machine stop", {"--name": ("name", True), "-n": ("name", True)})
     name = one(opts, "name", "default")
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         current = state_of(rec)
         if current not in ("running", "unreachable"):
             if rec["state"] == "running":
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
             kill_orphan(name, grace)
             out(f"Machine '{name}' is not running (state: {current})")
             return
         stop_rec(rec, grace)
-        save(state)
+        commit(name, rec)
     out(f"Stopped machine: {name}")
 
 
@@ -1199,12 +1277,12 @@ def cmd_delete(args: list[str]) -> None:
             "the following required arguments were not provided:\n  --name <NAME>", "machine delete"
         )
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         if state_of(rec) in ("running", "unreachable"):
             stop_rec(rec, grace)
-            save(state)
+            commit(name, rec)
         if not opts.get("force"):
             sys.stderr.write(f"Delete machine '{name}'? [y/N] ")
             sys.stderr.flush()
@@ -1221,8 +1299,12 @@ def cmd_delete(args: list[str]) -> None:
             shutil.rmtree(d, ignore_errors=True)
         empty_guest_tmp(name)
         release_vm_uid(name)
-        del state["machines"][name]
-        save(state)
+        with locked():
+            state = load()
+            state["machines"].pop(name, None)
+            save(state)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stop_lock(name))  # as smolvm: its lock file goes with the machine
     out(f"Deleted machine: {name}")
 
 
@@ -1497,8 +1579,12 @@ def cmd_exec(args: list[str]) -> None:
     user = one(opts, "user") or default_user(rec)
     preexec = as_user(user)
     if "exec-netns" in faults()["fail"] and not rec["network"]:
+        bare = bare_bin(rec)
         if preexec is not None:  # drop the user inside the namespaces (unshare needs root)
-            command = [*drop_argv(*resolve_user(user)), *command]
+            drop = drop_argv(*resolve_user(user))
+            if bare is not None:  # no setpriv on the bare image's PATH: the fake's own copy
+                drop[0] = BARE_SETPRIV
+            command = [*drop, *command]
             preexec = None
         command = netns_wrap(
             name,
@@ -1506,7 +1592,10 @@ def cmd_exec(args: list[str]) -> None:
             command,
             rec.get("pid"),
             guest_volumes(rec, vm_uid_of(name)),
+            bare,
         )
+    else:
+        command = at_volume_hosts(command, rec)
     if "no-nftables" in faults()["fail"]:
         preexec = _then(preexec, deny_nf_tables)
     timeout = one(opts, "timeout")
@@ -1887,8 +1976,30 @@ if [ -e /etc/machine-id ]; then
     mount --bind /run/.fake-machine-id /etc/machine-id
 fi
 hostname fake-guest
+# A bare image (fake-images.json "bare": [names]): no shell and no python3 anywhere a guest
+# looks. /usr/bin (and /bin, its link) holds copies of the named programs only; /usr/sbin,
+# /usr/local/bin and /root (pyenv's interpreters) are empty. The fake's setpriv, for a user
+# drop, is copied to /run first. Run after everything above: it hides the tools it used.
+if [ -n "${FAKE_BARE+x}" ]; then
+    cp /usr/bin/setpriv /run/.fake-setpriv
+    mkdir /run/.fake-bin
+    for b in $FAKE_BARE; do cp -L "/usr/bin/$b" /run/.fake-bin/; done
+    for d in /usr/sbin /usr/local/bin /usr/local/sbin /root; do
+        [ -d "$d" ] && mount -t tmpfs -o mode=0755,size=1m fake-bare "$d"
+    done
+    mount --bind /run/.fake-bin /usr/bin
+fi
 exec "$@"
 """
+
+#: Where the bare image's guest finds the fake's setpriv (its /usr/bin has none).
+BARE_SETPRIV = "/run/.fake-setpriv"
+
+
+def bare_bin(rec: dict) -> list[str] | None:
+    """The programs a bare image keeps in /usr/bin (None: not a bare image)."""
+    bare = image_config(rec).get("bare")
+    return [str(b) for b in bare] if isinstance(bare, list) else None
 
 
 def guest_tmp(name: str) -> str:
@@ -1937,6 +2048,7 @@ def netns_wrap(
     command: list[str],
     vm_pid: int | None = None,
     volumes: list[str] = (),
+    bare: list[str] | None = None,
 ) -> list[str]:
     """The exec-netns stand-in: no network at all, mounted sockets at their guest paths; the
     network namespace is the VM's own (its VMM's), shared by all its execs."""
@@ -1966,6 +2078,7 @@ def netns_wrap(
         f"FAKE_GUEST_ID={secrets.token_hex(16)}",
         f"FAKE_HOST_HOME={os.environ.get('HOME', '')}",
         f"FAKE_GUEST_TMP={guest_tmp(name)}",
+        *([] if bare is None else [f"FAKE_BARE={' '.join(bare)}"]),
         "/bin/sh",
         "-c",
         NETNS_SETUP,
@@ -2115,10 +2228,13 @@ def guest_volumes(rec: dict, vm_uid: int | None) -> list[str]:
     make the guest's writes the VMM uid's, so they fail (EROFS where the real fails EACCES);
     the files the guest writes are root's here, the VMM uid's in a real VM."""
     words = []
+    swapped = faults().get("volume_swap", {})
     for host, guest, ro in rec.get("volumes", []):
         if not ro and vm_uid is not None and not writable_as(host, vm_uid):
             ro = True
-        words += [host, guest, "ro" if ro else "rw"]
+        # volume_swap {GUEST: HOST}: the guest finds another directory there (a guest that
+        # replaced what was mounted, e.g. bottlenet's kit)
+        words += [swapped.get(guest, host), guest, "ro" if ro else "rw"]
     return words
 
 
@@ -2139,6 +2255,10 @@ def expose_readiness(cfg: dict) -> Callable[[str], bool]:
         return guest not in never and time.monotonic() - since >= after
 
     return ready
+
+
+#: ``boot_hold``: the file in a held machine's VM dir that lets its "VM" finish booting.
+BOOT_RELEASE = "boot-release"
 
 
 def boot_vm(d: str) -> None:
@@ -2169,6 +2289,8 @@ def boot_vm(d: str) -> None:
         relay.listen(64)
         threading.Thread(target=relay_service, args=(relay, host_path), daemon=True).start()
     time.sleep(cfg.get("slow_start") or 0)
+    while cfg.get("boot_hold") and not os.path.exists(os.path.join(d, BOOT_RELEASE)):
+        time.sleep(0.02)  # boot_hold: the test says when this "VM" has booted
     sel = selectors.DefaultSelector()
     listeners = []
     try:
