@@ -197,6 +197,14 @@ class Options(usage.Options):
                 "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
             ],
             [
+                "guest-kit",
+                None,
+                "auto",
+                "bottlenet's guest kit: auto (built at start, cached in <state-dir>/kit), off "
+                "(the images' python3 and /bin/sh run bottlenet's guest commands), or a "
+                "directory to cache it in instead.",
+            ],
+            [
                 "log-format",
                 None,
                 None,
@@ -401,6 +409,8 @@ class DaemonSettings:
     scoped_uids: frozenset[int] = frozenset()
     #: ``--volume-root``: where scoped peers' rw volumes and TLS launchers' volumes may lie.
     volume_roots: tuple[str, ...] = ()
+    #: ``--guest-kit``: where the guest kit is cached (None: off).
+    kit_dir: str | None = None
 
 
 def settings_from(options: Options, environ: Mapping[str, str] | None = None) -> DaemonSettings:
@@ -480,7 +490,20 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
         lease_grace=options["lease-grace"],
         scoped_uids=scoped,
         volume_roots=_volume_roots(options["volume-root"]),
+        kit_dir=_kit_dir(options["guest-kit"], state_dir),
     )
+
+
+def _kit_dir(value: str, state_dir: str) -> str | None:
+    """``--guest-kit``: ``auto`` is the state directory's, ``off`` none, else an absolute
+    directory (its ``kit/`` folder holds the kits)."""
+    if value == "off":
+        return None
+    if value == "auto":
+        return state_dir
+    if not os.path.isabs(value):
+        raise StartupError("--guest-kit: use auto, off or an absolute directory")
+    return value
 
 
 def _metrics_option(

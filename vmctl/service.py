@@ -41,12 +41,26 @@ class VmctlService(Service):
 
     log = Logger()
 
-    def __init__(self, runner: ProcessRunner, stop_deadline: float = DEFAULT_STOP_DEADLINE):
+    def __init__(
+        self,
+        runner: ProcessRunner,
+        stop_deadline: float = DEFAULT_STOP_DEADLINE,
+        smolvm: Smolvm | None = None,
+    ):
         self.runner = runner
         self.stop_deadline = stop_deadline
+        #: Whose disk templates are unpacked at start (issue 38: the first create expands none).
+        self.smolvm = smolvm
+
+    def startService(self) -> None:
+        super().startService()
+        if self.smolvm is not None:
+            self.smolvm.unpack_templates()
 
     def stopService(self) -> Deferred[None]:
         super().stopService()
+        if self.smolvm is not None:
+            self.smolvm.stop_templates()
         self.log.info("stopping vmctl: {n} call(s) in flight", n=self.runner.in_flight)
         return self.runner.shutdown(self.stop_deadline)
 
@@ -114,7 +128,7 @@ def build_smolvm(
         on_call=on_call,
         session_pythons=session_pythons,
     )
-    return VmctlService(runner, stop_deadline), smolvm
+    return VmctlService(runner, stop_deadline, smolvm), smolvm
 
 
 def make_smolvm(

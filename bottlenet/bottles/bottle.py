@@ -772,6 +772,7 @@ class VMBottle(BottleOwner):
                 vm.endpoints,
                 on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
                 on_failed=self.degrade_later,
+                kit=vm.kit,
             )
         self.keep_layer(host, vm)
         self.wait_for_workload()
@@ -812,7 +813,7 @@ class VMBottle(BottleOwner):
 
         waiter = workload.WorkloadWaiter(self.workload_ended, lost)
         self.core.waiter = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)), user=GUEST_ROOT)
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm, vm.kit)), user=GUEST_ROOT)
 
         def failed(f: Failure) -> None:
             lost()

@@ -65,6 +65,8 @@ from bottlenet.forward.spec import (
     UNIXTarget,
 )
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.build import Kit
+from bottlenet.kit.keeper import KitKeeper
 from bottlenet.probe.judge import Verdict
 from vmctl.errors import VmctlError
 from vmctl.ports import (
@@ -145,8 +147,15 @@ class VMHost:
     grants: GrantBook = field(
         default=Factory(lambda self: GrantBook(self.state_dir), takes_self=True)
     )
+    #: bottlenet's guest kit (None: none, as ``--guest-kit off``: the image's python3).
+    kit: KitKeeper | None = None
 
     # -- helpers ----------------------------------------------------------------------
+
+    async def checked_kit(self) -> Kit | None:
+        """The guest kit to mount in a new bottle's VMs, checked against its digest (None:
+        none can be built here; the image's python3 serves)."""
+        return None if self.kit is None else await self.kit.checked()
 
     async def version(self) -> SmolvmVersion:
         try:
@@ -314,9 +323,10 @@ class VMHost:
                 bridged=[e.guest_port for e in vm.endpoints]
                 if runs_bridge(vm.spec, vm.endpoints)
                 else (),
+                kit=vm.kit,
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
 
     # -- egress -----------------------------------------------------------------------
 
@@ -327,10 +337,10 @@ class VMHost:
             raise InvalidArgument(f"bottle {bottle.name}: its sidecar declares no egress policy")
         try:
             await egress.push_policy(
-                self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy
+                self.smolvm, vm.sidecar_vm, sidecar.egress, hosts, previous=vm.policy, kit=vm.kit
             )
         except VmctlError as e:
-            raise map_vmctl(e) from None
+            raise map_vmctl(e, bottle.name) from None
         return evolve(bottle, vms=evolve(vm, policy=hosts))
 
     # -- teardown -----------------------------------------------------------------------

@@ -240,8 +240,11 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": smolvm.available,
             "smolvm_version": smolvm.version,
             "smolvm_source": smolvm.source,
+            "smolvm_tested": smolvm.tested,
+            "smolvm_tested_versions": list(smolvm.tested_versions),
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
+            "guest_kit": smolvm.guest_kit(),
         }
 
     @C.Ping.responder
@@ -290,6 +293,7 @@ class ControlLocator(SafeCommandLocator):
             "labels": [f"{k}={v}" for k, v in r.labels],
             "privilege": r.privilege,
             "smolvm": r.smolvm,
+            "smolvm_tested": r.smolvm_tested,
             "vm_possible": r.vm_possible,
             "vm_why_not": r.vm_why_not,
             "kvm": r.kvm,

@@ -95,6 +95,8 @@ class NodeReport:
     health: str
     reasons: tuple[str, ...]
     draining: bool
+    #: False when ``smolvm`` is outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+    smolvm_tested: bool | None = None
 
 
 class KvmSeen:
@@ -174,6 +176,8 @@ class Node:
         self.privilege = privilege
         self.smolvm_found = False
         self.smolvm_version: str | None = None
+        #: False once the probe found a version outside the tested ones.
+        self.smolvm_tested: bool | None = None
         self.smolvm_problem: str | None = "no smolvm found"
         self._drain_waiters = 0
 
@@ -207,6 +211,7 @@ class Node:
             health=DEGRADED if reasons else OK,
             reasons=reasons,
             draining=self.gate.draining,
+            smolvm_tested=self.smolvm_tested if self.smolvm_problem is None else None,
         )
 
     def reasons(self) -> tuple[str, ...]:

@@ -55,9 +55,18 @@ class MemMachine:
     spec: MachineSpec
     state: str = "stopped"
     pid: int | None = None
+    #: What a 1.37 record says of ``--block-private`` (None: a 1.32 record, silent on it).
+    floor: tuple[str, ...] | None = None
 
     def record(self) -> Machine:
-        return Machine(self.spec.name, self.state, pid=self.pid, labels=dict(self.spec.labels))
+        return Machine(
+            self.spec.name,
+            self.state,
+            pid=self.pid,
+            labels=dict(self.spec.labels),
+            block_private=self.floor,
+            reports_floor=self.floor is not None,
+        )
 
 
 #: ``MemorySmolvm.started_as``: make the ``.vm-uid`` a FIFO.
@@ -244,6 +253,7 @@ class MemorySmolvm:
         detach: bool = False,
         timeout: float | None = None,
         user: str | None = None,
+        session: Sequence[str] = (),
     ) -> Deferred[ExecResult]:
         def run() -> ExecResult:
             if self._machine(name).state != "running":

@@ -33,6 +33,14 @@ FAST_PATH = "/usr/bin:/bin"
 UID_BLOCK = 512
 UID_BLOCKS = 128  # 128 x 512 = the 65536 uids vmctl reserves from (vmctl.uids.LAST_VM_UID)
 UID_BLOCK_COUNTER = "/tmp/bottlenet-fake-uid-block"
+#: The version every fake of this test run plays unless a test names one (``set_faults``'
+#: ``version``): ``BOTTLENET_FAKE_SMOLVM=1.37.3`` runs the suite's VM tests against the fake's
+#: 1.37 model (``.ci/run`` does, for the VM tiers), else the fake's own default (1.32.2).
+PLAYED_VERSION = os.environ.get("BOTTLENET_FAKE_SMOLVM") or None
+#: The version the fakes of this run report: ``PLAYED_VERSION``, else the fake's own default.
+PLAYED = PLAYED_VERSION or "1.32.2"
+#: Whether they play 1.37's model (``tests/fakes/smolvm_impl.py`` ``V137``).
+PLAYS_137 = tuple(int(x) for x in PLAYED.split("-")[0].split(".")[:2]) >= (1, 37)
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -69,6 +77,8 @@ class FakeSmolvm:
         self.path = os.path.abspath(path)
         if os.geteuid() == 0:
             self._seed_uid_block()
+        if PLAYED_VERSION is not None:
+            self.set_faults()
 
     def _seed_uid_block(self) -> None:
         """Start this data dir's uid registry above a block no other live fake uses: its
@@ -103,6 +113,8 @@ class FakeSmolvm:
         """Write ``fake-faults.json``: ``fail`` names plus settings such as port_clash=1."""
         data = dict(settings)
         data["fail"] = list(fail)
+        if PLAYED_VERSION is not None:
+            data.setdefault("version", PLAYED_VERSION)
         with open(os.path.join(self.path, "fake-faults.json"), "w") as fh:
             json.dump(data, fh)
 
