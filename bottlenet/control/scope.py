@@ -9,36 +9,32 @@ restart); any other bottle's name answers ``NOT_FOUND`` exactly as a missing one
 listings, stats and events show its own bottles only; ``Drain``, ``Undrain`` and
 ``Leftovers`` (``bottlenetctl selftest``'s last step) answer ``PERMISSION_DENIED``. A plain
 ``--allow-uid UID`` keeps full control, as before.
+
+The view is derived, not written out: each ``ControlBackend`` method declares its
+:class:`~bottlenet.control.backend.Scope` where it is declared (``control/backend.py``), and
+:class:`ScopedBackend` checks a call by it (a method that declares none is refused).
 """
 
 from __future__ import annotations
 
-import ipaddress
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import inspect
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 from attrs import evolve
 
 from bottlenet.bottles.events import BottleEvent
 from bottlenet.bottles.tenancy import Tenancy
+from bottlenet.control.backend import ControlBackend, Scope, Scoping, scoping
 from bottlenet.errors import NotFound, PermissionDenied
 
 if TYPE_CHECKING:
-    from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
-
-    from bottlenet.bottles.attach import ExecRequest
-    from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
-    from bottlenet.bottles.probe import ProbeVerdict
-    from bottlenet.bottles.spec import BottleSpec
-    from bottlenet.bottles.volumes import Requester
-    from bottlenet.control.backend import ControlBackend
-    from bottlenet.forward.spec import TargetSpec
-    from bottlenet.forward.table import ForwardInfo
 
 
 class ScopedBackend:
-    """The registry as one scoped peer sees it (a ``ControlBackend``)."""
+    """The registry as one scoped peer sees it (a ``ControlBackend``): each method checked by
+    its declared scope."""
 
     def __init__(self, backend: ControlBackend, creator: str) -> None:
         self._backend = backend
@@ -57,82 +53,45 @@ class ScopedBackend:
             raise NotFound(f"bottle {name} does not exist")  # the registry's own words
         return bottle
 
-    async def create_bottle(
-        self,
-        name: str,
-        alias: ipaddress.IPv4Address | None = None,
-        *,
-        spec: BottleSpec | None = None,
-        tenancy: Tenancy | None = None,
-        requester: Requester | None = None,
-    ) -> Bottle:
-        stamped = evolve(tenancy or Tenancy(), creator=self.creator)
-        return await self._backend.create_bottle(
-            name, alias, spec=spec, tenancy=stamped, requester=requester
-        )
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        try:
+            how = scoping(name)
+        except KeyError:
+            raise AttributeError(f"{name}: not a method of the control backend") from None
+        if inspect.iscoroutinefunction(getattr(ControlBackend, name)):
 
-    async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]:
-        self._mine(name)
-        return await self._backend.verify_bottle(name)
+            async def checked_later(*args: Any, **kwargs: Any) -> Any:
+                self._admit(name, how, args, kwargs)
+                return await getattr(self._backend, name)(*args, **kwargs)
 
-    async def set_egress_policy(self, name: str, hosts: tuple[str, ...]) -> tuple[str, ...]:
-        self._mine(name)
-        return await self._backend.set_egress_policy(name, hosts)
+            return checked_later
 
-    async def destroy_bottle(self, name: str) -> None:
-        self._mine(name)
-        await self._backend.destroy_bottle(name)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            named = self._admit(name, how, args, kwargs)
+            rows = getattr(self._backend, name)(*args, **kwargs)
+            return rows if named or how.scope is not Scope.LISTING else self._own(how, rows)
 
-    def list_bottles(self) -> Sequence[Bottle]:
-        return [b for b in self._backend.list_bottles() if self.owns(b)]
+        return checked
 
-    def get_bottle(self, name: str) -> Bottle:
-        return self._mine(name)
-
-    async def add_forward(
-        self, bottle: str, label: str, target: TargetSpec, port: int = 0
-    ) -> ForwardInfo:
-        self._mine(bottle)
-        return await self._backend.add_forward(bottle, label, target, port)
-
-    async def remove_forward(self, bottle: str, label: str) -> None:
-        self._mine(bottle)
-        await self._backend.remove_forward(bottle, label)
-
-    def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
+    def _admit(self, name: str, how: Scoping, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+        """Check a call before it runs (raise), stamping a create's creator; whether it
+        names a bottle (its own: checked)."""
+        if how.scope is Scope.HOST:
+            raise PermissionDenied(f"{how.command}: a scoped peer may not ask for it")
+        if how.scope is Scope.CREATE:
+            kwargs["tenancy"] = evolve(kwargs.get("tenancy") or Tenancy(), creator=self.creator)
+            return True
+        bottle = args[0] if args else kwargs.get("bottle", kwargs.get("name"))
         if bottle is not None:
-            self._mine(bottle)
-            return self._backend.list_forwards(bottle)
-        mine = {b.name for b in self.list_bottles()}
-        return [f for f in self._backend.list_forwards(None) if f.spec.bottle in mine]
+            self._mine(bottle)  # the bottle it names (a listing's too)
+        elif how.scope is Scope.BOTTLE:
+            raise TypeError(f"{name}: the bottle is its first argument")
+        return bottle is not None
 
-    def bridge_status(self, name: str) -> str | None:
-        self._mine(name)
-        return self._backend.bridge_status(name)
-
-    def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
-        if bottle is not None:
-            self._mine(bottle)
-            return self._backend.transparent_stats(bottle)
-        mine = {b.name for b in self.list_bottles()}
-        return [r for r in self._backend.transparent_stats(None) if r.bottle in mine]
-
-    async def spawn_exec(
-        self,
-        name: str,
-        request: ExecRequest,
-        protocol: IProcessProtocol,
-        stdio: tuple[int, int, int] | None = None,
-    ) -> IProcessTransport:
-        self._mine(name)
-        return await self._backend.spawn_exec(name, request, protocol, stdio)
-
-    async def leftovers(self, name: str) -> list[str]:
-        """A gone bottle's traces are the host's business, whoever made it: full control."""
-        raise PermissionDenied("Leftovers: a scoped peer may not ask for it")
-
-    async def spawn_logs(
-        self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
-    ) -> IProcessTransport:
-        self._mine(name)
-        return await self._backend.spawn_logs(name, tail, follow, protocol)
+    def _own(self, how: Scoping, rows: Sequence[Any]) -> list[Any]:
+        """A listing of every bottle: its own bottles' rows only."""
+        bottles = self._backend.list_bottles()
+        if how.row is None:
+            return [b for b in bottles if self.owns(b)]
+        mine = {b.name for b in bottles if self.owns(b)}
+        return [r for r in rows if how.row(r) in mine]
