@@ -5,11 +5,21 @@
 As root, with the ``ray`` extra and redis-server: the multi-node tier's cluster
 (``tests/fleet/netns.py``: three bottle nodes in namespaces of their own, each with its raylet
 and bottlenet daemon on the fake smolvm, a TEST DOUBLE; the head with Redis; the trainer).
-The trainer asks for ``--bottles`` forward-only bottles under a ``--lease`` s lease, and the
-run reports:
+The trainer asks for ``--bottles`` forward-only bottles under a ``--lease`` s lease, twice: the
+first pool of the trainer ("cold": its Ray processes on the nodes start with it) and, once that
+is closed and Ray sees every ``bottle`` free again, a second one ("warm"). The run reports,
+for each:
 
 * bottles placed per second across the nodes (the whole pool: request to the last ready);
 * p50/p99 seconds from the pool's request to each bottle ready;
+* bottles per node;
+
+and then:
+
+* Ray worker processes on each node with the first pool placed (not Ray's own two agents of
+  every node), their memory (proportional set size, PSS) and that memory per bottle of the
+  node; their PSS once that pool is closed, and what the second pool's bottles added to it,
+  per bottle;
 * seconds from a node's loss (its link down) to its last bottle reaped by its daemon, against
   the bound lease + grace .. 2 x lease + grace;
 * orphans left once the pool is closed and the lost node has reaped: bottles on any daemon,
@@ -40,6 +50,45 @@ GRACE = 3.0
 CAPACITY = (14, 14, 14)
 
 
+def pss_mib(pid: int) -> float:
+    """A process's proportional set size (its share of pages it shares), MiB; 0 once gone."""
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def workers_pss(cluster: NetCluster) -> dict[str, tuple[int, float]]:
+    """Each node's Ray worker processes (not the node's two agents) and their PSS, MiB."""
+    out = {}
+    for n in cluster.nodes:
+        agents = set(n.ns.pids("Agent"))
+        workers = [pid for pid in n.ns.pids("ray::") if pid not in agents]
+        out[n.label] = (len(workers), sum(pss_mib(pid) for pid in workers))
+    return out
+
+
+def timed_pool(
+    driver: Any, labels: dict[str, str], pool: str, bottles: int, lease: float
+) -> dict[str, Any]:
+    """One pool of ``bottles``: its figures and where its bottles went."""
+    placed = driver.call("timed_pool", id=pool, count=bottles, lease=lease, timeout=900)
+    ready = placed["ready"]
+    per_node: dict[str, int] = {}
+    for b in placed["bottles"]:
+        per_node[labels[b["node_id"]]] = per_node.get(labels[b["node_id"]], 0) + 1
+    return {
+        "placed_per_second": round(bottles / max(ready), 2),
+        "ready_p50_seconds": round(pct(ready, 50), 2),
+        "ready_p99_seconds": round(pct(ready, 99), 2),
+        "per_node": dict(sorted(per_node.items())),
+    }
+
+
 def run(bottles: int, lease: float) -> dict[str, Any]:
     root = tempfile.mkdtemp(prefix="bnb-", dir="/tmp")
     uid = None if unprivileged_python_works() else RAY_UID
@@ -51,15 +100,34 @@ def run(bottles: int, lease: float) -> dict[str, Any]:
         out["cluster_start_seconds"] = round(time.monotonic() - started, 1)
         driver = cluster.driver()
         labels = {k: v["bottlenet-node"] for k, v in driver.call("nodes").items()}
-        pool = driver.call("timed_pool", id="bench", count=bottles, lease=lease, timeout=900)
-        ready = pool["ready"]
-        out["placed_per_second"] = round(bottles / max(ready), 2)
-        out["ready_p50_seconds"] = round(pct(ready, 50), 2)
-        out["ready_p99_seconds"] = round(pct(ready, 99), 2)
-        per_node: dict[str, int] = {}
-        for b in pool["bottles"]:
-            per_node[labels[b["node_id"]]] = per_node.get(labels[b["node_id"]], 0) + 1
-        out["per_node"] = per_node
+        out["cold"] = timed_pool(driver, labels, "cold", bottles, lease)
+        with_pool = workers_pss(cluster)
+        driver.call("close", id="cold", timeout=600)
+        wait_until(
+            "the cold pool destroyed and every bottle free again",
+            lambda: (
+                not any(n.names() for n in cluster.nodes) and driver.call("free") == sum(CAPACITY)
+            ),
+            120,
+        )
+        idle = workers_pss(cluster)
+        out["warm"] = timed_pool(driver, labels, "bench", bottles, lease)
+        per_node = out["warm"]["per_node"]
+        warm = workers_pss(cluster)
+        out["node_memory"] = {}
+        for n in cluster.nodes:
+            held, (workers, pss) = out["cold"]["per_node"].get(n.label, 0), with_pool[n.label]
+            grew = warm[n.label][1] - idle[n.label][1]
+            out["node_memory"][n.label] = {
+                "bottles": held,
+                "ray_workers": workers,
+                "workers_pss_mib": round(pss, 1),
+                "pss_mib_per_bottle": round(pss / held, 2) if held else 0.0,
+                "workers_pss_mib_no_bottle": round(idle[n.label][1], 1),
+                "pss_kib_per_bottle_added": round(grew * 1024 / per_node[n.label], 1)
+                if per_node.get(n.label)
+                else 0.0,
+            }
         lost = max(cluster.nodes, key=lambda n: per_node.get(n.label, 0))
         out["lost_node_bottles"] = len(lost.names())
         lost_at = time.monotonic()

@@ -12,7 +12,7 @@ import select
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 
@@ -150,3 +150,82 @@ def ping_unix(path: str, payload: bytes = b"ping", timeout: float = 5) -> bytes:
         s.connect(path)
         s.sendall(payload)
         return s.recv(len(payload))
+
+
+def pump(src: socket.socket, dst: socket.socket) -> None:
+    """Copy until ``src`` ends, then half-close ``dst`` (a failure just ends the copy)."""
+    try:
+        while data := src.recv(65536):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+class ConnectProxy:
+    """An HTTP CONNECT proxy stand-in on a UNIX path or on ``127.0.0.1:port`` (0: any free).
+
+    Each request line is kept in ``lines`` (a connection that sends nothing, such as a
+    readiness probe, is not). ``route(target)`` says where an allowed target goes, ``(host,
+    port)``; None refuses it with 403 and a close. With ``forward_head`` the request itself is
+    sent on to that upstream (a real proxy there answers it), else this one answers 200 and
+    tunnels."""
+
+    def __init__(
+        self,
+        where: str | int,
+        route: Callable[[str], tuple[str, int] | None],
+        *,
+        forward_head: bool = False,
+    ) -> None:
+        self.lines: list[str] = []
+        self.route = route
+        self.forward_head = forward_head
+        if isinstance(where, str):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.bind(where)
+        else:
+            self.sock = socket.socket()
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            self.sock.bind(("127.0.0.1", where))
+        self.port = 0 if isinstance(where, str) else int(self.sock.getsockname()[1])
+        self.sock.listen(64)
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            head = b""
+            while b"\r\n\r\n" not in head and len(head) < 8192:
+                chunk = conn.recv(8192)
+                if not chunk:
+                    break
+                head += chunk
+            if not head:
+                return
+            line = head.split(b"\r\n", 1)[0].decode("ascii", "replace")
+            self.lines.append(line)
+            words = line.split()
+            upstream = self.route(words[1]) if len(words) == 3 and words[0] == "CONNECT" else None
+            if upstream is None:
+                conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
+                return
+            with socket.create_connection(upstream) as up:
+                if self.forward_head:
+                    up.sendall(head)
+                else:
+                    conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
+                t = threading.Thread(target=pump, args=(conn, up), daemon=True)
+                t.start()
+                pump(up, conn)
+                t.join(30)

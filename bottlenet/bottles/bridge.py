@@ -267,6 +267,18 @@ class Bridges:
         self.smolvm = smolvm
         self.table = table
 
+    def _keeper(
+        self,
+        bottle: str,
+        agent_vm: str,
+        endpoints: Sequence[Endpoint],
+        state: BridgeState = BridgeState.STARTING,
+    ) -> BridgeKeeper:
+        """A new keeper for the bottle's guest program (a subclass keeps another program)."""
+        return BridgeKeeper(
+            bottle, agent_vm, bridges_of(endpoints), ports_of(endpoints), state=state
+        )
+
     # -- start and prove ----------------------------------------------------------------
 
     async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
@@ -338,7 +350,7 @@ class Bridges:
     ) -> BridgeKeeper:
         """Start the bottle's bridge and wait until it listens (BridgeFailed: why not, the
         bridge stopped)."""
-        kept = BridgeKeeper(bottle, agent_vm, bridges_of(endpoints), ports_of(endpoints))
+        kept = self._keeper(bottle, agent_vm, endpoints)
         try:
             session = await self._spawn(kept)
         except BaseException:
@@ -426,13 +438,7 @@ class Bridges:
         running (None: after a daemon restart) is started again, unproven (the workload
         already runs). The keeper is returned for the bottle's owner to hold."""
         if kept is None or kept.stopped:
-            kept = BridgeKeeper(
-                bottle,
-                agent_vm,
-                bridges_of(endpoints),
-                ports_of(endpoints),
-                state=BridgeState.RESTARTING,
-            )
+            kept = self._keeper(bottle, agent_vm, endpoints, BridgeState.RESTARTING)
             kept.on_restarted, kept.on_failed = on_restarted, on_failed
             self._restart(kept)
             return kept

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 
 from attrs import define, field, frozen
@@ -199,25 +199,27 @@ class Layers(Bridges):
     def _watch(self, kept: BridgeKeeper, session: BridgeSession) -> None:
         """No missed-connection check: the layer's own connects are counted, not squared."""
 
-    def _keeper(self, bottle: str, agent_vm: str, proxy: Endpoint, **kw: object) -> LayerKeeper:
+    def _keeper(
+        self,
+        bottle: str,
+        agent_vm: str,
+        endpoints: Sequence[Endpoint],
+        state: BridgeState = BridgeState.STARTING,
+    ) -> LayerKeeper:
+        """``endpoints``: the proxy service's, whose mounted socket the layer opens."""
+        (proxy,) = endpoints
         assert proxy.guest_path is not None
-        return LayerKeeper(bottle, agent_vm, [], proxy=proxy.guest_path, **kw)  # type: ignore[arg-type]
+        return LayerKeeper(bottle, agent_vm, [], proxy=proxy.guest_path, state=state)
 
     async def start_layer(self, bottle: str, agent_vm: str, proxy: Endpoint) -> LayerKeeper:
         """Install the layer and wait until it listens (EgressLayerFailed: why not)."""
-        kept = self._keeper(bottle, agent_vm, proxy)
         try:
-            session = await self._spawn(kept)
+            kept = await self.start(bottle, agent_vm, [proxy])
         except BridgeFailed as e:
-            kept.stop()
             raise EgressLayerFailed(
                 f"transparent egress cannot start in {agent_vm}: {e.message}"
             ) from None
-        except BaseException:
-            kept.stop()
-            raise
-        kept.state = BridgeState.RUNNING
-        session.ended.addCallback(lambda code: self._ended(kept, session, code))
+        assert isinstance(kept, LayerKeeper)
         return kept
 
     async def prove(  # type: ignore[override]
@@ -261,19 +263,17 @@ class Layers(Bridges):
         bottle: str,
         agent_vm: str,
         proxy: Endpoint,
-        **callbacks: object,
+        *,
+        on_restarted: Callable[[str], None],
+        on_failed: Callable[[str], None],
     ) -> LayerKeeper:
         """Watch the layer its create started; one not running (after a daemon restart) is
         started again (the rules are replaced whole, the listener bound anew)."""
-        if kept is None or kept.stopped:
-            kept = self._keeper(bottle, agent_vm, proxy, state=BridgeState.RESTARTING)
-            kept.on_restarted = callbacks["on_restarted"]  # type: ignore[assignment]
-            kept.on_failed = callbacks["on_failed"]  # type: ignore[assignment]
-            self._restart(kept)
-            return kept
-        kept.on_restarted = callbacks["on_restarted"]  # type: ignore[assignment]
-        kept.on_failed = callbacks["on_failed"]  # type: ignore[assignment]
-        return kept
+        keeper = self.keep(
+            kept, bottle, agent_vm, [proxy], on_restarted=on_restarted, on_failed=on_failed
+        )
+        assert isinstance(keeper, LayerKeeper)
+        return keeper
 
 
 def layer_status(kept: LayerKeeper | None, service: str) -> LayerStatus:

@@ -1,6 +1,6 @@
 """Who a bottle is for, and for how long: its owner, its scoped creator and its lease.
 
-A fleet's placer (a Ray actor per bottle, docs/fleet.md) creates bottles for owners that may
+A fleet (a Ray host per trainer and node, docs/fleet.md) creates bottles for owners that may
 vanish (a crashed trainer, a lost node, a partition): a bottle may carry a **lease**, which
 its owner renews while it lives; one whose lease ran out (plus the daemon's grace) is
 destroyed by the daemon itself (:mod:`bottlenet.bottles.lease`). The **creator** is the

@@ -160,9 +160,12 @@ def resolve(
     on the filesystem: run it off the reactor thread. InvalidArgument for the first refused;
     nothing stays open then."""
     resolved = ResolvedVolumes()
+    protected = [_Protected.of(p) for p in rules.protected]
     try:
         for volume, label in zip(volumes, labels, strict=True):
-            resolved.items.append(_resolve_one(volume, label, requester, rules, reachable))
+            resolved.items.append(
+                _resolve_one(volume, label, requester, rules, protected, reachable)
+            )
     except BaseException:
         resolved.close()
         raise
@@ -170,7 +173,12 @@ def resolve(
 
 
 def _resolve_one(
-    volume: Volume, label: str, requester: Requester, rules: VolumeRules, reachable: bool
+    volume: Volume,
+    label: str,
+    requester: Requester,
+    rules: VolumeRules,
+    protected: Sequence[_Protected],
+    reachable: bool,
 ) -> ResolvedVolume:
     where = f"{label} {shown(volume.host)}"
     try:
@@ -188,7 +196,7 @@ def _resolve_one(
         st = os.fstat(fd)
         chain = _parents(fd)
         path = fd_path(fd)
-        _check_protected(where, path, st, chain, rules.protected)
+        _check_protected(where, path, st, chain, protected)
         _check_requester(where, fd, st, chain, volume.read_only, requester, rules.roots)
         if reachable:
             _check_reachable(where, chain)
@@ -211,9 +219,9 @@ class _Parent:
     mode: int
 
 
-def _parents(fd: int) -> list[_Parent]:
+def _parents(fd: int, *, paths: bool = True) -> list[_Parent]:
     """The directories above ``fd``'s, nearest first, up to ``/``, as the kernel walks ``..``
-    from the descriptor itself (never a path)."""
+    from the descriptor itself (never a path); ``paths``: with the kernel's path of each."""
     found: list[_Parent] = []
     here = os.dup(fd)
     try:
@@ -225,7 +233,8 @@ def _parents(fd: int) -> list[_Parent]:
             parent = os.fstat(here)
             if (parent.st_dev, parent.st_ino) == (st.st_dev, st.st_ino):
                 return found  # "/" is its own parent
-            found.append(_Parent(fd_path(here), parent.st_dev, parent.st_ino, parent.st_mode))
+            where = fd_path(here) if paths else ""
+            found.append(_Parent(where, parent.st_dev, parent.st_ino, parent.st_mode))
             st = parent
         raise InvalidArgument("a volume deeper than any path")
     finally:
@@ -240,23 +249,43 @@ def _identity(path: str) -> tuple[int, int] | None:
     return st.st_dev, st.st_ino
 
 
-def _ancestors(path: str) -> set[tuple[int, int]]:
-    """The directories above the daemon's own ``path``, a file or a directory (trusted: its
-    links followed)."""
-    real = os.path.realpath(path)
-    try:
-        fd = os.open(os.path.dirname(real), _UP_FLAGS)
-    except OSError:
-        return set()
-    try:
-        st = os.fstat(fd)
-        return {(st.st_dev, st.st_ino), *((p.dev, p.ino) for p in _parents(fd))}
-    finally:
-        os.close(fd)
+@frozen
+class _Protected:
+    """One of the daemon's own paths as it is now: its real path, its device and inode and
+    those of the directories above it (none when it does not exist yet). Trusted: its links
+    followed."""
+
+    path: str
+    real: str
+    ident: tuple[int, int] | None
+    above: frozenset[tuple[int, int]]
+
+    @classmethod
+    def of(cls, path: str) -> _Protected:
+        real = os.path.realpath(path)
+        ident = _identity(real)
+        above: frozenset[tuple[int, int]] = frozenset()
+        if ident is not None:
+            try:
+                fd = os.open(os.path.dirname(real), _UP_FLAGS)
+            except OSError:
+                pass
+            else:
+                try:
+                    st = os.fstat(fd)
+                    chain = _parents(fd, paths=False)
+                    above = frozenset({(st.st_dev, st.st_ino), *((p.dev, p.ino) for p in chain)})
+                finally:
+                    os.close(fd)
+        return cls(path, real, ident, above)
 
 
 def _check_protected(
-    where: str, path: str, st: os.stat_result, chain: Sequence[_Parent], protected: Sequence[str]
+    where: str,
+    path: str,
+    st: os.stat_result,
+    chain: Sequence[_Parent],
+    protected: Sequence[_Protected],
 ) -> None:
     """Neither the volume (resolved at ``path``) nor a directory above it is a protected path,
     and no protected path lies below it: by device and inode, or for a protected path that does
@@ -264,13 +293,12 @@ def _check_protected(
     own = (st.st_dev, st.st_ino)
     above = {(p.dev, p.ino) for p in chain}
     for mine in protected:
-        ident = _identity(mine)
-        if ident is not None:
-            overlaps = ident == own or ident in above or own in _ancestors(mine)
+        if mine.ident is not None:
+            overlaps = mine.ident == own or mine.ident in above or own in mine.above
         else:
-            overlaps = _overlaps(path, os.path.realpath(mine))
+            overlaps = _overlaps(path, mine.real)
         if overlaps:
-            raise InvalidArgument(f"{where}: overlaps the daemon's own path {shown(mine)}")
+            raise InvalidArgument(f"{where}: overlaps the daemon's own path {shown(mine.path)}")
 
 
 def _overlaps(a: str, b: str) -> bool:

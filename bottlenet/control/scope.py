@@ -1,6 +1,6 @@
 """Scoped control peers: a uid that sees and acts only on the bottles it created.
 
-Why: a fleet's bottle actors (Ray workers, docs/fleet.md) need to create, use and destroy
+Why: a fleet's host actors (Ray workers, docs/fleet.md) need to create, use and destroy
 their own bottles through the node's socket, and nothing more: a worker that is compromised
 must not reach another owner's bottle nor drain the node. ``--allow-uid UID:scoped`` admits
 such a uid; its connections get a :class:`ScopedBackend` instead of the registry. Every bottle

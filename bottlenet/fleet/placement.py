@@ -1,17 +1,22 @@
-"""Placing bottles: Ray chooses a node with a free ``bottle`` resource, the node's daemon may
-refuse, and a refused bottle is tried again on another node, within a bound.
+"""Placing bottles: Ray reserves a ``bottle`` for each on nodes that have one free, the node's
+host creates it there, a node's daemon may refuse, and a refused bottle is tried again on
+another node, within a bound.
 
-Each attempt is one detached :class:`~bottlenet.fleet.actor.BottleActor` asking for one
-``bottle`` and no CPU; its constructor creates the bottle on its node. A refusal (draining,
-full, daemon unreachable) kills that actor and starts another whose label selector excludes
-every node that said no to this bottle (``ray.io/node-id`` not in them). Ray waits with an
-actor no node can take, so a deadline bounds the whole placement. Nothing is half-made: when
-one bottle of a batch fails, every bottle placed for the batch is destroyed before the error.
+A batch's reservation is one Ray placement group of ``count`` bundles of one ``bottle`` each,
+every bundle with the request's label selector, spread over the nodes or packed as the request
+says: Ray reserves all of them or none, and starts no process for it. Each bottle is then made
+by its node's host (one actor per trainer process and node: :mod:`bottlenet.fleet.host`). A
+refusal (draining, full, daemon unreachable) places that bottle again under a one-bundle group
+whose label selector excludes every node that said no to it (``ray.io/node-id`` not in them);
+the refused bundle stays reserved with its batch (its node said no to a bottle just now). Ray
+waits with a group no node can take, so a deadline bounds the whole placement. Nothing is
+half-made: when one bottle of a batch fails, every bottle made for the batch is destroyed and
+every reservation removed before the error.
 """
 
 from __future__ import annotations
 
-import threading
+import enum
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,145 +24,197 @@ from typing import Any
 import attrs
 import ray
 from ray.exceptions import RayActorError
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
-from bottlenet.fleet.actor import BottleActor, OwnerAnchor
-from bottlenet.fleet.bottle import Bottle
+from bottlenet.errors import InvalidArgument
 from bottlenet.fleet.errors import (
     PlacementFailed,
     PlacementTimeout,
     Refusal,
     describe_refusals,
 )
-from bottlenet.fleet.request import BOTTLE_RESOURCE, NODE_ID_LABEL, BottleRequest, Placement
-
-#: Concurrent calls one bottle actor serves (execs, logs, status, destroy).
-ACTOR_CONCURRENCY = 8
-_RemoteBottle = ray.remote(BottleActor)
-_RemoteAnchor = ray.remote(OwnerAnchor)
-_anchors: dict[str, Any] = {}
-_anchors_lock = threading.Lock()
+from bottlenet.fleet.owner import job_owner
+from bottlenet.fleet.placed import PlacedBottle
+from bottlenet.fleet.request import BOTTLE_RESOURCE, REFUSAL_CODES, BottleRequest, Placement
 
 
-def owner_anchor() -> Any:
-    """This trainer's anchor actor (one per job, made on first use, on the trainer's node):
-    it dies with the trainer, and the bottle actors take that as their owner going away."""
-    context = ray.get_runtime_context()
-    job = context.get_job_id()
-    with _anchors_lock:
-        anchor = _anchors.get(job)
-        if anchor is None:
-            strategy = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
-            anchor = _RemoteAnchor.options(num_cpus=0, scheduling_strategy=strategy).remote()
-            _anchors[job] = anchor
-        return anchor
+def reserve(request: BottleRequest, count: int, excluded: Sequence[str] = ()) -> PlacementGroup:
+    """A placement group of ``count`` bundles of one ``bottle``, on nodes the request may
+    use and none of ``excluded``."""
+    selector = request.node_selector(excluded)
+    return placement_group(
+        [{BOTTLE_RESOURCE: 1}] * count,
+        strategy=request.strategy.ray,
+        bundle_label_selector=[selector] * count if selector else None,
+    )
 
 
-def actor_options(request: BottleRequest, excluded: Sequence[str]) -> dict[str, Any]:
-    """Ray options of one attempt: one ``bottle``, no CPU, detached, never restarted."""
-    selector = dict(request.label_selector)
-    if excluded:
-        selector[NODE_ID_LABEL] = f"!in({','.join(sorted(set(excluded)))})"
-    options: dict[str, Any] = {
-        "num_cpus": 0,
-        "resources": {BOTTLE_RESOURCE: 1},
-        "lifetime": "detached",
-        "max_restarts": 0,
-        "max_task_retries": 0,
-        "max_concurrency": ACTOR_CONCURRENCY,
-    }
-    if selector:
-        options["label_selector"] = selector
-    return options
+def bundle_nodes(reservation: PlacementGroup) -> list[str]:
+    """The node of each bundle of a ready reservation, in bundle order."""
+    table = placement_group_table(reservation)["bundles_to_node_id"]
+    return [table[i] for i in range(len(table))]
 
 
-@attrs.define
+class Step(enum.StrEnum):
+    """What a pending ObjectRef of a placement waits for."""
+
+    RESERVED = "reserved"
+    CREATED = "created"
+
+
+@attrs.define(eq=False)
 class _Slot:
-    """One bottle being placed: its attempts so far and the actor of the current one."""
+    """One bottle being placed: its attempts so far and the current one's name and host."""
 
     index: int
     refusals: list[Refusal] = attrs.field(factory=list)
-    actor: Any = None
     name: str = ""
+    node_id: str = ""
+    host: Any = None
+    #: its own reservation (after a refusal); None while it holds a bundle of its batch's
+    reservation: PlacementGroup | None = None
 
 
 @attrs.define
 class Placer:
-    """Places ``count`` bottles of ``request``; ``progress(done)`` after each one is ready."""
+    """Places ``count`` bottles of ``request``; ``progress(done)`` after each one is ready.
+
+    After :meth:`run`, ``shared`` is the batch's reservation while any of its bottles holds a
+    bundle of it: the caller removes it once they are destroyed (:class:`BottlePool` does).
+    A single bottle gets the batch's reservation as its own.
+    """
 
     request: BottleRequest
     count: int
     max_attempts: int = 3
     timeout: float = 300.0
     progress: Callable[[int], None] = lambda done: None
-    owner_label: str = ""
-    placed: dict[int, Bottle] = attrs.field(factory=dict)
+    placed: dict[int, PlacedBottle] = attrs.field(factory=dict)
     #: every refusal on the way, those of bottles placed elsewhere afterwards too
     refusals: list[Refusal] = attrs.field(factory=list)
-    _pending: dict[Any, _Slot] = attrs.field(factory=dict)
+    shared: PlacementGroup | None = None
+    _owner: Any = None
+    _pending: dict[Any, tuple[_Slot, Step]] = attrs.field(factory=dict)
 
-    def run(self) -> list[Bottle]:
-        anchor = owner_anchor()
-        self.owner_label = self.owner_label or f"ray-job-{ray.get_runtime_context().get_job_id()}"
+    def run(self) -> list[PlacedBottle]:
+        if self.count < 0:
+            raise InvalidArgument(f"a pool of {self.count} bottles")
+        if self.count == 0:
+            return []  # Ray refuses a placement group without bundles
         deadline = time.monotonic() + self.timeout
         try:
-            for i in range(self.count):
-                self._launch(_Slot(i), anchor)
+            self._owner = job_owner()
+            self.shared = reserve(self.request, self.count)
+            self._wait_reserved(self.shared, deadline)
+            nodes = bundle_nodes(self.shared)
+            hosts = self._hosts(nodes)
+            for i, node in enumerate(nodes):
+                self._create(_Slot(i), node, hosts[node])
             while self._pending:
-                self._settle_one(deadline, anchor)
+                self._settle_one(deadline)
         except BaseException:
             self._abandon()
             raise
-        return [self.placed[i] for i in range(self.count)]
+        bottles = [self.placed[i] for i in range(self.count)]
+        if self.count == 1 and bottles[0].reservation is None:
+            bottles[0].reservation, self.shared = self.shared, None
+        elif all(b.reservation is not None for b in bottles):
+            self._release_shared()  # every bottle went elsewhere: the batch's holds none
+        return bottles
 
-    def _launch(self, slot: _Slot, anchor: Any) -> None:
-        slot.name = self.request.new_name()
-        options = actor_options(self.request, [r.node_id for r in slot.refusals])
-        slot.actor = _RemoteBottle.options(**options).remote(
-            self.request, slot.name, anchor, self.owner_label
-        )
-        self._pending[slot.actor.ready.remote()] = slot
+    def _hosts(self, nodes: Sequence[str]) -> dict[str, Any]:
+        hosts: dict[str, Any] = ray.get(self._owner.hosts.remote(sorted(set(nodes))))
+        return hosts
 
-    def _settle_one(self, deadline: float, anchor: Any) -> None:
+    def _wait_reserved(self, reservation: PlacementGroup, deadline: float) -> None:
+        ready, _ = ray.wait([reservation.ready()], timeout=max(deadline - time.monotonic(), 0))
+        if not ready:
+            raise PlacementTimeout(
+                f"{self.count} of {self.count} bottles found no node with a free "
+                f"'{BOTTLE_RESOURCE}' resource within {self.timeout:g}s"
+            )
+
+    def _create(self, slot: _Slot, node_id: str, host: Any) -> None:
+        slot.name = self.request.new_name()  # a refused name was never made
+        slot.node_id, slot.host = node_id, host
+        self._pending[host.create.remote(slot.name, self.request)] = (slot, Step.CREATED)
+
+    def _settle_one(self, deadline: float) -> None:
         left = deadline - time.monotonic()
         done, _ = ray.wait(list(self._pending), num_returns=1, timeout=max(left, 0.0))
         if not done:
-            raise PlacementTimeout(
-                f"{len(self._pending)} of {self.count} bottles found no node with a free "
-                f"'{BOTTLE_RESOURCE}' resource within {self.timeout:g}s"
-            )
-        slot = self._pending.pop(done[0])
+            raise self._timeout()
+        slot, step = self._pending.pop(done[0])
+        if step is Step.RESERVED:
+            assert slot.reservation is not None
+            [node] = bundle_nodes(slot.reservation)
+            self._create(slot, node, self._hosts([node])[node])
+            return
         try:
             placement: Placement = ray.get(done[0])
         except RayActorError as e:
-            refusal = Refusal("?", "ACTOR_DIED", type(e).__name__)
+            self._owner.forget.remote(slot.node_id, slot.host)
+            refusal = Refusal(slot.node_id, "HOST_LOST", type(e).__name__)
         else:
             if not placement.refused:
-                self.placed[slot.index] = Bottle(slot.actor, placement)
+                self.placed[slot.index] = PlacedBottle(slot.host, placement, slot.reservation)
                 self.progress(len(self.placed))
                 return
             assert placement.refusal_code is not None
             refusal = Refusal(
                 placement.node_id, placement.refusal_code, placement.refusal_message or ""
             )
-        ray.kill(slot.actor, no_restart=True)
+        self._retry(slot, refusal)
+
+    def _retry(self, slot: _Slot, refusal: Refusal) -> None:
         slot.refusals.append(refusal)
         self.refusals.append(refusal)
-        refused_by = {r.node_id for r in slot.refusals}
-        if len(slot.refusals) >= self.max_attempts or bottle_nodes() <= refused_by:
+        if slot.reservation is not None:
+            remove_placement_group(slot.reservation)
+            slot.reservation = None
+        # a node that refused is not asked again; a lost host's node may be (a new host)
+        refused_by = {r.node_id for r in slot.refusals if r.code in REFUSAL_CODES}
+        if len(slot.refusals) >= self.max_attempts or (refused_by and bottle_nodes() <= refused_by):
             raise PlacementFailed(
                 f"bottle {slot.index} refused {len(slot.refusals)} times, by every node it "
                 f"may use or up to the bound ({describe_refusals(slot.refusals)})",
                 slot.refusals,
             )
-        self._launch(slot, anchor)
+        slot.reservation = reserve(self.request, 1, sorted(refused_by))
+        self._pending[slot.reservation.ready()] = (slot, Step.RESERVED)
+
+    def _timeout(self) -> PlacementTimeout:
+        waiting = sum(step is Step.RESERVED for _, step in self._pending.values())
+        if waiting:
+            return PlacementTimeout(
+                f"{waiting} of {self.count} bottles found no node with a free "
+                f"'{BOTTLE_RESOURCE}' resource within {self.timeout:g}s"
+            )
+        return PlacementTimeout(
+            f"{len(self._pending)} of {self.count} bottles were not made within {self.timeout:g}s"
+        )
 
     def _abandon(self) -> None:
-        """Kill every pending attempt and destroy every bottle placed so far."""
-        for slot in self._pending.values():
-            ray.kill(slot.actor, no_restart=True)
+        """Destroy every bottle placed or being made, and remove every reservation."""
+        making = []
+        for slot, step in self._pending.values():
+            if step is Step.CREATED:
+                making.append(PlacedBottle(slot.host, Placement(slot.node_id, slot.name, "")))
+            if slot.reservation is not None:
+                remove_placement_group(slot.reservation)
         self._pending.clear()
-        destroy_all(list(self.placed.values()))
+        destroy_all([*self.placed.values(), *making])
+        self._release_shared()
+
+    def _release_shared(self) -> None:
+        shared, self.shared = self.shared, None
+        if shared is not None:
+            remove_placement_group(shared)
 
 
 def bottle_nodes() -> set[str]:
@@ -169,24 +226,38 @@ def bottle_nodes() -> set[str]:
     }
 
 
-def destroy_all(bottles: Sequence[Bottle], timeout: float = 120.0) -> None:
-    """Destroy every bottle at once, then end every actor (a dead one is already done)."""
-    refs = {b.actor.destroy.remote(): b for b in bottles}
-    pending = list(refs)
+def start_hosts(timeout: float = 120.0) -> int:
+    """Start this process's host on every live node that offers bottles and wait until each
+    answers, so that the first pool waits for no Ray worker to start (else a node's host
+    starts with the first bottle placed there); how many hosts there are."""
+    owner = job_owner()
+    hosts: dict[str, Any] = ray.get(owner.hosts.remote(sorted(bottle_nodes())), timeout=timeout)
+    ray.get([host.phases.remote() for host in hosts.values()], timeout=timeout)
+    return len(hosts)
+
+
+def destroy_all(bottles: Sequence[PlacedBottle], timeout: float = 120.0) -> None:
+    """Destroy every bottle at once (one call per host), then free their own reservations (a
+    host that died: its node reaps the bottles once their leases run out)."""
+    by_host: dict[Any, list[str]] = {}
+    for b in bottles:
+        by_host.setdefault(b.host, []).append(b.name)
+    refs = [host.destroy_many.remote(names) for host, names in by_host.items()]
     deadline = time.monotonic() + timeout
+    pending = refs
     while pending:
         done, pending = ray.wait(
-            pending, num_returns=len(pending), timeout=deadline - time.monotonic()
+            pending, num_returns=len(pending), timeout=max(deadline - time.monotonic(), 0)
         )
         for ref in done:
             try:
                 ray.get(ref)
             except ray.exceptions.RayError:
-                pass  # its actor died: the node reaps the bottle once its lease runs out
+                pass  # its host died: the node reaps the bottles once their leases run out
         if not done:
             break
     for b in bottles:
-        ray.kill(b.actor, no_restart=True)
+        b.release()
 
 
 def place(
@@ -194,6 +265,6 @@ def place(
     *,
     max_attempts: int = 3,
     timeout: float = 300.0,
-) -> Bottle:
-    """One bottle (as a one-bottle pool, without the context manager)."""
+) -> PlacedBottle:
+    """One bottle (its own reservation; destroy it when done)."""
     return Placer(request or BottleRequest(), 1, max_attempts, timeout).run()[0]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
+from ray.util.placement_group import PlacementGroup, remove_placement_group
 from tqdm import tqdm
 
-from bottlenet.fleet.bottle import Bottle
 from bottlenet.fleet.errors import Refusal
+from bottlenet.fleet.placed import PlacedBottle
 from bottlenet.fleet.placement import Placer, destroy_all
 from bottlenet.fleet.request import BottleRequest
 
@@ -20,7 +21,10 @@ class BottlePool:
 
     Placement is all or nothing: if one bottle cannot be placed within ``max_attempts``
     refusals or ``timeout`` seconds, the bottles already placed are destroyed and the typed
-    error (:class:`~bottlenet.fleet.errors.PlacementFailed`) is raised.
+    error (:class:`~bottlenet.fleet.errors.PlacementFailed`) is raised. The pool's
+    ``bottle`` reservation (one Ray placement group) is held until the pool closes, also
+    for a bottle destroyed on its own before. ``on_ready(done)`` is called as each bottle
+    is ready.
     """
 
     def __init__(
@@ -31,13 +35,16 @@ class BottlePool:
         max_attempts: int = 3,
         timeout: float = 300.0,
         progress: bool | None = None,
+        on_ready: Callable[[int], None] | None = None,
     ) -> None:
         self.count = count
         self.request = request or BottleRequest()
         self.max_attempts = max_attempts
         self.timeout = timeout
         self.progress = sys.stderr.isatty() if progress is None else progress
-        self.bottles: list[Bottle] = []
+        self.on_ready = on_ready
+        self.bottles: list[PlacedBottle] = []
+        self.reservation: PlacementGroup | None = None
         #: the nodes' refusals while placing (each retried elsewhere, or the error's)
         self.refusals: list[Refusal] = []
 
@@ -46,6 +53,8 @@ class BottlePool:
 
         def advance(done: int) -> None:
             bar.update(done - bar.n)
+            if self.on_ready is not None:
+                self.on_ready(done)
 
         with bar:
             placer = Placer(
@@ -53,14 +62,19 @@ class BottlePool:
             )
             try:
                 self.bottles = placer.run()
+                self.reservation = placer.shared
             finally:
                 self.refusals = list(placer.refusals)
         return self
 
     def close(self) -> None:
-        """Destroy every bottle of the pool (each once; a lost one is reaped by its node)."""
+        """Destroy every bottle of the pool (each once; a lost one is reaped by its node) and
+        free the pool's reservation."""
         bottles, self.bottles = self.bottles, []
+        reservation, self.reservation = self.reservation, None
         destroy_all(bottles)
+        if reservation is not None:
+            remove_placement_group(reservation)
 
     def __enter__(self) -> BottlePool:
         return self.open()
@@ -73,11 +87,11 @@ class BottlePool:
     ) -> None:
         self.close()
 
-    def __iter__(self) -> Iterator[Bottle]:
+    def __iter__(self) -> Iterator[PlacedBottle]:
         return iter(self.bottles)
 
     def __len__(self) -> int:
         return len(self.bottles)
 
-    def __getitem__(self, index: int) -> Bottle:
+    def __getitem__(self, index: int) -> PlacedBottle:
         return self.bottles[index]

@@ -1,10 +1,11 @@
-"""The values that cross between the trainer and a bottle's actor (pickled by Ray)."""
+"""The values that cross between the trainer and a node's host actor (pickled by Ray)."""
 
 from __future__ import annotations
 
+import enum
 import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import attrs
 
@@ -20,6 +21,19 @@ BOTTLE_RESOURCE = "bottle"
 _PREFIX_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,30}")
 #: Most output bytes an exec keeps per stream (the rest is counted, not kept).
 EXEC_OUTPUT_LIMIT = 1 << 20
+
+
+class Strategy(enum.StrEnum):
+    """How a pool's bottles share nodes: spread over as many as Ray can (the default: a
+    node's loss costs fewest bottles), or packed onto as few as fit."""
+
+    SPREAD = "spread"
+    PACK = "pack"
+
+    @property
+    def ray(self) -> str:
+        """Ray's placement group strategy of the same name."""
+        return self.value.upper()
 
 
 def _check_prefix(_: object, __: object, value: str) -> None:
@@ -46,7 +60,11 @@ class BottleRequest:
     reaps the bottle once it runs out, plus the daemon's grace); None asks for no lease, so
     a lost actor leaves its bottle until someone destroys it. ``control`` is the node's
     control socket as the actor sees it (None: ``$BOTTLENET_CONTROL`` on that node, else the
-    daemon's default path). ``label_selector`` restricts nodes by their Ray labels.
+    daemon's default path). ``label_selector`` restricts nodes by their Ray labels;
+    ``strategy`` says whether a pool's bottles spread over the nodes or pack onto few.
+
+    Every field has a default, so a field added later (a daemon-side pool to take a warm
+    bottle from, say) is additive: ``docs/fleet.md``, "The request".
     """
 
     spec: str | None = None
@@ -58,6 +76,16 @@ class BottleRequest:
     )
     name_prefix: str = attrs.field(default="ray", validator=_check_prefix)
     create_timeout: float = 300.0
+    strategy: Strategy = attrs.field(default=Strategy.SPREAD, converter=Strategy)
+
+    def node_selector(self, excluded: Iterable[str] = ()) -> dict[str, str]:
+        """The Ray label selector of one bottle: the request's labels, and none of the
+        ``excluded`` nodes (those that refused it)."""
+        selector = dict(self.label_selector)
+        names = sorted(set(excluded))
+        if names:
+            selector[NODE_ID_LABEL] = f"!in({','.join(names)})"
+        return selector
 
     def new_name(self) -> str:
         """A fresh bottle name (each attempt gets its own: a refused name was never made)."""
@@ -66,7 +94,8 @@ class BottleRequest:
 
 @attrs.frozen
 class Placement:
-    """What a bottle actor's constructor achieved on its node."""
+    """What a node's host did with one create: the bottle made there, or the node's
+    refusal (its code and message)."""
 
     node_id: str
     name: str

@@ -329,6 +329,18 @@ def _denials(plan: ProbePlan, t: _Transcript) -> list[tuple[str, str, str, str]]
     return checks
 
 
+def _closed(t: _Transcript, checks: Iterable[tuple[str, str, str, str]]) -> list[str]:
+    """Each (kind, key, the bad result, its message) ran and did not come back bad."""
+    problems = []
+    for kind, key, bad, message in checks:
+        r = t.results.get((kind, key))
+        if r is None:
+            problems.append(f"check missing: {kind} {key}")
+        elif r == bad:
+            problems.append(message)
+    return problems
+
+
 def _paths(plan: ProbePlan, t: _Transcript) -> list[str]:
     """3. Every path to the host, the outside address, ICMP, DNS, markers, volumes and the
     egress proxy: each planned check ran and found nothing; no unplanned result."""
@@ -337,12 +349,7 @@ def _paths(plan: ProbePlan, t: _Transcript) -> list[str]:
     if any(":" in addr for addr in expected_icmp(plan, t.paths)) and t.controls.get(_ICMP6) != "ok":
         problems.append("probe tool cannot detect ICMPv6 (control icmp6 failed or missing)")
     wanted = {(kind, key) for kind, key, _, _ in checks} | {("own", str(o)) for o in plan.own}
-    for kind, key, bad, message in checks:
-        r = t.results.get((kind, key))
-        if r is None:
-            problems.append(f"check missing: {kind} {key}")
-        elif r == bad:
-            problems.append(message)
+    problems += _closed(t, checks)
     wanted |= {("connect", c) for c in plan.connect_ok} if plan.connect_via is not None else set()
     for kind, key in t.results:
         if kind != "id" and (kind, key) not in wanted:
@@ -446,12 +453,7 @@ def judge_layer(
         ("deny", udp, "reachable", f"leak: {udp} (the outside address over UDP) is reachable"),
         ("icmp", plan.outside.host, "answers", "leak: the outside address answers ICMP echo"),
     ]
-    for kind, key, bad, message in checks:
-        r = t.results.get((kind, key))
-        if r is None:
-            problems.append(f"check missing: {kind} {key}")
-        elif r == bad:
-            problems.append(message)
+    problems += _closed(t, checks)
     wanted = {("redirect", c) for c in plan.canaries()} | {(k, key) for k, key, _, _ in checks}
     if any(key not in wanted for key in t.results):
         problems.append("result(s) for checks that were not planned")

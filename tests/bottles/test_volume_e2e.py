@@ -241,3 +241,43 @@ class VolumeRuleTests(DaemonCase):
         await self.start()
         self.assertEqual(named_users(work), [])
         self.assertEqual(stat.S_IMODE(os.stat(work).st_mode), 0o755)
+
+    async def test_a_grant_book_that_cannot_be_read_does_not_stop_the_teardown(self) -> None:
+        """The grant records cannot be listed at ``bottle rm`` (an I/O error): logged, and the
+        VM uid's processes are still ended and the bottle's directory released."""
+        work = self.directory("w", mode=0o755)
+        client = await self.start()
+        await client.create_bottle("g1", spec=self.spec_json(work))
+        agent = self.agent_uid("g1")
+        left = subprocess.Popen(
+            ["setpriv", f"--reuid={agent}", f"--regid={agent}", "--clear-groups", "sleep", "300"],
+            start_new_session=True,
+        )
+        self.addCleanup(lambda: left.poll() is None and (left.kill(), left.wait()))
+
+        def unreadable(book: GrantBook, uid: int | None = None) -> list[Any]:
+            raise OSError(5, "Input/output error")
+
+        self.patch(GrantBook, "grants", unreadable)
+        await client.destroy_bottle("g1")
+        self.assertFalse(os.path.exists(os.path.join(self.state_dir, "bottles", "g1")))
+        self.assertIsNotNone(await in_thread(lambda: left.wait(timeout=30)))
+        self.assertEqual(named_users(work), [agent])  # taken back at the next start
+
+    async def test_a_bottle_from_before_the_grant_records_still_gives_its_grant_back(
+        self,
+    ) -> None:
+        """A bottle created by a daemon that kept no grant records (its record removed here):
+        ``bottle rm`` still takes its agent uid's entry off each read-write volume, found
+        without following links."""
+        work = self.directory("old", mode=0o755)
+        client = await self.start()
+        await client.create_bottle("o1", spec=self.spec_json(work))
+        agent = self.agent_uid("o1")
+        book = GrantBook(self.state_dir)
+        for g in book.grants():
+            book.forget(g)
+        self.assertEqual(named_users(work), [agent])
+        await client.destroy_bottle("o1")
+        self.assertEqual(named_users(work), [])
+        self.assertEqual(os.stat(work).st_mode & 0o7777, 0o755)

@@ -305,3 +305,26 @@ def test_the_revoke_never_follows_a_symlink_swapped_in(
     assert volumeaccess.revoke(granted, book) == []
     assert stat.S_IMODE(os.stat(victim).st_mode) == 0o600
     assert named_users(aside) == []
+
+
+def test_a_revoke_that_fails_is_returned_and_the_others_still_go(
+    tmp_path: Path, volume: Path, book: GrantBook, grant_on, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The first directory's ACL cannot be written back: the revoke returns why (it never
+    raises), keeps that grant's record for the next try, and still takes the second back."""
+    second = tmp_path / "second"
+    second.mkdir(mode=0o755)
+    granted = grant_on(volume, second)
+    real_write = posixacl.write
+    first_ino = os.stat(volume).st_ino
+
+    def write(fd: int, acl: posixacl.Acl) -> None:
+        if os.fstat(fd).st_ino == first_ino:
+            raise OSError(errno.EIO, "Input/output error")
+        real_write(fd, acl)
+
+    monkeypatch.setattr(posixacl, "write", write)
+    assert volumeaccess.revoke(granted, book) == ["Input/output error"]
+    assert named_users(volume) == [VM_UID]
+    assert named_users(second) == []
+    assert book.grants() == [granted[0]]

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import threading
+import signal
 from collections.abc import Iterator
 
 import pytest
 
 from tests import netguard
+from tests.netio import ConnectProxy
 
 from .vmdaemon import VMDaemon, wait_for
 
@@ -53,44 +53,16 @@ DIAL = (
 )
 
 
-class Recorder:
-    """A CONNECT server on 127.0.0.1: records each request line, answers 403 (and the
-    connection then ends)."""
-
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self.loop, daemon=True).start()
-
-    def loop(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                data = b""
-                while b"\r\n\r\n" not in data and len(data) < 4096:
-                    chunk = conn.recv(4096)
-                    if not chunk:
-                        break
-                    data += chunk
-                if data:  # (the daemon's readiness probe connects and sends nothing)
-                    self.lines.append(data.split(b"\r\n", 1)[0].decode("ascii", "replace"))
-                conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-
-
 @pytest.fixture(scope="module")
-def recorder() -> Iterator[Recorder]:
-    r = Recorder()
+def recorder() -> Iterator[ConnectProxy]:
+    """A CONNECT server on 127.0.0.1 behind the sidecar's egress socket: it keeps each
+    request line and refuses every target (403)."""
+    r = ConnectProxy(0, lambda target: None)
     yield r
-    r.sock.close()
+    r.close()
 
 
-def daemon(recorder: Recorder, *faults: str) -> VMDaemon:
+def daemon(recorder: ConnectProxy, *faults: str) -> VMDaemon:
     d = VMDaemon()
     relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{recorder.port}"}
     d.fake.set_faults("exec-netns", *faults, version="1.32.2", expose_relay=relay)
@@ -111,7 +83,7 @@ def dial(d: VMDaemon, bottle: str, host: str, port: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def shared(recorder: Recorder) -> Iterator[VMDaemon]:
+def shared(recorder: ConnectProxy) -> Iterator[VMDaemon]:
     d = daemon(recorder)
     try:
         yield d
@@ -119,7 +91,9 @@ def shared(recorder: Recorder) -> Iterator[VMDaemon]:
         assert not d.cleanup()
 
 
-def test_raw_dials_reach_the_named_service_as_connect(shared: VMDaemon, recorder: Recorder) -> None:
+def test_raw_dials_reach_the_named_service_as_connect(
+    shared: VMDaemon, recorder: ConnectProxy
+) -> None:
     """Created (gate PASS, the layer proven by canaries the host saw); an env-free client's
     dials to 203.0.113.7:443, [2001:db8::1]:443 and a name arrive at the proxy as CONNECT."""
     d = shared
@@ -149,7 +123,7 @@ def test_raw_dials_reach_the_named_service_as_connect(shared: VMDaemon, recorder
     assert not any("gate.bottlenet.invalid" in label for label in rows)
 
 
-def test_a_bottle_without_the_key_has_no_layer(shared: VMDaemon, recorder: Recorder) -> None:
+def test_a_bottle_without_the_key_has_no_layer(shared: VMDaemon, recorder: ConnectProxy) -> None:
     """No ``transparent_egress``: no route at all, as before (ENETUNREACH), nothing sent."""
     d = shared
     before = len(recorder.lines)
@@ -160,7 +134,7 @@ def test_a_bottle_without_the_key_has_no_layer(shared: VMDaemon, recorder: Recor
     assert len(recorder.lines) == before
 
 
-def test_a_kernel_without_nf_tables_fails_the_create_naming_it(recorder: Recorder) -> None:
+def test_a_kernel_without_nf_tables_fails_the_create_naming_it(recorder: ConnectProxy) -> None:
     """The fake's ``no-nftables``: the create fails with EGRESS_LAYER_FAILED naming nf_tables'
     netlink and its kernel options; nothing is left."""
     d = daemon(recorder, "no-nftables")
@@ -174,3 +148,42 @@ def test_a_kernel_without_nf_tables_fails_the_create_naming_it(recorder: Recorde
         assert d.ctl("--json", "bottle", "list").stdout.strip() in (b"[]", b"")
     finally:
         assert not d.cleanup()
+
+
+def layer_pids(d: VMDaemon, bottle: str) -> list[int]:
+    """The processes running the layer's program in ``bottle``'s agent "VM"."""
+    out = []
+    for pid in d.guest_pids(f"bn-{bottle}-agent"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().split(b"\0")
+        except OSError:
+            continue
+        if b"run" in argv and any(b"bottlenet.transparent.layer" in a for a in argv):
+            out.append(pid)
+    return out
+
+
+def test_a_killed_layer_is_restarted_and_carries_again(
+    shared: VMDaemon, recorder: ConnectProxy
+) -> None:
+    """The layer dies (SIGKILL in the guest): the daemon starts it again (an event, the status
+    says so) and the next dial reaches the proxy as CONNECT."""
+    d = shared
+    r = create(d, "t2", 'transparent_egress = "egress"')
+    assert r.returncode == 0, (r.stderr, d.log())  # type: ignore[attr-defined]
+    (pid,) = layer_pids(d, "t2")
+    with d.client(timeout=60) as c:
+        c.watch("t2")
+        os.kill(pid, signal.SIGKILL)
+        for event in c.events("t2", idle=60):
+            assert event.kind != "degraded", event
+            if event.kind == "bridge_restarted":
+                assert "egress layer restarted" in (event.detail or "")
+                break
+    assert wait_for(lambda: layer_pids(d, "t2") and pid not in layer_pids(d, "t2"), 30, "a layer")
+    out = dial(d, "t2", "198.51.100.99", 4443)
+    assert "reset by peer" in out or out == "read b''", out
+    assert wait_for(lambda: "CONNECT 198.51.100.99:4443 HTTP/1.1" in recorder.lines, 30, "CONNECT")
+    status = d.ctl("bottle", "status", "t2").stdout.decode()
+    assert "transparent egress running (via egress, 1 connects), restarted 1x" in status, status

@@ -14,22 +14,21 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 
-from bottlenet.fleet import Bottle, BottlePool, BottleRequest
-from bottlenet.fleet.placement import Placer
+from bottlenet.fleet import BottlePool, BottleRequest, PlacedBottle
 
 pools: dict[str, BottlePool] = {}
 #: Marks the answer lines (Ray may write lines of its own to stdout).
 REPLY = "@reply "
 
 
-def _describe(bottles: list[Bottle]) -> list[dict[str, str]]:
+def _describe(bottles: list[PlacedBottle]) -> list[dict[str, str]]:
     return [{"name": b.name, "node_id": b.node_id} for b in bottles]
 
 
-def _each(pool: str, method: str, *args: Any, timeout: float = 60) -> list[Any]:
-    """Call ``method`` on every bottle of ``pool`` at once: each one's result, or the name of
-    the error it raised (``ActorDiedError``, ``GetTimeoutError``, ``NotFound`` ...)."""
-    refs = [getattr(b.actor, method).remote(*args) for b in pools[pool].bottles]
+def _each_status(pool: str, timeout: float = 60) -> list[Any]:
+    """Every bottle's status at once: each one's result, or the name of the error it raised
+    (``ActorDiedError``, ``GetTimeoutError``, ``BottleLost`` ...)."""
+    refs = [b.status_ref() for b in pools[pool].bottles]
     out: list[Any] = []
     deadline = time.monotonic() + timeout
     for ref in refs:
@@ -74,19 +73,19 @@ def handle(req: dict[str, Any]) -> Any:
         started = time.monotonic()
         ready: list[float] = []
 
-        def progress(done: int) -> None:
+        def on_ready(done: int) -> None:
             ready.extend([time.monotonic() - started] * (done - len(ready)))
 
-        bottles = Placer(
-            request, req["count"], timeout=req.get("timeout", 600), progress=progress
-        ).run()
-        pools[req["id"]] = BottlePool(len(bottles), request)
-        pools[req["id"]].bottles = bottles
-        return {"bottles": _describe(bottles), "ready": ready}
+        timed = BottlePool(
+            req["count"], request, timeout=req.get("timeout", 600), progress=False,
+            on_ready=on_ready,
+        ).open()  # fmt: skip
+        pools[req["id"]] = timed
+        return {"bottles": _describe(timed.bottles), "ready": ready}
     if op == "status":
         # the daemon's record through each actor: a round trip to the bottle's own node
         bottles = pools[req["id"]].bottles
-        results = _each(req["id"], "status", timeout=req.get("timeout", 60))
+        results = _each_status(req["id"], timeout=req.get("timeout", 60))
         return [{"node_id": b.node_id, **r} for b, r in zip(bottles, results, strict=True)]
     if op == "exec":
         return [
@@ -96,6 +95,8 @@ def handle(req: dict[str, Any]) -> Any:
     if op == "close":
         pools.pop(req["id"]).close()
         return None
+    if op == "free":
+        return ray.available_resources().get("bottle", 0)
     if op == "nodes":
         return {n["NodeID"]: n.get("Labels", {}) for n in ray.nodes() if n.get("Alive")}
     if op == "quit":
@@ -106,7 +107,7 @@ def handle(req: dict[str, Any]) -> Any:
 
 
 def _each_exec(pool: str, argv: list[str], timeout: float) -> list[dict[str, Any]]:
-    refs = [b.actor.exec.remote(argv) for b in pools[pool].bottles]
+    refs = [b.exec_ref(argv) for b in pools[pool].bottles]
     out: list[dict[str, Any]] = []
     deadline = time.monotonic() + timeout
     for ref in refs:

@@ -1,6 +1,7 @@
 """The fleet library on an in-process Ray cluster (``ray.cluster_utils.Cluster``: a head and
 three raylets on this machine, no namespaces), each raylet with a bottlenet daemon of its own
-(fake smolvm, a TEST DOUBLE): placement, refusals retried elsewhere, the bound, the timeout,
+(fake smolvm, a TEST DOUBLE): placement (spread or packed, one host process per node however
+many bottles), refusals retried elsewhere, the bound, the timeout, all-or-nothing batches,
 teardown and the owner going away. Partitions, lost raylets, daemon restarts and lease reaping
 run in the multi-node tier (``test_multinode.py``).
 """
@@ -27,7 +28,9 @@ from bottlenet.fleet import (
     BottleRequest,
     PlacementFailed,
     PlacementTimeout,
+    Strategy,
     place,
+    start_hosts,
 )
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import ENV, REPO
@@ -133,7 +136,7 @@ def fleet() -> Iterator[Fleet]:
 
 def test_pool_fills_every_daemon_retrying_refusals_then_destroys_all(fleet: Fleet) -> None:
     """7 bottles where Ray offers 9 and node 2's daemon holds 1: the refusals (its
-    RESOURCE_EXHAUSTED) are placed again elsewhere; each bottle sits on its actor's node's
+    RESOURCE_EXHAUSTED) are placed again elsewhere; each bottle sits on its host's node's
     daemon; leaving the pool destroys all 7 and frees every ``bottle`` resource."""
     with BottlePool(7, LEASED, progress=False) as pool:
         held = fleet.held()
@@ -181,8 +184,8 @@ def test_the_attempt_bound_holds(fleet: Fleet) -> None:
 
 
 def test_no_node_with_the_labels_times_out_typed_and_frees_its_attempt(fleet: Fleet) -> None:
-    """A label no node has: Ray keeps the actor pending; the deadline ends it with
-    PlacementTimeout, and the pending actor is gone (every resource free again)."""
+    """A label no node has: Ray keeps the reservation pending; the deadline ends it with
+    PlacementTimeout, and the pending reservation is gone (every resource free again)."""
     nowhere = BottleRequest(label_selector={"bottlenet-node": "nowhere"})
     with pytest.raises(PlacementTimeout) as caught:
         BottlePool(2, nowhere, timeout=2, progress=False).open()
@@ -191,20 +194,86 @@ def test_no_node_with_the_labels_times_out_typed_and_frees_its_attempt(fleet: Fl
     wait_for("every bottle resource free", all_bottles_free)
 
 
-def test_a_pool_failing_half_way_destroys_what_it_placed(fleet: Fleet) -> None:
-    """4 bottles only on node 0 (3 ``bottle``): the fourth times out, and the 3 placed are
-    destroyed before the error (a pool is all or nothing)."""
+def test_a_pool_larger_than_its_nodes_reserves_nothing(fleet: Fleet) -> None:
+    """4 bottles only on node 0 (3 ``bottle``): Ray reserves all of a pool or none, so the
+    pool times out having made no bottle, and its reservation is gone."""
     on_n0 = BottleRequest(label_selector={"bottlenet-node": "n0"})
     with pytest.raises(PlacementTimeout):
-        BottlePool(4, on_n0, timeout=20, progress=False).open()
+        BottlePool(4, on_n0, timeout=5, progress=False).open()
     assert fleet.held() == fleet.empty()
     wait_for("every bottle resource free", all_bottles_free)
+
+
+def test_a_pool_failing_half_way_destroys_what_it_made(fleet: Fleet) -> None:
+    """2 bottles only on node 2, whose daemon holds 1: one is made, the other refused with
+    no second attempt allowed; the one made (or still being made) is destroyed before the
+    error (a pool is all or nothing)."""
+    on_n2 = BottleRequest(lease_seconds=LEASE, label_selector={"bottlenet-node": "n2"})
+    with pytest.raises(PlacementFailed) as caught:
+        BottlePool(2, on_n2, max_attempts=1, progress=False).open()
+    assert [r.code for r in caught.value.refusals] == ["RESOURCE_EXHAUSTED"]
+    assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
+
+
+def test_a_pool_spreads_by_default_and_packs_when_asked(fleet: Fleet) -> None:
+    """4 bottles on nodes 0 and 1 (3 ``bottle`` each): spread 2 and 2 (the default);
+    packed 3 and 1."""
+    for strategy, counts in ((None, [2, 2]), (Strategy.PACK, [1, 3])):
+        either = BottleRequest(
+            lease_seconds=LEASE,
+            label_selector={"bottlenet-node": "in(n0,n1)"},
+            **({} if strategy is None else {"strategy": strategy}),
+        )
+        with BottlePool(4, either, progress=False):
+            assert sorted(len(names) for names in fleet.held().values() if names) == counts
+        wait_for("every bottle resource free", all_bottles_free)
+
+
+def _descends_from_us(pid: int) -> bool:
+    """Whether ``pid`` is a descendant of this process (this cluster's raylets and workers
+    are; another test's cluster on the machine is not)."""
+    while pid > 1:
+        with open(f"/proc/{pid}/status") as f:
+            pid = int(next(line for line in f if line.startswith("PPid:")).split()[1])
+        if pid == os.getpid():
+            return True
+    return False
+
+
+def _host_processes() -> list[int]:
+    """This cluster's Ray worker processes that are bottle hosts (Ray titles an actor's
+    process ``ray::<class>``)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if f.read().startswith(b"ray::NodeHost") and _descends_from_us(int(entry)):
+                    found.append(int(entry))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def test_bottles_share_their_nodes_host_process(fleet: Fleet) -> None:
+    """``start_hosts`` starts one host per bottle node; 6 bottles on nodes 0 and 1 use those
+    hosts (a node's bottles share one), and no host process starts for them."""
+    assert start_hosts() == len(fleet.daemons)
+    hosts = sorted(_host_processes())
+    assert len(hosts) == len(fleet.daemons)
+    either = BottleRequest(lease_seconds=LEASE, label_selector={"bottlenet-node": "in(n0,n1)"})
+    with BottlePool(6, either, progress=False) as pool:
+        by_node = {b.node_id: b.host for b in pool}
+        assert len(by_node) == 2
+        assert all(b.host == by_node[b.node_id] for b in pool)
+        assert sorted(_host_processes()) == hosts
+    assert fleet.held() == fleet.empty()
 
 
 def test_vm_bottle_exec_logs_status_and_progress(
     fleet: Fleet, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A VM bottle (fake smolvm) through its actor: exec returns the code and output, logs
+    """A VM bottle (fake smolvm) through its host: exec returns the code and output, logs
     the workload's output, status the record; the progress bar counts the pool."""
     spec = json.dumps(
         spec_doc(fleet.root, egress=False, workload=("/bin/echo", "from-the-workload"))
@@ -220,19 +289,27 @@ def test_vm_bottle_exec_logs_status_and_progress(
     assert fleet.held() == fleet.empty()
 
 
-def test_a_killed_actor_is_bottle_lost_and_its_node_reaps_the_bottle(fleet: Fleet) -> None:
-    """``ray.kill`` gives the actor no chance to destroy: the trainer sees BottleLost, and
-    the bottle's node reaps it once its lease and grace run out (nothing renews it)."""
+def test_a_killed_host_is_bottle_lost_and_its_node_reaps_the_bottle(fleet: Fleet) -> None:
+    """``ray.kill`` of a bottle's host gives it no chance to destroy: the trainer sees
+    BottleLost, and the bottle's node reaps it once its lease and grace run out (nothing
+    renews it); the next bottle there gets a new host."""
     b = place(LEASED)
-    ray.kill(b.actor, no_restart=True)
+    ray.kill(b.host, no_restart=True)
     with pytest.raises(BottleLost):
         b.exec(["true"], timeout=30)
     daemon = fleet.by_node[b.node_id]
     with daemon.client() as c:
         assert c.bottle_status(b.name).lease_seconds == LEASE
     wait_for("the lease reaps the bottle", lambda: b.name not in daemon.names(), 60)
-    b.destroy()  # the actor is dead: nothing to do, no error
+    b.destroy()  # the host is dead: nothing to do, no error
+    on_that_node = BottleRequest(
+        lease_seconds=LEASE, label_selector={"bottlenet-node": f"n{daemon.index}"}
+    )
+    again = place(on_that_node)
+    assert again.host != b.host and again.status().name == again.name
+    again.destroy()
     assert fleet.held() == fleet.empty()
+    wait_for("every bottle resource free", all_bottles_free)
 
 
 def test_a_draining_node_refuses_and_the_pool_goes_elsewhere(fleet: Fleet) -> None:
@@ -267,9 +344,9 @@ os._exit(0)  # the trainer dies without closing its pool
 
 
 def test_the_owner_going_away_destroys_its_bottles(fleet: Fleet) -> None:
-    """A trainer that exits without closing its pool: its anchor actor dies with it, the
-    bottle actors see their owner gone and destroy their bottles (well before any lease
-    could run out: each is renewed while the actor lives)."""
+    """A trainer that exits without closing its pool: its owner actor dies with it, the
+    hosts see their owner gone and destroy its bottles (well before any lease could run
+    out: each is renewed while its host lives), then end."""
     out = subprocess.run(
         [sys.executable, "-c", _ORPHANING_DRIVER, fleet.cluster.address],
         env=ENV,

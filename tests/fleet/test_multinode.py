@@ -112,9 +112,10 @@ def vm_spec(tier: Tier) -> str:
 
 
 def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
-    """30 forward-only bottles and a VM bottle on each node: every bottle sits on its actor's
-    node, and no node holds more than its ``bottle`` resource."""
-    for n in tier.c.nodes:  # first: Ray packs the pool's bottles onto the fewest nodes
+    """30 forward-only bottles and a VM bottle on each node: every bottle sits on its host's
+    node, no node holds more than its ``bottle`` resource, and the 30 are spread (at most
+    11/10/9)."""
+    for n in tier.c.nodes:  # first: the VM bottles' nodes are chosen by their labels
         vm = tier.d.call(
             "pool", id=f"vm-{n.label}", count=1, lease=LEASE, spec=vm_spec(tier),
             selector={"bottlenet-node": n.label}, prefix="vm",
@@ -126,6 +127,9 @@ def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
     held = tier.held()
     for n in tier.c.nodes:
         assert len(held[n.label]) <= n.bottles, (n.label, len(held[n.label]))
+    spread = [sum(1 for b in result["bottles"] if tier.label_of(b["node_id"]) == n.label)
+              for n in tier.c.nodes]  # fmt: skip
+    assert max(spread) - min(spread) <= 2 and sum(spread) == FORWARD, spread
     assert sum(len(v) for v in held.values()) == FORWARD + len(tier.c.nodes)
     for pool in tier.pools.values():
         for b in pool:

@@ -26,7 +26,6 @@ import shutil
 import socket
 import subprocess
 import tempfile
-import threading
 from typing import Any
 
 from bottlenet.bottles.egresslayer import LayerCounters, LayerSession
@@ -39,6 +38,7 @@ from bottlenet.probe.script import render as render_check
 from bottlenet.probe.witness import ConnectWitness, ConnectWitnessFactory
 from bottlenet.transparent.layer import LISTEN_PORT
 from bottlenet.transparent.script import render as render_layer
+from tests.netio import ConnectProxy
 from tests.realvm import krunfw
 from tests.realvm.bridgehost import (
     ALLOWED_PORT,
@@ -115,54 +115,6 @@ reboot -f
 """
 
 
-class Recorder:
-    """In front of tinyproxy: each connection's request line is kept, then the connection
-    goes on to tinyproxy unchanged (its answer decides)."""
-
-    def __init__(self, port: int, upstream: int) -> None:
-        self.lines: list[str] = []
-        self.upstream = upstream
-        self.sock = socket.socket()
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind(("127.0.0.1", port))
-        self.sock.listen(32)
-        threading.Thread(target=self.loop, daemon=True).start()
-
-    def loop(self) -> None:
-        while True:
-            conn, _ = self.sock.accept()
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
-
-    def serve(self, conn: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head and len(head) < 8192:
-            chunk = conn.recv(8192)
-            if not chunk:
-                break
-            head += chunk
-        if not head:
-            conn.close()
-            return
-        self.lines.append(head.split(b"\r\n", 1)[0].decode("ascii", "replace"))
-        up = socket.create_connection(("127.0.0.1", self.upstream))
-        up.sendall(head)
-
-        def pump(a: socket.socket, b: socket.socket) -> None:
-            try:
-                while data := a.recv(65536):
-                    b.sendall(data)
-                b.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-        t = threading.Thread(target=pump, args=(conn, up), daemon=True)
-        t.start()
-        pump(up, conn)
-        t.join(30)
-        conn.close()
-        up.close()
-
-
 def root_tree(tree: str, files: dict[str, bytes | str]) -> None:
     """Busybox, python3 with what the layer, the check and the clients import, curl, and
     ``files`` (guest path -> bytes, or a host file to copy)."""
@@ -233,7 +185,10 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     outside = Accepts()
     outside.listen(OUTSIDE, 443)
     proxy = start_tinyproxy(work)
-    recorder = Recorder(RECORD_PORT, PROXY_PORT)
+    # in front of tinyproxy: each request line kept, then the request goes on unchanged
+    recorder = ConnectProxy(
+        RECORD_PORT, lambda target: ("127.0.0.1", PROXY_PORT), forward_head=True
+    )
 
     state_dir = os.path.join(work, "state")
     os.makedirs(state_dir, mode=0o700)

@@ -13,7 +13,6 @@ import http.server
 import json
 import os
 import shutil
-import socket
 import socketserver
 import subprocess
 import sys
@@ -24,6 +23,7 @@ from typing import Any
 
 from bottlenet.transparent.layer import LISTEN_PORT
 from bottlenet.transparent.script import render
+from tests.netio import ConnectProxy
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ALLOWED = "example.test"
@@ -40,57 +40,6 @@ class Page(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args: object) -> None:
         pass
-
-
-class Proxy:
-    """A CONNECT proxy on a UNIX socket: the allow-list is checked before any name is used;
-    allowed names go to the HTTP server, the rest get 403."""
-
-    def __init__(self, path: str) -> None:
-        self.requests: list[str] = []
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(path)
-        self.sock.listen(64)
-        threading.Thread(target=self.loop, daemon=True).start()
-
-    def loop(self) -> None:
-        while True:
-            conn, _ = self.sock.accept()
-            threading.Thread(target=self.serve, args=(conn,), daemon=True).start()
-
-    def serve(self, conn: socket.socket) -> None:
-        data = b""
-        while b"\r\n\r\n" not in data and len(data) < 4096:
-            chunk = conn.recv(4096)
-            if not chunk:
-                conn.close()
-                return
-            data += chunk
-        line = data.split(b"\r\n", 1)[0].decode()
-        self.requests.append(line)
-        words = line.split()
-        host = words[1].rpartition(":")[0] if len(words) == 3 and words[0] == "CONNECT" else ""
-        if host != ALLOWED:
-            conn.sendall(b"HTTP/1.1 403 Forbidden\r\nContent-Length: 0\r\n\r\n")
-            conn.close()
-            return
-        up = socket.create_connection(("127.0.0.1", HTTP_PORT))
-        conn.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-
-        def pump(a: socket.socket, b: socket.socket) -> None:
-            try:
-                while d := a.recv(65536):
-                    b.sendall(d)
-                b.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-
-        t = threading.Thread(target=pump, args=(conn, up), daemon=True)
-        t.start()
-        pump(up, conn)
-        t.join(10)
-        conn.close()
-        up.close()
 
 
 def run(argv: list[str], env: dict[str, str] | None = None, timeout: float = 20) -> list[str]:
@@ -142,7 +91,9 @@ def scenario(work: str) -> dict[str, Any]:
     httpd = socketserver.ThreadingTCPServer(("127.0.0.1", HTTP_PORT), Page)
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     sock = os.path.join(work, "egress.sock")
-    proxy = Proxy(sock)
+    proxy = ConnectProxy(
+        sock, lambda t: ("127.0.0.1", HTTP_PORT) if t.rpartition(":")[0] == ALLOWED else None
+    )
     # What the daemon feeds a guest without the kit: the script on sh's stdin, then that
     # stdin held open (the lifeline); python3 is the "image's" (this one, first on PATH).
     bindir = os.path.join(work, "bin")
@@ -203,7 +154,7 @@ def scenario(work: str) -> dict[str, Any]:
     out["after-v6"] = run([py, "-I", "-c", DIAL, "2001:db8::1", "443", "2"])
     out["after-loopback"] = run(["curl", "-sS", "-m", "5", f"http://127.0.0.1:{HTTP_PORT}/lo"])
     time.sleep(0.2)
-    out["proxy"] = list(proxy.requests)
+    out["proxy"] = list(proxy.lines)
     out["reports"] = list(lines)
     assert layer.stdin is not None
     layer.stdin.close()  # the lifeline: the layer ends
