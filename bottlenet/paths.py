@@ -150,8 +150,9 @@ class NotRegularFile(OSError):
     """A path that must name a regular file names something else (FIFO, device, socket, link)."""
 
 
-def open_regular(path: str) -> int:
-    """A read-only descriptor of the regular file at ``path``, opened without ever blocking.
+def open_regular(path: str, *, dir_fd: int | None = None) -> int:
+    """A read-only descriptor of the regular file at ``path`` (relative to ``dir_fd`` when
+    given), opened without ever blocking.
 
     For any path someone else can write (a guest's read-write volume, the state files): the
     path is ``lstat``-ed first, so a FIFO, a device, a socket or a symlink is refused without
@@ -159,10 +160,10 @@ def open_regular(path: str) -> int:
     open itself is ``O_NONBLOCK | O_NOFOLLOW``, and the descriptor must be the same regular
     file (a swap between the two calls is refused too). Raises OSError (NotRegularFile).
     """
-    st = os.lstat(path)
+    st = os.lstat(path, dir_fd=dir_fd)
     if not stat.S_ISREG(st.st_mode):
         raise NotRegularFile(errno.EINVAL, "not a regular file", path)
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
     try:
         now = os.fstat(fd)
         if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):

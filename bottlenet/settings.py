@@ -316,7 +316,7 @@ class Options(usage.Options):
 
     def opt_allow_uid(self, value: str) -> None:
         """Also accept control connections from this uid (repeatable); UID:scoped lets it
-        see and act on the bottles it created only."""
+        act only on the bottles whose capability a call presents (docs/protocol.md)."""
         uid, sep, scope = value.partition(":")
         if not uid.isdigit() or int(uid) > 2**32 - 2:
             raise usage.UsageError(f"--allow-uid: {uid!r} is not a uid")
@@ -396,7 +396,8 @@ class DaemonSettings:
     labels: tuple[tuple[str, str], ...] = ()
     #: ``--lease-grace``: seconds between a lease running out and its bottle's reap.
     lease_grace: float = DEFAULT_GRACE
-    #: ``--allow-uid UID:scoped``: peers that see and act on their own bottles only.
+    #: ``--allow-uid UID:scoped``: peers that act only on the bottles whose capability a call
+    #: presents (``control/scope.py``).
     scoped_uids: frozenset[int] = frozenset()
     #: ``--volume-root``: where scoped peers' rw volumes and TLS launchers' volumes may lie.
     volume_roots: tuple[str, ...] = ()

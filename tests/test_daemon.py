@@ -244,8 +244,7 @@ def _bad_smolvm(tmp_path, kind: str) -> str:  # type: ignore[no-untyped-def]
         ("not-executable", "not executable"),
         (
             "not-smolvm",
-            "not a smolvm (`--version` exited 0 and printed no `smolvm X.Y.Z`: "
-            "'GNU coreutils 9.1')",
+            "not a smolvm (`--version` printed no `smolvm X.Y.Z`: 'GNU coreutils 9.1')",
         ),
     ],
 )

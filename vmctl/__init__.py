@@ -4,7 +4,8 @@ Modules: ``install`` (which smolvm, its assets, where it came from), ``runner`` 
 timeouts, TERM→KILL, explicit env), ``spec`` (MachineSpec, validation, device budget, argv),
 ``smolvm`` (the typed API, version floor, feature detection), ``ports`` (exposed-socket and
 raw-port ownership checks, stop-before-delete undo), ``service`` (the Service and the daemon
-wiring), ``errors``.
+wiring), ``forksignals`` (a signal sent between a child's fork and exec is not lost),
+``errors``.
 """
 
 from __future__ import annotations

@@ -207,12 +207,15 @@ def _probe_version(install: SmolvmInstall, environ: Mapping[str, str], given: st
         raise StartupRefused(f"--smolvm {given}: `--version` did not answer") from None
     except OSError as e:
         raise StartupRefused(f"--smolvm {given}: cannot run it: {e.strerror or e}") from None
+    said = sanitize(done.stdout or done.stderr, 60)
+    if done.returncode != 0:  # whatever it printed: a smolvm answers --version with 0
+        raise StartupRefused(
+            f"--smolvm {given}: not a usable smolvm (`--version` exited {done.returncode}: "
+            f"{said!r})"
+        )
     try:
-        if done.returncode != 0:
-            raise ValueError
         SmolvmVersion.parse(done.stdout)
     except Exception:
         raise StartupRefused(
-            f"--smolvm {given}: not a smolvm (`--version` exited {done.returncode} and printed "
-            f"no `smolvm X.Y.Z`: {sanitize(done.stdout or done.stderr, 60)!r})"
+            f"--smolvm {given}: not a smolvm (`--version` printed no `smolvm X.Y.Z`: {said!r})"
         ) from None

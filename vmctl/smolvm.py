@@ -39,6 +39,7 @@ from vmctl.errors import (
     stderr_tail,
     strip_notes,
 )
+from vmctl.forksignals import child_signals_default
 from vmctl.install import SOURCE_OPTION, SmolvmInstall, assets_beside
 from vmctl.runner import ProcessRunner, ProcResult, build_env
 from vmctl.spec import (
@@ -763,21 +764,23 @@ class Smolvm:
             fds: dict[int, int | str] = {0: "w", 1: "r", 2: "r"}
             if stdio is not None:
                 fds = dict(enumerate(stdio))
-            transport: IProcessTransport = reactor.spawnProcess(
-                protocol, self.binary, full, env=self.env, childFDs=fds
-            )
+            with child_signals_default():  # a TERM before its exec ends it too
+                transport: IProcessTransport = reactor.spawnProcess(
+                    protocol, self.binary, full, env=self.env, childFDs=fds
+                )
             return transport
         master, slave = os.openpty()
         try:
             if size is not None:
                 set_pty_size(slave, *size)
-            transport = reactor.spawnProcess(
-                protocol,
-                self.binary,
-                full,
-                env=self.env,
-                usePTY=(master, slave, os.ttyname(slave)),
-            )
+            with child_signals_default():  # forked: a TERM before its exec ends it too
+                transport = reactor.spawnProcess(
+                    protocol,
+                    self.binary,
+                    full,
+                    env=self.env,
+                    usePTY=(master, slave, os.ttyname(slave)),
+                )
         except BaseException:
             os.close(master)
             os.close(slave)

@@ -542,6 +542,7 @@ class Creation:
             self.plan.mode,
             endpoints,
             volumes=self.volumes.specs(),
+            volume_dirs={r.volume.guest: r.fd for r in self.volumes if not r.volume.read_only},
             witness=True,
             egress=self.sidecar.egress,
             policy=policy,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from attrs import evolve, frozen
@@ -167,20 +167,26 @@ class Markers:
                 os.unlink(path)
 
 
-def collect_rw(nonce: str, volumes: Sequence[Volume]) -> set[str]:
-    """The rw volumes whose host side holds the guest's file (each file is removed)."""
+def collect_rw(
+    nonce: str, volumes: Sequence[Volume], dirs: Mapping[str, int] | None = None
+) -> set[str]:
+    """The rw volumes whose host side holds the guest's file (each file is removed). ``dirs``
+    (a create's): per guest path, the descriptor of the directory resolved for it
+    (``bottles/volumes.py``), where the file must be: what the VMM served is then proven to
+    be that directory, whatever the path names by now."""
     seen = set()
     name = f".bottlenet-gate-{nonce}"
     for v in volumes:
         if v.read_only:
             continue
-        path = os.path.join(v.host, name)
+        dir_fd = None if dirs is None else dirs.get(v.guest)
+        path = name if dir_fd is not None else os.path.join(v.host, name)
         try:
             # The guest decides what is at this path: a FIFO must not hang the reactor.
-            fd = open_regular(path)
+            fd = open_regular(path, dir_fd=dir_fd)
         except OSError:
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(path, dir_fd=dir_fd)
             continue
         try:
             if os.read(fd, 128) == f"{nonce}\n".encode():
@@ -188,7 +194,7 @@ def collect_rw(nonce: str, volumes: Sequence[Volume]) -> set[str]:
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                os.unlink(path, dir_fd=dir_fd)
     return seen
 
 
@@ -243,9 +249,11 @@ class Gate:
         egress: EgressSpec | None = None,
         policy: Sequence[str] = (),
         bridged: Sequence[int] = (),
+        volume_dirs: Mapping[str, int] | None = None,
     ) -> Verdict:
         """The gate for a bottle's spec (``witness``: before any workload, own endpoints
-        diverted), against another bottle's address, its verdict logged."""
+        diverted), against another bottle's address, its verdict logged; ``volume_dirs``: see
+        :func:`collect_rw`."""
         plan, verdict = await self.run(
             bottle,
             agent_vm,
@@ -260,6 +268,7 @@ class Gate:
             ),
             allow_hosts=policy,
             bridged=bridged,
+            volume_dirs=volume_dirs,
         )
         self.log.info(
             "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
@@ -285,6 +294,7 @@ class Gate:
         proxy: Endpoint | None = None,
         allow_hosts: Sequence[str] = (),
         bridged: Sequence[int] = (),
+        volume_dirs: Mapping[str, int] | None = None,
     ) -> tuple[ProbePlan, Verdict]:
         nonce = new_nonce()
         markers = Markers(nonce, self.marker_dirs())
@@ -325,7 +335,7 @@ class Gate:
             result.stdout,
             exit_code=result.exit_code,
             witnessed=None if seen is None else seen.seen,
-            rw_seen=collect_rw(nonce, volumes),
+            rw_seen=collect_rw(nonce, volumes, volume_dirs),
         )
         if seen is not None and not verdict.passed:
             verdict = self._host_view(bottle, endpoints, plan, seen, refused, verdict)

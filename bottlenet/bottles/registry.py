@@ -119,6 +119,12 @@ class BottleRegistry:
         """Recovery starts: every change waits until :meth:`end_restore`."""
         self._gate.restore()
 
+    async def when_serving(self) -> None:
+        """Returns once recovery is done (at once when it is): a bottle not restored yet is
+        answered after its restore, not as missing."""
+        while not self._gate.serving():
+            await self._gate.when_serving()
+
     def end_restore(self) -> None:
         """Recovery is done (or failed): the waiting changes run."""
         waiting = self._gate.restored()
@@ -150,8 +156,7 @@ class BottleRegistry:
     ) -> T:
         """One operation at a time per bottle: a second one gets BUSY instead of racing.
         ``make`` (a create) makes a new name's owner; any other operation needs the bottle."""
-        while not self._gate.serving():
-            await self._gate.when_serving()
+        await self.when_serving()
         owner = self._owners.get(name)
         made = owner is None
         if owner is None:

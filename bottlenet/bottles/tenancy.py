@@ -4,9 +4,10 @@ A fleet (a Ray host per trainer and node, docs/fleet.md) creates bottles for own
 vanish (a crashed trainer, a lost node, a partition): a bottle may carry a **lease**, which
 its owner renews while it lives; one whose lease ran out (plus the daemon's grace) is
 destroyed by the daemon itself (:mod:`bottlenet.node.lease`). The **creator** is the
-scoped control peer that made it (``uid:N``): such a peer sees and acts on its own bottles
-only. All three are part of the bottle's state record (key ``tenancy``, absent when none
-applies), so a restarted daemon keeps them; a bottle without one behaves as before.
+scoped control peer that made it (``uid:N/<digest of its capability>``): such a peer sees and
+acts on its own bottles only (``control/scope.py``). All three are part of the bottle's state
+record (key ``tenancy``, absent when none applies), so a restarted daemon keeps them; a bottle
+without one behaves as before.
 
 The lease's expiry is kept as wall time (Unix seconds) only for a restart; while the daemon
 runs, its lease timer counts on the monotonic clock, so a wall-clock jump never reaps a live
@@ -28,7 +29,8 @@ from bottlenet.fields import Fields
 MIN_LEASE = 1.0
 MAX_LEASE = 7 * 86400.0
 _OWNER = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,127}")
-_CREATOR = re.compile(r"uid:(?:0|[1-9][0-9]{0,9})")
+#: ``uid:N``, and with a capability ``uid:N/<its digest>`` (``control/scope.py``).
+_CREATOR = re.compile(r"uid:(?:0|[1-9][0-9]{0,9})(?:/[0-9a-f]{64})?")
 
 
 def check_owner(owner: str) -> str:
@@ -45,11 +47,6 @@ def check_lease_seconds(seconds: float) -> float:
     if not (math.isfinite(seconds) and MIN_LEASE <= seconds <= MAX_LEASE):
         raise InvalidArgument(f"lease: {MIN_LEASE:g} to {MAX_LEASE:g} seconds")
     return float(seconds)
-
-
-def creator_of_uid(uid: int) -> str:
-    """How a scoped UNIX peer is recorded as a bottle's creator."""
-    return f"uid:{uid}"
 
 
 @frozen
@@ -107,7 +104,7 @@ class Tenancy:
         if owner is not None and not _OWNER.fullmatch(owner):
             raise f.fail("owner", "not an owner label")
         if creator is not None and not _CREATOR.fullmatch(creator):
-            raise f.fail("creator", "not uid:N")
+            raise f.fail("creator", "not uid:N or uid:N/DIGEST")
         lease = None
         raw = f.value("lease", dict, optional=True)
         if raw is not None:

@@ -42,6 +42,9 @@ class Invocation(NamedTuple):
     after_dashes: tuple[str, ...]
     #: The command line's words (before ``--``), to show an error about one of them as typed.
     words: tuple[str, ...] = ()
+    #: ``$BOTTLENET_CAPABILITY``: a scoped peer's capability, given with each call about
+    #: bottles (never a flag: a command line is readable by every local user).
+    capability: str | None = None
 
     @property
     def call_timeout(self) -> float:
@@ -58,7 +61,11 @@ class Invocation(NamedTuple):
         from bottlenet.control.blocking import BlockingControlClient
 
         return BlockingControlClient(
-            self.path, timeout=self.call_timeout, vm_timeout=self.vm_timeout, tls=self.tls
+            self.path,
+            timeout=self.call_timeout,
+            vm_timeout=self.vm_timeout,
+            tls=self.tls,
+            capability=self.capability,
         )
 
     def client(self, *, light: bool) -> Any:
@@ -67,7 +74,12 @@ class Invocation(NamedTuple):
         if light and self.tls is None:
             from bottlenet.control.lightclient import LightControlClient
 
-            return LightControlClient(self.path, self.call_timeout, vm_timeout=self.vm_timeout)
+            return LightControlClient(
+                self.path,
+                self.call_timeout,
+                vm_timeout=self.vm_timeout,
+                capability=self.capability,
+            )
         return self.blocking_client()
 
 

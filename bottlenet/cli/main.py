@@ -220,10 +220,16 @@ def cmd_bottle_create(c: BlockingControlClient, inv: Invocation, out: TextIO) ->
         raise in_spec_file(e, o.spec, inv.spec_json) from None
     if inv.json:
         _json(b, out)
-    elif b.mode:
+        return
+    if b.mode:
         write_table(["FIELD", "VALUE"], _bottle_rows(b), out)
     else:
         out.write(f"created {_clean(b.name)} on {_clean(b.alias)}\n")
+    if b.capability is not None and b.capability != inv.capability:
+        out.write(
+            f"capability {_clean(b.capability)}: give it as BOTTLENET_CAPABILITY to this "
+            "bottle's later commands (it is the only way to reach it)\n"
+        )
 
 
 def cmd_bottle_renew(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
@@ -662,6 +668,7 @@ def invocation(
         json=args.json,
         spec_json=spec_json,
         after_dashes=tuple(after_dashes or ()),
+        capability=env.get("BOTTLENET_CAPABILITY") or None,
     )
 
 

@@ -182,8 +182,19 @@ def judge_hello(hello: HelloResult, control: str) -> list[Check]:
         checks.append(
             Check("smolvm", Verdict.FAIL, "the daemon has no usable smolvm", FIXES["smolvm"])
         )
-    checks.append(Check("privilege", Verdict.PASS, hello.vm_uids or "not reported"))
+    checks.append(judge_privilege(hello))
     return checks
+
+
+def judge_privilege(hello: HelloResult) -> Check:
+    """The privilege model, and what it rests on: the uid a VM process was seen to run as,
+    or only what the daemon's uid implies (no VM start seen yet)."""
+    model = hello.vm_uids or "not reported"
+    return Check(
+        "privilege",
+        Verdict.PASS,
+        f"{model} ({hello.vm_uids_basis})" if hello.vm_uids_basis else model,
+    )
 
 
 def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> list[Check]:
@@ -420,9 +431,10 @@ class Run:
         hello = self.c.hello()
         self.per_vm_uids = (hello.vm_uids or "").startswith("per-VM")
         first = judge_hello(hello, self.control)
-        yield from first
         if first[1].verdict is Verdict.FAIL:
+            yield from first
             return
+        yield from first[:2]  # the privilege line after the create: what its VMs showed
         import shutil  # here, not at bottlenetctl's start (shutil imports bz2 and lzma)
         import tempfile
 
@@ -444,10 +456,12 @@ class Run:
         try:
             record = self.c.call(calls.create_bottle(self.name, spec=json.dumps(spec)))
         except BottlenetError as e:
+            yield judge_privilege(self.c.hello())
             yield from judge_create_error(e, per_vm_uids=self.per_vm_uids)
             yield from self._teardown(destroy=False)
             return
         try:
+            yield judge_privilege(self.c.hello())
             yield from judge_created(record)
             yield judge_bridge(self.c.call(calls.bottle_status(self.name)), self._reach(spec))
             yield judge_exec_root(self._exec(["id", "-u"], user="0"))

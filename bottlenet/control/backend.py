@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 class Scope(enum.Enum):
     """How a scoped peer's call of a backend method is checked (``control/scope.py``)."""
 
-    #: The peer is stamped as the bottle's creator.
+    #: In its name space, the peer stamped as the bottle's creator; no alias of its choice.
     CREATE = "create"
     #: The first argument names a bottle: the peer's own, else NOT_FOUND as for a missing one.
     BOTTLE = "bottle"
@@ -50,13 +50,23 @@ class Scope(enum.Enum):
     HOST = "host"
 
 
+class Names(enum.Enum):
+    """How an answer (a listing's each row) names a bottle: a scoped peer sees its names."""
+
+    NONE = "none"  # no bottle: an allow-list, a status line, a transport
+    BOTTLE = "bottle"  # a ``Bottle``
+    VERIFIED = "verified"  # a ``Bottle`` and the gate's verdict
+    FORWARD = "forward"  # a ``ForwardInfo`` (its spec's bottle)
+    ROW = "row"  # a row with a ``bottle`` (``TransparentCount``)
+
+
 @frozen
 class Scoping:
-    """A method's :class:`Scope`; a listing's ``row`` gives a row's bottle name (None: the
-    rows are bottles); a refusal names its ``command``."""
+    """A method's :class:`Scope`, what its answer names (:class:`Names`), the ``command`` a
+    refusal names."""
 
     scope: Scope
-    row: Callable[[Any], str] | None = None
+    answer: Names = Names.NONE
     command: str = ""
 
 
@@ -65,12 +75,12 @@ Method = TypeVar("Method", bound=Callable[..., Any])
 
 
 def scoped(
-    scope: Scope, row: Callable[[Any], str] | None = None, command: str = ""
+    scope: Scope, answer: Names = Names.NONE, command: str = ""
 ) -> Callable[[Method], Method]:
     """Declare how a scoped peer's call of the :class:`ControlBackend` method is checked."""
 
     def declare(method: Method) -> Method:
-        _SCOPES[method.__name__] = Scoping(scope, row, command)
+        _SCOPES[method.__name__] = Scoping(scope, answer, command)
         return method
 
     return declare
@@ -85,7 +95,7 @@ def scoping(name: str) -> Scoping:
 class ControlBackend(Protocol):
     """The registry operations the control plane exposes."""
 
-    @scoped(Scope.CREATE)
+    @scoped(Scope.CREATE, Names.BOTTLE)
     async def create_bottle(
         self,
         name: str,
@@ -96,7 +106,7 @@ class ControlBackend(Protocol):
         requester: Requester | None = None,
     ) -> Bottle: ...
 
-    @scoped(Scope.BOTTLE)
+    @scoped(Scope.BOTTLE, Names.VERIFIED)
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
 
     @scoped(Scope.BOTTLE)
@@ -105,13 +115,13 @@ class ControlBackend(Protocol):
     @scoped(Scope.BOTTLE)
     async def destroy_bottle(self, name: str) -> None: ...
 
-    @scoped(Scope.LISTING)
+    @scoped(Scope.LISTING, Names.BOTTLE)
     def list_bottles(self) -> Sequence[Bottle]: ...
 
-    @scoped(Scope.BOTTLE)
+    @scoped(Scope.BOTTLE, Names.BOTTLE)
     def get_bottle(self, name: str) -> Bottle: ...
 
-    @scoped(Scope.BOTTLE)
+    @scoped(Scope.BOTTLE, Names.FORWARD)
     async def add_forward(
         self, bottle: str, label: str, target: TargetSpec, port: int = 0
     ) -> ForwardInfo: ...
@@ -119,7 +129,7 @@ class ControlBackend(Protocol):
     @scoped(Scope.BOTTLE)
     async def remove_forward(self, bottle: str, label: str) -> None: ...
 
-    @scoped(Scope.LISTING, row=lambda f: f.spec.bottle)
+    @scoped(Scope.LISTING, Names.FORWARD)
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]: ...
 
     @scoped(Scope.HOST, command="Leftovers")
@@ -132,7 +142,7 @@ class ControlBackend(Protocol):
         """bottlenet's in-guest bridge of a VM bottle, described (None: no VMs)."""
         ...
 
-    @scoped(Scope.LISTING, row=lambda r: r.bottle)
+    @scoped(Scope.LISTING, Names.ROW)
     def transparent_stats(self, bottle: str | None = None) -> Sequence[TransparentCount]:
         """Transparent egress connects per bottle and target (``bottle stats``)."""
         ...
@@ -173,6 +183,10 @@ class NodeControl(Protocol):
 
     def renew_lease(self, name: str, seconds: float) -> None:
         """Extend ``name``'s lease (NOT_FOUND, INVALID_ARGUMENT without a lease)."""
+        ...
+
+    async def when_serving(self) -> None:
+        """Returns once the daemon's recovery is done."""
         ...
 
     async def when_empty(self, timeout: float) -> bool:

@@ -66,7 +66,10 @@ class BlockingControlClient(ExecOpener):
         *,
         vm_timeout: float = VM_TIMEOUT,
         tls: TLSCredentials | None = None,
+        capability: str | None = None,
     ) -> None:
+        #: A scoped peer's capability, given with every call about bottles (``calls``).
+        self.capability = capability
         self.address: ControlAddress = (
             control if isinstance(control, ControlAddress) else parse_control_address(control)
         )
@@ -163,6 +166,7 @@ class BlockingControlClient(ExecOpener):
         (or raise its typed error)."""
         if not isinstance(c, Call):
             c = calls.raw(C.short_name(c), arguments)
+        c = calls.presenting(c, self.capability)
         if self._sock is None:
             self.connect()
         assert self._sock is not None
@@ -264,7 +268,11 @@ class BlockingControlClient(ExecOpener):
         """Send ``make(local)`` on a connection of its own (``local``: a UNIX socket); its
         answer (whether the stdio came as file descriptors) switches it to frames."""
         session = BlockingControlClient(
-            self.address, self.timeout, vm_timeout=self.vm_timeout, tls=self.tls
+            self.address,
+            self.timeout,
+            vm_timeout=self.vm_timeout,
+            tls=self.tls,
+            capability=self.capability,
         )
         c = make(self.address.kind == "unix")
         limit = c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout

@@ -76,6 +76,27 @@ PACE: Mapping[str, Pace] = {
     "RenewLease": Pace.QUICK,
     "Leftovers": Pace.VM,
 }
+#: The commands that take a scoped peer's ``capability`` (``control/scope.py``): every one
+#: about bottles. A client made with a capability gives it to each of them.
+CAPABILITY_COMMANDS = frozenset(
+    {
+        "CreateBottle",
+        "DestroyBottle",
+        "ListBottles",
+        "BottleStatus",
+        "AddForward",
+        "RemoveForward",
+        "ListForwards",
+        "Stats",
+        "VerifyBottle",
+        "SetEgressPolicy",
+        "Exec",
+        "Logs",
+        "Watch",
+        "NodeInfo",
+        "RenewLease",
+    }
+)
 #: The daemon's longest ``Drain`` wait (``node.info.MAX_DRAIN_WAIT``), and a wait's
 #: without a ``timeout``.
 MAX_WAIT = 7 * 86400.0
@@ -106,6 +127,16 @@ class Call(NamedTuple, Generic[T]):
             wait = self.arguments.get("timeout")
             return min(MAX_WAIT if wait is None else float(wait), MAX_WAIT) + timeout
         return vm_timeout if self.slow else timeout
+
+
+def presenting(c: Call[T], capability: str | None) -> Call[T]:
+    """``c`` with ``capability`` among its arguments, where its command takes one and it has
+    none of its own (None: ``c`` as it is)."""
+    if capability is None or c.command not in CAPABILITY_COMMANDS:
+        return c
+    if c.arguments.get("capability") is not None:
+        return c
+    return c._replace(arguments={**c.arguments, "capability": capability})
 
 
 def raw(command: str, arguments: Mapping[str, Any]) -> Call[dict[str, Any]]:

@@ -105,15 +105,19 @@ class ControlClient:
         timeout: float = DEFAULT_TIMEOUT,
         *,
         vm_timeout: float = VM_TIMEOUT,
+        capability: str | None = None,
     ) -> None:
         self.proto = proto
         self.clock = clock
         self.timeout = timeout
         self.vm_timeout = vm_timeout
+        #: A scoped peer's capability, given with every call about bottles (``calls``).
+        self.capability = capability
 
     def call(self, c: Call[T], *, timeout: float | None = None) -> Deferred[T]:
         """Run one call: its converted answer, or its typed error (TimeoutError after
         ``timeout``, else the call's own limit: ``vm_timeout`` when it is slow)."""
+        c = calls.presenting(c, self.capability)
         d: Deferred[dict[str, Any]] = self.proto.callRemote(C.BY_NAME[c.command], **c.arguments)
         d.addTimeout(
             c.limit(self.timeout, self.vm_timeout) if timeout is None else timeout, self.clock
@@ -265,9 +269,11 @@ def connect_control(
     *,
     vm_timeout: float = VM_TIMEOUT,
     tls: TLSCredentials | None = None,
+    capability: str | None = None,
 ) -> Deferred[ControlClient]:
     """Connect to a control socket path, ``tls:HOST:PORT`` (with ``tls`` credentials, else
-    from the environment) or any client endpoint, and wrap it."""
+    from the environment) or any client endpoint, and wrap it (``capability``: a scoped
+    peer's, given with every call about bottles)."""
     endpoint: IStreamClientEndpoint
     if isinstance(where, str):
         address = parse_control_address(where)
@@ -281,7 +287,9 @@ def connect_control(
         endpoint = where
     proto = HardenedAMP(locator=ClientLocator(), pause_reading=False)
     d: Deferred[HardenedAMP] = connectProtocol(endpoint, proto)
-    return d.addCallback(lambda p: ControlClient(p, reactor, timeout, vm_timeout=vm_timeout))
+    return d.addCallback(
+        lambda p: ControlClient(p, reactor, timeout, vm_timeout=vm_timeout, capability=capability)
+    )
 
 
 def _tls_endpoint(

@@ -47,6 +47,8 @@ FEATURES = (
     "events",
     "logs",
     "node",
+    # The commands' optional ``capability`` (a scoped peer's, ``control/scope.py``).
+    "capability",
 )
 
 
@@ -185,6 +187,12 @@ def _page_response(key: bytes, arg: amp.Argument) -> list[tuple[bytes, amp.Argum
     ]
 
 
+def _capability() -> tuple[bytes, amp.Argument]:
+    """A scoped peer's capability for the bottles it names (``control/scope.py``): optional,
+    ignored for a peer with full control."""
+    return (b"capability", amp.Unicode(optional=True))
+
+
 class ControlCommand(amp.Command):
     """Base of every bottlenet command: maps every typed error code both ways.
 
@@ -243,6 +251,7 @@ class CreateBottle(ControlCommand):
         # Its owner label, and a lease: reaped unless renewed (``RenewLease``) in time.
         (b"owner", amp.Unicode(optional=True)),
         (b"lease_seconds", StrictFloat(optional=True)),
+        _capability(),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -250,19 +259,19 @@ class CreateBottle(ControlCommand):
 class DestroyBottle(ControlCommand):
     commandName = b"bottlenet.DestroyBottle"
     pace = Pace.VM
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = []
 
 
 class ListBottles(ControlCommand):
     commandName = b"bottlenet.ListBottles"
-    arguments = _page_arguments()
+    arguments = [*_page_arguments(), _capability()]
     response = _page_response(b"bottles", RecordList(BottleRecord))
 
 
 class BottleStatus(ControlCommand):
     commandName = b"bottlenet.BottleStatus"
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = [(b"bottle", Record(BottleRecord))]
 
 
@@ -275,6 +284,7 @@ class AddForward(ControlCommand):
         (b"label", amp.Unicode()),
         (b"target", amp.Unicode()),
         (b"port", StrictInteger(optional=True)),
+        _capability(),
     ]
     response = [
         (b"forward", Record(ForwardRecord)),
@@ -289,13 +299,14 @@ class RemoveForward(ControlCommand):
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"label", amp.Unicode()),
+        _capability(),
     ]
     response = []
 
 
 class ListForwards(ControlCommand):
     commandName = b"bottlenet.ListForwards"
-    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments(), _capability()]
     response = _page_response(b"forwards", RecordList(ForwardRecord))
 
 
@@ -304,7 +315,7 @@ class VerifyBottle(ControlCommand):
 
     commandName = b"bottlenet.VerifyBottle"
     pace = Pace.VM
-    arguments = [(b"name", amp.Unicode())]
+    arguments = [(b"name", amp.Unicode()), _capability()]
     response = [
         (b"bottle", Record(BottleRecord)),
         (b"result", amp.Unicode()),
@@ -319,13 +330,14 @@ class SetEgressPolicy(ControlCommand):
     arguments = [
         (b"bottle", amp.Unicode()),
         (b"allow_hosts", StrictListOf(amp.Unicode())),
+        _capability(),
     ]
     response = [(b"allow_hosts", StrictListOf(amp.Unicode()))]
 
 
 class Stats(ControlCommand):
     commandName = b"bottlenet.Stats"
-    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments()]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), *_page_arguments(), _capability()]
     response = _page_response(b"stats", RecordList(StatsRecord))
 
 
@@ -355,6 +367,7 @@ class Exec(ControlCommand):
         (b"cols", StrictInteger(optional=True)),
         (b"fds", StrictBoolean(optional=True)),
         (b"time_limit", StrictInteger(optional=True)),
+        _capability(),
     ]
     response = [(b"tty", StrictBoolean()), (b"fds", StrictBoolean(optional=True))]
 
@@ -369,6 +382,7 @@ class Logs(ControlCommand):
         (b"bottle", amp.Unicode()),
         (b"tail", StrictInteger(optional=True)),
         (b"follow", StrictBoolean(optional=True)),
+        _capability(),
     ]
     response = []
 
@@ -381,7 +395,7 @@ class Watch(ControlCommand):
     """
 
     commandName = b"bottlenet.Watch"
-    arguments = [(b"bottle", amp.Unicode(optional=True))]
+    arguments = [(b"bottle", amp.Unicode(optional=True)), _capability()]
     response = [(b"seq", StrictInteger())]
 
 
@@ -408,7 +422,7 @@ class RenewLease(ControlCommand):
     """Extend a bottle's lease to ``seconds`` from now (a bottle created with one)."""
 
     commandName = b"bottlenet.RenewLease"
-    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat())]
+    arguments = [(b"name", amp.Unicode()), (b"seconds", StrictFloat()), _capability()]
     response = [(b"bottle", Record(BottleRecord))]
 
 
@@ -417,7 +431,7 @@ class NodeInfo(ControlCommand):
     draining (``bottlenet.node.info``)."""
 
     commandName = b"bottlenet.NodeInfo"
-    arguments = []
+    arguments = [_capability()]
     response = [
         (b"server_version", amp.Unicode()),
         (b"protocol", StrictInteger()),

@@ -25,6 +25,10 @@ MAX_UNANSWERED = 64
 MAX_WATCHED = 1024
 
 
+#: An event as one watcher sees it (None: it does not).
+View = Callable[[BottleEvent], BottleEvent | None]
+
+
 class WatchingConnection(Protocol):
     """What the hub needs of a control connection."""
 
@@ -41,8 +45,9 @@ class _Watcher:
         #: Bottles watched on this connection; None stands for every bottle.
         self.bottles: set[str | None] = set()
         self.unanswered = 0
-        #: Which events this peer may see (a scoped peer: its own bottles'); None: all.
-        self.visible: Callable[[BottleEvent], bool] | None = None
+        #: Each event as this peer sees it, None when it may not (a scoped peer: its own
+        #: bottles', under its own names); None: every event as it is.
+        self.view: View | None = None
 
 
 class EventHub:
@@ -69,11 +74,11 @@ class EventHub:
         self,
         connection: WatchingConnection,
         bottle: str | None = None,
-        visible: Callable[[BottleEvent], bool] | None = None,
+        view: View | None = None,
     ) -> int:
         """Push ``bottle``'s events (every bottle's for None) to ``connection`` too; answers
-        the current seq. Several watches on one connection add up. ``visible``: only the
-        events it accepts (a scoped peer's)."""
+        the current seq. Several watches on one connection add up. ``view``: each event as
+        the peer sees it, or not at all (a scoped peer's; the last watch's holds)."""
         w = self._watchers.get(id(connection))
         if (
             w is not None
@@ -88,7 +93,7 @@ class EventHub:
         if w is None:
             w = self._watchers[id(connection)] = _Watcher(connection)
         w.bottles.add(bottle)
-        w.visible = visible
+        w.view = view
         return self.seq
 
     def forget(self, connection: object) -> None:
@@ -100,21 +105,16 @@ class EventHub:
 
     def publish(self, event: BottleEvent) -> None:
         self.seq += 1
-        record = EventRecord(
-            seq=self.seq,
-            kind=event.kind,
-            bottle=event.bottle,
-            at=event.at,
-            state=event.state,
-            detail=event.detail,
-            exit_code=event.exit_code,
-            creator=event.creator,
-        )
+        record = _record(self.seq, event)
         for key, w in list(self._watchers.items()):
             if None not in w.bottles and event.bottle not in w.bottles:
                 continue
-            if w.visible is not None and not w.visible(event):
-                continue
+            shown = record
+            if w.view is not None:
+                seen = w.view(event)
+                if seen is None:
+                    continue
+                shown = record if seen is event else _record(self.seq, seen)
             if w.unanswered >= self.max_unanswered:
                 self._watchers.pop(key, None)
                 w.connection.drop(
@@ -122,7 +122,7 @@ class EventHub:
                 )
                 continue
             w.unanswered += 1
-            self._send(w, record)
+            self._send(w, shown)
 
     def _send(self, w: _Watcher, record: EventRecord) -> None:
         def answered(result: object) -> None:
@@ -135,3 +135,16 @@ class EventHub:
             self.log.failure("control: cannot push an event")
             return
         d.addBoth(answered)
+
+
+def _record(seq: int, event: BottleEvent) -> EventRecord:
+    return EventRecord(
+        seq=seq,
+        kind=event.kind,
+        bottle=event.bottle,
+        at=event.at,
+        state=event.state,
+        detail=event.detail,
+        exit_code=event.exit_code,
+        creator=event.creator,
+    )

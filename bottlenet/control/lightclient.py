@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from bottlenet import __version__
 from bottlenet.control import calls
-from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest
+from bottlenet.control.calls import VM_TIMEOUT, Call, ExecOpener, ExecRequest, presenting
 from bottlenet.control.clienterrors import (
     ControlConnectionError,
     DaemonUnreachable,
@@ -72,7 +72,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
     ),
     "Ping": ({}, {}),
     "NodeInfo": (
-        {},
+        {"capability": (Kind.UNICODE, True)},
         {
             "server_version": (Kind.UNICODE, False),
             "protocol": (Kind.INTEGER, False),
@@ -106,11 +106,16 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "cols": (Kind.INTEGER, True),
             "fds": (Kind.BOOLEAN, True),
             "time_limit": (Kind.INTEGER, True),
+            "capability": (Kind.UNICODE, True),
         },
         {"tty": (Kind.BOOLEAN, False), "fds": (Kind.BOOLEAN, True)},
     ),
     "ListBottles": (
-        {"offset": (Kind.INTEGER, True), "limit": (Kind.INTEGER, True)},
+        {
+            "offset": (Kind.INTEGER, True),
+            "limit": (Kind.INTEGER, True),
+            "capability": (Kind.UNICODE, True),
+        },
         {
             "bottles": (Kind.BOTTLE_RECORDS, False),
             "total": (Kind.INTEGER, False),
@@ -209,8 +214,17 @@ def decode_answer(name: str, box: Mapping[bytes, bytes]) -> dict[str, Any]:
 class LightControlClient(ExecOpener):
     """One connection to a UNIX control socket for Hello, Ping, ListBottles and Exec."""
 
-    def __init__(self, path: str, timeout: float, *, vm_timeout: float = VM_TIMEOUT) -> None:
+    def __init__(
+        self,
+        path: str,
+        timeout: float,
+        *,
+        vm_timeout: float = VM_TIMEOUT,
+        capability: str | None = None,
+    ) -> None:
         self.path = path
+        #: A scoped peer's capability, given with every call about bottles (``calls``).
+        self.capability = capability
         self.timeout = timeout
         self.vm_timeout = vm_timeout
         self._sock: socket.socket | None = None
@@ -252,6 +266,7 @@ class LightControlClient(ExecOpener):
 
     def call(self, c: Call[T], *, timeout: float | None = None) -> T:
         """Send one call, wait for its converted answer (or raise its typed error)."""
+        c = presenting(c, self.capability)
         if self._sock is None:
             self.connect()
         assert self._sock is not None

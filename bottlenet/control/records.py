@@ -71,6 +71,9 @@ class BottleRecord:
     owner: str | None = None
     lease_seconds: float | None = None
     lease_expires_at: float | None = None
+    #: ``CreateBottle``'s answer to a scoped peer only: the capability its later calls about
+    #: this bottle present (``control/scope.py``); a secret, shown to no one else.
+    capability: str | None = None
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> BottleRecord:

@@ -181,6 +181,7 @@ class BottleRow(NamedTuple):
     owner: str | None = None
     lease_seconds: float | None = None
     lease_expires_at: float | None = None
+    capability: str | None = None
 
     @classmethod
     def from_json(cls, d: object) -> BottleRow:
@@ -208,6 +209,7 @@ class BottleRow(NamedTuple):
             owner=f.value("owner", str, optional=True),
             lease_seconds=_optional_number(f, "lease_seconds"),
             lease_expires_at=_optional_number(f, "lease_expires_at"),
+            capability=f.value("capability", str, optional=True),
         )
 
 

@@ -16,6 +16,7 @@ import re
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from attrs import evolve
 from twisted.internet.interfaces import (
     IAddress,
     IHandshakeListener,
@@ -30,7 +31,7 @@ import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
-from bottlenet.bottles.tenancy import Tenancy, creator_of_uid
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.volumes import Requester, RequesterKind
 from bottlenet.bottles.workload import DEFAULT_TAIL, MAX_TAIL
 from bottlenet.control import commands as C
@@ -38,6 +39,7 @@ from bottlenet.control.backend import ControlBackend, NodeControl
 from bottlenet.control.calls import MAX_WAIT
 from bottlenet.control.context import Admission, ControlContext, PeerIdentity
 from bottlenet.control.execbroker import ExecBridge
+from bottlenet.control.identity import Identity, check_capability, mint_capability
 from bottlenet.control.protocol import (
     HardenedAMP,
     SafeCommandLocator,
@@ -75,6 +77,7 @@ from bottlenet.views import LazyView
 if TYPE_CHECKING:
     from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
+    from bottlenet.node.info import Capacity
 
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
@@ -85,6 +88,23 @@ MAX_EXEC_TIME_LIMIT = 86400
 # A client version is logged as is only in this shape (name/dotted version, lowercase);
 # anything else, however harmless its characters, as a length and a sha256 prefix.
 _CLIENT_VERSION_RE = re.compile(r"[a-z][a-z0-9-]{0,31}/[0-9]{1,4}(\.[0-9]{1,4}){0,3}")
+
+
+def _same(name: str) -> str:
+    return name
+
+
+def own_capacity(node: Capacity, scope: ScopedBackend) -> Capacity:
+    """The node's capacity as a scoped peer is told it: its own bottles and their relay
+    connections in place of everyone's (the node's limits as they are)."""
+    bottles = scope.list_bottles()
+    active = sum(f.counters.active for f in scope.list_forwards(None))
+    return evolve(
+        node,
+        bottles=len(bottles),
+        vm_bottles=sum(1 for b in bottles if b.has_vms),
+        connections_used=active,
+    )
 
 
 def describe_client_version(value: str) -> str:
@@ -172,6 +192,9 @@ class ControlLocator(SafeCommandLocator):
         self.context = factory.context
         self.backend: ControlBackend = factory.context.backend
         self.peer: PeerIdentity | None = None
+        #: A scoped peer's uid (``--allow-uid UID:scoped``): each call is then seen through
+        #: a :class:`ScopedBackend` of the capability it gives.
+        self.scoped_uid: int | None = None
         self.on_command = factory.context.on_command
         self.connection: ControlServerProtocol | None = None
 
@@ -227,8 +250,26 @@ class ControlLocator(SafeCommandLocator):
         return {}
 
     def _full_control(self, command: str) -> None:
-        if isinstance(self.backend, ScopedBackend):
+        if self.scoped_uid is not None:
             raise PermissionDenied(f"{command}: a scoped peer may not ask for it")
+
+    def _scope(self, capability: str | None, *, mint: bool = False) -> ScopedBackend | None:
+        """A scoped peer's view for a call that gave ``capability`` (``mint``: a create
+        without one gets a new one); None for a peer with full control."""
+        if self.scoped_uid is None:
+            return None
+        if capability is not None:
+            capability = check_capability(capability)
+        elif mint:
+            capability = mint_capability()
+        return ScopedBackend(self.context.backend, Identity(self.scoped_uid, capability))
+
+    def _view(self, capability: str | None) -> tuple[ControlBackend, Callable[[str], str]]:
+        """The backend this call sees, and the node's name of a bottle it names."""
+        scope = self._scope(capability)
+        if scope is None:
+            return self.backend, _same
+        return scope, scope.inner
 
     def _node(self) -> NodeControl:
         node = self.context.node
@@ -237,9 +278,12 @@ class ControlLocator(SafeCommandLocator):
         return node
 
     @C.NodeInfo.responder
-    def node_info(self) -> dict[str, Any]:
+    def node_info(self, capability: str | None = None) -> dict[str, Any]:
         r = self._node().report()
         c = r.capacity
+        scope = self._scope(capability)
+        if scope is not None:  # its own bottles only: it learns nothing of others'
+            c = own_capacity(c, scope)
         return {
             "server_version": self.context.server_version,
             "protocol": C.PROTOCOL_VERSION,
@@ -286,11 +330,11 @@ class ControlLocator(SafeCommandLocator):
         await self._mutate("Undrain", "node", undrain())
         return {"draining": node.draining}
 
-    def _record(self, bottle: Bottle) -> BottleRecord:
+    def _record(self, bottle: Bottle, backend: ControlBackend) -> BottleRecord:
         return bottle_record(
             bottle,
-            len(self.backend.list_forwards(bottle.name)),
-            bridge=self.backend.bridge_status(bottle.name),
+            len(backend.list_forwards(bottle.name)),
+            bridge=backend.bridge_status(bottle.name),
         )
 
     @C.CreateBottle.responder
@@ -301,50 +345,71 @@ class ControlLocator(SafeCommandLocator):
         spec: str | None,
         owner: str | None = None,
         lease_seconds: float | None = None,
+        capability: str | None = None,
     ) -> dict[str, Any]:
         name = check_bottle_name(name)
         addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
         # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
         parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
         tenancy = Tenancy.requested(owner, lease_seconds, None)
+        scope = self._scope(capability, mint=True)
+        backend: ControlBackend = self.backend if scope is None else scope
+        subject = name if scope is None else scope.inner(name)
         create = (
-            self.backend.create_bottle(name, addr, spec=parsed)
+            backend.create_bottle(name, addr, spec=parsed)
             if tenancy is None and parsed is None
-            else self.backend.create_bottle(
+            else backend.create_bottle(
                 name, addr, spec=parsed, tenancy=tenancy, requester=requester_of(self.peer)
             )
         )
-        bottle = await self._mutate("CreateBottle", name, create)
-        return {"bottle": self._record(bottle)}
+        bottle = await self._mutate("CreateBottle", subject, create)
+        record = self._record(bottle, backend)
+        if scope is not None:  # the secret its later calls present: told to its holder only
+            record = evolve(record, capability=scope.identity.capability)
+        return {"bottle": record}
 
     @C.RenewLease.responder
-    def renew_lease(self, name: str, seconds: float) -> dict[str, Any]:
+    async def renew_lease(
+        self, name: str, seconds: float, capability: str | None = None
+    ) -> dict[str, Any]:
         name = check_bottle_name(name)
-        self.backend.get_bottle(name)  # NOT_FOUND for a scoped peer's other bottles
-        self._node().renew_lease(name, seconds)
-        return {"bottle": self._record(self.backend.get_bottle(name))}
+        backend, inner = self._view(capability)
+        node = self._node()
+        # A restarted daemon answers a bottle it has not restored yet after its restore
+        # (its owner's renewal must not look like a lost bottle).
+        await node.when_serving()
+        backend.get_bottle(name)  # NOT_FOUND for a scoped peer's other bottles
+        node.renew_lease(inner(name), seconds)
+        return {"bottle": self._record(backend.get_bottle(name), backend)}
 
     @C.VerifyBottle.responder
-    async def verify_bottle(self, name: str) -> dict[str, Any]:
+    async def verify_bottle(self, name: str, capability: str | None = None) -> dict[str, Any]:
         name = check_bottle_name(name)
-        bottle, verdict = await self._mutate("VerifyBottle", name, self.backend.verify_bottle(name))
-        return {"bottle": self._record(bottle), "result": verdict.result.value}
+        backend, inner = self._view(capability)
+        bottle, verdict = await self._mutate(
+            "VerifyBottle", inner(name), backend.verify_bottle(name)
+        )
+        return {"bottle": self._record(bottle, backend), "result": verdict.result.value}
 
     @C.SetEgressPolicy.responder
-    async def set_egress_policy(self, bottle: str, allow_hosts: list[str]) -> dict[str, Any]:
+    async def set_egress_policy(
+        self, bottle: str, allow_hosts: list[str], capability: str | None = None
+    ) -> dict[str, Any]:
         bottle = check_bottle_name(bottle)
         hosts = check_allow_hosts(allow_hosts)
+        backend, inner = self._view(capability)
         result = await self._mutate(
-            "SetEgressPolicy", bottle, self.backend.set_egress_policy(bottle, hosts)
+            "SetEgressPolicy", inner(bottle), backend.set_egress_policy(bottle, hosts)
         )
         return {"allow_hosts": list(result)}
 
     @C.DestroyBottle.responder
-    async def destroy_bottle(self, name: str) -> dict[str, Any]:
+    async def destroy_bottle(self, name: str, capability: str | None = None) -> dict[str, Any]:
         name = check_bottle_name(name)
-        await self._mutate("DestroyBottle", name, self.backend.destroy_bottle(name))
+        backend, inner = self._view(capability)
+        await self._mutate("DestroyBottle", inner(name), backend.destroy_bottle(name))
         # Its commands end with it (while it was being destroyed, a new Exec was BUSY).
-        self.factory.end_exec_sessions_of(name)
+        self.factory.end_exec_sessions_of(inner(name))
         return {}
 
     @C.Exec.responder
@@ -361,8 +426,10 @@ class ControlLocator(SafeCommandLocator):
         cols: int | None,
         fds: bool | None = None,
         time_limit: int | None = None,
+        capability: str | None = None,
     ) -> dict[str, Any]:
         check_bottle_name(bottle)
+        backend, inner = self._view(capability)
         if time_limit is not None and not 1 <= time_limit <= MAX_EXEC_TIME_LIMIT:
             raise InvalidArgument(f"time_limit: 1-{MAX_EXEC_TIME_LIMIT} seconds")
         request = parse_exec_request(
@@ -382,11 +449,11 @@ class ControlLocator(SafeCommandLocator):
 
         def spawn(bridge: ExecBridge) -> Awaitable[object]:
             if not with_fds:
-                return self.backend.spawn_exec(bottle, request, bridge)
-            return self.backend.spawn_exec(bottle, request, bridge, stdio=bridge.make_stdio())
+                return backend.spawn_exec(bottle, request, bridge)
+            return backend.spawn_exec(bottle, request, bridge, stdio=bridge.make_stdio())
 
         await self._attach(
-            bottle,
+            inner(bottle),
             spawn,
             tty=request.tty,
             stdin=request.stdin,
@@ -407,7 +474,8 @@ class ControlLocator(SafeCommandLocator):
         fds: bool = False,
         time_limit: int | None = None,
     ) -> None:
-        """Start a command with a bridge; the connection switches once the answer is out."""
+        """Start a command with a bridge (``bottle``: the node's name); the connection
+        switches once the answer is out."""
         connection = self.connection
         if connection is None or connection.in_flight != 1:
             raise Busy(f"{what} needs a connection of its own (no other command in flight)")
@@ -454,21 +522,29 @@ class ControlLocator(SafeCommandLocator):
             connection.switch_after_answer(bridge)
 
     def _bottle_exists(self, name: str) -> bool:
+        """Whether the node's bottle ``name`` is still there."""
         try:
-            self.backend.get_bottle(name)
+            self.context.backend.get_bottle(name)
         except NotFound:
             return False
         return True
 
     @C.Logs.responder
-    async def logs(self, bottle: str, tail: int | None, follow: bool | None) -> dict[str, Any]:
+    async def logs(
+        self,
+        bottle: str,
+        tail: int | None,
+        follow: bool | None,
+        capability: str | None = None,
+    ) -> dict[str, Any]:
         check_bottle_name(bottle)
         lines = DEFAULT_TAIL if tail is None else tail
         if not 0 <= lines <= MAX_TAIL:
             raise InvalidArgument(f"tail must be 0-{MAX_TAIL}")
+        backend, inner = self._view(capability)
         await self._attach(
-            bottle,
-            lambda bridge: self.backend.spawn_logs(bottle, lines, bool(follow), bridge),
+            inner(bottle),
+            lambda bridge: backend.spawn_logs(bottle, lines, bool(follow), bridge),
             tty=False,
             stdin=False,
             what="logs",
@@ -476,13 +552,15 @@ class ControlLocator(SafeCommandLocator):
         return {}
 
     @C.Watch.responder
-    def watch(self, bottle: str | None) -> dict[str, Any]:
+    def watch(self, bottle: str | None, capability: str | None = None) -> dict[str, Any]:
+        scope = self._scope(capability)
         if bottle is not None:
             check_bottle_name(bottle)
+            if scope is not None:
+                bottle = scope.inner(bottle)
         hub = self.context.event_hub
         if hub is None or self.connection is None:
             raise Unavailable("this daemon publishes no events")
-        scope = self.backend if isinstance(self.backend, ScopedBackend) else None
         seq = hub.watch(self.connection, bottle, None if scope is None else scope.sees)
         self.log.info(
             "control: {peer} watches events (from seq {seq})",
@@ -494,11 +572,15 @@ class ControlLocator(SafeCommandLocator):
     @C.Leftovers.responder
     async def leftovers(self, name: str) -> dict[str, Any]:
         name = check_bottle_name(name)
+        # A gone bottle's traces are the host's business, whoever made it: full control.
+        self._full_control("Leftovers")
         return {"leftovers": await self.backend.leftovers(name)}
 
     @C.ListBottles.responder
-    def list_bottles(self, offset: int | None, limit: int | None) -> dict[str, Any]:
-        backend = self.backend
+    def list_bottles(
+        self, offset: int | None, limit: int | None, capability: str | None = None
+    ) -> dict[str, Any]:
+        backend, _ = self._view(capability)
         # Each record is built only when its page is (the forward count of one bottle is the
         # length of its lazy forward view): a page costs the page, not every bottle.
         records: LazyView[BottleRecord] = LazyView(
@@ -513,25 +595,32 @@ class ControlLocator(SafeCommandLocator):
         }
 
     @C.BottleStatus.responder
-    def bottle_status(self, name: str) -> dict[str, Any]:
+    def bottle_status(self, name: str, capability: str | None = None) -> dict[str, Any]:
         name = check_bottle_name(name)
-        return {"bottle": self._record(self.backend.get_bottle(name))}
+        backend, _ = self._view(capability)
+        return {"bottle": self._record(backend.get_bottle(name), backend)}
 
     @C.AddForward.responder
     async def add_forward(
-        self, bottle: str, label: str, target: str, port: int | None
+        self,
+        bottle: str,
+        label: str,
+        target: str,
+        port: int | None,
+        capability: str | None = None,
     ) -> dict[str, Any]:
         bottle = check_bottle_name(bottle)
         label = check_label(label)
+        backend, inner = self._view(capability)
         root = self.context.unix_target_root
         target_spec = parse_target(
-            target, unix_root=None if root is None else targets_dir(root, bottle)
+            target, unix_root=None if root is None else targets_dir(root, inner(bottle))
         )
         port = check_port(0 if port is None else port, allow_zero=True)
         info = await self._mutate(
             "AddForward",
-            f"{bottle}/{label}",
-            self.backend.add_forward(bottle, label, target_spec, port=port),
+            f"{inner(bottle)}/{label}",
+            backend.add_forward(bottle, label, target_spec, port=port),
         )
         bound = info.bound
         result: dict[str, Any] = {"forward": forward_record(info)}
@@ -543,25 +632,35 @@ class ControlLocator(SafeCommandLocator):
         return result
 
     @C.RemoveForward.responder
-    async def remove_forward(self, bottle: str, label: str) -> dict[str, Any]:
+    async def remove_forward(
+        self, bottle: str, label: str, capability: str | None = None
+    ) -> dict[str, Any]:
         bottle = check_bottle_name(bottle)
         label = check_label(label)
+        backend, inner = self._view(capability)
         await self._mutate(
-            "RemoveForward", f"{bottle}/{label}", self.backend.remove_forward(bottle, label)
+            "RemoveForward", f"{inner(bottle)}/{label}", backend.remove_forward(bottle, label)
         )
         return {}
 
-    def _forwards(self, bottle: str | None) -> Sequence[ForwardInfo]:
+    def _forwards(self, bottle: str | None, capability: str | None) -> Sequence[ForwardInfo]:
+        backend, _ = self._view(capability)
         if bottle is not None:
             check_bottle_name(bottle)
-            self.backend.get_bottle(bottle)  # NOT_FOUND for an unknown bottle
-        return self.backend.list_forwards(bottle)
+            backend.get_bottle(bottle)  # NOT_FOUND for an unknown bottle
+        return backend.list_forwards(bottle)
 
     @C.ListForwards.responder
     def list_forwards(
-        self, bottle: str | None, offset: int | None, limit: int | None
+        self,
+        bottle: str | None,
+        offset: int | None,
+        limit: int | None,
+        capability: str | None = None,
     ) -> dict[str, Any]:
-        records: LazyView[ForwardRecord] = LazyView(self._forwards(bottle), forward_record)
+        records: LazyView[ForwardRecord] = LazyView(
+            self._forwards(bottle, capability), forward_record
+        )
         page = paginate(records, offset, limit)
         return {
             "forwards": page["items"],
@@ -570,9 +669,16 @@ class ControlLocator(SafeCommandLocator):
         }
 
     @C.Stats.responder
-    def stats(self, bottle: str | None, offset: int | None, limit: int | None) -> dict[str, Any]:
-        forwards = self._forwards(bottle)
-        layer = self.backend.transparent_stats(bottle)
+    def stats(
+        self,
+        bottle: str | None,
+        offset: int | None,
+        limit: int | None,
+        capability: str | None = None,
+    ) -> dict[str, Any]:
+        backend, _ = self._view(capability)
+        forwards = self._forwards(bottle, capability)
+        layer = backend.transparent_stats(bottle)
         # The forwards, then one row per transparent egress target (label "transparent:T").
         rows: list[ForwardInfo | TransparentCount] = [*forwards, *layer]
         records: LazyView[StatsRecord] = LazyView(rows, _stats_row)
@@ -643,7 +749,9 @@ class ControlServerProtocol(HardenedAMP):
         through a view of its own bottles)."""
         self.control.peer = peer
         if peer.scoped and peer.uid is not None:
-            self.control.backend = ScopedBackend(self.context.backend, creator_of_uid(peer.uid))
+            self.control.scoped_uid = peer.uid
+            # What a responder sees unless a call's capability says more: none of the bottles.
+            self.control.backend = ScopedBackend(self.context.backend, Identity(peer.uid))
         self.peer_authenticated()
 
     def first_bytes_received(self) -> None:

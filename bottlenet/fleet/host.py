@@ -6,7 +6,8 @@ It is an async actor: its calls and its keeper run on one event loop, so a bottl
 changes on one thread and needs no lock. The blocking control calls run in two executors: the
 calls' own, and one thread for the renewals, so a long exec never delays a lease. The host
 reaches only its own node's daemon, over the local control socket, as the Ray workers' uid
-(scoped: the daemon shows it only the bottles that uid made). Logging is the standard
+(scoped: the daemon shows it only the bottles of the capability this host presents, one per
+owner and node). Logging is the standard
 library's: Ray writes it to the worker's log file; no Twisted log observer runs in a Ray worker.
 """
 
@@ -18,6 +19,7 @@ import functools
 import io
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -78,8 +80,7 @@ class Phase(enum.StrEnum):
 @attrs.define(eq=False)
 class Hosted:
     """One bottle as its host holds it: what every later call on it needs (its control
-    socket, its lease; the per-bottle capability the daemon is to return at create,
-    security-4 N6, belongs here too, and goes with each call made from this row)."""
+    socket, its lease; the capability every call presents is its host's)."""
 
     name: str
     request: BottleRequest
@@ -105,7 +106,7 @@ class NodeHost:
         owner: Any,
         owner_label: str,
         *,
-        connect: Callable[[str], BlockingControlClient] = BlockingControlClient,
+        connect: Callable[[str], BlockingControlClient] | None = None,
         clock: Callable[[], float] = time.monotonic,
         node_id: str | None = None,
     ) -> None:
@@ -113,7 +114,11 @@ class NodeHost:
         self.owner_label = owner_label
         self.node_id = node_id or ray.get_runtime_context().get_node_id()
         self.hostname = socket.gethostname()
-        self._connect = connect
+        #: The job's capability on this node (docs/protocol.md, "Scoped peers"): the daemon
+        #: admits the Ray uid scoped, and every job's uid is that one, so the bottles made here
+        #: answer only calls that present it (another job's host holds another).
+        self.capability = secrets.token_urlsafe(24)
+        self._connect = connect or self._own_client
         self._clock = clock
         self._bottles: dict[str, Hosted] = {}
         self._calls = ThreadPoolExecutor(CALL_THREADS, thread_name_prefix="bottlenet-call")
@@ -122,6 +127,9 @@ class NodeHost:
         self._last_round = clock()
         #: rounds whose owner check got no answer (so nothing was renewed)
         self.skipped = 0
+
+    def _own_client(self, control: str) -> BlockingControlClient:
+        return BlockingControlClient(control, capability=self.capability)
 
     async def _blocking(
         self, call: Callable[..., T], *args: Any, executor: ThreadPoolExecutor | None = None

@@ -20,6 +20,8 @@ from attrs import field, frozen
 from bottlenet.errors import InvalidArgument, safe_repr
 from bottlenet.paths import MAX_SUN_PATH
 
+#: A bottle name: 1-63 of ``a-z0-9-``, starting with a letter or digit.
+BOTTLE_NAME_MAX = 63
 BOTTLE_NAME_RE = re.compile(r"[a-z0-9][a-z0-9-]{0,62}")
 LABEL_RE = re.compile(r"[a-z0-9][a-z0-9_-]{0,31}")
 # A canonical dotted-quad: four decimal octets, no leading zeros, nothing else.

@@ -234,6 +234,10 @@ class Node:
         if self.gate.drain():
             self.log.info("node: draining: new bottles are refused ({n} held)", n=self.held())
 
+    async def when_serving(self) -> None:
+        """Returns once the daemon's recovery is done (``RenewLease`` waits for it)."""
+        await self._registry.when_serving()
+
     def undrain(self) -> None:
         self.gate.undrain()
 

@@ -6,8 +6,9 @@ run forever. A bottle made with a lease is reaped once the lease and a grace
 ordinary destroy, tried again every :data:`RETRY` while another operation holds it. Each
 owner holds its own :class:`LeaseTimer`, armed when made or restored and at each renewal.
 Deadlines count on the monotonic clock (a wall-clock jump forward never reaps early); the
-reactor only wakes the timer, at most :data:`MAX_SLEEP` apart (a jump back delays a reap by at
-most that). Across a restart only wall time exists: a restored bottle counts what is left of
+reactor only wakes the timer, at most :data:`MAX_SLEEP` apart; a jump back while it sleeps
+delays its wake, and so a reap, by the jump (Twisted's timers are wall time): late, never
+early. Across a restart only wall time exists: a restored bottle counts what is left of
 its recorded expiry, then the grace again, so its owner can still renew it.
 """
 
@@ -24,7 +25,8 @@ from bottlenet.errors import BottlenetError, Busy, NotFound
 
 #: Seconds of grace after a lease runs out, unless ``--lease-grace`` says otherwise.
 DEFAULT_GRACE = 30.0
-#: A timer's longest sleep (seconds): bounds how late a wall-clock jump back makes a reap.
+#: A timer's longest sleep (seconds): it looks at the monotonic clock at least this often
+#: (unless the wall clock is stepped back while it sleeps: then the step later).
 MAX_SLEEP = 60.0
 #: A reap that found the bottle busy (or failed) is tried again this much later (seconds).
 RETRY = 5.0

@@ -13,10 +13,10 @@ from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
 from bottlenet.bottles.model import Role, Source, machine_name
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.store import StateStore
-from bottlenet.errors import Draining
+from bottlenet.errors import Draining, InvalidArgument, ResourceExhausted
 from bottlenet.errors import KvmUnavailable as BnKvmUnavailable
 from bottlenet.forward.spec import parse_target
-from bottlenet.node.info import MAX_DRAIN_WAITERS, Node, node_parts
+from bottlenet.node.info import MAX_DRAIN_WAITERS, MAX_LABELS, Node, check_labels, node_parts
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
 from vmctl.errors import KvmUnavailable
@@ -257,3 +257,37 @@ def test_a_forward_only_bottle_says_nothing_of_kvm(rigs: Rigs, tmp: str) -> None
     rig.run(rig.registry.create_bottle("plain"))
     r = node.report()
     assert not r.vm_possible and "KVM_UNAVAILABLE" in (r.vm_why_not or "")
+
+
+def test_the_bounds_of_labels_waiters_and_the_connection_budget(rigs: Rigs) -> None:
+    """64 labels are taken and 65 refused; 64 callers may wait for the drain at once and the
+    65th is RESOURCE_EXHAUSTED; a budget used up exactly is a health reason."""
+    assert len(check_labels([f"k{i}=v" for i in range(MAX_LABELS)])) == MAX_LABELS
+    with pytest.raises(InvalidArgument, match="at most"):
+        check_labels([f"k{i}=v" for i in range(MAX_LABELS + 1)])
+    rig = rigs()
+    node = node_of(rig)
+    rig.run(rig.registry.create_bottle("a"))
+    node.drain()
+    waiting = [rig.start(node.when_empty(600)) for _ in range(MAX_DRAIN_WAITERS)]
+    assert not any(d.called for d in waiting)
+    with pytest.raises(ResourceExhausted):
+        rig.run(node.when_empty(600))
+    budget = rig.table.budget
+    budget.configured_total = 5
+    budget.total_active = 5
+    assert node.report().reasons == ("the relay connection budget is used up",)
+    budget.total_active = 0
+    node.undrain()
+    assert all(rig.result(d) is False for d in waiting)
+
+
+def test_a_smolvm_with_a_problem_reports_no_version(rigs: Rigs) -> None:
+    """NodeInfo names a smolvm version only while that smolvm is usable."""
+    rig = rigs()
+    node = node_of(rig)
+    node.smolvm_found, node.smolvm_problem, node.smolvm_version = True, None, "1.32.2"
+    assert node.report().smolvm == "1.32.2"
+    node.smolvm_problem = "UNSUPPORTED_VERSION: too old"
+    r = node.report()
+    assert r.smolvm is None and not r.vm_possible

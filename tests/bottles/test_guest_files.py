@@ -62,6 +62,29 @@ def test_collect_rw_still_sees_a_regular_file(tmp_path: Path) -> None:
     assert not (vol / f".bottlenet-gate-{NONCE}").exists()
 
 
+def test_collect_rw_looks_in_the_directory_resolved_at_create(tmp_path: Path) -> None:
+    """A create's round trip is looked for in the volume's resolved directory: its path
+    re-pointed since (the directory moved aside, a symlink to another in its place) finds the
+    guest's file where the directory went, and a file in the other one does not count."""
+    vol = tmp_path / "vol"
+    vol.mkdir()
+    fd = os.open(vol, os.O_PATH | os.O_DIRECTORY)
+    try:
+        vol.rename(tmp_path / "aside")
+        other = tmp_path / "other"
+        other.mkdir()
+        vol.symlink_to(other)
+        (other / f".bottlenet-gate-{NONCE}").write_text(f"{NONCE}\n")
+        volume = Volume(str(vol), "/work", read_only=False)
+        assert collect_rw(NONCE, [volume], {"/work": fd}) == set()
+        assert (other / f".bottlenet-gate-{NONCE}").exists()  # not ours to remove
+        (tmp_path / "aside" / f".bottlenet-gate-{NONCE}").write_text(f"{NONCE}\n")
+        assert collect_rw(NONCE, [volume], {"/work": fd}) == {"/work"}
+        assert not (tmp_path / "aside" / f".bottlenet-gate-{NONCE}").exists()
+    finally:
+        os.close(fd)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink", "directory", "socket"])
 def test_open_regular_refuses_what_is_not_a_regular_file(tmp_path: Path, kind: str) -> None:
     """FIFOs, symlinks, directories and sockets are refused without being opened."""

@@ -193,15 +193,20 @@ def test_a_renewal_after_the_lease_ran_out_is_refused(rigs: Rigs, tmp: str) -> N
 
 
 def test_a_vm_bottles_lease_counts_from_its_commit(rigs: Rigs, tmp: str) -> None:
-    """A VM bottle's recorded lease expires ``seconds`` after the wall time it was committed;
-    a restart 10 s later does not reap it before that plus the grace."""
+    """A VM bottle's create answers and records a lease that expires ``seconds`` after the
+    wall time it was committed; a stop ends its watch; a restart 10 s later does not reap it
+    before its lease plus the grace."""
     first = rigs()
     node_of(first, Monotonic())
     first.clock.advance(100)
     spec = parse_bottle_spec("vm1", spec_doc(tmp))
-    first.run(first.registry.create_bottle("vm1", spec=spec, tenancy=lease(600)))
+    made = first.run(first.registry.create_bottle("vm1", spec=spec, tenancy=lease(600)))
+    assert made.tenancy == lease(600).started(100.0)  # the answer: as committed
     assert first.state()["vm1"]["tenancy"]["lease"] == {"seconds": 600.0, "expires_at": 700.0}
     assert first.registry.get_bottle("vm1").tenancy == lease(600).started(100.0)
+    assert first.watched() == frozenset({"vm1"})
+    first.registry.stop()  # the daemon stops: its watches end, the VMs keep running
+    assert first.watched() == frozenset()
     first.close()
     second = rigs(smolvm=first.smolvm)
     second.clock.advance(110)
@@ -209,6 +214,33 @@ def test_a_vm_bottles_lease_counts_from_its_commit(rigs: Rigs, tmp: str) -> None
     node_of(second, mono, grace=30)
     second.recover()
     advance(second, mono, 590 + 29)
+    assert second.registry.has_bottle("vm1")
+    advance(second, mono, 2)
+    assert not second.registry.has_bottle("vm1")
+
+
+def test_a_renewal_during_recovery_is_answered_after_the_restore(rigs: Rigs, tmp: str) -> None:
+    """A restarted daemon that has not restored a VM bottle yet makes a renewal wait for the
+    restore; then the bottle is renewed and its new lease counts."""
+    first = rigs()
+    node_of(first, Monotonic())
+    spec = parse_bottle_spec("vm1", spec_doc(tmp))
+    first.run(first.registry.create_bottle("vm1", spec=spec, tenancy=lease(60)))
+    first.close()
+    second = rigs(smolvm=first.smolvm)
+    mono = Monotonic()
+    node = node_of(second, mono)
+    gate = second.smolvm.hold("list", "")
+    recovering = second.start(second.recover_later())
+    assert second.registry.recovering and not second.registry.has_bottle("vm1")
+    waiting = second.start(node.when_serving())
+    assert not waiting.called
+    gate.callback(None)
+    second.result(recovering)
+    second.result(waiting)
+    node.renew_lease("vm1", 600)
+    assert second.state()["vm1"]["tenancy"]["lease"]["seconds"] == 600
+    advance(second, mono, 600 + 29)
     assert second.registry.has_bottle("vm1")
     advance(second, mono, 2)
     assert not second.registry.has_bottle("vm1")

@@ -10,9 +10,11 @@ from typing import Any
 import pytest
 
 from bottlenet.bottles.registry import RESYNC_INTERVAL
+from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import NotFound, Unavailable
 from bottlenet.forward.spec import parse_target
 from tests.bottles.memsmolvm import Rig
+from tests.bottles.test_drain import node_of
 
 Rigs = Callable[..., Rig]
 
@@ -161,3 +163,35 @@ def test_a_forward_only_create_that_cannot_be_recorded_gives_its_name_and_alias_
     rig.run(rig.registry.create_bottle("fo3", alias))  # the alias is free again
     rig.run(rig.registry.destroy_bottle("fo3"))
     assert rig.run(rig.registry.create_bottle("fo2", alias)).alias == str(alias)
+
+
+def test_a_renewal_never_writes_back_a_bottle_whose_destroy_is_not_durable(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leased bottle's destroy on a full disk, then a renewal once the disk is free: the
+    renewal does not write the bottle's record again, and the retry timer still removes it."""
+    rig = rigs()
+    node = node_of(rig)
+    lease = Tenancy.requested("o", 60, None)
+    rig.run(rig.registry.create_bottle("fo1", tenancy=lease))
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="destroy is done"):
+        rig.run(rig.registry.destroy_bottle("fo1"))
+    monkeypatch.undo()
+    node.renew_lease("fo1", 120)
+    rig.clock.advance(RESYNC_INTERVAL)
+    assert not rig.registry.has_bottle("fo1") and "fo1" not in rig.state()
+
+
+def test_a_forward_removal_retried_after_it_became_durable_succeeds(
+    rigs: Rigs, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``forward rm`` on a full disk, then again once the disk is free: the retry writes the
+    earlier removal and answers OK (not NOT_FOUND)."""
+    rig = _forward_bottle(rigs)
+    _disk_full(rig, monkeypatch)
+    with pytest.raises(Unavailable, match="not yet durable"):
+        rig.run(rig.registry.remove_forward("fo1", "db"))
+    monkeypatch.undo()
+    rig.run(rig.registry.remove_forward("fo1", "db"))
+    assert rig.state()["fo1"]["forwards"] == [] and rig.registry.get_bottle("fo1").detail is None

@@ -90,3 +90,17 @@ def test_a_waiter_lost_when_smolvm_cannot_tell_keeps_the_bottle_and_says_so(
     said = lose_the_waiter(owned)
     assert owned.owner.require().state is BottleState.READY and owned.events == []
     assert any(LOST in line for line in said), said
+
+
+def test_a_waiter_ended_by_the_daemon_is_no_loss(owned: Owned) -> None:
+    """The daemon's own stop ends the waiter: smolvm is not asked about the VM, nothing
+    degrades, and no loss is logged."""
+    [waiter] = owned.attached.protocols
+    with capturedLogs() as events:
+        owned.owner.stop_watching()
+        waiter.processEnded(Failure(ProcessTerminated(exitCode=1)))  # the child it ended
+        owned.rig.settle()
+    said = [formatEvent(e) for e in events]
+    assert ("status", "bn-b1-agent") not in owned.rig.smolvm.calls
+    assert owned.owner.require().state is BottleState.READY and owned.events == []
+    assert not any(LOST in line for line in said), said

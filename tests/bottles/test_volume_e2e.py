@@ -177,6 +177,33 @@ class VolumeRuleTests(DaemonCase):
         self.assertEqual(GrantBook(self.state_dir).grants(), [])
         self.assertEqual((seen["moved"], seen["victim"]), ([seen["uid"]], []))
 
+    async def test_a_parent_swapped_to_a_directory_the_vm_may_write_fails_the_gate(
+        self,
+    ) -> None:
+        """As above, but the link points at a world-writable tree the VMM may write itself:
+        its round trip lands there, not in the directory resolved, so the gate (which looks
+        in that directory) refuses the create, and nothing of the create is left."""
+        alice = self.directory("alice", owner=ALICE)
+        work = self.directory("alice", "proj", "work", owner=ALICE, mode=0o700)
+        self.directory("alice", "proj", owner=ALICE)
+        scratch = self.directory("scratch", "work", mode=0o777)
+        client = await self.start()
+        reserve = VMHost.reserve_uid
+
+        async def reserve_then_swap(host: VMHost, machine: str) -> Any:
+            reserved = await reserve(host, machine)
+            if machine.endswith("-agent"):
+                os.rename(os.path.join(alice, "proj"), os.path.join(alice, "proj.old"))
+                os.symlink(os.path.dirname(scratch), os.path.join(alice, "proj"))
+            return reserved
+
+        self.patch(VMHost, "reserve_uid", reserve_then_swap)
+        with self.assertRaises(BottlenetError) as info:
+            await client.create_bottle("s2", spec=self.spec_json(work))
+        self.assertEqual(info.exception.code, "ISOLATION_FAILED")
+        self.assertEqual(named_users(os.path.join(alice, "proj.old", "work")), [])
+        self.assertEqual(self.registry.list_bottles(), [])
+
     async def test_the_destroy_takes_the_grant_off_the_directory_it_was_made_on(self) -> None:
         """alice renames her project after the create and makes a new one at the old path
         (N3 ``keep``): ``bottle rm`` takes the entry off the directory granted, wherever it

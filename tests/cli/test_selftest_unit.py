@@ -330,7 +330,9 @@ class _GoodDaemon:
         self.told: list[str] = []
 
     def hello(self) -> Any:
-        return hello()
+        """Before the create as the daemon's uid implies it; after, as its VMs showed it."""
+        basis = "seen: bn-st-unit-sidecar's VM process ran as uid 2000001"
+        return hello()._replace(vm_uids_basis=basis if "CreateBottle" in self.told else None)
 
     def watch(self, bottle: str) -> None:
         pass
@@ -405,6 +407,8 @@ def test_a_good_runs_json_report_passes_every_line(tmp_path: Any) -> None:
     assert [(c["step"], c["verdict"]) for c in report["checks"]] == [
         (step, "PASS") for step in st.STEPS
     ], report
+    [privilege] = [c for c in report["checks"] if c["step"] == "privilege"]
+    assert privilege["seen"] == "one (seen: bn-st-unit-sidecar's VM process ran as uid 2000001)"
 
 
 def test_a_stale_uid_reservation_fails_the_teardown_line_alone(tmp_path: Any) -> None:
@@ -420,3 +424,25 @@ def test_a_stale_uid_reservation_fails_the_teardown_line_alone(tmp_path: Any) ->
     teardown = report["checks"][-1]
     assert teardown["step"] == "teardown"
     assert "uid 2065000 is still reserved for VM 0123456789abcdef" in teardown["seen"]
+
+
+def test_a_known_code_names_its_step_even_when_its_message_says_volume() -> None:
+    """An ISOLATION_FAILED naming a writable read-only volume is the gate's failure (its
+    code says so), not the volume step's."""
+    error = IsolationFailed("leak: the read-only volume /data is writable in the guest")
+    checks = st.judge_create_error(error)
+    assert [(c.step, c.verdict) for c in checks if c.verdict is not Verdict.PASS] == [
+        ("gate", Verdict.FAIL)
+    ]
+
+
+def test_a_service_port_of_0_is_refused(tmp_path: Any) -> None:
+    """``--service NAME:0`` is not a port: refused before anything is made."""
+    daemon = _GoodDaemon([])
+    options = argparse.Namespace(name="st-unit", agent_image=None, sidecar_image=None,
+                                 service=["egress:0"], volume_dir=str(tmp_path))  # fmt: skip
+    inv: Any = SimpleNamespace(options=options, spec_json=json.dumps({"mode": "socket"}),
+                               json=True, vm_timeout=60.0)  # fmt: skip
+    with pytest.raises(InvalidArgument, match="a port 1-65535"):
+        st.cmd_selftest(daemon, inv, io.StringIO())  # type: ignore[arg-type]
+    assert daemon.told == []

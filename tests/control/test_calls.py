@@ -61,11 +61,24 @@ BUILT: list[Call[Any]] = [
 
 @pytest.mark.parametrize("call", BUILT, ids=lambda c: c.command)
 def test_each_call_encodes_as_its_command(call: Call[Any]) -> None:
-    """Every built call carries exactly its Command's argument keys and encodes with AMP's codec."""
+    """Every built call, given a capability, carries exactly its Command's argument keys and
+    encodes with AMP's codec."""
     command = C.BY_NAME[call.command]
     keys = {k.decode() for k, _ in command.arguments}
-    assert set(call.arguments) == keys
-    assert codec.encode_request(command, b"1", call.arguments)
+    presented = calls.presenting(call, "c" * 22)
+    assert set(presented.arguments) == keys
+    assert codec.encode_request(command, b"1", presented.arguments)
+
+
+def test_the_capability_commands_are_those_that_take_one() -> None:
+    """``CAPABILITY_COMMANDS`` names exactly the Commands with a ``capability`` argument; a
+    call's own capability is kept, and None adds none."""
+    declared = {C.short_name(c) for c in C.ALL_COMMANDS if b"capability" in dict(c.arguments)}
+    assert declared == calls.CAPABILITY_COMMANDS
+    mine = calls.presenting(calls.destroy_bottle("b"), "c" * 22)
+    assert calls.presenting(mine, "d" * 22).arguments["capability"] == "c" * 22
+    assert "capability" not in calls.presenting(calls.destroy_bottle("b"), None).arguments
+    assert "capability" not in calls.presenting(calls.ping(), "c" * 22).arguments
 
 
 def test_exec_asks_for_fds_only_where_they_can_travel() -> None:
@@ -79,7 +92,7 @@ def test_exec_asks_for_fds_only_where_they_can_travel() -> None:
 
 def test_light_exec_request_bytes_are_the_codecs() -> None:
     """The light client's Exec bytes equal AMP's for the same declared call."""
-    call = BUILT[-1]
+    call = calls.presenting(BUILT[-1], "c" * 22)
     expected = codec.encode_request(C.Exec, b"a1", call.arguments)
     assert L.request_bytes(call.command, b"a1", call.arguments) == expected
 

@@ -13,12 +13,13 @@ import pytest
 from bottlenet.bottles.events import BottleEvent
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.control.backend import ControlBackend, Scope, scoping
+from bottlenet.control.identity import Identity
 from bottlenet.control.scope import ScopedBackend
 from bottlenet.errors import NotFound, PermissionDenied
 from bottlenet.forward.spec import parse_target
 from tests.control.fakes import FakeBackend
 
-ALICE, BOB = "uid:4243", "uid:4244"
+ALICE, BOB = Identity(4243, "a" * 22), Identity(4243, "b" * 22)  # one uid, two jobs
 
 
 def run(coro: typing.Coroutine[object, object, object]) -> object:
@@ -42,31 +43,40 @@ def test_every_backend_method_declares_how_a_scoped_peer_is_checked() -> None:
 
 
 def test_the_derived_view_confines_a_scoped_peer_to_its_own_bottles() -> None:
-    """Creates stamp the creator; another's bottle is NOT_FOUND in every bottle method, sync or
-    async; listings hold its own rows only; Leftovers is PERMISSION_DENIED; events by creator."""
+    """Creates go into the peer's name space, stamped with its creator; another's bottle is
+    NOT_FOUND in every bottle method, sync or async; listings hold its own rows under its
+    names; Leftovers and a chosen alias are PERMISSION_DENIED; events by creator."""
     fake = FakeBackend()
     alice, bob = ScopedBackend(fake, ALICE), ScopedBackend(fake, BOB)
-    mine = run(alice.create_bottle("a1", tenancy=Tenancy(owner="t1")))
-    run(bob.create_bottle("b1"))
+    mine = run(alice.create_bottle("x", tenancy=Tenancy(owner="t1")))
+    run(bob.create_bottle("y"))
     run(fake.create_bottle("plain"))
-    assert mine.tenancy == Tenancy(owner="t1", creator=ALICE)  # type: ignore[attr-defined]
-    run(alice.add_forward("a1", "web", parse_target("127.0.0.1:9")))
-    run(bob.add_forward("b1", "db", parse_target("127.0.0.1:7")))
+    assert mine.name == "x" and mine.tenancy == Tenancy(owner="t1", creator=ALICE.creator)  # type: ignore[attr-defined]
+    node_x = ALICE.node_name("x")
+    assert fake.bottles[node_x].tenancy == Tenancy(owner="t1", creator=ALICE.creator)
+    run(alice.add_forward("x", "web", parse_target("127.0.0.1:9")))
+    run(bob.add_forward("y", "db", parse_target("127.0.0.1:7")))
     for call in (
-        lambda: alice.get_bottle("b1"),
-        lambda: alice.bridge_status("b1"),
-        lambda: alice.list_forwards("b1"),
-        lambda: run(alice.destroy_bottle("b1")),
-        lambda: run(alice.remove_forward("b1", "db")),
+        lambda: alice.get_bottle("y"),
+        lambda: alice.bridge_status("y"),
+        lambda: alice.list_forwards("y"),
+        lambda: run(alice.destroy_bottle("y")),
+        lambda: run(alice.remove_forward("y", "db")),
     ):
-        with pytest.raises(NotFound, match="bottle b1 does not exist"):
+        with pytest.raises(NotFound, match="bottle y does not exist"):
             call()
-    assert [b.name for b in alice.list_bottles()] == ["a1"]
-    assert [f.spec.bottle for f in alice.list_forwards(None)] == ["a1"]
-    assert [f.spec.label for f in alice.list_forwards("a1")] == ["web"]
+    assert [b.name for b in alice.list_bottles()] == ["x"]
+    assert [f.spec.bottle for f in alice.list_forwards(None)] == ["x"]
+    assert [f.spec.label for f in alice.list_forwards("x")] == ["web"]
     with pytest.raises(PermissionDenied, match="Leftovers: a scoped peer may not ask for it"):
         run(alice.leftovers("gone"))
-    assert "b1" in fake.bottles and ("destroy_bottle", ("b1",)) not in fake.calls
-    event = BottleEvent("ready", "a1", 0.0, creator=ALICE)
-    assert alice.sees(event) and not bob.sees(event) and bob.sees(BottleEvent("drained", "", 0))
-    assert ipaddress.ip_address(fake.bottles["a1"].alias or "")
+    with pytest.raises(PermissionDenied, match="may not choose an alias"):
+        run(alice.create_bottle("z", ipaddress.IPv4Address("127.77.0.9")))
+    assert (
+        BOB.node_name("y") in fake.bottles
+        and ("destroy_bottle", (BOB.node_name("y"),)) not in fake.calls
+    )
+    event = BottleEvent("ready", node_x, 0.0, creator=ALICE.creator)
+    seen = alice.sees(event)
+    assert seen is not None and seen.bottle == "x" and bob.sees(event) is None
+    assert bob.sees(BottleEvent("drained", "", 0)) is not None

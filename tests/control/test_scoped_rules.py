@@ -8,6 +8,7 @@ this process can be another uid. ``test_scoped.py`` keeps the proof with a real 
 from __future__ import annotations
 
 import contextlib
+import re
 import socket
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,17 @@ from tests.bottles.harness import DaemonCase
 
 ALICE, BOB = 4243, 4244
 SCOPED = ("--allow-uid", f"{ALICE}:scoped", "--allow-uid", f"{BOB}:scoped")
+#: Each uid's capability in these tests (``key(uid, n)``: its n-th job's).
+_HEX = re.compile(r"-[0-9a-f]{12}$")
+
+
+def key(uid: int, job: int = 0) -> str:
+    return f"job-{job}-of-uid-{uid}-0123456789"
+
+
+def plain(name: str) -> str:
+    """A node's bottle name without a scoped name space's tag."""
+    return _HEX.sub("", name)
 
 
 class ScopedRuleTests(DaemonCase):
@@ -47,10 +59,11 @@ class ScopedRuleTests(DaemonCase):
             factory.admission = evolve(factory.admission, peer_credentials=self.credentials)
         return client
 
-    async def as_uid(self, uid: int) -> ControlClient:
-        """A control connection the daemon admits as ``uid``."""
+    async def as_uid(self, uid: int, job: int = 0) -> ControlClient:
+        """A control connection the daemon admits as ``uid``, its calls with the capability
+        of that uid's ``job``."""
         self.arriving.append(uid)
-        client = await connect_control(reactor, self.control, timeout=30)
+        client = await connect_control(reactor, self.control, timeout=30, capability=key(uid, job))
         self.clients.append(client)
         await client.ping()  # admitted: the door has taken its uid
         assert self.arriving == []
@@ -100,7 +113,7 @@ class ScopedRuleTests(DaemonCase):
                 break
         self.assertEqual(seen, [("destroyed", "a1"), ("created", "a2")])
 
-        names = sorted(b.name for b in await client.all_bottles())
+        names = sorted(plain(b.name) for b in await client.all_bottles())
         self.assertEqual(names, ["a2", "b1", "r2"])
         # the creator survives a restart: still BOB's, still hidden from ALICE
         await self.stop()
@@ -145,7 +158,7 @@ class ScopedRuleTests(DaemonCase):
         seen = await self._events_until(stream, ("created", "end"))
         self.assertNotIn("y", [b for _, b in seen], seen)
         self.assertNotIn(("destroyed", "x"), seen)
-        mine = [e for e in seen if e[1] in ("", "b1")]
+        mine = [e for e in seen if e[1] in ("", "b1")]  # (its own "x", if made, is its own)
         self.assertEqual(
             mine,
             [("drained", ""), ("undrained", ""), ("created", "b1"), ("ready", "b1"),
@@ -179,3 +192,41 @@ class ScopedRuleTests(DaemonCase):
         self.assertEqual([(f.bottle, f.label) for f in await alice.all_forwards()], [("a1", "web")])
         self.assertEqual([s.bottle for s in await alice.all_stats()], ["a1"])
         self.assertEqual(len(await client.all_forwards()), 3)
+
+    async def test_one_uids_jobs_reach_only_their_own_capabilitys_bottles(self) -> None:
+        """Two jobs of one scoped uid (two capabilities) may both name a bottle ``x``; each
+        lists, uses, hears and destroys only its own; without the capability a bottle is
+        NOT_FOUND, and a create without one is answered a capability of its own."""
+        client = await self.start_scoped()
+        job_a, job_b = await self.as_uid(ALICE, 1), await self.as_uid(ALICE, 2)
+        stream_a = await job_a.events()
+        await client.create_bottle("x")  # the operator's x: a name space of its own too
+        xa = await job_a.create_bottle("x", owner="trainer-a")
+        xb = await job_b.create_bottle("x", owner="trainer-b")
+        self.assertEqual((xa.capability, xb.capability), (key(ALICE, 1), key(ALICE, 2)))
+        self.assertEqual([b.owner for b in await job_a.all_bottles()], ["trainer-a"])
+        self.assertEqual([b.owner for b in await job_b.all_bottles()], ["trainer-b"])
+        await job_a.add_forward("x", "web", "127.0.0.1:9")
+        self.assertEqual(await job_b.all_forwards(), [])
+        await job_b.destroy_bottle("x")
+        self.assertEqual((await job_a.bottle_status("x")).owner, "trainer-a")
+        await job_a.create_bottle("end")
+        seen = await self._events_until(stream_a, ("created", "end"))
+        self.assertEqual(seen, [("created", "x"), ("ready", "x"), ("created", "end")])
+        named = await (await self.as_uid(ALICE, 1)).events("x")  # a watch of its own x
+        await job_a.destroy_bottle("x")
+        self.assertEqual(await self._events_until(named, ("destroyed", "x")), [("destroyed", "x")])
+        # a call without a capability reaches none of them; a create without one gets one
+        self.arriving.append(ALICE)
+        bare = await connect_control(reactor, self.control, timeout=30)
+        self.clients.append(bare)
+        with self.assertRaises(NotFound):
+            await bare.destroy_bottle("x")
+        self.assertEqual(await bare.all_bottles(), [])
+        minted = await bare.create_bottle("x")
+        self.assertIsNotNone(minted.capability)
+        self.assertNotIn(minted.capability, (key(ALICE, 1), key(ALICE, 2)))
+        # the operator's x, the new capability's x and job a's end
+        self.assertEqual(
+            sorted(plain(b.name) for b in await client.all_bottles()), ["end", "x", "x"]
+        )

@@ -57,3 +57,21 @@ def test_a_head_that_never_ends_is_bounded() -> None:
     assert f.feed(long) == long
     g = NoteFilter()
     assert g.feed(NOTE) == b"" and g.flush() == NOTE  # the stream ended: nothing lost
+
+
+def test_the_hold_is_exactly_max_note_bytes() -> None:
+    """A head of exactly MAX_NOTE bytes that may still be the note is held; one more byte
+    releases it."""
+    head = NOTE + b"x" * (MAX_NOTE - len(NOTE))
+    f = NoteFilter()
+    assert f.feed(head) == b""
+    assert f.feed(b"y") == head + b"y"
+
+
+def test_after_the_note_a_chunk_that_looks_like_it_passes_at_once() -> None:
+    """Once the note is dropped every later chunk passes as it comes: one that starts like
+    the note (or is its whole line again) is the command's own output."""
+    f = NoteFilter()
+    assert f.feed(NOTE + b"\n") == b""
+    assert f.feed(b"n") == b"n"
+    assert f.feed(NOTE + b"\n") == NOTE + b"\n"

@@ -187,3 +187,28 @@ def test_a_killed_layer_is_restarted_and_carries_again(
     assert wait_for(lambda: "CONNECT 198.51.100.99:4443 HTTP/1.1" in recorder.lines, 30, "CONNECT")
     status = d.ctl("bottle", "status", "t2").stdout.decode()
     assert "transparent egress running (via egress, 1 connects), restarted 1x" in status, status
+
+
+def test_a_daemon_restart_starts_the_layer_again(recorder: ConnectProxy) -> None:
+    """The daemon stops (its sessions end, the layer with them; the rules stay in the guest)
+    and starts again: recovery starts a new layer, which carries the next dial."""
+    d = daemon(recorder)
+    try:
+        assert create(d, "kept", 'transparent_egress = "egress"').returncode == 0, d.log()
+        (old,) = layer_pids(d, "kept")
+        d.stop()
+        wait_for(lambda: old not in layer_pids(d, "kept"), 30, "the old layer to end")
+        d.start()
+        wait_for(lambda: layer_pids(d, "kept"), 30, "a new layer")
+        with d.client() as c:
+            wait_for(
+                lambda: "transparent egress running" in (c.bottle_status("kept").bridge or ""),
+                30,
+                "the layer to run",
+            )
+        out = dial(d, "kept", "198.51.100.98", 4443)
+        assert "reset by peer" in out or out == "read b''", out
+        line = "CONNECT 198.51.100.98:4443 HTTP/1.1"
+        assert wait_for(lambda: line in recorder.lines, 30, line)
+    finally:
+        assert not d.cleanup()

@@ -280,3 +280,13 @@ def test_a_name_twice_is_a_callers_error() -> None:
         assert rig.kinds("create") == ["a"]
 
     run(test)
+
+
+def test_each_host_presents_a_capability_of_its_own() -> None:
+    """The daemon admits the Ray uid scoped and every job runs as it: a host's calls present
+    its own capability (security-4 N6), another owner's host another one."""
+    one = NodeHost(FakeOwner(), "ray-job-01", node_id="node-1")
+    two = NodeHost(FakeOwner(), "ray-job-02", node_id="node-1")
+    assert one.capability != two.capability and len(one.capability) >= 22
+    client = one._connect("unix:/fake")
+    assert client.capability == one.capability

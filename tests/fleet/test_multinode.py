@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -132,8 +133,9 @@ def test_placement_never_exceeds_a_nodes_bottle_resource(tier: Tier) -> None:
     assert max(spread) - min(spread) <= 2 and sum(spread) == FORWARD, spread
     assert sum(len(v) for v in held.values()) == FORWARD + len(tier.c.nodes)
     for pool in tier.pools.values():
-        for b in pool:
-            assert b["name"] in held[tier.label_of(b["node_id"])]
+        for b in pool:  # the node's name ends in the actor's name space's tag (scoped uid)
+            node_names = {_TAG.sub("", n) for n in held[tier.label_of(b["node_id"])]}
+            assert b["name"] in node_names
     for n in tier.c.nodes:
         for record in tier.records(n):
             assert record.lease_seconds == LEASE
@@ -274,10 +276,18 @@ def test_a_killed_raylet_fails_its_actors_and_its_node_reaps(tier: Tier) -> None
     tier.c.stop_ray(tier.node("n3"))
 
 
-def _ctl(uid: int, node: Node, *args: str) -> subprocess.CompletedProcess[str]:
+#: A scoped name space's tag at the end of a node's bottle name (docs/protocol.md).
+_TAG = re.compile(r"-[0-9a-f]{12}$")
+
+
+def _ctl(
+    uid: int, node: Node, *args: str, capability: str | None = None
+) -> subprocess.CompletedProcess[str]:
     argv = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", SYSTEM_PYTHON,
             "-m", "bottlenet.cli", "--control", node.control, "--json", *args]  # fmt: skip
     env = {"PATH": "/usr/bin:/bin", "HOME": "/", "PYTHONPATH": f"{SITE}:{REPO}"}
+    if capability is not None:
+        env["BOTTLENET_CAPABILITY"] = capability
     return subprocess.run(argv, env=env, capture_output=True, text=True, cwd="/", timeout=120)
 
 
@@ -295,7 +305,9 @@ def test_a_scoped_uid_cannot_see_or_touch_another_owners_bottle(tier: Tier) -> N
         assert done.returncode != 0 and "NOT_FOUND" in done.stderr, done.stderr
     made = _ctl(OTHER_UID, n1, "bottle", "create", "other-1")
     assert made.returncode == 0, made.stderr
+    capability = json.loads(made.stdout)["capability"]  # its later calls present it
     done = _ctl(RAY_UID, n1, "bottle", "status", "other-1")
     assert done.returncode != 0 and "NOT_FOUND" in done.stderr
-    assert {ray_bottle, "other-1"} <= n1.names()
-    assert _ctl(OTHER_UID, n1, "bottle", "rm", "other-1").returncode == 0
+    names = n1.names()  # the node's names: a scoped bottle's ends in its name space's tag
+    assert ray_bottle in names and any(n.startswith("other-1-") for n in names), names
+    assert _ctl(OTHER_UID, n1, "bottle", "rm", "other-1", capability=capability).returncode == 0

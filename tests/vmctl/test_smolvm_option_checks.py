@@ -30,7 +30,9 @@ def _script(directory: Path, body: str, mode: int = 0o755) -> str:
 def test_a_smolvm_whose_version_exits_non_zero_is_refused(tmp_path: Path, code: int) -> None:
     """A binary that prints ``smolvm 1.32.2`` but exits non-zero is not trusted as a smolvm."""
     binary = _script(tmp_path / "bin", f"echo 'smolvm 1.32.2'; exit {code}")
-    with pytest.raises(StartupRefused, match=rf"not a smolvm \(`--version` exited {code} "):
+    with pytest.raises(
+        StartupRefused, match=rf"not a usable smolvm \(`--version` exited {code}: 'smolvm 1.32.2'\)"
+    ):
         choose_smolvm(binary, None, environ={"PATH": ""}, wheel=lambda: None)
 
 
