@@ -443,12 +443,16 @@ class VMBottle(BottleOwner):
 
     @property
     def watched(self) -> bool:
-        """Its sidecar's VM process is watched now (it runs)."""
-        return self.phase() in LIVE
+        """Its sidecar's VM process is watched now (it runs, and the daemon has not stopped)."""
+        return self.phase() in LIVE and not self.machine.running().stopped
 
     def stop(self) -> None:
-        """The daemon stops: its watches and its workload waiter end (the VMs keep running)."""
+        """The daemon stops: its lease is not counted, nothing of it is watched."""
         super().stop()
+        self.stop_watching()
+
+    def stop_watching(self) -> None:
+        """Its watches and its workload waiter end (the VMs and the workload keep running)."""
         if self.phase() in LIVE:
             self.machine.stop()
 
