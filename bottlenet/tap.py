@@ -25,6 +25,7 @@ from twisted.python.failure import Failure
 from twisted.python.systemd import ListenFDs
 
 from bottlenet import __version__
+from bottlenet.bottles.egresswatch import EgressWatch
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost, VMOptions, vm_host
 from bottlenet.bottles.recovery import Recovery, RecoveryService, aliases_outside
@@ -40,6 +41,8 @@ from bottlenet.control.events import EventHub
 from bottlenet.control.server import ControlServerFactory
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.build import KitCache
+from bottlenet.kit.keeper import KitKeeper
 from bottlenet.node.info import Node, node_parts
 from bottlenet.ops import metrics, rlimits, sdnotify
 from bottlenet.ops.fatal import FatalStopper, fatal_stopper
@@ -52,13 +55,14 @@ from bottlenet.paths import (
     ensure_private_dir,
     unix_path_state,
 )
-from bottlenet.probe.script import KIT_DIR
 from bottlenet.settings import DaemonSettings, Options, StartupError, settings_from
 from vmctl import errors as vmctl_errors
 from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
-from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids
+from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids, tested_names
+from vmctl.uidranges import UidRangeError
+from vmctl.uids import UidRegistryError
 
 __all__ = [
     "BottlenetService",
@@ -154,6 +158,11 @@ class BottlenetService(MultiService):
         """What Hello says of smolvm, one object for every control listener."""
         return self.control_factory.context.smolvm
 
+    def vm_uids_left(self) -> int | None:
+        """Per-VM uids the node can still give out (None: not counted; metrics)."""
+        supply = self.node.vm_uids if self.node is not None else None
+        return None if supply is None else supply.left
+
     def vm_uids_now(self) -> tuple[str | None, str | None]:
         """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
         launchers compare), and its basis: what the last VM start showed, the VMM's uid
@@ -216,8 +225,15 @@ class BottlenetService(MultiService):
             return
         if self.node is not None:
             self.node.smolvm_version = str(version)
+            self.node.smolvm_tested = version.tested
             self.node.smolvm_problem = None if version.supported else "version not supported"
-        self.smolvm_facts.learned(str(version), version.supported, self.smolvm.describe())
+        self.smolvm_facts.learned(
+            str(version),
+            version.supported,
+            self.smolvm.describe(),
+            version.tested,
+            tested_names(),
+        )
         self.log.info("using {smolvm}", smolvm=self.smolvm.describe())
 
     def stopService(self) -> Deferred[None]:
@@ -248,11 +264,29 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             if unix_path_state(settings.metrics.path)[0] == "stale":
                 os.unlink(settings.metrics.path)
         root = compose(settings, store, state, reactor)
+        _check_vm_uids(root)
     except BaseException:
         lock.release()
         raise
     root.state_lock = lock
     return root
+
+
+def _check_vm_uids(root: BottlenetService) -> None:
+    """As root: the per-VM uids this daemon's smolvm data dir owns are still its alone on
+    the host (``vmctl.uidranges``); one line naming the conflict otherwise."""
+    pool = root.smolvm.uid_pool
+    if pool is None or root.smolvm.binary is None or root.vm_uids is not VmUids.PER_VM:
+        return
+    try:
+        supply = pool.check()
+    except (UidRangeError, UidRegistryError) as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e}") from None
+    except OSError as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e.strerror or e}") from None
+    root.log.info("per-VM uids: {supply}", supply=supply.describe())
+    if root.node is not None:
+        root.node.vm_uids = supply
 
 
 def _lock_state_dir(state_dir: str) -> StateDirLock:
@@ -309,6 +343,8 @@ def compose(
     root.fatal = on_fatal
     table, registry = root.table, root.registry
     vmctl_service.setServiceParent(root)
+    if host.kit is not None:
+        host.kit.setServiceParent(root)  # builds the guest kit off the reactor thread
     table.setName("forwards")
     table.setServiceParent(root)
     waits: list[Deferred[Any]] = []
@@ -322,6 +358,10 @@ def compose(
     )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
+    # No VM bottle without a smolvm: then it never asks anything.
+    EgressWatch(reactor, host.smolvm, registry.list_bottles, registry.events.emit).setServiceParent(
+        root
+    )
     control_service(reactor, settings.control, root.control_factory, on_fatal).setServiceParent(
         root
     )
@@ -347,7 +387,10 @@ def compose(
             settings.metrics,
             settings.metrics_cap,
             metrics.SnapshotSource(
-                table.list, registry.list_bottles, registry.transparent_outcomes
+                table.list,
+                registry.list_bottles,
+                registry.transparent_outcomes,
+                count_vm_uids=root.vm_uids_left,
             ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
@@ -368,12 +411,11 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    # The session wrapper prefers the trusted probe kit's python3, as the gate does.
     vmctl_service, smolvm = build_smolvm(
         reactor,
         settings.smolvm,
         on_call=smolvm_calls.record,
-        session_pythons=(f"{KIT_DIR}/bin/python3", "python3"),
+        uid_roots=(os.path.join(settings.state_dir, "bottles"),),
     )
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
@@ -402,8 +444,9 @@ def _core(
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
         volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
+    kit = KitKeeper(reactor, None if settings.kit_dir is None else KitCache(settings.kit_dir))
     host = vm_host(
-        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options
+        reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options, kit=kit
     )
     registry, node = _registry(settings, store, state, reactor, table, aliases, host)
     if settings.control_path is not None:
@@ -411,6 +454,7 @@ def _core(
     if settings.tls is not None:
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
     factory = _control_factory(settings, reactor, registry, node, control_commands)
+    factory.context.smolvm.guest_kit = kit.describe
     root = BottlenetService(
         reactor,
         table,
@@ -423,6 +467,7 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
+    host.uid_reports.listeners.append(node.learn_uids)
     return root, vmctl_service, host
 
 

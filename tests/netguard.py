@@ -44,10 +44,20 @@ IFF_NO_PI = 0x1000
 TRAP = "bntrap0"
 TRAP_V4 = "198.18.0.1"  # RFC 2544 benchmarking range: never routed anywhere
 TRAP_V6 = "fd42:b077:1e70::1"
+#: Where the suite's daemons cache bottlenet's guest kit: one build for the whole run (the
+#: cache is keyed by the kit's inputs and locked while a daemon builds, bottlenet/kit/build.py).
+TEST_KIT_DIR = os.path.join("/var/tmp", f"bottlenet-test-kit-{os.geteuid()}")
 #: Daemon options every test daemon gets: the gate's outside address and DNS name pointed at
 #: stand-ins, an address local to the suite's own namespace (nothing listens on port 9) and a
-#: name that only the loopback resolver could answer.
-GATE_STAND_INS = ("--gate-outside", f"{TRAP_V4}:9", "--gate-dns-name", "gate.invalid")
+#: name that only the loopback resolver could answer; and the suite's shared guest kit cache.
+GATE_STAND_INS = (
+    "--gate-outside",
+    f"{TRAP_V4}:9",
+    "--gate-dns-name",
+    "gate.invalid",
+    "--guest-kit",
+    TEST_KIT_DIR,
+)
 
 _state: dict[str, Any] = {"fd": None, "why": None, "seen": [], "inproc": []}
 _real_connect = socket.socket.connect

@@ -521,8 +521,9 @@ def test_compose_parents_in_the_documented_order(tmp_path) -> None:  # type: ign
     root = build_service(options, MemoryReactorClock())
     try:
         assert [type(child).__name__ for child in root] == [
-            "VmctlService", "ForwardTable", "ConfigBottles", "RecoveryService",
-            "ListeningService", "ListeningService", "ListeningService", "SystemdNotifier",
+            "VmctlService", "KitKeeper", "ForwardTable", "ConfigBottles", "RecoveryService",
+            "EgressWatch", "ListeningService", "ListeningService", "ListeningService",
+            "SystemdNotifier",
         ]  # fmt: skip
         assert root.getServiceNamed("forwards") is root.table
         assert not root.running and len(root.control_factories) == 2

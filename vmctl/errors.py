@@ -153,6 +153,31 @@ class NotRunning(SmolvmFailed):
     code = "NOT_RUNNING"
 
 
+class AgentBusy(SmolvmFailed):
+    """The guest agent refused the call at one of its admission limits (smolvm 1.37's agent
+    admits execs and sessions explicitly); ``limit`` is that limit, in :data:`AGENT_LIMITS`'
+    words (never text of the guest's). Retried later it may pass."""
+
+    code = "AGENT_BUSY"
+
+    def __init__(
+        self, message: str, stderr_tail: str = "", exit_code: int | None = None, limit: str = ""
+    ) -> None:
+        super().__init__(message, stderr_tail, exit_code)
+        self.limit = limit
+
+
+#: The 1.37.3 agent's admission refusals (its strings) -> the limit each one names. How the
+#: CLI reports them (code, exit) is not seen without a boot: they are matched in the text.
+AGENT_LIMITS = {
+    "exec was not admitted": "the agent's exec admission limit",
+    "container session limit reached": "the agent's container session limit",
+    "too many controlled sessions": "the agent's controlled-session limit",
+    "too many active app connections": "the agent's app-connection limit",
+    "too many container process groups": "the agent's container process-group limit",
+}
+
+
 class ReadinessTimeout(SmolvmFailed):
     """The VM booted but its agent did not become ready in time."""
 
@@ -354,6 +379,9 @@ def _classify(
         return NotFound(msg, tail, exit_code)
     if "is not running" in err:
         return NotRunning(msg, tail, exit_code)
+    for phrase, limit in AGENT_LIMITS.items():
+        if phrase in err:
+            return AgentBusy(msg, tail, exit_code, limit=limit)
     if "did not become ready" in err:
         return ReadinessTimeout(msg, tail, exit_code)
     return SmolvmFailed(msg, tail, exit_code)

@@ -25,7 +25,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from vmctl.errors import CallTimeout, SmolvmUnavailable, Unavailable
-from vmctl.install import discover, is_executable
+from vmctl.install import ROOTFS_DIR_VAR, ROOTFS_TAR_VAR, discover, is_executable
 from vmctl.install import untrusted_reason as untrusted_reason
 
 #: Environment variables passed on to smolvm when present in the source environment.
@@ -34,7 +34,7 @@ _LC = re.compile(r"LC_[A-Z_]+\Z")
 #: Never passed on, whatever the source environment says (design invariant 8).
 ENV_DENY = ("SMOLVM_PUBLISH_ADDR", "SMOLVM_EGRESS_FLOOR", "SMOLVM_EGRESS_ALLOW_PRIVATE")
 #: Set by vmctl from what it found next to the binary (never copied from the daemon's env).
-ENV_ASSETS = ("SMOLVM_LIB_DIR", "SMOLVM_AGENT_ROOTFS")
+ENV_ASSETS = ("SMOLVM_LIB_DIR", ROOTFS_DIR_VAR, ROOTFS_TAR_VAR)
 
 DEFAULT_MAX_OUTPUT = 1024 * 1024
 DEFAULT_GRACE = 3.0
@@ -50,10 +50,11 @@ def build_env(
     Only PATH (its absolute entries), HOME, LANG, LC_*, TMPDIR and XDG_RUNTIME_DIR are copied
     from ``source``;
     ``SMOLVM_DATA_DIR`` is set only when ``data_dir`` is given (a smolvm without
-    ``--state-dir``), and ``assets`` (``SMOLVM_LIB_DIR``, ``SMOLVM_AGENT_ROOTFS`` found by
-    :mod:`vmctl.install`) are set by vmctl itself. Anything else (notably
-    ``SMOLVM_PUBLISH_ADDR``, which would widen published ports off loopback, or a
-    ``SMOLVM_AGENT_ROOTFS`` of the daemon's own environment) never reaches the child.
+    ``--state-dir``), and ``assets`` (``SMOLVM_LIB_DIR``, and ``SMOLVM_AGENT_ROOTFS`` or
+    ``SMOLVM_AGENT_ROOTFS_TAR`` found by :mod:`vmctl.install`) are set by vmctl itself.
+    Anything else (notably ``SMOLVM_PUBLISH_ADDR``, which would widen published ports off
+    loopback, ``SMOLVM_MACHINE_NAME``, or a rootfs variable of the daemon's own environment)
+    never reaches the child.
     """
     env = {k: v for k, v in source.items() if (k in ENV_ALLOW or _LC.match(k)) and "\0" not in v}
     if "PATH" in env:

@@ -109,7 +109,13 @@ _LAUNCH = (
 )
 
 
-def wrap(argv: Sequence[str], pythons: Sequence[str] = ("python3",)) -> list[str]:
-    """``argv`` under the session wrapper, run by the first of ``pythons`` the guest has."""
+def wrap(
+    argv: Sequence[str], pythons: Sequence[str] = ("python3",), kit: Sequence[str] = ()
+) -> list[str]:
+    """``argv`` under the session wrapper: run by ``kit`` (the argv of bottlenet's guest kit,
+    up to its ``session`` word) when the guest has it mounted, else by the first of
+    ``pythons`` the guest has (through its ``/bin/sh``)."""
+    if kit:
+        return [*kit, *argv]
     launch = _LAUNCH.format(pythons=" ".join(pythons))
     return ["/bin/sh", "-c", launch, WRAPPER, *argv]

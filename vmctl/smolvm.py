@@ -14,6 +14,7 @@ import os
 import re
 import struct
 import termios
+import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, ParamSpec, TypeVar
@@ -24,13 +25,14 @@ from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
-from vmctl import sessionend
+from vmctl import sessionend, templates
 from vmctl.errors import (
     InvalidArgument,
     NotFound,
     SmolvmFailed,
     SmolvmUnavailable,
     UnsupportedVersion,
+    UsageError,
     VmctlError,
     classify,
     error_text,
@@ -40,7 +42,7 @@ from vmctl.errors import (
     strip_notes,
 )
 from vmctl.forksignals import child_signals_default
-from vmctl.install import SOURCE_OPTION, SmolvmInstall, assets_beside
+from vmctl.install import SOURCE_OPTION, SmolvmInstall, with_assets
 from vmctl.runner import ProcessRunner, ProcResult, build_env
 from vmctl.spec import (
     DEFAULT_DEVICE_BUDGET,
@@ -51,12 +53,12 @@ from vmctl.spec import (
     validate_spec,
 )
 from vmctl.uids import (
+    UidEnd,
+    UidPool,
     UidRegistryError,
     UidReservation,
-    end_processes_of,
-    registered_vm_uid,
+    UidSupply,
     registry_of,
-    reserve_vm_uid,
 )
 
 T = TypeVar("T")
@@ -66,8 +68,12 @@ P = ParamSpec("P")
 #: ``labels`` in ``ls --json`` (every create sends labels, recovery finds our machines by
 #: them), and the first whose ``--mount-socket`` sockets are visible inside image containers.
 MIN_VERSION = (1, 8, 0)
-#: The newest minor line tested against the real CLI (the ``bottlenet[vm]`` pin).
-TESTED_VERSION = (1, 32, 2)
+#: The releases the contract tiers run against the real CLI (CI runs both; docs/smolvm.md).
+#: Another version is driven too, with one warning at start and an "untested" mark in
+#: ``status``, ``NodeInfo`` and the self-test.
+TESTED_VERSIONS = frozenset({(1, 32, 2), (1, 37, 3)})
+#: The ``bottlenet[vm]`` extra's pin (pyproject.toml), said in the untested warning.
+EXTRA_PIN = ">=1.32.2,<1.38"
 _VERSION = re.compile(r"^smolvm (\d+)\.(\d+)\.(\d+)(\S*)\s*$", re.MULTILINE)
 _PID = re.compile(r"running \(PID: (\d+)\)")
 #: Longest ``--state-dir`` smolvm can use: it binds per-machine sockets 46 bytes below it
@@ -84,8 +90,8 @@ GUEST_ROOT = "0:0"
 
 #: What an ``on_call`` observer is told a call was: a fixed set, never an argv word.
 SUBCOMMANDS = frozenset(
-    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "version", "help",
-     "other"}
+    {"create", "start", "stop", "delete", "exec", "ls", "status", "data-dir", "egress-events",
+     "version", "help", "other"}
 )  # fmt: skip
 #: Results of calls that did not end in a VmctlError: cancelled, or a bug (any other error).
 CANCELLED = "CANCELLED"
@@ -183,6 +189,24 @@ class SmolvmVersion:
     def supported(self) -> bool:
         return self.triple >= MIN_VERSION
 
+    @property
+    def tested(self) -> bool:
+        """One of :data:`TESTED_VERSIONS` (a suffix such as ``-rc1`` is another build)."""
+        return self.triple in TESTED_VERSIONS and not self.suffix
+
+
+def tested_names() -> tuple[str, ...]:
+    """The tested versions, oldest first: ``("1.32.2", "1.37.3")``."""
+    return tuple(".".join(map(str, v)) for v in sorted(TESTED_VERSIONS))
+
+
+def untested_note(version: SmolvmVersion) -> str:
+    """What the start warning, ``status`` and the self-test say of an untested smolvm."""
+    return (
+        f"smolvm {version} is untested: bottlenet is tested with {', '.join(tested_names())} "
+        f"(the vm extra pins smolmachines{EXTRA_PIN}); it is driven all the same"
+    )
+
 
 _FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 
@@ -256,6 +280,21 @@ class Machine:
     created_at: int | None = None
     state_reason: str | None = None
     cmd: tuple[str, ...] = ()
+    #: ``--block-private`` as the record reports it (1.37): the private ranges re-opened under
+    #: it (``()``: the floor whole), or None when the record does not show it.
+    block_private: tuple[str, ...] | None = None
+    #: Whether the record reports the floor at all: 1.37's records (which carry
+    #: ``port_mappings``) show ``block_private`` exactly on machines created with it; 1.32's
+    #: say nothing of it.
+    reports_floor: bool = False
+
+    @property
+    def floor_whole(self) -> bool | None:
+        """The private-range floor as recorded: True whole, False missing or re-opened,
+        None when this smolvm does not report it."""
+        if not self.reports_floor:
+            return None
+        return self.block_private == ()
 
     @property
     def running(self) -> bool:
@@ -286,6 +325,8 @@ class Machine:
         reason = obj.get("state_reason")
         raw_cmd = obj.get("cmd")
         cmd = tuple(w for w in raw_cmd if isinstance(w, str)) if isinstance(raw_cmd, list) else ()
+        raw_floor = obj.get("block_private")
+        floor = tuple(str(c) for c in raw_floor) if isinstance(raw_floor, list) else None
         return cls(
             name=name,
             state=state if isinstance(state, str) else "unknown",
@@ -301,6 +342,8 @@ class Machine:
             created_at=_int(obj.get("created_at")),
             state_reason=reason if isinstance(reason, str) else None,
             cmd=cmd,
+            block_private=floor,
+            reports_floor=floor is not None or "port_mappings" in obj,
         )
 
 
@@ -318,6 +361,37 @@ class ExecResult:
     duration: float
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+
+
+#: The operations an egress denial names (the API spec's EgressDenialInfo); others: "other".
+EGRESS_OPERATIONS = frozenset({"connect", "sendto"})
+#: The most denials asked for in one ``machine egress-events`` call (smolvm's default 200).
+MAX_EGRESS_EVENTS = 200
+_DEST = re.compile(r"^[0-9A-Za-z.:\[\]%-]{1,64}$")
+
+
+@frozen
+class EgressDenial:
+    """One denial of a machine's egress policy (``machine egress-events --json``): what the
+    guest tried, never a byte of its traffic. ``at`` is smolvm's RFC 3339 time ('' if none)."""
+
+    at: str
+    operation: str
+    dest: str
+
+    @classmethod
+    def from_json(cls, obj: object) -> EgressDenial | None:
+        """One record, checked: a destination that is not an address and port is dropped."""
+        if not isinstance(obj, dict):
+            return None
+        op, dest, at = obj.get("operation"), obj.get("dest"), obj.get("timestamp")
+        if not isinstance(dest, str) or not _DEST.match(dest):
+            return None
+        return cls(
+            at=at if isinstance(at, str) and len(at) <= 40 and at.isprintable() else "",
+            operation=op if op in EGRESS_OPERATIONS else "other",
+            dest=dest,
+        )
 
 
 def machine_argv(
@@ -373,15 +447,18 @@ class Smolvm:
         check_version: bool = True,
         on_call: CallObserver | None = None,
         session_pythons: Sequence[str] = ("python3",),
+        uid_pool: UidPool | None = None,
     ) -> None:
         if isinstance(binary, str):
             if not os.path.isabs(binary):
                 raise ValueError("binary must be an absolute path (see vmctl.install.discover)")
-            binary = SmolvmInstall(binary, SOURCE_OPTION, *assets_beside(binary))
+            binary = with_assets(binary, SOURCE_OPTION)
         self.install = binary
         self.binary = binary.binary if binary is not None else None
         self.runner = runner
         self.data_dir_root = data_dir
+        #: The per-VM uids of the data dir (as root): its blocks, reservations, retirements.
+        self.uid_pool = uid_pool
         self._environ = dict(os.environ if environ is None else environ)
         self.timeouts = timeouts
         self.device_budget = device_budget
@@ -397,6 +474,12 @@ class Smolvm:
         #: The version+features run in flight; it fires with None or the exception it met (a
         #: value, so it never fails and every waiter sees the same outcome).
         self._learning: Deferred[Exception | None] | None = None
+        #: The disk templates' unpack (:meth:`unpack_templates`): fires with None when it is
+        #: over, whatever its outcome; None when none was started.
+        self._templates: Deferred[None] | None = None
+        self._templates_stop = threading.Event()
+        #: Set once the CLI turned out to have no ``machine egress-events``.
+        self._no_egress_events = False
 
     @property
     def env(self) -> dict[str, str]:
@@ -412,8 +495,11 @@ class Smolvm:
         """Which smolvm this is and where it came from (for status and the start log)."""
         if self.install is None:
             return "no smolvm (none given with --smolvm, none on PATH, no bottlenet[vm] wheel)"
-        version = f"smolvm {self._version} " if self._version is not None else ""
-        return version + self.install.describe()
+        version = self._version
+        said = "" if version is None else f"smolvm {version} "
+        if version is not None and not version.tested:
+            said += "(untested) "
+        return said + self.install.describe()
 
     # -- plumbing ---------------------------------------------------------------------
 
@@ -539,8 +625,11 @@ class Smolvm:
             parsed.append(version)
 
         await self._run(["--version"], self.timeouts.version, check=check)
-        self._version = parsed[0]
-        return parsed[0]
+        version = parsed[0]
+        if not version.tested and self._version is None:
+            self.log.warn("{note}", note=untested_note(version))
+        self._version = version
+        return version
 
     async def _feature_call(self) -> Features:
         helps: list[bytes] = []
@@ -595,7 +684,10 @@ class Smolvm:
             if spec.user is not None and not features.user:
                 raise UnsupportedVersion(f"smolvm {self._version} has no create --user")
             if spec.block_private and not features.block_private:
-                raise UnsupportedVersion(f"smolvm {self._version} has no --block-private")
+                raise UnsupportedVersion(
+                    f"smolvm {self._version} has no --block-private: {spec.name} would reach "
+                    "the host's loopback, LAN and cloud metadata, so it is not created"
+                )
         await self._call("create", create_args(spec)[2:], self.timeouts.create)
 
     @as_deferred
@@ -607,6 +699,7 @@ class Smolvm:
         :meth:`delete`.
         """
         validate_name(name)
+        await self._templates_ready(name)
         result = await self._call("start", ["--name", name], self.timeouts.start)
         m = _PID.search(result.stdout.decode("utf-8", "replace"))
         pid = int(m.group(1)) if m else None
@@ -661,6 +754,7 @@ class Smolvm:
         workdir: str | None = None,
         detach: bool = False,
         user: str | None = None,
+        session: Sequence[str] = (),
     ) -> ExecResult:
         """``machine exec``: the guest's exit code is returned, smolvm's failures raised.
 
@@ -674,11 +768,14 @@ class Smolvm:
         smolvm exits with the guest's code, so a failure is recognised by its last stderr
         line: the ``--error-format json`` object, or ``Error: `` plus a known smolvm phrase
         (or a clap usage error, exit 2).
+
+        ``session``: the guest kit's session program (its argv up to ``session``), when the
+        machine has bottlenet's kit mounted: it, not the image's python3, wraps the command.
         """
         # Refuse bad values before anything is spawned (the gate included).
         exec_args(name, argv, env, workdir, stdin is not None, detach, user)
         if stdin is not None:  # -i: smolvm's --timeout would kill only crun exec
-            argv = sessionend.wrap(argv, self.session_pythons)
+            argv = sessionend.wrap(argv, self.session_pythons, session)
         await self._gate()
         features = self._features or Features()
         user = self._exec_user(user, features)
@@ -736,6 +833,7 @@ class Smolvm:
         tty: bool = False,
         size: tuple[int, int] | None = None,
         stdio: tuple[int, int, int] | None = None,
+        session: Sequence[str] = (),
     ) -> IProcessTransport:
         """``machine exec -i [-t]`` attached to ``protocol``: the caller streams its stdio.
 
@@ -756,7 +854,7 @@ class Smolvm:
         if self.binary is None:
             raise SmolvmUnavailable("no smolvm binary configured or found on PATH")
         reactor: Any = self.runner.reactor
-        argv = sessionend.wrap(argv, self.session_pythons)
+        argv = sessionend.wrap(argv, self.session_pythons, session)
         rest = exec_args(name, argv, env, workdir, interactive=True, tty=tty, user=user)[2:]
         full = [self.binary, *self.machine_args("exec", *rest)]
         self.log.info("smolvm machine exec (attached, tty={tty}) in {name}", tty=tty, name=name)
@@ -827,6 +925,28 @@ class Smolvm:
         return machine
 
     @as_deferred
+    async def egress_events(self, name: str, limit: int = 50) -> tuple[EgressDenial, ...] | None:
+        """``machine egress-events --json``: the newest ``limit`` denials of ``name``'s egress
+        policy, oldest first (smolvm keeps them in the VMM's log); None when this CLI has no
+        such subcommand (then it is not asked again). Malformed records are dropped."""
+        validate_name(name)
+        if self._no_egress_events:
+            return None
+        limit = max(1, min(limit, MAX_EGRESS_EVENTS))
+        try:
+            result = await self._call(
+                "egress-events", ["--name", name, "--json", "--limit", str(limit)],
+                self.timeouts.query,
+            )  # fmt: skip
+        except UsageError:
+            self._no_egress_events = True
+            return None
+        data = _json(result, "machine egress-events")
+        if not isinstance(data, list):
+            raise SmolvmFailed("smolvm machine egress-events --json did not print a JSON array")
+        return tuple(d for d in map(EgressDenial.from_json, data[-limit:]) if d is not None)
+
+    @as_deferred
     async def data_dir(self, name: str) -> str:
         """``machine data-dir``: the machine's per-VM state directory on the host."""
         validate_name(name)
@@ -836,23 +956,91 @@ class Smolvm:
             raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
         return path
 
+    # -- disk templates (issue 38) ---------------------------------------------------
+
+    def unpack_templates(self) -> Deferred[None] | None:
+        """Unpack smolvm's disk templates beside its binary now, in the background
+        (:mod:`vmctl.templates`), so the first ``machine start`` expands nothing; every start
+        waits for it. None when there is nothing to do (or no way to do it here)."""
+        if self.install is None or self._templates is not None:
+            return self._templates
+        here = os.path.dirname(os.path.realpath(self.install.binary))
+        if not templates.unpackable(here):
+            return None
+        reactor: Any = self.runner.reactor
+        clock = self.runner.clock
+        began = clock.seconds()
+        self.log.info("unpacking smolvm's disk templates in {dir}, in the background", dir=here)
+        work: Deferred[list[str]] = deferToThreadPool(
+            reactor, reactor.getThreadPool(), templates.unpack, here, self._templates_stop
+        )
+
+        def done(names: list[str]) -> None:
+            self.log.info(
+                "smolvm's disk templates are ready ({names} unpacked in {secs:.1f}s)",
+                names=", ".join(names) or "none needed",
+                secs=clock.seconds() - began,
+            )
+
+        def failed(failure: Any) -> None:
+            if failure.check(templates.Stopped):
+                return
+            self.log.warn(
+                "could not unpack smolvm's disk templates ({why}); its first start will",
+                why=str(failure.value),
+            )
+
+        self._templates = work.addCallbacks(done, failed)
+        return self._templates
+
+    def stop_templates(self) -> None:
+        """Stop an unpack in flight (the daemon is stopping): nothing half-written is left."""
+        self._templates_stop.set()
+
+    async def _templates_ready(self, name: str) -> None:
+        """A start that comes while the templates are unpacked waits for them, and says so."""
+        pending = self._templates
+        if pending is None or pending.called:
+            return
+        self.log.info(
+            "machine start of {name} waits for smolvm's disk templates (being unpacked: the "
+            "first start after an install)",
+            name=name,
+        )
+        waiter: Deferred[None] = Deferred()
+
+        def relay(result: None) -> None:
+            waiter.callback(None)
+            return result
+
+        pending.addBoth(relay)
+        await waiter
+
     # -- per-VM uids (smolvm as root) -------------------------------------------------
 
-    async def _off_thread(self, fn: Callable[[Any], T], arg: Any, name: str) -> T:
+    async def _off_thread(self, fn: Callable[..., T], *args: Any, name: str) -> T:
         """A blocking registry call on the reactor's thread pool (the lock is smolvm's)."""
         reactor: Any = self.runner.reactor
         try:
-            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, arg)
+            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, *args)
         except UidRegistryError as e:
             raise SmolvmFailed(f"the VM uid of {name}: {e}") from None
         return result
 
+    def _pool(self, vm_dir: str | None = None) -> UidPool:
+        if self.uid_pool is not None:
+            return self.uid_pool
+        if vm_dir is not None:
+            return UidPool.of_vm_dir(vm_dir)
+        return UidPool(self.data_dir_root or os.path.expanduser("~"))
+
     @as_deferred
-    async def reserve_uid(self, name: str) -> UidReservation:
+    async def reserve_uid(self, name: str, volumes: Sequence[str] = ()) -> UidReservation:
         """The uid ``machine start`` will run ``name``'s VMM as (smolvm's per-VM uids, as
-        root), written into smolvm's root-owned registry now, never one handed out before."""
+        root), written into smolvm's root-owned registry now, from this data dir's own uids
+        (``volumes``: its read-write volumes, looked at before the uid is given out again)."""
         vm_dir = await self.data_dir(name)
-        uid = await self._off_thread(reserve_vm_uid, vm_dir, name)
+        uid = await self._off_thread(self._pool(vm_dir).reserve, vm_dir, volumes, name=name)
         return UidReservation(uid, registry_of(vm_dir), vm_dir)
 
     @as_deferred
@@ -860,13 +1048,24 @@ class Smolvm:
         """The uid smolvm's root-owned registry holds for ``name``'s VMM (None: no entry).
         Never the VM dir's ``.vm-uid``: the VMM's own uid can write that."""
         vm_dir = await self.data_dir(name)
-        return await self._off_thread(registered_vm_uid, vm_dir, name)
+        return await self._off_thread(self._pool(vm_dir).registered, vm_dir, name=name)
 
     @as_deferred
-    async def end_uid(self, uid: int) -> tuple[int, ...]:
-        """After a VM's delete: end every process still running as its per-VM uid (a
-        compromised VMM's leftovers); fires with the pids still alive (empty: none)."""
-        return tuple(await self._off_thread(end_processes_of, uid, f"uid {uid}"))
+    async def end_uid(self, uid: int) -> UidEnd:
+        """After a VM's delete: end every process of its machine still running as its
+        per-VM uid (a compromised VMM's leftovers); what it did (:class:`UidEnd`)."""
+        return await self._off_thread(self._pool().end, uid, name=f"uid {uid}")
+
+    @as_deferred
+    async def retire_uid(self, uid: int, prove: bool = False) -> bool:
+        """The uid's VM is deleted: it waits until nothing of it is left (``prove``: looked
+        at now; whether it is free again)."""
+        return await self._off_thread(self._pool().retire, uid, prove, name=f"uid {uid}")
+
+    @as_deferred
+    async def uid_supply(self) -> UidSupply:
+        """How many per-VM uids this data dir can still give out."""
+        return await self._off_thread(self._pool().supply, name="the data dir")
 
 
 _EXEC_FAILURES = re.compile(
@@ -932,8 +1131,10 @@ def _json(result: ProcResult, what: str) -> object:
 
 
 __all__ = [
+    "EXTRA_PIN",
     "MIN_VERSION",
-    "TESTED_VERSION",
+    "TESTED_VERSIONS",
+    "EgressDenial",
     "ExecResult",
     "Features",
     "InvalidArgument",
@@ -942,6 +1143,9 @@ __all__ = [
     "SmolvmVersion",
     "Timeouts",
     "UidReservation",
+    "UidSupply",
     "VmUids",
     "set_pty_size",
+    "tested_names",
+    "untested_note",
 ]

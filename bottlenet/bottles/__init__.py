@@ -20,6 +20,11 @@
 - :mod:`~bottlenet.bottles.creation`: a VM create's steps with their undos.
 - :mod:`~bottlenet.bottles.host`: the frozen ``VMHost`` of the parts a VM bottle's steps use
   (built once in ``tap.py``), and its own steps: uids, endpoints, verify, egress, teardown.
+- :mod:`~bottlenet.bottles.volumes`: a create's volumes resolved once without links and
+  checked for whoever asks; :mod:`~bottlenet.bottles.volumeaccess`: the agent VMM uid's ACL
+  grant on them and its revoke; :mod:`~bottlenet.bottles.volumegrants`: the record of every
+  grant not yet taken back; :mod:`~bottlenet.bottles.posixacl`: a directory's ACL through a
+  descriptor, and the kernel's rule of who it lets in.
 - :mod:`~bottlenet.bottles.vmerrors`: vmctl's errors as the control plane's.
 - :mod:`~bottlenet.bottles.recovery`: reconcile the state file with reality at start (whether
   a kept VM bottle lives on: ``check_alive``, ``rebind``).

@@ -19,6 +19,7 @@ from bottlenet.bottles.model import Bottle
 from bottlenet.bottles.spec import MAX_ENV, MAX_STRING, check_env_entries
 from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.errors import InvalidArgument, SmolvmUnavailable, safe_repr
+from bottlenet.kit.program import kit_session
 from vmctl.errors import VmctlError
 from vmctl.smolvm import GUEST_ROOT, set_pty_size
 from vmctl.spec import check_user
@@ -119,7 +120,9 @@ def logs_request(bottle: Bottle, tail: int, follow: bool) -> ExecRequest:
     vm = bottle.require_vms()
     if vm.workload is None:
         raise InvalidArgument(f"bottle {bottle.name} runs no workload (its spec names none)")
-    return ExecRequest(tuple(workload.logs_argv(vm.agent_vm, tail, follow)), user=GUEST_ROOT)
+    return ExecRequest(
+        tuple(workload.logs_argv(vm.agent_vm, tail, follow, vm.kit)), user=GUEST_ROOT
+    )
 
 
 async def spawn_exec(
@@ -133,6 +136,8 @@ async def spawn_exec(
     """Start ``machine exec`` in the bottle's agent VM with ``protocol`` attached to its stdio.
 
     ``host`` is the VMHost (its ``smolvm``); vmctl errors become the control plane's.
+    The bottle's guest kit, when its VMs have one, wraps the command (it ends with its
+    session) instead of the image's python3.
     """
     if host is None:
         raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
@@ -147,9 +152,10 @@ async def spawn_exec(
             tty=request.tty,
             size=request.size,
             stdio=stdio,
+            session=kit_session(bottle.require_vms().kit),
         )
     except VmctlError as e:
-        raise map_vmctl(e) from None
+        raise map_vmctl(e, bottle.name) from None
     return transport
 
 

@@ -49,12 +49,15 @@ from bottlenet.bridge.script import (
     EXIT_NO_TOOL,
     NO_TOOL,
     Bridge,
+    bridge_args,
     reach_endpoint,
+    reach_request,
     render,
     render_reach,
 )
 from bottlenet.errors import BridgeFailed
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.probe.plan import new_nonce
 from bottlenet.probe.witness import Witness
 from vmctl.errors import VmctlError
@@ -214,6 +217,8 @@ class BridgeKeeper:
     timer: IDelayedCall | None = None
     on_restarted: Callable[[str], None] = field(default=lambda detail: None)
     on_failed: Callable[[str], None] = field(default=lambda detail: None)
+    #: The guest kit that runs the bridge (None: the image's python3 and /bin/sh).
+    kit: KitRef | None = None
 
     @property
     def stopped(self) -> bool:
@@ -283,10 +288,17 @@ class Bridges:
 
     async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
         """One attached session running the bridge, ``ready`` (else BridgeFailed)."""
-        session = BridgeSession(render(kept.bridges))
+        kit = kept.kit
+        argv = list(ARGV) if kit is None else kit.argv("bridge", *bridge_args(kept.bridges))
+        # With the kit nothing is fed; one empty line is (the bridge ignores it): Twisted's
+        # process writer noticed the session's end only once it had written something, so
+        # a bridge that died was never restarted (tests/control/test_bridge.py).
+        session = BridgeSession(render(kept.bridges) if kit is None else b"\n")
         kept.session = session
         try:
-            await self.smolvm.spawn_exec(kept.agent_vm, list(ARGV), session, user=GUEST_ROOT)
+            await self.smolvm.spawn_exec(
+                kept.agent_vm, argv, session, user=GUEST_ROOT, session=kit_session(kit)
+            )
         except VmctlError as e:
             raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
         timer = self.reactor.callLater(START_TIMEOUT, session.stop)
@@ -346,11 +358,16 @@ class Bridges:
         session.tell_down(port)
 
     async def start(
-        self, bottle: str, agent_vm: str, endpoints: Sequence[Endpoint]
+        self,
+        bottle: str,
+        agent_vm: str,
+        endpoints: Sequence[Endpoint],
+        kit: KitRef | None = None,
     ) -> BridgeKeeper:
         """Start the bottle's bridge and wait until it listens (BridgeFailed: why not, the
         bridge stopped)."""
         kept = self._keeper(bottle, agent_vm, endpoints)
+        kept.kit = kit
         try:
             session = await self._spawn(kept)
         except BaseException:
@@ -366,6 +383,7 @@ class Bridges:
         agent_vm: str,
         endpoints: Sequence[Endpoint],
         kept: BridgeKeeper | None = None,
+        kit: KitRef | None = None,
     ) -> None:
         """Each guest ``127.0.0.1:<port>`` reaches bottlenet's listener for its service,
         witnessed on the host (BridgeFailed names the ports that did not); ``kept``, the
@@ -385,13 +403,19 @@ class Bridges:
                 )  # fmt: skip
                 diverted.append(e.service)
             ports = [e.guest_port for e in mine]
+            argv, stdin = (
+                (list(ARGV), render_reach(nonce, ports))
+                if kit is None
+                else (kit.argv("reach"), reach_request(nonce, ports))
+            )
             try:
                 await self.smolvm.exec(
                     agent_vm,
-                    list(ARGV),
-                    stdin=render_reach(nonce, ports),
+                    argv,
+                    stdin=stdin,
                     timeout=REACH_TIMEOUT,
                     user=GUEST_ROOT,
+                    session=kit_session(kit),
                 )
             except VmctlError as e:
                 raise BridgeFailed(
@@ -433,12 +457,14 @@ class Bridges:
         *,
         on_restarted: Callable[[str], None],
         on_failed: Callable[[str], None],
+        kit: KitRef | None = None,
     ) -> BridgeKeeper:
         """Watch the bottle's bridge (``kept``, as its create started it); one that is not
         running (None: after a daemon restart) is started again, unproven (the workload
         already runs). The keeper is returned for the bottle's owner to hold."""
         if kept is None or kept.stopped:
             kept = self._keeper(bottle, agent_vm, endpoints, BridgeState.RESTARTING)
+            kept.kit = kit
             kept.on_restarted, kept.on_failed = on_restarted, on_failed
             self._restart(kept)
             return kept

@@ -70,6 +70,8 @@ from bottlenet.forward.spec import (
     sidecar_socket_path,
     unix_listen_for,
 )
+from bottlenet.kit.build import Kit
+from bottlenet.kit.program import GUEST_DIR, KitRef
 from bottlenet.probe.judge import ProbeResult
 from vmctl.errors import PortNotOwned, VmctlError
 from vmctl.ports import (
@@ -97,25 +99,34 @@ def sidecar_machine_spec(
     name: str,
     sidecar: SidecarSpec,
     labels: tuple[tuple[str, str], ...],
-    features: Features,
     *,
     sockets: Sequence[ExposeSocket] = (),
     ports: Sequence[PortMapping] = (),
+    kit: Kit | None = None,
 ) -> MachineSpec:
-    """The sidecar's ``machine create``: outbound network for its egress proxy, with smolvm's
-    private-range floor (``--block-private``: no host loopback, LAN or metadata) where the CLI
-    has it, and its services as exposed sockets or (opt-in) published ports."""
+    """The sidecar's ``machine create``: outbound network for its egress proxy, always with
+    smolvm's private-range floor (``--block-private``: no host loopback, LAN or metadata; from
+    1.37 a networked machine reaches host loopback by default without it), so a CLI without
+    the flag has the create refused (``vmctl.smolvm.Smolvm.create``), never sent without it;
+    its services as exposed sockets or (opt-in) published ports; and bottlenet's guest kit
+    read-only at its fixed path (it writes the egress policy)."""
     fields: dict[str, Any] = {
         **image_fields(sidecar.image),
         "labels": labels,
         "cpus": sidecar.cpus,
         "mem": sidecar.mem,
         "net": True,
-        "block_private": features.block_private,
+        "block_private": True,
         "expose_sockets": tuple(sockets),
         "ports": tuple(ports),
+        "volumes": kit_volumes(kit),
     }
     return MachineSpec(name, **fields)
+
+
+def kit_volumes(kit: Kit | None) -> tuple[Volume, ...]:
+    """The kit's read-only mount at its fixed guest path (none without a kit)."""
+    return () if kit is None else (Volume(kit.root, GUEST_DIR, read_only=True),)
 
 
 def agent_machine_spec(
@@ -125,20 +136,22 @@ def agent_machine_spec(
     env: tuple[tuple[str, str], ...],
     endpoints: Sequence[Endpoint],
     volumes: Sequence[Volume] = (),
+    kit: Kit | None = None,
 ) -> MachineSpec:
     """The socket-mode agent's ``machine create``: no network device, its endpoints mounted,
-    its ``volumes`` as resolved at create (``volumes.py``), and bottlenet's wait command as
-    the workload (it replaces the image's ENTRYPOINT+CMD)."""
+    its ``volumes`` as resolved at create (``volumes.py``), bottlenet's guest kit read-only at
+    its fixed path, and bottlenet's wait command as the workload (it replaces the image's
+    ENTRYPOINT+CMD)."""
     mounts = tuple(MountSocket(e.path, e.guest_path) for e in endpoints)
     fields: dict[str, Any] = {
         **image_fields(agent.image),
         "labels": labels,
         "cpus": agent.cpus,
         "mem": agent.mem,
-        "volumes": tuple(volumes),
+        "volumes": tuple(volumes) + kit_volumes(kit),
         "env": env,
         "mount_sockets": mounts,
-        "workload": AGENT_WAIT_COMMAND,
+        "workload": AGENT_WAIT_COMMAND if kit is None else tuple(kit.program.argv("idle")),
     }
     return MachineSpec(name, net=False, **fields)
 
@@ -219,6 +232,12 @@ class Creation:
         self.bridge: BridgeKeeper | None = None
         #: The transparent egress layer this create started (the same).
         self.layer: LayerKeeper | None = None
+        #: bottlenet's guest kit, checked before it is mounted (None: the image's python3).
+        self.kit: Kit | None = None
+
+    @property
+    def kit_ref(self) -> KitRef | None:
+        return None if self.kit is None else self.kit.ref
 
     def __enter__(self) -> Creation:
         return self
@@ -234,6 +253,7 @@ class Creation:
         # Before any machine: nothing to undo yet.
         self.volumes = await self.host.resolve_volumes(self.agent, self.requester)
         try:
+            self.kit = await self.host.checked_kit()
             await self.step_allocate()
             sidecar = await self.step_sidecar()
             await self.step_sidecar_ready(sidecar)
@@ -269,7 +289,7 @@ class Creation:
         undone = await self._rollback(why)
         after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
         if isinstance(why, VmctlError):
-            mapped = map_vmctl(why)
+            mapped = map_vmctl(why, self.name)
             return type(mapped)(f"{mapped.message}; {after}")
         if isinstance(why, EgressLayerFailed):
             return EgressLayerFailed(f"{why.message}; {after}")
@@ -300,7 +320,8 @@ class Creation:
                     step=what,
                     err=getattr(e, "message", type(e).__name__),
                 )
-        await self.host.end_uids(self.name, [r.uid for r in self.reserved.values()])
+        reserved = [r.uid for r in self.reserved.values()]
+        await self.host.end_uids(self.name, reserved, give_back=True)
         return undone
 
     async def step_allocate(self) -> None:
@@ -334,6 +355,12 @@ class Creation:
         async def remove() -> None:
             await self.smolvm.remove(name)
 
+        if not features.block_private:
+            raise SmolvmUnavailable(
+                f"smolvm {self.smolvm.known_version} has no --block-private, the sidecar's "
+                "egress floor (without it a networked machine reaches the host's loopback, LAN "
+                "and cloud metadata): the sidecar is not created; use smolvm 1.32 or newer"
+            )
         if self.sidecar.listen == LISTEN_TCP:
             raw = await self._start_raw_sidecar(name, features)
             self.undo.append(("sidecar", remove))
@@ -351,7 +378,7 @@ class Creation:
             for s, p in zip(self.sidecar.services, paths, strict=True)
         ]
         labels = self.host.labels(self.name, Role.SIDECAR)
-        spec = sidecar_machine_spec(name, self.sidecar, labels, features, sockets=sockets)
+        spec = sidecar_machine_spec(name, self.sidecar, labels, sockets=sockets, kit=self.kit)
 
         async def hand_over() -> None:
             # Under per-VM uids the VMM prepares its exposed sockets as its own uid.
@@ -392,7 +419,7 @@ class Creation:
                 PortMapping(raw, svc.guest_port)
                 for raw, svc in zip(ports, sidecar.services, strict=True)
             ]
-            return sidecar_machine_spec(name, sidecar, labels, features, ports=mapped)
+            return sidecar_machine_spec(name, sidecar, labels, ports=mapped, kit=self.kit)
 
         async def reserve() -> None:
             # Per-VM uids: reserved, so smolvm never picks a uid itself (it would reuse one).
@@ -445,7 +472,9 @@ class Creation:
         if egress_spec is None:
             return EgressSet(())
         policy = egress_spec.allow_hosts
-        await egress.push_policy(self.smolvm, sidecar.vm, egress_spec, policy, previous=None)
+        await egress.push_policy(
+            self.smolvm, sidecar.vm, egress_spec, policy, previous=None, kit=self.kit_ref
+        )
         return EgressSet(policy)
 
     async def step_agent(self, bound: EndpointsBound, egress_set: EgressSet) -> AgentStarted:
@@ -466,7 +495,7 @@ class Creation:
         await self.step_bridge(name, endpoints)
         await self.step_layer(name, endpoints)
         if agent.workload:
-            await workload.start(self.smolvm, name, agent.workload, agent.user, env)
+            await workload.start(self.smolvm, name, agent.workload, agent.user, env, self.kit_ref)
         return AgentStarted(name, env, probe)
 
     async def _create_agent(
@@ -485,6 +514,7 @@ class Creation:
             env,
             endpoints,
             self.volumes.volumes,
+            self.kit,
         )
         if self.agent.user is not None:
             await self.host.version()
@@ -500,7 +530,8 @@ class Creation:
             await self.smolvm.remove(name)
 
         self.undo.append(("agent", remove))
-        reserved = await self.host.reserve_uid(name)
+        writable = [r.volume.host for r in self.volumes if not r.volume.read_only]
+        reserved = await self.host.reserve_uid(name, writable)
         if reserved is not None:
             self.reserved[Role.AGENT] = reserved
             self.host.grant_agent(self.name, endpoints, reserved.uid)
@@ -546,6 +577,7 @@ class Creation:
             witness=True,
             egress=self.sidecar.egress,
             policy=policy,
+            kit=self.kit_ref,
         )
         if not verdict.passed:
             raise IsolationFailed(
@@ -563,9 +595,9 @@ class Creation:
             if self.bridge is not None:
                 self.bridge.stop()
 
-        self.bridge = await self.host.bridges.start(self.name, agent_vm, endpoints)
+        self.bridge = await self.host.bridges.start(self.name, agent_vm, endpoints, self.kit_ref)
         self.undo.append(("bridge", stop))
-        await self.host.bridges.prove(self.name, agent_vm, endpoints, self.bridge)
+        await self.host.bridges.prove(self.name, agent_vm, endpoints, self.bridge, self.kit_ref)
 
     async def step_layer(self, agent_vm: str, endpoints: Sequence[Endpoint]) -> None:
         """6d. The transparent egress layer (``agent.transparent_egress``), installed after the
@@ -623,5 +655,6 @@ class Creation:
                 workload=WorkloadState.RUNNING if self.agent.workload else None,
                 agent_uid=self._uid(Role.AGENT),
                 sidecar_uid=self._uid(Role.SIDECAR),
+                kit=self.kit_ref,
             ),
         )

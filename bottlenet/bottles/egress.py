@@ -15,6 +15,7 @@ from twisted.logger import Logger
 
 from bottlenet.bottles.spec import EgressSpec
 from bottlenet.errors import SmolvmFailed
+from bottlenet.kit.program import KitRef, kit_session
 from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 #: Atomic write inside the guest: "$1" is the policy path, stdin the document.
@@ -28,13 +29,17 @@ def policy_document(hosts: Sequence[str]) -> bytes:
     return "".join(f"{h}\n" for h in hosts).encode("ascii")
 
 
-async def _write(smolvm: Smolvm, machine: str, path: str, hosts: Sequence[str]) -> None:
+async def _write(
+    smolvm: Smolvm, machine: str, path: str, hosts: Sequence[str], kit: KitRef | None
+) -> None:
+    argv = [*WRITE_ARGV, path] if kit is None else kit.argv("write", path)
     result = await smolvm.exec(
         machine,
-        [*WRITE_ARGV, path],
+        argv,
         stdin=policy_document(hosts),
         timeout=EXEC_TIMEOUT,
         user=GUEST_ROOT,
+        session=kit_session(kit),
     )
     if result.exit_code != 0:
         raise SmolvmFailed(
@@ -56,15 +61,17 @@ async def push_policy(
     egress: EgressSpec,
     hosts: Sequence[str],
     previous: Sequence[str] | None,
+    kit: KitRef | None = None,
 ) -> None:
-    """Write ``hosts`` and reload; on failure restore ``previous`` (when there was one)."""
+    """Write ``hosts`` and reload; on failure restore ``previous`` (when there was one).
+    ``kit``: the guest kit mounted in the sidecar writes the file (else its /bin/sh)."""
     try:
-        await _write(smolvm, machine, egress.policy_path, hosts)
+        await _write(smolvm, machine, egress.policy_path, hosts, kit)
         await _reload(smolvm, machine, egress)
     except BaseException:
         if previous is not None:
             try:
-                await _write(smolvm, machine, egress.policy_path, previous)
+                await _write(smolvm, machine, egress.policy_path, previous, kit)
                 await _reload(smolvm, machine, egress)
             except Exception as e:
                 log.warn(

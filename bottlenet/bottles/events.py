@@ -24,7 +24,10 @@ DESTROYED = "destroyed"
 BRIDGE_RESTARTED = "bridge_restarted"
 #: The daemon destroyed a bottle whose lease ran out (plus its grace): ``node.lease``.
 LEASE_EXPIRED = "lease_expired"
-KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED, LEASE_EXPIRED)
+#: The sidecar's egress policy refused a connection (``bottles.egresswatch``).
+EGRESS_DENIED = "egress_denied"
+KINDS = (CREATED, READY, DEGRADED, WORKLOAD_EXITED, DESTROYED, BRIDGE_RESTARTED, LEASE_EXPIRED,
+         EGRESS_DENIED)  # fmt: skip
 #: Events of the node itself (``node.drain``): their ``bottle`` is empty.
 DRAINED = "drained"
 UNDRAINED = "undrained"

@@ -30,6 +30,7 @@ from bottlenet.forward.spec import (
     parse_target,
     targets_dir,
 )
+from bottlenet.kit.program import KitRef
 from bottlenet.probe.judge import ProbeResult
 from bottlenet.probe.plan import IsolationMode
 
@@ -206,6 +207,9 @@ class BottleVMs:
     #: endpoints are granted to the agent's, never to what a VMM-writable file says).
     agent_uid: int | None = None
     sidecar_uid: int | None = None
+    #: bottlenet's guest kit, mounted read-only in both VMs at create (None: the image's
+    #: python3 and /bin/sh run bottlenet's guest commands).
+    kit: KitRef | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
@@ -306,6 +310,7 @@ class Bottle:
             "workload": vm.workload,
             "workload_exit_code": vm.workload_exit_code,
             **_uids_record(vm),
+            **_kit_record(vm.kit),
         }
 
     @classmethod
@@ -367,6 +372,7 @@ class Bottle:
                 workload=_choice(f, "workload", WorkloadState, optional=True),
                 workload_exit_code=f.value("workload_exit_code", int, optional=True),
                 **_uids_from(f),
+                kit=_kit_from(f),
             )
             return cls(
                 name=name,
@@ -381,6 +387,24 @@ class Bottle:
             raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
             raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
+
+
+def _kit_record(kit: KitRef | None) -> dict[str, Any]:
+    """``kit`` only when one is mounted (a record without it stays as it was)."""
+    return {} if kit is None else {"kit": {"digest": kit.digest, "loader": kit.loader}}
+
+
+def _kit_from(f: Fields) -> KitRef | None:
+    d = f.value("kit", dict, optional=True)
+    if d is None:
+        return None
+    k = _fields(d, "kit")
+    digest, loader = k.value("digest", str), k.value("loader", str)
+    if len(digest) != 64 or not all(c in "0123456789abcdef" for c in digest):
+        raise StateError("kit.digest: must be 64 hex digits")
+    if not loader.startswith("lib/") or "/" in loader[4:] or not loader[4:].isprintable():
+        raise StateError("kit.loader: must name a file of the kit's lib/")
+    return KitRef(digest, loader)
 
 
 def _uids_record(vm: BottleVMs) -> dict[str, Any]:

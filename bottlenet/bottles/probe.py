@@ -26,6 +26,7 @@ from bottlenet.errors import InvalidArgument
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import TCPListen
 from bottlenet.forward.table import ForwardTable
+from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.paths import open_regular
 from bottlenet.probe.judge import Verdict, judge
 from bottlenet.probe.plan import (
@@ -40,7 +41,7 @@ from bottlenet.probe.plan import (
     host_id_hash,
     new_nonce,
 )
-from bottlenet.probe.script import ARGV, render
+from bottlenet.probe.script import ARGV, kit_request, render
 from bottlenet.probe.witness import Witness, WitnessFactory
 from vmctl.smolvm import GUEST_ROOT, Smolvm
 from vmctl.spec import Volume
@@ -99,6 +100,7 @@ def plan_gate(
     proxy: Endpoint | None = None,
     allow_hosts: Sequence[str] = (),
     bridged: Sequence[int] = (),
+    kit: str | None = None,
 ) -> ProbePlan:
     """Own endpoints; raw ports, the daemon's services and well-known ports on every path to
     the host; another bottle's endpoint; the outside address and DNS; markers; volumes.
@@ -136,6 +138,17 @@ def plan_gate(
         connect_via=None if proxy is None else own_target(proxy),
         connect_ok=tuple(connect_ok),
         connect_no=tuple(connect_no),
+        kit=kit,
+    )
+
+
+def kit_not_started(code: int, stderr: bytes) -> str:
+    """Why bottlenet's kit did not start in a guest (exit 126/127, nothing printed)."""
+    machine = os.uname().machine
+    why = "exec format error" if b"format error" in stderr.lower() else f"exit {code}"
+    return (
+        f"bottlenet's guest kit could not start in the guest ({why}): it is built for "
+        f"{machine}, this host's architecture, and the guest must be {machine} too"
     )
 
 
@@ -250,6 +263,7 @@ class Gate:
         policy: Sequence[str] = (),
         bridged: Sequence[int] = (),
         volume_dirs: Mapping[str, int] | None = None,
+        kit: KitRef | None = None,
     ) -> Verdict:
         """The gate for a bottle's spec (``witness``: before any workload, own endpoints
         diverted), against another bottle's address, its verdict logged; ``volume_dirs``: see
@@ -269,6 +283,7 @@ class Gate:
             allow_hosts=policy,
             bridged=bridged,
             volume_dirs=volume_dirs,
+            kit=kit,
         )
         self.log.info(
             "bottle {bottle}: isolation probe {result} ({n} own, {ports} host ports on every"
@@ -295,7 +310,9 @@ class Gate:
         allow_hosts: Sequence[str] = (),
         bridged: Sequence[int] = (),
         volume_dirs: Mapping[str, int] | None = None,
+        kit: KitRef | None = None,
     ) -> tuple[ProbePlan, Verdict]:
+        """One run (``kit``: the kit the VM has mounted runs it, and must be that kit)."""
         nonce = new_nonce()
         markers = Markers(nonce, self.marker_dirs())
         seen: Witness | None = None
@@ -314,14 +331,25 @@ class Gate:
                 proxy=proxy,
                 allow_hosts=allow_hosts,
                 bridged=bridged,
+                kit=None if kit is None else kit.digest,
             )
             if witness:
                 seen = Witness(nonce)
                 for e, target in zip(endpoints, plan.own, strict=True):
                     self._divert(bottle, e.service, seen, str(target))
                     diverted.append(e.service)
+            argv, stdin = (
+                (list(ARGV), render(plan))
+                if kit is None
+                else (kit.argv("probe"), kit_request(plan))
+            )
             result = await self.smolvm.exec(
-                agent_vm, list(ARGV), stdin=render(plan), timeout=PROBE_TIMEOUT, user=GUEST_ROOT
+                agent_vm,
+                argv,
+                stdin=stdin,
+                timeout=PROBE_TIMEOUT,
+                user=GUEST_ROOT,
+                session=kit_session(kit),
             )
         finally:
             if seen is not None:
@@ -330,6 +358,8 @@ class Gate:
                 with contextlib.suppress(Exception):
                     self.table.divert(bottle, label, None)
             markers.remove()
+        if kit is not None and not result.stdout and result.exit_code in (126, 127):
+            return plan, Verdict(False, (kit_not_started(result.exit_code, result.stderr),))
         verdict = judge(
             plan,
             result.stdout,

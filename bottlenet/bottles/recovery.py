@@ -73,6 +73,11 @@ def check_alive(host: VMHost, bottle: Bottle, machines: Mapping[str, Machine] | 
         )
     if not alive:
         return "its sidecar VM is gone"
+    floor = None if machines is None else machines[vm.sidecar_vm].floor_whole
+    if floor is False:
+        # smolvm 1.37 reports --block-private (and what it re-opens): a sidecar without the
+        # whole floor reaches the host's loopback, LAN and metadata.
+        return "its sidecar VM runs without the whole --block-private floor"
     for path in vm.sidecar_sockets:
         sock = host.check_socket(path, vm.sidecar_pid)
         if not sock.owned and not (

@@ -8,18 +8,26 @@ from __future__ import annotations
 
 from bottlenet.errors import (
     BottlenetError,
+    Busy,
     InvalidArgument,
     KvmUnavailable,
     SmolvmFailed,
     SmolvmUnavailable,
     Unavailable,
 )
+from vmctl.errors import AgentBusy, VmctlError
 from vmctl.errors import SmolvmFailed as VmSmolvmFailed
-from vmctl.errors import VmctlError
 
 
-def map_vmctl(e: VmctlError) -> BottlenetError:
-    """vmctl's codes onto the control plane's (messages are already sanitised)."""
+def map_vmctl(e: VmctlError, bottle: str | None = None) -> BottlenetError:
+    """vmctl's codes onto the control plane's (messages are already sanitised). ``bottle``:
+    the bottle the call was for, named in a BUSY (the guest agent's admission limits)."""
+    if isinstance(e, AgentBusy):
+        whose = f"bottle {bottle}" if bottle else "the VM"
+        return Busy(
+            f"{whose}: smolvm's guest agent refused the command at {e.limit or 'a limit'}; "
+            "retry when one of its sessions ends"
+        )
     if e.code in ("SMOLVM_UNAVAILABLE", "UNSUPPORTED_VERSION"):
         return SmolvmUnavailable(e.message)
     # A budget or argument problem found before smolvm ran is the caller's; the same code

@@ -111,6 +111,7 @@ class Running:
                 vm.endpoints,
                 on_restarted=restarted,
                 on_failed=owner.degrade_later,
+                kit=vm.kit,
             )
         service = vm.spec.agent.transparent_egress if vm.spec.agent else None
         if service is not None:
@@ -149,7 +150,7 @@ class Running:
                 Deferred.fromCoroutine(self._after_loss())
 
         waiter = self.waiter = workload.WorkloadWaiter(owner.workload_ended, lost)
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm)), user=GUEST_ROOT)
+        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm, vm.kit)), user=GUEST_ROOT)
 
         def failed(f: Failure) -> None:
             lost()

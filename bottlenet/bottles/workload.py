@@ -21,8 +21,9 @@ parent, so its exit code and the moment it ended are not its to forge. What rema
 guest's word: everything, when the workload runs as root (``user = "root"``/``"0"``, or an
 image whose ``USER`` is root): root in the guest can write any file and trace any process
 there; and in every case the guest kernel and its root (a hostile image) decide what the
-waiter prints. This path needs ``python3`` in the image (the launch gate needs it too) or the
-probe kit's.
+waiter prints. Each step runs on bottlenet's guest kit (``bottlenet.kit``: ``workload
+prepare|run|wait|logs`` and ``whoami``) where the daemon built one; else on the image's
+``/bin/sh`` and ``python3``.
 
 Why not smolvm's own ``machine logs``: it shows the machine's workload (its create command or
 image entrypoint), and bottlenet never lets that start the agent (the agent must not run before
@@ -40,7 +41,8 @@ from twisted.internet.protocol import ProcessProtocol
 from twisted.python.failure import Failure
 
 from bottlenet.errors import SmolvmFailed
-from bottlenet.kit import parent
+from bottlenet.kit import guest, parent
+from bottlenet.kit.program import KitRef
 from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 
@@ -66,14 +68,14 @@ SETUP_TIMEOUT = 60.0
 START_TIMEOUT = 60.0
 
 #: Exit codes of the prepare step (:func:`prepare_argv`).
-PREPARE_NO_DIR = 125
-PREPARE_NOT_FOUND = 127
+PREPARE_NO_DIR = guest.PREPARE_NO_DIR
+PREPARE_NOT_FOUND = guest.PREPARE_NOT_FOUND
 PREPARE_NO_PYTHON = 124
 #: Run *without* ``-u``: prints ``uid:gid`` of the user smolvm runs a command as by default
 #: (the machine's, then the image's ``USER``): the workload's user when the spec names none.
 IMAGE_USER_ARGV = ["/bin/sh", "-c", 'echo "$(id -u):$(id -g)"']
-#: The guest's python3: the probe kit's when it is mounted, else the image's (as the gate).
-_PY = 'py=/run/bottlenet-probe/bin/python3; [ -x "$py" ] || py=python3; '
+#: Where no kit could be built: the image's python3 (as the gate's).
+_PY = "py=python3; "
 # The root-run prepare step: a fresh root-owned directory the workload's user cannot write
 # (not even to replace it: /tmp is sticky), the log, the command, python3.
 _PREPARE_ROOT = (
@@ -117,27 +119,42 @@ def image_user(stdout: bytes) -> str | None:
     return None
 
 
-def wrap(argv: tuple[str, ...], agent_vm: str, user: str | None = None) -> list[str]:
+def wrap(
+    argv: tuple[str, ...], agent_vm: str, user: str | None = None, kit: KitRef | None = None
+) -> list[str]:
     """The detached wrapper, run as the guest's root; the workload runs as ``user`` (None:
-    root)."""
+    root). ``kit``: the guest kit runs it (else the image's /bin/sh and python3)."""
     who = "0" if user is None else user
+    if kit is not None:
+        return kit.argv("workload", "run", guest_dir(agent_vm), who, *argv)
     return ["/bin/sh", "-c", _WRAPPER_ROOT, _PARENT, guest_dir(agent_vm), who, *argv]
 
 
-def prepare_argv(argv: tuple[str, ...], agent_vm: str) -> list[str]:
+def prepare_argv(argv: tuple[str, ...], agent_vm: str, kit: KitRef | None = None) -> list[str]:
     """Exit 0 when the workload's directory is ready and its command can be run in the guest
     (:data:`PREPARE_NO_DIR`, :data:`PREPARE_NOT_FOUND`, :data:`PREPARE_NO_PYTHON` otherwise).
     Run as the guest's root."""
+    if kit is not None:
+        return kit.argv("workload", "prepare", guest_dir(agent_vm), argv[0])
     return ["/bin/sh", "-c", _PREPARE_ROOT, "bottlenet-prepare", guest_dir(agent_vm), argv[0]]
 
 
-def waiter_argv(agent_vm: str) -> list[str]:
+def waiter_argv(agent_vm: str, kit: KitRef | None = None) -> list[str]:
+    if kit is not None:
+        return kit.argv("workload", "wait", guest_dir(agent_vm))
     return ["/bin/sh", "-c", _WAITER, "bottlenet-wait", guest_dir(agent_vm)]
 
 
-def logs_argv(agent_vm: str, tail: int, follow: bool) -> list[str]:
+def logs_argv(agent_vm: str, tail: int, follow: bool, kit: KitRef | None = None) -> list[str]:
     flags = ["-F"] if follow else []
+    if kit is not None:
+        return kit.argv("workload", "logs", guest_dir(agent_vm), str(tail), *flags)
     return ["/bin/sh", "-c", _TAIL, "bottlenet-logs", guest_dir(agent_vm), str(tail), *flags]
+
+
+def image_user_argv(kit: KitRef | None = None) -> list[str]:
+    """Prints ``uid:gid`` of the user it runs as (run without ``-u``)."""
+    return list(IMAGE_USER_ARGV) if kit is None else kit.argv("whoami")
 
 
 async def start(
@@ -146,14 +163,16 @@ async def start(
     argv: tuple[str, ...],
     user: str | None,
     env: tuple[tuple[str, str], ...],
+    kit: KitRef | None = None,
 ) -> None:
     """The workload ``argv``, after the gate (create's step 6d): its user known (``user``,
     else the image's ``USER``), its command checked (as the guest's root), then started
-    detached as its user. SmolvmFailed says which of these failed."""
-    user = user or await read_image_user(smolvm, agent_vm, env)
+    detached as its user. SmolvmFailed says which of these failed. ``kit``: the guest kit
+    runs each step (else the image's /bin/sh and python3)."""
+    user = user or await read_image_user(smolvm, agent_vm, env, kit)
     check = await smolvm.exec(
         agent_vm,
-        prepare_argv(argv, agent_vm),
+        prepare_argv(argv, agent_vm, kit),
         env=dict(env),
         timeout=SETUP_TIMEOUT,
         user=GUEST_ROOT,
@@ -175,7 +194,7 @@ async def start(
         )
     result = await smolvm.exec(
         agent_vm,
-        wrap(argv, agent_vm, None if runs_as_root(user) else user),
+        wrap(argv, agent_vm, None if runs_as_root(user) else user, kit),
         env=dict(env),
         detach=True,
         timeout=START_TIMEOUT,
@@ -185,12 +204,12 @@ async def start(
         raise SmolvmFailed(f"starting the workload in {agent_vm} failed (exit {result.exit_code})")
 
 
-async def read_image_user(smolvm: Smolvm, agent_vm: str, env: tuple[tuple[str, str], ...]) -> str:
+async def read_image_user(
+    smolvm: Smolvm, agent_vm: str, env: tuple[tuple[str, str], ...], kit: KitRef | None = None
+) -> str:
     """The user smolvm runs a command as without ``-u`` (the image's ``USER``), as
     ``uid:gid``: the workload's user when the spec names none."""
-    result = await smolvm.exec(
-        agent_vm, list(IMAGE_USER_ARGV), env=dict(env), timeout=SETUP_TIMEOUT
-    )
+    result = await smolvm.exec(agent_vm, image_user_argv(kit), env=dict(env), timeout=SETUP_TIMEOUT)
     user = image_user(result.stdout) if result.exit_code == 0 else None
     if user is None:
         raise SmolvmFailed(

@@ -1,13 +1,15 @@
 """The exact POSIX sh scripts the daemon feeds an agent VM: the bridge, and its reach check.
 
-Both come on the guest's stdin (``/bin/sh -s``), so nothing is written into the image and
-nothing of it runs but its ``/bin/sh`` and a ``python3`` (the probe kit's when one is
-mounted, as for the gate). Every value in them is validated to a shell- and heredoc-safe
-alphabet first.
+Where the daemon could build no kit (``bottlenet.kit``), both come on the guest's stdin
+(``/bin/sh -s``), so nothing is written into the image and nothing of it runs but its
+``/bin/sh`` and its ``python3``. With a kit, its ``bridge`` takes :func:`bridge_args` and its
+``reach`` reads :func:`reach_request`. Every value in them is validated to a shell- and
+heredoc-safe alphabet first.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from importlib import resources
 
@@ -15,7 +17,6 @@ from attrs import frozen
 
 from bottlenet.errors import InvalidArgument
 from bottlenet.probe.plan import check_guest_path, check_port, safe_repr
-from bottlenet.probe.script import KIT_DIR
 
 #: Exit codes of the bridge script (besides being killed).
 EXIT_BIND = 3
@@ -32,8 +33,7 @@ _SH = """\
 # bottlenet's in-guest bridge ({what}): fed on stdin to /bin/sh -s in the agent VM.
 {comment}
 # Exit {no_tool}: no python3 (3.7 or later) in the guest.
-if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3
-elif command -v python3 >/dev/null 2>&1; then PY=python3
+if command -v python3 >/dev/null 2>&1; then PY=python3
 else echo "{notool}"; exit {no_tool}
 fi
 {run}
@@ -96,7 +96,7 @@ def _program(module: str, name: str, literal: object) -> str:
 
 def _render(what: str, comment: str, run: str) -> bytes:
     return _SH.format(
-        what=what, comment=comment, kit=KIT_DIR, no_tool=EXIT_NO_TOOL, notool=NO_TOOL, run=run
+        what=what, comment=comment, no_tool=EXIT_NO_TOOL, notool=NO_TOOL, run=run
     ).encode()
 
 
@@ -120,15 +120,30 @@ def reach_endpoint(port: int) -> str:
     return f"tcp:127.0.0.1:{port}"
 
 
-def render_reach(nonce: str, ports: Sequence[int], timeout: float = 10.0) -> bytes:
-    """The reach check: one witness line through each bridged port."""
+def bridge_args(bridges: Sequence[Bridge]) -> list[str]:
+    """The kit's ``bridge`` arguments: ``PORT=PATH`` each."""
+    return [str(b) for b in check_bridges(bridges)]
+
+
+def reach_check(nonce: str, ports: Sequence[int], timeout: float = 10.0) -> dict[str, object]:
+    """The reach check's ``CHECK``: the nonce, each port with its endpoint, the budget."""
     if not nonce.isalnum() or not nonce.isascii():
         raise InvalidArgument("the nonce must be hex")
-    literal = {
+    return {
         "nonce": nonce,
         "ports": [[check_port(p), reach_endpoint(p)] for p in ports],
         "timeout": float(timeout),
     }
+
+
+def reach_request(nonce: str, ports: Sequence[int], timeout: float = 10.0) -> bytes:
+    """What the kit's ``reach`` reads on stdin."""
+    return json.dumps(reach_check(nonce, ports, timeout)).encode()
+
+
+def render_reach(nonce: str, ports: Sequence[int], timeout: float = 10.0) -> bytes:
+    """The reach check: one witness line through each bridged port."""
+    literal = reach_check(nonce, ports, timeout)
     comment = "# Sends one witness line through each bridged port; prints one BNB line per port."
     run = _RUN_HEREDOC.format(heredoc=_HEREDOC, program=_program("reach.py", "CHECK", literal))
     return _render("reach check", comment, run)

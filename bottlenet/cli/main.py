@@ -87,6 +87,8 @@ def cmd_status(c: Client, inv: Invocation, out: TextIO) -> None:
         _json({"daemon": hello, "bottles": bottles, "control": c.path, "node": node}, out)
         return
     smolvm = hello.smolvm_version if hello.smolvm_available else "unavailable"
+    if hello.smolvm_available and hello.smolvm_tested is False:
+        smolvm = f"{smolvm} (untested: tested with {', '.join(hello.smolvm_tested_versions)})"
     node_rows = [] if node is None else node_cli.node_rows(node)[:3]  # host, draining, health
     write_table(
         ["FIELD", "VALUE"],
@@ -97,6 +99,7 @@ def cmd_status(c: Client, inv: Invocation, out: TextIO) -> None:
             ["smolvm", smolvm],
             ["smolvm from", hello.smolvm_source or "-"],
             ["VM uids", _vm_uids_row(hello.vm_uids, hello.vm_uids_basis)],
+            ["guest kit", hello.guest_kit or "-"],
             ["bottles", bottles],
             ["control", c.path],
             *node_rows,

@@ -45,9 +45,10 @@ def node_rows(n: NodeInfoRecord) -> list[list[object]]:
         ["bottles", f"{n.bottles} of {n.max_bottles} ({n.vm_bottles} with VMs)"],
         ["connections", f"{n.connections_used} of {n.connections_total}"],
         ["VM bottles", "possible" if n.vm_possible else f"not possible: {n.vm_why_not}"],
-        ["smolvm", n.smolvm or "-"],
+        ["smolvm", (n.smolvm or "-") + (" (untested)" if n.smolvm_tested is False else "")],
         ["kvm", n.kvm],
         ["privilege", n.privilege],
+        ["VM uids", n.vm_uids or "-"],
         ["daemon", n.server_version],
         ["protocol", n.protocol],
     ]

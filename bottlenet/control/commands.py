@@ -221,10 +221,16 @@ class Hello(ControlCommand):
         (b"smolvm_version", amp.Unicode(optional=True)),
         # Which binary, and where it came from (--smolvm, PATH or the bottlenet[vm] wheel).
         (b"smolvm_source", amp.Unicode(optional=True)),
+        # False for a smolvm outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+        (b"smolvm_tested", StrictBoolean(optional=True)),
+        # The versions bottlenet is tested with ("1.32.2", ...), for that message.
+        (b"smolvm_tested_versions", StrictListOf(amp.Unicode(), optional=True)),
         # smolvm's privilege model for this daemon: "per-VM uids" or "one uid", as seen at
         # the last VM start, else as expected from the daemon's uid; the basis says which.
         (b"vm_uids", amp.Unicode(optional=True)),
         (b"vm_uids_basis", amp.Unicode(optional=True)),
+        # bottlenet's guest kit: "ready: kit ...", "building", or why not and the fallback.
+        (b"guest_kit", amp.Unicode(optional=True)),
     ]
 
 
@@ -439,6 +445,8 @@ class NodeInfo(ControlCommand):
         (b"labels", StrictListOf(amp.Unicode())),  # "KEY=VALUE", sorted by key
         (b"privilege", amp.Unicode()),
         (b"smolvm", amp.Unicode(optional=True)),
+        # False when ``smolvm`` is outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
+        (b"smolvm_tested", StrictBoolean(optional=True)),
         (b"vm_possible", StrictBoolean()),
         (b"vm_why_not", amp.Unicode(optional=True)),
         (b"kvm", amp.Unicode()),
@@ -450,6 +458,9 @@ class NodeInfo(ControlCommand):
         (b"health", amp.Unicode()),
         (b"health_reasons", StrictListOf(amp.Unicode())),
         (b"draining", StrictBoolean()),
+        # Added later (absent from an older daemon): per-VM uids left, and in words.
+        (b"vm_uids_left", StrictInteger(optional=True)),
+        (b"vm_uids", amp.Unicode(optional=True)),
     ]
 
 

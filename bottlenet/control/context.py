@@ -84,8 +84,14 @@ class SmolvmFacts:
     available: bool = field(default=Factory(lambda self: self.version is not None, True))
     #: Where the daemon's smolvm came from (``Smolvm.describe()``), once it is known.
     source: str | None = None
+    #: False once the probe found a version outside the tested ones (None: not known).
+    tested: bool | None = None
+    #: The versions bottlenet is tested with, said with an untested one.
+    tested_versions: tuple[str, ...] = ()
     #: smolvm's privilege model and its basis now (seen at a VM start, or expected).
     vm_uids: Callable[[], tuple[str | None, str | None]] = _no_vm_uids
+    #: bottlenet's guest kit as ``status`` shows it (``KitKeeper.describe``; None: unknown).
+    guest_kit: Callable[[], str | None] = lambda: None
     _settled: OneShot[None] = field(factory=_settled, init=False)
 
     @property
@@ -101,9 +107,18 @@ class SmolvmFacts:
         self.source, self.vm_uids = source, vm_uids
         self._settled = OneShot()
 
-    def learned(self, version: str, available: bool, source: str) -> None:
-        """The probe answered with smolvm's version (``available``: a supported one)."""
+    def learned(
+        self,
+        version: str,
+        available: bool,
+        source: str,
+        tested: bool = True,
+        tested_versions: tuple[str, ...] = (),
+    ) -> None:
+        """The probe answered with smolvm's version (``available``: a supported one;
+        ``tested``: one of ``tested_versions``, those bottlenet is tested with)."""
         self.version, self.available, self.source = version, available, source
+        self.tested, self.tested_versions = tested, tested_versions
 
     def settle(self) -> None:
         """The probe is over, answered or failed: the waiting Hellos answer now."""

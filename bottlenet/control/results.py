@@ -31,6 +31,12 @@ class HelloResult(NamedTuple):
     vm_uids: str | None = None
     #: Why ``vm_uids`` says what it says: ``seen: ...`` or ``expected: ...`` (protocol.md).
     vm_uids_basis: str | None = None
+    #: False for a smolvm outside the tested versions; None from an older daemon.
+    smolvm_tested: bool | None = None
+    #: The versions bottlenet is tested with (empty from an older daemon).
+    smolvm_tested_versions: tuple[str, ...] = ()
+    #: bottlenet's guest kit (``KitKeeper.describe``); None from an older daemon.
+    guest_kit: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -43,6 +49,9 @@ class HelloResult(NamedTuple):
             smolvm_source=d.get("smolvm_source"),
             vm_uids=d.get("vm_uids"),
             vm_uids_basis=d.get("vm_uids_basis"),
+            smolvm_tested=d.get("smolvm_tested"),
+            smolvm_tested_versions=tuple(d.get("smolvm_tested_versions") or ()),
+            guest_kit=d.get("guest_kit"),
         )
 
 
@@ -66,6 +75,11 @@ class NodeInfoRecord(NamedTuple):
     health: str
     health_reasons: tuple[str, ...]
     draining: bool
+    #: False when ``smolvm`` is outside the tested versions; None from an older daemon.
+    smolvm_tested: bool | None = None
+    #: Per-VM uids the node can still give out (None: not per-VM uids, or an older daemon).
+    vm_uids_left: int | None = None
+    vm_uids: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> NodeInfoRecord:

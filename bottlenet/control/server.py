@@ -241,8 +241,11 @@ class ControlLocator(SafeCommandLocator):
             "smolvm_available": smolvm.available,
             "smolvm_version": smolvm.version,
             "smolvm_source": smolvm.source,
+            "smolvm_tested": smolvm.tested,
+            "smolvm_tested_versions": list(smolvm.tested_versions),
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
+            "guest_kit": smolvm.guest_kit(),
         }
 
     @C.Ping.responder
@@ -291,6 +294,7 @@ class ControlLocator(SafeCommandLocator):
             "labels": [f"{k}={v}" for k, v in r.labels],
             "privilege": r.privilege,
             "smolvm": r.smolvm,
+            "smolvm_tested": r.smolvm_tested,
             "vm_possible": r.vm_possible,
             "vm_why_not": r.vm_why_not,
             "kvm": r.kvm,
@@ -302,6 +306,8 @@ class ControlLocator(SafeCommandLocator):
             "health": r.health,
             "health_reasons": list(r.reasons),
             "draining": r.draining,
+            "vm_uids_left": r.vm_uids_left,
+            "vm_uids": r.vm_uids,
         }
 
     @C.Drain.responder

@@ -40,7 +40,7 @@ from twisted.logger import Logger
 
 from bottlenet.errors import BottlenetError
 from bottlenet.kit import guest
-from bottlenet.kit.program import LIB, MAIN, PYTHON, KitProgram
+from bottlenet.kit.program import LIB, MAIN, PYTHON, KitProgram, KitRef
 
 #: Bump when build() changes what goes into a kit.
 LAYOUT = 1
@@ -110,6 +110,11 @@ class Kit:
     def program(self) -> KitProgram:
         """The program as a guest runs it (at the fixed guest path)."""
         return KitProgram(self.loader)
+
+    @property
+    def ref(self) -> KitRef:
+        """What a bottle records of the kit it mounted."""
+        return KitRef(self.digest, self.loader)
 
     @property
     def host_program(self) -> KitProgram:
@@ -354,7 +359,9 @@ class KitCache:
         key = inputs.key()
         try:
             os.makedirs(self.dir, mode=0o755, exist_ok=True)
-            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
+            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's cache: its kits can still be used
+            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDONLY)
         except OSError as e:
             raise KitUnavailable(f"cannot use {self.dir}: {e.strerror or e}") from None
         try:

@@ -14,6 +14,7 @@ libc. Each subcommand is one of bottlenet's guest commands:
 ``reach``                    the bridge's proof (its request on stdin)
 ``session ARGV...``          an attached command that ends with its session
 ``workload prepare|run|wait|logs ...``, ``whoami``   the workload's steps
+``idle``                     waits until killed (the agent VM's wait command)
 ``write PATH``               stdin to PATH, atomically (the sidecar's egress policy)
 
 Standard library only. The daemon imports it too, for :func:`tree_digest`: the host and the
@@ -185,6 +186,13 @@ def cmd_session(args: list[str]) -> int:
     return 0
 
 
+def cmd_idle(args: list[str]) -> int:
+    """Waits until killed: the agent VM's own workload until the gate has passed (bottlenet's
+    wait command, in place of the image's ENTRYPOINT+CMD; an image may have no ``sleep``)."""
+    while True:
+        time.sleep(3600)
+
+
 def cmd_whoami(args: list[str]) -> int:
     sys.stdout.write("%d:%d\n" % (os.getuid(), os.getgid()))
     return 0
@@ -334,6 +342,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "session": cmd_session,
     "workload": cmd_workload,
     "whoami": cmd_whoami,
+    "idle": cmd_idle,
     "write": cmd_write,
 }
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import Deferred, maybeDeferred
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 from twisted.python.failure import Failure
@@ -24,6 +24,14 @@ from bottlenet.waiters import OneShot
 T = TypeVar("T")
 #: Runs a blocking call off the reactor thread (tests pass one that runs it at once).
 Runner = Callable[[Callable[[], Any]], Deferred[Any]]
+
+
+def _off_the_reactor(reactor: Any) -> Runner:
+    """The reactor's thread pool; a reactor with none (a test's double) runs the call at
+    once."""
+    if not hasattr(reactor, "getThreadPool"):
+        return maybeDeferred
+    return lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f)
 
 
 class KitState(enum.StrEnum):
@@ -43,9 +51,7 @@ class KitKeeper(Service):
 
     def __init__(self, reactor: Any, cache: KitCache | None, run: Runner | None = None) -> None:
         self.cache = cache
-        self._run: Runner = run or (
-            lambda f: deferToThreadPool(reactor, reactor.getThreadPool(), f)
-        )
+        self._run: Runner = run or _off_the_reactor(reactor)
         self.state = KitState.OFF if cache is None else KitState.BUILDING
         self.kit: Kit | None = None
         self.reason = "turned off (--guest-kit off)" if cache is None else "not built yet"

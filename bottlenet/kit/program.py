@@ -45,3 +45,29 @@ class KitProgram:
     def at(self, root: str) -> KitProgram:
         """The same kit at another root (the host's copy, for the self-test and tests)."""
         return KitProgram(self.loader, root)
+
+
+@frozen
+class KitRef:
+    """The kit a bottle's VMs have mounted (kept on its record): its digest, which the gate
+    checks in the guest, and its loader, which names its program."""
+
+    digest: str
+    loader: str
+
+    @property
+    def program(self) -> KitProgram:
+        return KitProgram(self.loader)
+
+    def argv(self, *words: str) -> list[str]:
+        """The kit's program with ``words``, at the guest's fixed path."""
+        return self.program.argv(*words)
+
+    def session(self) -> list[str]:
+        """The session wrapper's argv (the command to wrap follows)."""
+        return self.argv("session")
+
+
+def kit_session(kit: KitRef | None) -> list[str]:
+    """The session wrapper vmctl puts before an attached command (empty: the image's)."""
+    return [] if kit is None else kit.session()

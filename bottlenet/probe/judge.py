@@ -20,6 +20,9 @@ from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, IsolationMode, Layer
 
 _IFACE = re.compile(r"[A-Za-z0-9_.@-]{1,15}")
 _HASH = re.compile(r"[0-9a-f]{64}|none")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
+#: The end a kit gives when its own files are not the ones the host sent the digest of.
+KIT_MISMATCH = "kit-mismatch"
 _CONTROLS = ("tcp", "unix", "icmp")
 #: Reported only when the guest has an ICMPv6 target, and then required.
 _ICMP6 = "icmp6"
@@ -87,6 +90,9 @@ class _Transcript:
         self.begun = False
         self.end: str | None = None
         self.tool: str | None = None
+        self.plan = plan
+        #: The digest the guest's kit reported of its own files.
+        self.kit: str | None = None
         self.ifaces: list[str] = []
         self.bad_iface = 0
         self.controls: dict[str, str] = {}
@@ -128,6 +134,8 @@ class _Transcript:
                 self.bad_iface += 1
         elif verb == "tool" and n == 2 and w[1] in ("kit", "image"):
             self.tool = w[1]
+        elif verb == "kit" and n == 2 and _DIGEST.fullmatch(w[1]) and self.kit is None:
+            self.kit = w[1]
         elif (
             verb == "control" and n == 3 and w[1] in (*_CONTROLS, _ICMP6) and w[2] in ("ok", "fail")
         ):
@@ -161,7 +169,7 @@ class _Transcript:
             self._result(("ro", w[1]), w[2], ("ok", "writable"))
         elif verb == "rw" and n == 3:
             self._result(("rw", w[1]), w[2], ("ok", "fail"))
-        elif verb == "end" and n == 2 and w[1] in ("pass", "fail", "blind", "notool"):
+        elif verb == "end" and n == 2 and w[1] in ("pass", "fail", "blind", "notool", KIT_MISMATCH):
             self.end = w[1]
         else:
             self.unexpected += 1
@@ -242,7 +250,19 @@ def _framing(t: _Transcript) -> tuple[list[str], bool]:
     if t.end is None:
         problems.append("the probe did not finish (no end line)")
     elif t.end == "notool":
-        problems.append("the probe found no python3 in the guest (and no probe kit)")
+        problems.append("the probe found no python3 in the guest (and no kit)")
+    expected = getattr(t.plan, "kit", None)  # a LayerPlan names no kit
+    if expected is not None and t.kit != expected:
+        # The kit the guest ran is not the one the host built: nothing it said is judged.
+        got = "none" if t.kit is None else t.kit[:12]
+        problems.append(
+            f"the guest's kit is not the one the host built (digest {got}, "
+            f"expected {expected[:12]}): refused"
+        )
+        return problems, False
+    if t.end == KIT_MISMATCH:
+        problems.append("the guest's kit refused to run: its files are not the ones it was sent")
+        return problems, False
     failed_controls = [c for c in _CONTROLS if t.controls.get(c) != "ok"]
     if t.end == "blind" or (t.end is not None and t.end != "notool" and failed_controls):
         which = ", ".join(failed_controls) or "unknown"

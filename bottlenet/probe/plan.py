@@ -178,6 +178,10 @@ def _host_ports(values: object) -> tuple[str, ...]:
     return tuple(dict.fromkeys(out))
 
 
+def _hex64_or_none(value: object) -> str | None:
+    return None if value is None else _hex64([value])[0]
+
+
 def _hex64(values: object) -> tuple[str, ...]:
     out = []
     for v in values:  # type: ignore[attr-defined]
@@ -222,6 +226,9 @@ class ProbePlan:
     connect_no: tuple[str, ...] = field(converter=_host_ports, default=())
     witness: bool = True
     timeout: float = CHECK_TIMEOUT
+    #: The digest of the kit the host built and mounted (None: the image's python3 runs the
+    #: checks): the guest's kit must report exactly this, else the run is refused.
+    kit: str | None = field(converter=_hex64_or_none, default=None)
 
     @dns.validator
     def _check_dns(self, _attr: object, value: tuple[str, ...]) -> None:

@@ -1,19 +1,19 @@
 """The exact POSIX sh script the gate runs in a guest for one plan.
 
-The script is sent on the guest's stdin (``/bin/sh -s``), so no file of the image is run but
-its ``/bin/sh`` and a ``python3``: a trusted probe kit mounted read-only at ``KIT_DIR`` is
-preferred when it has one. The sh part lists the network interfaces (which needs no tool, so
-a python-less guest still reports them); the checks are ``guest.py`` with the plan filled in.
+Where the daemon could build no kit (``bottlenet.kit``), the script is sent on the guest's
+stdin (``/bin/sh -s``), so no file of the image is run but its ``/bin/sh`` and its
+``python3``. The sh part lists the network interfaces (which needs no tool, so a python-less
+guest still reports them); the checks are ``guest.py`` with the plan filled in. With a kit,
+the kit's ``probe`` runs the same checks and lines from :func:`kit_request` on its stdin.
 """
 
 from __future__ import annotations
 
+import json
 from importlib import resources
 
 from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, LayerPlan, ProbePlan
 
-#: Where a trusted probe kit (a directory with ``bin/python3``) is mounted read-only, if any.
-KIT_DIR = "/run/bottlenet-probe"
 EXIT_NO_TOOL = 4
 _HEREDOC = "BOTTLENET_PROBE_PY"
 
@@ -34,8 +34,7 @@ elif [ -d /sys/class/net ]; then
         [ -e "$i" ] && say iface "${{i##*/}}"
     done
 fi
-if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3; say tool kit
-elif command -v python3 >/dev/null 2>&1; then PY=python3; say tool image
+if command -v python3 >/dev/null 2>&1; then PY=python3; say tool image
 else say end notool; exit {no_tool}
 fi
 "$PY" -I -S - <<'{heredoc}'
@@ -93,8 +92,14 @@ def render(plan: ProbePlan | LayerPlan) -> bytes:
     program = guest_program(plan)
     assert _HEREDOC not in program
     return _SH.format(
-        nonce=plan.nonce, kit=KIT_DIR, no_tool=EXIT_NO_TOOL, heredoc=_HEREDOC, program=program
+        nonce=plan.nonce, no_tool=EXIT_NO_TOOL, heredoc=_HEREDOC, program=program
     ).encode()
+
+
+def kit_request(plan: ProbePlan) -> bytes:
+    """What the kit's ``probe`` reads on stdin: the plan, and the digest it must have."""
+    assert plan.kit is not None
+    return json.dumps({"plan": plan_literal(plan), "kit": plan.kit}).encode()
 
 
 #: The guest command: the script comes on stdin.

@@ -60,9 +60,15 @@ class StubSmolvm:
         self.state = "running"
 
     def spawn_exec(
-        self, name: str, argv: Sequence[str], protocol: Any, *, user: str | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        protocol: Any,
+        *,
+        user: str | None = None,
+        session: Sequence[str] = (),
     ) -> Deferred[Any]:
-        assert list(argv) == ["/bin/sh", "-s"]
+        assert list(argv) == ["/bin/sh", "-s"] and not session  # no kit: the image's sh
         # the bridge binds guest ports (below 1024 too): as root, whatever the image's USER
         assert user == GUEST_ROOT
         t = _Transport()

@@ -12,17 +12,19 @@ import stat
 from collections.abc import Callable
 from typing import Any
 
+import attrs
 import pytest
 
 from bottlenet.bottles import workload
 from bottlenet.bottles.model import LABEL_BOTTLE, LABEL_OWNER, LABEL_ROLE
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
-from bottlenet.errors import Busy, InvalidArgument, ResourceExhausted
+from bottlenet.errors import Busy, InvalidArgument, ResourceExhausted, SmolvmUnavailable
 from bottlenet.forward.spec import UNIXListen
 from tests.bottles.harness import spec_doc
-from tests.bottles.memsmolvm import PROBE_ARGV, Rig
-from vmctl.smolvm import GUEST_ROOT
+from tests.bottles.memsmolvm import PROBE_ARGV, MemorySmolvm, Rig
+from vmctl.smolvm import GUEST_ROOT, Features
+from vmctl.spec import create_args
 
 Rigs = Callable[..., Rig]
 
@@ -138,3 +140,34 @@ def test_missing_local_image_is_refused_before_any_machine(
     assert rig.smolvm.calls == [] and rig.smolvm.machines == {}
     assert "b1" not in rig.state()
     assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "b1"))
+
+
+class NoFloorSmolvm(MemorySmolvm):
+    """A smolvm CLI without ``--block-private`` (everything else as 1.32's)."""
+
+    @property
+    def features(self) -> Features:
+        return attrs.evolve(super().features, block_private=False)
+
+
+@pytest.mark.parametrize("listen", ["unix", "tcp"])
+def test_a_cli_without_block_private_gets_no_sidecar(rigs: Rigs, tmp: str, listen: str) -> None:
+    """Issue 35: without ``--block-private`` a networked sidecar would reach the host's
+    loopback (1.37's default), LAN and metadata: the create is refused, naming the flag, and
+    no machine is created (never a sidecar sent without it)."""
+    rig = rigs(smolvm=NoFloorSmolvm())
+    with pytest.raises(SmolvmUnavailable) as info:
+        rig.run(rig.registry.create_bottle("b1", spec=spec(tmp, listen=listen)))
+    assert "--block-private" in str(info.value)
+    assert rig.smolvm.machines == {}
+    assert not [c for c in rig.smolvm.calls if c[0] == "create"], rig.smolvm.calls
+    assert "b1" not in rig.state()
+
+
+def test_every_sidecar_is_created_with_block_private(rigs: Rigs, tmp: str) -> None:
+    """The floor is in the sidecar's create whatever the CLI, and --auto-ports never is."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("b1", spec=spec(tmp, listen="unix")))
+    sidecar = rig.smolvm.machines["bn-b1-sidecar"].spec
+    assert sidecar.block_private and sidecar.net
+    assert "--auto-ports" not in create_args(sidecar)

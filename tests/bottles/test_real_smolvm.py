@@ -1,10 +1,12 @@
-"""The daemon with the REAL smolvm of the ``bottlenet[vm]`` extra, on a host that cannot boot.
+"""The daemon with the REAL smolvm wheel, each tested version, on a host that cannot boot.
 
 No ``--smolvm`` and no smolvm on PATH: the daemon must find the ``smolmachines`` wheel and its
-assets by itself, say so in Hello (``bottlenetctl status``), and a socket-mode VM bottle create
-must fail with one typed error that names KVM and leave nothing behind: no machine in
-``machine ls --json``, no VMM process, no bottle. These hosts' KVM runs only PVM guests (and a
-root daemon's VM process drops to its own uid), so ``machine start`` always fails here.
+assets by itself (the venv's, or a ``--target`` prefix of another tested version on its
+``PYTHONPATH``: ``tests/vmctl/realclis.py``), say so in Hello (``bottlenetctl status``), and a
+socket-mode VM bottle create must fail with one typed error that names KVM and leave nothing
+behind: no machine in ``machine ls --json``, no VMM process, no bottle. These hosts' KVM runs
+only PVM guests (and a root daemon's VM process drops to its own uid), so ``machine start``
+always fails here.
 
 The daemon runs in a network namespace of its own with only ``lo`` (``unshare -n``): the real
 smolvm dials public resolvers (IPv6, port 443) when it starts a machine with ``--net`` (the
@@ -28,9 +30,11 @@ from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
+from tests.fakes import UID_LEDGER
+from tests.vmctl.realclis import prefix_of, real_install, versions
 from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from tests.vmctl.wheeltemplates import real_templates
-from vmctl.install import find_wheel
+from vmctl.install import SmolvmInstall, find_wheel
 from vmctl.runner import build_env
 
 __all__ = ["real_templates"]  # the fixture: the wheel's disk templates expanded once
@@ -44,25 +48,25 @@ def _can_unshare() -> bool:
     return subprocess.run(["unshare", "-n", "true"], check=False).returncode == 0
 
 
-@pytest.mark.skipif(
-    find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
-)
+@versions
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 @pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
-def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
-    wheel = find_wheel()
-    assert wheel is not None
+def test_wheel_found_and_kvm_failure_leaves_nothing(version: str) -> None:
+    """Issue 35's done-when, per version: found by itself, ``status`` says the version (tested),
+    and the create fails with one typed error naming KVM (no rootfs noise: 1.37 reads
+    SMOLVM_AGENT_ROOTFS as a directory only) leaving no machine, VMM, bottle or uid entry."""
+    wheel = real_install(version)
     tmp = tempfile.mkdtemp(prefix="bnk-", dir="/tmp")
     state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}  # no smolvm on PATH
-    daemon = _daemon(state, control, env)
+    daemon = _daemon(state, control, env, wheel)
     try:
         hello = _wait_hello(control, daemon)
         assert hello is not None and hello.smolvm_available
-        assert hello.smolvm_version is not None and hello.smolvm_version.startswith("1.32.")
+        assert hello.smolvm_version == version and hello.smolvm_tested is True
         assert hello.smolvm_source is not None and wheel.binary in hello.smolvm_source
-        assert "smolmachines" in hello.smolvm_source
+        assert f"smolmachines {version} wheel" in hello.smolvm_source
 
         doc = spec_doc(tmp, egress=False)
         doc["sidecar"]["image"] = "alpine"  # a name with no registry host: no lookup at create
@@ -84,6 +88,9 @@ def test_wheel_found_and_kvm_failure_leaves_nothing() -> None:
         assert json.loads(ls.stdout) == []
         assert _vmm_processes(smolvm_state) == []
         assert not os.path.exists(os.path.join(state, "bottles", "k1"))
+        uids = os.path.join(smolvm_state, ".cache", "smolvm", "uids")
+        held = [n for n in os.listdir(uids) if n.isdigit()] if os.path.isdir(uids) else []
+        assert held == [], held  # no uid reservation left behind (trap 10)
     finally:
         _stop(daemon)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -128,12 +135,16 @@ def _assert_unreachable_by_other_uids(state: str, control: str) -> None:
         assert connect == "EACCES", (uid, words)
 
 
-def _daemon(state: str, control: str, env: dict[str, str]) -> subprocess.Popen[bytes]:
-    """``twist bottlenet`` in a network namespace with only ``lo``, the wheel's smolvm."""
+def _daemon(
+    state: str, control: str, env: dict[str, str], wheel: SmolvmInstall | None = None
+) -> subprocess.Popen[bytes]:
+    """``twist bottlenet`` in a network namespace with only ``lo``, the wheel's smolvm (that of
+    ``wheel``'s prefix, put first on the daemon's ``PYTHONPATH``, when given)."""
+    path = REPO if wheel is None else os.pathsep.join([prefix_of(wheel), REPO])
     return subprocess.Popen(
         ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
-         "--state-dir", state, "--control", f"unix:{control}"],
-        env={**env, "PYTHONPATH": REPO}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+         "--state-dir", state, "--control", f"unix:{control}", "--uid-ledger", UID_LEDGER],
+        env={**env, "PYTHONPATH": path}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True,
     )  # fmt: skip
 
@@ -205,24 +216,21 @@ def test_root_daemon_restarts_on_its_state_dir_after_a_real_machine_start() -> N
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-@pytest.mark.skipif(
-    find_wheel() is None, reason="the smolmachines wheel (bottlenet[vm]) is not installed"
-)
+@versions
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 @pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(not _can_unshare(), reason="needs root for a network namespace of its own")
-def test_selftest_against_the_real_smolvm_fails_only_kvm() -> None:
-    """``bottlenetctl selftest`` with the real smolvm where KVM cannot boot: the one FAIL is
+def test_selftest_against_the_real_smolvm_fails_only_kvm(version: str) -> None:
+    """``bottlenetctl selftest`` with each real smolvm where KVM cannot boot: the one FAIL is
     ``kvm`` with the fix, the teardown line PASSes, and smolvm lists no machine after."""
-    wheel = find_wheel()
-    assert wheel is not None
+    wheel = real_install(version)
     tmp = tempfile.mkdtemp(prefix="bnk-", dir="/tmp")
     state, control = os.path.join(tmp, "s"), os.path.join(tmp, "c.sock")
     env = {"PATH": "/usr/bin:/bin", "HOME": tmp, "LANG": "C.UTF-8"}  # no smolvm on PATH
     image = os.path.join(tmp, "agent.tar")
     with open(image, "wb") as f:
         f.write(b"\0" * 1024)
-    daemon = _daemon(state, control, env)
+    daemon = _daemon(state, control, env, wheel)
     try:
         assert _wait_hello(control, daemon) is not None
         r = subprocess.run(

@@ -45,6 +45,7 @@ from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.errors import SmolvmUnavailable
 from vmctl.errors import Unavailable as VmUnavailable
 from vmctl.ports import Ownership, PortCheck
+from vmctl.smolvm import Machine
 from vmctl.spec import MachineSpec
 
 Rigs = Callable[..., Rig]
@@ -119,6 +120,29 @@ def test_sidecar_gone_is_torn_down(rigs: Rigs, tmp: str) -> None:
     assert rig.registry.list_bottles() == []
     assert rig.smolvm.machines == {} and rig.table.list() == [] and rig.state() == {}
     assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "r1"))
+
+
+@pytest.mark.parametrize(("floor", "kept"), [(None, True), ((), True), (("10.0.0.0/8",), False)])
+def test_a_sidecar_whose_listing_shows_no_whole_floor_is_torn_down(
+    rigs: Rigs, tmp: str, floor: tuple[str, ...] | None, kept: bool
+) -> None:
+    """Where ``ls --json`` reports ``block_private`` (1.37), recovery checks it: the floor
+    whole is kept, a re-opened range tears the bottle down; a 1.32 record (silent) is kept."""
+    first = rigs()
+    first.run(first.registry.create_bottle("r1", spec=spec(tmp)))
+    first.smolvm.machines["bn-r1-sidecar"].floor = floor
+    rig = restart(rigs, first)
+    rig.recover()
+    assert [b.name for b in rig.registry.list_bottles()] == (["r1"] if kept else [])
+
+
+def test_a_137_record_without_block_private_means_no_floor() -> None:
+    """1.37 shows ``block_private`` only on machines created with it: a 1.37 record (it has
+    ``port_mappings``) without the key has no floor; a 1.32 record says nothing."""
+    base = {"name": "m", "state": "running"}
+    assert Machine.from_json({**base, "port_mappings": []}).floor_whole is False  # type: ignore[union-attr]
+    assert Machine.from_json({**base, "port_mappings": [], "block_private": []}).floor_whole is True  # type: ignore[union-attr]
+    assert Machine.from_json(base).floor_whole is None  # type: ignore[union-attr]
 
 
 def test_raw_port_taken_over_is_torn_down(rigs: Rigs, tmp: str) -> None:

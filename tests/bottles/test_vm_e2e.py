@@ -388,7 +388,8 @@ class EntrypointOrderTests(E2ECase):
         subs = [c["argv"][1] for c in agent_calls]
         self.assertEqual(subs[:3], ["create", "start", "exec"])  # create, start, gate
         create_argv = agent_calls[0]["argv"]
-        self.assertEqual(create_argv[-3:], ["--", "sleep", "infinity"])
+        # bottlenet's wait command: the guest kit's (the image may have no sleep)
+        self.assertEqual(create_argv[-2:], ["/run/bottlenet-kit/app/main.pyc", "idle"])
         # then the image's USER read (no -u), the workload's prepare step (its dir, its
         # command), then the workload (detached); bottlenet's own as the guest's root
         gate, who, check, workload = agent_calls[2:6]
@@ -398,7 +399,7 @@ class EntrypointOrderTests(E2ECase):
         self.assertIn("-d", workload["argv"])
         self.assertNotIn("-d", gate["argv"])
         self.assertNotIn("-d", check["argv"])
-        self.assertIn("bottlenet-prepare", check["argv"])
+        self.assertEqual(check["argv"][-4:-2], ["workload", "prepare"])
         self.assertLess(gate["time"], check["time"])
         self.assertLess(check["time"], workload["time"])
         self.assertLess(gate["time"], workload_at)

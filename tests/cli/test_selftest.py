@@ -57,7 +57,7 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     --json: a line per check (PASS, the step, what was seen), every line PASS ending with
     teardown, exit 0; exec-user names that user (bottlenet's own execs run with -u 0); the
     bottle gone with nothing left. (A good run's --json report: test_selftest_unit.py.)"""
-    daemon.fake.set_faults("exec-netns", version="1.32.2")
+    daemon.fake.set_faults("exec-netns")
     images = os.path.join(daemon.fake.path, "fake-images.json")
     with open(images, "w") as f:
         json.dump({daemon.image: {"user": "4242:4243"}}, f)
@@ -71,7 +71,7 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     assert [line.split()[:2] for line in out][:3] == [
         ["PASS", "daemon"], ["PASS", "smolvm"], ["PASS", "privilege"]
     ]  # fmt: skip
-    assert len(out) == 14 and all(line.startswith("PASS") for line in out)
+    assert len(out) == len(STEPS) and all(line.startswith("PASS") for line in out)
     assert [line.split()[1] for line in out] == [*STEPS]  # every step once, teardown last
     (user,) = [line for line in out if line.split()[1] == "exec-user"]
     assert "uid=4242" in user
@@ -82,13 +82,13 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
 def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
     """No usable KVM: exactly one FAIL (kvm) with the fix for a root daemon's VM uids; nothing
     left behind."""
-    daemon.fake.set_faults("exec-netns", "kvm", version="1.32.2")
+    daemon.fake.set_faults("exec-netns", "kvm")
     code, report = selftest(daemon)
     assert code == 1 and report["ok"] is False and lines(report, "FAIL") == ["kvm"]
     kvm = next(c for c in report["checks"] if c["step"] == "kvm")
     assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
     assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids
-    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "teardown"]
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "teardown"]
 
 
 def test_a_sidecar_that_never_answers_fails_the_sidecar_line() -> None:
@@ -97,21 +97,19 @@ def test_a_sidecar_that_never_answers_fails_the_sidecar_line() -> None:
     create of this module races it."""
     d = VMDaemon("--sidecar-ready-timeout", "0.5").start()
     try:
-        d.fake.set_faults(
-            "exec-netns", version="1.32.2", expose_never_ready=["/run/bottlenet/egress.sock"]
-        )
+        d.fake.set_faults("exec-netns", expose_never_ready=["/run/bottlenet/egress.sock"])
         code, report = selftest(d)
     finally:
         assert d.cleanup() == []
     assert code == 1 and lines(report, "FAIL") == ["sidecar"], report
     sidecar = next(c for c in report["checks"] if c["step"] == "sidecar")
     assert sidecar["seen"].startswith("SIDECAR_NOT_READY: ") and "egress" in sidecar["seen"]
-    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kvm", "teardown"]
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "kvm", "teardown"]
 
 
 def test_a_leaky_guest_fails_the_gate(daemon: VMDaemon) -> None:
     """The plain fake's exec runs on the host: the gate FAILs with its verdict."""
-    daemon.fake.set_faults(version="1.32.2")
+    daemon.fake.set_faults()
     code, report = selftest(daemon)
     assert code == 1 and lines(report, "FAIL") == ["gate"]
     gate = next(c for c in report["checks"] if c["step"] == "gate")

@@ -28,8 +28,9 @@ from bottlenet.errors import (
 from vmctl import residue
 
 
-def hello(available: bool = True) -> HelloResult:
-    return HelloResult("1.0", 1, ("vms",), available, "1.32.2" if available else None, None, "one")
+def hello(available: bool = True, kit: str | None = "ready: kit 0123 (x86_64)") -> HelloResult:
+    v = "1.32.2" if available else None
+    return HelloResult("1.0", 1, ("vms",), available, v, None, "one", guest_kit=kit)
 
 
 def record(**kw: Any) -> BottleRecord:
@@ -49,8 +50,21 @@ def verdicts(checks: list[Check]) -> dict[str, Verdict]:
 def test_smolvm_unavailable_fails_with_the_fix() -> None:
     """A daemon without smolvm: the smolvm line FAILs and says how to get one."""
     checks = st.judge_hello(hello(available=False), "/c.sock")
-    assert verdicts(checks) == {"daemon": "PASS", "smolvm": "FAIL", "privilege": "PASS"}
+    assert verdicts(checks) == {
+        "daemon": "PASS",
+        "smolvm": "FAIL",
+        "privilege": "PASS",
+        "kit": "PASS",
+    }
     assert "bottlenet[vm]" in checks[1].fix
+
+
+def test_the_kit_line_says_whether_an_image_needs_python3() -> None:
+    """The kit line: PASS with the kit's digest, FAIL naming the fallback and the fix."""
+    ready = st.judge_kit("ready: kit 8c61f6dea8cd (x86_64, 16.7 MiB) at /s/kit/k")
+    assert ready.verdict is Verdict.PASS and "8c61f6dea8cd" in ready.seen
+    off = st.judge_kit("off: turned off (--guest-kit off); guest commands use the image's python3")
+    assert off.verdict is Verdict.FAIL and "--guest-kit" in off.fix
 
 
 @pytest.mark.parametrize(

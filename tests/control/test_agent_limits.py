@@ -174,7 +174,7 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
     with EOF in a few seconds rather than waiting out its own timeout, and the daemon's log
     names the endpoint and the grant problem."""
     d = VMDaemon()
-    d.fake.set_faults("exec-netns", "uid-drop", version="1.32.2")
+    d.fake.set_faults("exec-netns", "uid-drop")
     d.start()
     try:
         d.create_vm_bottle("b1")
@@ -203,6 +203,8 @@ def _quiet_ones() -> list[int]:
 
 
 SLEEP = b"sleep\x003017\x00"
+#: The workload waiter's argv as the guest kit runs it (``workload wait DIR``).
+WAITER = b"\x00workload\x00wait\x00/tmp/.bottlenet-workload-"
 
 
 def test_time_limit_and_daemon_stop_end_quiet_guest_commands() -> None:
@@ -227,7 +229,7 @@ def test_time_limit_and_daemon_stop_end_quiet_guest_commands() -> None:
         )
         assert ctl.stdout is not None and ctl.stdout.readline() == b"started\n"
         waiter = wait_for(
-            lambda: [p for p in d.guest_pids() if b"bottlenet-wait" in _cmdline(p)],
+            lambda: [p for p in d.guest_pids() if WAITER in _cmdline(p)],
             30,
             "the workload waiter",
         )

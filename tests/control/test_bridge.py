@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 
+from bottlenet.kit.program import GUEST_DIR, MAIN
 from tests import netguard
 
 from .vmdaemon import VMDaemon, wait_for
@@ -81,7 +82,7 @@ def page_server() -> Iterator[int]:
 def daemon(port: int, *extra: str) -> VMDaemon:
     d = VMDaemon(*extra)
     relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{port}"}
-    d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
+    d.fake.set_faults("exec-netns", expose_relay=relay)
     return d
 
 
@@ -110,11 +111,18 @@ def bridge_pids(d: VMDaemon, bottle: str) -> list[int]:
     for pid in d.guest_pids(f"bn-{bottle}-agent"):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                if b"BRIDGES = [[3128, '/run/bottle/egress.sock']]" in fh.read():
-                    out.append(pid)
+                words = fh.read().split(b"\0")
         except OSError:
-            pass
+            continue
+        # the guest kit's bridge (not its session wrapper, whose first word after the kit's
+        # program is "session"), or the image's python3 running the script's program
+        kit = KIT_MAIN in words and words[words.index(KIT_MAIN) + 1 :][:1] == [b"bridge"]
+        if kit or any(b"BRIDGES = [[3128, '/run/bottle/egress.sock']]" in w for w in words):
+            out.append(pid)
     return out
+
+
+KIT_MAIN = f"{GUEST_DIR}/{MAIN}".encode()
 
 
 def fetch(d: VMDaemon, bottle: str) -> Any:
@@ -195,8 +203,8 @@ def test_no_python3_fails_the_create_and_rolls_back() -> None:
     """An image without python3: BRIDGE_FAILED naming the reason, and nothing is left."""
     with page_server() as port:
         # The gate would fail first without python3 (it needs one too); skip it to reach
-        # the bridge step.
-        d = daemon(port, "--unsafe-skip-isolation-probe").start()
+        # the bridge step. No guest kit: the image's python3 is the bridge's only tool.
+        d = daemon(port, "--unsafe-skip-isolation-probe", "--guest-kit", "off").start()
         try:
             path = no_python_path()
             try:

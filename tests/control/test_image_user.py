@@ -48,7 +48,7 @@ def image_user_daemon(port: int) -> VMDaemon:
     """A daemon whose agent image sets ``USER 4242:4243`` (the fake's images file)."""
     d = VMDaemon()
     relay = {"/run/bottlenet/web.sock": f"127.0.0.1:{port}"}
-    d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
+    d.fake.set_faults("exec-netns", expose_relay=relay)
     with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
         json.dump({d.image: {"user": IMAGE_USER}}, f)
     return d

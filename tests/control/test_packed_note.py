@@ -24,7 +24,7 @@ COMMAND = ["sh", "-c", "echo out; echo err >&2; exit 3"]
 @pytest.fixture(scope="module")
 def daemon() -> Iterator[VMDaemon]:
     d = VMDaemon()
-    d.fake.set_faults("exec-netns", "packed-note", version="1.32.2")
+    d.fake.set_faults("exec-netns", "packed-note")
     d.start()
     d.create_vm_bottle("b1")
     try:

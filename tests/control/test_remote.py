@@ -63,7 +63,7 @@ class RemoteTests(DaemonCase):
         client certificate (flags or environment); no certificate or a foreign CA is refused."""
         if os.geteuid() != 0:
             self.skipTest("exec-netns (unshare) needs root")
-        self.fake.set_faults("exec-netns", version="1.32.2")
+        self.fake.set_faults("exec-netns")
         d = self.tmp
         ca = certs.make_ca("bottlenet test CA")
         server = certs.issue(ca, "daemon-host", server=True, ips=(REMOTE,))

@@ -48,8 +48,11 @@ def test_hello_negotiates(conn: Conn) -> None:
         "protocol": 1,
         "features": list(C.FEATURES),
         "smolvm_available": False,
+        "guest_kit": None,
         "smolvm_version": None,
         "smolvm_source": None,
+        "smolvm_tested": None,
+        "smolvm_tested_versions": [],
         "vm_uids": None,
         "vm_uids_basis": None,
     }

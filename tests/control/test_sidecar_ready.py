@@ -40,7 +40,7 @@ class SidecarReadyTests(DaemonCase):
         """A service that never answers within ``--sidecar-ready-timeout``: ``bottlenetctl``
         fails with SIDECAR_NOT_READY naming it and the bound, and no machine is left."""
         client = await self.start("--sidecar-ready-timeout", "0.5")
-        self.fake.set_faults("exec-netns", version="1.32.2", expose_never_ready=[EGRESS])
+        self.fake.set_faults("exec-netns", expose_never_ready=[EGRESS])
         r = await self.ctl("--json", "bottle", "create", "b2", "--spec", self.spec)
         assert r.returncode != 0, r.stdout
         assert b"SIDECAR_NOT_READY" in r.stderr and b"egress" in r.stderr, r.stderr

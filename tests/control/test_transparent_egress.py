@@ -65,7 +65,7 @@ def recorder() -> Iterator[ConnectProxy]:
 def daemon(recorder: ConnectProxy, *faults: str) -> VMDaemon:
     d = VMDaemon()
     relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{recorder.port}"}
-    d.fake.set_faults("exec-netns", *faults, version="1.32.2", expose_relay=relay)
+    d.fake.set_faults("exec-netns", *faults, expose_relay=relay)
     return d.start()
 
 

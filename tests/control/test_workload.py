@@ -67,7 +67,7 @@ class WorkloadTests(DaemonCase):
         super().setUp()
         if os.geteuid() != 0:
             self.skipTest("exec-netns (unshare) needs root")
-        self.fake.set_faults("exec-netns", version="1.32.2")
+        self.fake.set_faults("exec-netns")
 
     async def create(
         self, client: ControlClient, name: str, workload: str | None = None, user: str = ""

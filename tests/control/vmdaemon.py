@@ -68,7 +68,7 @@ class VMDaemon:
         self.dir = tempfile.mkdtemp(prefix="bnx-", dir="/tmp")
         os.chmod(self.dir, 0o700)
         self.fake = FakeSmolvm(os.path.join(self.dir, "fake"))
-        self.fake.set_faults("exec-netns", version="1.32.2")
+        self.fake.set_faults("exec-netns")  # the version the run plays (tests.fakes.PLAYED)
         self.state = os.path.join(self.dir, "state")
         self.control = os.path.join(self.dir, "c.sock")
         self.image = os.path.join(self.dir, "agent.tar")
@@ -89,6 +89,8 @@ class VMDaemon:
             FAKE_SMOLVM,
             "--smolvm-data-dir",
             self.fake.path,
+            "--uid-ledger",
+            self.fake.uid_ledger,
             *self.extra,
         )
         with open(self.log_path, "ab") as log:

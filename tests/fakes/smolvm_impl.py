@@ -1,4 +1,5 @@
-"""FAKE smolvm: a TEST DOUBLE of the smolvm 1.32.2 CLI. It is not smolvm and isolates nothing.
+"""FAKE smolvm: a TEST DOUBLE of the smolvm 1.32.2 CLI, and of 1.37.3 where it differs (its
+version knob, ``V137``). It is not smolvm and isolates nothing.
 
 This is the fake's body; run it through its launcher ``tests/fakes/smolvm`` (the executable
 every test names), which runs this module from a byte-compiled cache: the fake is a new process
@@ -9,8 +10,10 @@ process model that bottlenet's vmctl relies on, so the real spawn path can be te
 where no VM boots. ``tests/vmctl/test_contract.py`` runs the same argv through the real CLI
 (the ``smolmachines`` wheel) and this fake and fails where they disagree:
 
-* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock,
-  plus per-VM dirs;
+* state lives under ``--state-dir`` (or ``$SMOLVM_DATA_DIR``): a JSON file guarded by flock
+  for each read-modify-write only, plus per-VM dirs; a ``start`` holds the machine's own
+  ``vm.lock`` and a ``stop`` or ``delete`` its ``.NAME.fork-operation.lock`` for the whole
+  boot or stop, as the real CLIs do, so two machines start and stop at once;
 * the flags it accepts depend on its version (``FLAGS_SINCE``): ``--label`` from 1.8.0,
   ``--error-format``/``--state-dir``/``--user``/``--block-private`` from 1.32.0 (the fake's
   model: 1.9.3 lacks them, 1.32.2 has them), and ``--help`` lists exactly those;
@@ -35,13 +38,16 @@ scrubs the environment) or ``FAKE_SMOLVM_FAIL=a,b`` / ``FAKE_SMOLVM_VERSION=X.Y.
 ``fail`` (list of: kvm, kvm-denied, kvm-root, port-clash, slow-start, crash-after-start,
 ignore-term, device-budget, exec-netns, unreachable, uid-drop, no-nftables), ``version``,
 ``port_clash`` (how many starts fail with a foreign EADDRINUSE), ``slow_start`` (s),
-``ready_timeout`` (s), ``crash_after`` (s), ``stop_grace`` (s), ``device_budget`` (int),
+``ready_timeout`` (s), ``boot_hold`` (machine names whose "VM" boots only once the test
+writes ``boot-release`` into its VM dir), ``crash_after`` (s), ``stop_grace`` (s),
+``device_budget`` (int),
 ``fail_start`` (machine names whose start fails as if KVM were missing), ``unreachable``
 (machine names reported ``unreachable`` while their VMM lives; the ``unreachable`` fail name
-means every machine), ``agent_connections`` (the guest agent's limit on connections at once,
-default 8 as smolvm 1.9.3's; 0: none), ``expose_ready_after`` (s during which exposed services
-drop connections after the start), ``expose_never_ready`` (guest paths of exposed services that
-never answer).
+means every machine), ``volume_swap`` ({GUEST: HOST}: under ``exec-netns`` the guest finds
+HOST at a volume's GUEST path instead of what was mounted), ``agent_connections`` (the guest
+agent's limit on connections at once, default 8 as smolvm 1.9.3's; 0: none),
+``expose_ready_after`` (s during which exposed services drop connections after the start),
+``expose_never_ready`` (guest paths of exposed services that never answer).
 What is modelled of a booted VM always (issue 27): an ``-i`` session's end or ``--timeout``
 kills only the "crun exec" wrapper (the command lives on), every exec's command dies with its
 VM and the CLI says ``connection to VM lost`` (exit 1), and under ``uid-drop`` a mounted socket
@@ -124,7 +130,18 @@ FLAGS_SINCE = {
     "--deny-cidr": (1, 32, 0),
     "--expose-socket": (1, 6, 4),
     "--mount-socket": (1, 6, 4),
+    "--allow-private": (1, 37, 0),
+    "--auto-ports": (1, 37, 0),
+    "--limit": (1, 32, 0),
 }
+#: The first version (in this fake's model) that behaves as 1.37.3 where 1.32.2 differs
+#: (docs/smolvm.md, "Versions"; read from the 1.37.3 binary, its help, strings and API spec):
+#: a duplicate create is CONFLICT, a missing machine's status NOT_FOUND, a failed start leaves
+#: the machine ``stopped`` with its dead VMM's pid, ``SMOLVM_AGENT_ROOTFS`` must be a
+#: directory, the guest's /tmp is on the machine's disk, the agent refuses an exec past its
+#: limit (``exec was not admitted``) instead of queueing it, and ``status --json`` reports
+#: ``block_private``.
+V137 = (1, 37, 0)
 #: Host sources smolvm 1.32.2 refuses for --volume (symlinks resolved first).
 PROTECTED_TREES = (
     "/etc",
@@ -176,6 +193,11 @@ def version_tuple() -> tuple[int, ...]:
 
 def has_flag(flag: str) -> bool:
     return version_tuple() >= FLAGS_SINCE.get(flag, (0, 0, 0))
+
+
+def v137() -> bool:
+    """This fake plays 1.37 or newer (:data:`V137`)."""
+    return version_tuple() >= V137
 
 
 def usage(msg: str, sub: str) -> Exit:
@@ -242,12 +264,65 @@ def write_json(path: str, obj: object) -> None:
 
 @contextlib.contextmanager
 def locked():
+    """The state file's lock: held only for one read-modify-write of it, as the real CLIs
+    hold their SQLite database's write lock for one short transaction."""
     fd = os.open(os.path.join(data_dir(), "fake-state.lock"), os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
         os.close(fd)
+
+
+#: What ``machine start`` says when another start of the machine holds its ``vm.lock``
+#: (1.32.2 and 1.37.3, run here with the lock held by hand).
+ALREADY_STARTING = (
+    "agent operation failed: start machine: agent operation failed: start agent: another "
+    "process is already starting or running this VM"
+)
+
+
+@contextlib.contextmanager
+def machine_lock(path: str, wait: bool = True):
+    """One machine's own lock, an flock held for a whole start or stop (docs/smolvm.md,
+    "Locks"): the real CLIs take ``vms/<id>/vm.lock`` (without waiting) for ``start`` and
+    ``vms/.<name>.fork-operation.lock`` (waiting) for ``stop`` and ``delete``, and nothing
+    that spans machines for longer than a registry write, so two machines start and stop at
+    once."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            raise fail(ALREADY_STARTING) from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def start_lock(name: str) -> str:
+    return os.path.join(vm_dir(name), "vm.lock")
+
+
+def stop_lock(name: str) -> str:
+    return os.path.join(data_dir(), ".cache", "smolvm", "vms", f".{name}.fork-operation.lock")
+
+
+def existing(name: str) -> None:
+    """NOT_FOUND for a machine with no record (before any lock file is made for it)."""
+    with locked():
+        get(load(), name)
+
+
+def commit(name: str, rec: dict) -> None:
+    """Write one machine's record back, under the state lock, into the state as it is now
+    (other machines' records may have changed since ``rec`` was read)."""
+    with locked():
+        state = load()
+        if name in state["machines"]:
+            state["machines"][name] = rec
+            save(state)
 
 
 def load() -> dict:
@@ -429,7 +504,22 @@ def to_json(rec: dict) -> dict:
         "restart_policy": "never",
         "restart_max_retries": 0,
         "restart_count": 0,
+        **(v137_keys(rec) if v137() else {}),
     }
+
+
+def v137_keys(rec: dict) -> dict:
+    """What 1.37.3's records add: ``block_private`` (the re-opened ranges, only on a machine
+    created with ``--block-private``), ``port_mappings`` and ``shared_folders``."""
+    keys: dict = {
+        "port_mappings": [{"host": h, "guest": g} for h, g in rec["ports"]],
+        "shared_folders": [
+            {"host": h, "guest": g, "mode": "ro" if ro else "rw"} for h, g, ro in rec["volumes"]
+        ],
+    }
+    if rec.get("block_private"):
+        keys["block_private"] = list(rec.get("allow_private", []))
+    return keys
 
 
 # -- argv parsing (a small clap look-alike) ------------------------------------------------
@@ -562,6 +652,8 @@ CREATE = {
     "--allow-host": ("allow_host", True),
     "--deny-cidr": ("deny_cidr", True),
     "--block-private": ("block_private", False),
+    "--allow-private": ("allow_private", True),
+    "--auto-ports": ("auto_ports", False),
     "--outbound-localhost-only": ("olo", False),
     "--mount-socket": ("mount_socket", True),
     "--expose-socket": ("expose_socket", True),
@@ -669,6 +761,7 @@ def cmd_create(args: list[str]) -> None:
         or opts.get("olo")
         or opts.get("deny_cidr")
         or opts.get("block_private")
+        or opts.get("allow_private")
     )
     if backend == "tsi" and ports:
         raise cfg_fail(
@@ -711,6 +804,12 @@ def cmd_create(args: list[str]) -> None:
                 network = network or json.load(fh).get("network") is True
     with locked():
         state = load()
+        if name in state["machines"] and v137():
+            raise fail(
+                "agent operation failed: admit VM startup: machine already exists or is being "
+                "created",
+                "CONFLICT",
+            )
         if name in state["machines"]:
             raise cfg_fail(f"create machine: machine '{name}' already exists or is being created")
         shown = image
@@ -741,6 +840,8 @@ def cmd_create(args: list[str]) -> None:
             "ephemeral": False,
             "expose_sockets": exposed,
             "user": one(opts, "user"),
+            "block_private": bool(opts.get("block_private") or opts.get("allow_private")),
+            "allow_private": opts.get("allow_private", []),
         }
         state["machines"][name] = rec
         os.makedirs(vm_dir(name), exist_ok=True)
@@ -765,6 +866,72 @@ def get(state: dict, name: str) -> dict:
     return rec
 
 
+def check_rootfs() -> None:
+    """The agent rootfs variables as the real CLIs read them at ``machine start`` (run here:
+    1.32.2 and 1.37.3): ``SMOLVM_AGENT_ROOTFS_TAR`` names a tarball (both; a missing one fails
+    with ``stat rootfs tar``); ``SMOLVM_AGENT_ROOTFS`` a directory in 1.37 (a tarball there
+    fails every start with ``Not a directory``), a tarball or a directory in 1.32."""
+    tar = os.environ.get("SMOLVM_AGENT_ROOTFS_TAR")
+    if tar is not None and not os.path.isfile(tar):
+        raise fail(
+            "agent operation failed: create agent manager: storage operation failed: stat "
+            "rootfs tar: No such file or directory (os error 2)"
+        )
+    rootfs = os.environ.get("SMOLVM_AGENT_ROOTFS")
+    if tar is not None or rootfs is None:
+        return
+    if v137() and not os.path.isdir(rootfs):
+        why = "Not a directory (os error 20)"
+        if not os.path.exists(rootfs):
+            why = "No such file or directory (os error 2)"
+        raise fail(
+            f"agent operation failed: start machine: agent operation failed: read agent "
+            f"rootfs: {why}"
+        )
+    if not v137() and not os.path.exists(rootfs):
+        raise fail(
+            "agent operation failed: start machine: agent operation failed: verify rootfs: "
+            f"agent rootfs not found: {rootfs}"
+        )
+
+
+#: The disk templates smolvm expands beside its binary on its first start (each from
+#: ``<name>.zst``; both versions, strace).
+TEMPLATES = ("storage-template.ext4", "overlay-template.ext4")
+
+
+def expand_templates() -> None:
+    """smolvm's first start after an install expands the templates beside its binary that
+    have a ``.zst`` and no expansion (to ``<name>.partial``, then a rename), which takes 8-19 s
+    (``template_unpack`` seconds here, default 0); each one it expands is appended to
+    ``templates-expanded.log`` in the data dir, so a test sees that it did. (The fake's
+    "expansion" copies the compressed bytes: nothing reads them.)"""
+    import shutil
+
+    here = os.path.dirname(os.path.realpath(sys.argv[0]))
+    for name in TEMPLATES:
+        target = os.path.join(here, name)
+        if not os.path.isfile(target + ".zst") or os.path.exists(target):
+            continue
+        time.sleep(float(faults().get("template_unpack", 0)))
+        shutil.copyfile(target + ".zst", target + ".partial")
+        os.replace(target + ".partial", target)
+        with open(os.path.join(data_dir(), "templates-expanded.log"), "a") as fh:
+            fh.write(name + "\n")
+
+
+def vmm_died(state: dict, rec: dict) -> None:
+    """A start whose VMM was spawned and died: 1.37 records the machine ``stopped`` with the
+    dead VMM's pid (1.32 leaves it ``created`` with none), so the pid must never be trusted
+    without the state (vmctl checks the state first)."""
+    if not v137():
+        return
+    dead = subprocess.Popen(["true"], stdin=subprocess.DEVNULL)
+    dead.wait()
+    rec.update(state="stopped", pid=dead.pid, start_time=None)
+    commit(rec["name"], rec)
+
+
 def cmd_start(args: list[str]) -> None:
     spec = {
         "--name": ("name", True),
@@ -776,12 +943,18 @@ def cmd_start(args: list[str]) -> None:
     opts, _rest = parse(args, "machine start", spec)
     name = one(opts, "name", "default")
     f = faults()
-    with locked():
+    existing(name)
+    with contextlib.ExitStack() as locks:
+        if v137():  # 1.37.3 also holds the machine's stop lock through its start
+            locks.enter_context(machine_lock(stop_lock(name)))
+        locks.enter_context(machine_lock(start_lock(name), wait=False))
         state = load()
         rec = get(state, name)
         if state_of(rec) == "running":
             out(f"Machine '{name}' already running (PID: {rec['pid']})")
             return
+        check_rootfs()
+        expand_templates()
         if "kvm" in f["fail"] or name in f.get("fail_start", []):
             raise fail(
                 "agent operation failed: start machine: kvm not available: KVM not "
@@ -796,6 +969,7 @@ def cmd_start(args: list[str]) -> None:
             )
         if "kvm-root" in f["fail"]:
             err("WARN VMM exited with code 1 pid=1 cause=Exited")
+            vmm_died(state, rec)
             raise fail(
                 "agent operation failed: start machine: agent operation failed: monitor "
                 "agent: Then log out and log back in for the change to take effect.); "
@@ -806,6 +980,7 @@ def cmd_start(args: list[str]) -> None:
         nic = bool(rec["ports"] or rec["egress"] or rec["net_backend"] == "virtio-net")
         devices = len(rec["volumes"]) + int(nic) + int(is_local(rec["image"]) or bool(rec["from"]))
         if "device-budget" in f["fail"] or devices > int(f.get("device_budget", DEFAULT_BUDGET)):
+            vmm_died(state, rec)
             raise fail(
                 "agent operation failed: start machine: monitor agent: agent operation "
                 "failed: start vm: krun_start_enter returned: -22 (EINVAL: Invalid "
@@ -841,6 +1016,7 @@ def cmd_start(args: list[str]) -> None:
         for leftover in ("ready", "agent-startup-error.log", *stale):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(os.path.join(d, leftover))
+        empty_guest_tmp(name)
         vm_uid = per_vm_uid(name)
         if vm_uid is not None:
             hand_vm_dir_to(d, vm_uid)
@@ -849,6 +1025,7 @@ def cmd_start(args: list[str]) -> None:
             "ports": rec["ports"],
             "publish_addr": os.environ.get("SMOLVM_PUBLISH_ADDR"),
             "slow_start": float(f.get("slow_start", 2.0)) if "slow-start" in f["fail"] else 0.0,
+            "boot_hold": name in f.get("boot_hold", []),
             "crash_after": float(f.get("crash_after", 0.3))
             if "crash-after-start" in f["fail"]
             else None,
@@ -897,7 +1074,7 @@ def cmd_start(args: list[str]) -> None:
             code = vm.poll()
             if code is not None:
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 reason = read(os.path.join(d, "agent-startup-error.log"))
                 if "Address already in use" in reason:
                     raise fail(foreign_clash())
@@ -909,14 +1086,14 @@ def cmd_start(args: list[str]) -> None:
                 kill_group(vm.pid, 0.5)
                 vm.wait()
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
                 raise fail(
                     "agent operation failed: start machine: agent operation failed: "
                     f"wait for ready: agent did not become ready within {limit:g} seconds"
                 )
             time.sleep(0.01)
         rec.update(state="running", pid=vm.pid, start_time=started)
-        save(state)
+        commit(name, rec)
     out(f"Machine '{name}' running (PID: {vm.pid})")
 
 
@@ -927,7 +1104,7 @@ def main_container(rec: dict, name: str) -> tuple[list[str], str | None]:
     on the image's PATH fails ``crun create``, so the start fails (1.32.2 context string
     ``start background CMD``; the rest of the real text is not pinned). Each start gives the
     container a fresh ``/tmp`` (a RAM tmpfs with no size, ``oci.rs`` ``default_mounts``)."""
-    argv = rec["cmd"] or image_entrypoint(rec)
+    argv = at_volume_hosts(rec["cmd"] or image_entrypoint(rec), rec)
     user = default_user(rec)
     if argv and not on_guest_path(argv[0], guest_env(rec)):
         raise fail(
@@ -981,6 +1158,21 @@ def default_user(rec: dict) -> str | None:
     """Who runs a command given no ``-u``: the machine's ``--user``, then the image's USER
     (1.32.2 ``machine exec --help``; ``ResolvedLaunch::resolve``). None: root."""
     return rec.get("user") or image_config(rec).get("user") or None
+
+
+def at_volume_hosts(argv: list[str], rec: dict) -> list[str]:
+    """A command run on the host (the fake's plain mode) names a read-only volume's files by
+    their host path: the word at or under the volume's GUEST path becomes its HOST path, so a
+    program mounted into the "guest" (bottlenet's kit at /run/bottlenet-kit) runs. Only argv
+    is mapped: the program's own file accesses must follow from it (the kit's do)."""
+    out = []
+    for word in argv:
+        for host, guest, ro in rec.get("volumes", []):
+            if ro and (word == guest or word.startswith(guest + "/")):
+                word = host + word[len(guest) :]
+                break
+        out.append(word)
+    return out
 
 
 def on_guest_path(word: str, env: dict) -> bool:
@@ -1054,19 +1246,19 @@ def cmd_stop(args: list[str]) -> None:
     opts, _ = parse(args, "machine stop", {"--name": ("name", True), "-n": ("name", True)})
     name = one(opts, "name", "default")
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         current = state_of(rec)
         if current not in ("running", "unreachable"):
             if rec["state"] == "running":
                 rec.update(state="stopped", pid=None, start_time=None)
-                save(state)
+                commit(name, rec)
             kill_orphan(name, grace)
             out(f"Machine '{name}' is not running (state: {current})")
             return
         stop_rec(rec, grace)
-        save(state)
+        commit(name, rec)
     out(f"Stopped machine: {name}")
 
 
@@ -1085,12 +1277,12 @@ def cmd_delete(args: list[str]) -> None:
             "the following required arguments were not provided:\n  --name <NAME>", "machine delete"
         )
     grace = float(faults().get("stop_grace", 2.0))
-    with locked():
-        state = load()
-        rec = get(state, name)
+    existing(name)
+    with machine_lock(stop_lock(name)):
+        rec = get(load(), name)
         if state_of(rec) in ("running", "unreachable"):
             stop_rec(rec, grace)
-            save(state)
+            commit(name, rec)
         if not opts.get("force"):
             sys.stderr.write(f"Delete machine '{name}'? [y/N] ")
             sys.stderr.flush()
@@ -1100,13 +1292,19 @@ def cmd_delete(args: list[str]) -> None:
                 return
         d = vm_dir(name)
         if os.path.isdir(d):
-            out(f"Cleaning up data directory for vm: {name}")
+            if not v137():
+                out(f"Cleaning up data directory for vm: {name}")
             import shutil
 
             shutil.rmtree(d, ignore_errors=True)
+        empty_guest_tmp(name)
         release_vm_uid(name)
-        del state["machines"][name]
-        save(state)
+        with locked():
+            state = load()
+            state["machines"].pop(name, None)
+            save(state)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(stop_lock(name))  # as smolvm: its lock file goes with the machine
     out(f"Deleted machine: {name}")
 
 
@@ -1141,7 +1339,7 @@ def cmd_status(args: list[str]) -> None:
     with locked():
         rec = load()["machines"].get(name)
     if rec is None:
-        if opts.get("json"):
+        if opts.get("json") and not v137():
             raise cfg_fail(f"machine status: machine '{name}' not found")
         raise fail(f"vm not found: {name}", "NOT_FOUND")
     if opts.get("json"):
@@ -1224,6 +1422,9 @@ def _die_with_parent(parent: int):  # type: ignore[no-untyped-def]
 #: ``MAX_CONCURRENT_CONNECTIONS``). Every ``machine exec`` holds one while it runs, and so does
 #: smolvm's own 250 ms state ping. 1.32.2's value is unknown (a constant, not in its strings).
 AGENT_CONNECTIONS = 8
+#: 1.37's refusal of an exec past the agent's limit (the agent's string; the CLI's prefix is
+#: the one its other agent failures carry).
+AGENT_ADMISSION = "agent operation failed: exec was not admitted"
 
 
 def agent_connections() -> int:
@@ -1251,7 +1452,9 @@ def agent_connection(name: str) -> int | None:
     """One of the agent's connections, held (an flock) until this CLI closes the fd or exits.
 
     With all of them taken the call waits, as the 9th connection waits in the real agent's
-    accept loop (forever: only the caller's own timeout ends it)."""
+    accept loop (forever: only the caller's own timeout ends it). From 1.37 the agent admits
+    execs explicitly and refuses one past its limit at once (``exec was not admitted``, a
+    string of the 1.37.3 agent; the CLI's wrapping of it is inferred: no boot here)."""
     if agent_connections() <= 0:
         return None
     while True:
@@ -1259,6 +1462,8 @@ def agent_connection(name: str) -> int | None:
             fd = _try_slot(path)
             if fd is not None:
                 return fd
+        if v137():
+            raise fail(AGENT_ADMISSION)
         time.sleep(0.05)
 
 
@@ -1374,8 +1579,12 @@ def cmd_exec(args: list[str]) -> None:
     user = one(opts, "user") or default_user(rec)
     preexec = as_user(user)
     if "exec-netns" in faults()["fail"] and not rec["network"]:
+        bare = bare_bin(rec)
         if preexec is not None:  # drop the user inside the namespaces (unshare needs root)
-            command = [*drop_argv(*resolve_user(user)), *command]
+            drop = drop_argv(*resolve_user(user))
+            if bare is not None:  # no setpriv on the bare image's PATH: the fake's own copy
+                drop[0] = BARE_SETPRIV
+            command = [*drop, *command]
             preexec = None
         command = netns_wrap(
             name,
@@ -1383,7 +1592,10 @@ def cmd_exec(args: list[str]) -> None:
             command,
             rec.get("pid"),
             guest_volumes(rec, vm_uid_of(name)),
+            bare,
         )
+    else:
+        command = at_volume_hosts(command, rec)
     if "no-nftables" in faults()["fail"]:
         preexec = _then(preexec, deny_nf_tables)
     timeout = one(opts, "timeout")
@@ -1764,16 +1976,64 @@ if [ -e /etc/machine-id ]; then
     mount --bind /run/.fake-machine-id /etc/machine-id
 fi
 hostname fake-guest
+# A bare image (fake-images.json "bare": [names]): no shell and no python3 anywhere a guest
+# looks. /usr/bin (and /bin, its link) holds copies of the named programs only; /usr/sbin,
+# /usr/local/bin and /root (pyenv's interpreters) are empty. The fake's setpriv, for a user
+# drop, is copied to /run first. Run after everything above: it hides the tools it used.
+if [ -n "${FAKE_BARE+x}" ]; then
+    cp /usr/bin/setpriv /run/.fake-setpriv
+    mkdir /run/.fake-bin
+    for b in $FAKE_BARE; do cp -L "/usr/bin/$b" /run/.fake-bin/; done
+    for d in /usr/sbin /usr/local/bin /usr/local/sbin /root; do
+        [ -d "$d" ] && mount -t tmpfs -o mode=0755,size=1m fake-bare "$d"
+    done
+    mount --bind /run/.fake-bin /usr/bin
+fi
 exec "$@"
 """
 
+#: Where the bare image's guest finds the fake's setpriv (its /usr/bin has none).
+BARE_SETPRIV = "/run/.fake-setpriv"
+
+
+def bare_bin(rec: dict) -> list[str] | None:
+    """The programs a bare image keeps in /usr/bin (None: not a bare image)."""
+    bare = image_config(rec).get("bare")
+    return [str(b) for b in bare] if isinstance(bare, list) else None
+
 
 def guest_tmp(name: str) -> str:
-    """The exec-netns guest's /tmp: the machine's own, empty at create, kept across its execs."""
+    """The exec-netns guest's /tmp: the machine's own, kept across its execs, emptied at each
+    start (both versions' help says so). 1.32's is a tmpfs (RAM): here a directory on the
+    host's /dev/shm (``guest-tmp`` in the VM dir a link to it); 1.37's a directory on the
+    machine's root disk: here ``guest-tmp`` in its VM dir."""
     d = os.path.join(vm_dir(name), "guest-tmp")
+    if not v137() and os.path.isdir("/dev/shm") and not os.path.lexists(d):
+        shm = shm_tmp(name)
+        os.makedirs(shm, exist_ok=True)
+        os.chmod(shm, 0o1777)
+        os.symlink(shm, d)
     os.makedirs(d, exist_ok=True)
     os.chmod(d, 0o1777)
     return d
+
+
+def shm_tmp(name: str) -> str:
+    """1.32's tmpfs /tmp of a machine: one per VM dir (the path hashed: two state dirs may
+    hold machines of one name)."""
+    digest = hashlib.sha256(vm_dir(name).encode()).hexdigest()[:16]
+    return os.path.join("/dev/shm", f"fake-smolvm-tmp-{digest}")
+
+
+def empty_guest_tmp(name: str) -> None:
+    """A start empties the guest's /tmp (1.32: a new tmpfs; 1.37: emptied at boot)."""
+    import shutil
+
+    link = os.path.join(vm_dir(name), "guest-tmp")
+    if os.path.islink(link):
+        os.unlink(link)
+    for d in (link, shm_tmp(name)):
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def vm_uid_of(name: str) -> int | None:
@@ -1788,6 +2048,7 @@ def netns_wrap(
     command: list[str],
     vm_pid: int | None = None,
     volumes: list[str] = (),
+    bare: list[str] | None = None,
 ) -> list[str]:
     """The exec-netns stand-in: no network at all, mounted sockets at their guest paths; the
     network namespace is the VM's own (its VMM's), shared by all its execs."""
@@ -1817,6 +2078,7 @@ def netns_wrap(
         f"FAKE_GUEST_ID={secrets.token_hex(16)}",
         f"FAKE_HOST_HOME={os.environ.get('HOME', '')}",
         f"FAKE_GUEST_TMP={guest_tmp(name)}",
+        *([] if bare is None else [f"FAKE_BARE={' '.join(bare)}"]),
         "/bin/sh",
         "-c",
         NETNS_SETUP,
@@ -1966,10 +2228,13 @@ def guest_volumes(rec: dict, vm_uid: int | None) -> list[str]:
     make the guest's writes the VMM uid's, so they fail (EROFS where the real fails EACCES);
     the files the guest writes are root's here, the VMM uid's in a real VM."""
     words = []
+    swapped = faults().get("volume_swap", {})
     for host, guest, ro in rec.get("volumes", []):
         if not ro and vm_uid is not None and not writable_as(host, vm_uid):
             ro = True
-        words += [host, guest, "ro" if ro else "rw"]
+        # volume_swap {GUEST: HOST}: the guest finds another directory there (a guest that
+        # replaced what was mounted, e.g. bottlenet's kit)
+        words += [swapped.get(guest, host), guest, "ro" if ro else "rw"]
     return words
 
 
@@ -1990,6 +2255,10 @@ def expose_readiness(cfg: dict) -> Callable[[str], bool]:
         return guest not in never and time.monotonic() - since >= after
 
     return ready
+
+
+#: ``boot_hold``: the file in a held machine's VM dir that lets its "VM" finish booting.
+BOOT_RELEASE = "boot-release"
 
 
 def boot_vm(d: str) -> None:
@@ -2020,6 +2289,8 @@ def boot_vm(d: str) -> None:
         relay.listen(64)
         threading.Thread(target=relay_service, args=(relay, host_path), daemon=True).start()
     time.sleep(cfg.get("slow_start") or 0)
+    while cfg.get("boot_hold") and not os.path.exists(os.path.join(d, BOOT_RELEASE)):
+        time.sleep(0.02)  # boot_hold: the test says when this "VM" has booted
     sel = selectors.DefaultSelector()
     listeners = []
     try:
@@ -2117,6 +2388,29 @@ def boot_vm(d: str) -> None:
 
 # -- entry ------------------------------------------------------------------------------
 
+
+def cmd_egress_events(args: list[str]) -> None:
+    """``machine egress-events`` (1.32.2 and 1.37.3): the denials of a machine's egress policy,
+    oldest first, the newest ``--limit`` (200) kept. Here they come from the faults'
+    ``egress_events`` (``{machine: [{"timestamp", "operation", "dest"}]}``, the API spec's
+    EgressDenialInfo); a machine that does not exist answers ``[]``, exit 0, as both do (run
+    here)."""
+    spec = {"--name": ("name", True), "-n": ("name", True), "--json": ("json", False),
+            "--limit": ("limit", True)}  # fmt: skip
+    opts, _ = parse(args, "machine egress-events", spec)
+    name = one(opts, "name", "default")
+    limit = int(one(opts, "limit", "200") or 200)
+    events = list(faults().get("egress_events", {}).get(name, []))
+    events = events[-limit:] if limit else []
+    if opts.get("json"):
+        out(json.dumps(events))
+    elif not events:
+        out(f"No egress denials recorded for '{name}'.")
+    else:
+        for e in events:
+            out(f"{e.get('timestamp', '')}  {e.get('operation', '')}  {e.get('dest', '')}")
+
+
 MACHINE = {
     "create": cmd_create,
     "start": cmd_start,
@@ -2128,7 +2422,11 @@ MACHINE = {
     "status": cmd_status,
     "exec": cmd_exec,
     "data-dir": cmd_data_dir,
+    "egress-events": cmd_egress_events,
 }
+#: The first version (in this fake's model) with each newer subcommand (1.32.2 has
+#: ``egress-events``, run here; 1.9.3 has not).
+SUBCOMMANDS_SINCE = {"egress-events": (1, 32, 0)}
 
 
 def packed_note() -> None:
@@ -2168,7 +2466,10 @@ def main(argv: list[str]) -> int:
             raise usage("'smolvm' requires a subcommand but one was not provided", "<COMMAND>")
         if argv[0] not in ("machine", "vm"):
             raise usage(f"unrecognized subcommand '{argv[0]}'", "<COMMAND>")
-        if len(argv) < 2 or argv[1] not in MACHINE:
+        known = {
+            k: v for k, v in MACHINE.items() if version_tuple() >= SUBCOMMANDS_SINCE.get(k, (0,))
+        }
+        if len(argv) < 2 or argv[1] not in known:
             sub = argv[1] if len(argv) > 1 else ""
             raise usage(f"unrecognized subcommand '{sub}'", "machine <COMMAND>")
         MACHINE[argv[1]](argv[2:])

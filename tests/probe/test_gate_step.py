@@ -40,7 +40,13 @@ class LyingGuest:
         self.saw_markers: list[str] = []
 
     def exec(
-        self, name: str, argv: list[str], stdin: bytes, timeout: float, user: str | None = None
+        self,
+        name: str,
+        argv: list[str],
+        stdin: bytes,
+        timeout: float,
+        user: str | None = None,
+        session: Any = (),
     ) -> Any:
         """The strongest liar: it reads the whole plan out of the script it was sent and
         answers every check as an isolated guest would, but never connects to anything."""

@@ -219,7 +219,7 @@ def test_script_without_python3_says_so(tmp_path: Any) -> None:
     code, out = run_in_netns(render(p), f"export PATH={tmp_path}")
     assert code == 4
     v = judge(p, out, exit_code=code, witnessed=None)
-    assert v.problems[-1] == "the probe found no python3 in the guest (and no probe kit)"
+    assert v.problems[-1] == "the probe found no python3 in the guest (and no kit)"
 
 
 # -- judge ---------------------------------------------------------------------------------

@@ -249,3 +249,66 @@ if __name__ == "__main__":
     k = ensure_kit()
     print(k.vmlinux, k.initrd, k.kernel_version)
     sys.exit(0)
+
+
+# -- the static programs of the libkrunfw guests (tests/realvm/krunfw.py boots the kernel) ----
+
+
+class KrunfwKit(NamedTuple):
+    """libkrunfw's kernel wrapped for QEMU (``krunfw.write_elf``), and the static programs
+    the kit's guests run (tests/realvm/kitvm.py)."""
+
+    kernel: str
+    version: str  # the kernel's own version string (libkrunfw's Linux)
+    agent: str  # tests/realvm/agent.c, static: PID 1, a stand-in for smolvm's guest agent
+    hello: str  # a static program: no shell and no libc of the image behind it
+
+
+HELLO_C = '#include <stdio.h>\nint main(void) { puts("hello from a static program"); return 0; }\n'
+
+
+def krunfw_missing() -> list[str]:
+    """What the libkrunfw guests need that this host lacks."""
+    from tests.realvm import krunfw
+
+    out = [t for t in ("qemu-system-x86_64", "gcc", "mke2fs", "unshare") if not shutil.which(t)]
+    if krunfw.find_libkrunfw() is None:
+        out.append("smolmachines (the bottlenet[vm] extra: libkrunfw.so.5)")
+    return out
+
+
+def ensure_krunfw() -> KrunfwKit:
+    """The wrapped kernel and the static agent and program, cached by libkrunfw's and the
+    agent's bytes (about a second to build)."""
+    from tests.realvm import krunfw
+
+    lib = krunfw.find_libkrunfw()
+    if lib is None:
+        raise RuntimeError("no libkrunfw.so.5: install bottlenet[vm]")
+    h = hashlib.sha256()
+    for path in (lib, os.path.join(HERE, "agent.c")):
+        with open(path, "rb") as fh:
+            h.update(fh.read())
+    h.update(HELLO_C.encode())
+    dest = os.path.join(CACHE, f"krunfw-{h.hexdigest()[:12]}")
+    names = ("vmlinux-krunfw.elf", "version", "agent", "hello")
+    kernel, version, agent, hello = (os.path.join(dest, n) for n in names)
+    if not os.path.exists(hello):
+        os.makedirs(CACHE, exist_ok=True)
+        work = tempfile.mkdtemp(prefix="krunfw-", dir=CACHE)
+        try:
+            with open(os.path.join(work, "version"), "w") as fh:
+                fh.write(krunfw.write_elf(lib, os.path.join(work, "vmlinux-krunfw.elf")))
+            _run("gcc", "-static", "-O2", "-o", os.path.join(work, "agent"),
+                 os.path.join(HERE, "agent.c"))  # fmt: skip
+            with open(os.path.join(work, "hello.c"), "w") as fh:
+                fh.write(HELLO_C)
+            _run("gcc", "-static", "-O2", "-o", os.path.join(work, "hello"),
+                 os.path.join(work, "hello.c"))  # fmt: skip
+            os.unlink(os.path.join(work, "hello.c"))
+            shutil.rmtree(dest, ignore_errors=True)
+            os.rename(work, dest)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    with open(version) as fh:
+        return KrunfwKit(kernel, fh.read().strip(), agent, hello)

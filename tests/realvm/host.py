@@ -69,7 +69,47 @@ VARIANTS: dict[str, dict[str, Any]] = {
     # (tests/realvm/egresshost.py)
     "egress": {"net": "none", "egress": True},
     "egress-nonft": {"net": "none", "nonft": True},
+    # bottlenet's guest kit on libkrunfw's kernel, in images with no python3 and no libc
+    # (tests/realvm/kitvm.py): a static busybox only, and no shell at all
+    "kit-busybox": {"net": "none", "kit": "busybox"},
+    "kit-noshell": {"net": "none", "kit": "noshell"},
 }
+
+
+def stand_ins() -> Accepts:
+    """The host's services a guest must find closed: a raw sidecar port, the daemon's control
+    and metrics ports, another bottle's endpoint and the outside address."""
+    services = Accepts()
+    for port in (RAW_PORT, CONTROL_PORT, METRICS_PORT):
+        services.listen("127.0.0.1", port)
+    services.listen(*OTHER_BOTTLE)
+    services.listen(OUTSIDE, 443)
+    return services
+
+
+async def own_forward(
+    reactor: Any, state_dir: str, target_port: int
+) -> tuple[ForwardTable, str, TCPEndpoint]:
+    """The bottle's endpoint: the daemon's real forward on a UNIX socket (QEMU's chardev
+    connects to it) relaying to ``127.0.0.1:target_port``; its socket path and endpoint."""
+    table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
+    table.startService()
+    listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
+    target = TCPTarget(ipaddress.IPv4Address("127.0.0.1"), target_port)
+    await table.add(ForwardSpec("rvm", "egress", listen, target))
+    return table, listen.path, TCPEndpoint("egress", 3128, listen.path, GUEST_SOCKET, RAW_PORT)
+
+
+def divert_to_witness(reactor: Any, table: ForwardTable, nonce: str, own: str) -> Witness:
+    """The endpoint's next connection goes to the gate's witness, then back to its relay.
+    Under software emulation QEMU connects at boot and the probe writes much later."""
+    witness = Witness(nonce)
+
+    def used() -> None:
+        table.divert("rvm", "egress", None)
+
+    table.divert("rvm", "egress", WitnessFactory(reactor, witness, own, used, timeout=BOOT_TIMEOUT))
+    return witness
 
 
 class Accepts:
@@ -279,6 +319,10 @@ async def boot(reactor: Any, argv: list[str]) -> tuple[QemuProtocol, int, float]
 
 async def run(reactor: Any, name: str) -> dict[str, Any]:
     variant = VARIANTS[name]
+    if variant.get("kit"):
+        from tests.realvm import kitvm
+
+        return await kitvm.run(reactor, name, busybox=variant["kit"] == "busybox")
     if variant.get("bridge"):
         from tests.realvm import bridgehost
 
@@ -292,11 +336,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     if kit is None:
         raise SystemExit("no real-VM kit: run python -m tests.realvm.build first")
     namespace_setup()
-    services = Accepts()
-    for port in (RAW_PORT, CONTROL_PORT, METRICS_PORT):
-        services.listen("127.0.0.1", port)
-    services.listen(*OTHER_BOTTLE)
-    services.listen(OUTSIDE, 443)
+    services = stand_ins()
     dns_stand_in(DNS_NAME, OUTSIDE)
     udp_echo("127.0.0.1", UDP_PORT)
 
@@ -305,15 +345,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     home = os.path.join(work, "home")
     os.makedirs(state_dir, mode=0o700)
     os.makedirs(home, mode=0o700)
-    table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
-    table.startService()
-    listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
-    info = await table.add(
-        ForwardSpec(
-            "rvm", "egress", listen, TCPTarget(ipaddress.IPv4Address("127.0.0.1"), RAW_PORT)
-        )
-    )
-    endpoint = TCPEndpoint("egress", 3128, listen.path, GUEST_SOCKET, RAW_PORT)
+    table, sock, endpoint = await own_forward(reactor, state_dir, RAW_PORT)
 
     shares: list[tuple[str, str, bool]] = []
     volumes: list[Volume] = []
@@ -343,17 +375,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         absent=markers.paths,
         volumes=volumes,
     )
-    witness = Witness(nonce)
-
-    def used() -> None:
-        table.divert("rvm", "egress", None)
-
-    # Under software emulation QEMU connects at boot and the probe writes much later.
-    table.divert(
-        "rvm",
-        "egress",
-        WitnessFactory(reactor, witness, str(plan.own[0]), used, timeout=BOOT_TIMEOUT),
-    )
+    witness = divert_to_witness(reactor, table, nonce, str(plan.own[0]))
     conf = f"NET={variant['net']}\nBLIND={1 if variant.get('blind') else 0}\n"
     conf += (
         "SHARES='"
@@ -363,7 +385,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     initrd = os.path.join(work, "initrd.cpio")
     run_cpio({"rvm.conf": conf.encode(), "probe.sh": render(plan)}, kit.initrd, initrd)
 
-    argv = qemu_argv(variant, kit, initrd, work, info.bound.path, shares)  # type: ignore[union-attr]
+    argv = qemu_argv(variant, kit, initrd, work, sock, shares)
     qemu, code, wall = await boot(reactor, argv)
     witness.close()
     with contextlib_suppress():

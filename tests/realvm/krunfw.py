@@ -16,6 +16,7 @@ import importlib.util
 import os
 import struct
 import subprocess
+from collections.abc import Sequence
 
 LIBKRUNFW = "libkrunfw.so.5"
 _PVH_NOTE_TYPE = 18  # XEN_ELFNOTE_PHYS32_ENTRY
@@ -77,22 +78,38 @@ def make_root(tree: str, out: str, size_mb: int = 160) -> None:
                     f"{size_mb}M"], check=True)  # fmt: skip
 
 
-def qemu_argv(kernel: str, root: str, console: str, ports: list[tuple[str, str]]) -> list[str]:
+def qemu_argv(
+    kernel: str,
+    root: str,
+    console: str,
+    ports: list[tuple[str, str]],
+    *,
+    init: str = "/init",
+    append: str = "",
+    files: Sequence[tuple[str, str]] = (),
+) -> list[str]:
     """QEMU for the libkrunfw kernel: ``ports`` are (UNIX socket a chardev connects to, the
-    virtio port's name), beside the console on the same virtio-serial device."""
+    virtio port's name), beside the console on the same virtio-serial device; ``files`` are
+    (host file a port's output goes to, the port's name); ``init`` and ``append`` go on the
+    kernel's command line."""
     argv = [
         "qemu-system-x86_64", "-M", "microvm,acpi=off", "-accel", "tcg", "-cpu", "max",
         "-m", "512", "-smp", "1", "-nodefaults", "-no-user-config", "-display", "none",
         "-serial", "none", "-monitor", "none", "-nic", "none", "-no-reboot",
         "-kernel", kernel,
         "-append", "console=hvc0 root=/dev/vda rw rootfstype=ext4 panic=-1 loglevel=4"
-        " init=/init reboot=t random.trust_cpu=on",
+        f" init={init} reboot=t random.trust_cpu=on {append}".rstrip(),
         "-drive", f"file={root},format=raw,if=none,id=d0",
         "-device", "virtio-blk-device,drive=d0",
         "-device", "virtio-serial-device",
         "-device", "virtconsole,chardev=c0",
         "-chardev", f"file,id=c0,path={console}",
     ]  # fmt: skip
+    for i, (path, name) in enumerate(files):
+        argv += [
+            "-chardev", f"file,id=f{i},path={path}",
+            "-device", f"virtserialport,chardev=f{i},name={name}",
+        ]  # fmt: skip
     for i, (sock, name) in enumerate(ports):
         argv += [
             "-chardev", f"socket,id=p{i},path={sock},reconnect=1",

@@ -1,14 +1,14 @@
 """Contract tests: the argv vmctl generates, through the REAL smolvm CLI and through the fake.
 
-The real CLI is the ``smolmachines`` wheel of the ``bottlenet[vm]`` extra (``.ci/run``
-installs it). Nothing here boots a VM (these hosts cannot): every call is one that needs no
-KVM, plus one ``machine start`` that must fail with a KVM error on a host without usable KVM.
-Each case runs the same argv (built by vmctl's own argv functions, with the features each
-binary reports) through both binaries, each in its own fresh state directory, and checks that
-they agree: accepted or refused, the ``--error-format json`` code, the class vmctl's
-:func:`classify` gives, and the shape of ``ls --json`` / ``status --json`` as vmctl parses it.
-Where they disagree the fake is wrong and gets fixed.
-"""
+The real CLIs are every tested version (``tests/vmctl/realclis.py``: 1.32.2 and 1.37.3, the
+venv's wheel and ``.smolvm/<version>`` prefixes that ``.ci/run`` installs); each test runs
+against each, with the fake playing the same version. Nothing here boots a VM (these hosts
+cannot): every call is one that needs no KVM, plus one ``machine start`` that must fail with a
+KVM error on a host without usable KVM. Each case runs the same argv (built by vmctl's own argv
+functions, with the features each binary reports) through both binaries, each in its own fresh
+state directory, and checks that they agree: accepted or refused, the ``--error-format json``
+code, the class vmctl's :func:`classify` gives, and the shape of ``ls --json`` / ``status
+--json`` as vmctl parses it. Where they disagree the fake is wrong and gets fixed."""
 
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
 from bottlenet.bottles.vmmaccess import read_started_uid
 from bottlenet.forward.spec import bottle_dir
 from tests.fakes import FAKE_SMOLVM, FAST_PATH
+from tests.vmctl.realclis import VERSIONS, real_install, versions
 from tests.vmctl.wheeltemplates import real_templates
 from vmctl.errors import (
     AlreadyExists,
@@ -50,7 +51,7 @@ from vmctl.errors import (
     json_error,
     strip_notes,
 )
-from vmctl.install import SmolvmInstall, find_wheel
+from vmctl.install import SmolvmInstall
 from vmctl.ports import pid_alive
 from vmctl.runner import build_env
 from vmctl.smolvm import MIN_VERSION, Features, Machine, SmolvmVersion, machine_argv
@@ -62,39 +63,54 @@ from vmctl.spec import (
     create_args,
     exec_args,
 )
+from vmctl.uidranges import Block
 from vmctl.uids import LAST_RESERVED, registered_vm_uid, registry_of, reserve_vm_uid
 
 __all__ = ["real_templates"]  # the fixture (tests/vmctl/wheeltemplates.py)
 
-WHEEL = find_wheel()
-needs_wheel = pytest.mark.skipif(
-    WHEEL is None,
-    reason="the real smolvm (the smolmachines wheel of bottlenet[vm]) is not installed: "
-    "pip install '.[vm]' (.ci/run does)",
-)
+#: The faults' version key: the fake plays the real CLI's version in each contract test.
+V137 = (1, 37, 0)
 LABELS = (("bottlenet.owner", "c0ffee"), ("bottlenet.bottle", "b1"), ("bottlenet.role", "agent"))
 
 
 #: The features each binary's ``--help`` reports, read from it once per session (its help
 #: text is fixed; every test builds its argv from these, and
 #: ``test_version_is_supported_and_features_agree`` checks them).
-_FEATURES: dict[str, Features] = {}
+_FEATURES: dict[tuple[str, str], Features] = {}
 
 
 class CLI:
     """One smolvm binary, its own state directory, and the features it reports."""
 
-    def __init__(self, kind: str, install: SmolvmInstall, state_dir: str, home: str) -> None:
+    def __init__(
+        self, kind: str, install: SmolvmInstall, state_dir: str, home: str, version: str
+    ) -> None:
         self.kind = kind
         self.install = install
         self.state_dir = state_dir
-        self.env = build_env({"PATH": FAST_PATH, "HOME": home, "LANG": "C.UTF-8"}, None,
+        self.tier = version
+        if kind == "fake":
+            self.fake_faults()
+        # The fake reads its faults (its version) from its data dir: for the calls without
+        # --state-dir (--version, --help) that is SMOLVM_DATA_DIR, as vmctl passes it.
+        data_dir = state_dir if kind == "fake" else None
+        self.env = build_env({"PATH": FAST_PATH, "HOME": home, "LANG": "C.UTF-8"}, data_dir,
                              install.env())  # fmt: skip
-        if install.binary not in _FEATURES:
+        if (install.binary, version) not in _FEATURES:
             create_help = self.raw(["machine", "create", "--help"]).stdout
             exec_help = self.raw(["machine", "exec", "--help"]).stdout
-            _FEATURES[install.binary] = Features.from_help(create_help, exec_help)
-        self.features = _FEATURES[install.binary]
+            _FEATURES[install.binary, version] = Features.from_help(create_help, exec_help)
+        self.features = _FEATURES[install.binary, version]
+
+    def fake_faults(self, *fail: str) -> None:
+        """The fake's ``fake-faults.json``: its version (the real CLI's) and ``fail`` names."""
+        os.makedirs(self.state_dir, exist_ok=True)
+        with open(os.path.join(self.state_dir, "fake-faults.json"), "w") as fh:
+            json.dump({"version": self.tier, "fail": list(fail)}, fh)
+
+    @property
+    def v137(self) -> bool:
+        return SmolvmVersion.parse(f"smolvm {self.tier}".encode()).triple >= V137
 
     def raw(self, args: Sequence[str], timeout: float = 120) -> subprocess.CompletedProcess[bytes]:
         r = subprocess.run(
@@ -133,22 +149,23 @@ class Outcome:
         return json.loads(self.r.stdout)
 
 
-@pytest.fixture
-def clis() -> Iterator[dict[str, CLI]]:
-    """The real CLI and the fake, each with its own state dir; every machine deleted after.
+@pytest.fixture(params=VERSIONS)
+def clis(request: pytest.FixtureRequest) -> Iterator[dict[str, CLI]]:
+    """The real CLI of one tested version and the fake playing it, each with its own state
+    dir; every machine deleted after.
 
     The state dirs are short on purpose: smolvm keeps per-machine UNIX sockets 46 bytes below
     its state dir, within the 107-byte limit (pytest's tmp_path is too long for it).
     """
-    if WHEEL is None:
-        pytest.skip("the smolmachines wheel (bottlenet[vm]) is not installed")
+    version: str = request.param
+    real = real_install(version)
     fake = SmolvmInstall(FAKE_SMOLVM, "option")
     top = Path(tempfile.mkdtemp(prefix="bn-c-", dir="/tmp"))
     out = {}
-    for kind, install in (("real", WHEEL), ("fake", fake)):
+    for kind, install in (("real", real), ("fake", fake)):
         base = top / kind
         (base / "home").mkdir(parents=True)
-        out[kind] = CLI(kind, install, str(base / "s"), str(base / "home"))
+        out[kind] = CLI(kind, install, str(base / "s"), str(base / "home"), version)
     yield from _cleaned(out, top)
 
 
@@ -201,11 +218,11 @@ def make_tar(path: Path) -> str:
 # -- version and features -----------------------------------------------------------------
 
 
-@needs_wheel
 def test_version_is_supported_and_features_agree(clis: dict[str, CLI]) -> None:
     real, fake = clis["real"], clis["fake"]
     assert real.version() >= SmolvmVersion(*MIN_VERSION)
-    assert str(real.version()).startswith("1.32.")
+    assert str(real.version()) == real.tier  # the tier's version, a tested one
+    assert real.version().tested
     assert real.version() == fake.version()
     assert real.features == fake.features
     # Everything vmctl uses from 1.32 is there, detected from the real --help.
@@ -215,7 +232,6 @@ def test_version_is_supported_and_features_agree(clis: dict[str, CLI]) -> None:
     )  # fmt: skip
 
 
-@needs_wheel
 def test_fake_models_older_versions(tmp_path: Path) -> None:
     """Version-dependent flags: a fake 1.9.3 has no --error-format/--state-dir/--user."""
     env = {"PATH": FAST_PATH, "HOME": str(tmp_path), "FAKE_SMOLVM_VERSION": "1.9.3"}
@@ -278,7 +294,7 @@ def sidecar_spec(tmp: Path, features: Features) -> MachineSpec:
         ExposeSocket(sidecar_guest_socket(s.name), sidecar_socket_path(state, "b1", s.name))
         for s in bottle.sidecar.services
     ]
-    return sidecar_machine_spec("bn-b1-sidecar", bottle.sidecar, LABELS, features, sockets=sockets)
+    return sidecar_machine_spec("bn-b1-sidecar", bottle.sidecar, LABELS, sockets=sockets)
 
 
 def sidecar_tcp_spec(tmp: Path, features: Features) -> MachineSpec:
@@ -286,7 +302,7 @@ def sidecar_tcp_spec(tmp: Path, features: Features) -> MachineSpec:
     bottle = _bottle(tmp, listen="tcp")
     assert bottle.sidecar is not None
     ports = [PortMapping(38401, 3128), PortMapping(38402, 9418)]
-    return sidecar_machine_spec("bn-b2-sidecar", bottle.sidecar, LABELS, features, ports=ports)
+    return sidecar_machine_spec("bn-b2-sidecar", bottle.sidecar, LABELS, ports=ports)
 
 
 def agent_spec(tmp: Path) -> MachineSpec:
@@ -305,7 +321,6 @@ def agent_spec(tmp: Path) -> MachineSpec:
     return agent_machine_spec("bn-b1-agent", bottle.agent, LABELS, env, endpoints, volumes)
 
 
-@needs_wheel
 def test_bottlenet_create_argvs_accepted_and_listed_alike(
     clis: dict[str, CLI], tmp_path: Path
 ) -> None:
@@ -375,12 +390,14 @@ READ_KEYS: dict[str, Any] = {
 # -- errors -------------------------------------------------------------------------------
 
 
-@needs_wheel
 def test_lifecycle_errors_classified_alike(clis: dict[str, CLI]) -> None:
     create = ["--name", "m1", "--label", "bottlenet.owner=c0ffee", "--cpus", "1", "--mem", "256"]
     assert agree(clis, "create", *create).ok
     dup = agree(clis, "create", *create)
-    assert isinstance(dup.error, AlreadyExists) and dup.code == "CONFIG_ERROR"
+    # 1.37: CONFLICT ("admit VM startup: machine already exists"); 1.32: CONFIG_ERROR
+    v137 = clis["real"].v137
+    assert isinstance(dup.error, AlreadyExists)
+    assert dup.code == ("CONFLICT" if v137 else "CONFIG_ERROR")
     # exec and stop on a machine that is not running
     ex = agree(clis, "exec", *exec_args("m1", ["true"])[2:])
     assert isinstance(ex.error, NotRunning), ex.r.stderr
@@ -390,9 +407,10 @@ def test_lifecycle_errors_classified_alike(clis: dict[str, CLI]) -> None:
     assert isinstance(agree(clis, "exec", *workload[2:]).error, NotRunning)
     stop = agree(clis, "stop", "--name", "m1")
     assert stop.ok and b"is not running" in stop.r.stdout
-    # status of a machine that does not exist: CONFIG_ERROR, refined from the message
+    # status of a machine that does not exist: 1.37 NOT_FOUND; 1.32 CONFIG_ERROR, refined
+    # from the message
     st = agree(clis, "status", "--name", "nope", "--json")
-    assert isinstance(st.error, NotFound) and st.code == "CONFIG_ERROR"
+    assert isinstance(st.error, NotFound) and st.code == ("NOT_FOUND" if v137 else "CONFIG_ERROR")
     for sub in ("start", "stop", "exec"):
         rest = ["--name", "nope"] + (["--", "true"] if sub == "exec" else [])
         out = agree(clis, sub, *rest)
@@ -404,7 +422,6 @@ def test_lifecycle_errors_classified_alike(clis: dict[str, CLI]) -> None:
     assert agree(clis, "ls", "--json").json() == []
 
 
-@needs_wheel
 def test_exec_session_argvs_reach_the_machine(clis: dict[str, CLI]) -> None:
     """What ``Exec``, ``bottle shell`` and ``bottle logs`` run (``-i``, ``-t``, ``-w``, ``-e``,
     ``--user``) passes both parsers: a machine that is not running is the answer, never a
@@ -450,7 +467,6 @@ USAGE = [
 ]
 
 
-@needs_wheel
 @pytest.mark.parametrize(("extra", "code"), REFUSED, ids=lambda v: str(v)[:40])
 def test_refused_create_argv_agree(clis: dict[str, CLI], extra: list[str], code: str) -> None:
     args = ["--name", "r1", *extra] if "--name" not in extra else extra
@@ -459,7 +475,6 @@ def test_refused_create_argv_agree(clis: dict[str, CLI], extra: list[str], code:
     assert agree(clis, "ls", "--json").json() == []
 
 
-@needs_wheel
 @pytest.mark.parametrize("extra", USAGE, ids=lambda v: " ".join(v))
 def test_usage_errors_agree(clis: dict[str, CLI], extra: list[str]) -> None:
     out = (
@@ -470,7 +485,6 @@ def test_usage_errors_agree(clis: dict[str, CLI], extra: list[str]) -> None:
     assert isinstance(out.error, UsageError) and out.r.returncode == 2
 
 
-@needs_wheel
 def test_accepted_where_vmctl_is_stricter(clis: dict[str, CLI]) -> None:
     """smolvm accepts these; vmctl refuses them itself before spawning (documented)."""
     for i, extra in enumerate(
@@ -493,16 +507,13 @@ def kvm_usable() -> bool:
     return False if not os.path.exists("/dev/kvm") else os.environ.get("BOTTLENET_KVM") == "1"
 
 
-@needs_wheel
 @pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 def test_start_without_usable_kvm_is_one_typed_error_and_leaves_nothing(
     clis: dict[str, CLI],
 ) -> None:
     real, fake = clis["real"], clis["fake"]
-    fake_faults = Path(fake.state_dir) / "fake-faults.json"
-    fake_faults.parent.mkdir(parents=True, exist_ok=True)
-    fake_faults.write_text(json.dumps({"fail": ["kvm-root" if os.geteuid() == 0 else "kvm"]}))
+    fake.fake_faults("kvm-root" if os.geteuid() == 0 else "kvm")
     create = ["--name", "k1", "--label", "bottlenet.owner=c0ffee", "--cpus", "1", "--mem", "256"]
     assert agree(clis, "create", *create, "--", *AGENT_WAIT_COMMAND).ok
     # The first real start after an install expands the wheel's disk templates (~19 s, done
@@ -516,9 +527,12 @@ def test_start_without_usable_kvm_is_one_typed_error_and_leaves_nothing(
             assert noise not in msg, msg
     assert start["real"].code == start["fake"].code
     listed = {k: c.machine("ls", "--json").json() for k, c in clis.items()}
-    assert (
-        [m["state"] for m in listed["real"]] == [m["state"] for m in listed["fake"]] == ["created"]
-    )
+    # 1.37 records a start whose VMM died as stopped, with the dead VMM's pid; 1.32 created.
+    after = "stopped" if real.v137 and os.geteuid() == 0 else "created"
+    assert [m["state"] for m in listed["real"]] == [m["state"] for m in listed["fake"]] == [after]
+    if after == "stopped":
+        for kind, machines in listed.items():
+            assert machines[0]["pid"] is not None and not pid_alive(machines[0]["pid"]), kind
     # vmctl's undo: stop (kills a VMM a failed start left behind), then delete.
     for cli in clis.values():
         assert cli.machine("stop", "--name", "k1").ok
@@ -547,7 +561,6 @@ def _vmm_processes(state_dir: str) -> list[int]:
 FIRST_VM_UID = 2_000_000
 
 
-@needs_wheel
 @pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(os.geteuid() != 0, reason="smolvm drops to per-VM uids only as root")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
@@ -561,8 +574,7 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
     top = state.parent  # the fixture's /tmp/bn-c-*/<kind>, 0755 from mkdir
     os.chmod(top, 0o700)
     if kind == "fake":
-        state.mkdir(parents=True, exist_ok=True)
-        (state / "fake-faults.json").write_text(json.dumps({"fail": ["uid-drop"]}))
+        cli.fake_faults("uid-drop")
     closed = top / "closed"  # root's, 0700: no way in for the VMM's uid
     closed.mkdir(mode=0o700)
     exposed = closed / "svc.sock"
@@ -579,8 +591,9 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
                   .stdout.decode().strip())  # fmt: skip
     uids = state / ".cache" / "smolvm" / "uids"
     assert not (vm_dir / ".vm-uid").exists()  # nothing is decided at create
-    # A registry entry naming this VM is honoured at start: the uid can be reserved beforehand.
-    reserved = FIRST_VM_UID + 123
+    # A registry entry naming this VM is honoured at start: the uid can be reserved beforehand,
+    # also outside smolvm's own range (bottlenet's blocks lie above it: vmctl.uidranges).
+    reserved = Block(1).first + 123
     uids.mkdir(parents=True, exist_ok=True)
     (uids / str(reserved)).write_text(vm_dir.name)
     os.chown(own_dir, reserved, reserved)
@@ -614,32 +627,31 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
     assert not (uids / str(reserved)).exists()
 
 
-@needs_wheel
 @pytest.mark.usefixtures("real_templates")
 @pytest.mark.skipif(os.geteuid() != 0, reason="smolvm drops to per-VM uids only as root")
 @pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
 @pytest.mark.parametrize("kind", ["real", "fake"])
 def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str) -> None:
     """``vmctl.uids``: the registry it finds from ``machine data-dir`` is smolvm's, the entry it
-    writes (next to another VM's) is the uid the start drops to, its ``.vm-uid`` says so (read
-    as the daemon reads it, through ``open_regular``) and the registry still names it: the
-    daemon knows the VMM's uid before the VMM exists."""
+    writes (from the data dir's own block, next to another VM's entry) is the uid the start
+    drops to, its ``.vm-uid`` says so (read as the daemon reads it, through ``open_regular``)
+    and the registry still names it: the daemon knows the VMM's uid before the VMM exists."""
     cli = clis[kind]
     state = Path(cli.state_dir)
     if kind == "fake":
-        state.mkdir(parents=True, exist_ok=True)
-        (state / "fake-faults.json").write_text(json.dumps({"fail": ["uid-drop"]}))
+        cli.fake_faults("uid-drop")
     assert cli.machine("create", "--name", "r1", "--cpus", "1", "--mem", "256").ok
     vm_dir = cli.raw(["machine", "data-dir", "--state-dir", str(state), "--name", "r1"])
     vm = vm_dir.stdout.decode().strip()
     uids = state / ".cache" / "smolvm" / "uids"
     assert registry_of(vm) == str(uids)
     uids.mkdir(parents=True, exist_ok=True)
-    (uids / str(FIRST_VM_UID)).write_text("another-vm")  # taken: the next one is ours
+    (uids / str(Block(1).first)).write_text("another-vm")  # taken: the next one is ours
     assert not os.path.exists(os.path.join(vm, ".vm-uid"))
-    reserved = reserve_vm_uid(vm)
-    assert reserved == FIRST_VM_UID + 1
-    assert reserve_vm_uid(vm) == reserved  # idempotent: the entry naming the VM
+    ledger = str(state.parent / "ledger")
+    reserved = reserve_vm_uid(vm, ledger=ledger)
+    assert reserved == Block(1).first + 1
+    assert reserve_vm_uid(vm, ledger=ledger) == reserved  # idempotent: the entry naming the VM
     out = cli.machine("start", "--name", "r1", timeout=300)
     if kind == "real":
         assert isinstance(out.error, KvmUnavailable), out.r.stderr[-400:]
@@ -649,9 +661,8 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
     assert registered_vm_uid(vm) == reserved
     assert cli.machine("stop", "--name", "r1").ok
     assert cli.machine("delete", "--name", "r1", "-f").ok
-    assert sorted(os.listdir(uids)) == sorted(
-        [".allocation.lock", LAST_RESERVED, str(FIRST_VM_UID)]
-    )
+    assert sorted(e for e in os.listdir(uids) if e.isdigit()) == [str(Block(1).first)]
+    assert LAST_RESERVED in os.listdir(uids)  # bottlenet's own files, beside smolvm's
     assert registered_vm_uid(vm) is None
 
 
@@ -660,14 +671,13 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
 VM_LOST_PHRASE = b"connection to VM lost"
 
 
-@needs_wheel
-def test_vm_lost_text_is_the_real_binarys(tmp_path: Path) -> None:
-    """Fidelity item 6: the real 1.32.2 binary holds the lost-VM phrase, and the fake ends an
+@versions
+def test_vm_lost_text_is_the_real_binarys(tmp_path: Path, version: str) -> None:
+    """Fidelity item 6: each real binary holds the lost-VM phrase, and the fake ends an
     attached session with it (exit 1) when its VM dies mid-session."""
-    assert WHEEL is not None
-    with open(WHEEL.binary, "rb") as fh:
+    with open(real_install(version).binary, "rb") as fh:
         assert VM_LOST_PHRASE in fh.read()
-    env = {"PATH": FAST_PATH, "SMOLVM_DATA_DIR": str(tmp_path)}
+    env = {"PATH": FAST_PATH, "SMOLVM_DATA_DIR": str(tmp_path), "FAKE_SMOLVM_VERSION": version}
 
     def fake(*args: str, **kw: Any) -> subprocess.CompletedProcess[bytes]:
         return subprocess.run(
@@ -705,10 +715,9 @@ def test_vm_lost_text_is_the_real_binarys(tmp_path: Path) -> None:
         fake("delete", "--name", "m1", "-f")
 
 
-def _agent_binary() -> bytes:
-    """The 1.32.2 guest agent (``usr/local/bin/smolvm-agent`` in the wheel's agent rootfs)."""
-    assert WHEEL is not None
-    archive = os.path.join(os.path.dirname(WHEEL.binary), "agent-rootfs.tar.zst")
+def _agent_binary(version: str) -> bytes:
+    """The guest agent (``usr/local/bin/smolvm-agent`` in the wheel's agent rootfs)."""
+    archive = os.path.join(os.path.dirname(real_install(version).binary), "agent-rootfs.tar.zst")
     unpacked = subprocess.run(["zstd", "-dc", archive], capture_output=True, check=True).stdout
     with tarfile.open(fileobj=io.BytesIO(unpacked)) as tf:
         member = tf.extractfile("./usr/local/bin/smolvm-agent")
@@ -716,14 +725,84 @@ def _agent_binary() -> bytes:
         return member.read()
 
 
-@needs_wheel
 @pytest.mark.skipif(shutil.which("zstd") is None, reason="needs the zstd CLI")
-def test_interactive_session_end_spares_the_command_in_the_real_agent() -> None:
+@versions
+def test_interactive_session_end_spares_the_command_in_the_real_agent(version: str) -> None:
     """Fidelity item 5, as far as strings show it: the 1.32.2 agent still ends a container's
     interactive session by killing its process (``crun exec``), as 1.9.3's
     ``run_interactive_loop`` does, while only its direct VM exec kills a process group. The
     fake models the former (``end_session``); bottlenet's session wrapper answers it."""
-    agent = _agent_binary()
+    agent = _agent_binary(version)
     assert b"interactive command timed out, killing process" in agent
     assert b"host disconnected during interactive exec" in agent
-    assert b"VM exec command timed out, killing process group" in agent
+    # 1.37's direct VM exec says "killing it" (1.32: "killing process group")
+    v137 = SmolvmVersion.parse(f"smolvm {version}".encode()).triple >= V137
+    direct = b"killing it" if v137 else b"killing process group"
+    assert b"VM exec command timed out, " + direct in agent
+
+
+# -- the agent rootfs variable (issue 35: 1.37 reads SMOLVM_AGENT_ROOTFS as a directory only) --
+
+
+@pytest.mark.usefixtures("real_templates")
+@pytest.mark.skipif(kvm_usable(), reason="this host says its KVM boots smolvm VMs")
+def test_the_rootfs_tarball_goes_where_each_cli_reads_it(clis: dict[str, CLI]) -> None:
+    """Each CLI reads the tarball from SMOLVM_AGENT_ROOTFS_TAR (a missing one: ``stat rootfs
+    tar``, real and fake alike), vmctl passes it there, and the tarball in
+    SMOLVM_AGENT_ROOTFS fails every 1.37 start with ``Not a directory`` (1.32 took it)."""
+    real = clis["real"]
+    tarball = real.install.agent_rootfs
+    assert tarball is not None and tarball.endswith(".tar.zst")
+    assert real.install.rootfs_var == "SMOLVM_AGENT_ROOTFS_TAR"
+    assert real.install.env()["SMOLVM_AGENT_ROOTFS_TAR"] == tarball
+    assert "SMOLVM_AGENT_ROOTFS" not in real.install.env()
+    for cli in clis.values():
+        assert cli.machine("create", "--name", "t1", "--cpus", "1", "--mem", "256").ok
+    base = {k: v for k, v in real.env.items() if not k.startswith("SMOLVM_AGENT_ROOTFS")}
+    cases = [
+        ({"SMOLVM_AGENT_ROOTFS_TAR": "/nonexistent/rootfs.tar.zst"}, "stat rootfs tar"),
+        ({"SMOLVM_AGENT_ROOTFS": tarball}, "Not a directory" if real.v137 else None),
+    ]
+    for extra, phrase in cases:
+        outs = {}
+        for kind, cli in clis.items():
+            argv = machine_argv(cli.features, cli.state_dir, "start", ["--name", "t1"])
+            r = subprocess.run(
+                [cli.install.binary, *argv],
+                env={**base, **extra},
+                capture_output=True,
+                timeout=300,
+                stdin=subprocess.DEVNULL,
+            )
+            outs[kind] = Outcome(
+                subprocess.CompletedProcess(r.args, r.returncode, r.stdout, strip_notes(r.stderr)),
+                "machine start",
+            )
+            cli.machine("stop", "--name", "t1")
+        if phrase is None:  # 1.32 with the tarball in the old variable: on to KVM
+            assert isinstance(outs["real"].error, KvmUnavailable), outs["real"].r.stderr[-300:]
+            continue
+        for kind, out in outs.items():
+            assert isinstance(out.error, SmolvmFailed), (kind, out.r.stderr[-300:])
+            assert not isinstance(out.error, KvmUnavailable), kind
+            assert phrase in out.error.message, (kind, out.error.message)
+
+
+def test_block_private_help_still_closes_host_loopback(clis: dict[str, CLI]) -> None:
+    """The sidecar's floor: ``--block-private`` still names the host's loopback (1.37 made
+    host loopback reachable by default without it), and ``--auto-ports`` (1.37: every guest
+    listener published on host loopback) is in no argv bottlenet builds."""
+    text = clis["real"].raw(["machine", "create", "--help"]).stdout.decode()
+    para = text[text.index("--block-private") :][:400]
+    assert "the host's loopback" in para, para
+    assert ("--auto-ports" in text) == clis["real"].v137
+
+
+def test_egress_events_where_the_cli_has_them(clis: dict[str, CLI]) -> None:
+    """``machine egress-events --json --limit N`` (1.32.2 and 1.37.3): a JSON array, ``[]``
+    for a machine that never booted and for one that does not exist (exit 0), real and fake
+    alike."""
+    assert agree(clis, "create", "--name", "e1", "--net", "--block-private").ok
+    for name in ("e1", "nope"):
+        out = agree(clis, "egress-events", "--name", name, "--json", "--limit", "50")
+        assert out.ok and out.json() == [], out.r.stderr

@@ -16,7 +16,7 @@ import subprocess
 from bottlenet.bottles.workload import IMAGE_USER_ARGV, waiter_argv
 from bottlenet.probe.script import ARGV as PROBE_ARGV
 from tests.fakes import FAKE_SMOLVM
-from tests.vmctl.test_contract import CLI, agree, clis, needs_wheel
+from tests.vmctl.test_contract import CLI, agree, clis
 from vmctl.errors import NotRunning, strip_notes
 from vmctl.smolvm import GUEST_ROOT
 from vmctl.spec import exec_args
@@ -36,7 +36,6 @@ def _stderr(cli: CLI, *args: str, env: dict[str, str] | None = None) -> bytes:
     return r.stderr
 
 
-@needs_wheel
 def test_exec_user_flag_and_its_default_are_the_real_ones(clis: dict[str, CLI]) -> None:
     """Both CLIs have ``-u``/``--user`` on exec; the real one says a command without it runs
     as the machine's user, then the image's USER (what the fake models)."""
@@ -49,7 +48,6 @@ def test_exec_user_flag_and_its_default_are_the_real_ones(clis: dict[str, CLI]) 
     assert clis["real"].features.exec_user and clis["fake"].features.exec_user
 
 
-@needs_wheel
 def test_bottlenets_root_execs_pass_both_parsers(clis: dict[str, CLI]) -> None:
     """The gate, the reach check, the bridge, the workload's prepare, wrapper and waiter
     (``-u 0:0``, plain, ``-i`` and ``-d``) and the image-user read (no ``-u``): a machine
@@ -68,7 +66,6 @@ def test_bottlenets_root_execs_pass_both_parsers(clis: dict[str, CLI]) -> None:
     assert agree(clis, "delete", "--name", "r1", "-f").ok
 
 
-@needs_wheel
 def test_packed_note_is_the_wheels_text_and_is_stripped(clis: dict[str, CLI]) -> None:
     """The wheel's binary prints the note first on every call; the fake in ``packed-note``
     mode prints the same line; :func:`strip_notes` leaves neither."""

@@ -109,3 +109,18 @@ def test_guest_tmp_is_kept_across_execs_and_fresh_at_each_start(fake_smolvm: Fak
     assert run(fake_smolvm, "machine", "stop", "--name", "m1").returncode == 0
     assert run(fake_smolvm, "machine", "start", "--name", "m1").returncode == 0
     assert guest(fake_smolvm, "test", "-e", "/tmp/kept").returncode == 1
+
+
+@root_only
+@pytest.mark.parametrize(("version", "kind"), [("1.32.2", "tmpfs"), ("1.37.3", "disk")])
+def test_guest_tmp_is_ram_in_132_and_disk_in_137(
+    fake_smolvm: FakeSmolvm, version: str, kind: str
+) -> None:
+    """1.32's guest /tmp is a tmpfs; 1.37's a directory on the machine's disk (its help:
+    "holds as much as the disk does"); both emptied at each start."""
+    fake_smolvm.set_faults("exec-netns", version=version)
+    machine(fake_smolvm, {}, "sleep", "infinity")
+    assert run(fake_smolvm, "machine", "start", "--name", "m1").returncode == 0
+    fs = guest(fake_smolvm, "stat", "-f", "-c", "%T", "/tmp").stdout.strip()
+    assert (fs == "tmpfs") is (kind == "tmpfs"), fs
+    assert run(fake_smolvm, "machine", "delete", "--name", "m1", "-f").returncode == 0

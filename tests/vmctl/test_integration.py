@@ -16,7 +16,7 @@ from twisted.internet.defer import Deferred
 from twisted.internet.task import deferLater
 from twisted.trial.unittest import TestCase
 
-from tests.fakes import FAKE_SMOLVM, FakeSmolvmMixin, process_alive
+from tests.fakes import FAKE_SMOLVM, PLAYED, FakeSmolvmMixin, process_alive
 from tests.netio import ping_tcp
 from vmctl.errors import (
     AlreadyExists,
@@ -82,7 +82,7 @@ class FakeSmolvmTestCase(FakeSmolvmMixin, TestCase):
 class LifecycleTests(FakeSmolvmTestCase):
     async def test_full_lifecycle(self) -> None:
         v = await self.smolvm.version()
-        self.assertEqual(str(v), "1.32.2")
+        self.assertEqual(str(v), PLAYED)
         [port] = allocate_ports(1)
         await self.smolvm.create(self.spec("m1", [port], env={"BASE": "1"}))
         pid = await self.smolvm.start("m1")

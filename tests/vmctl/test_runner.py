@@ -138,15 +138,24 @@ class ResolveTests(SynchronousTestCase):
         self.assertEqual(f.value.code, "SMOLVM_UNAVAILABLE")
         self.assertIn("bottlenet[vm]", smolvm.describe())
 
-    def test_discovery_order_and_assets(self) -> None:
-        """--smolvm, then PATH, then the wheel; assets next to the binary are passed on."""
+    def _wheel_dir(self, cli_text: str) -> tuple[str, str]:
+        """A wheel-shaped directory whose "CLI" is ``cli_text``; (its dir, its binary)."""
         wheel_dir = os.path.join(self.dir, "wheel", "smol")
         os.makedirs(wheel_dir)
         wheel_bin = os.path.join(wheel_dir, "smol-vmm")
-        for name in ("smol-vmm", "libkrun.so", "libkrunfw.so.5", "agent-rootfs.tar.zst"):
+        for name in ("libkrun.so", "libkrunfw.so.5", "agent-rootfs.tar.zst"):
             with open(os.path.join(wheel_dir, name), "w") as f:
-                f.write("#!/bin/sh\n")
+                f.write("\n")
+        with open(wheel_bin, "w") as f:
+            f.write(cli_text)
         os.chmod(wheel_bin, 0o755)
+        return wheel_dir, wheel_bin
+
+    def test_discovery_order_and_assets(self) -> None:
+        """--smolvm, then PATH, then the wheel; assets next to the binary are passed on, the
+        rootfs tarball in SMOLVM_AGENT_ROOTFS_TAR where the binary holds that name (1.37
+        reads SMOLVM_AGENT_ROOTFS as a directory only: issue 35)."""
+        wheel_dir, wheel_bin = self._wheel_dir("#!/bin/sh\n# reads SMOLVM_AGENT_ROOTFS_TAR\n")
         rootfs = os.path.join(wheel_dir, "agent-rootfs.tar.zst")
         wheel = SmolvmInstall(wheel_bin, SOURCE_WHEEL, wheel_dir, rootfs, "1.32.2")
         self.assertEqual(discover(None, "/nonexistent", lambda: wheel), wheel)
@@ -156,16 +165,39 @@ class ResolveTests(SynchronousTestCase):
         picked = discover(wheel_bin, None, lambda: None)
         assert picked is not None
         self.assertEqual(
-            picked.env(),
-            {"SMOLVM_LIB_DIR": wheel_dir,
-             "SMOLVM_AGENT_ROOTFS": os.path.join(wheel_dir, "agent-rootfs.tar.zst")},
-        )  # fmt: skip
-        self.assertIn("smolmachines 1.32.2 wheel", wheel.describe())
-        env = build_env({"PATH": "/bin", "SMOLVM_AGENT_ROOTFS": "/evil"}, None, picked.env())
-        self.assertEqual(
-            env["SMOLVM_AGENT_ROOTFS"], os.path.join(wheel_dir, "agent-rootfs.tar.zst")
+            picked.env(), {"SMOLVM_LIB_DIR": wheel_dir, "SMOLVM_AGENT_ROOTFS_TAR": rootfs}
         )
+        self.assertIn("the smolmachines 1.32.2 wheel, pulled in by bottlenet[vm]", wheel.describe())
+        by_hand = SmolvmInstall(wheel_bin, SOURCE_WHEEL, wheel_dir, rootfs, "1.37.3",
+                                wheel_by_name=True)  # fmt: skip
+        self.assertIn("1.37.3 wheel, installed by name", by_hand.describe())
+        self.assertNotIn("bottlenet[vm]", by_hand.describe())
+        evil = {"PATH": "/bin", "SMOLVM_AGENT_ROOTFS": "/evil", "SMOLVM_AGENT_ROOTFS_TAR": "/e"}
+        env = build_env(evil, None, picked.env())
+        self.assertEqual(env["SMOLVM_AGENT_ROOTFS_TAR"], rootfs)
+        self.assertNotIn("SMOLVM_AGENT_ROOTFS", env)  # the daemon's own never passes
         self.assertNotIn("SMOLVM_LIB_DIR", build_env({"SMOLVM_LIB_DIR": "/evil"}))
+        self.assertNotIn("SMOLVM_MACHINE_NAME", build_env({"SMOLVM_MACHINE_NAME": "x"}))
+
+    def test_rootfs_variable_follows_what_the_binary_offers(self) -> None:
+        """A CLI without the name SMOLVM_AGENT_ROOTFS_TAR (older than PR #356) gets the
+        tarball in SMOLVM_AGENT_ROOTFS; an unpacked rootfs directory always goes there."""
+        wheel_dir, wheel_bin = self._wheel_dir("#!/bin/sh\n# an old CLI\n")
+        picked = discover(wheel_bin, None, lambda: None)
+        assert picked is not None
+        self.assertEqual(picked.rootfs_var, "SMOLVM_AGENT_ROOTFS")
+        self.assertEqual(
+            picked.env()["SMOLVM_AGENT_ROOTFS"], os.path.join(wheel_dir, "agent-rootfs.tar.zst")
+        )
+        os.unlink(os.path.join(wheel_dir, "agent-rootfs.tar.zst"))
+        os.mkdir(os.path.join(wheel_dir, "agent-rootfs"))
+        with open(wheel_bin, "a") as f:
+            f.write("# SMOLVM_AGENT_ROOTFS_TAR\n")
+        picked = discover(wheel_bin, None, lambda: None)
+        assert picked is not None
+        self.assertEqual(
+            picked.env()["SMOLVM_AGENT_ROOTFS"], os.path.join(wheel_dir, "agent-rootfs")
+        )
 
     def test_installed_wheel_is_found(self) -> None:
         found = find_wheel()
@@ -175,6 +207,8 @@ class ResolveTests(SynchronousTestCase):
         self.assertTrue(found.binary.endswith(os.path.join("smol", "smol-vmm")))
         self.assertIsNotNone(found.lib_dir)
         self.assertTrue(str(found.agent_rootfs).endswith("agent-rootfs.tar.zst"))
+        # 1.32.2 and 1.37.3 both read the tarball from SMOLVM_AGENT_ROOTFS_TAR (their strings)
+        self.assertEqual(found.rootfs_var, "SMOLVM_AGENT_ROOTFS_TAR")
 
 
 class BoundedBufferTests(SynchronousTestCase):

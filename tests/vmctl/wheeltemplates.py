@@ -1,76 +1,56 @@
-"""The real smolvm's disk templates, expanded once per test session before any real start.
+"""The real smolvms' disk templates, unpacked once per test session before any real start.
 
 The ``smolmachines`` wheel ships ``storage-template.ext4.zst`` and ``overlay-template.ext4.zst``
-(sparse 20 GiB and 10 GiB ext4 images). smolvm 1.32.2 expands them next to its binary on the
-first ``machine start`` after an install (``<name>.partial``, then a rename to ``<name>``) and
-reuses them from then on; ``strace -f`` shows that first start spending ~19 s (a quiet machine)
-decoding 30 GiB of mostly zeros before it spawns the VMM, which then fails on KVM within 0.1 s.
-A fresh venv (CI's) pays that once, in whichever test starts a machine first.
-
-Here the same bytes are produced by ``zstd -d --sparse`` (the same frames, decoded by the
-reference decoder) in a background process started when the session has collected a test that
-starts the real smolvm, so the decode overlaps the tests that run before it; those tests wait
-for it through :func:`real_templates`. Each file is written under a private name and renamed
-into place when complete, so a smolvm that expands its own copy meanwhile is never disturbed.
-Without ``zstd``, or with templates already there, nothing is done and smolvm expands them
-itself, as before. Every contract fact the tests read from the real binary is unchanged: they
-still run its ``machine start``; only the one-time cache fill is done by another decoder.
+(sparse 20 GiB and 10 GiB ext4 images). smolvm expands them next to its binary on the first
+``machine start`` after an install and reuses them from then on (8 to 19 s, strace). The daemon
+unpacks them itself at start (:mod:`vmctl.templates`, issue 38); here the same production code
+runs in a background process per tested wheel, started when the session has collected a test
+that starts a real smolvm, so the decode overlaps the tests before it; those wait for it through
+:func:`real_templates`. So every contract test that starts a real smolvm also checks that
+smolvm takes bottlenet's unpacked templates (and ``test_contract.py`` that it expands nothing
+more). Without a decoder, or with templates already there, nothing is done and smolvm expands
+them itself.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
 
-from vmctl.install import SmolvmInstall, find_wheel
+from tests.vmctl.realclis import installs
+from vmctl import templates
 
-#: The templates smolvm 1.32.2 expands next to its binary on the first start (each from
-#: ``<name>.zst`` beside it).
-TEMPLATES = ("storage-template.ext4", "overlay-template.ext4")
-#: The private name each one is decoded to before its rename (never smolvm's ``.partial``).
-_TMP = ".{name}.bn-expanding"
-#: ``sh -c`` script: decode one template (``$2``, in directory ``$1``) to its private name
-#: (``$3``, :data:`_TMP`), then move it into place.
-_SCRIPT = 'zstd -q -d --sparse -f -o "$1/$3" "$1/$2.zst" && mv -f "$1/$3" "$1/$2"'
+#: The unpack, as the daemon does it (``$1``: the wheel's ``smol`` directory).
+_SCRIPT = "import sys; from vmctl.templates import unpack; unpack(sys.argv[1])"
 
-#: The decodes in flight or done, one process per template (two cores: they run side by side).
+#: The unpacks in flight or done, one process per wheel (two cores: they run side by side).
 _running: list[subprocess.Popen[bytes]] | None = None
 
 
-def missing_templates(install: SmolvmInstall) -> list[str]:
-    """The templates beside ``install``'s binary that have a ``.zst`` but are not expanded."""
-    here = os.path.dirname(os.path.realpath(install.binary))
-    return [
-        name
-        for name in TEMPLATES
-        if os.path.exists(os.path.join(here, name + ".zst"))
-        and not os.path.exists(os.path.join(here, name))
-    ]
-
-
 def start_expansion() -> None:
-    """Start decoding the wheel's missing templates in the background (at most once)."""
+    """Start decoding every real smolvm's missing templates in the background (at most once;
+    each tested version's wheel has its own, ``tests/vmctl/realclis.py``)."""
     global _running
-    install = find_wheel()
-    if _running is not None or install is None or shutil.which("zstd") is None:
+    if _running is not None:
         return
-    here = os.path.dirname(os.path.realpath(install.binary))
-    names = missing_templates(install) if os.access(here, os.W_OK) else []
-    _running = [
-        subprocess.Popen(
-            ["sh", "-c", _SCRIPT, "sh", here, name, _TMP.format(name=name)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,  # its own group: stop_expansion ends zstd with it
-        )
-        for name in names
-    ]
+    _running = []
+    for install in installs().values():
+        here = os.path.dirname(os.path.realpath(install.binary))
+        if templates.unpackable(here):
+            _running.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", _SCRIPT, here],
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                    start_new_session=True,  # its own group: stop_expansion ends it
+                )
+            )
 
 
 def wait_for_expansion() -> None:
@@ -88,14 +68,13 @@ def stop_expansion() -> None:
     for proc in live:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
-    install = find_wheel()
-    if live and install is not None:
+    if not live:
+        return
+    for install in installs().values():
         here = os.path.dirname(os.path.realpath(install.binary))
-        for name in TEMPLATES:
-            try:
-                os.unlink(os.path.join(here, _TMP.format(name=name)))
-            except FileNotFoundError:
-                pass
+        for name in os.listdir(here):
+            if name.startswith(".") and ".bottlenet-" in name and not name.endswith(".lock"):
+                os.unlink(os.path.join(here, name))  # a killed unpack's private file
 
 
 @pytest.fixture(scope="session")
