@@ -46,6 +46,7 @@ from bottlenet.ops import logs, metrics
 from bottlenet.paths import MAX_SUN_PATH, default_control_endpoint, default_state_dir
 from bottlenet.probe.plan import DEFAULT_DNS_NAME, DEFAULT_OUTSIDE, Target, check_dns_name
 from vmctl.service import SmolvmChoice, StartupRefused, choose_smolvm
+from vmctl.uidranges import DEFAULT_LEDGER
 
 T = TypeVar("T")
 log = Logger()
@@ -195,6 +196,13 @@ class Options(usage.Options):
                 None,
                 "smolvm's own state directory (default: <state-dir>/smolvm), passed as "
                 "--state-dir (as SMOLVM_DATA_DIR to a smolvm without it).",
+            ],
+            [
+                "uid-ledger",
+                None,
+                DEFAULT_LEDGER,
+                "As root: the host's record of which smolvm data dir owns which per-VM uids "
+                "(every daemon on a host must share it).",
             ],
             [
                 "guest-kit",
@@ -443,6 +451,7 @@ def settings_from(options: Options, environ: Mapping[str, str] | None = None) ->
             options["smolvm-data-dir"],
             environ=env,
             default_data_dir=os.path.join(state_dir, "smolvm"),
+            uid_ledger=options["uid-ledger"],
         )
     except StartupRefused as e:
         raise StartupError(e.message) from None
@@ -546,7 +555,8 @@ def _own_paths(
     config_path: str | None,
     environ: Mapping[str, str],
 ) -> tuple[str, ...]:
-    """Every path the daemon reads or serves: its state, smolvm's data, the control socket's
+    """Every path the daemon reads or serves: its state, smolvm's data and the uid ledger
+    (``--uid-ledger``: a VM that could write it would hand uids around), the control socket's
     directory (a ``systemd:`` one's from the inherited descriptor, and the unit's own
     directories systemd names), the metrics socket's, the TLS key, certificate and CA, the
     config file, smolvm's binary and libraries, and its own install (the ``bottlenet`` and
@@ -567,6 +577,7 @@ def _own_paths(
         paths.extend(p for p in environ.get(name, "").split(":") if os.path.isabs(p))
     if smolvm.data_dir:
         paths.append(smolvm.data_dir)
+    paths.append(smolvm.uid_ledger)
     if smolvm.install is not None:
         paths.extend(
             p

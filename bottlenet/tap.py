@@ -61,6 +61,8 @@ from vmctl.errors import VmctlError
 from vmctl.kvm import probe_kvm
 from vmctl.service import build_smolvm
 from vmctl.smolvm import CANCELLED, INTERNAL, SUBCOMMANDS, Smolvm, VmUids, tested_names
+from vmctl.uidranges import UidRangeError
+from vmctl.uids import UidRegistryError
 
 __all__ = [
     "BottlenetService",
@@ -155,6 +157,11 @@ class BottlenetService(MultiService):
     def smolvm_facts(self) -> SmolvmFacts:
         """What Hello says of smolvm, one object for every control listener."""
         return self.control_factory.context.smolvm
+
+    def vm_uids_left(self) -> int | None:
+        """Per-VM uids the node can still give out (None: not counted; metrics)."""
+        supply = self.node.vm_uids if self.node is not None else None
+        return None if supply is None else supply.left
 
     def vm_uids_now(self) -> tuple[str | None, str | None]:
         """smolvm's privilege model as the daemon's uid implies it (Hello's ``vm_uids``, which
@@ -257,11 +264,29 @@ def build_service(options: Options, reactor: Any) -> BottlenetService:
             if unix_path_state(settings.metrics.path)[0] == "stale":
                 os.unlink(settings.metrics.path)
         root = compose(settings, store, state, reactor)
+        _check_vm_uids(root)
     except BaseException:
         lock.release()
         raise
     root.state_lock = lock
     return root
+
+
+def _check_vm_uids(root: BottlenetService) -> None:
+    """As root: the per-VM uids this daemon's smolvm data dir owns are still its alone on
+    the host (``vmctl.uidranges``); one line naming the conflict otherwise."""
+    pool = root.smolvm.uid_pool
+    if pool is None or root.smolvm.binary is None or root.vm_uids is not VmUids.PER_VM:
+        return
+    try:
+        supply = pool.check()
+    except (UidRangeError, UidRegistryError) as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e}") from None
+    except OSError as e:
+        raise StartupError(f"--smolvm-data-dir {pool.data_dir}: {e.strerror or e}") from None
+    root.log.info("per-VM uids: {supply}", supply=supply.describe())
+    if root.node is not None:
+        root.node.vm_uids = supply
 
 
 def _lock_state_dir(state_dir: str) -> StateDirLock:
@@ -362,7 +387,10 @@ def compose(
             settings.metrics,
             settings.metrics_cap,
             metrics.SnapshotSource(
-                table.list, registry.list_bottles, registry.transparent_outcomes
+                table.list,
+                registry.list_bottles,
+                registry.transparent_outcomes,
+                count_vm_uids=root.vm_uids_left,
             ),
             (root.smolvm_calls, root.control_commands),
             root.refusals,
@@ -383,7 +411,12 @@ def _core(
     """The root service with its table, registry, smolvm and control factory (not parented)."""
     # Recorded whether or not --metrics is given (cheap), so the root service always has them.
     smolvm_calls, control_commands = _recorders()
-    vmctl_service, smolvm = build_smolvm(reactor, settings.smolvm, on_call=smolvm_calls.record)
+    vmctl_service, smolvm = build_smolvm(
+        reactor,
+        settings.smolvm,
+        on_call=smolvm_calls.record,
+        uid_roots=(os.path.join(settings.state_dir, "bottles"),),
+    )
     aliases = AliasRegistry(settings.pool)
     budgets = settings.budgets
     table = ForwardTable(
@@ -434,6 +467,7 @@ def _core(
         vm_uids=vm_uids,
     )
     root.node = node
+    host.uid_reports.listeners.append(node.learn_uids)
     return root, vmctl_service, host
 
 

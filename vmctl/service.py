@@ -22,6 +22,8 @@ from vmctl.install import (
 from vmctl.runner import ProcessRunner, build_env
 from vmctl.smolvm import MAX_STATE_DIR, CallObserver, Smolvm, SmolvmVersion, Timeouts
 from vmctl.spec import DEFAULT_DEVICE_BUDGET
+from vmctl.uidranges import DEFAULT_LEDGER
+from vmctl.uids import UidPool
 
 DEFAULT_STOP_DEADLINE = 10.0
 
@@ -72,6 +74,8 @@ class SmolvmChoice:
     install: SmolvmInstall | None
     data_dir: str | None
     environ: Mapping[str, str]
+    #: The host's record of which data dir owns which per-VM uids (``vmctl.uidranges``).
+    uid_ledger: str = DEFAULT_LEDGER
 
 
 def choose_smolvm(
@@ -81,6 +85,7 @@ def choose_smolvm(
     environ: Mapping[str, str] | None = None,
     default_data_dir: str | None = None,
     wheel: Callable[[], SmolvmInstall | None] = find_wheel,
+    uid_ledger: str = DEFAULT_LEDGER,
 ) -> SmolvmChoice:
     """Check the daemon's ``--smolvm`` and ``--smolvm-data-dir`` options (StartupRefused).
 
@@ -101,7 +106,8 @@ def choose_smolvm(
     else:
         VmctlService.log.info("smolvm: {where}", where=install.describe())
     chosen = data_dir_option or default_data_dir
-    return SmolvmChoice(install, os.path.abspath(chosen) if chosen else None, env)
+    data_dir = os.path.abspath(chosen) if chosen else None
+    return SmolvmChoice(install, data_dir, env, os.path.abspath(uid_ledger))
 
 
 def build_smolvm(
@@ -114,10 +120,15 @@ def build_smolvm(
     stop_deadline: float = DEFAULT_STOP_DEADLINE,
     on_call: CallObserver | None = None,
     session_pythons: Sequence[str] = ("python3",),
+    uid_roots: Sequence[str] = (),
 ) -> tuple[VmctlService, Smolvm]:
     """The runner's service and the Smolvm for a checked choice (``on_call`` hears every call;
-    ``session_pythons``: the guest interpreters the session wrapper tries)."""
+    ``session_pythons``: the guest interpreters the session wrapper tries; ``uid_roots``:
+    where else VM uids' files may stay)."""
     runner = ProcessRunner(reactor, clock)
+    pool = None
+    if choice.data_dir is not None:
+        pool = UidPool(choice.data_dir, ledger=choice.uid_ledger, roots=uid_roots)
     smolvm = Smolvm(
         runner,
         choice.install,
@@ -127,6 +138,7 @@ def build_smolvm(
         device_budget=device_budget,
         on_call=on_call,
         session_pythons=session_pythons,
+        uid_pool=pool,
     )
     return VmctlService(runner, stop_deadline, smolvm), smolvm
 

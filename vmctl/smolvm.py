@@ -53,12 +53,12 @@ from vmctl.spec import (
     validate_spec,
 )
 from vmctl.uids import (
+    UidEnd,
+    UidPool,
     UidRegistryError,
     UidReservation,
-    end_processes_of,
-    registered_vm_uid,
+    UidSupply,
     registry_of,
-    reserve_vm_uid,
 )
 
 T = TypeVar("T")
@@ -447,6 +447,7 @@ class Smolvm:
         check_version: bool = True,
         on_call: CallObserver | None = None,
         session_pythons: Sequence[str] = ("python3",),
+        uid_pool: UidPool | None = None,
     ) -> None:
         if isinstance(binary, str):
             if not os.path.isabs(binary):
@@ -456,6 +457,8 @@ class Smolvm:
         self.binary = binary.binary if binary is not None else None
         self.runner = runner
         self.data_dir_root = data_dir
+        #: The per-VM uids of the data dir (as root): its blocks, reservations, retirements.
+        self.uid_pool = uid_pool
         self._environ = dict(os.environ if environ is None else environ)
         self.timeouts = timeouts
         self.device_budget = device_budget
@@ -1015,21 +1018,29 @@ class Smolvm:
 
     # -- per-VM uids (smolvm as root) -------------------------------------------------
 
-    async def _off_thread(self, fn: Callable[[Any], T], arg: Any, name: str) -> T:
+    async def _off_thread(self, fn: Callable[..., T], *args: Any, name: str) -> T:
         """A blocking registry call on the reactor's thread pool (the lock is smolvm's)."""
         reactor: Any = self.runner.reactor
         try:
-            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, arg)
+            result: T = await deferToThreadPool(reactor, reactor.getThreadPool(), fn, *args)
         except UidRegistryError as e:
             raise SmolvmFailed(f"the VM uid of {name}: {e}") from None
         return result
 
+    def _pool(self, vm_dir: str | None = None) -> UidPool:
+        if self.uid_pool is not None:
+            return self.uid_pool
+        if vm_dir is not None:
+            return UidPool.of_vm_dir(vm_dir)
+        return UidPool(self.data_dir_root or os.path.expanduser("~"))
+
     @as_deferred
-    async def reserve_uid(self, name: str) -> UidReservation:
+    async def reserve_uid(self, name: str, volumes: Sequence[str] = ()) -> UidReservation:
         """The uid ``machine start`` will run ``name``'s VMM as (smolvm's per-VM uids, as
-        root), written into smolvm's root-owned registry now, never one handed out before."""
+        root), written into smolvm's root-owned registry now, from this data dir's own uids
+        (``volumes``: its read-write volumes, looked at before the uid is given out again)."""
         vm_dir = await self.data_dir(name)
-        uid = await self._off_thread(reserve_vm_uid, vm_dir, name)
+        uid = await self._off_thread(self._pool(vm_dir).reserve, vm_dir, volumes, name=name)
         return UidReservation(uid, registry_of(vm_dir), vm_dir)
 
     @as_deferred
@@ -1037,13 +1048,24 @@ class Smolvm:
         """The uid smolvm's root-owned registry holds for ``name``'s VMM (None: no entry).
         Never the VM dir's ``.vm-uid``: the VMM's own uid can write that."""
         vm_dir = await self.data_dir(name)
-        return await self._off_thread(registered_vm_uid, vm_dir, name)
+        return await self._off_thread(self._pool(vm_dir).registered, vm_dir, name=name)
 
     @as_deferred
-    async def end_uid(self, uid: int) -> tuple[int, ...]:
-        """After a VM's delete: end every process still running as its per-VM uid (a
-        compromised VMM's leftovers); fires with the pids still alive (empty: none)."""
-        return tuple(await self._off_thread(end_processes_of, uid, f"uid {uid}"))
+    async def end_uid(self, uid: int) -> UidEnd:
+        """After a VM's delete: end every process of its machine still running as its
+        per-VM uid (a compromised VMM's leftovers); what it did (:class:`UidEnd`)."""
+        return await self._off_thread(self._pool().end, uid, name=f"uid {uid}")
+
+    @as_deferred
+    async def retire_uid(self, uid: int, prove: bool = False) -> bool:
+        """The uid's VM is deleted: it waits until nothing of it is left (``prove``: looked
+        at now; whether it is free again)."""
+        return await self._off_thread(self._pool().retire, uid, prove, name=f"uid {uid}")
+
+    @as_deferred
+    async def uid_supply(self) -> UidSupply:
+        """How many per-VM uids this data dir can still give out."""
+        return await self._off_thread(self._pool().supply, name="the data dir")
 
 
 _EXEC_FAILURES = re.compile(
@@ -1121,6 +1143,7 @@ __all__ = [
     "SmolvmVersion",
     "Timeouts",
     "UidReservation",
+    "UidSupply",
     "VmUids",
     "set_pty_size",
     "tested_names",

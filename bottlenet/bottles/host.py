@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from typing import Any, ClassVar
 
-from attrs import Factory, evolve, field, frozen
+from attrs import Factory, define, evolve, field, frozen
 from twisted.internet.threads import deferToThreadPool
 from twisted.logger import Logger
 
@@ -76,7 +76,7 @@ from vmctl.ports import (
     check_port_owner,
     check_socket_owner,
 )
-from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, VmUids
+from vmctl.smolvm import Machine, Smolvm, SmolvmVersion, UidReservation, UidSupply, VmUids
 from vmctl.spec import Volume
 
 LOCALHOST = ipaddress.IPv4Address("127.0.0.1")
@@ -98,6 +98,17 @@ class VMOptions:
     sidecar_ready_timeout: float = readiness.TIMEOUT
     #: The daemon's own paths and ``--volume-root`` (``volumes.py``).
     volumes: VolumeRules = field(factory=VolumeRules)
+
+
+@define
+class UidReports:
+    """Who is told how many per-VM uids are left (the node's report, once it is composed)."""
+
+    listeners: list[Callable[[UidSupply], None]] = field(factory=list)
+
+    def tell(self, supply: UidSupply) -> None:
+        for listener in self.listeners:
+            listener(supply)
 
 
 @frozen
@@ -150,6 +161,8 @@ class VMHost:
     )
     #: bottlenet's guest kit (None: none, as ``--guest-kit off``: the image's python3).
     kit: KitKeeper | None = None
+    #: Told how many per-VM uids are left after each reservation and retirement.
+    uid_reports: UidReports = field(factory=UidReports)
 
     # -- helpers ----------------------------------------------------------------------
 
@@ -171,14 +184,27 @@ class VMHost:
             (LABEL_ROLE, role),
         )
 
-    async def reserve_uid(self, machine: str) -> Reserved | None:
+    async def reserve_uid(self, machine: str, volumes: Sequence[str] = ()) -> Reserved | None:
         """Under per-VM uids: the uid ``machine start`` will run ``machine``'s VMM as, written
         into smolvm's registry now (honoured at start), with a parent of the state dir that
-        VMM could not pass (to say why a start then fails); None under one uid."""
+        VMM could not pass (to say why a start then fails); None under one uid. ``volumes``:
+        the host directories the VMM may write (where its uid's files may outlive it)."""
         if not self.access.per_vm:
             return None
-        reserved = await self.smolvm.reserve_uid(machine)
+        reserved = await self.smolvm.reserve_uid(machine, volumes)
+        await self.count_uids()
         return Reserved(reserved, self.access.closed_ancestor(reserved.registry))
+
+    async def count_uids(self) -> None:
+        """Tell ``uid_reports`` how many per-VM uids are left (a failure is logged)."""
+        if not self.access.per_vm or not self.uid_reports.listeners:
+            return
+        try:
+            supply = await self.smolvm.uid_supply()
+        except VmctlError as e:
+            self.log.warn("per-VM uids could not be counted: {err}", err=e.message)
+            return
+        self.uid_reports.tell(supply)
 
     async def check_started_uid(self, bottle: str, reserved: Reserved) -> None:
         """After ``machine start``: smolvm's ``.vm-uid`` names the uid reserved for the agent
@@ -376,25 +402,40 @@ class VMHost:
         await self.end_uids(bottle.name, removed)
         await self.release(bottle)
 
-    async def end_uids(self, bottle: str, uids: Sequence[int | None]) -> None:
-        """Per-VM uids: after the VMs are deleted, end whatever still runs as their uids (what
-        a compromised VMM left behind); those uids are never handed out again either. A
-        failure is logged, never raised."""
+    async def end_uids(
+        self, bottle: str, uids: Sequence[int | None], *, give_back: bool = False
+    ) -> None:
+        """Per-VM uids: after the VMs are deleted, end whatever their machines left running
+        as their uids (what a compromised VMM left behind), then retire the uids: one is
+        given out again only once nothing of it is left (``give_back``, a failed create:
+        looked at now). A failure is logged, never raised."""
+        if not self.access.per_vm:
+            return
         for uid in uids:
-            if uid is None or not self.access.per_vm:
+            if uid is None:
                 continue
             try:
-                left = await self.smolvm.end_uid(uid)
+                ended = await self.smolvm.end_uid(uid)
+                if ended.spared:
+                    self.log.error(
+                        "bottle {bottle}: VM uid {uid} is also run by pid(s) {pids}, which show "
+                        "no sign of this daemon's smolvm data dir: not killed, and the uid is "
+                        "not given out again while they run (docs/operations.md, VM uids)",
+                        bottle=bottle,
+                        uid=uid,
+                        pids=", ".join(str(p) for p in ended.spared[:8]),
+                    )
+                if ended.left:
+                    self.log.error(
+                        "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
+                        bottle=bottle,
+                        n=len(ended.left),
+                        uid=uid,
+                    )
+                await self.smolvm.retire_uid(uid, give_back)
             except VmctlError as e:
                 self.log.error("bottle {bottle}: {err}", bottle=bottle, err=e.message)
-                continue
-            if left:
-                self.log.error(
-                    "bottle {bottle}: {n} process(es) of VM uid {uid} outlived SIGKILL",
-                    bottle=bottle,
-                    n=len(left),
-                    uid=uid,
-                )
+        await self.count_uids()
 
     def _ours(self, listed: Mapping[str, Machine] | None, name: str, bottle: Bottle) -> bool:
         """Whether the teardown removes machine ``name``: always, but after a restart

@@ -48,6 +48,7 @@ def node_rows(n: NodeInfoRecord) -> list[list[object]]:
         ["smolvm", (n.smolvm or "-") + (" (untested)" if n.smolvm_tested is False else "")],
         ["kvm", n.kvm],
         ["privilege", n.privilege],
+        ["VM uids", n.vm_uids or "-"],
         ["daemon", n.server_version],
         ["protocol", n.protocol],
     ]

@@ -458,6 +458,9 @@ class NodeInfo(ControlCommand):
         (b"health", amp.Unicode()),
         (b"health_reasons", StrictListOf(amp.Unicode())),
         (b"draining", StrictBoolean()),
+        # Added later (absent from an older daemon): per-VM uids left, and in words.
+        (b"vm_uids_left", StrictInteger(optional=True)),
+        (b"vm_uids", amp.Unicode(optional=True)),
     ]
 
 

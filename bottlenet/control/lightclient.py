@@ -95,6 +95,8 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "health": (Kind.UNICODE, False),
             "health_reasons": (Kind.UNICODE_LIST, False),
             "draining": (Kind.BOOLEAN, False),
+            "vm_uids_left": (Kind.INTEGER, True),
+            "vm_uids": (Kind.UNICODE, True),
         },
     ),
     "Exec": (

@@ -77,6 +77,9 @@ class NodeInfoRecord(NamedTuple):
     draining: bool
     #: False when ``smolvm`` is outside the tested versions; None from an older daemon.
     smolvm_tested: bool | None = None
+    #: Per-VM uids the node can still give out (None: not per-VM uids, or an older daemon).
+    vm_uids_left: int | None = None
+    vm_uids: str | None = None
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> NodeInfoRecord:

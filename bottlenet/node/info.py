@@ -19,6 +19,7 @@ from twisted.internet.interfaces import IReactorTime
 from twisted.logger import Logger
 
 from bottlenet.bottles.events import BottleEvent
+from bottlenet.bottles.host import UidSupply
 from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.registry import BottleRegistry
 from bottlenet.bottles.store import State, StateStore
@@ -97,6 +98,10 @@ class NodeReport:
     draining: bool
     #: False when ``smolvm`` is outside the tested versions (vmctl.smolvm.TESTED_VERSIONS).
     smolvm_tested: bool | None = None
+    #: Per-VM uids this node can still give out (None: not per-VM uids, or not counted yet).
+    vm_uids_left: int | None = None
+    #: The same in words: blocks, in use, waiting (None as above).
+    vm_uids: str | None = None
 
 
 class KvmSeen:
@@ -179,6 +184,8 @@ class Node:
         #: False once the probe found a version outside the tested ones.
         self.smolvm_tested: bool | None = None
         self.smolvm_problem: str | None = "no smolvm found"
+        #: Per-VM uids left (as root; ``learn_uids``), None until counted.
+        self.vm_uids: UidSupply | None = None
         self._drain_waiters = 0
 
     @property
@@ -188,6 +195,20 @@ class Node:
     @kvm.setter
     def kvm(self, status: KvmStatus) -> None:
         self._kvm.status = status
+
+    def learn_uids(self, supply: UidSupply) -> None:
+        """How many per-VM uids are left; a warning when they run short, and when not."""
+        was = self.vm_uids is not None and self.vm_uids.short
+        self.vm_uids = supply
+        if supply.short and not was:
+            self.log.warn(
+                "per-VM uids are running out: {supply}; no further block could be claimed; "
+                "what a retired uid still holds, e.g. {example} (docs/operations.md, VM uids)",
+                supply=supply.describe(),
+                example=supply.example or "not looked at yet",
+            )
+        elif was and not supply.short:
+            self.log.info("per-VM uids: {supply}", supply=supply.describe())
 
     def report(self) -> NodeReport:
         bottles = self._registry.list_bottles()
@@ -212,6 +233,8 @@ class Node:
             reasons=reasons,
             draining=self.gate.draining,
             smolvm_tested=self.smolvm_tested if self.smolvm_problem is None else None,
+            vm_uids_left=None if self.vm_uids is None else self.vm_uids.left,
+            vm_uids=None if self.vm_uids is None else self.vm_uids.describe(),
         )
 
     def reasons(self) -> tuple[str, ...]:
@@ -224,6 +247,8 @@ class Node:
             out.append("the relay connection budget is used up")
         if self.smolvm_found and self.smolvm_problem is not None:
             out.append(f"smolvm: {self.smolvm_problem}")
+        if self.vm_uids is not None and self.vm_uids.short:
+            out.append(f"per-VM uids are running out: {self.vm_uids.left} left")
         return tuple(out)
 
     @property

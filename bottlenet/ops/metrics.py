@@ -184,6 +184,7 @@ class MetricsSource(Protocol):
     def forwards(self) -> Iterable[ForwardInfo]: ...
     def bottles(self) -> Iterable[Bottle]: ...
     def transparent(self) -> Iterable[tuple[str, str, int]]: ...
+    def vm_uids_left(self) -> int | None: ...
 
 
 @frozen
@@ -195,6 +196,7 @@ class SnapshotSource:
     list_bottles: Callable[[], Iterable[Bottle]] = tuple
     #: (bottle, outcome, connects) of each bottle's transparent egress layer.
     list_transparent: Callable[[], Iterable[tuple[str, str, int]]] = tuple
+    count_vm_uids: Callable[[], int | None] = lambda: None
 
     def forwards(self) -> Iterable[ForwardInfo]:
         return self.list_forwards()
@@ -204,6 +206,9 @@ class SnapshotSource:
 
     def transparent(self) -> Iterable[tuple[str, str, int]]:
         return self.list_transparent()
+
+    def vm_uids_left(self) -> int | None:
+        return self.count_vm_uids()
 
 
 def _name(value: object, allowed: frozenset[str] | None) -> str:
@@ -352,6 +357,14 @@ def _collect_forwards(
     return totals, invalid
 
 
+def _vm_uids(w: _Writer, left: int | None) -> None:
+    """The per-VM uids left, once the daemon (as root) has counted them."""
+    if left is not None:
+        name = "bottlenet_vm_uids_left"
+        w.family(name, "gauge", "Per-VM uids the smolvm data dir can still give out (as root).")
+        w.sample(name, [], left)
+
+
 def render_metrics(
     source: MetricsSource,
     smolvm: CallStats | None = None,
@@ -396,6 +409,7 @@ def render_metrics(
     for bottle, outcome, n in source.transparent():
         w.sample(name, [("bottle", _name(bottle, None)), ("outcome", _name(outcome, None))], n)
 
+    _vm_uids(w, source.vm_uids_left())
     if smolvm is not None:
         name = "bottlenet_smolvm_call_duration_seconds"
         w.family(name, "histogram", "smolvm CLI calls by subcommand and result, and their time.")

@@ -210,6 +210,8 @@ class DaemonCase(FakeSmolvmMixin, TestCase):
                 FAKE_SMOLVM,
                 "--smolvm-data-dir",
                 self.fake.path,
+                "--uid-ledger",
+                self.fake.uid_ledger,
                 *extra,
             ]
         )

@@ -42,6 +42,7 @@ from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion, UidReservation
 from vmctl.spec import MachineSpec, validate_spec
+from vmctl.uids import FIRST_VM_UID, UidEnd, UidSupply
 
 T = TypeVar("T")
 
@@ -101,6 +102,8 @@ class MemorySmolvm:
     #: without root. ``vm_root`` holds each VM's directory (its ``.vm-uid``) when set.
     uids: dict[str, int] = field(factory=dict)
     next_uid: int = 2_000_000
+    #: The read-write volumes each reserved uid was given (``reserve_uid``'s ``volumes``).
+    uid_volumes: dict[int, tuple[str, ...]] = field(factory=dict)
     vm_root: str = ""
     #: What ``start`` writes to a machine's ``.vm-uid`` instead of its reserved uid (a
     #: smolvm that did not honour the reservation, or a VMM that rewrote its file).
@@ -279,7 +282,7 @@ class MemorySmolvm:
         os.makedirs(path, exist_ok=True)
         return path
 
-    def reserve_uid(self, name: str) -> Deferred[UidReservation]:
+    def reserve_uid(self, name: str, volumes: Sequence[str] = ()) -> Deferred[UidReservation]:
         """A uid from the map (the entry naming the VM, else the next one: never reused)."""
 
         def reserve() -> UidReservation:
@@ -287,6 +290,7 @@ class MemorySmolvm:
             if name not in self.uids:
                 self.uids[name] = self.next_uid
                 self.next_uid += 1
+            self.uid_volumes[self.uids[name]] = tuple(volumes)
             return UidReservation(self.uids[name], self.vm_root, self.vm_dir(name))
 
         return self._answer("reserve_uid", name, reserve)
@@ -294,9 +298,18 @@ class MemorySmolvm:
     def vmm_uid(self, name: str) -> Deferred[int | None]:
         return self._answer("vmm_uid", name, lambda: self.uids.get(name))
 
-    def end_uid(self, uid: int) -> Deferred[tuple[int, ...]]:
+    def end_uid(self, uid: int) -> Deferred[UidEnd]:
         """Recorded (as ``("end_uid", "<uid>")``): the processes of a per-VM uid ended."""
-        return self._answer("end_uid", str(uid), tuple)
+        return self._answer("end_uid", str(uid), UidEnd)
+
+    def retire_uid(self, uid: int, prove: bool = False) -> Deferred[bool]:
+        """Recorded (as ``("retire_uid", "<uid>")`` or ``"<uid> prove"``); never freed here."""
+        return self._answer("retire_uid", f"{uid}{' prove' if prove else ''}", lambda: False)
+
+    def uid_supply(self) -> Deferred[UidSupply]:
+        """Counted from the map: every uid handed out is used (the real count is vmctl's)."""
+        used = self.next_uid - FIRST_VM_UID
+        return succeed(UidSupply(left=65_536 - used, retired=0, held=used, blocks=(1,)))
 
 
 def _bound(path: str) -> socket.socket:

@@ -52,7 +52,8 @@ class Daemon:
         env.pop("XDG_RUNTIME_DIR", None)
         argv = [sys.executable, "-m", "twisted", "--log-format=text", "bottlenet"]
         argv += ["--state-dir", self.state, "--control", f"unix:{self.control}", *GATE_STAND_INS]
-        argv += ["--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path, *extra]
+        argv += ["--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path]
+        argv += ["--uid-ledger", self.fake.uid_ledger, *extra]
         self.proc = subprocess.Popen(argv, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         return self.proc

@@ -162,6 +162,35 @@ def test_report(rigs: Rigs, tmp: str) -> None:
     assert not r.vm_possible and r.vm_why_not == "no smolvm found"
 
 
+def test_uids_running_short_degrade_the_node_with_a_warning(rigs: Rigs) -> None:
+    """N8: the uids left reach the report; fewer than EXTEND_BELOW (no block could be
+    claimed) is a health reason and one warning, and the warning ends when uids come back."""
+    from twisted.logger import globalLogPublisher
+
+    from vmctl.uids import EXTEND_BELOW, UidSupply
+
+    rig = rigs()
+    node = node_of(rig)
+    logged: list[dict[str, Any]] = []
+    globalLogPublisher.addObserver(logged.append)
+    try:
+        assert node.report().vm_uids_left is None
+        node.learn_uids(UidSupply(left=50_000, retired=3, held=2, blocks=(1,)))
+        assert node.report().vm_uids_left == 50_000 and node.report().health == "ok"
+        short = UidSupply(left=EXTEND_BELOW - 1, retired=9, held=2, blocks=(1,))
+        node.learn_uids(short)
+        node.learn_uids(short)
+        r = node.report()
+        assert r.health == "degraded" and r.vm_uids == short.describe()
+        assert r.reasons == (f"per-VM uids are running out: {EXTEND_BELOW - 1} left",)
+        node.learn_uids(UidSupply(left=70_000, retired=0, held=2, blocks=(1, 2)))
+        assert node.report().health == "ok"
+    finally:
+        globalLogPublisher.removeObserver(logged.append)
+    warnings = [e for e in logged if "running out" in e.get("log_format", "")]
+    assert len(warnings) == 1 and warnings[0]["log_level"].name == "warn"
+
+
 def test_a_kvm_failure_is_learned(rigs: Rigs, tmp: str) -> None:
     """A create that failed with KVM_UNAVAILABLE makes VM bottles impossible, with why."""
     rig = rigs()

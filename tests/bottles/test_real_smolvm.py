@@ -30,6 +30,7 @@ from bottlenet.control.blocking import BlockingControlClient
 from bottlenet.errors import KvmUnavailable
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import REPO
+from tests.fakes import UID_LEDGER
 from tests.vmctl.realclis import prefix_of, real_install, versions
 from tests.vmctl.test_contract import _vmm_processes, kvm_usable
 from tests.vmctl.wheeltemplates import real_templates
@@ -142,7 +143,7 @@ def _daemon(
     path = REPO if wheel is None else os.pathsep.join([prefix_of(wheel), REPO])
     return subprocess.Popen(
         ["unshare", "-n", "sh", "-c", 'ip link set lo up && exec "$@"', "sh", TWIST, "bottlenet",
-         "--state-dir", state, "--control", f"unix:{control}"],
+         "--state-dir", state, "--control", f"unix:{control}", "--uid-ledger", UID_LEDGER],
         env={**env, "PYTHONPATH": path}, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
         start_new_session=True,
     )  # fmt: skip

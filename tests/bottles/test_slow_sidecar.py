@@ -32,8 +32,9 @@ def test_a_slow_sidecar_is_waited_for_and_a_silent_one_fails_only_its_create(
     rigs: Rigs, tmp: str
 ) -> None:
     """Egress silent at first: the create waits (tries again; the agent boots meanwhile, but
-    nothing runs in either VM) and succeeds once it answers. A later bottle whose egress never answers:
-    SIDECAR_NOT_READY naming it; only the first bottle's machines and record are left."""
+    nothing runs in either VM) and succeeds once it answers. A later bottle whose egress
+    never answers: SIDECAR_NOT_READY naming it; only the first bottle's machines and record
+    are left."""
     rig = rigs()
     egress = sidecar_socket_path(rig.state_dir, "b1", "egress")
     rig.silent.add(egress)

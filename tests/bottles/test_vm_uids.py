@@ -19,10 +19,12 @@ from pathlib import Path
 import pytest
 
 from bottlenet.bottles.host import VMOptions
+from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.vmmaccess import VmmAccess
 from bottlenet.errors import BottlenetError
 from bottlenet.forward.spec import HeldSocket, UNIXTarget
 from bottlenet.forward.targets import OwnSockets, unix_target_problem
+from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import FIFO, MemorySmolvm, Rig
 from tests.bottles.test_recovery import _store, _stored
 from tests.bottles.test_rollback import assert_nothing_left, spec
@@ -278,3 +280,59 @@ def test_the_vm_uids_processes_are_ended_once_its_machines_are_deleted(
         rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
     again = [c for c in rig.smolvm.calls[before:] if c[0] == "end_uid"]
     assert sorted(again) == sorted(("end_uid", str(u)) for u in (agent + 2, sidecar + 2))
+
+
+def test_destroyed_uids_are_retired_and_a_failed_creates_are_given_back(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """N8: a destroy retires both uids once their processes are ended (they come back only
+    when nothing of theirs is left); a failed create asks for its uids to be looked at at
+    once (``prove``), so a create that failed costs no uid."""
+    rig = created(rigs, tmp)
+    agent, sidecar = rig.smolvm.uids[AGENT], rig.smolvm.uids[SIDECAR]
+    rig.run(rig.registry.destroy_bottle("rb"))
+    calls = rig.smolvm.calls
+    assert [c for c in calls if c[0] == "retire_uid"] == [
+        ("retire_uid", str(agent)),
+        ("retire_uid", str(sidecar)),
+    ]
+    assert calls.index(("end_uid", str(agent))) < calls.index(("retire_uid", str(agent)))
+    before = len(calls)
+    rig.smolvm.started_as[AGENT] = "65534"  # the next create fails after both starts
+    with pytest.raises(BottlenetError):
+        rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
+    given = [c for c in rig.smolvm.calls[before:] if c[0] == "retire_uid"]
+    assert sorted(given) == sorted(("retire_uid", f"{u} prove") for u in (agent + 2, sidecar + 2))
+
+
+def test_the_agents_writable_volumes_are_recorded_with_its_uid(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """Where the agent VMM may leave files (its read-write volumes, not its read-only ones)
+    goes with its reservation: the uid is given out again only once none are left there."""
+    rw, ro = Path(tmp, "rw"), Path(tmp, "ro")
+    rw.mkdir(mode=0o777)
+    ro.mkdir()
+    os.chmod(tmp, 0o711)  # the VMM uid passes to its volumes
+    os.chmod(rw, 0o777)  # and may write this one itself: nothing to grant
+    smolvm = MemorySmolvm(vm_root=os.path.join(tmp, "vms"))
+    options = VMOptions(instance_id="", vm_uids=VmUids.PER_VM, skip_probe=True)
+    rig = rigs(smolvm=smolvm, options=options)  # no guest here to answer the volume check
+    rig.use(access=RecordingAccess(rig.state_dir))
+    doc = spec_doc(tmp, listen="unix")
+    doc["agent"]["volumes"] = [f"{rw}:/work:rw", f"{ro}:/ref:ro"]
+    rig.run(rig.registry.create_bottle("rb", spec=parse_bottle_spec("rb", doc)))
+    assert rig.smolvm.uid_volumes[rig.smolvm.uids[AGENT]] == (str(rw),)
+    assert rig.smolvm.uid_volumes[rig.smolvm.uids[SIDECAR]] == ()
+
+
+def test_the_node_learns_how_many_uids_are_left(rigs: Callable[..., Rig], tmp: str) -> None:
+    """After each reservation and retirement the lifecycle tells how many uids are left
+    (what NodeInfo and the metrics report)."""
+    rig = per_vm(rigs, tmp)
+    told: list[int] = []
+    rig.host.uid_reports.listeners.append(lambda supply: told.append(supply.left))
+    rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
+    assert told == [65_535, 65_534]
+    rig.run(rig.registry.destroy_bottle("rb"))
+    assert told[-1] == 65_534

@@ -147,8 +147,8 @@ class VolumeRuleTests(DaemonCase):
         reserve = VMHost.reserve_uid
         seen: dict[str, Any] = {}
 
-        async def reserve_then_swap(host: VMHost, machine: str) -> Any:
-            reserved = await reserve(host, machine)
+        async def reserve_then_swap(host: VMHost, machine: str, *rest: Any) -> Any:
+            reserved = await reserve(host, machine, *rest)
             if machine.endswith("-agent"):
                 os.rename(os.path.join(alice, "proj"), os.path.join(alice, "proj.old"))
                 os.symlink(os.path.dirname(victim), os.path.join(alice, "proj"))
@@ -190,8 +190,8 @@ class VolumeRuleTests(DaemonCase):
         client = await self.start()
         reserve = VMHost.reserve_uid
 
-        async def reserve_then_swap(host: VMHost, machine: str) -> Any:
-            reserved = await reserve(host, machine)
+        async def reserve_then_swap(host: VMHost, machine: str, *rest: Any) -> Any:
+            reserved = await reserve(host, machine, *rest)
             if machine.endswith("-agent"):
                 os.rename(os.path.join(alice, "proj"), os.path.join(alice, "proj.old"))
                 os.symlink(os.path.dirname(scratch), os.path.join(alice, "proj"))

@@ -11,7 +11,7 @@ from twisted.internet.defer import Deferred
 
 from bottlenet.control import codec
 from bottlenet.control import commands as C
-from bottlenet.control.scope import Identity
+from bottlenet.control.identity import Identity
 from bottlenet.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from bottlenet.node.info import Capacity, NodeReport
 
@@ -31,6 +31,7 @@ class FakeNode:
         #: While not None, the daemon is restoring its state until this fires.
         self.restoring: Deferred[None] | None = None
         self.waited: list[float] = []
+        self.vm_uids_left: int | None = None
 
     def report(self) -> NodeReport:
         return NodeReport(
@@ -45,6 +46,8 @@ class FakeNode:
             health="ok",
             reasons=(),
             draining=self.draining,
+            vm_uids_left=self.vm_uids_left,
+            vm_uids=None if self.vm_uids_left is None else f"{self.vm_uids_left} VM uids left",
         )
 
     def held(self) -> int:
@@ -86,6 +89,16 @@ def test_node_info_answers_the_report() -> None:
         "no smolvm found",
         [],
     )
+    c.close()
+
+
+def test_node_info_carries_the_vm_uids_left_when_counted() -> None:
+    """N8: the additive ``vm_uids_left``/``vm_uids`` fields: absent (None) until counted."""
+    c, node = conn_for()
+    assert (c.call(C.NodeInfo)["vm_uids_left"], c.call(C.NodeInfo)["vm_uids"]) == (None, None)
+    node.vm_uids_left = 123
+    r = c.call(C.NodeInfo)
+    assert (r["vm_uids_left"], r["vm_uids"]) == (123, "123 VM uids left")
     c.close()
 
 

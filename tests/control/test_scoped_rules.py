@@ -20,6 +20,7 @@ from twisted.internet.defer import Deferred
 from bottlenet.control.client import ControlClient, EventStream, connect_control
 from bottlenet.control.context import UnixAdmission
 from bottlenet.control.peercred import PeerCred, get_peer_credentials
+from bottlenet.control.scope import Identity
 from bottlenet.errors import AlreadyExists, Draining, NotFound, PermissionDenied
 from tests.bottles.harness import DaemonCase
 
@@ -191,6 +192,9 @@ class ScopedRuleTests(DaemonCase):
         await alice.add_forward("a1", "web", "127.0.0.1:9")
         self.assertEqual([(f.bottle, f.label) for f in await alice.all_forwards()], [("a1", "web")])
         self.assertEqual([s.bottle for s in await alice.all_stats()], ["a1"])
+        self.assertEqual(
+            [(s.bottle, s.label) for s in await alice.all_stats("a1")], [("a1", "web")]
+        )
         self.assertEqual(len(await client.all_forwards()), 3)
 
     async def test_one_uids_jobs_reach_only_their_own_capabilitys_bottles(self) -> None:
@@ -230,3 +234,18 @@ class ScopedRuleTests(DaemonCase):
         self.assertEqual(
             sorted(plain(b.name) for b in await client.all_bottles()), ["end", "x", "x"]
         )
+
+    async def test_a_name_of_its_name_space_made_by_another_is_not_heard(self) -> None:
+        """The operator names a bottle ``x-<tag>`` of a scoped identity's name space: that
+        identity neither reaches it as ``x`` nor hears its events."""
+        client = await self.start_scoped()
+        alice = await self.as_uid(ALICE)
+        stream = await alice.events()
+        tag = Identity(ALICE, key(ALICE)).digest[:12]
+        await client.create_bottle(f"x-{tag}")
+        with self.assertRaises(NotFound):
+            await alice.bottle_status("x")
+        await client.destroy_bottle(f"x-{tag}")
+        await alice.create_bottle("end")
+        seen = await self._events_until(stream, ("created", "end"))
+        self.assertEqual(seen, [("created", "end")])

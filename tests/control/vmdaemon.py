@@ -89,6 +89,8 @@ class VMDaemon:
             FAKE_SMOLVM,
             "--smolvm-data-dir",
             self.fake.path,
+            "--uid-ledger",
+            self.fake.uid_ledger,
             *self.extra,
         )
         with open(self.log_path, "ab") as log:

@@ -10,7 +10,6 @@ pytest fixture (``tests/vmctl/conftest.py``).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -21,18 +20,16 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from vmctl.uids import ENTRY_MODE, FIRST_VM_UID, LAST_RESERVED
+from vmctl.uidranges import Ledger
 
 FAKE_SMOLVM = os.path.join(os.path.dirname(os.path.abspath(__file__)), "smolvm")
 #: A PATH that finds a plain python3 quickly (the fake's shebang is /usr/bin/env python3).
 FAST_PATH = "/usr/bin:/bin"
-#: Per-VM uids (as root): each fake data dir reserves from a block of its own, so two tests or
-#: two suites running at once never share a VMM uid. They would otherwise both start at
-#: 2000000, and a daemon's teardown ends every process of a deleted VM's uid
-#: (``vmctl.uids.end_processes_of``): one run's teardown would end the other's VMMs.
-UID_BLOCK = 512
-UID_BLOCKS = 128  # 128 x 512 = the 65536 uids vmctl reserves from (vmctl.uids.LAST_VM_UID)
-UID_BLOCK_COUNTER = "/tmp/bottlenet-fake-uid-block"
+#: Per-VM uids (as root): the host-wide uid ledger every daemon of the test suite shares
+#: (``--uid-ledger``), so two tests, or two suites, running at once never give their VMs the
+#: same uid (each data dir claims blocks of its own, vmctl.uidranges), and no test touches
+#: the host's own ledger. The fake's registry itself starts at 2000000, as smolvm's does.
+UID_LEDGER = "/tmp/bottlenet-test-uid-ranges"
 #: The version every fake of this test run plays unless a test names one (``set_faults``'
 #: ``version``): ``BOTTLENET_FAKE_SMOLVM=1.37.3`` runs the suite's VM tests against the fake's
 #: 1.37 model (``.ci/run`` does, for the VM tiers), else the fake's own default (1.32.2).
@@ -72,36 +69,14 @@ class FakeSmolvm:
 
     binary = FAKE_SMOLVM
 
+    #: The uid ledger the daemons over this fake use (``--uid-ledger``).
+    uid_ledger = UID_LEDGER
+
     def __init__(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
         self.path = os.path.abspath(path)
-        if os.geteuid() == 0:
-            self._seed_uid_block()
         if PLAYED_VERSION is not None:
             self.set_faults()
-
-    def _seed_uid_block(self) -> None:
-        """Start this data dir's uid registry above a block no other live fake uses: its
-        high-water mark (``.last-reserved``, bottlenet's, which smolvm never reads) is set to
-        the block's start, so bottlenet's reservations (every daemon-driven VM) come from it."""
-        registry = os.path.join(self.path, ".cache", "smolvm", "uids")
-        mark = os.path.join(registry, LAST_RESERVED)
-        if os.path.exists(mark):
-            return  # a registry that is already in use keeps its own mark
-        fd = os.open(UID_BLOCK_COUNTER, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "r+") as counter:
-            fcntl.flock(counter, fcntl.LOCK_EX)
-            text = counter.read().strip()
-            block = (int(text) + 1) % UID_BLOCKS if text.isdigit() else 0
-            counter.seek(0)
-            counter.truncate()
-            counter.write(str(block))
-        if block == 0:
-            return  # the first block is smolvm's own start: nothing to seed
-        os.makedirs(registry, mode=0o755, exist_ok=True)
-        with open(mark, "w") as fh:
-            fh.write(str(FIRST_VM_UID - 1 + block * UID_BLOCK))
-        os.chmod(mark, ENTRY_MODE)
 
     def environ(self, **extra: str) -> dict[str, str]:
         """A small source environment for vmctl (it is scrubbed again by vmctl)."""
@@ -165,7 +140,11 @@ class FakeSmolvm:
         deadline = time.monotonic() + 3
         while any(process_alive(p, s) for p, s in targets) and time.monotonic() < deadline:
             time.sleep(0.02)
-        return [p for p, s in targets if process_alive(p, s)]
+        survivors = [p for p, s in targets if process_alive(p, s)]
+        if not survivors and os.geteuid() == 0 and os.path.isdir(self.uid_ledger):
+            # Its VMs are gone: its uid blocks go back to the suite's ledger at once.
+            Ledger(self.uid_ledger).release(os.path.join(self.path, ".cache", "smolvm", "uids"))
+        return survivors
 
 
 def _signal_all(targets: Iterable[tuple[int, str]], sig: int) -> None:

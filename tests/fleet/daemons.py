@@ -43,7 +43,7 @@ class NodeDaemon:
         return [
             "--alias-pool", f"127.{90 + self.index}.0.0/24",
             "--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path,
-            "--unsafe-skip-isolation-probe", *self.extra,
+            "--uid-ledger", self.fake.uid_ledger, "--unsafe-skip-isolation-probe", *self.extra,
         ]  # fmt: skip
 
     def start(self) -> None:

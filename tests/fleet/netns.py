@@ -176,7 +176,7 @@ class Node(NodeDaemon):
         argv = daemon_argv(
             os.path.join(self.root, "state"), self.control,
             "--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path,
-            "--unsafe-skip-isolation-probe", *extra,
+            "--uid-ledger", self.fake.uid_ledger, "--unsafe-skip-isolation-probe", *extra,
         )  # fmt: skip
         log = open(os.path.join(self.root, "daemon.log"), "ab")
         self.proc = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)

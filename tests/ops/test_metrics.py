@@ -225,3 +225,11 @@ def test_recorders_bound_their_series() -> None:
     snap = stats.snapshot()
     assert len(snap) == metrics.MAX_SERIES + 1
     assert snap[("other", "other")] == 50
+
+
+def test_vm_uids_left_is_a_gauge_only_when_counted() -> None:
+    """N8: ``bottlenet_vm_uids_left`` appears once per-VM uids are counted (as root)."""
+    assert "bottlenet_vm_uids_left" not in metrics.render_metrics(metrics.SnapshotSource(list))
+    text = metrics.render_metrics(metrics.SnapshotSource(list, count_vm_uids=lambda: 4095))
+    assert _families(text)["bottlenet_vm_uids_left"].type == "gauge"  # type: ignore[attr-defined]
+    assert _samples(text)[("bottlenet_vm_uids_left", ())] == 4095

@@ -63,6 +63,7 @@ from vmctl.spec import (
     create_args,
     exec_args,
 )
+from vmctl.uidranges import Block
 from vmctl.uids import LAST_RESERVED, registered_vm_uid, registry_of, reserve_vm_uid
 
 __all__ = ["real_templates"]  # the fixture (tests/vmctl/wheeltemplates.py)
@@ -590,8 +591,9 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
                   .stdout.decode().strip())  # fmt: skip
     uids = state / ".cache" / "smolvm" / "uids"
     assert not (vm_dir / ".vm-uid").exists()  # nothing is decided at create
-    # A registry entry naming this VM is honoured at start: the uid can be reserved beforehand.
-    reserved = FIRST_VM_UID + 123
+    # A registry entry naming this VM is honoured at start: the uid can be reserved beforehand,
+    # also outside smolvm's own range (bottlenet's blocks lie above it: vmctl.uidranges).
+    reserved = Block(1).first + 123
     uids.mkdir(parents=True, exist_ok=True)
     (uids / str(reserved)).write_text(vm_dir.name)
     os.chown(own_dir, reserved, reserved)
@@ -631,9 +633,9 @@ def test_root_start_runs_the_vmm_as_a_per_vm_uid(clis: dict[str, CLI], kind: str
 @pytest.mark.parametrize("kind", ["real", "fake"])
 def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str) -> None:
     """``vmctl.uids``: the registry it finds from ``machine data-dir`` is smolvm's, the entry it
-    writes (next to another VM's) is the uid the start drops to, its ``.vm-uid`` says so (read
-    as the daemon reads it, through ``open_regular``) and the registry still names it: the
-    daemon knows the VMM's uid before the VMM exists."""
+    writes (from the data dir's own block, next to another VM's entry) is the uid the start
+    drops to, its ``.vm-uid`` says so (read as the daemon reads it, through ``open_regular``)
+    and the registry still names it: the daemon knows the VMM's uid before the VMM exists."""
     cli = clis[kind]
     state = Path(cli.state_dir)
     if kind == "fake":
@@ -644,11 +646,12 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
     uids = state / ".cache" / "smolvm" / "uids"
     assert registry_of(vm) == str(uids)
     uids.mkdir(parents=True, exist_ok=True)
-    (uids / str(FIRST_VM_UID)).write_text("another-vm")  # taken: the next one is ours
+    (uids / str(Block(1).first)).write_text("another-vm")  # taken: the next one is ours
     assert not os.path.exists(os.path.join(vm, ".vm-uid"))
-    reserved = reserve_vm_uid(vm)
-    assert reserved == FIRST_VM_UID + 1
-    assert reserve_vm_uid(vm) == reserved  # idempotent: the entry naming the VM
+    ledger = str(state.parent / "ledger")
+    reserved = reserve_vm_uid(vm, ledger=ledger)
+    assert reserved == Block(1).first + 1
+    assert reserve_vm_uid(vm, ledger=ledger) == reserved  # idempotent: the entry naming the VM
     out = cli.machine("start", "--name", "r1", timeout=300)
     if kind == "real":
         assert isinstance(out.error, KvmUnavailable), out.r.stderr[-400:]
@@ -658,9 +661,8 @@ def test_vmctl_reservation_is_the_uid_start_uses(clis: dict[str, CLI], kind: str
     assert registered_vm_uid(vm) == reserved
     assert cli.machine("stop", "--name", "r1").ok
     assert cli.machine("delete", "--name", "r1", "-f").ok
-    assert sorted(os.listdir(uids)) == sorted(
-        [".allocation.lock", LAST_RESERVED, str(FIRST_VM_UID)]
-    )
+    assert sorted(e for e in os.listdir(uids) if e.isdigit()) == [str(Block(1).first)]
+    assert LAST_RESERVED in os.listdir(uids)  # bottlenet's own files, beside smolvm's
     assert registered_vm_uid(vm) is None
 
 
