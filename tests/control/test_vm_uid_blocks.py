@@ -158,23 +158,31 @@ def test_a_destroy_spares_a_process_of_the_uid_that_is_not_the_machines() -> Non
         d.start()
         d.create_vm_bottle("x1")
         block = Block(json.loads((registry(d) / ".uid-blocks").read_text())["blocks"][-1])
-        nxt = int((registry(d) / LAST_RESERVED).read_text()) + 2  # the next agent's uid
-        foreign = subprocess.Popen(
-            ["setpriv", f"--reuid={nxt}", f"--regid={nxt}", "--clear-groups", "sleep", "300"],
-            start_new_session=True,
-        )
+        # The next bottle's two uids: its sidecar and its agent reserve them at once (issue
+        # 38), in either order, so a foreign process runs as each.
+        last = int((registry(d) / LAST_RESERVED).read_text())
+        foreign = {
+            uid: subprocess.Popen(
+                ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "300"],
+                start_new_session=True,
+            )
+            for uid in (last + 1, last + 2)
+        }
         try:
-            wait_until_running(foreign.pid, nxt)
+            for uid, proc in foreign.items():
+                wait_until_running(proc.pid, uid)
             d.create_vm_bottle("x2")
-            assert agent_uid(d, "x2") == nxt and nxt in block
+            nxt = agent_uid(d, "x2")
+            assert nxt in foreign and nxt in block
             vmm = d.machine_pid("bn-x2-agent")
             assert d.ctl("bottle", "rm", "x2").returncode == 0
             wait_for(lambda: not process_alive(vmm), 30, "the agent VMM to end")
-            assert foreign.poll() is None
-            assert f"is also run by pid(s) {foreign.pid}" in d.log()
+            assert foreign[nxt].poll() is None
+            assert f"is also run by pid(s) {foreign[nxt].pid}" in d.log()
         finally:
-            foreign.kill()
-            foreign.wait()
+            for proc in foreign.values():
+                proc.kill()
+                proc.wait()
     finally:
         assert not d.cleanup()
 
