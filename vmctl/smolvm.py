@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import fcntl
 import functools
+import hashlib
 import json
 import math
 import os
@@ -99,6 +100,14 @@ INTERNAL = "INTERNAL"
 
 #: ``on_call(subcommand, result, seconds)``: ``result`` is ``"ok"`` or a VmctlError code.
 CallObserver = Callable[[str, str, float], None]
+
+
+def vm_dir_of(data_dir: str, name: str) -> str:
+    """Where smolvm keeps machine ``name``'s own files under its state dir ``data_dir``: the
+    first 16 hex digits of the name's SHA-256 (1.32.2 and 1.37.3, pinned by
+    ``tests/vmctl/test_contract_layout.py``)."""
+    digest = hashlib.sha256(name.encode()).hexdigest()[:16]
+    return os.path.join(data_dir, ".cache", "smolvm", "vms", digest)
 
 
 def subcommand_of(args: Sequence[str]) -> str:
@@ -469,6 +478,9 @@ class Smolvm:
         self.session_pythons = tuple(session_pythons)
         self._version: SmolvmVersion | None = None
         self._features: Features | None = None
+        #: smolvm's ``machine data-dir`` answered as :func:`vm_dir_of` says once: from then on
+        #: that layout gives a machine's VM dir, without a call (issue 38).
+        self._vm_dir_layout = False
         #: The last started VM process's uid, as seen (None until a start reported a pid).
         self.vmm_seen: VmmSeen | None = None
         #: The version+features run in flight; it fires with None or the exception it met (a
@@ -956,6 +968,16 @@ class Smolvm:
             raise SmolvmFailed(f"smolvm machine data-dir printed {sanitize(path, 80)!r}")
         return path
 
+    async def _vm_dir(self, name: str) -> str:
+        """The VM dir of ``name``, a machine that exists: :func:`vm_dir_of` once smolvm's own
+        answer matched it (read once per daemon, not once per machine), else asked."""
+        root = self.data_dir_root
+        if self._vm_dir_layout and root is not None:
+            return vm_dir_of(root, name)
+        path = await self.data_dir(name)
+        self._vm_dir_layout = root is not None and path == vm_dir_of(root, name)
+        return path
+
     # -- disk templates (issue 38) ---------------------------------------------------
 
     def unpack_templates(self) -> Deferred[None] | None:
@@ -1039,7 +1061,7 @@ class Smolvm:
         """The uid ``machine start`` will run ``name``'s VMM as (smolvm's per-VM uids, as
         root), written into smolvm's root-owned registry now, from this data dir's own uids
         (``volumes``: its read-write volumes, looked at before the uid is given out again)."""
-        vm_dir = await self.data_dir(name)
+        vm_dir = await self._vm_dir(name)
         uid = await self._off_thread(self._pool(vm_dir).reserve, vm_dir, volumes, name=name)
         return UidReservation(uid, registry_of(vm_dir), vm_dir)
 

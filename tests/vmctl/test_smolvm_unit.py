@@ -35,6 +35,7 @@ from vmctl.smolvm import (
     VmmSeen,
     VmUids,
     subcommand_of,
+    vm_dir_of,
     vmm_uid_of,
 )
 from vmctl.spec import MachineSpec, PortMapping
@@ -184,6 +185,24 @@ class SmolvmUnitTests(SynchronousTestCase):
                 ["machine", "create", "--name", "m1", "--port", "5:6"],
             ],
         )
+
+    def test_a_machines_vm_dir_is_asked_until_the_layout_is_seen(self) -> None:
+        """Issue 38: ``machine data-dir`` is asked until its answer is ``vm_dir_of``'s; then
+        the layout answers for every later machine, without a call. An answer that is not
+        the layout's is never taken for it."""
+        self.script.answers["machine data-dir"] = (0, b"/elsewhere/vms/abc\n", b"")
+        for name in ("m1", "m2"):
+            self.assertEqual(self.successResultOf(self.smolvm._vm_dir(name)), "/elsewhere/vms/abc")
+        asked = [a for a in self.script.machine_calls if a[1] == "data-dir"]
+        self.assertEqual(len(asked), 2)
+        layout = vm_dir_of("/var/lib/smol", "m3")
+        self.script.answers["machine data-dir"] = (0, layout.encode() + b"\n", b"")
+        self.assertEqual(self.successResultOf(self.smolvm._vm_dir("m3")), layout)
+        self.assertEqual(
+            self.successResultOf(self.smolvm._vm_dir("m4")), vm_dir_of("/var/lib/smol", "m4")
+        )
+        asked = [a for a in self.script.machine_calls if a[1] == "data-dir"]
+        self.assertEqual([a[-1] for a in asked], ["m1", "m2", "m3"])
 
     def test_invalid_spawns_nothing(self) -> None:
         for d in (
