@@ -9,9 +9,14 @@
 - :mod:`~bottlenet.bottles.store`: the durable state file (atomic, 0600).
 - :mod:`~bottlenet.bottles.registry`: the table of the bottles the daemon knows; one operation
   per bottle, each delegated to the bottle's owner.
-- :mod:`~bottlenet.bottles.bottle`: one owner per bottle (its value, its machine whose
-  transitions do the work, its runtime handles); :mod:`~bottlenet.bottles.states`: the
-  lifecycle's states and the registry's gate.
+- :mod:`~bottlenet.bottles.bottle`: one owner per bottle (forward-only, or with VMs), over
+  :mod:`~bottlenet.bottles.core` (its value, its lease, the revocation not yet durable; the
+  writes and events its transitions make); :mod:`~bottlenet.bottles.vmmachine`: a VM bottle's
+  machine, whose states carry their data (the ``Creation``, the ``Running``, the
+  ``Teardown``); :mod:`~bottlenet.bottles.states`: the phases as the table tells them and the
+  registry's gate; :mod:`~bottlenet.bottles.policy`: what the node's policies hear.
+- :mod:`~bottlenet.bottles.execs`, :mod:`~bottlenet.bottles.sessions`: a launcher's sessions,
+  each bottle's own count capped.
 - :mod:`~bottlenet.bottles.creation`: a VM create's steps with their undos.
 - :mod:`~bottlenet.bottles.host`: the frozen ``VMHost`` of the parts a VM bottle's steps use
   (built once in ``tap.py``), and its own steps: uids, endpoints, verify, egress, teardown.

@@ -1,63 +1,49 @@
-"""One owner per bottle: its value, its lifecycle machine, and the runtime handles it keeps.
+"""One owner per bottle: its value, what it holds, and the revocation not yet durable.
 
-The registry is the table (the names, the restoring -> serving gate, the cap, the store, the
-event bus); what happens to one bottle happens here, on its owner (the shape of transit
-relay's ``server_state.py``: one object per party owning its data, the table only a map).
-Each owner's machine is a typed automat machine whose core carries the frozen
-:class:`~bottlenet.bottles.model.Bottle` value and the handles (the workload waiter, the
-revocation not yet durable); its transitions do the work of a degrade, a workload exit and a
-failed teardown, so the machine's kept state and the value's cannot drift apart. Effects
-that must not re-enter the machine are returned (a degrade hands back the removal of its
-listeners) or run after the input. What an owner needs of the table (emit, the resync
-timer, forgetting the bottle) is handed in, never imported: the table sits above it.
+The registry is the table (the names, one operation at a time per bottle, the restoring ->
+serving gate, the cap, the store, the event bus); what happens to one bottle happens on its
+owner (the shape of transit relay's ``server_state.py``: one object per party owning its
+data, the table only a map). Both kinds share the core (:mod:`bottlenet.bottles.core`: the
+value, the lease, the revocation not yet durable). A forward-only bottle is made in one step
+and lives until it is removed (:class:`ForwardBottle`); a VM bottle's life is its machine,
+whose states carry their data (:mod:`bottlenet.bottles.vmmachine`), and its
+:class:`VMBottle` runs the create's steps, the verify and the policy push around it.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable, Mapping
-from typing import Any, Protocol
 
-from attrs import define, evolve, frozen
-from automat import TypeMachineBuilder
-from twisted.internet.defer import Deferred, succeed
-from twisted.internet.interfaces import IDelayedCall, IReactorTime
-from twisted.logger import Logger
+from attrs import evolve
+from twisted.internet.defer import Deferred
+from twisted.internet.interfaces import IDelayedCall, IProcessProtocol, IReactorTime
 from twisted.python.failure import Failure
 
-from bottlenet.bottles import attach, workload
-from bottlenet.bottles.attach import ExecRequest
-from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
-from bottlenet.bottles.creation import create_vm
-from bottlenet.bottles.egresslayer import (
-    LayerKeeper,
-    TransparentCount,
-    layer_status,
-    proxy_endpoint,
+from bottlenet.bottles.core import (
+    BottleCore,
+    CreateRequest,
+    Hands,
+    _Unsynced,
+    commit,
+    emit,
+    ended,
+    log,
+    persist,
+    persist_quietly,
 )
-from bottlenet.bottles.events import (
-    BRIDGE_RESTARTED,
-    CREATED,
-    DEGRADED,
-    DESTROYED,
-    LEASE_EXPIRED,
-    READY,
-    WORKLOAD_EXITED,
-    BottleEvent,
-    EventBus,
-)
-from bottlenet.bottles.host import VMHost, runs_bridge
-from bottlenet.bottles.model import Bottle, BottleState, BottleVMs, Forward, Source
-from bottlenet.bottles.policy import Policies
+from bottlenet.bottles.creation import Creation
+from bottlenet.bottles.egresslayer import TransparentCount
+from bottlenet.bottles.events import BRIDGE_RESTARTED, CREATED, LEASE_EXPIRED, READY
+from bottlenet.bottles.host import VMHost
+from bottlenet.bottles.model import Bottle, BottleState, Forward
+from bottlenet.bottles.policy import LeaseTimer
 from bottlenet.bottles.probe import ProbeVerdict
-from bottlenet.bottles.sessions import Sessions
-from bottlenet.bottles.spec import BottleSpec
-from bottlenet.bottles.states import IN_FLIGHT, KEPT, Lifecycle
-from bottlenet.bottles.store import StateStore, write
+from bottlenet.bottles.sessions import CountedSession
+from bottlenet.bottles.states import Lifecycle
+from bottlenet.bottles.store import write
 from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
-from bottlenet.bottles.vmloss import lost_reason
-from bottlenet.bottles.volumes import Requester
-from bottlenet.bottles.watch import Watch
+from bottlenet.bottles.vmmachine import LIVE, Running, Teardown, describe_bridge, vm_machine
 from bottlenet.errors import (
     BottlenetError,
     Busy,
@@ -65,347 +51,84 @@ from bottlenet.errors import (
     InvalidArgument,
     IsolationFailed,
     NotFound,
-    SmolvmUnavailable,
     Unavailable,
     safe_repr,
 )
-from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
-from bottlenet.forward.table import ForwardInfo, ForwardTable
-from vmctl.smolvm import GUEST_ROOT
+from bottlenet.forward.table import ForwardInfo
 
-log = Logger(namespace="bottlenet.bottles.bottle")
-
-
-@frozen
-class Hands:
-    """What every owner is handed by the table (the same for all of them)."""
-
-    clock: IReactorTime
-    table: ForwardTable
-    aliases: AliasRegistry
-    host: VMHost | None
-    store: StateStore | None
-    events: EventBus
-    max_connections: int
-    #: A revocation of this name could not be written: the table retries it later.
-    arm_resync: Callable[[str], None]
-    #: The bottle's record and value are gone: the table forgets the name.
-    forget: Callable[[str], None]
-    #: The table's destroy of a name (a lease's reap).
-    reap: Callable[[str], Deferred[None]]
-    #: The node's policies: the bottles' outputs tell them (``bottles.policy``).
-    policies: Policies
-
-
-def emit(
-    core: _BottleCore,
-    kind: str,
-    state: str | None = None,
-    detail: str | None = None,
-    exit_code: int | None = None,
-) -> None:
-    """One event of the bottle, stamped with the clock's time and its creator, to the wire."""
-    hands = core.hands
-    if hands is None:
-        return
-    event = BottleEvent(
-        kind, core.name, hands.clock.seconds(), state, detail, exit_code, core.creator
-    )
-    hands.events.emit(event)
-
-
-@frozen
-class CreateRequest:
-    """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
-    ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
-    it (``requester``: its volumes are checked for it; None: the daemon itself); either's
-    ``tenancy``, its lease counted from the commit."""
-
-    alias: ipaddress.IPv4Address | None = None
-    spec: BottleSpec | None = None
-    source: Source = Source.CONTROL
-    tenancy: Tenancy | None = None
-    requester: Requester | None = None
-
-
-@frozen
-class _Unsynced:
-    """A revocation done in memory (listeners closed) whose record is not yet on disk."""
-
-    what: str  # for the bottle's detail and the answer: "removal of forward 'db'", "destroy"
-    detail: str | None  # the bottle's own detail, which the record on disk keeps
-    remove: bool  # the bottle is being destroyed: its record goes, then the bottle
-
-
-# -- the machine ------------------------------------------------------------------------
-
-
-class BottleMachine(Protocol):
-    """The inputs of one bottle's machine (each documented transition is declared below)."""
-
-    def begin(self) -> bool:
-        """An operation asks for the bottle: False while another one is in flight (BUSY)."""
-
-    def created(self) -> None:
-        """The create operation made the bottle (it still holds the bottle until it ends)."""
-
-    def finish(self) -> None:
-        """The operation ended: the bottle is idle in its kept state (gone if never made)."""
-
-    def tearing_down(self) -> None:
-        """The destroy operation starts deleting the bottle's VMs."""
-
-    def torn_down(self) -> None:
-        """The VMs are deleted; the destroy goes on (the record, then the bottle)."""
-
-    def teardown_failed(self, detail: str = "") -> bool:
-        """The VM teardown failed: the bottle is degraded (recorded, and DEGRADED emitted
-        when it was not already); True when it was not."""
-
-    def removed(self) -> None:
-        """The bottle's record and the bottle are gone."""
-
-    def degrade(self, why: str = "") -> Deferred[None] | None:
-        """Its sidecar or bridge failed: the waiter stops, the watches end, the value turns
-        degraded and DEGRADED is emitted; the removal of its listeners (then its record) is
-        handed back. None when it was degraded already (or is still being created)."""
-
-    def workload_exited(self, code: int = 0) -> bool:
-        """Its workload ended: a ready bottle turns exited (recorded, WORKLOAD_EXITED); True
-        when it did."""
-
-    def lifecycle(self) -> Lifecycle:
-        """Where the bottle is now."""
-
-    def kept_state(self) -> BottleState:
-        """The state the state file keeps for it now (ready, exited or degraded)."""
-
-
-@define
-class _BottleCore:
-    """A bottle's data as its machine carries it: the value and its runtime handles.
-
-    ``hands`` is None for a machine that only decides (a test of its table)."""
-
-    name: str
-    hands: Hands | None = None
-    #: The scoped peer that created it (``tenancy.creator``): on each of its events.
-    creator: str | None = None
-    value: Bottle | None = None
-    waiter: workload.WorkloadWaiter | None = None
-    #: The sidecar VM process's pid watch (a VM bottle's, while it is watched).
-    watch: Watch | None = None
-    #: bottlenet's in-guest bridge (a VM bottle's that runs one, from its create or restore).
-    bridge: BridgeKeeper | None = None
-    #: The transparent egress layer (a VM bottle's whose spec names one).
-    layer: LayerKeeper | None = None
-    pending: _Unsynced | None = None
-
-
-def stop_waiter(core: _BottleCore) -> None:
-    """End the bottle's workload waiter (the workload keeps running)."""
-    waiter, core.waiter = core.waiter, None
-    if waiter is not None:
-        waiter.cancel()
-
-
-def unwatch(core: _BottleCore) -> None:
-    """End the sidecar's pid watch and the bottle's bridge session."""
-    watch, core.watch = core.watch, None
-    if watch is not None:
-        watch.cancel()
-    for keeper in (core.bridge, core.layer):
-        if keeper is not None:
-            keeper.stop()
-    core.bridge = core.layer = None
-
-
-def persist(core: _BottleCore, bottle: Bottle) -> None:
-    """Write the bottle's record (UNAVAILABLE when it cannot be written). A pending revocation
-    is written with it (then it is durable); a bottle being destroyed is never written."""
-    hands, pending = core.hands, core.pending
-    if hands is None or hands.store is None or not bottle.persisted:
-        return
-    if pending is not None and pending.remove:
-        return  # being destroyed: its record must go (resync), never be written again
-    if pending is not None:  # the "not yet durable" note is never written
-        bottle = evolve(bottle, detail=pending.detail)
-    record = bottle.to_state()
-    write(hands.store, lambda store: store.put(bottle.name, record))
-    if pending is not None:
-        core.pending = None
-        if core.value is not None:
-            core.value = evolve(core.value, detail=pending.detail)
-
-
-def persist_quietly(core: _BottleCore, bottle: Bottle) -> None:
-    try:
-        persist(core, bottle)
-    except Unavailable:
-        pass
-
-
-def _degrade(machine: BottleMachine, core: _BottleCore, why: str = "") -> Deferred[None] | None:
-    hands, bottle = core.hands, core.value
-    if hands is None or bottle is None:
-        return succeed(None)
-    degraded = core.value = evolve(bottle, state=BottleState.DEGRADED, detail=why)
-    stop_waiter(core)
-    log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
-    emit(core, DEGRADED, BottleState.DEGRADED, why)
-    unwatch(core)
-    removing = hands.table.remove_bottle(core.name)
-    return removing.addCallback(lambda _: persist_quietly(core, degraded))
-
-
-def _exited(machine: BottleMachine, core: _BottleCore, code: int = 0) -> bool:
-    hands, bottle = core.hands, core.value
-    if hands is None or bottle is None or bottle.vms is None:
-        return True
-    detail = f"workload exited with code {code}"
-    vms = evolve(bottle.vms, workload=workload.WorkloadState.EXITED, workload_exit_code=code)
-    exited = core.value = evolve(bottle, state=BottleState.EXITED, detail=detail, vms=vms)
-    log.info("bottle {bottle}: {detail}", bottle=core.name, detail=detail)
-    persist_quietly(core, exited)
-    emit(core, WORKLOAD_EXITED, BottleState.EXITED, detail, code)
-    return True
-
-
-def _teardown_failed(core: _BottleCore, detail: str, newly: bool) -> bool:
-    if core.value is not None:
-        degraded = core.value = evolve(core.value, state=BottleState.DEGRADED, detail=detail)
-        persist_quietly(core, degraded)
-        if newly:
-            emit(core, DEGRADED, BottleState.DEGRADED, detail)
-    return newly
-
-
-def _teardown_failed_newly(machine: BottleMachine, core: _BottleCore, detail: str = "") -> bool:
-    return _teardown_failed(core, detail, True)
-
-
-def _teardown_failed_again(machine: BottleMachine, core: _BottleCore, detail: str = "") -> bool:
-    return _teardown_failed(core, detail, False)
-
-
-_bottle = TypeMachineBuilder(BottleMachine, _BottleCore)
-_creating = _bottle.state("creating")
-_gone = _bottle.state("gone")
-_idle = {kept: _bottle.state(str(kept)) for kept in KEPT}
-_busy = {kept: _bottle.state(f"busy ({kept})") for kept in KEPT}
-_destroying = {kept: _bottle.state(f"destroying ({kept})") for kept in KEPT}
-
-_creating.upon(BottleMachine.begin).loop().returns(False)
-_creating.upon(BottleMachine.created).to(_busy[BottleState.READY]).returns(None)
-_creating.upon(BottleMachine.finish).to(_gone).returns(None)
-_creating.upon(BottleMachine.degrade).loop().returns(None)
-_creating.upon(BottleMachine.workload_exited).loop().returns(False)
-_creating.upon(BottleMachine.lifecycle).loop().returns(Lifecycle.CREATING)
-_creating.upon(BottleMachine.kept_state).loop().returns(BottleState.READY)
-_gone.upon(BottleMachine.finish).loop().returns(None)
-_gone.upon(BottleMachine.degrade).loop().returns(None)
-_gone.upon(BottleMachine.workload_exited).loop().returns(False)
-_gone.upon(BottleMachine.lifecycle).loop().returns(Lifecycle.GONE)
-for _kept in KEPT:
-    _idle[_kept].upon(BottleMachine.begin).to(_busy[_kept]).returns(True)
-    _idle[_kept].upon(BottleMachine.removed).to(_gone).returns(None)
-    _idle[_kept].upon(BottleMachine.lifecycle).loop().returns(Lifecycle(_kept))
-    _busy[_kept].upon(BottleMachine.begin).loop().returns(False)
-    _busy[_kept].upon(BottleMachine.finish).to(_idle[_kept]).returns(None)
-    _busy[_kept].upon(BottleMachine.tearing_down).to(_destroying[_kept]).returns(None)
-    _busy[_kept].upon(BottleMachine.removed).to(_gone).returns(None)
-    _busy[_kept].upon(BottleMachine.torn_down).loop().returns(None)  # after teardown_failed
-    _busy[_kept].upon(BottleMachine.lifecycle).loop().returns(Lifecycle.BUSY)
-    _destroying[_kept].upon(BottleMachine.begin).loop().returns(False)
-    _destroying[_kept].upon(BottleMachine.torn_down).to(_busy[_kept]).returns(None)
-    _destroying[_kept].upon(BottleMachine.teardown_failed).to(_busy[BottleState.DEGRADED])(
-        _teardown_failed_again if _kept is BottleState.DEGRADED else _teardown_failed_newly
-    )
-    _destroying[_kept].upon(BottleMachine.lifecycle).loop().returns(Lifecycle.DESTROYING)
-    # The kept state changes the same way whether the bottle is idle, busy or destroying.
-    for _states in (_idle, _busy, _destroying):
-        _here = _states[_kept]
-        _here.upon(BottleMachine.kept_state).loop().returns(_kept)
-        if _kept is BottleState.DEGRADED:
-            _here.upon(BottleMachine.degrade).loop().returns(None)
-        else:
-            _here.upon(BottleMachine.degrade).to(_states[BottleState.DEGRADED])(_degrade)
-        if _kept is BottleState.READY:
-            _here.upon(BottleMachine.workload_exited).to(_states[BottleState.EXITED])(_exited)
-        else:
-            _here.upon(BottleMachine.workload_exited).loop().returns(False)
-
-_bottle_machine = _bottle.build()
-
-
-def creating(core: _BottleCore | None = None) -> BottleMachine:
-    """The machine of a bottle a create operation is making."""
-    return _bottle_machine(core or _BottleCore(""))
-
-
-def adopted(kept: BottleState, core: _BottleCore | None = None) -> BottleMachine:
-    """The machine of a bottle taken in as it is (restored, kept ``kept``), idle."""
-    return _bottle_machine(core or _BottleCore(""), _idle[kept])
+__all__ = ["BottleOwner", "CreateRequest", "ForwardBottle", "Hands", "Resync", "VMBottle"]
 
 
 # -- the owners -------------------------------------------------------------------------
 
 
 class BottleOwner:
-    """One bottle, either kind: its machine (with the value in its core) and the durable
-    revocation every kind shares."""
+    """One bottle, either kind: its core, its lease, and the durable revocation every kind
+    shares."""
 
     #: What an operation for this kind says of a bottle of the other kind.
     other_kind = "is of another kind"
 
-    def __init__(
-        self,
-        name: str,
-        hands: Hands,
-        kept: BottleState | None = None,
-        *,
-        creator: str | None = None,
-    ) -> None:
+    def __init__(self, name: str, hands: Hands, value: Bottle) -> None:
+        """A bottle being created (``value`` as asked: :meth:`CreateRequest.asked`), or
+        restored as it was kept."""
         self.name = name
         self.hands = hands
-        self.core = _BottleCore(name, hands, creator)
-        self.machine = creating(self.core) if kept is None else adopted(kept, self.core)
         #: Its lease, counted by the node's lease policy (never armed without one).
-        self.lease = hands.policies.leases.timer(name, self._lease_ran_out, self._reap)
+        lease = hands.policies.leases.timer(name, self._lease_ran_out, self._reap)
+        self.core = BottleCore(name, hands, value, lease)
 
     @property
-    def value(self) -> Bottle | None:
-        """The bottle as it is now (None until its create commits it)."""
-        return self.core.value
+    def made(self) -> bool:
+        """Its create committed it (or it was restored): it exists for every reader."""
+        return self.core.value.state is not BottleState.CREATING
 
     def require(self) -> Bottle:
-        value = self.core.value
-        assert value is not None, "an operation on a bottle not yet made"
-        return value
+        """The bottle as it is now (its create committed it)."""
+        assert self.made, "an operation on a bottle not yet made"
+        return self.core.value
+
+    def update(self, bottle: Bottle) -> Bottle:
+        """The value changed by an operation (not yet recorded)."""
+        self.core.value = bottle
+        return bottle
+
+    def phase(self) -> Lifecycle:
+        """Where the bottle is (the table says BUSY while an operation holds it)."""
+        raise NotImplementedError
+
+    @property
+    def pending(self) -> _Unsynced | None:
+        return self.core.pending
+
+    @property
+    def lease(self) -> LeaseTimer:
+        """Its lease, counted by the node's lease policy (never armed without one)."""
+        return self.core.lease
+
+    def persist(self, bottle: Bottle | None = None) -> None:
+        """Write its record (the value unless ``bottle``); UNAVAILABLE when it cannot be."""
+        persist(self.core, bottle or self.require())
+
+    def stop(self) -> None:
+        """The daemon stops: its lease is no longer counted (it is on disk)."""
+        self.core.lease.cancel()
 
     # -- its lease ------------------------------------------------------------------------
-
-    def count_lease(self, now: float) -> None:
-        """Count the lease the bottle was made or restored with: what is left of it at
-        ``now`` (wall time), then the grace."""
-        tenancy = self.require().tenancy
-        if tenancy is not None and tenancy.lease is not None:
-            self.lease.arm(max(tenancy.lease.expires_at - now, 0.0))
 
     def renew(self, seconds: float) -> Tenancy:
         """Extend its lease to ``seconds`` from now: counted at once; then written
         (UNAVAILABLE when the state file cannot be: the new deadline holds in memory)."""
         check_lease_seconds(seconds)
-        tenancy = self.require().tenancy
-        if tenancy is None or tenancy.lease is None or not self.lease.armed:
+        tenancy, lease = self.require().tenancy, self.core.lease
+        if tenancy is None or tenancy.lease is None or not lease.armed:
             raise InvalidArgument(f"bottle {self.name} has no lease to renew")
-        if self.lease.reaping:
+        if lease.reaping:
             raise NotFound(f"bottle {self.name}: its lease expired; it is being destroyed")
-        self.lease.arm(seconds)
+        lease.arm(seconds)
         renewed = tenancy.renewed(seconds, self.hands.clock.seconds())
-        bottle = self.core.value = evolve(self.require(), tenancy=renewed)
-        self.persist(bottle)
+        self.persist(self.update(evolve(self.require(), tenancy=renewed)))
         return renewed
 
     def _lease_ran_out(self) -> None:
@@ -427,30 +150,6 @@ class BottleOwner:
     def _reap(self) -> Deferred[None]:
         return self.hands.reap(self.name)
 
-    def stop(self) -> None:
-        """The daemon stops: its lease is no longer counted (it is on disk)."""
-        self.lease.cancel()
-
-    def commit(self, bottle: Bottle) -> None:
-        """The create's last step: the value, recorded (nothing kept when it cannot be)."""
-        self.core.value = bottle
-        try:
-            self.persist(bottle)
-        except Unavailable:
-            self.core.value = None
-            raise
-
-    @property
-    def pending(self) -> _Unsynced | None:
-        return self.core.pending
-
-    def persist(self, bottle: Bottle | None = None) -> None:
-        """Write its record (the value unless ``bottle``); UNAVAILABLE when it cannot be."""
-        persist(self.core, bottle or self.require())
-
-    def persist_quietly(self, bottle: Bottle | None = None) -> None:
-        persist_quietly(self.core, bottle or self.require())
-
     # -- revocations that must be durable -------------------------------------------------
 
     def revoke(self, what: str, *, remove: bool = False) -> None:
@@ -467,7 +166,7 @@ class BottleOwner:
             self.sync()
         except Unavailable as e:
             note = f"{what} is not yet durable ({e.message}); retried"
-            self.core.value = evolve(self.require(), detail=note)
+            self.update(evolve(self.require(), detail=note))
             self.hands.arm_resync(self.name)
             raise Unavailable(
                 f"bottle {self.name}: {what} is done (its listeners are closed) but not yet "
@@ -487,9 +186,6 @@ class BottleOwner:
             write(store, lambda s: s.remove(self.name))
         self.core.pending = None
         self.gone()
-        log.info("bottle {bottle} destroyed", bottle=self.name)
-        self.lease.cancel()
-        emit(self.core, DESTROYED)
 
     def sync_pending(self) -> None:
         """Before another operation: its earlier revocation must be durable."""
@@ -503,12 +199,12 @@ class BottleOwner:
                 f"bottle {self.name}: an earlier {pending.what} is not yet durable: {e.message}"
             ) from None
 
-    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
-        """Make the bottle ``asked`` for and record it; ``listed`` it once it is committed."""
+    async def create(self, asked: CreateRequest) -> Bottle:
+        """Make the bottle ``asked`` for and record it."""
         raise NotImplementedError
 
-    async def restore(self, bottle: Bottle) -> Bottle:
-        """Recovery: take the recorded ``bottle`` back, as it is kept; the value it holds."""
+    async def restore(self) -> Bottle:
+        """Recovery: take the recorded bottle back, as it is kept; the value it holds."""
         raise NotImplementedError
 
     async def destroy(self) -> None:
@@ -516,16 +212,20 @@ class BottleOwner:
         raise NotImplementedError
 
     def gone(self) -> None:
-        """Its record is gone: the machine ends, the table forgets it."""
-        self.machine.removed()
-        self.hands.forget(self.name)
+        """Its record is gone: the table forgets it."""
+        ended(self.core)
 
 
 class ForwardBottle(BottleOwner):
-    """A forward-only bottle: an alias drawn from the pool, and its forwards."""
+    """A forward-only bottle: an alias drawn from the pool, and its forwards. Its create is
+    one step (no machine): until it commits the bottle is being created, then it is ready
+    until it is removed."""
 
     #: What a forward operation says of a bottle of the other kind.
     other_kind = "has VMs: its forwards are managed by the daemon"
+
+    def phase(self) -> Lifecycle:
+        return Lifecycle.READY if self.made else Lifecycle.CREATING
 
     def forward_spec(
         self,
@@ -551,9 +251,9 @@ class ForwardBottle(BottleOwner):
         fwd = Forward(label, target, port)
         return self.forward_spec(alias, fwd, max_connections), fwd
 
-    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
-        """Claim the alias (the one asked for, else the lowest free), record the bottle and
-        ``listed`` it: CREATED and READY at once. (A ``spec`` here is one of mode ``none``.)"""
+    async def create(self, asked: CreateRequest) -> Bottle:
+        """Claim the alias (the one asked for, else the lowest free) and record the bottle:
+        CREATED and READY at once. (A ``spec`` here is one of mode ``none``.)"""
         hands, alias, tenancy = self.hands, asked.alias, asked.tenancy
         addr = hands.aliases.claim(self.name, None if alias is None else str(alias))
         now = hands.clock.seconds()
@@ -565,21 +265,19 @@ class ForwardBottle(BottleOwner):
             tenancy=None if tenancy is None else tenancy.started(now),
         )
         try:
-            self.commit(bottle)
+            commit(self.core, bottle)
         except Unavailable:
             hands.aliases.release(self.name)
             raise
         log.info("bottle {bottle} created on {alias}", bottle=self.name, alias=str(addr))
-        listed(self)
-        self.machine.created()
         emit(self.core, CREATED, bottle.state)
         emit(self.core, READY, bottle.state)
-        self.count_lease(now)
         return bottle
 
-    async def restore(self, bottle: Bottle) -> Bottle:
+    async def restore(self) -> Bottle:
         """Recovery: claim the recorded alias and re-bind every recorded forward on its port.
         A forward that cannot be re-bound is logged and left out; the bottle is kept."""
+        bottle = self.require()
         addr = self.hands.aliases.claim(bottle.name, bottle.alias)
         restored: list[Forward] = []
         for fwd in bottle.forwards:
@@ -591,21 +289,20 @@ class ForwardBottle(BottleOwner):
                 )
                 continue
             restored.append(kept_forward(fwd, info))
-        kept = evolve(bottle, alias=str(addr), forwards=tuple(restored))
-        self.core.value = kept
-        return kept
+        return self.update(evolve(bottle, alias=str(addr), forwards=tuple(restored)))
 
     async def add_forward(self, spec: ForwardSpec, fwd: Forward) -> ForwardInfo:
         """Bind the forward, then record it (unbound again when it cannot be recorded)."""
         table = self.hands.table
         info = await table.add(spec)
         current = self.require()
-        updated = evolve(current, forwards=(*current.forwards, kept_forward(fwd, info)))
-        self.core.value = updated
+        updated = self.update(
+            evolve(current, forwards=(*current.forwards, kept_forward(fwd, info)))
+        )
         try:
             self.persist(updated)
         except Unavailable:
-            self.core.value = current
+            self.update(current)
             await table.remove(self.name, fwd.label)
             raise
         return info
@@ -617,8 +314,9 @@ class ForwardBottle(BottleOwner):
             return  # its earlier removal became durable just now
         await self.hands.table.remove(self.name, label)
         current = self.require()
-        forwards = tuple(f for f in current.forwards if f.label != label)
-        self.core.value = evolve(current, forwards=forwards)
+        self.update(
+            evolve(current, forwards=tuple(f for f in current.forwards if f.label != label))
+        )
         self.revoke(f"removal of forward {label!r}")
 
     async def destroy(self) -> None:
@@ -631,227 +329,141 @@ class ForwardBottle(BottleOwner):
 
 
 class VMBottle(BottleOwner):
-    """A bottle with VMs: its sidecar watch and bridge keeper, its workload waiter."""
+    """A bottle with VMs: its machine, whose states carry what runs."""
 
     #: What a VM operation says of a bottle of the other kind.
     other_kind = "is forward-only: it has no VMs"
 
-    def __init__(
-        self,
-        name: str,
-        hands: Hands,
-        kept: BottleState | None = None,
-        *,
-        creator: str | None = None,
-    ) -> None:
-        super().__init__(name, hands, kept, creator=creator)
-        #: The launcher sessions (Exec, Logs) it holds now, capped.
-        self.sessions = Sessions(name)
+    def __init__(self, name: str, hands: Hands, value: Bottle) -> None:
+        """A bottle being created (``value`` as asked), or restored as it was kept."""
+        super().__init__(name, hands, value)
+        running = None
+        if value.state in (BottleState.READY, BottleState.EXITED):  # restored: it runs again
+            running = Running(self, self.host, value.require_vms())
+        self.machine = vm_machine(self.core, running)
+        if running is not None:
+            running.start()
 
-    async def create(self, asked: CreateRequest, listed: Callable[[BottleOwner], None]) -> Bottle:
-        """Run the ``spec``'s create steps (CREATED first, DESTROYED naming the error if one
-        fails); the last one records the bottle (with its ``tenancy``, its lease counted from
-        then) and ``listed`` it. Then it is watched, and READY. (No ``alias``: ``check_create``
-        refused one; ``source`` is always the control plane's.)"""
-        hands, spec, tenancy = self.hands, asked.spec, asked.tenancy
-        assert spec is not None
-        emit(self.core, CREATED, BottleState.CREATING)
-        try:
-            if hands.host is None:
-                raise SmolvmUnavailable(
-                    "this daemon runs without smolvm: VM bottles are unavailable"
-                )
-
-            def commit(
-                bottle: Bottle, bridge: BridgeKeeper | None, layer: LayerKeeper | None
-            ) -> None:
-                if tenancy is not None:
-                    bottle = evolve(bottle, tenancy=tenancy.started(hands.clock.seconds()))
-                self.commit(bottle)
-                self.core.bridge, self.core.layer = bridge, layer
-                listed(self)
-
-            created = await create_vm(hands.host, spec, commit, asked.requester)
-        except BaseException as e:
-            code = getattr(e, "code", "INTERNAL")
-            emit(self.core, DESTROYED, None, f"create failed: {code}")
-            hands.policies.tracker.create_failed(code)
-            raise
-        self.machine.created()  # an Exec was BUSY ("being created") until now
-        self.watch()
-        bottle = self.core.value or created  # as committed (with its tenancy)
-        emit(self.core, READY, bottle.state)
-        hands.policies.tracker.vm_started()
-        self.count_lease(hands.clock.seconds())
-        return bottle
-
-    async def restore(self, bottle: Bottle) -> Bottle:
-        """Recovery: the bottle as it was kept (its endpoints re-bound by ``rebind``, or
-        kept degraded); the table watches it once it is listed."""
-        self.core.value = bottle
-        return bottle
-
-    def _host(self) -> VMHost:
+    @property
+    def host(self) -> VMHost:
         host = self.hands.host
         assert host is not None, "a VM bottle's operation in a daemon without smolvm"
         return host
 
+    def phase(self) -> Lifecycle:
+        return self.machine.phase()
+
+    async def create(self, asked: CreateRequest) -> Bottle:
+        """Run the ``spec``'s create steps (CREATED first, DESTROYED naming the error if one
+        fails); the last one records the bottle (with its ``tenancy``, its lease counted from
+        then); then it runs, READY. (No ``alias``: ``check_create`` refused one.)"""
+        assert asked.spec is not None
+        creation = Creation(self.host, asked.spec, asked.requester)
+        self.machine.begin(creation)
+        try:
+            with creation:  # (the volumes it resolves stay open until it is committed)
+                bottle = await creation.run()
+                if asked.tenancy is not None:
+                    now = self.hands.clock.seconds()
+                    bottle = evolve(bottle, tenancy=asked.tenancy.started(now))
+                try:
+                    self.machine.committed(bottle)
+                except BaseException as e:
+                    error = await creation.undone(e)
+                    if error is e:
+                        raise
+                    raise error from None
+        except BaseException as e:
+            self.machine.create_failed(getattr(e, "code", "INTERNAL"))
+            raise
+        running = Running(self, self.host, bottle.require_vms(), creation.bridge, creation.layer)
+        self.machine.created(running)  # an Exec was BUSY ("being created") until now
+        running.start()
+        return self.require()
+
+    async def restore(self) -> Bottle:
+        """Recovery: the bottle as it was kept (its endpoints re-bound by ``rebind``, or
+        kept degraded); it runs again from its making."""
+        return self.require()
+
     async def verify(self) -> tuple[Bottle, ProbeVerdict]:
         """The gate again; its verdict is recorded on the bottle. ISOLATION_FAILED names
         the leak."""
-        verdict = await self._host().verify(self.require())
-        current = self.core.value
-        if current is not None and current.vms is not None:
-            current = self.core.value = evolve(
-                current, vms=evolve(current.vms, probe=verdict.result)
-            )
-            persist_quietly(self.core, current)
+        verdict = await self.host.verify(self.require())
+        current = self.require()
+        vm = evolve(current.require_vms(), probe=verdict.result)
+        persist_quietly(self.core, self.update(evolve(current, vms=vm)))
         if not verdict.passed:
             raise IsolationFailed(f"bottle {self.name}: {verdict.describe()}")
         return self.require(), verdict
 
     async def set_policy(self, hosts: tuple[str, ...]) -> tuple[str, ...]:
-        """Push a new allow-list; the record changes only after the sidecar reloaded it."""
-        updated = await self._host().set_policy(self.require(), hosts)
-        # Its kept state is the machine's (it may have degraded while the push ran).
-        updated = self.core.value = evolve(updated, state=self.machine.kept_state())
-        self.persist(updated)
+        """Push a new allow-list; the record changes only after the sidecar reloaded it (the
+        bottle as it is then: it may have degraded while the push ran)."""
+        await self.host.set_policy(self.require(), hosts)
+        current = self.require()
+        vm = evolve(current.require_vms(), policy=hosts)
+        self.persist(self.update(evolve(current, vms=vm)))
         log.info("bottle {bottle}: egress policy set ({n} hosts)", bottle=self.name, n=len(hosts))
         return hosts
 
     def bridge_status(self) -> str | None:
         """bottlenet's in-guest bridge, described for ``bottle status``."""
-        vm = self.require().vms
-        if self.hands.host is None or vm is None:
+        if self.hands.host is None:
             return None
-        if not runs_bridge(vm.spec, vm.endpoints):
-            status = BridgeStatus(BridgeState.OFF)  # the image bridges its own ports
-        elif self.core.bridge is None:
-            status = BridgeStatus(BridgeState.STOPPED)
-        else:
-            status = self.core.bridge.status()
-        ports = [str(e.guest_port) for e in vm.endpoints if e.guest_path is not None]
-        text = status.describe(ports)
-        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
-        if service is not None:
-            text += "; transparent egress " + layer_status(self.core.layer, service).describe()
-        return text
+        if self.phase() in LIVE:
+            return self.machine.running().bridge_status()
+        return describe_bridge(self.require().require_vms(), None, None)
 
     def transparent_counts(self) -> list[TransparentCount]:
-        """Its transparent connects per target (none without a layer)."""
-        layer = self.core.layer
+        """Its transparent connects per target (none without a layer, or when it does not
+        run)."""
+        layer = self.machine.running().layer if self.phase() in LIVE else None
         return [] if layer is None else layer.counters.rows(self.name)
+
+    def transparent_outcomes(self) -> list[tuple[str, str, int]]:
+        """(bottle, outcome, connects) of its layer's connects (the metrics)."""
+        layer = self.machine.running().layer if self.phase() in LIVE else None
+        outcomes = {} if layer is None else layer.counters.outcomes
+        return [(self.name, outcome.value, n) for outcome, n in outcomes.items()]
 
     def exec_target(self) -> Bottle:
         """The bottle a command may run in: BUSY (being destroyed) or DEGRADED."""
-        if self.machine.lifecycle() is Lifecycle.DESTROYING:
+        phase = self.phase()
+        if phase is Lifecycle.DESTROYING:
             raise Busy(f"bottle {self.name} is being destroyed")
         bottle = self.require()
-        if self.machine.kept_state() is BottleState.DEGRADED:
+        if phase is Lifecycle.DEGRADED:
             raise Degraded(f"bottle {self.name} is degraded: {bottle.detail or 'no detail'}")
         return bottle
 
-    def watch(self) -> None:
-        """Turn the bottle degraded when its sidecar's VM process exits (the pid watch is
-        held in its machine's core), keep its bridge running, and turn it ``exited`` when its
-        workload ends."""
-        host, bottle = self.hands.host, self.core.value
-        if host is None or bottle is None or bottle.vms is None:
-            return
-        if self.machine.kept_state() is BottleState.DEGRADED:
-            return  # nothing left to watch: its endpoints are gone
-        vm = bottle.vms
-        if self.core.watch is not None:
-            self.core.watch.cancel()
-        self.core.watch = host.watcher.watch(vm.sidecar_pid, self.sidecar_exited)
-        if runs_bridge(vm.spec, vm.endpoints):
-            self.core.bridge = host.bridges.keep(
-                self.core.bridge,
-                self.name,
-                vm.agent_vm,
-                vm.endpoints,
-                on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
-                on_failed=self.degrade_later,
-                kit=vm.kit,
-            )
-        self.keep_layer(host, vm)
-        self.wait_for_workload()
-
-    def keep_layer(self, host: VMHost, vm: BottleVMs) -> None:
-        """Keep the transparent egress layer running (its spec's), as the bridge is kept."""
-        service = vm.spec.agent.transparent_egress if vm.spec.agent else None
-        if service is None:
-            return
-        self.core.layer = host.layers.keep_layer(
-            self.core.layer,
-            self.name,
-            vm.agent_vm,
-            proxy_endpoint(vm.endpoints, service),
-            on_restarted=lambda detail: emit(self.core, BRIDGE_RESTARTED, None, detail),
-            on_failed=self.degrade_later,
-        )
+    def session(self, inner: IProcessProtocol) -> CountedSession:
+        """``inner`` as one of its launcher sessions (after :meth:`exec_target`)."""
+        return self.machine.take_session(inner)
 
     @property
     def watched(self) -> bool:
-        """Its sidecar's VM process is watched now."""
-        return self.core.watch is not None
+        """Its sidecar's VM process is watched now (it runs, and the daemon has not stopped)."""
+        return self.phase() in LIVE and not self.machine.running().stopped
 
-    def wait_for_workload(self) -> None:
-        """Wait for the bottle's running workload to end (nothing if one already waits)."""
-        host, bottle = self.hands.host, self.core.value
-        vm = None if bottle is None else bottle.vms
-        if host is None or vm is None or vm.workload != workload.WorkloadState.RUNNING:
-            return
-        if self.core.waiter is not None:
-            return
-
-        def lost() -> None:
-            if self.core.waiter is waiter:
-                self.core.waiter = None
-                if not waiter.cancelled:
-                    Deferred.fromCoroutine(self._after_loss(host.smolvm, vm.agent_vm))
-
-        waiter = workload.WorkloadWaiter(self.workload_ended, lost)
-        self.core.waiter = waiter
-        request = ExecRequest(tuple(workload.waiter_argv(vm.agent_vm, vm.kit)), user=GUEST_ROOT)
-
-        def failed(f: Failure) -> None:
-            lost()
-            log.warn(
-                "bottle {bottle}: cannot watch its workload: {err}",
-                bottle=self.name,
-                err=getattr(f.value, "message", type(f.value).__name__),
-            )
-
-        assert bottle is not None
-        d = Deferred.fromCoroutine(attach.spawn_exec(host, bottle, request, waiter))
-        d.addErrback(failed)
-
-    async def _after_loss(self, smolvm: Any, agent_vm: str) -> None:
-        """The waiter ended without a code: said so, and the VM's loss made the bottle's
-        (a real VM takes its sessions with it: ``bottles/vmloss.py``)."""
-        gone = await lost_reason(smolvm, agent_vm)
-        log.warn(
-            "bottle {bottle}: its workload waiter ended without an exit code ({why})",
-            bottle=self.name,
-            why=gone or "the agent VM runs; the workload's end will not be noticed",
-        )
-        if gone is not None:
-            self.degrade_later(gone)
-
-    def workload_ended(self, code: int) -> None:
-        self.core.waiter = None
-        bottle = self.core.value
-        if bottle is None or bottle.vms is None:
-            return
-        if bottle.vms.workload != workload.WorkloadState.RUNNING:
-            return
-        self.machine.workload_exited(code)
+    def stop(self) -> None:
+        """The daemon stops: its lease is not counted, nothing of it is watched."""
+        super().stop()
+        self.stop_watching()
 
     def stop_watching(self) -> None:
-        """The daemon stops: its watches and its workload waiter end (the VMs keep running)."""
-        stop_waiter(self.core)
-        unwatch(self.core)
+        """Its watches and its workload waiter end (the VMs and the workload keep running)."""
+        if self.phase() in LIVE:
+            self.machine.stop()
+
+    # -- what its Running hears ------------------------------------------------------------
+
+    def bridge_restarted(self, detail: str) -> None:
+        emit(self.core, BRIDGE_RESTARTED, None, detail)
+
+    def workload_ended(self, code: int) -> None:
+        if self.phase() in LIVE:
+            self.machine.workload_exited(code)
 
     def sidecar_exited(self) -> None:
         self.degrade_later("sidecar VM process exited")
@@ -865,31 +477,24 @@ class VMBottle(BottleOwner):
         Deferred.fromCoroutine(self.degrade(why)).addErrback(failed)
 
     async def degrade(self, why: str) -> None:
-        """Reset live relays, refuse new connections (listeners removed), record and log."""
-        bottle = self.core.value
-        if bottle is None or bottle.vms is None:
-            return
-        removing = self.machine.degrade(why)
-        if removing is not None:
-            await removing
+        """Reset live relays, refuse new connections (listeners removed), record and log;
+        nothing when it does not run (degraded already, being destroyed, gone)."""
+        if self.phase() in LIVE:
+            await self.machine.degrade(why)
 
     async def destroy(self) -> None:
         """Tear the VMs down (a failure leaves it degraded), then the record and the value."""
-        host = self.hands.host
-        assert host is not None
-        bottle = self.require()
-        self.stop_watching()
-        self.machine.tearing_down()
         try:
-            await host.teardown(bottle)
+            await self.machine.destroy(Teardown(self.host, self.require()))
         except Exception as e:
             self.machine.teardown_failed(
                 f"teardown incomplete: {getattr(e, 'code', type(e).__name__)}"
             )
             raise
-        finally:
-            self.machine.torn_down()  # (after a failure: already busy, degraded)
         self.revoke("destroy", remove=True)
+
+    def gone(self) -> None:
+        self.machine.removed()
 
 
 def kept_forward(fwd: Forward, info: ForwardInfo) -> Forward:
@@ -900,14 +505,20 @@ def kept_forward(fwd: Forward, info: ForwardInfo) -> Forward:
 
 class Resync:
     """The revocations not yet durable, by name, written again every ``interval`` (and
-    before the bottle's next operation, by its owner) until they are."""
+    before the bottle's next operation, by its owner) until they are. ``busy(name)``: an
+    operation holds the bottle (it syncs it first)."""
 
     def __init__(
-        self, clock: IReactorTime, owners: Mapping[str, BottleOwner], interval: float
+        self,
+        clock: IReactorTime,
+        owners: Mapping[str, BottleOwner],
+        interval: float,
+        busy: Callable[[str], bool],
     ) -> None:
         self._clock = clock
         self._owners = owners
         self._interval = interval
+        self._busy = busy
         self._names: dict[str, None] = {}
         self._call: IDelayedCall | None = None
 
@@ -927,7 +538,7 @@ class Resync:
     def resync(self) -> None:
         """Write every pending revocation again (the timer)."""
         for owner in self._pending():
-            if owner.machine.lifecycle() in IN_FLIGHT:
+            if self._busy(owner.name):
                 continue  # its operation syncs it first
             try:
                 owner.sync()

@@ -157,9 +157,6 @@ def agent_machine_spec(
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
-#: The last step: the bottle's owner records it, with the bridge and the transparent egress
-#: layer its create started (if any).
-Commit = Callable[[Bottle, BridgeKeeper | None, LayerKeeper | None], None]
 
 
 @frozen
@@ -202,15 +199,18 @@ class AgentStarted:
 
 class Creation:
     """One create of a VM bottle: its spec, its plan and what it has done so far (the undo
-    list); the host's parts (``host``) do each step's work."""
+    list); the host's parts (``host``) do each step's work. The data of the bottle's
+    ``creating`` state (``bottles.vmbottle``), a ``with`` block around the create: the
+    volumes it resolves stay open until the block ends (its owner commits inside it)."""
 
     log = Logger()
+    #: The isolation plan, chosen as :meth:`run` starts (from smolvm's version).
+    plan: IsolationPlan
 
     def __init__(
         self,
         host: VMHost,
         spec: BottleSpec,
-        plan: IsolationPlan,
         requester: Requester | None = None,
     ) -> None:
         self.host = host
@@ -225,11 +225,10 @@ class Creation:
         self.spec = spec
         #: The spec's sidecar and agent, narrowed once: a VM bottle has both.
         self.sidecar, self.agent = vm_parts(spec)
-        self.plan = plan
         self.undo: list[Undo] = []
         #: Per role, the VMM uid reserved for it (per-VM uids): kept in the bottle's record.
         self.reserved: dict[Role, Reserved] = {}
-        #: The bridge this create started (handed to the bottle's owner with the record).
+        #: The bridge this create started (handed to what the bottle runs once it is made).
         self.bridge: BridgeKeeper | None = None
         #: The transparent egress layer this create started (the same).
         self.layer: LayerKeeper | None = None
@@ -240,15 +239,19 @@ class Creation:
     def kit_ref(self) -> KitRef | None:
         return None if self.kit is None else self.kit.ref
 
-    async def run(self, commit: Commit) -> Bottle:
-        """Run every step; on any failure undo them all and raise one typed error."""
+    def __enter__(self) -> Creation:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.volumes.close()
+
+    async def run(self) -> Bottle:
+        """Run every step and build the bottle (7., its record, is its owner's: a failure
+        there is :meth:`undone` too); on any failure undo them all and raise one typed
+        error."""
+        self.plan = await self.host.plan(self.spec)
         # Before any machine: nothing to undo yet.
         self.volumes = await self.host.resolve_volumes(self.agent, self.requester)
-        with self.volumes:
-            return await self._run(commit)
-
-    async def _run(self, commit: Commit) -> Bottle:
-        """The steps, then the commit; a failure undoes every step done."""
         try:
             self.kit = await self.host.checked_kit()
             await self.step_allocate()
@@ -258,22 +261,11 @@ class Creation:
             egress_set = await self.step_egress(sidecar)
             agent = await self.step_agent(bound, egress_set)
             bottle = self.build(sidecar, bound, egress_set, agent)
-            commit(bottle, self.bridge, self.layer)  # 7. its owner records it (the state file)
         except BaseException as e:
-            undone = await self._rollback(e)
-            # A smolvm failure says what became of the bottle (an isolation failure's own
-            # message already says "bottle torn down").
-            after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
-            if isinstance(e, VmctlError):
-                mapped = map_vmctl(e, self.name)
-                raise type(mapped)(f"{mapped.message}; {after}") from None
-            if isinstance(e, EgressLayerFailed):
-                raise EgressLayerFailed(f"{e.message}; {after}") from None
-            if isinstance(e, OSError):
-                raise SmolvmFailed(
-                    f"creating bottle {self.name} failed: {e.strerror}; {after}"
-                ) from None
-            raise
+            error = await self.undone(e)
+            if error is e:
+                raise
+            raise error from None
         vm = bottle.require_vms()
         self.log.info(
             "bottle {bottle} created: mode={mode} sidecar={sidecar} agent={agent}",
@@ -289,6 +281,21 @@ class Creation:
                 bottle=bottle.name,
             )
         return bottle
+
+    async def undone(self, why: BaseException) -> BaseException:
+        """Undo every step done, last first; the one typed error ``why`` is raised as (a
+        smolvm failure says what became of the bottle; an isolation failure's own message
+        already says "bottle torn down")."""
+        undone = await self._rollback(why)
+        after = "bottle torn down" if undone else "teardown incomplete: see the daemon's log"
+        if isinstance(why, VmctlError):
+            mapped = map_vmctl(why, self.name)
+            return type(mapped)(f"{mapped.message}; {after}")
+        if isinstance(why, EgressLayerFailed):
+            return EgressLayerFailed(f"{why.message}; {after}")
+        if isinstance(why, OSError):
+            return SmolvmFailed(f"creating bottle {self.name} failed: {why.strerror}; {after}")
+        return why
 
     async def _rollback(self, why: BaseException) -> bool:
         """Undo every step done, last first; whether every undo succeeded."""
@@ -651,13 +658,3 @@ class Creation:
                 kit=self.kit_ref,
             ),
         )
-
-
-async def create_vm(
-    host: VMHost, spec: BottleSpec, commit: Commit, requester: Requester | None = None
-) -> Bottle:
-    """Create the VM bottle ``spec`` names for ``requester`` (its volumes are checked for it;
-    None: the daemon itself); ``commit`` records it with the bridge the create started, if any
-    (the last step)."""
-    plan = await host.plan(spec)
-    return await Creation(host, spec, plan, requester).run(commit)

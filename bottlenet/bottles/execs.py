@@ -9,27 +9,32 @@ leaves room for them.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport
 
 from bottlenet.bottles import attach
 from bottlenet.bottles.attach import ExecRequest
 from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.model import Bottle
-from bottlenet.bottles.sessions import Sessions
+from bottlenet.bottles.sessions import CountedSession
+
+#: The bottle's own count: ``inner`` as one of its sessions, or BUSY past its cap.
+Session = Callable[[IProcessProtocol], CountedSession]
 
 
 async def spawn_exec(
     host: VMHost | None,
     bottle: Bottle,
-    sessions: Sessions,
+    session: Session,
     request: ExecRequest,
     protocol: IProcessProtocol,
     stdio: tuple[int, int, int] | None = None,
 ) -> IProcessTransport:
     """Run ``request`` in the bottle's agent VM, ``protocol`` attached to its stdio (or the
     command on the fds ``stdio``, ``protocol`` told only of its end), holding one of the
-    bottle's ``sessions`` until its child ends; BUSY past the cap."""
-    counted = sessions.session(protocol)
+    bottle's sessions (``session``) until its child ends; BUSY past the cap."""
+    counted = session(protocol)
     try:
         return await attach.spawn_exec(host, bottle, request, counted, stdio=stdio)
     except BaseException:
@@ -40,11 +45,11 @@ async def spawn_exec(
 async def spawn_logs(
     host: VMHost | None,
     bottle: Bottle,
-    sessions: Sessions,
+    session: Session,
     tail: int,
     follow: bool,
     protocol: IProcessProtocol,
 ) -> IProcessTransport:
     """``tail`` of the workload's log in the agent VM, ``protocol`` attached (one session)."""
     request = attach.logs_request(bottle, tail, follow)
-    return await spawn_exec(host, bottle, sessions, request, protocol)
+    return await spawn_exec(host, bottle, session, request, protocol)

@@ -2,12 +2,14 @@
 
 A bottle is one :class:`~bottlenet.bottles.model.Bottle` value: forward-only (a name, an alias
 drawn from the pool, and its forwards) or with VMs (sidecar VM + agent VM). Each has one
-owner (:mod:`bottlenet.bottles.bottle`) that holds the value in its lifecycle machine and does
-the work. The registry is only the table: the map of owners, one operation at a time per
-bottle (BUSY), the restoring -> serving gate, the limit on the number of bottles (a count kept
-as creates come and go, no scan per create), the state file and the event bus. Arguments
-arrive validated and typed (the control responder and the config reader parse them once); the
-registry re-checks only what its own table decides.
+owner (:mod:`bottlenet.bottles.bottle`, :mod:`bottlenet.bottles.vmbottle`) that holds the
+value (a VM bottle's in its machine) and does the work. The registry is only the table: the
+map of owners (creates in flight among them: their count is the node's count and the cap's),
+the sorted names of the bottles made, one operation at a time per bottle (the names held
+now: BUSY for a second one), the restoring -> serving gate, the state file and the event bus;
+it asks the node's admission before a create and tells it its count as bottles leave.
+Arguments arrive validated and typed (the control responder and the config reader parse them
+once); the registry re-checks only what its own table decides.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from bottlenet.bottles.bottle import (
     Resync,
     VMBottle,
 )
+from bottlenet.bottles.core import count_lease
 from bottlenet.bottles.egresslayer import TransparentCount
 from bottlenet.bottles.events import EventBus
 from bottlenet.bottles.host import VMHost
@@ -38,7 +41,7 @@ from bottlenet.bottles.model import Bottle, Source
 from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
-from bottlenet.bottles.states import Lifecycle
+from bottlenet.bottles.states import KEPT, Lifecycle
 from bottlenet.bottles.store import State, StateStore, write
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.volumes import Requester
@@ -48,6 +51,7 @@ from bottlenet.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    SmolvmUnavailable,
 )
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_MAX_CONNECTIONS, TargetSpec
@@ -85,14 +89,15 @@ class BottleRegistry:
         self.max_bottles = max_bottles
         self.instance_id = instance_id
         self.host = host
-        #: One owner per name: every bottle, and per name a create is making.
+        #: One owner per name: every bottle, and per name a create is making (their count is
+        #: what the node holds and what the cap counts).
         self._owners: dict[str, BottleOwner] = {}
         #: The names of the bottles made (not those being created), sorted as they come and go.
         self._names: list[str] = []
-        #: The names whose create is in flight: the cap counts them without a scan.
-        self._creating: set[str] = set()
+        #: The names an operation holds now (one at a time per bottle: another gets BUSY).
+        self._busy: set[str] = set()
         #: The revocations not yet durable, retried until they are.
-        self._resync = Resync(clock, self._owners, RESYNC_INTERVAL)
+        self._resync = Resync(clock, self._owners, RESYNC_INTERVAL, self._busy.__contains__)
         self._gate = states.registry_gate()
         #: Every bottle event (created, ready, degraded, destroyed) as it happens: the
         #: wire's feed (the node's policies hear the owners' outputs instead).
@@ -132,9 +137,13 @@ class BottleRegistry:
         return self._hands.aliases
 
     def state_of(self, name: str) -> Lifecycle | None:
-        """Where the bottle ``name`` is in its lifecycle (None: the registry has no such name)."""
+        """Where the bottle ``name`` is in its lifecycle (None: the registry has no such name):
+        its owner's phase, BUSY while an operation holds a bottle kept as it is."""
         owner = self._owners.get(name)
-        return None if owner is None else owner.machine.lifecycle()
+        if owner is None:
+            return None
+        phase = owner.phase()
+        return Lifecycle.BUSY if name in self._busy and phase in KEPT else phase
 
     # -- the table ------------------------------------------------------------------------
 
@@ -149,36 +158,30 @@ class BottleRegistry:
         ``make`` (a create) makes a new name's owner; any other operation needs the bottle."""
         await self.when_serving()
         owner = self._owners.get(name)
+        made = owner is None
         if owner is None:
             if make is None:
                 raise NotFound(f"bottle {name} does not exist")
             owner = self._owners[name] = make()
-            self._creating.add(name)
-        elif not owner.machine.begin():
+        elif name in self._busy:
             raise Busy(f"bottle {name} has another operation in progress")
+        self._busy.add(name)
         try:
             owner.sync_pending()
             return await op()
         finally:
-            held = self.held()
-            if make is not None:
-                self._creating.discard(name)
-            owner.machine.finish()
-            if owner.machine.lifecycle() is Lifecycle.GONE and self._owners.get(name) is owner:
-                del self._owners[name]
-            if self.held() < held:  # a create that failed let go of its name
-                self.policies.admission.held(self.held())
+            self._busy.discard(name)
+            if made and self._owners.get(name) is owner and not owner.made:
+                self._forget(name)  # a create that failed lets go of its name
 
     def _named(self, owner: BottleOwner) -> None:
-        """The owner's bottle is made (created or restored): listed from now on, counted as a
-        bottle (no longer as a create in flight)."""
+        """The owner's bottle is made (created or restored): listed from now on."""
         self._owners[owner.name] = owner
         bisect.insort(self._names, owner.name)
-        self._creating.discard(owner.name)
 
     def _forget(self, name: str) -> None:
-        """The bottle and its record are gone (its owner's ``gone``): the admission hears
-        the count."""
+        """The bottle and its record are gone (its owner's ``gone``), or its create failed:
+        the admission hears the count."""
         del self._owners[name]
         i = bisect.bisect_left(self._names, name)
         if i < len(self._names) and self._names[i] == name:
@@ -187,7 +190,7 @@ class BottleRegistry:
 
     def _owner(self, name: str) -> BottleOwner:
         owner = self._owners.get(name)
-        if owner is None or owner.value is None:
+        if owner is None or not owner.made:
             raise NotFound(f"bottle {name} does not exist")
         return owner
 
@@ -211,8 +214,6 @@ class BottleRegistry:
         running); the revocations not yet durable get one last write, and no more timer."""
         for owner in list(self._owners.values()):
             owner.stop()
-            if isinstance(owner, VMBottle):
-                owner.stop_watching()
         self._resync.stop()
 
     # -- bottles ------------------------------------------------------------------------
@@ -232,28 +233,32 @@ class BottleRegistry:
         from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
         daemon itself)."""
         with_vms = spec is not None and check_create(name, alias, spec)
+        if with_vms and self.host is None:
+            raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
+        asked = CreateRequest(alias, spec, source, tenancy, requester)
 
         async def create() -> Bottle:
             self.policies.admission.admit(source)
             owner = self._owners[name]
-            if owner.value is not None:
+            if owner.made:
                 raise AlreadyExists(f"bottle {name} already exists")
             if self.held() > self.max_bottles:  # (this create is one of them)
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
                 )
-            asked = CreateRequest(alias, spec, source, tenancy, requester)
-            return await owner.create(asked, self._named)
+            bottle = await owner.create(asked)
+            self._named(owner)
+            return bottle
 
-        owner_class = VMBottle if with_vms else ForwardBottle
-        creator = None if tenancy is None else tenancy.creator
-        return await self._locked(
-            name, create, make=lambda: owner_class(name, self._hands, creator=creator)
-        )
+        def make() -> BottleOwner:
+            value = asked.asked(name, self._hands.clock.seconds())
+            return (VMBottle if with_vms else ForwardBottle)(name, self._hands, value)
+
+        return await self._locked(name, create, make=make)
 
     def held(self) -> int:
         """The bottles the node holds, creates in flight included (the drain's count)."""
-        return len(self._names) + len(self._creating)
+        return len(self._owners)
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
@@ -286,7 +291,7 @@ class BottleRegistry:
 
     def has_bottle(self, name: str) -> bool:
         owner = self._owners.get(name)
-        return owner is not None and owner.value is not None
+        return owner is not None and owner.made
 
     async def leftovers(self, name: str) -> list[str]:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
@@ -323,29 +328,26 @@ class BottleRegistry:
     ) -> IProcessTransport:
         """Run ``request`` in the bottle's agent VM (``bottles/execs.py``)."""
         bottle, owner = self.exec_target(name), self.owner(name, VMBottle)
-        return await execs.spawn_exec(self.host, bottle, owner.sessions, request, protocol, stdio)
+        return await execs.spawn_exec(self.host, bottle, owner.session, request, protocol, stdio)
 
     async def spawn_logs(
         self, name: str, tail: int, follow: bool, protocol: IProcessProtocol
     ) -> IProcessTransport:
         """``tail`` of the workload's log in the agent VM (``bottles/execs.py``)."""
         bottle, owner = self.exec_target(name), self.owner(name, VMBottle)
-        return await execs.spawn_logs(self.host, bottle, owner.sessions, tail, follow, protocol)
+        return await execs.spawn_logs(self.host, bottle, owner.session, tail, follow, protocol)
 
     # -- recovery -----------------------------------------------------------------------
 
     async def restore(self, bottle: Bottle) -> Bottle:
-        """Recovery: take a recorded bottle back into the table (its owner's ``restore``), idle
-        in the state it was kept in; a VM bottle's sidecar, bridge and workload are watched
-        again once it is listed (a degraded one's are not)."""
+        """Recovery: take a recorded bottle back into the table (its owner's ``restore``), in
+        the state it was kept in: a VM bottle kept ready or exited runs again (its sidecar,
+        bridge and workload watched; a degraded one's are not); its lease counts on."""
         owner_class = ForwardBottle if bottle.vms is None else VMBottle
-        creator = None if bottle.tenancy is None else bottle.tenancy.creator
-        owner = owner_class(bottle.name, self._hands, bottle.state, creator=creator)
-        kept = await owner.restore(bottle)
+        owner = owner_class(bottle.name, self._hands, bottle)
+        kept = await owner.restore()
         self._named(owner)
-        owner.count_lease(self._hands.clock.seconds())
-        if isinstance(owner, VMBottle):
-            owner.watch()
+        count_lease(owner.core)
         return kept
 
     # -- forwards -----------------------------------------------------------------------
@@ -390,9 +392,8 @@ class BottleRegistry:
         """(bottle, outcome, connects) of every bottle with a layer (the metrics)."""
         out = []
         for owner in self._listed():
-            if isinstance(owner, VMBottle) and owner.core.layer is not None:
-                for outcome, n in owner.core.layer.counters.outcomes.items():
-                    out.append((owner.name, outcome.value, n))
+            if isinstance(owner, VMBottle):
+                out += owner.transparent_outcomes()
         return out
 
     def _listed(self) -> list[BottleOwner]:

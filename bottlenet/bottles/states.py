@@ -1,14 +1,11 @@
-"""A bottle's lifecycle states and the registry's start-up gate, a declared state machine.
+"""A bottle's lifecycle as the table tells it, and the registry's start-up gate.
 
-Each bottle's owner keeps one machine (:mod:`bottlenet.bottles.bottle`, the shape of transit
-relay's ``server_state.py``: one machine per connection, the registry as the table). A bottle is
-*creating*, then *ready*; its workload may end (*exited*) and its sidecar may fail
-(*degraded*); an operation in flight makes it *busy*, a destroy's VM teardown *destroying*,
-and a bottle that is removed is *gone*. While an operation is in flight the bottle still has
-its kept state (ready, exited or degraded: the one the state file holds), so *busy* and
-*destroying* are declared once per kept state, and an operation ends in the kept state the
-bottle has by then. The transitions do the work (a degrade, a workload exit, a failed
-teardown); this module names the states they share with the table.
+A VM bottle's owner keeps one machine (:mod:`bottlenet.bottles.vmbottle`, the shape of
+transit relay's ``server_state.py``: one machine per party, the registry as the table). A
+bottle is *creating*, then *ready*; its workload may end (*exited*) and its sidecar may fail
+(*degraded*); a destroy's VM teardown makes it *destroying*, and a bottle that is removed is
+*gone*. One operation at a time is the table's rule: while one holds a bottle kept as it is
+(ready, exited or degraded: the state the state file holds) the table says *busy*.
 
 :class:`RegistryGate` is the registry-wide gate: *serving*, or *restoring* while
 :class:`~bottlenet.bottles.recovery.Recovery` restores the state file, when a change waits.
@@ -22,7 +19,6 @@ from typing import Protocol
 from automat import TypeMachineBuilder
 from twisted.internet.defer import Deferred, succeed
 
-from bottlenet.bottles.model import BottleState
 from bottlenet.waiters import OneShot
 
 
@@ -38,12 +34,9 @@ class Lifecycle(enum.StrEnum):
     GONE = "gone"
 
 
-#: An operation holds the bottle: another one gets BUSY.
-IN_FLIGHT = frozenset({Lifecycle.CREATING, Lifecycle.BUSY, Lifecycle.DESTROYING})
-
-
-#: The states a bottle is kept in (the state file holds one of them).
-KEPT = (BottleState.READY, BottleState.EXITED, BottleState.DEGRADED)
+#: The states a bottle is kept in (the state file holds one of them): BUSY while an
+#: operation holds it.
+KEPT = frozenset({Lifecycle.READY, Lifecycle.EXITED, Lifecycle.DEGRADED})
 
 
 # -- the registry's gate --------------------------------------------------------------------

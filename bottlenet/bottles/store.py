@@ -73,7 +73,7 @@ class State:
 
     instance_id: str
     bottles: dict[str, dict[str, Any]] = field(factory=dict)
-    #: The node's own record (``bottles.drain``: draining). None: none was loaded; in a
+    #: The node's own record (``node.drain``: draining). None: none was loaded; in a
     #: save, keep the record the store holds.
     node: dict[str, Any] | None = None
 

@@ -3,14 +3,14 @@
 A fleet (a Ray host per trainer and node, docs/fleet.md) creates bottles for owners that may
 vanish (a crashed trainer, a lost node, a partition): a bottle may carry a **lease**, which
 its owner renews while it lives; one whose lease ran out (plus the daemon's grace) is
-destroyed by the daemon itself (:mod:`bottlenet.bottles.lease`). The **creator** is the
+destroyed by the daemon itself (:mod:`bottlenet.node.lease`). The **creator** is the
 scoped control peer that made it (``uid:N/<digest of its capability>``): such a peer sees and
 acts on its own bottles only (``control/scope.py``). All three are part of the bottle's state
 record (key ``tenancy``, absent when none applies), so a restarted daemon keeps them; a bottle
 without one behaves as before.
 
 The lease's expiry is kept as wall time (Unix seconds) only for a restart; while the daemon
-runs, the lease keeper counts on the monotonic clock, so a wall-clock jump never reaps a live
+runs, its lease timer counts on the monotonic clock, so a wall-clock jump never reaps a live
 lease early.
 """
 

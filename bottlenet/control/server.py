@@ -39,6 +39,7 @@ from bottlenet.control.backend import ControlBackend, NodeControl
 from bottlenet.control.calls import MAX_WAIT
 from bottlenet.control.context import Admission, ControlContext, PeerIdentity
 from bottlenet.control.execbroker import ExecBridge
+from bottlenet.control.identity import Identity, check_capability, mint_capability
 from bottlenet.control.protocol import (
     HardenedAMP,
     SafeCommandLocator,
@@ -54,7 +55,7 @@ from bottlenet.control.records import (
     stats_record,
     transparent_record,
 )
-from bottlenet.control.scope import Identity, ScopedBackend, check_capability, mint_capability
+from bottlenet.control.scope import ScopedBackend
 from bottlenet.errors import (
     Busy,
     InvalidArgument,

@@ -1,15 +1,15 @@
 """One VM bottle's owner driven directly: its machine's transitions do the work (unit seam).
 
-Procmon's test style (``twisted.runner.test.test_procmon``): the owner is built on a clock
-with the in-memory smolvm (``memsmolvm``, a test double of vmctl's typed API) and real
-listeners on loopback; no registry, no daemon. Each test gives an input and checks every
+Procmon's test style (``twisted.runner.test.test_procmon``): the owner is made through a rig's
+table on a clock with the in-memory smolvm (``memsmolvm``, a test double of vmctl's typed
+API) and real listeners on loopback; no daemon. Each test gives an input and checks every
 effect the transition owes: the value, the listeners, the watches, the record, the event.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,17 +18,15 @@ from twisted.internet.error import ProcessDone
 from twisted.internet.interfaces import IProcessProtocol
 from twisted.python.failure import Failure
 
-from bottlenet.bottles.bottle import CreateRequest, Hands, VMBottle
+from bottlenet.bottles.bottle import VMBottle
 from bottlenet.bottles.events import (
     CREATED,
     DEGRADED,
     READY,
     WORKLOAD_EXITED,
     BottleEvent,
-    EventBus,
 )
 from bottlenet.bottles.model import BottleState
-from bottlenet.bottles.policy import Policies
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.errors import SmolvmFailed
@@ -62,35 +60,28 @@ class _Transport:
 
 
 class Owned:
-    """A VMBottle on a rig's parts, with the events it emits."""
+    """A VM bottle made through a rig's table, with the events it emits."""
+
+    owner: VMBottle
 
     def __init__(self, rig: Rig, attached: Attached) -> None:
         self.rig = rig
         self.attached = attached
         self.events: list[Event] = []
-        self.forgotten: list[str] = []
         rig.use(smolvm=_WithAttach(rig.smolvm, attached))
-        bus = EventBus()
-        bus.subscribe(self.heard)
-        hands = Hands(
-            rig.clock, rig.table, rig.aliases, rig.host, rig.store, bus, 64,
-            lambda name: None, self.forgotten.append, lambda name: succeed(None), Policies(),
-        )  # fmt: skip
-        self.owner = VMBottle("b1", hands)
+        rig.events.subscribe(self.heard)
 
     def heard(self, e: BottleEvent) -> None:
         self.events.append((e.kind, e.bottle, e.state, e.detail, e.exit_code))
 
     def create(self, tmp: str, **kw: Any) -> None:
         doc = spec_doc(tmp, mode="socket", listen="tcp", **kw)
-        listed: list[Any] = []
-        self.rig.run(
-            self.owner.create(CreateRequest(spec=parse_bottle_spec("b1", doc)), listed.append)
-        )
-        assert listed == [self.owner]  # committed, then created, watched and READY
+        self.rig.run(self.rig.registry.create_bottle("b1", spec=parse_bottle_spec("b1", doc)))
+        self.owner = self.rig.registry.owner("b1", VMBottle)
+        # committed and listed, then it runs and is READY
+        assert [b.name for b in self.rig.registry.list_bottles()] == ["b1"]
         assert [e[0] for e in self.events] == [CREATED, READY] and self.owner.watched
         self.events.clear()
-        self.owner.machine.finish()
 
 
 class _WithAttach:
@@ -105,10 +96,8 @@ class _WithAttach:
 
 
 @pytest.fixture
-def owned(rigs: Callable[..., Rig]) -> Iterator[Owned]:
-    owned = Owned(rigs(), Attached())
-    yield owned
-    owned.owner.stop_watching()  # the rig's registry does not know this owner
+def owned(rigs: Callable[..., Rig]) -> Owned:
+    return Owned(rigs(), Attached())
 
 
 def end_workload(protocol: IProcessProtocol, code: int) -> None:
@@ -125,7 +114,7 @@ def test_degrade_does_its_work_once(owned: Owned, tmp: str) -> None:
     owner.sidecar_exited()
     rig.settle()
     assert owner.require().state is BottleState.DEGRADED
-    assert owner.machine.lifecycle() is Lifecycle.DEGRADED
+    assert owner.phase() is Lifecycle.DEGRADED
     assert rig.table.list("b1") == [] and not owner.watched
     assert waiter.transport.signals == ["TERM"]  # type: ignore[attr-defined]
     assert rig.state()["b1"]["state"] == "degraded"
@@ -156,14 +145,12 @@ def test_workload_exit_is_recorded_and_emitted(owned: Owned, tmp: str) -> None:
 def test_a_failed_teardown_degrades_once(owned: Owned, tmp: str) -> None:
     """A teardown that fails leaves the bottle degraded (recorded, one DEGRADED event)."""
     owned.create(tmp)
-    owner, rig = owned.owner, owned.rig
+    rig = owned.rig
     rig.smolvm.fail_on("delete", "bn-b1-agent", VmSmolvmFailed("delete failed"))
     for attempt in range(2):
-        assert owner.machine.begin()
         with pytest.raises(SmolvmFailed):
-            rig.run(owner.destroy())
-        owner.machine.finish()
-        assert owner.machine.lifecycle() is Lifecycle.DEGRADED, attempt
+            rig.run(rig.registry.destroy_bottle("b1"))
+        assert rig.registry.state_of("b1") is Lifecycle.DEGRADED, attempt
     assert rig.state()["b1"]["detail"] == "teardown incomplete: SMOLVM_FAILED"
     assert [e[0] for e in owned.events] == [DEGRADED]
 
@@ -173,10 +160,8 @@ def test_a_removed_bottle_ignores_late_callbacks(owned: Owned, tmp: str) -> None
     owned.create(tmp, workload=("/agent", "run"))
     owner, rig = owned.owner, owned.rig
     [waiter] = owned.attached.protocols
-    assert owner.machine.begin()
-    rig.run(owner.destroy())
-    owner.machine.finish()
-    assert owned.forgotten == ["b1"] and owner.machine.lifecycle() is Lifecycle.GONE
+    rig.run(rig.registry.destroy_bottle("b1"))
+    assert rig.registry.state_of("b1") is None and owner.phase() is Lifecycle.GONE
     assert "b1" not in rig.state() and rig.smolvm.machines == {}
     owner.sidecar_exited()
     end_workload(waiter, 3)

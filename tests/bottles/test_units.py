@@ -7,13 +7,15 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 from twisted.internet.task import Clock
 
 from bottlenet.bottles import states
 from bottlenet.bottles.agentenv import stamp_env
-from bottlenet.bottles.bottle import adopted, creating
+from bottlenet.bottles.bottle import VMBottle
+from bottlenet.bottles.events import DEGRADED, WORKLOAD_EXITED
 from bottlenet.bottles.isolation import ALIAS_UNAVAILABLE, MECH_SOCKET, choose_isolation
 from bottlenet.bottles.model import (
     Bottle,
@@ -30,10 +32,12 @@ from bottlenet.bottles.store import StateError
 from bottlenet.bottles.watch import PidWatcher, pid_alive
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.cli.main import main
-from bottlenet.errors import IsolationUnavailable
+from bottlenet.errors import Busy, IsolationUnavailable, SmolvmFailed
 from bottlenet.probe.judge import ProbeResult
 from bottlenet.probe.plan import IsolationMode
 from tests.bottles.harness import socket_bottle, spec_doc
+from tests.bottles.memsmolvm import Rig
+from vmctl.errors import SmolvmFailed as VmSmolvmFailed
 from vmctl.smolvm import SmolvmVersion
 from vmctl.spec import Volume, validate_name
 
@@ -269,37 +273,74 @@ def test_gate_plan_checks_connect_through_the_declared_proxy() -> None:
     assert (allowed.connect_ok, allowed.connect_no) == ((), ("bottlenet-gate.invalid:443",))
 
 
-def test_a_bottle_machine_walks_its_declared_lifecycle() -> None:
-    """Create, an operation, workload exit, teardown failure: each input lands where declared."""
-    m = creating()
-    assert (m.lifecycle(), m.begin()) == (Lifecycle.CREATING, False)  # a second op: BUSY
-    m.created()
-    assert (m.lifecycle(), m.kept_state()) == (Lifecycle.BUSY, BottleState.READY)
-    m.finish()
-    assert m.lifecycle() is Lifecycle.READY and m.begin() and not m.begin()
-    assert m.workload_exited() and not m.workload_exited()  # exited once
-    m.tearing_down()
-    assert m.lifecycle() is Lifecycle.DESTROYING and not m.begin()
-    assert m.teardown_failed()  # exited -> degraded: news
-    m.torn_down()
-    m.finish()
-    assert (m.lifecycle(), m.kept_state()) == (Lifecycle.DEGRADED, BottleState.DEGRADED)
-    assert not m.degrade() and not m.workload_exited()  # degraded stays degraded
-    m.begin()
-    m.removed()
-    m.finish()
-    assert m.lifecycle() is Lifecycle.GONE
+def test_a_bottle_machine_walks_its_declared_lifecycle(rigs: Callable[..., Rig], tmp: str) -> None:
+    """Create, an operation, workload exit, teardown failure: each input lands where declared
+    (the table says BUSY while an operation holds a bottle kept as it is)."""
+    rig = rigs()
+    seen: list[str] = []
+    rig.events.subscribe(lambda e: seen.append(e.kind))
+    reg, starting = rig.registry, rig.smolvm.hold("start", "bn-b1-agent")
+    spec = parse_bottle_spec("b1", spec_doc(tmp, workload=("/agent", "run")))
+    creating = rig.start(reg.create_bottle("b1", spec=spec))
+    assert reg.state_of("b1") is Lifecycle.CREATING
+    with pytest.raises(Busy):  # a second operation: BUSY
+        rig.run(reg.destroy_bottle("b1"))
+    starting.callback(None)
+    rig.result(creating)
+    assert reg.state_of("b1") is Lifecycle.READY
+    checking = rig.smolvm.hold("exec", "bn-b1-agent")
+    verifying = rig.start(reg.verify_bottle("b1"))
+    assert reg.state_of("b1") is Lifecycle.BUSY
+    with pytest.raises(Busy):
+        rig.run(reg.verify_bottle("b1"))
+    checking.callback(None)
+    rig.result(verifying)
+    owner = reg.owner("b1", VMBottle)
+    owner.workload_ended(0)
+    owner.workload_ended(0)
+    assert reg.state_of("b1") is Lifecycle.EXITED and seen.count(WORKLOAD_EXITED) == 1
+    deleting = rig.smolvm.hold("delete", "bn-b1-agent")
+    rig.smolvm.fail_on("delete", "bn-b1-agent", VmSmolvmFailed("delete failed"))
+    destroying = rig.start(reg.destroy_bottle("b1"))
+    assert reg.state_of("b1") is Lifecycle.DESTROYING
+    with pytest.raises(Busy):
+        rig.run(reg.verify_bottle("b1"))
+    deleting.callback(None)
+    with pytest.raises(SmolvmFailed):
+        rig.result(destroying)
+    assert reg.state_of("b1") is Lifecycle.DEGRADED and seen.count(DEGRADED) == 1  # news
+    rig.run(owner.degrade("again"))
+    owner.workload_ended(3)  # degraded stays degraded
+    assert seen.count(DEGRADED) == 1 and reg.get_bottle("b1").detail == (
+        "teardown incomplete: SMOLVM_FAILED"
+    )
+    rig.smolvm.faults.clear()
+    rig.run(reg.destroy_bottle("b1"))
+    assert reg.state_of("b1") is None and owner.phase() is Lifecycle.GONE
 
 
-def test_a_create_that_fails_leaves_its_machine_gone() -> None:
-    """A create that never commits ends gone; an adopted degraded bottle fails no teardown twice."""
-    m = creating()
-    m.finish()
-    assert m.lifecycle() is Lifecycle.GONE
-    kept = adopted(BottleState.DEGRADED)
-    assert kept.lifecycle() is Lifecycle.DEGRADED and kept.begin()
-    kept.tearing_down()
-    assert not kept.teardown_failed()  # already degraded: no second DEGRADED event
+def test_a_create_that_fails_leaves_its_machine_gone(rigs: Callable[..., Rig], tmp: str) -> None:
+    """A create that never commits ends gone; a restored degraded bottle fails no teardown
+    twice (no second DEGRADED)."""
+    rig = rigs()
+    rig.smolvm.fail_on("start", "bn-b1-sidecar", VmSmolvmFailed("no start"))
+    spec = parse_bottle_spec("b1", spec_doc(tmp))
+    with pytest.raises(SmolvmFailed):
+        rig.run(rig.registry.create_bottle("b1", spec=spec))
+    assert rig.registry.state_of("b1") is None and rig.registry.held() == 0
+    rig.smolvm.faults.clear()
+    rig.run(rig.registry.create_bottle("b1", spec=spec))
+    rig.run(rig.registry.owner("b1", VMBottle).degrade("test"))
+    rig.close()
+    again = rigs(smolvm=rig.smolvm)
+    again.smolvm.fail_on("delete", "bn-b1-agent", VmSmolvmFailed("delete failed"))
+    again.recover()  # its teardown at recovery fails: kept degraded
+    assert again.registry.state_of("b1") is Lifecycle.DEGRADED
+    seen: list[str] = []
+    again.events.subscribe(lambda e: seen.append(e.kind))
+    with pytest.raises(SmolvmFailed):
+        again.run(again.registry.destroy_bottle("b1"))
+    assert again.registry.state_of("b1") is Lifecycle.DEGRADED and DEGRADED not in seen
 
 
 def test_the_registry_gate_releases_every_waiter_once_restored() -> None:

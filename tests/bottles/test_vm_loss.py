@@ -10,7 +10,7 @@ a bridge not restarted against a dead VM is ``test_bridge_keeper.py``'s.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 from twisted.internet.error import ProcessTerminated
@@ -27,11 +27,10 @@ LOST = "bottle b1: its workload waiter ended without an exit code"
 
 
 @pytest.fixture
-def owned(rigs: Callable[..., Rig], tmp: str) -> Iterator[Owned]:
+def owned(rigs: Callable[..., Rig], tmp: str) -> Owned:
     owned = Owned(rigs(), Attached())
     owned.create(tmp, workload=("/agent", "run"))
-    yield owned
-    owned.owner.stop_watching()  # the rig's registry does not know this owner
+    return owned
 
 
 def lose_the_waiter(owned: Owned) -> list[str]:

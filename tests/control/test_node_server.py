@@ -11,7 +11,7 @@ from twisted.internet.defer import Deferred
 
 from bottlenet.control import codec
 from bottlenet.control import commands as C
-from bottlenet.control.scope import Identity
+from bottlenet.control.identity import Identity
 from bottlenet.errors import InvalidArgument, NotFound, PermissionDenied, Unavailable
 from bottlenet.node.info import Capacity, NodeReport
 
