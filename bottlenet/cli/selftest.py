@@ -56,6 +56,7 @@ STEPS = (
     "smolvm",
     "privilege",
     "kit",
+    "images",
     "kvm",
     "sidecar",
     "gate",
@@ -69,7 +70,9 @@ STEPS = (
     "teardown",
 )
 #: The steps a create proves, in the order it passes them, and the error code of each.
-CREATE_STEPS = ("kvm", "sidecar", "gate", "bridge")
+CREATE_STEPS = ("images", "kvm", "sidecar", "gate", "bridge")
+#: How a refusal of the spec's images starts (bottles.md, step 0: checked before any machine).
+IMAGE_KEYS = ("agent.image", "sidecar.image")
 CODE_STEP = {
     "KVM_UNAVAILABLE": "kvm",
     "SIDECAR_NOT_READY": "sidecar",
@@ -83,6 +86,9 @@ FIXES = {
     " --smolvm /abs/path/smolvm (1.8.0 or newer; tested 1.32.2 and 1.37.3); docs/smolvm.md",
     "smolvm-untested": "install a tested one (pip install 'bottlenet[vm]' pins it) or expect"
     " what docs/smolvm.md lists as unchecked for a new version",
+    "images": "the images in docs/quickstart.md are examples: give an agent image this host"
+    " has (a local archive, e.g. docker save python:3.12-slim -o agent.tar) or can pull, and a"
+    " sidecar image that follows docs/sidecar.md (docs/sidecar.md, Agent image)",
     "kvm": "the VM process must open /dev/kvm: load kvm_intel or kvm_amd; for a non-root"
     " daemon add its user to the kvm group (usermod -aG kvm USER) and restart the daemon;"
     " docs/operations.md",
@@ -234,16 +240,19 @@ def judge_create_error(error: BottlenetError, *, per_vm_uids: bool = False) -> l
     daemon's VMs run under uids of their own (it changes the KVM fix)."""
     seen = f"{error.code}: {error.message}"
     failed = CODE_STEP.get(error.code)
+    if error.code == "INVALID_ARGUMENT" and error.message.startswith(IMAGE_KEYS):
+        return [Check("images", Verdict.FAIL, seen, FIXES["images"])]
     if failed is None and "volume" in error.message:
         return [Check("volume", Verdict.FAIL, seen, FIXES["volume"])]
     if failed is None:
         return [
+            Check("images", Verdict.SKIP, "not told apart: the create failed at once (see kvm)"),
             Check(
                 "kvm",
                 Verdict.FAIL,
                 f"the VMs did not start: {seen}",
                 "read the message; docs/operations.md (troubleshooting)",
-            )
+            ),
         ]
     checks = []
     for step in CREATE_STEPS:
@@ -259,6 +268,7 @@ def judge_created(record: BottleRecord) -> list[Check]:
     """The create's steps from the created bottle's record."""
     services = ", ".join(e.service for e in record.endpoints) or "none"
     checks = [
+        Check("images", Verdict.PASS, "both images taken"),
         Check("kvm", Verdict.PASS, f"both VMs started ({record.sidecar_vm}, {record.agent_vm})"),
         Check("sidecar", Verdict.PASS, f"services answered: {services}"),
     ]

@@ -88,6 +88,23 @@ def test_kvm_missing_is_the_one_failure(daemon: VMDaemon) -> None:
     kvm = next(c for c in report["checks"] if c["step"] == "kvm")
     assert kvm["seen"].startswith("KVM_UNAVAILABLE: ") and "/dev/kvm" in kvm["fix"]
     assert "2000000" in kvm["fix"]  # the test runs as root: smolvm's per-VM uids
+    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "images", "teardown"]
+
+
+def test_a_missing_image_is_the_images_line_not_kvm(daemon: VMDaemon) -> None:
+    """An agent image the host does not have (the quickstart's example path on a new host):
+    the one FAIL is ``images``, naming the path and where a first image comes from; no VM was
+    made, nothing is left (newcomer-3 trap 5)."""
+    spec = os.path.join(daemon.dir, "missing-image.toml")
+    with open(daemon.spec) as f:
+        text = f.read().replace(daemon.image, "/var/lib/bottles/no-such-image.tar")
+    with open(spec, "w") as f:
+        f.write(text)
+    r = daemon.ctl("--json", "selftest", "--spec", spec, timeout=300)
+    report: dict[str, Any] = json.loads(r.stdout)
+    assert r.returncode == 1 and lines(report, "FAIL") == ["images"], report
+    images = next(c for c in report["checks"] if c["step"] == "images")
+    assert "/var/lib/bottles/no-such-image.tar" in images["seen"] and "docker save" in images["fix"]
     assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "teardown"]
 
 
@@ -104,7 +121,9 @@ def test_a_sidecar_that_never_answers_fails_the_sidecar_line() -> None:
     assert code == 1 and lines(report, "FAIL") == ["sidecar"], report
     sidecar = next(c for c in report["checks"] if c["step"] == "sidecar")
     assert sidecar["seen"].startswith("SIDECAR_NOT_READY: ") and "egress" in sidecar["seen"]
-    assert lines(report, "PASS") == ["daemon", "smolvm", "privilege", "kit", "kvm", "teardown"]
+    assert lines(report, "PASS") == [
+        "daemon", "smolvm", "privilege", "kit", "images", "kvm", "teardown"
+    ]  # fmt: skip
 
 
 def test_a_leaky_guest_fails_the_gate(daemon: VMDaemon) -> None:
