@@ -28,7 +28,7 @@ import pytest
 
 from bottlenet.cli.main import build_parser
 from tests import netguard
-from tests.fakes import FakeSmolvm
+from tests.fakes import UID_LEDGER, FakeSmolvm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "docs", "quickstart.md")
@@ -188,9 +188,9 @@ def test_quickstart_vm_runs(tmp_path) -> None:  # type: ignore[no-untyped-def]
         text = text.replace("/tmp/bn-quick", base)
         # The fake runs the gate's probe on the host: its outside and DNS checks go to
         # stand-ins in the suite's own namespace (tests/netguard.py), never off the machine.
-        text = text.replace(
-            "twist bottlenet ", "twist bottlenet " + " ".join(netguard.GATE_STAND_INS) + " "
-        )
+        # As root its VMs' uids come from the suite's uid ledger, never the host's own.
+        own = [*netguard.GATE_STAND_INS, "--uid-ledger", UID_LEDGER]
+        text = text.replace("twist bottlenet ", "twist bottlenet " + " ".join(own) + " ")
         return text.replace("examples/bottle-socket.toml", str(spec))
 
     fake = FakeSmolvm(os.path.join(base, "smolvm"))
