@@ -5,8 +5,9 @@ The node's policies (drain, leases, what a create told of KVM) sit above this wi
 table (``BottleRegistry(policies=...)``), never by subscribing to the event bus (which is the
 wire's feed). The table asks the admission before a create and tells it its count as bottles
 leave; each owner tells the tracker a VM start or a create's failure, the warm pools a
-member degraded or taken, and holds the lease timer the lease policy made for it (transit relay's ``_record_usage``: an output that tells
-an injected tracker, which keeps no map of parties). The defaults admit every create, count
+member degraded or taken, and holds the lease timer the lease policy made for it (transit
+relay's ``_record_usage``: an output that tells an injected tracker, which keeps no map of
+parties). The defaults admit every create, count
 no lease and hear nothing: a table alone (a test) needs no node.
 """
 
