@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import Deferred
@@ -285,6 +286,16 @@ class Node:
     def undrain(self) -> None:
         self.gate.undrain()
         self.pools.undrained()
+
+    def ensure_pool(self, doc: dict[str, Any], size: int) -> PoolReport:
+        """Keep ``size`` bottles of the spec ``doc`` ready (``node/pools.py``)."""
+        return self.pools.ensure(doc, size)
+
+    def pool_reports(self) -> list[PoolReport]:
+        return self.pools.reports()
+
+    def remove_pool(self, key: str) -> int:
+        return self.pools.remove(key)
 
     def renew_lease(self, name: str, seconds: float) -> None:
         self._registry.renew_lease(name, seconds)
