@@ -37,7 +37,7 @@ from benchmarks.stats import pct  # noqa: E402
 from tests import netguard  # noqa: E402
 from tests.control.vmdaemon import VMDaemon  # noqa: E402
 
-_SUM = re.compile(rb'^bottlenet_smolvm_call_duration_seconds_sum\{[^}]*\} ([0-9.e+-]+)$', re.M)
+_SUM = re.compile(rb"^bottlenet_smolvm_call_duration_seconds_sum\{[^}]*\} ([0-9.e+-]+)$", re.M)
 
 
 def smolvm_seconds(metrics: str) -> float:
