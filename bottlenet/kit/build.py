@@ -4,8 +4,10 @@ The kit is the daemon's own interpreter with its own loader and shared libraries
 found by asking the loader, ``ld.so --list``), the part of the standard library the guest
 programs import (found by importing them in a fresh ``-I -S`` interpreter, byte-compiled and
 sourceless) and the guest programs themselves (``kit/guest.py`` as ``app/main.pyc``, the
-probe, the bridge, its reach check, the session wrapper and the workload parent). Nothing of
-a guest's image is needed to run it: the kit's loader is named directly (``kit.program``).
+probe, the bridge, its reach check, the session wrapper and the workload parent), and the
+guest's package ``bottlenet.transparent`` (``pkg/``: the egress layer, the link report the
+probe imports, the relay the bridge and the layer share). Nothing of a guest's image is
+needed to run it: the kit's loader is named directly (``kit.program``).
 
 Why not PyInstaller (+ staticx for a libc-free binary): a one-file bundle unpacks itself into
 a writable ``/tmp`` at every start (0.35 s more per command here, far more under software
@@ -14,10 +16,11 @@ interpreter (its extension modules carry a ``DT_RUNPATH``). A directory with its
 starts as fast as the interpreter itself and runs from a read-only mount.
 
 The cache: ``<state-dir>/kit/<key>/``, the key a hash of every input (the layout, the
-interpreter and each library and module file by path, size and mtime, and the guest
-programs' bytes), so a change of any input builds a new kit. Next to it ``<key>.digest``, the
-tree digest taken when it was built (``guest.tree_digest``); a kit whose files no longer
-give that digest is built again, never used as it is. Blocking: run it off the reactor thread.
+interpreter and each library and module file by path, size and mtime, and the bytes of the
+guest programs and of the package's modules), so a change of any input builds a new kit.
+Next to it ``<key>.digest``, the tree digest taken when it was built
+(``guest.tree_digest``); a kit whose files no longer give that digest is built again, never
+used as it is. Blocking: run it off the reactor thread.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import tempfile
 import time
 from importlib import resources
 
-from attrs import frozen
+from attrs import field, frozen
 from twisted.logger import Logger
 
 from bottlenet.errors import BottlenetError
@@ -43,7 +46,7 @@ from bottlenet.kit import guest
 from bottlenet.kit.program import LIB, MAIN, PYTHON, KitProgram, KitRef
 
 #: Bump when build() changes what goes into a kit.
-LAYOUT = 1
+LAYOUT = 2
 #: The state directory's kit folder.
 KITS = "kit"
 #: Each guest program: its name in the kit's ``app/`` and where its source is.
@@ -54,6 +57,9 @@ PROGRAMS = {
     "reach": ("bottlenet.bridge", "reach.py"),
     "parent": ("bottlenet.kit", "parent.py"),
 }
+#: The package the kit ships whole (``pkg/``), but its host-side modules.
+PACKAGE = "bottlenet.transparent"
+HOST_ONLY = ("script.py", "__main__.py")
 #: Imported inside functions of the guest programs (the rest is found by running them).
 LATE_IMPORTS = (
     "hashlib",
@@ -71,7 +77,10 @@ LATE_IMPORTS = (
 #: Run by the kit's interpreter to name the files the guest programs need (stdin: sources).
 _COLLECT = """\
 import json, sys
-sources, LATE = json.loads(sys.stdin.read())
+sources, PKG, MODULES, LATE = json.loads(sys.stdin.read())
+sys.path.insert(0, PKG)
+for m in MODULES:
+    __import__(m)
 for name, text in sorted(sources.items()):
     if name == "session":  # all top-level code: its imports are among the late ones
         continue
@@ -167,6 +176,22 @@ def sources() -> dict[str, str]:
     return texts
 
 
+def package_sources() -> dict[str, str]:
+    """The shipped package's modules, by their path under ``pkg/`` (its parent package's
+    ``__init__`` an empty one)."""
+    room = resources.files(PACKAGE)
+    base = PACKAGE.replace(".", "/")
+    texts = {f"{base.rpartition('/')[0]}/__init__.py": ""}
+    for item in sorted(room.iterdir(), key=lambda i: i.name):
+        if item.name.endswith(".py") and item.name not in HOST_ONLY:
+            texts[f"{base}/{item.name}"] = item.read_text()
+    return texts
+
+
+def _module_names(package: dict[str, str]) -> list[str]:
+    return [path[:-3].replace("/", ".").removesuffix(".__init__") for path in sorted(package)]
+
+
 def _run(argv: list[str], stdin: str | None = None) -> str:
     try:
         p = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
@@ -191,6 +216,8 @@ class Inputs:
     libraries: dict[str, str]
     sources: dict[str, str]
     pyversion: str
+    #: ``pkg/`` relative path -> source text (the package the guest programs import).
+    package: dict[str, str] = field(factory=dict)
 
     def key(self) -> str:
         strip = shutil.which("strip")
@@ -201,7 +228,7 @@ class Inputs:
         for path in sorted(set(files)):
             st = os.stat(path)
             h.update(f"{path} {st.st_size} {st.st_mtime_ns}\n".encode())
-        for name, text in sorted(self.sources.items()):
+        for name, text in sorted({**self.sources, **self.package}.items()):
             h.update(f"{name} {len(text)}\n".encode() + text.encode())
         return h.hexdigest()[:16]
 
@@ -226,16 +253,20 @@ def find_inputs(python: str | None = None) -> Inputs:
         raise KitUnavailable(
             f"the interpreter is built for {machine} but this host is {os.uname().machine}"
         )
-    texts = sources()
-    collected = json.loads(
-        _run(
-            [python, "-I", "-S", "-X", "utf8", "-c", _COLLECT],
-            stdin=json.dumps([texts, LATE_IMPORTS]),
+    texts, package = sources(), package_sources()
+    with tempfile.TemporaryDirectory() as pkg:
+        _write_tree(pkg, package)
+        collected = json.loads(
+            _run(
+                [python, "-I", "-S", "-X", "utf8", "-c", _COLLECT],
+                stdin=json.dumps([texts, pkg, _module_names(package), LATE_IMPORTS]),
+            )
         )
-    )
     stdlib, dynload, version = collected["stdlib"], collected["dynload"], collected["version"]
     modules: dict[str, str] = {}
     for f in collected["files"]:
+        if f.startswith(pkg + "/"):
+            continue  # the package itself: shipped from its sources
         if f.startswith(dynload + "/"):
             modules[f"lib-dynload/{os.path.basename(f)}"] = f
         elif f.startswith(stdlib + "/") and f.endswith(".py"):
@@ -245,7 +276,15 @@ def find_inputs(python: str | None = None) -> Inputs:
     binaries = [python, *(f for f in modules.values() if f.endswith(".so"))]
     libs = libraries_of(loader, binaries)
     libs.pop(os.path.basename(loader), None)
-    return Inputs(python, machine, os.path.realpath(loader), modules, libs, texts, version)
+    return Inputs(python, machine, os.path.realpath(loader), modules, libs, texts, version, package)
+
+
+def _write_tree(root: str, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
 
 
 def _copy(src: str, dest: str, mode: int) -> None:
@@ -303,6 +342,12 @@ def build(inputs: Inputs, dest: str) -> None:
                 fh.write(text)
             dest_name = MAIN if name == "main" else f"app/{name}.pyc"
             _compile(path, os.path.join(dest, dest_name), f"bottlenet-kit/{name}.py")
+        _write_tree(os.path.join(src, guest.PKG), inputs.package)
+        for rel in inputs.package:
+            shown = f"bottlenet-kit/{guest.PKG}/{rel}"
+            _compile(
+                os.path.join(src, guest.PKG, rel), os.path.join(dest, guest.PKG, rel + "c"), shown
+            )
     info = {"format": guest.FORMAT, "machine": inputs.machine, "loader": f"{LIB}/{loader_name}"}
     with open(os.path.join(dest, "kit.json"), "w") as fh:
         json.dump(info, fh, sort_keys=True)

@@ -16,6 +16,8 @@ libc. Each subcommand is one of bottlenet's guest commands:
 ``workload prepare|run|wait|logs ...``, ``whoami``   the workload's steps
 ``idle``                     waits until killed (the agent VM's wait command)
 ``write PATH``               stdin to PATH, atomically (the sidecar's egress policy)
+``egress install|serve|run|remove ...``   the transparent egress layer (issue 37:
+                             ``bottlenet.transparent.layer.main``; stdin is its lifeline)
 
 Standard library only. The daemon imports it too, for :func:`tree_digest`: the host and the
 guest compute the kit's digest with this one function.
@@ -35,6 +37,8 @@ from collections.abc import Callable
 FORMAT = 1
 #: Where the guest programs are, relative to the kit's root.
 APP = "app"
+#: Where the package the programs import (``bottlenet.transparent``) is: on ``sys.path``.
+PKG = "pkg"
 EXIT_USAGE = 2
 #: The probe's exit when the kit's files are not the ones the host built.
 EXIT_KIT_MISMATCH = 5
@@ -332,7 +336,13 @@ def cmd_write(args: list[str]) -> int:
     return 0
 
 
-#: Every subcommand (issue 37's egress layer is one more entry).
+def cmd_egress(args: list[str]) -> int:
+    from bottlenet.transparent.layer import main as layer_main
+
+    return layer_main(args)
+
+
+#: Every subcommand.
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "version": cmd_version,
     "digest": cmd_digest,
@@ -344,6 +354,7 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "whoami": cmd_whoami,
     "idle": cmd_idle,
     "write": cmd_write,
+    "egress": cmd_egress,
 }
 
 
@@ -359,4 +370,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(kit_root(), PKG))
     sys.exit(main(sys.argv[1:]))

@@ -67,6 +67,8 @@ def test_the_kit_refuses_to_run_the_checks_when_its_bytes_differ(
     out = in_empty_root(kit, "probe", stdin=kit_request(good))
     assert f"BNP {NONCE} kit {kit.digest}" in out.stdout.decode()
     assert b" end " in out.stdout and b"kit-mismatch" not in out.stdout
+    # the link report: the kit ships bottlenet.transparent's reader (pkg/), nothing of the root
+    assert f"BNP {NONCE} link lo - " in out.stdout.decode(), out
 
 
 def test_the_request_carries_the_plan_and_the_digest() -> None:
