@@ -611,12 +611,12 @@ class Creation:
             if self.layer is not None:
                 self.layer.stop()
 
-        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy)
+        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy, self.kit_ref)
         self.undo.append(("egress layer", stop))
         if self.options.skip_probe:
             return
         verdict = await self.host.layers.prove(
-            self.name, agent_vm, proxy, self.host.gate.settings.outside
+            self.name, agent_vm, proxy, self.host.gate.settings.outside, self.kit_ref
         )
         if not verdict.passed:
             raise IsolationFailed(

@@ -60,8 +60,11 @@ PROGRAMS = {
 #: The package the kit ships whole (``pkg/``), but its host-side modules.
 PACKAGE = "bottlenet.transparent"
 HOST_ONLY = ("script.py", "__main__.py")
-#: Imported inside functions of the guest programs (the rest is found by running them).
+#: Imported inside functions of the guest programs (the rest is found by running them);
+#: ``encodings.idna`` is what ``socket.getaddrinfo`` encodes a name with (without it every
+#: lookup fails with LookupError, and the gate's DNS check could not see a name resolve).
 LATE_IMPORTS = (
+    "encodings.idna",
     "hashlib",
     "json",
     "marshal",

@@ -102,10 +102,11 @@ def render(plan: ProbePlan | LayerPlan) -> bytes:
     ).encode()
 
 
-def kit_request(plan: ProbePlan) -> bytes:
+def kit_request(plan: ProbePlan | LayerPlan) -> bytes:
     """What the kit's ``probe`` reads on stdin: the plan, and the digest it must have."""
     assert plan.kit is not None
-    return json.dumps({"plan": plan_literal(plan), "kit": plan.kit}).encode()
+    literal = layer_literal(plan) if isinstance(plan, LayerPlan) else plan_literal(plan)
+    return json.dumps({"plan": literal, "kit": plan.kit}).encode()
 
 
 #: The guest command: the script comes on stdin.

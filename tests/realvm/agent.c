@@ -12,6 +12,7 @@
  *   run   LABEL STDIN ARGV...  runs it (STDIN a file, or - for /dev/null), its output to the
  *                        transcript, and says "RVM-STEP LABEL exit <code> <ms>" on the console
  *   env   NAME=VALUE     set for the steps after it
+ *   unenv NAME           unset for the steps after it
  *   up    LINK ADDR MASK brings LINK up with the IPv4 ADDR/MASK, by ioctl as libkrun's init
  *                        does for dummy0 when its transparent socket impersonation is on
  *                        (tsi_hijack; 203.0.113.1/255.255.255.0 in smolmachines 1.32.2 and
@@ -181,6 +182,8 @@ int main(void) {
         if (n < 2) continue;
         if (strcmp(argv[0], "env") == 0) {
             putenv(strdup(argv[1]));
+        } else if (strcmp(argv[0], "unenv") == 0) {
+            unsetenv(argv[1]);
         } else if (strcmp(argv[0], "up") == 0 && n >= 4) {
             link_up(argv[1], argv[2], argv[3]);
         } else if (strcmp(argv[0], "bg") == 0) {

@@ -18,7 +18,10 @@ the gate's witness for the gate (QEMU's chardev connects to it; ``relay.py``, ru
 kit's interpreter, stands in for smolvm's ``--mount-socket`` at ``/run/bottle/egress.sock``);
 the plan and the verdict are the daemon's own code. In ``busybox``, after the gate the
 bridge (the kit's ``bridge``, under the kit's session wrapper) serves guest 127.0.0.1:3128
-and busybox ``wget`` reaches tinyproxy (behind the forward) through it.
+and busybox ``wget`` reaches tinyproxy (behind the forward) through it; then the kit's
+transparent egress layer (``egress run``, its routes and nf_tables rules by netlink) takes
+busybox ``wget`` with no proxy variable to tinyproxy as ``CONNECT name:port`` (the name from
+the layer's resolver) and ``CONNECT ip:port``.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from typing import Any
 
 from attrs import evolve
 
+from bottlenet.bottles.egresslayer import layer_args
 from bottlenet.bottles.probe import GateSettings, Markers, plan_gate
 from bottlenet.bridge.script import Bridge, bridge_args
 from bottlenet.kit.build import Kit, KitCache
 from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.probe.judge import judge
 from bottlenet.probe.script import kit_request
+from bottlenet.transparent.layer import LISTEN_PORT
 from tests.netguard import TEST_KIT_DIR
 from tests.realvm import krunfw
 from tests.realvm.build import KrunfwKit, ensure_krunfw
@@ -111,6 +116,14 @@ def steps_for(ref: KitRef, busybox: bool) -> list[list[str]]:
              "http://allowed.test:18180/page"],
             ["run", "wget-denied", "-", BUSYBOX, "wget", "-q", "-O", "-",
              "http://denied.test:18181/page"],
+            # transparent egress on the kit (its `egress` subcommand, as the daemon runs it),
+            # then clients with no proxy variable: a name through its resolver, a raw IP
+            ["bg", *kit_session(ref), *ref.argv("egress", *layer_args(GUEST_SOCKET))],
+            ["tcp", str(LISTEN_PORT)],
+            ["unenv", "http_proxy"],
+            ["run", "wget-transparent", "-", BUSYBOX, "wget", "-q", "-O", "-",
+             "http://allowed.test:18180/page"],
+            ["run", "wget-raw-ip", "-", BUSYBOX, "wget", "-q", "-O", "-", "http://203.0.113.7:443/"],
         ]  # fmt: skip
     steps.append(["run", "exec-static", "-", *kit_session(ref), "/bin/hello"])
     steps.append(["run", "no-shell", "-", *kit_session(ref), "/bin/sh", "-c", "echo shell"])

@@ -282,6 +282,21 @@ def test_a_busybox_only_guest_runs_the_gate_and_the_bridge_on_the_kit(runs: Any)
     assert r["host_accepts"][f"127.0.0.1:{CONTROL_PORT}"] == 0
 
 
+def test_a_busybox_only_guest_gets_transparent_egress_from_the_kit(runs: Any) -> None:
+    """The same guest (no python3, no libc): the kit's ``egress run`` installs the routes and
+    nf_tables rules by netlink in libkrunfw's kernel and listens; busybox ``wget`` with no
+    proxy variable reaches tinyproxy as ``CONNECT allowed.test:18180`` (the name from the
+    layer's resolver) and gets the page, and a raw IP dial arrives as ``CONNECT
+    203.0.113.7:443``, which tinyproxy refuses (the client sees a reset)."""
+    r = _kit_run(runs, "kit-busybox")
+    steps, out = r["steps"], " ".join(r["output"])
+    assert "BNE ready" in r["output"], r["output"]
+    assert steps["wget-transparent"][0] == 0, r
+    assert "BNE conn allowed.test:18180 ok" in out, out
+    assert steps["wget-raw-ip"][0] == 1 and "BNE conn 203.0.113.7:443 refused" in out, out
+    assert "wget: error getting response: Connection reset by peer" in r["output"]
+
+
 def test_a_guest_with_no_shell_at_all_runs_the_gate_and_an_exec(runs: Any) -> None:
     """The same kernel, an image with no shell at all (a static program only): the gate
     passes on the kit, and a static program runs under the kit's session wrapper."""
