@@ -1,15 +1,14 @@
 """The lease policy: a bottle whose owner stopped renewing is destroyed by the daemon itself.
 
 A fleet's owner (a Ray actor, docs/fleet.md) can vanish without a word; its bottle must not
-run forever. A bottle made with a lease is reaped once the lease and a grace
-(``--lease-grace``) ran out without a ``RenewLease``: ``lease_expired``, a log line, then the
-ordinary destroy, tried again every :data:`RETRY` while another operation holds it. Each
-owner holds its own :class:`LeaseTimer`, armed when made or restored and at each renewal.
-Deadlines count on the monotonic clock (a wall-clock jump forward never reaps early); the
-reactor only wakes the timer, at most :data:`MAX_SLEEP` apart; a jump back while it sleeps
-delays its wake, and so a reap, by the jump (Twisted's timers are wall time): late, never
-early. Across a restart only wall time exists: a restored bottle counts what is left of
-its recorded expiry, then the grace again, so its owner can still renew it.
+run forever. A leased bottle is reaped once the lease and a grace (``--lease-grace``) ran out
+without a ``RenewLease``: ``lease_expired``, a log line, the ordinary destroy (again every
+:data:`RETRY` while another operation holds it). Each owner holds its own :class:`LeaseTimer`
+(armed when made or restored and at each renewal), counting on the monotonic clock: a wall
+jump forward never reaps early; the reactor (wall time) wakes it at most :data:`MAX_SLEEP`
+apart, and a jump back while it sleeps delays a reap by the jump: late, never early. Across
+a restart only wall time exists: a restored bottle counts what is left of its recorded
+expiry, then the grace again, so its owner can still renew it.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ Reap = Callable[[], Deferred[None]]
 
 
 class LeasePolicy:
-    """The clocks and the grace every bottle's lease is counted with; ``leased`` counts the
-    timers armed now."""
+    """The clocks and grace every bottle's lease counts with; ``leased``: timers armed now."""
 
     log = Logger()
 
