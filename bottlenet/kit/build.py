@@ -20,22 +20,28 @@ interpreter and each library and module file by path, size and mtime, and the by
 guest programs and of the package's modules), so a change of any input builds a new kit.
 Next to it ``<key>.digest``, the tree digest taken when it was built
 (``guest.tree_digest``); a kit whose files no longer give that digest is built again, never
-used as it is. Blocking: run it off the reactor thread.
+used as it is. Kits of older inputs are removed at the daemon's start (:meth:`KitCache.prune`)
+unless a live bottle mounts one or another daemon sharing the cache uses it (each daemon
+holds a shared lock on ``<key>.use`` of the kits it uses). Blocking: run it off the reactor
+thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import py_compile
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection, Iterator
 from importlib import resources
 
 from attrs import field, frozen
@@ -49,6 +55,10 @@ from bottlenet.kit.program import LIB, MAIN, PYTHON, KitProgram, KitRef
 LAYOUT = 2
 #: The state directory's kit folder.
 KITS = "kit"
+#: In it: the lock every cache change is made under, and beside each ``<key>`` kit its
+#: ``<key>.digest`` and ``<key>.use`` (held with a shared lock by each daemon using the kit).
+LOCK, USE = ".lock", ".use"
+_KEY = re.compile(r"[0-9a-f]{16}")
 #: Each guest program: its name in the kit's ``app/`` and where its source is.
 PROGRAMS = {
     "main": ("bottlenet.kit", "guest.py"),
@@ -361,6 +371,15 @@ def build(inputs: Inputs, dest: str) -> None:
     os.chmod(dest, 0o555)
 
 
+def _recorded(base: str) -> str | None:
+    """The digest recorded at a kit's build (None: none readable)."""
+    try:
+        with open(base + ".digest") as fh:
+            return fh.read(128).strip()
+    except OSError:
+        return None
+
+
 def tree_size(root: str) -> int:
     total = 0
     for top, _dirs, files in os.walk(root):
@@ -393,6 +412,8 @@ class KitCache:
     def __init__(self, state_dir: str, python: str | None = None) -> None:
         self.dir = os.path.join(state_dir, KITS)
         self.python = python
+        #: key -> the descriptor holding ``<key>.use`` (shared): the kits this daemon uses.
+        self.held: dict[str, int] = {}
 
     def _kit(self, key: str, digest: str, built_in: float = 0.0) -> Kit:
         root = os.path.join(self.dir, key)
@@ -402,24 +423,87 @@ class KitCache:
 
     def ensure(self) -> Kit:
         """The kit of today's inputs: the cached one when its files still give the digest
-        recorded at its build, else a new build. KitUnavailable when none can be built."""
+        recorded at its build, else a new build (held in use from then on: :meth:`prune`s
+        of other daemons sharing the cache leave it). KitUnavailable when none can be
+        built."""
         inputs = find_inputs(self.python)
         key = inputs.key()
+        with self._locked():
+            kit = self.cached(key) or self.build(inputs, key)
+            self._hold(key)
+            return kit
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The cache's lock: daemons sharing one cache build, hold and prune one at a time."""
         try:
             os.makedirs(self.dir, mode=0o755, exist_ok=True)
-            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            lock = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError:  # another user's cache: its kits can still be used
-            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDONLY)
+            lock = os.open(os.path.join(self.dir, LOCK), os.O_RDONLY)
         except OSError as e:
             raise KitUnavailable(f"cannot use {self.dir}: {e.strerror or e}") from None
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # daemons sharing one cache build it once
-            cached = self.cached(key)
-            if cached is not None:
-                return cached
-            return self.build(inputs, key)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
         finally:
             os.close(lock)
+
+    def _hold(self, key: str) -> None:
+        """Mark the kit ``key`` in use by this daemon (a shared lock on ``<key>.use``, kept
+        until :meth:`release`); a cache this user may not write is used unmarked."""
+        if key in self.held:
+            return
+        try:
+            fd = os.open(os.path.join(self.dir, key + USE), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self.held[key] = fd
+
+    def release(self) -> None:
+        """This daemon uses none of the cache's kits any more (it stops)."""
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()
+
+    def prune(self, keep: Collection[str] = ()) -> list[str]:
+        """Remove the kits of other keys that no daemon holds in use and whose digest is not
+        in ``keep`` (the kits the daemon's live bottles mount: held from now on), and what
+        a build that died left; the keys removed. Blocking: a walk of the cache."""
+        removed: list[str] = []
+        with self._locked():
+            names = os.listdir(self.dir)
+            for name in names:
+                if name.startswith(".build-"):  # no build runs while the lock is held
+                    remove(os.path.join(self.dir, name))
+            for key in sorted({n.partition(".")[0] for n in names} - {""}):
+                if not _KEY.fullmatch(key):
+                    continue
+                if key in self.held:
+                    continue
+                if _recorded(os.path.join(self.dir, key)) in keep:
+                    self._hold(key)
+                elif self._remove_unused(key):
+                    removed.append(key)
+        return removed
+
+    def _remove_unused(self, key: str) -> bool:
+        """Remove the kit ``key`` unless a daemon holds it in use."""
+        base = os.path.join(self.dir, key)
+        fd = os.open(base + USE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another daemon uses it
+            remove(base)
+            for leftover in (base + ".digest", base + USE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            return True
+        finally:
+            os.close(fd)
 
     def cached(self, key: str) -> Kit | None:
         root = os.path.join(self.dir, key)
