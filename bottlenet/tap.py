@@ -243,6 +243,8 @@ class BottlenetService(MultiService):
     async def _stop(self) -> None:
         try:
             Service.stopService(self)
+            if self.node is not None:
+                self.node.pools.stop()  # no fill starts while the daemon stops
             # In reverse, as MultiService does, but only what started (a fatal stop can
             # end the start half-way).
             started = [child for child in self if child.running]
@@ -369,6 +371,9 @@ def compose(
     )
     recovery.setServiceParent(root)
     waits.append(recovery.ready)
+    node = root.node
+    if node is not None:  # the warm pools fill once the kept members are counted
+        recovery.ready.addCallback(lambda _: node.pools.start())
     # No VM bottle without a smolvm: then it never asks anything.
     EgressWatch(reactor, host.smolvm, registry.list_bottles, registry.events.emit).setServiceParent(
         root

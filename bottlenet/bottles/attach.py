@@ -141,12 +141,15 @@ async def spawn_exec(
     """
     if host is None:
         raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
+    env = dict(request.env)
+    if bottle.home != bottle.name:  # taken from a warm pool: its VM was made for its home
+        env.setdefault("BOTTLENET_BOTTLE", bottle.name)
     try:
         transport: IProcessTransport = await host.smolvm.spawn_exec(
             bottle.require_vms().agent_vm,
             list(request.argv),
             protocol,
-            env=dict(request.env),
+            env=env,
             workdir=request.workdir,
             user=request.user,
             tty=request.tty,

@@ -20,6 +20,8 @@ from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IDelayedCall, IProcessProtocol, IReactorTime
 from twisted.python.failure import Failure
 
+from bottlenet.bottles import workload
+from bottlenet.bottles.agentenv import stamp_env
 from bottlenet.bottles.core import (
     BottleCore,
     CreateRequest,
@@ -43,7 +45,9 @@ from bottlenet.bottles.sessions import CountedSession
 from bottlenet.bottles.states import Lifecycle
 from bottlenet.bottles.store import write
 from bottlenet.bottles.tenancy import Tenancy, check_lease_seconds
+from bottlenet.bottles.vmerrors import map_vmctl
 from bottlenet.bottles.vmmachine import LIVE, Running, Teardown, describe_bridge, vm_machine
+from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
     BottlenetError,
     Busy,
@@ -56,6 +60,7 @@ from bottlenet.errors import (
 )
 from bottlenet.forward.spec import ForwardSpec, TargetSpec, TCPListen
 from bottlenet.forward.table import ForwardInfo
+from vmctl.errors import VmctlError
 
 __all__ = ["BottleOwner", "CreateRequest", "ForwardBottle", "Hands", "Resync", "VMBottle"]
 
@@ -81,8 +86,13 @@ class BottleOwner:
 
     @property
     def made(self) -> bool:
-        """Its create committed it (or it was restored): it exists for every reader."""
+        """Its create committed it (or it was restored)."""
         return self.core.value.state is not BottleState.CREATING
+
+    @property
+    def listed(self) -> bool:
+        """It exists for every reader: made, and not a warm pool's member waiting."""
+        return self.made and self.core.value.pool is None
 
     def require(self) -> Bottle:
         """The bottle as it is now (its create committed it)."""
@@ -362,7 +372,7 @@ class VMBottle(BottleOwner):
         self.machine.begin(creation)
         try:
             with creation:  # (the volumes it resolves stay open until it is committed)
-                bottle = await creation.run()
+                bottle = evolve(await creation.run(), pool=asked.pool)
                 if asked.tenancy is not None:
                     now = self.hands.clock.seconds()
                     bottle = evolve(bottle, tenancy=asked.tenancy.started(now))
@@ -377,9 +387,48 @@ class VMBottle(BottleOwner):
             self.machine.create_failed(getattr(e, "code", "INTERNAL"))
             raise
         running = Running(self, self.host, bottle.require_vms(), creation.bridge, creation.layer)
-        self.machine.created(running)  # an Exec was BUSY ("being created") until now
+        if asked.pool is None:
+            self.machine.created(running)  # an Exec was BUSY ("being created") until now
+        else:
+            self.machine.pooled(running)  # a warm pool's member: no workload, not listed
         running.start()
         return self.require()
+
+    async def take(self, name: str, asked: CreateRequest) -> Bottle:
+        """A create takes this warm pool's member as ``name``: the workload of ``asked``'s
+        spec started (with the env stamped for its name), the bottle recorded under its name
+        (its home's record then goes), its endpoints renamed in the forward table (they
+        listen on), READY. A failure raises with the member as it was (its owner destroys
+        it: its workload may have started)."""
+        member, spec = self.require(), asked.spec
+        assert spec is not None and spec.agent is not None and member.pool is not None
+        vm, home = member.require_vms(), member.name
+        env = stamp_env(spec, vm.mode, vm.endpoints)
+        if spec.agent.workload:
+            try:
+                await workload.start(
+                    self.host.smolvm, vm.agent_vm, spec.agent.workload, spec.agent.user, env, vm.kit
+                )
+            except VmctlError as e:
+                raise map_vmctl(e, name) from None
+        now = self.hands.clock.seconds()
+        state = WorkloadState.RUNNING if spec.agent.workload else None
+        taken = evolve(
+            member,
+            name=name,
+            created_at=now,
+            pool=None,
+            tenancy=None if asked.tenancy is None else asked.tenancy.started(now),
+            vms=evolve(vm, spec=spec, env=env, home=home, workload=state),
+        )
+        store = self.hands.store
+        if store is not None:  # the new record first: a crash between keeps the taken one
+            write(store, lambda s: s.replace(home, name, taken.to_state()))
+        self.hands.table.rename_bottle(home, name)
+        self.name = name
+        self.core.lease = self.hands.policies.leases.timer(name, self._lease_ran_out, self._reap)
+        self.machine.take(self.machine.running(), taken)
+        return taken
 
     async def restore(self) -> Bottle:
         """Recovery: the bottle as it was kept (its endpoints re-bound by ``rebind``, or
@@ -462,7 +511,7 @@ class VMBottle(BottleOwner):
         emit(self.core, BRIDGE_RESTARTED, None, detail)
 
     def workload_ended(self, code: int) -> None:
-        if self.phase() in LIVE:
+        if self.phase() in (Lifecycle.READY, Lifecycle.EXITED):
             self.machine.workload_exited(code)
 
     def sidecar_exited(self) -> None:

@@ -68,13 +68,15 @@ class CreateRequest:
     """What a create asks for, parsed and checked (``check_create``): a forward-only bottle's
     ``alias`` (None: the lowest free) and ``source``, a VM bottle's ``spec`` and who asks for
     it (``requester``: its volumes are checked for it; None: the daemon itself); either's
-    ``tenancy``, its lease counted from the commit."""
+    ``tenancy``, its lease counted from the commit; a warm pool's fill, its ``pool``."""
 
     alias: ipaddress.IPv4Address | None = None
     spec: BottleSpec | None = None
     source: Source = Source.CONTROL
     tenancy: Tenancy | None = None
     requester: Requester | None = None
+    #: A warm pool's fill: the spec hash of the pool its member waits in.
+    pool: str | None = None
 
     def asked(self, name: str, now: float) -> Bottle:
         """The bottle as asked, until its create commits it (never recorded)."""
@@ -85,6 +87,7 @@ class CreateRequest:
             source=self.source,
             state=BottleState.CREATING,
             tenancy=self.tenancy,
+            pool=self.pool,
         )
 
 
@@ -116,7 +119,10 @@ def emit(
     detail: str | None = None,
     exit_code: int | None = None,
 ) -> None:
-    """One event of the bottle, stamped with the clock's time and its creator, to the wire."""
+    """One event of the bottle, stamped with the clock's time and its creator, to the wire
+    (none of a warm pool's member: it is no bottle of anyone's until a create takes it)."""
+    if core.value.pool is not None:
+        return
     tenancy = core.value.tenancy
     creator = None if tenancy is None else tenancy.creator
     at = core.hands.clock.seconds()

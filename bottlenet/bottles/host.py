@@ -238,7 +238,13 @@ class VMHost:
     # -- create -----------------------------------------------------------------------
 
     async def bind_endpoint(
-        self, bottle: str, service: str, guest_port: int, behind: str | int, listen: UNIXListen
+        self,
+        bottle: str,
+        service: str,
+        guest_port: int,
+        behind: str | int,
+        listen: UNIXListen,
+        home: str | None = None,
     ) -> Endpoint:
         """One agent endpoint (``listen``) relaying to the sidecar service ``behind``: its
         exposed socket in the bottle's directory (pinned: the socket file the sidecar's VM was
@@ -248,7 +254,7 @@ class VMHost:
             if isinstance(behind, str)
             else TCPTarget(LOCALHOST, behind)
         )
-        await self.table.add(ForwardSpec(bottle, service, listen, target))
+        await self.table.add(ForwardSpec(bottle, service, listen, target, home=home))
         guest_path = guest_socket_path(service)
         if isinstance(behind, str):
             return SocketEndpoint(service, guest_port, listen.path, guest_path, behind)
@@ -385,7 +391,7 @@ class VMHost:
         removed = []
         try:
             for name, uid in ((vm.agent_vm, vm.agent_uid), (vm.sidecar_vm, vm.sidecar_uid)):
-                if listed is not None and not self._labelled_ours(listed.get(name), bottle.name):
+                if listed is not None and not self._labelled_ours(listed.get(name), bottle.home):
                     if name in listed:
                         self.log.warn(
                             "machine {name} of bottle {bottle} lacks our labels: left alone",
@@ -446,7 +452,7 @@ class VMHost:
     async def release(self, bottle: Bottle) -> None:
         """The bottle's socket directory (its agent endpoints and its sidecar's sockets), off
         the reactor thread; never fails (``bottledirs``: what stays is moved aside)."""
-        await self.blocking(remove_bottle_dir, self.state_dir, bottle.name)
+        await self.blocking(remove_bottle_dir, self.state_dir, bottle.home)
 
     # -- after a restart ----------------------------------------------------------------
 

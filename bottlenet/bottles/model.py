@@ -210,6 +210,9 @@ class BottleVMs:
     #: bottlenet's guest kit, mounted read-only in both VMs at create (None: the image's
     #: python3 and /bin/sh run bottlenet's guest commands).
     kit: KitRef | None = None
+    #: The name its machines, directory and sockets were made under when that is not the
+    #: bottle's own: a bottle taken from a warm pool keeps its pool member's (None: its own).
+    home: str | None = None
 
     @property
     def raw_ports(self) -> tuple[int, ...]:
@@ -239,10 +242,20 @@ class Bottle:
     vms: BottleVMs | None = None
     #: Owner, scoped creator and lease (``bottles.tenancy``); None: none of them.
     tenancy: Tenancy | None = None
+    #: A warm pool's member, not yet taken: the spec hash of its pool (``node/pools.py``).
+    #: Such a bottle is never listed and tells the wire nothing; None: any other bottle.
+    pool: str | None = None
 
     @property
     def has_vms(self) -> bool:
         return self.vms is not None
+
+    @property
+    def home(self) -> str:
+        """The name its machines, directory and sockets were made under (its own, unless
+        it was taken from a warm pool)."""
+        vm = self.vms
+        return self.name if vm is None or vm.home is None else vm.home
 
     @property
     def persisted(self) -> bool:
@@ -311,6 +324,8 @@ class Bottle:
             "workload_exit_code": vm.workload_exit_code,
             **_uids_record(vm),
             **_kit_record(vm.kit),
+            **({} if vm.home is None else {"home": vm.home}),
+            **({} if self.pool is None else {"pool": self.pool}),
         }
 
     @classmethod
@@ -373,6 +388,7 @@ class Bottle:
                 workload_exit_code=f.value("workload_exit_code", int, optional=True),
                 **_uids_from(f),
                 kit=_kit_from(f),
+                home=_home_from(f),
             )
             return cls(
                 name=name,
@@ -382,11 +398,24 @@ class Bottle:
                 detail=f.value("detail", str, optional=True),
                 vms=vms,
                 tenancy=tenancy,
+                pool=f.value("pool", str, optional=True),
             )
         except StateError as e:
             raise StateError(f"bottle {name}: {e.message}") from None
         except InvalidArgument as e:
             raise StateError(f"bottle {name}: stored value no longer valid: {e.message}") from None
+
+
+def _home_from(f: Fields) -> str | None:
+    """The pool member's name a taken bottle's machines and directory keep (a valid bottle
+    name: its directory is derived from it)."""
+    home = f.value("home", str, optional=True)
+    if home is not None:
+        try:
+            check_bottle_name(home)
+        except InvalidArgument:
+            raise StateError("home: must be a bottle name") from None
+    return home
 
 
 def _kit_record(kit: KitRef | None) -> dict[str, Any]:

@@ -4,9 +4,10 @@ The node's policies (drain, leases, what a create told of KVM) sit above this wi
 :mod:`bottlenet.node`; the bottles know them only through these protocols, injected into the
 table (``BottleRegistry(policies=...)``), never by subscribing to the event bus (which is the
 wire's feed). The table asks the admission before a create and tells it its count as bottles
-leave; each owner tells the tracker a VM start or a create's failure, and holds the lease
-timer the lease policy made for it (transit relay's ``_record_usage``: an output that tells
-an injected tracker, which keeps no map of parties). The defaults admit every create, count
+leave; each owner tells the tracker a VM start or a create's failure, the warm pools a
+member degraded or taken, and holds the lease timer the lease policy made for it (transit
+relay's ``_record_usage``: an output that tells an injected tracker, which keeps no map of
+parties). The defaults admit every create, count
 no lease and hear nothing: a table alone (a test) needs no node.
 """
 
@@ -65,6 +66,30 @@ class Tracker(Protocol):
         """A VM bottle's create failed with the error ``code``."""
 
 
+class Pools(Protocol):
+    """The node's warm pools (``node/pools.py``): what they hear of their members."""
+
+    def member_degraded(self, pool: str, home: str) -> None:
+        """A member of ``pool`` degraded (its sidecar, bridge or agent VM failed): replace it."""
+
+    def taken(self, pool: str) -> None:
+        """A create took a member of ``pool`` (or tried to: its member is gone either way)."""
+
+    def room(self) -> None:
+        """A bottle left the table: a pool waiting for room may fill."""
+
+
+class _NoPools:
+    def member_degraded(self, pool: str, home: str) -> None:
+        pass
+
+    def taken(self, pool: str) -> None:
+        pass
+
+    def room(self) -> None:
+        pass
+
+
 class _Open:
     def admit(self, source: Source) -> None:
         pass
@@ -107,3 +132,4 @@ class Policies:
     admission: Admission = field(factory=_Open)
     leases: Leases = field(factory=_NoLeases)
     tracker: Tracker = field(factory=_Deaf)
+    pools: Pools = field(factory=_NoPools)

@@ -131,7 +131,7 @@ async def rebind(host: VMHost, bottle: Bottle) -> Bottle:
         for e in vm.endpoints:
             behind = e.sidecar_path if isinstance(e, SocketEndpoint) else e.raw_port
             await host.bind_endpoint(
-                bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path)
+                bottle.name, e.service, e.guest_port, behind, UNIXListen(e.path), vm.home
             )
         host.table.admit_peers(bottle.name, host.access.peers(None))
         if vm.agent_uid is not None:
@@ -196,6 +196,12 @@ class Recovery:
                 self.log.warn("persisted bottle {bottle} is shadowed by the config", bottle=name)
                 continue
             bottles.append(bottle)
+        # A warm pool's member taken just before a crash has two records (``store.replace``):
+        # the taken bottle's wins; the member's record goes with the next save.
+        homes = {b.home for b in bottles if b.home != b.name}
+        for b in [b for b in bottles if b.pool is not None and b.name in homes]:
+            self.log.info("warm bottle {home} was taken: its pool's record dropped", home=b.name)
+            bottles.remove(b)
         return bottles
 
     # -- forward-only -------------------------------------------------------------------
@@ -320,7 +326,7 @@ class Recovery:
             self.log.warn("cannot list the bottle directories: {why}", why=e.strerror)
             return
         for n in names:
-            if self.registry.has_bottle(n):
+            if self.registry.claims_dir(n):
                 continue
             if not _is_dir(os.path.join(self.state_dir, BOTTLES, n)):
                 self.log.warn(

@@ -19,8 +19,10 @@ import ipaddress
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
+from attrs import evolve
 from twisted.internet.defer import Deferred
 from twisted.internet.interfaces import IProcessProtocol, IProcessTransport, IReactorTime
+from twisted.logger import Logger
 
 from bottlenet.bottles import execs, states
 from bottlenet.bottles.attach import ExecRequest
@@ -39,6 +41,7 @@ from bottlenet.bottles.host import VMHost
 from bottlenet.bottles.leftovers import find_leftovers
 from bottlenet.bottles.model import Bottle, Source
 from bottlenet.bottles.policy import Policies
+from bottlenet.bottles.pooled import PoolUse, member_spec, new_home, spec_hash
 from bottlenet.bottles.probe import ProbeVerdict
 from bottlenet.bottles.spec import BottleSpec, check_create
 from bottlenet.bottles.states import KEPT, Lifecycle
@@ -47,6 +50,7 @@ from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.volumes import Requester
 from bottlenet.errors import (
     AlreadyExists,
+    BottlenetError,
     Busy,
     InvalidArgument,
     NotFound,
@@ -61,6 +65,7 @@ from bottlenet.views import LazyView
 T = TypeVar("T")
 Owner = TypeVar("Owner", bound=BottleOwner)
 
+log = Logger()
 DEFAULT_MAX_BOTTLES = 256
 #: A revocation that could not be made durable is written again this often until it is.
 RESYNC_INTERVAL = 5.0
@@ -92,8 +97,13 @@ class BottleRegistry:
         #: One owner per name: every bottle, and per name a create is making (their count is
         #: what the node holds and what the cap counts).
         self._owners: dict[str, BottleOwner] = {}
-        #: The names of the bottles made (not those being created), sorted as they come and go.
+        #: The names of the bottles made (not those being created, nor a warm pool's members),
+        #: sorted as they come and go.
         self._names: list[str] = []
+        #: A warm pool's members by its spec hash: their home names (fills in flight too).
+        self._members: dict[str, dict[str, None]] = {}
+        #: The home names of the bottles taken from a pool (home -> its name): held too.
+        self._homes: dict[str, str] = {}
         #: The names an operation holds now (one at a time per bottle: another gets BUSY).
         self._busy: set[str] = set()
         #: The revocations not yet durable, retried until they are.
@@ -175,22 +185,41 @@ class BottleRegistry:
                 self._forget(name)  # a create that failed lets go of its name
 
     def _named(self, owner: BottleOwner) -> None:
-        """The owner's bottle is made (created or restored): listed from now on."""
+        """The owner's bottle is made (created or restored): listed from now on (a warm
+        pool's member is indexed by its pool instead)."""
         self._owners[owner.name] = owner
+        value = owner.core.value
+        if value.pool is not None:
+            self._members.setdefault(value.pool, {})[owner.name] = None
+            return
         bisect.insort(self._names, owner.name)
+        if value.home != owner.name:
+            self._homes[value.home] = owner.name
 
     def _forget(self, name: str) -> None:
         """The bottle and its record are gone (its owner's ``gone``), or its create failed:
-        the admission hears the count."""
-        del self._owners[name]
+        the admission and the pools hear the count."""
+        value = self._owners.pop(name).core.value
+        self._unindex(name, value)
+        self.policies.admission.held(self.held())
+        self.policies.pools.room()
+
+    def _unindex(self, name: str, value: Bottle) -> None:
+        """``name`` leaves the listing, its pool's members, the homes."""
+        if value.pool is not None:
+            members = self._members.get(value.pool, {})
+            members.pop(name, None)
+            if not members:
+                self._members.pop(value.pool, None)
+        if self._homes.get(value.home) == name:
+            del self._homes[value.home]
         i = bisect.bisect_left(self._names, name)
         if i < len(self._names) and self._names[i] == name:
             del self._names[i]
-        self.policies.admission.held(self.held())
 
     def _owner(self, name: str) -> BottleOwner:
         owner = self._owners.get(name)
-        if owner is None or not owner.made:
+        if owner is None or not owner.listed:
             raise NotFound(f"bottle {name} does not exist")
         return owner
 
@@ -205,7 +234,7 @@ class BottleRegistry:
         """Write the whole state file, every control-created bottle's record (atomic); an I/O
         failure is UNAVAILABLE to the caller."""
         if self._hands.store is not None:
-            bottles = (self._owners[n].require() for n in self._names)
+            bottles = (o.require() for o in self._owners.values() if o.made)
             state = State(self.instance_id, {b.name: b.to_state() for b in bottles if b.persisted})
             write(self._hands.store, lambda store: store.save(state))
 
@@ -227,21 +256,33 @@ class BottleRegistry:
         source: Source = Source.CONTROL,
         tenancy: Tenancy | None = None,
         requester: Requester | None = None,
+        pool: PoolUse = PoolUse.AUTO,
     ) -> Bottle:
         """Create a bottle: forward-only (no ``spec``, or mode ``none``) or with VMs.
         ``tenancy`` (owner, scoped creator, lease) is recorded with it, its lease counted
         from the commit; a VM bottle's volumes are checked for ``requester`` (None: the
-        daemon itself)."""
+        daemon itself). A VM bottle whose spec a warm pool keeps takes a ready member of it
+        unless ``pool`` is ``off`` (``only``: RESOURCE_EXHAUSTED when none is ready)."""
         with_vms = spec is not None and check_create(name, alias, spec)
         if with_vms and self.host is None:
             raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
+        if pool is PoolUse.ONLY and (not with_vms or source is not Source.CONTROL):
+            raise InvalidArgument("pool 'only': only a VM bottle's create takes from a pool")
         asked = CreateRequest(alias, spec, source, tenancy, requester)
 
         async def create() -> Bottle:
             self.policies.admission.admit(source)
             owner = self._owners[name]
-            if owner.made:
+            if owner.made or name in self._homes:
                 raise AlreadyExists(f"bottle {name} already exists")
+            if spec is not None and with_vms and pool is not PoolUse.OFF:
+                member = self._ready_member(spec_hash(spec.doc))
+                if member is not None:
+                    return await self._take(member, name, asked)
+                if pool is PoolUse.ONLY:
+                    raise ResourceExhausted(
+                        f"no warm bottle of spec {spec_hash(spec.doc)} is ready on this node"
+                    )
             if self.held() > self.max_bottles:  # (this create is one of them)
                 raise ResourceExhausted(
                     f"the daemon holds its maximum of {self.max_bottles} bottles"
@@ -257,8 +298,91 @@ class BottleRegistry:
         return await self._locked(name, create, make=make)
 
     def held(self) -> int:
-        """The bottles the node holds, creates in flight included (the drain's count)."""
+        """The bottles the node holds, creates in flight and a warm pool's members included
+        (the drain's count, and the cap's)."""
         return len(self._owners)
+
+    # -- warm pools -----------------------------------------------------------------------
+
+    def _ready_member(self, pool: str) -> VMBottle | None:
+        """A member of ``pool`` that waits to be taken (no operation holds it)."""
+        for home in self._members.get(pool, ()):
+            owner = self._owners[home]
+            if home not in self._busy and owner.phase() is Lifecycle.POOLED:
+                assert isinstance(owner, VMBottle)
+                return owner
+        return None
+
+    async def _take(self, member: VMBottle, name: str, asked: CreateRequest) -> Bottle:
+        """``name``'s create takes ``member`` (held meanwhile); a failure destroys it."""
+        home, pool = member.name, member.core.value.pool
+        assert pool is not None
+        self._busy.add(home)
+        try:
+            bottle = await member.take(name, asked)
+        except BaseException:
+            await self._drop_member(member, name)
+            raise
+        finally:
+            self._busy.discard(home)
+            self.policies.pools.taken(pool)
+        del self._owners[home]
+        self._unindex(home, evolve(bottle, name=home, pool=pool))
+        self._named(member)  # (in the place the create held for its name)
+        return bottle
+
+    async def _drop_member(self, member: VMBottle, name: str) -> None:
+        """A take failed: the member goes (its workload may have started), and a record the
+        take wrote under ``name`` with it."""
+        try:
+            if self._hands.store is not None:
+                write(self._hands.store, lambda s: s.remove(name))
+            await member.destroy()
+        except BottlenetError as e:
+            log.error(
+                "warm bottle {home}: not destroyed after a failed take: {err}",
+                home=member.name,
+                err=e.message,
+            )
+
+    async def fill(self, spec: BottleSpec, pool: str) -> Bottle:
+        """Make one member of the warm pool ``pool`` (its spec ``spec``): booted, gated and
+        bridged under a home name of its own, no workload (RESOURCE_EXHAUSTED at the cap)."""
+        if self.host is None:
+            raise SmolvmUnavailable("this daemon runs without smolvm: VM bottles are unavailable")
+        home = new_home(pool, lambda n: n in self._owners or n in self._homes)
+        asked = CreateRequest(spec=member_spec(spec, home), pool=pool)
+
+        async def create() -> Bottle:
+            if self.held() > self.max_bottles:  # (this fill is one of them)
+                raise ResourceExhausted(
+                    f"the daemon holds its maximum of {self.max_bottles} bottles"
+                )
+            owner = self._owners[home]
+            bottle = await owner.create(asked)
+            self._named(owner)
+            return bottle
+
+        def make() -> BottleOwner:
+            self._members.setdefault(pool, {})[home] = None
+            return VMBottle(home, self._hands, asked.asked(home, self._hands.clock.seconds()))
+
+        return await self._locked(home, create, make=make)
+
+    def members(self, pool: str) -> list[tuple[str, Lifecycle]]:
+        """The home name and phase of each member of ``pool`` (fills in flight: creating)."""
+        return [(home, self._owners[home].phase()) for home in self._members.get(pool, ())]
+
+    async def destroy_member(self, home: str) -> None:
+        """Destroy a warm pool's member (NOT_FOUND: none is called so; BUSY: taken now)."""
+        owner = self._owners.get(home)
+        if owner is None or owner.core.value.pool is None:
+            raise NotFound(f"no warm bottle {home}")
+        await self._locked(home, owner.destroy)
+
+    def claims_dir(self, name: str) -> bool:
+        """A bottle, a member or a taken bottle's home holds the bottle directory ``name``."""
+        return name in self._owners or name in self._homes
 
     async def destroy_bottle(self, name: str) -> None:
         """Stop the bottle's listeners, abort its relays, delete its VMs, release its alias."""
@@ -291,7 +415,7 @@ class BottleRegistry:
 
     def has_bottle(self, name: str) -> bool:
         owner = self._owners.get(name)
-        return owner is not None and owner.made
+        return owner is not None and owner.listed
 
     async def leftovers(self, name: str) -> list[str]:
         """What the bottle ``name``, if it no longer exists, left on the host (selftest)."""
@@ -397,7 +521,7 @@ class BottleRegistry:
         return out
 
     def _listed(self) -> list[BottleOwner]:
-        return [self._owners[name] for name in sorted(self._owners)]
+        return [self._owners[name] for name in self._names]
 
     def list_forwards(self, bottle: str | None = None) -> Sequence[ForwardInfo]:
         """Lazy (``ForwardTable.view``): each ForwardInfo is built when it is read."""

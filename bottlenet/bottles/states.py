@@ -32,6 +32,8 @@ class Lifecycle(enum.StrEnum):
     DEGRADED = "degraded"
     DESTROYING = "destroying"
     GONE = "gone"
+    #: A warm pool's member: booted, gated and bridged, no workload, waiting to be taken.
+    POOLED = "pooled"
 
 
 #: The states a bottle is kept in (the state file holds one of them): BUSY while an

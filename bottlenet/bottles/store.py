@@ -292,6 +292,17 @@ class StateStore:
         self._records[name] = record
         self._compact_quietly()
 
+    def replace(self, old: str, name: str, record: dict[str, Any]) -> None:
+        """Record ``name`` (``record``), then forget ``old``: a crash between leaves both (the
+        reader keeps ``name``'s: a warm pool's member taken, ``recovery.py``)."""
+        self.put(name, record)
+        self.remove(old)
+
+    @property
+    def node(self) -> dict[str, Any]:
+        """The node's own record as it is now (empty: none)."""
+        return dict(self._node or {})
+
     def put_node(self, record: dict[str, Any]) -> None:
         """Record (replace) the node's own record; durable when this returns (OSError: not
         on disk)."""

@@ -31,6 +31,7 @@ from bottlenet.bottles.bridge import BridgeKeeper, BridgeState, BridgeStatus
 from bottlenet.bottles.core import (
     BottleCore,
     commit,
+    count_lease,
     emit,
     ended,
     log,
@@ -59,8 +60,9 @@ from vmctl.smolvm import GUEST_ROOT
 if TYPE_CHECKING:
     from bottlenet.bottles.bottle import VMBottle
 
-#: The phases whose bottle runs (a :class:`Running` is its data): ready, or its workload ended.
-LIVE = frozenset({Lifecycle.READY, Lifecycle.EXITED})
+#: The phases whose bottle runs (a :class:`Running` is its data): ready, or its workload ended,
+#: or a warm pool's member waiting to be taken.
+LIVE = frozenset({Lifecycle.READY, Lifecycle.EXITED, Lifecycle.POOLED})
 
 
 def describe_bridge(vm: BottleVMs, bridge: BridgeKeeper | None, layer: LayerKeeper | None) -> str:
@@ -141,6 +143,17 @@ class Running:
     def bridge_status(self) -> str:
         return describe_bridge(self.vm, self.bridge, self.layer)
 
+    def taken(self, name: str, vm: BottleVMs) -> None:
+        """A warm pool's member is taken: it runs on as ``name`` with ``vm`` (its workload
+        started), waited for from now on."""
+        self.vm = vm
+        self.sessions.bottle = name
+        for keeper in (self.bridge, self.layer):
+            if keeper is not None:
+                keeper.bottle = name
+        if vm.workload == workload.WorkloadState.RUNNING:
+            self._wait()
+
     def _wait(self) -> None:
         """Wait for the bottle's running workload to end (its exit code, or its loss)."""
         owner, vm = self.owner, self.vm
@@ -204,6 +217,15 @@ class VMMachine(Protocol):
     def created(self, running: Running) -> None:
         """The create is done: the bottle runs (READY)."""
 
+    def pooled(self, running: Running) -> None:
+        """A warm pool's create is done: it runs, booted, gated and bridged, with no
+        workload, until a create takes it (nothing on the wire)."""
+
+    def take(self, running: Running, bottle: Bottle) -> None:
+        """A create takes the pool's member: it is ``bottle`` now (its name, tenancy and
+        workload; recorded by its owner first), ready (CREATED, READY), running on
+        (``running``, the member's own)."""
+
     def create_failed(self, code: str) -> None:
         """A step failed (its undos ran): DESTROYED names the error ``code``."""
 
@@ -243,8 +265,10 @@ def _creation(machine: VMMachine, core: BottleCore, creation: Creation) -> Creat
     return creation
 
 
-def _running(machine: VMMachine, core: BottleCore, running: Running) -> Running:
-    return running
+def _running(
+    machine: VMMachine, core: BottleCore, running: Running, bottle: Bottle | None = None
+) -> Running:
+    return running  # (a member taken: its own, running on as ``bottle``)
 
 
 def _teardown(machine: VMMachine, core: BottleCore, teardown: Teardown) -> Teardown:
@@ -254,6 +278,7 @@ def _teardown(machine: VMMachine, core: BottleCore, teardown: Teardown) -> Teard
 _asked = _vm.state("asked")
 _creating = _vm.state("creating", _creation)
 _ready = _vm.state("ready", _running)
+_pooled = _vm.state("pooled", _running)
 _degraded = _vm.state("degraded")
 _destroying = _vm.state("destroying", _teardown)
 _gone = _vm.state("gone")
@@ -275,6 +300,23 @@ def _created(machine: VMMachine, core: BottleCore, creation: Creation, running: 
     core.hands.policies.tracker.vm_started()
 
 
+@_creating.upon(VMMachine.pooled).to(_pooled)
+def _filled(machine: VMMachine, core: BottleCore, creation: Creation, running: Running) -> None:
+    core.hands.policies.tracker.vm_started()
+
+
+@_pooled.upon(VMMachine.take).to(_ready)
+def _take(
+    machine: VMMachine, core: BottleCore, member: Running, running: Running, bottle: Bottle
+) -> None:
+    core.name, core.value = bottle.name, bottle
+    count_lease(core)
+    log.info("bottle {bottle} taken from a warm pool ({home})", bottle=core.name, home=bottle.home)
+    emit(core, CREATED, BottleState.CREATING)
+    emit(core, READY, bottle.state)
+    running.taken(bottle.name, bottle.require_vms())
+
+
 @_creating.upon(VMMachine.create_failed).to(_gone)
 def _create_failed(machine: VMMachine, core: BottleCore, creation: Creation, code: str) -> None:
     emit(core, DESTROYED, None, f"create failed: {code}")
@@ -283,12 +325,29 @@ def _create_failed(machine: VMMachine, core: BottleCore, creation: Creation, cod
 
 @_ready.upon(VMMachine.degrade).to(_degraded)
 def _degrade(machine: VMMachine, core: BottleCore, running: Running, why: str) -> Deferred[None]:
+    return _stop_degraded(core, running, why)
+
+
+def _stop_degraded(core: BottleCore, running: Running, why: str) -> Deferred[None]:
+    """It stops running, turns degraded (DEGRADED); its listeners' removal, then its record's
+    write, handed back."""
     running.stop()
     degraded = core.value = evolve(core.value, state=BottleState.DEGRADED, detail=why)
     log.warn("bottle {bottle} is degraded: {why}", bottle=core.name, why=why)
     emit(core, DEGRADED, BottleState.DEGRADED, why)
     removing = core.hands.table.remove_bottle(core.name)
     return removing.addCallback(lambda _: persist_quietly(core, degraded))
+
+
+@_pooled.upon(VMMachine.degrade).to(_degraded)
+def _degrade_member(
+    machine: VMMachine, core: BottleCore, running: Running, why: str
+) -> Deferred[None]:
+    removing = _stop_degraded(core, running, why)
+    pool = core.value.pool
+    assert pool is not None
+    core.hands.policies.pools.member_degraded(pool, core.name)
+    return removing
 
 
 @_ready.upon(VMMachine.workload_exited).loop()
@@ -314,16 +373,19 @@ def _session(
 
 
 @_ready.upon(VMMachine.running).loop()
+@_pooled.upon(VMMachine.running).loop()
 def _what_runs(machine: VMMachine, core: BottleCore, running: Running) -> Running:
     return running
 
 
 @_ready.upon(VMMachine.stop).loop()
+@_pooled.upon(VMMachine.stop).loop()
 def _stop(machine: VMMachine, core: BottleCore, running: Running) -> None:
     running.stop()
 
 
 @_ready.upon(VMMachine.destroy).to(_destroying)
+@_pooled.upon(VMMachine.destroy).to(_destroying)
 def _destroy_running(
     machine: VMMachine, core: BottleCore, running: Running, teardown: Teardown
 ) -> Deferred[None]:
@@ -360,6 +422,7 @@ for _state, _phase in (
     (_degraded, Lifecycle.DEGRADED),
     (_destroying, Lifecycle.DESTROYING),
     (_gone, Lifecycle.GONE),
+    (_pooled, Lifecycle.POOLED),
 ):
     _state.upon(VMMachine.phase).loop().returns(_phase)
 
@@ -368,9 +431,11 @@ _vm_machine = _vm.build()
 
 def vm_machine(core: BottleCore, running: Running | None = None) -> VMMachine:
     """A VM bottle's machine: *asked* (its value as asked), or restored as it was kept:
-    *ready*, running ``running`` (started once the machine holds it), or *degraded*."""
+    *ready* (or *pooled*, a warm pool's member), running ``running`` (started once the
+    machine holds it), or *degraded*."""
     if core.value.state is BottleState.CREATING:
         return _vm_machine(core)
     if running is None:
         return _vm_machine(core, _degraded)
-    return _vm_machine(core, _ready, lambda machine, core: running)
+    kept = _ready if core.value.pool is None else _pooled
+    return _vm_machine(core, kept, lambda machine, core: running)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, NoReturn, Protocol, TextIO
 from bottlenet import __version__
 from bottlenet.cli import attach, down, selftest
 from bottlenet.cli import node as node_cli
+from bottlenet.cli import pool as pool_cli
 from bottlenet.cli.invocation import ClientCommand, Handler, Invocation, every
 from bottlenet.cli.output import EXIT_USAGE, usage_error, write_table
 from bottlenet.cli.output import clean as _clean
@@ -218,7 +219,7 @@ def _bottle_rows(b: Any) -> list[list[object]]:
 def cmd_bottle_create(c: BlockingControlClient, inv: Invocation, out: TextIO) -> None:
     o = inv.options
     try:
-        b = c.call(calls.create_bottle(o.name, o.alias, inv.spec_json, o.owner, o.lease))
+        b = c.call(calls.create_bottle(o.name, o.alias, inv.spec_json, o.owner, o.lease, o.pool))
     except InvalidArgument as e:
         raise in_spec_file(e, o.spec, inv.spec_json) from None
     if inv.json:
@@ -506,6 +507,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     _add_top(sub, json_flag)
     down.register(sub, add)
     node_cli.register(sub, add)
+    pool_cli.register(sub, add)
     selftest.register(sub, add)
     return p
 
@@ -537,6 +539,12 @@ def _add_bottle_commands(
         metavar="SECONDS",
         help="the daemon destroys the bottle unless its lease is renewed within this long"
         " (plus the daemon's --lease-grace)",
+    )
+    sp.add_argument(
+        "--pool",
+        choices=("auto", "off", "only"),
+        help="take a warm pool's bottle of this spec when one is ready (auto, the default), "
+        "never (off), or refuse when none is (only)",
     )
     sp = add(bottle, "renew", cmd_bottle_renew, "renew a bottle's lease")
     sp.add_argument("name")

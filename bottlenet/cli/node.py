@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from bottlenet.cli.output import clean as _clean
 from bottlenet.cli.output import write_table
 from bottlenet.control import calls
+from bottlenet.control.results import PoolRow
 from bottlenet.errors import BottlenetError
 
 if TYPE_CHECKING:
@@ -53,13 +54,22 @@ def node_rows(n: NodeInfoRecord) -> list[list[object]]:
         ["protocol", n.protocol],
     ]
     rows += [[f"label {k}", v] for k, v in sorted(n.labels.items())]
+    rows += [
+        [
+            f"pool {p.spec_hash}",
+            f"{p.ready} ready of {p.size} ({p.filling} filling, {p.failed} failed)",
+        ]
+        for p in n.pools
+    ]
     return rows
 
 
 def cmd_node_info(c: Client, inv: Invocation, out: TextIO) -> None:
     n = c.call(calls.node_info())
     if inv.json:
-        out.write(json.dumps(n._asdict(), sort_keys=True) + "\n")
+        fields = n._asdict()
+        fields["pools"] = [{k: getattr(p, k) for k in PoolRow._fields} for p in n.pools]
+        out.write(json.dumps(fields, sort_keys=True) + "\n")
         return
     write_table(["FIELD", "VALUE"], [[k, _clean(str(v))] for k, v in node_rows(n)], out)
 

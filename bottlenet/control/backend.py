@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.attach import ExecRequest
     from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
+    from bottlenet.bottles.pooled import PoolUse
     from bottlenet.bottles.probe import ProbeVerdict
     from bottlenet.bottles.spec import BottleSpec
     from bottlenet.bottles.tenancy import Tenancy
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from bottlenet.forward.spec import TargetSpec
     from bottlenet.forward.table import ForwardInfo
     from bottlenet.node.info import NodeReport
+    from bottlenet.node.pools import PoolReport
 
 
 class Scope(enum.Enum):
@@ -104,7 +106,11 @@ class ControlBackend(Protocol):
         spec: BottleSpec | None = None,
         tenancy: Tenancy | None = None,
         requester: Requester | None = None,
-    ) -> Bottle: ...
+        pool: PoolUse = ...,
+    ) -> Bottle:
+        """``pool``: whether it may take a warm pool's member of its spec (a scoped peer's
+        create may, as any create: a member is no one's until it is taken)."""
+        ...
 
     @scoped(Scope.BOTTLE, Names.VERIFIED)
     async def verify_bottle(self, name: str) -> tuple[Bottle, ProbeVerdict]: ...
@@ -191,4 +197,14 @@ class NodeControl(Protocol):
 
     async def when_empty(self, timeout: float) -> bool:
         """True once the node holds no bottle; False after ``timeout`` or an undrain."""
+        ...
+
+    def ensure_pool(self, doc: dict[str, Any], size: int) -> PoolReport:
+        """Keep ``size`` bottles of the spec ``doc`` ready (durable; INVALID_ARGUMENT)."""
+        ...
+
+    def pool_reports(self) -> list[PoolReport]: ...
+
+    def remove_pool(self, key: str) -> int:
+        """Forget the pool ``key`` (NOT_FOUND); how many members were destroyed."""
         ...

@@ -30,7 +30,7 @@ from bottlenet.control.results import (
 
 if TYPE_CHECKING:
     from bottlenet.control.execsession import ExecSession
-    from bottlenet.control.records import BottleRecord, ForwardRecord, StatsRecord
+    from bottlenet.control.records import BottleRecord, ForwardRecord, PoolRecord, StatsRecord
 
 T = TypeVar("T")
 
@@ -75,6 +75,9 @@ PACE: Mapping[str, Pace] = {
     "Undrain": Pace.QUICK,
     "RenewLease": Pace.QUICK,
     "Leftovers": Pace.VM,
+    "EnsurePool": Pace.QUICK,
+    "ListPools": Pace.QUICK,
+    "RemovePool": Pace.QUICK,
 }
 #: The commands that take a scoped peer's ``capability`` (``control/scope.py``): every one
 #: about bottles. A client made with a capability gives it to each of them.
@@ -196,15 +199,19 @@ def create_bottle(
     spec: str | None = None,
     owner: str | None = None,
     lease_seconds: float | None = None,
+    pool: str | None = None,
 ) -> Call[BottleRecord]:
     """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner`` a
-    label, ``lease_seconds`` a lease the owner renews (``renew_lease``) or the bottle goes."""
+    label, ``lease_seconds`` a lease the owner renews (``renew_lease``) or the bottle goes;
+    ``pool`` whether it may take a warm pool's member of its spec (``auto``, the default
+    when None, ``off`` or ``only``)."""
     arguments = {
         "name": name,
         "alias": alias,
         "spec": spec,
         "owner": owner,
         "lease_seconds": lease_seconds,
+        "pool": pool,
     }
     return Call("CreateBottle", arguments, _bottle)
 
@@ -278,6 +285,33 @@ def drain(wait: bool = False, timeout: float | None = None) -> Call[DrainResult]
 
 def undrain() -> Call[None]:
     return Call("Undrain", {}, _none)
+
+
+def ensure_pool(spec: str, size: int) -> Call[PoolRecord]:
+    """Keep ``size`` bottles of ``spec`` (JSON text) ready for creates of that spec."""
+    return Call("EnsurePool", {"spec": spec, "size": size}, _pool)
+
+
+def list_pools() -> Call[tuple[PoolRecord, ...]]:
+    return Call("ListPools", {}, _pools)
+
+
+def remove_pool(spec_hash: str) -> Call[int]:
+    """Forget the pool of ``spec_hash``; how many of its bottles were destroyed."""
+    return Call("RemovePool", {"spec_hash": spec_hash}, _destroyed)
+
+
+def _pool(answer: dict[str, Any]) -> PoolRecord:
+    record: PoolRecord = answer["pool"]
+    return record
+
+
+def _pools(answer: dict[str, Any]) -> tuple[PoolRecord, ...]:
+    return tuple(answer["pools"])
+
+
+def _destroyed(answer: dict[str, Any]) -> int:
+    return int(answer["destroyed"])
 
 
 def _lines(answer: dict[str, Any]) -> tuple[str, ...]:

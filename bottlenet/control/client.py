@@ -28,7 +28,13 @@ from bottlenet.control import commands as C
 from bottlenet.control.address import ControlAddress, TLSCredentials, parse_control_address
 from bottlenet.control.calls import DEFAULT_TIMEOUT, VM_TIMEOUT, Call
 from bottlenet.control.protocol import HardenedAMP, SafeCommandLocator
-from bottlenet.control.records import BottleRecord, EventRecord, ForwardRecord, StatsRecord
+from bottlenet.control.records import (
+    BottleRecord,
+    EventRecord,
+    ForwardRecord,
+    PoolRecord,
+    StatsRecord,
+)
 from bottlenet.control.results import (
     AgentEndpoint,
     DrainResult,
@@ -185,12 +191,14 @@ class ControlClient:
         *,
         owner: str | None = None,
         lease_seconds: float | None = None,
+        pool: str | None = None,
         timeout: float | None = None,
     ) -> Deferred[BottleRecord]:
         """``spec`` is the bottle spec as JSON text (None: a forward-only bottle); ``owner``
         a label; ``lease_seconds``: the daemon destroys the bottle unless ``renew_lease``
-        comes in time (plus its grace)."""
-        call = calls.create_bottle(name, alias, spec, owner, lease_seconds)
+        comes in time (plus its grace); ``pool``: ``auto`` (None), ``off`` or ``only``, whether
+        it may take a warm pool's bottle of its spec."""
+        call = calls.create_bottle(name, alias, spec, owner, lease_seconds, pool)
         return self.call(call, timeout=timeout)
 
     def renew_lease(
@@ -250,6 +258,19 @@ class ControlClient:
 
     def undrain(self, *, timeout: float | None = None) -> Deferred[None]:
         return self.call(calls.undrain(), timeout=timeout)
+
+    def ensure_pool(
+        self, spec: str, size: int, *, timeout: float | None = None
+    ) -> Deferred[PoolRecord]:
+        """Keep ``size`` bottles of ``spec`` (JSON text) ready for creates of that spec."""
+        return self.call(calls.ensure_pool(spec, size), timeout=timeout)
+
+    def list_pools(self, *, timeout: float | None = None) -> Deferred[tuple[PoolRecord, ...]]:
+        return self.call(calls.list_pools(), timeout=timeout)
+
+    def remove_pool(self, spec_hash: str, *, timeout: float | None = None) -> Deferred[int]:
+        """Forget the pool of ``spec_hash``; how many of its bottles were destroyed."""
+        return self.call(calls.remove_pool(spec_hash), timeout=timeout)
 
     def stats(
         self,

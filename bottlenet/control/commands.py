@@ -25,6 +25,7 @@ from bottlenet.control.records import (
     BottleRecord,
     EventRecord,
     ForwardRecord,
+    PoolRecord,
     R,
     RecordError,
     StatsRecord,
@@ -261,6 +262,9 @@ class CreateBottle(ControlCommand):
         (b"owner", amp.Unicode(optional=True)),
         (b"lease_seconds", StrictFloat(optional=True)),
         _capability(),
+        # Added later: whether it may take a warm pool's member of its spec: "auto" (the
+        # default), "off" or "only" (``bottles/pooled.py``).
+        (b"pool", amp.Unicode(optional=True)),
     ]
     response = [(b"bottle", Record(BottleRecord))]
 
@@ -464,7 +468,34 @@ class NodeInfo(ControlCommand):
         # Added later (absent from an older daemon): per-VM uids left, and in words.
         (b"vm_uids_left", StrictInteger(optional=True)),
         (b"vm_uids", amp.Unicode(optional=True)),
+        # Added later: the warm pools (their members count against max_bottles, not bottles).
+        (b"pools", RecordList(PoolRecord, optional=True)),
     ]
+
+
+class EnsurePool(ControlCommand):
+    """Keep ``size`` bottles of the spec (JSON) booted, gated and bridged for the creates of
+    that spec to take (``node/pools.py``); a pool's new size (0: none kept). Durable."""
+
+    commandName = b"bottlenet.EnsurePool"
+    arguments = [(b"spec", amp.Unicode()), (b"size", StrictInteger())]
+    response = [(b"pool", Record(PoolRecord))]
+
+
+class ListPools(ControlCommand):
+    """The warm pools: spec hash, size, ready, filling, failed."""
+
+    commandName = b"bottlenet.ListPools"
+    arguments = []
+    response = [(b"pools", RecordList(PoolRecord))]
+
+
+class RemovePool(ControlCommand):
+    """Forget the pool of a spec hash; its waiting members are destroyed (how many)."""
+
+    commandName = b"bottlenet.RemovePool"
+    arguments = [(b"spec_hash", amp.Unicode())]
+    response = [(b"destroyed", StrictInteger())]
 
 
 class Drain(ControlCommand):
@@ -513,6 +544,9 @@ ALL_COMMANDS: tuple[type[ControlCommand], ...] = (
     Undrain,
     RenewLease,
     Leftovers,
+    EnsurePool,
+    ListPools,
+    RemovePool,
 )
 #: Commands the daemon calls on its clients (the client answers them).
 PUSHED_COMMANDS: tuple[type[ControlCommand], ...] = (Event,)
@@ -527,6 +561,8 @@ MUTATING_COMMANDS: frozenset[type[ControlCommand]] = frozenset(
         Drain,
         Undrain,
         RenewLease,
+        EnsurePool,
+        RemovePool,
     }
 )
 

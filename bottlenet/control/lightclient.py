@@ -32,7 +32,7 @@ from bottlenet.control.clienterrors import (
     error_for,
 )
 from bottlenet.control.framing import BoxParser, FramingError, encode_box
-from bottlenet.control.results import BottleRow, HelloResult, record_objects
+from bottlenet.control.results import BottleRow, HelloResult, PoolRow, record_objects
 from bottlenet.errors import ALL_ERRORS, BottlenetError
 
 if TYPE_CHECKING:  # imported by open_exec: status and ls need no exec machinery (nor ssl)
@@ -52,6 +52,7 @@ class Kind(StrEnum):
     UNICODE_LIST = "unicode-list"
     INTEGER_LIST = "integer-list"
     BOTTLE_RECORDS = "bottle-records"
+    POOL_RECORDS = "pool-records"
 
 
 #: name -> (arguments, response), each ``{key: (kind, optional)}``.
@@ -98,6 +99,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "draining": (Kind.BOOLEAN, False),
             "vm_uids_left": (Kind.INTEGER, True),
             "vm_uids": (Kind.UNICODE, True),
+            "pools": (Kind.POOL_RECORDS, True),
         },
     ),
     "Exec": (
@@ -181,7 +183,8 @@ def decode_value(kind: Kind, data: bytes) -> Any:
         return [i.decode("utf-8") for i in _unlist(data)]
     if kind is Kind.INTEGER_LIST:
         return [_integer(i) for i in _unlist(data)]
-    return [BottleRow.from_json(i) for i in record_objects(data)]  # RecordError: a ValueError
+    row = PoolRow if kind is Kind.POOL_RECORDS else BottleRow
+    return [row.from_json(i) for i in record_objects(data)]  # RecordError: a ValueError
 
 
 def request_bytes(name: str, tag: bytes, arguments: Mapping[str, Any]) -> bytes:

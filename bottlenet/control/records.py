@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 import attrs
 from attrs import field, frozen
 
-from bottlenet.control.results import BottleRow, EndpointRow, record_objects
+from bottlenet.control.results import BottleRow, EndpointRow, PoolRow, record_objects
 from bottlenet.control.results import RecordError as RecordError  # raised by the readers
 from bottlenet.control.results import record_fields as _fields
 
@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from bottlenet.bottles.egresslayer import TransparentCount
     from bottlenet.bottles.model import Bottle
     from bottlenet.forward.table import ForwardInfo
+    from bottlenet.node.pools import PoolReport
 
 
 @frozen
@@ -113,6 +114,35 @@ class EventRecord:
             exit_code=f.value("exit_code", int, optional=True),
             creator=f.value("creator", str, optional=True),
         )
+
+
+@frozen
+class PoolRecord:
+    """A warm pool (``node/pools.py``): its spec hash, size, members ready and being made,
+    fills that failed and the last failure's error."""
+
+    spec_hash: str
+    size: int
+    ready: int
+    filling: int
+    failed: int
+    detail: str | None = None
+
+    @classmethod
+    def from_json(cls, d: object) -> PoolRecord:
+        return cls(*PoolRow.from_json(d))
+
+
+def pool_record(report: PoolReport) -> PoolRecord:
+    """The one conversion of a warm pool's report to its wire record."""
+    return PoolRecord(
+        spec_hash=report.spec_hash,
+        size=report.size,
+        ready=report.ready,
+        filling=report.filling,
+        failed=report.failed,
+        detail=report.detail,
+    )
 
 
 @frozen

@@ -83,12 +83,15 @@ class NodeInfoRecord(NamedTuple):
     #: Per-VM uids the node can still give out (None: not per-VM uids, or an older daemon).
     vm_uids_left: int | None = None
     vm_uids: str | None = None
+    #: The warm pools (``PoolRecord``s; none from an older daemon).
+    pools: tuple[Any, ...] = ()
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> NodeInfoRecord:
         fields: dict[str, Any] = {k: d.get(k) for k in cls._fields}
         fields["labels"] = dict(label.partition("=")[::2] for label in d["labels"])
         fields["health_reasons"] = tuple(d["health_reasons"])
+        fields["pools"] = tuple(d.get("pools") or ())
         return cls(**fields)
 
 
@@ -170,6 +173,29 @@ class EndpointRow(NamedTuple):
             service=f.value("service", str),
             endpoint=f.value("endpoint", str),
             host_path=f.value("host_path", str, optional=True),
+        )
+
+
+class PoolRow(NamedTuple):
+    """A warm pool as a client reads it (the fields of ``PoolRecord``, in order)."""
+
+    spec_hash: str
+    size: int
+    ready: int
+    filling: int
+    failed: int
+    detail: str | None = None
+
+    @classmethod
+    def from_json(cls, d: object) -> PoolRow:
+        f = record_fields(d, "pool")
+        return cls(
+            spec_hash=f.value("spec_hash", str),
+            size=f.value("size", int),
+            ready=f.value("ready", int),
+            filling=f.value("filling", int),
+            failed=f.value("failed", int),
+            detail=f.value("detail", str, optional=True),
         )
 
 

@@ -30,6 +30,7 @@ from zope.interface import implementer
 import twisted
 from bottlenet.bottles.attach import parse_exec_request, resize
 from bottlenet.bottles.egresslayer import TransparentCount
+from bottlenet.bottles.pooled import PoolUse
 from bottlenet.bottles.spec import check_allow_hosts, parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.bottles.volumes import Requester, RequesterKind
@@ -52,6 +53,7 @@ from bottlenet.control.records import (
     bottle_record,
     encode_records,
     forward_record,
+    pool_record,
     stats_record,
     transparent_record,
 )
@@ -62,6 +64,7 @@ from bottlenet.errors import (
     NotFound,
     PermissionDenied,
     Unavailable,
+    safe_repr,
 )
 from bottlenet.forward.spec import (
     TCPListen,
@@ -171,6 +174,21 @@ def paginate(
         "total": len(records),
         "next_offset": end if end < len(records) else None,
     }
+
+
+def parse_pool_use(text: str) -> PoolUse:
+    """``CreateBottle``'s ``pool``: auto, off or only."""
+    try:
+        return PoolUse(text)
+    except ValueError:
+        raise InvalidArgument(
+            f"pool {safe_repr(text, 40)}: must be one of {', '.join(PoolUse)}"
+        ) from None
+
+
+async def _now(call: Callable[..., T], *args: Any) -> T:
+    """A synchronous change as the awaitable ``_mutate`` logs."""
+    return call(*args)
 
 
 def requester_of(peer: PeerIdentity | None) -> Requester:
@@ -309,7 +327,32 @@ class ControlLocator(SafeCommandLocator):
             "draining": r.draining,
             "vm_uids_left": r.vm_uids_left,
             "vm_uids": r.vm_uids,
+            # the node's business: a scoped peer learns nothing of its pools
+            "pools": [pool_record(p) for p in r.pools] if scope is None else [],
         }
+
+    @C.EnsurePool.responder
+    async def ensure_pool(self, spec: str, size: int) -> dict[str, Any]:
+        self._full_control("EnsurePool")
+        doc = parse_spec_json(spec)
+        node = self._node()
+        await node.when_serving()  # its members kept from before the restart are counted
+        report = await self._mutate("EnsurePool", f"size {size}", _now(node.ensure_pool, doc, size))
+        return {"pool": pool_record(report)}
+
+    @C.ListPools.responder
+    def list_pools(self) -> dict[str, Any]:
+        self._full_control("ListPools")
+        return {"pools": [pool_record(p) for p in self._node().pool_reports()]}
+
+    @C.RemovePool.responder
+    async def remove_pool(self, spec_hash: str) -> dict[str, Any]:
+        self._full_control("RemovePool")
+        node = self._node()
+        destroyed = await self._mutate(
+            "RemovePool", safe_repr(spec_hash, 40), _now(node.remove_pool, spec_hash)
+        )
+        return {"destroyed": destroyed}
 
     @C.Drain.responder
     async def drain(self, wait: bool | None, timeout: float | None) -> dict[str, Any]:
@@ -353,20 +396,28 @@ class ControlLocator(SafeCommandLocator):
         owner: str | None = None,
         lease_seconds: float | None = None,
         capability: str | None = None,
+        pool: str | None = None,
     ) -> dict[str, Any]:
         name = check_bottle_name(name)
         addr = None if alias is None else parse_canonical_ipv4(alias, "alias")
+        use = None if pool is None else parse_pool_use(pool)
         # INVALID_ARGUMENT before anything changes; the bottles layer gets the parsed spec.
         parsed = None if spec is None else parse_bottle_spec(name, parse_spec_json(spec))
         tenancy = Tenancy.requested(owner, lease_seconds, None)
         scope = self._scope(capability, mint=True)
         backend: ControlBackend = self.backend if scope is None else scope
         subject = name if scope is None else scope.inner(name)
+        options: dict[str, Any] = {} if use is None else {"pool": use}
         create = (
-            backend.create_bottle(name, addr, spec=parsed)
+            backend.create_bottle(name, addr, spec=parsed, **options)
             if tenancy is None and parsed is None
             else backend.create_bottle(
-                name, addr, spec=parsed, tenancy=tenancy, requester=requester_of(self.peer)
+                name,
+                addr,
+                spec=parsed,
+                tenancy=tenancy,
+                requester=requester_of(self.peer),
+                **options,
             )
         )
         bottle = await self._mutate("CreateBottle", subject, create)

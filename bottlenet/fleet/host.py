@@ -176,6 +176,7 @@ class NodeHost:
                     r.spec,
                     owner=self.owner_label,
                     lease_seconds=r.lease_seconds,
+                    pool=None if r.pool == "auto" else r.pool,
                     timeout=r.create_timeout,
                 )
         except DaemonUnreachable as e:

@@ -46,6 +46,11 @@ def _check_lease(_: object, __: object, value: float | None) -> None:
         raise InvalidArgument(f"lease_seconds {safe_repr(value)} is not within 1..86400")
 
 
+def _check_pool(_: object, __: object, value: str) -> None:
+    if value not in ("auto", "off", "only"):
+        raise InvalidArgument(f"pool {safe_repr(value)} is not auto, off or only")
+
+
 def _check_selector(_: object, __: object, value: Mapping[str, str]) -> None:
     if NODE_ID_LABEL in value:
         raise InvalidArgument(f"label_selector may not name {NODE_ID_LABEL} (the placer uses it)")
@@ -63,8 +68,13 @@ class BottleRequest:
     daemon's default path). ``label_selector`` restricts nodes by their Ray labels;
     ``strategy`` says whether a pool's bottles spread over the nodes or pack onto few.
 
-    Every field has a default, so a field added later (a daemon-side pool to take a warm
-    bottle from, say) is additive: ``docs/fleet.md``, "The request".
+    ``pool`` says whether the node may hand over a warm pool's bottle of the spec
+    (``bottlenetctl pool ensure`` on the node; ``docs/bottles.md``, "Warm pools"): ``auto``
+    (a ready one when it has one, else booted), ``off``, or ``only`` (a node without a ready
+    one refuses, RESOURCE_EXHAUSTED, and the placer tries another).
+
+    Every field has a default, so a field added later is additive: ``docs/fleet.md``, "The
+    request".
     """
 
     spec: str | None = None
@@ -77,6 +87,7 @@ class BottleRequest:
     name_prefix: str = attrs.field(default="ray", validator=_check_prefix)
     create_timeout: float = 300.0
     strategy: Strategy = attrs.field(default=Strategy.SPREAD, converter=Strategy)
+    pool: str = attrs.field(default="auto", validator=_check_pool)
 
     def node_selector(self, excluded: Iterable[str] = ()) -> dict[str, str]:
         """The Ray label selector of one bottle: the request's labels, and none of the

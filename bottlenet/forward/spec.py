@@ -204,6 +204,14 @@ class ForwardSpec:
     listen: ListenSpec
     target: TargetSpec
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: The bottle directory its UNIX endpoint and sidecar socket live in when that is not
+    #: the bottle's own (a VM bottle taken from a warm pool keeps its member's); None: its own.
+    home: str | None = None
+
+    @property
+    def home_dir(self) -> str:
+        """The name of the bottle directory its UNIX paths must lie in."""
+        return self.bottle if self.home is None else self.home
 
 
 def _check_abs_path(path: object, what: str) -> str:

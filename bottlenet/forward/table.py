@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING, Any, cast
 
-from attrs import frozen
+from attrs import evolve, frozen
 from twisted.application.service import Service
 from twisted.internet import defer
 from twisted.internet.address import IPv4Address, IPv6Address, UNIXAddress
@@ -581,6 +581,26 @@ class ForwardTable(Service):
         waits = self._removals([(bottle, label) for label in self._labels.get(bottle, ())])
         return defer.gatherResults(waits, consumeErrors=True).addCallback(lambda _: None)
 
+    def rename_bottle(self, old: str, new: str) -> None:
+        """``old``'s forwards become ``new``'s, listening on as they are (a warm pool's member
+        taken by a create): their paths stay in ``old``'s directory (each spec's ``home``),
+        their relays, counters, budget and admitted peers go with them."""
+        if new in self._labels or new in self.peers:
+            raise AlreadyExists(f"bottle {new} already has forwards")
+        labels = self._labels.pop(old, set())
+        for label in labels:
+            fwd = self._forwards.pop((old, label))
+            fwd.spec = evolve(fwd.spec, bottle=new, home=fwd.spec.home_dir)
+            self._forwards[new, label] = fwd
+        if labels:
+            self._labels[new] = labels
+        for counts in (self._listening, self.budget.active):
+            if old in counts:
+                counts[new] = counts.pop(old)
+        if old in self.peers:
+            self.peers[new] = self.peers.pop(old)
+        self._sorted_keys = None
+
     # Internals
     def _forward(self, bottle: str, label: str) -> _ForwardFactory:
         """The listening forward (NotFound while it is still being added or removed)."""
@@ -677,7 +697,7 @@ class ForwardTable(Service):
             self.aliases.check_owned(spec.bottle, listen.alias)
             check_port(listen.port, allow_zero=True)
         elif isinstance(listen, UNIXListen):
-            check_unix_listen(listen, self.state_dir, spec.bottle)
+            check_unix_listen(listen, self.state_dir, spec.home_dir)
             for other in self._forwards.values():
                 if other.phase is _LISTENING and other.spec.listen == listen:
                     raise BindRefused(f"cannot listen on {listen.describe()}: in use")
@@ -693,7 +713,7 @@ class ForwardTable(Service):
         listen = spec.listen
         if not isinstance(listen, UNIXListen):
             return None
-        bdir = bottle_dir(self.state_dir, spec.bottle)
+        bdir = bottle_dir(self.state_dir, spec.home_dir)
         os.makedirs(os.path.dirname(bdir), mode=0o700, exist_ok=True)
         # 0701 under per-VM uids: the VMMs pass through to their own sockets, nothing more.
         made = ensure_private_dir(bdir, name=f"bottle directory of {spec.bottle}", traversable=True)
@@ -736,7 +756,7 @@ class ForwardTable(Service):
     def _target_root(self, spec: ForwardSpec) -> str:
         """The directory ``spec``'s UNIX target must stay inside (``forward.spec.target_root``)."""
         if isinstance(spec.target, UNIXTarget):
-            return target_root(self.state_dir, spec.bottle, spec.target.path)
+            return target_root(self.state_dir, spec.home_dir, spec.target.path)
         return targets_dir(self.state_dir, spec.bottle)
 
     def client_endpoint(self, target: TargetSpec) -> IStreamClientEndpoint:

@@ -162,5 +162,6 @@ class DrainGate:
 
 
 def node_recorder(store: StateStore) -> Callable[[dict[str, object]], None]:
-    """Writes the node's record into ``store``: UNAVAILABLE when it cannot be made durable."""
-    return lambda doc: write(store, lambda s: s.put_node(doc))
+    """Writes the keys of ``doc`` into the node's record in ``store`` (the drain's and the
+    pools' keys side by side): UNAVAILABLE when it cannot be made durable."""
+    return lambda doc: write(store, lambda s: s.put_node({**s.node, **doc}))

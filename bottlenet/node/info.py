@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from attrs import frozen
 from twisted.internet.defer import Deferred
@@ -27,6 +28,7 @@ from bottlenet.errors import InvalidArgument, KvmUnavailable, ResourceExhausted,
 from bottlenet.forward.budget import ConnectionBudget
 from bottlenet.node.drain import DRAINING_KEY, DrainGate, node_recorder
 from bottlenet.node.lease import DEFAULT_GRACE, LeasePolicy
+from bottlenet.node.pools import PoolKeeper, PoolReport
 from vmctl.kvm import KvmStatus
 
 OK = "ok"
@@ -102,6 +104,9 @@ class NodeReport:
     vm_uids_left: int | None = None
     #: The same in words: blocks, in use, waiting (None as above).
     vm_uids: str | None = None
+    #: The warm pools (``node/pools.py``), their members counted apart from ``capacity``'s
+    #: bottles (they count against ``max_bottles`` all the same).
+    pools: tuple[PoolReport, ...] = ()
 
 
 class KvmSeen:
@@ -123,15 +128,17 @@ class KvmSeen:
 
 @frozen
 class NodeParts:
-    """The node's policies: its drain gate, its lease policy, what it learned of KVM."""
+    """The node's policies: its drain gate, its lease policy, what it learned of KVM, its
+    warm pools."""
 
     gate: DrainGate
     leases: LeasePolicy
     kvm: KvmSeen
+    pools: PoolKeeper
 
     def policies(self) -> Policies:
         """As the bottles' table hears them."""
-        return Policies(admission=self.gate, leases=self.leases, tracker=self.kvm)
+        return Policies(admission=self.gate, leases=self.leases, tracker=self.kvm, pools=self.pools)
 
 
 def node_parts(
@@ -146,10 +153,13 @@ def node_parts(
     """The node's policies: its drain gate as ``state`` recorded it (its events to
     ``publish``), its lease policy on the ``monotonic`` clock."""
     draining = (state.node or {}).get(DRAINING_KEY) is True
+    record = node_recorder(store)
+    gate = DrainGate(clock, publish, record, draining=draining)
     return NodeParts(
-        DrainGate(clock, publish, node_recorder(store), draining=draining),
+        gate,
         LeasePolicy(clock, monotonic, lease_grace),
         KvmSeen(),
+        PoolKeeper(clock, lambda: gate.draining, record, state.node),
     )
 
 
@@ -176,6 +186,9 @@ class Node:
         self._registry = registry
         self._budget = budget
         self.gate, self.leases, self._kvm = parts.gate, parts.leases, parts.kvm
+        #: The warm pools, which tell this table what to make.
+        self.pools = parts.pools
+        self.pools.registry = registry
         self.host = host
         self.labels = labels
         self.privilege = privilege
@@ -235,6 +248,7 @@ class Node:
             smolvm_tested=self.smolvm_tested if self.smolvm_problem is None else None,
             vm_uids_left=None if self.vm_uids is None else self.vm_uids.left,
             vm_uids=None if self.vm_uids is None else self.vm_uids.describe(),
+            pools=tuple(self.pools.reports()),
         )
 
     def reasons(self) -> tuple[str, ...]:
@@ -263,6 +277,7 @@ class Node:
         """Refuse new bottles (durable before it answers); a second drain changes nothing."""
         if self.gate.drain():
             self.log.info("node: draining: new bottles are refused ({n} held)", n=self.held())
+            self.pools.drained()
 
     async def when_serving(self) -> None:
         """Returns once the daemon's recovery is done (``RenewLease`` waits for it)."""
@@ -270,6 +285,17 @@ class Node:
 
     def undrain(self) -> None:
         self.gate.undrain()
+        self.pools.undrained()
+
+    def ensure_pool(self, doc: dict[str, Any], size: int) -> PoolReport:
+        """Keep ``size`` bottles of the spec ``doc`` ready (``node/pools.py``)."""
+        return self.pools.ensure(doc, size)
+
+    def pool_reports(self) -> list[PoolReport]:
+        return self.pools.reports()
+
+    def remove_pool(self, key: str) -> int:
+        return self.pools.remove(key)
 
     def renew_lease(self, name: str, seconds: float) -> None:
         self._registry.renew_lease(name, seconds)

@@ -136,6 +136,8 @@ class MemorySmolvm:
         )
 
     def fail_on(self, method: str, machine: str, error: VmctlError) -> None:
+        """``method`` on ``machine`` fails with ``error`` (``*-ROLE``: on every machine of that
+        role, e.g. ``*-sidecar``: a warm pool's members have names of their own)."""
         self.faults[(method, machine)] = error
 
     def hold(self, method: str, machine: str) -> Deferred[None]:
@@ -154,6 +156,8 @@ class MemorySmolvm:
 
     def _result(self, method: str, name: str, body: Callable[[], T]) -> Deferred[T]:
         error = self.faults.get((method, name))
+        if error is None and "-" in name:
+            error = self.faults.get((method, "*-" + name.rsplit("-", 1)[1]))
         try:
             if error is not None:
                 raise error

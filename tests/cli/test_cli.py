@@ -250,8 +250,9 @@ def test_default_timeout_is_longer_for_calls_that_wait_on_vms(monkeypatch) -> No
 
 
 def test_every_subcommand_names_what_runs_it() -> None:
-    """Each subcommand's parser names its runner (``set_defaults(run=...)``): the 19 that
-    make their calls on one client, ``top``, ``exec``, ``shell`` and ``logs``."""
+    """Each subcommand's parser names its runner (``set_defaults(run=...)``): the 22 that
+    make their calls on one client (``pool ensure|ls|rm`` among them), ``top``, ``exec``,
+    ``shell`` and ``logs``."""
     import argparse
 
     from bottlenet.cli import main as cli
@@ -267,8 +268,8 @@ def test_every_subcommand_names_what_runs_it() -> None:
                     if not any(isinstance(a, argparse._SubParsersAction) for a in sub._actions):
                         runs.append(sub.get_default("run"))
     assert None not in runs
-    assert len({r.handler for r in runs if isinstance(r, ClientCommand)}) == 19
-    assert len(runs) == 19 + 4
+    assert len({r.handler for r in runs if isinstance(r, ClientCommand)}) == 22
+    assert len(runs) == 22 + 4
     light = {r.handler.__name__ for r in runs if isinstance(r, ClientCommand) and r.light}
     assert light == {"cmd_status", "cmd_ping", "cmd_bottle_ls", "cmd_node_info"}
 

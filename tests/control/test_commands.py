@@ -16,6 +16,7 @@ from bottlenet.control.records import (
     EndpointRecord,
     EventRecord,
     ForwardRecord,
+    PoolRecord,
     StatsRecord,
 )
 from bottlenet.control.server import ControlLocator, paginate
@@ -305,6 +306,27 @@ GOLDEN: list[tuple[type[C.ControlCommand], dict[str, Any], bytes, dict[str, Any]
         b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x13bottlenet.Leftovers\x00\x04name\x00\x02b1\x00\x00",
         {"leftovers": ["bn-b1-agent"]},
         b"\x00\x07_answer\x00\x011\x00\tleftovers\x00\r\x00\x0bbn-b1-agent\x00\x00",
+    ),
+    (
+        C.EnsurePool,
+        {"spec": '{"mode":"socket"}', "size": 2},
+        b'\x00\x04_ask\x00\x011\x00\x08_command\x00\x14bottlenet.EnsurePool\x00\x04size\x00\x012\x00\x04spec\x00\x11{"mode":"socket"}\x00\x00',
+        {"pool": PoolRecord("0123456789ab", 2, 1, 1, 0)},
+        b'\x00\x07_answer\x00\x011\x00\x04pool\x00F{"spec_hash":"0123456789ab","size":2,"ready":1,"filling":1,"failed":0}\x00\x00',
+    ),
+    (
+        C.ListPools,
+        {},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x13bottlenet.ListPools\x00\x00",
+        {"pools": [PoolRecord("0123456789ab", 2, 1, 1, 0)]},
+        b'\x00\x07_answer\x00\x011\x00\x05pools\x00H[{"spec_hash":"0123456789ab","size":2,"ready":1,"filling":1,"failed":0}]\x00\x00',
+    ),
+    (
+        C.RemovePool,
+        {"spec_hash": "0123456789ab"},
+        b"\x00\x04_ask\x00\x011\x00\x08_command\x00\x14bottlenet.RemovePool\x00\tspec_hash\x00\x0c0123456789ab\x00\x00",
+        {"destroyed": 1},
+        b"\x00\x07_answer\x00\x011\x00\tdestroyed\x00\x011\x00\x00",
     ),
 ]
 # Commands the daemon sends to its clients (pinned the same way).

@@ -15,7 +15,13 @@ from bottlenet.control import commands as C
 from bottlenet.control import lightclient as L
 from bottlenet.control.clienterrors import RemoteError
 from bottlenet.control.framing import BoxParser, encode_box
-from bottlenet.control.records import BottleRecord, EndpointRecord, decode_records, encode_records
+from bottlenet.control.records import (
+    BottleRecord,
+    EndpointRecord,
+    PoolRecord,
+    decode_records,
+    encode_records,
+)
 from bottlenet.control.results import BottleRow, EndpointRow
 from bottlenet.errors import NotFound
 
@@ -23,6 +29,8 @@ from bottlenet.errors import NotFound
 def _kind(arg: amp.Argument) -> L.Kind:
     if isinstance(arg, C.RecordList) and arg.record is BottleRecord:
         return L.Kind.BOTTLE_RECORDS
+    if isinstance(arg, C.RecordList) and arg.record is PoolRecord:
+        return L.Kind.POOL_RECORDS
     if isinstance(arg, C.StrictListOf):
         inner = _kind(arg.elementType)
         return {L.Kind.UNICODE: L.Kind.UNICODE_LIST, L.Kind.INTEGER: L.Kind.INTEGER_LIST}[inner]

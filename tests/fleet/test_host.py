@@ -30,6 +30,8 @@ class FakeDaemon:
 
     def __init__(self) -> None:
         self.bottles: dict[str, float | None] = {}
+        #: each create's ``pool`` (None: left out, the daemon's default)
+        self.pools: list[str | None] = []
         self.calls: list[tuple[str, str]] = []
         self.fail: dict[str, list[Exception]] = {}
         #: set, a create waits for ``release`` (to destroy while it is in flight)
@@ -55,6 +57,7 @@ class FakeDaemon:
             self.hold.wait(30)
         self._call("create", name)
         assert kw["owner"] == "ray-job-01"
+        self.pools.append(kw.get("pool"))
         self.bottles[name] = kw["lease_seconds"]
 
     def destroy_bottle(self, name: str, timeout: float | None = None) -> None:
@@ -290,3 +293,17 @@ def test_each_host_presents_a_capability_of_its_own() -> None:
     assert one.capability != two.capability and len(one.capability) >= 22
     client = one._connect("unix:/fake")
     assert client.capability == one.capability
+
+
+def test_a_request_asks_the_daemon_for_a_warm_bottle() -> None:
+    """``BottleRequest.pool`` reaches the daemon's create (``auto``, the default, is left
+    out, as an older daemon knows no ``pool``); a value outside auto/off/only is refused."""
+
+    async def test(rig: Rig) -> None:
+        await rig.host.create("b1", LEASED)
+        await rig.host.create("b2", BottleRequest(control="unix:/fake", pool="only"))
+        assert rig.daemon.pools == [None, "only"]
+
+    run(test)
+    with pytest.raises(InvalidArgument, match="pool"):
+        BottleRequest(pool="warm")
