@@ -24,6 +24,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GUEST = os.path.join(ROOT, "bottlenet", "bridge", "guest.py")
+sys.path.insert(0, ROOT)
+
+from bottlenet.bridge.script import MODULES  # noqa: E402
+from bottlenet.transparent.script import bootstrap  # noqa: E402
 
 SERVER = """
 import os, socket, sys, threading
@@ -62,6 +66,7 @@ def start_bridge(guest: str, port: int, path: str, pin: list[str]) -> subprocess
     marker = "BRIDGES = []  # type: "
     start = source.index(marker)
     program = source[:start] + f"BRIDGES = {[[port, path]]!r}" + source[source.index("\n", start) :]
+    program = bootstrap(MODULES, program)  # the relay module it imports (older ones: unused)
     proc = subprocess.Popen(
         [*pin, sys.executable, "-I", "-S", "-c", program],
         stdin=subprocess.PIPE,

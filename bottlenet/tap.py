@@ -331,6 +331,17 @@ def _load_state(settings: DaemonSettings) -> tuple[StateStore, State]:
     return store, state
 
 
+def mounted_kits(state: State) -> frozenset[str]:
+    """The digests of the guest kits the state's VM bottles mount (the start's prune of the
+    kit cache keeps them: their VMs may still run on them)."""
+    digests = set()
+    for record in state.bottles.values():
+        kit = record.get("kit")
+        if isinstance(kit, dict) and isinstance(kit.get("digest"), str):
+            digests.add(kit["digest"])
+    return frozenset(digests)
+
+
 def compose(
     settings: DaemonSettings, store: StateStore, state: State, reactor: Any
 ) -> BottlenetService:
@@ -449,7 +460,11 @@ def _core(
         sidecar_ready_timeout=settings.sidecar_ready_timeout,
         volumes=VolumeRules(settings.protected_paths, settings.volume_roots),
     )
-    kit = KitKeeper(reactor, None if settings.kit_dir is None else KitCache(settings.kit_dir))
+    kit = KitKeeper(
+        reactor,
+        None if settings.kit_dir is None else KitCache(settings.kit_dir),
+        mounted=lambda: mounted_kits(state),
+    )
     host = vm_host(
         reactor, smolvm, table, aliases, state_dir=settings.state_dir, options=vm_options, kit=kit
     )
@@ -460,6 +475,7 @@ def _core(
         table.own_sockets.add_tcp(settings.tls.interface, settings.tls.port)
     factory = _control_factory(settings, reactor, registry, node, control_commands)
     factory.context.smolvm.guest_kit = kit.describe
+    factory.context.smolvm.guest_kit_argv = kit.guest_argv
     root = BottlenetService(
         reactor,
         table,

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import fcntl
+import hashlib
 import ipaddress
 import os
 import socket
@@ -46,7 +47,15 @@ TRAP_V4 = "198.18.0.1"  # RFC 2544 benchmarking range: never routed anywhere
 TRAP_V6 = "fd42:b077:1e70::1"
 #: Where the suite's daemons cache bottlenet's guest kit: one build for the whole run (the
 #: cache is keyed by the kit's inputs and locked while a daemon builds, bottlenet/kit/build.py).
-TEST_KIT_DIR = os.path.join("/var/tmp", f"bottlenet-test-kit-{os.geteuid()}")
+#: One per checkout: each daemon's start removes the kits no daemon holds in use, and a
+#: checkout of an older bottlenet (before ``<key>.use``) holds none of its own.
+TEST_KIT_DIR = os.path.join(
+    "/var/tmp",
+    f"bottlenet-test-kit-{os.geteuid()}-"
+    + hashlib.sha256(
+        os.path.dirname(os.path.dirname(os.path.abspath(__file__))).encode()
+    ).hexdigest()[:8],
+)
 #: Daemon options every test daemon gets: the gate's outside address and DNS name pointed at
 #: stand-ins, an address local to the suite's own namespace (nothing listens on port 9) and a
 #: name that only the loopback resolver could answer; and the suite's shared guest kit cache.

@@ -292,14 +292,25 @@ class MachineSpec:
         return self.from_file is not None or (self.image is not None and is_local_image(self.image))
 
 
-def device_count(spec: MachineSpec) -> int:
-    """virtio-mmio devices the user side of ``spec`` needs (smolvm-cli.md 4.5).
+#: What a counted device is for (:func:`devices`).
+VOLUME, NIC, PACKED = "volume", "nic", "image"
 
-    One per volume (virtiofs), one NIC if any port or egress policy, one for packed layers.
-    Mount-sockets are not counted: smolvm-cli.md does not list them as devices (they are
-    assumed to ride on the fixed vsock device); see docs/smolvm.md.
-    """
-    return len(spec.volumes) + int(spec.needs_nic) + int(spec.packed_image)
+
+def devices(spec: MachineSpec) -> list[tuple[str, str]]:
+    """The virtio-mmio devices the user side of ``spec`` needs (smolvm-cli.md 4.5), each as
+    (what it is for, a detail): one per volume (virtiofs; its guest path), one NIC if any
+    port or egress policy, one for a local or packed image. Mount-sockets are not counted:
+    smolvm-cli.md does not list them as devices (they are assumed to ride on the fixed vsock
+    device); see docs/smolvm.md."""
+    out = [(VOLUME, v.guest) for v in spec.volumes]
+    out += [(NIC, "ports/egress")] if spec.needs_nic else []
+    out += [(PACKED, "local/packed image")] if spec.packed_image else []
+    return out
+
+
+def device_count(spec: MachineSpec) -> int:
+    """How many virtio-mmio devices the user side of ``spec`` needs (:func:`devices`)."""
+    return len(devices(spec))
 
 
 def _unique(values: Sequence[object], what: str) -> None:
@@ -372,11 +383,13 @@ def validate_spec(
     for word in spec.workload:
         if not isinstance(word, str) or "\0" in word:
             raise _bad("workload word", word, "must be a string without NUL")
-    used = device_count(spec)
-    if used > device_budget:
+    used = devices(spec)
+    if len(used) > device_budget:
+        vols = [d for k, d in used if k == VOLUME]
         raise DeviceBudgetExceeded(
-            f"machine {spec.name!r} needs {used} virtio devices "
-            f"({len(spec.volumes)} volume(s), {int(spec.needs_nic)} NIC for ports/egress, "
+            f"machine {spec.name!r} needs {len(used)} virtio devices "
+            f"({len(vols)} volume(s){': ' + ', '.join(vols) if vols else ''}; "
+            f"{int(spec.needs_nic)} NIC for ports/egress; "
             f"{int(spec.packed_image)} for a local/packed image) but the budget is "
             f"{device_budget}; smolvm would fail at start with krun_start_enter -22"
         )

@@ -70,6 +70,7 @@ from bottlenet.bottles.volumes import Requester, ResolvedVolumes
 from bottlenet.bottles.workload import WorkloadState
 from bottlenet.errors import (
     EgressLayerFailed,
+    InvalidArgument,
     IsolationFailed,
     IsolationUnavailable,
     SmolvmFailed,
@@ -93,7 +94,16 @@ from vmctl.ports import (
     start_with_sockets,
 )
 from vmctl.smolvm import Features
-from vmctl.spec import ExposeSocket, MachineSpec, MountSocket, PortMapping, Volume
+from vmctl.spec import (
+    PACKED,
+    VOLUME,
+    ExposeSocket,
+    MachineSpec,
+    MountSocket,
+    PortMapping,
+    Volume,
+    devices,
+)
 
 #: Where sidecar services listen inside the sidecar VM (``listen = "unix"``, the default).
 SIDECAR_SOCKET_DIR = "/run/bottlenet"
@@ -167,6 +177,28 @@ def agent_machine_spec(
         "workload": AGENT_WAIT_COMMAND if kit is None else tuple(kit.program.argv("idle")),
     }
     return MachineSpec(name, net=False, **fields)
+
+
+def check_agent_devices(
+    bottle: str, agent: AgentSpec, volumes: Sequence[Volume], kit: Kit | None, budget: int
+) -> None:
+    """The agent VM fits smolvm's device budget (each volume, bottlenet's guest kit and a
+    local image take one virtio device): checked before any machine exists, the refusal
+    names what it counted (InvalidArgument, as vmctl's own check is on the wire)."""
+    spec = agent_machine_spec(f"bn-{bottle}-agent", agent, (), (), (), volumes, kit)
+    used = devices(spec)
+    if len(used) <= budget:
+        return
+    mine = [guest for kind, guest in used if kind == VOLUME and guest != GUEST_DIR]
+    parts = [f"{len(mine)} volume(s) ({', '.join(mine)})"] if mine else []
+    parts += [f"bottlenet's guest kit (read-only at {GUEST_DIR})"] if kit is not None else []
+    parts += ["its local image (its packed layers)"] if any(k == PACKED for k, _ in used) else []
+    room = budget - (len(used) - len(mine))
+    raise InvalidArgument(
+        f"agent.volumes: the agent VM would need {len(used)} virtio devices, more than "
+        f"smolvm's budget of {budget}: {', '.join(parts)}; give it at most {max(room, 0)} "
+        'volume(s) (docs/bottles.md, "Device budget")'
+    )
 
 
 Undo = tuple[str, Callable[[], Awaitable[None]]]
@@ -290,6 +322,9 @@ class Creation:
         try:
             self.kit = await self.host.checked_kit()
             await self.step_features()
+            check_agent_devices(
+                self.name, self.agent, self.volumes.volumes, self.kit, self.smolvm.device_budget
+            )
             await self.step_allocate()
             self.sides_at = len(self.undo)
             (sidecar, bound, egress_set), booted = await both(
@@ -712,12 +747,12 @@ class Creation:
             if self.layer is not None:
                 self.layer.stop()
 
-        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy)
+        self.layer = await self.host.layers.start_layer(self.name, agent_vm, proxy, self.kit_ref)
         self.undo.append(("egress layer", stop))
         if self.options.skip_probe:
             return
         verdict = await self.host.layers.prove(
-            self.name, agent_vm, proxy, self.host.gate.settings.outside
+            self.name, agent_vm, proxy, self.host.gate.settings.outside, self.kit_ref
         )
         if not verdict.passed:
             raise IsolationFailed(

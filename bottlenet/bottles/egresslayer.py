@@ -3,7 +3,10 @@
 A bottle whose spec names ``agent.transparent_egress`` gets, after the launch gate and the
 bridge and before the workload, the layer of ``bottlenet.transparent`` in its agent VM, as
 root, in an attached exec session (its stdin is its lifeline, as the bridge's): routes and one
-nf_tables table by netlink, the listener and the fake-IP resolver. A kernel that lacks a piece
+nf_tables table by netlink, the listener and the fake-IP resolver. It runs on bottlenet's
+guest kit (its ``egress`` subcommand, the kit's loader named directly: no shell, no ``PATH``);
+only where no kit could be built is it fed to the image's ``/bin/sh -s`` and ``python3``
+(``transparent.script``), as the bridge is. A kernel that lacks a piece
 fails the create with the piece named. Once ``ready`` the layer is proven as the second half of
 the gate (``bottlenet.probe``'s :class:`LayerPlan`): the proxy service's endpoint is diverted to
 a witness, canary dials to reserved addresses and to a name must arrive there as ``CONNECT``,
@@ -27,14 +30,15 @@ from twisted.logger import Logger
 
 from bottlenet.bottles.bridge import BridgeKeeper, Bridges, BridgeSession, BridgeState
 from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.probe import probe_command
 from bottlenet.errors import BridgeFailed, EgressLayerFailed
+from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.probe.judge import Verdict, judge_layer
 from bottlenet.probe.plan import LayerPlan, new_nonce
-from bottlenet.probe.script import render as render_check
 from bottlenet.probe.witness import ConnectWitness, ConnectWitnessFactory
 from bottlenet.transparent.layer import EXIT_FAILED, EXIT_MISSING, LISTEN_PORT
 from bottlenet.transparent.nftables import NEEDS
-from bottlenet.transparent.script import ARGV, EXIT_NO_TOOL, NO_TOOL, render
+from bottlenet.transparent.script import ARGV, EXIT_NO_TOOL, NO_TOOL, check_proxy_path, render
 from vmctl.errors import VmctlError
 from vmctl.smolvm import GUEST_ROOT
 
@@ -181,10 +185,13 @@ class Layers(Bridges):
 
     async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
         assert isinstance(kept, LayerKeeper)
-        session = LayerSession(render(kept.proxy, LISTEN_PORT), kept.counters)
+        argv, stdin = layer_command(kept.proxy, kept.kit)
+        session = LayerSession(stdin, kept.counters)
         kept.session = session
         try:
-            await self.smolvm.spawn_exec(kept.agent_vm, list(ARGV), session, user=GUEST_ROOT)
+            await self.smolvm.spawn_exec(
+                kept.agent_vm, argv, session, user=GUEST_ROOT, session=kit_session(kept.kit)
+            )
         except VmctlError as e:
             raise BridgeFailed(f"it cannot start: {e.message}") from None
         timer = self.reactor.callLater(30.0, session.stop)
@@ -211,10 +218,12 @@ class Layers(Bridges):
         assert proxy.guest_path is not None
         return LayerKeeper(bottle, agent_vm, [], proxy=proxy.guest_path, state=state)
 
-    async def start_layer(self, bottle: str, agent_vm: str, proxy: Endpoint) -> LayerKeeper:
+    async def start_layer(
+        self, bottle: str, agent_vm: str, proxy: Endpoint, kit: KitRef | None = None
+    ) -> LayerKeeper:
         """Install the layer and wait until it listens (EgressLayerFailed: why not)."""
         try:
-            kept = await self.start(bottle, agent_vm, [proxy])
+            kept = await self.start(bottle, agent_vm, [proxy], kit)
         except BridgeFailed as e:
             raise EgressLayerFailed(
                 f"transparent egress cannot start in {agent_vm}: {e.message}"
@@ -223,20 +232,30 @@ class Layers(Bridges):
         return kept
 
     async def prove(  # type: ignore[override]
-        self, bottle: str, agent_vm: str, proxy: Endpoint, outside: str
+        self,
+        bottle: str,
+        agent_vm: str,
+        proxy: Endpoint,
+        outside: str,
+        kit: KitRef | None = None,
     ) -> Verdict:
         """The gate's second half: canaries through the layer reach the proxy service's
-        endpoint as CONNECT (witnessed here); UDP and ICMP still go nowhere."""
-        plan = LayerPlan(nonce=new_nonce(), outside=outside)
+        endpoint as CONNECT (witnessed here); UDP and ICMP still go nowhere. On the kit the
+        check runs the kit's ``probe`` (its digest checked, as the gate's)."""
+        plan = LayerPlan(
+            nonce=new_nonce(), outside=outside, kit=None if kit is None else kit.digest
+        )
         witness = ConnectWitness(plan.connect_target(c) for c in plan.canaries())
         self.table.divert(bottle, proxy.service, ConnectWitnessFactory(self.reactor, witness))
+        argv, stdin = probe_command(plan, kit)
         try:
             result = await self.smolvm.exec(
                 agent_vm,
-                ["/bin/sh", "-s"],
-                stdin=render_check(plan),
+                argv,
+                stdin=stdin,
                 timeout=CHECK_TIMEOUT,
                 user=GUEST_ROOT,
+                session=kit_session(kit),
             )
         except VmctlError as e:
             raise EgressLayerFailed(
@@ -266,14 +285,35 @@ class Layers(Bridges):
         *,
         on_restarted: Callable[[str], None],
         on_failed: Callable[[str], None],
+        kit: KitRef | None = None,
     ) -> LayerKeeper:
         """Watch the layer its create started; one not running (after a daemon restart) is
         started again (the rules are replaced whole, the listener bound anew)."""
         keeper = self.keep(
-            kept, bottle, agent_vm, [proxy], on_restarted=on_restarted, on_failed=on_failed
+            kept,
+            bottle,
+            agent_vm,
+            [proxy],
+            on_restarted=on_restarted,
+            on_failed=on_failed,
+            kit=kit,
         )
         assert isinstance(keeper, LayerKeeper)
         return keeper
+
+
+def layer_command(proxy: str, kit: KitRef | None) -> tuple[list[str], bytes]:
+    """The layer's guest command and what its session writes first: the kit's ``egress run``
+    (one empty line: the session's writer notices the session's end only once it wrote
+    something, as the bridge's), or the script on the image's ``/bin/sh -s``."""
+    if kit is None:
+        return list(ARGV), render(proxy, LISTEN_PORT)
+    return kit.argv("egress", *layer_args(proxy)), b"\n"
+
+
+def layer_args(proxy: str) -> list[str]:
+    """The kit's ``egress`` arguments for a layer whose proxy service is mounted at ``proxy``."""
+    return ["run", "--proxy", check_proxy_path(proxy), "--port", str(LISTEN_PORT)]
 
 
 def layer_status(kept: LayerKeeper | None, service: str) -> LayerStatus:

@@ -35,6 +35,7 @@ from bottlenet.probe.plan import (
     WELL_KNOWN_PORTS,
     WELL_KNOWN_UDP_PORTS,
     IsolationMode,
+    LayerPlan,
     ProbePlan,
     Target,
     check_guest_path,
@@ -140,6 +141,14 @@ def plan_gate(
         connect_no=tuple(connect_no),
         kit=kit,
     )
+
+
+def probe_command(plan: ProbePlan | LayerPlan, kit: KitRef | None) -> tuple[list[str], bytes]:
+    """The guest command and its stdin for one check: the kit's ``probe`` with the plan and
+    the kit's digest, or (no kit) the script on the image's ``/bin/sh -s``."""
+    if kit is None:
+        return list(ARGV), render(plan)
+    return kit.argv("probe"), kit_request(plan)
 
 
 def kit_not_started(code: int, stderr: bytes) -> str:
@@ -338,11 +347,7 @@ class Gate:
                 for e, target in zip(endpoints, plan.own, strict=True):
                     self._divert(bottle, e.service, seen, str(target))
                     diverted.append(e.service)
-            argv, stdin = (
-                (list(ARGV), render(plan))
-                if kit is None
-                else (kit.argv("probe"), kit_request(plan))
-            )
+            argv, stdin = probe_command(plan, kit)
             result = await self.smolvm.exec(
                 agent_vm,
                 argv,

@@ -124,6 +124,7 @@ class Running:
                 proxy_endpoint(vm.endpoints, service),
                 on_restarted=restarted,
                 on_failed=owner.degrade_later,
+                kit=vm.kit,
             )
         if vm.workload == workload.WorkloadState.RUNNING:
             self._wait()

@@ -10,7 +10,9 @@ direction keeps flowing), one ``CHUNK`` buffer per direction, at most ``MAX_CONN
 a time (more wait in the listen backlog). It runs in the foreground until killed. Its stdin
 is its lifeline: when stdin is a pipe or a socket (the daemon's exec session), its end ends
 the bridge, so a bridge never outlives the session that started it (a daemon killed with
-SIGKILL included); fed from a file or a terminal it runs until killed.
+SIGKILL included); fed from a file or a terminal it runs until killed. The lifeline and the
+relay's pump are ``bottlenet.transparent.relay``'s, shared with the egress layer (the kit
+ships that package; the no-kit script carries the module).
 
 A connection the host never sees (issue 27 item 3): smolvm's VM confirms the connect to a
 mounted socket even when the host side could not connect, and then the bytes go nowhere
@@ -27,12 +29,12 @@ one epoll loop for every connection cost about 0.3 ms more per round trip in the
 """
 
 import errno
-import os
 import socket
-import stat
 import sys
 import threading
 import time
+
+from bottlenet.transparent.relay import lifeline, pump, spawn
 
 BRIDGES = []  # type: list  # filled in by script.render
 #: port -> the connections (client, upstream) that have had no byte from the socket yet.
@@ -57,37 +59,6 @@ def close(sock):
         sock.close()
     except OSError:
         pass
-
-
-def copy_buffer(src, dst, first=None):
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    while True:
-        n = src.recv_into(buf)
-        if not n:
-            return
-        if first is not None:
-            first()
-            first = None
-        dst.sendall(view[:n])
-
-
-def pump(src, dst, done, first=None):
-    """Copy ``src`` to ``dst`` until ``src`` ends, then half-close ``dst``."""
-    try:
-        copy_buffer(src, dst, first)
-        try:
-            dst.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-    except OSError:
-        # One side failed: end both directions now.
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-    done()
 
 
 def heard(port, pair):
@@ -135,16 +106,18 @@ def relay(client, port, path, slots):
             close(upstream)
             slots.release()
 
+    def direction(src, dst, first=None):
+        pump(src, dst, CHUNK, first)
+        done()
+
     try:
-        up = threading.Thread(target=pump, args=(client, upstream, done))
-        up.daemon = True
-        up.start()
+        spawn(direction, client, upstream)
     except RuntimeError:  # no thread to be had: this connection ends, the bridge goes on
         close(client)
         close(upstream)
         slots.release()
         return
-    pump(upstream, client, done, lambda: heard(port, pair))
+    direction(upstream, client, lambda: heard(port, pair))
 
 
 def serve(listener, port, path, slots):
@@ -159,9 +132,7 @@ def serve(listener, port, path, slots):
             continue
         try:
             client.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            t = threading.Thread(target=relay, args=(client, port, path, slots))
-            t.daemon = True
-            t.start()
+            spawn(relay, client, port, path, slots)
         except (OSError, RuntimeError):
             close(client)
             slots.release()
@@ -185,37 +156,16 @@ def bind(port):
             time.sleep(0.2)
 
 
-def lifeline():
-    """Exit when stdin (a pipe or socket: the session) ends; act on ``down <port>`` lines
-    (anything else is discarded)."""
-    try:
-        mode = os.fstat(0).st_mode
-    except OSError:
-        return
-    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-        return
-    line = b""
-    while True:
-        try:
-            data = os.read(0, 4096)
-        except OSError:
-            data = b""
-        if not data:
-            os._exit(0)
-        line += data
-        while b"\n" in line:
-            one, line = line.split(b"\n", 1)
-            words = one.split()
-            if len(words) == 2 and words[0] == b"down" and words[1].isdigit():
-                end_quiet(int(words[1]))
-        line = line[-64:]
+def told(line):
+    """A line on the lifeline: ``down <port>`` ends that port's quiet connections."""
+    words = line.split()
+    if len(words) == 2 and words[0] == b"down" and words[1].isdigit():
+        end_quiet(int(words[1]))
 
 
 def main():
     threading.stack_size(256 * 1024)
-    t = threading.Thread(target=lifeline)
-    t.daemon = True
-    t.start()
+    spawn(lifeline, told)
     listeners = []
     for port, path in BRIDGES:
         try:
@@ -225,9 +175,7 @@ def main():
             return EXIT_BIND
     slots = threading.Semaphore(MAX_CONNECTIONS)
     for (listener, path), (port, _) in zip(listeners, BRIDGES):
-        t = threading.Thread(target=serve, args=(listener, port, path, slots))
-        t.daemon = True
-        t.start()
+        spawn(serve, listener, port, path, slots)
     say("ready", len(listeners))
     while True:
         time.sleep(3600)

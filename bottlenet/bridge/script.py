@@ -2,9 +2,10 @@
 
 Where the daemon could build no kit (``bottlenet.kit``), both come on the guest's stdin
 (``/bin/sh -s``), so nothing is written into the image and nothing of it runs but its
-``/bin/sh`` and its ``python3``. With a kit, its ``bridge`` takes :func:`bridge_args` and its
-``reach`` reads :func:`reach_request`. Every value in them is validated to a shell- and
-heredoc-safe alphabet first.
+``/bin/sh`` and its ``python3``; the bridge's program carries the module it shares with the
+egress layer (``bottlenet.transparent.relay``, by ``transparent.script.bootstrap``). With a
+kit, its ``bridge`` takes :func:`bridge_args` and its ``reach`` reads :func:`reach_request`.
+Every value in them is validated to a shell- and heredoc-safe alphabet first.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from attrs import frozen
 
 from bottlenet.errors import InvalidArgument
 from bottlenet.probe.plan import check_guest_path, check_port, safe_repr
+from bottlenet.transparent.script import bootstrap
 
 #: Exit codes of the bridge script (besides being killed).
 EXIT_BIND = 3
@@ -27,6 +29,9 @@ NO_TOOL = "BNB notool"
 _HEREDOC = "BOTTLENET_BRIDGE_PY"
 #: A UNIX socket path has at most 107 bytes.
 MAX_PATH = 107
+#: What the bridge imports of ``bottlenet.transparent`` (the lifeline and the pump it shares
+#: with the egress layer): carried in its program.
+MODULES = ("relay",)
 
 _SH = """\
 #!/bin/sh
@@ -110,7 +115,7 @@ def render(bridges: Sequence[Bridge]) -> bytes:
         "# and runs until killed, or until its stdin ends when that is a pipe or a socket.\n"
         f'# Prints "{READY} N" once listening; exit {EXIT_BIND}: a port could not be bound.'
     )
-    program = _program("guest.py", "BRIDGES", literal).replace("'", "'\\''")
+    program = bootstrap(MODULES, _program("guest.py", "BRIDGES", literal)).replace("'", "'\\''")
     run = _RUN_ARG.format(program=program)
     return _render("python -m bottlenet.bridge script", comment, run)
 

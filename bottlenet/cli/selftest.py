@@ -8,7 +8,11 @@ leaves nothing (asked of the daemon with ``Leftovers``, which looks in smolvm's 
 Each FAIL line says what was seen and the fix. Exit status 0 only when every check passes.
 
 The observations are made by :class:`Run` (I/O against the daemon); every verdict is a pure
-function of them, so each FAIL path is tested without a VM.
+function of them, so each FAIL path is tested without a VM. Its own guest commands (the
+workload, the attached command, the process count, the connect, the volume's round trip, the
+uid) run on bottlenet's guest kit when the daemon has one ready (:class:`GuestTools`), so an
+image with no python3 and no shell passes; without a kit they need the image's python3 and
+``/bin/sh``, as bottlenet's own guest commands then do.
 """
 
 from __future__ import annotations
@@ -146,20 +150,96 @@ def _go_file(name: str) -> str:
     return f"/tmp/.bottlenet-selftest-go-{name}"
 
 
+class GuestTools(NamedTuple):
+    """The selftest's guest commands: on bottlenet's guest kit (``kit``: its program as a
+    guest runs it, from Hello), else on the image's python3 and ``/bin/sh``. Each gives the
+    argv and what goes to its stdin (None: nothing)."""
+
+    kit: tuple[str, ...] = ()
+
+    def workload(self, name: str) -> list[str]:
+        """Waits until told (its go file), prints a line, exits 7."""
+        if self.kit:
+            words = [_go_file(name), str(WORKLOAD_WAIT), str(WORKLOAD_EXIT), WORKLOAD_MARK]
+            return [*self.kit, "wait-for", *words]
+        script = (
+            f"n=0; while [ ! -e {_go_file(name)} ] && [ $n -lt {WORKLOAD_WAIT * 10} ];"
+            f" do sleep 0.1; n=$((n+1)); done; echo {WORKLOAD_MARK}; exit {WORKLOAD_EXIT}"
+        )
+        return ["/bin/sh", "-c", script]
+
+    def sleeper(self, marker: str) -> list[str]:
+        """A command that never reads its input; its argv carries ``marker``."""
+        if self.kit:
+            return [*self.kit, "idle", marker]
+        return ["python3", "-c", SLEEPER, marker]
+
+    def counter(self, marker: str) -> list[str]:
+        """Prints how many guest processes carry ``marker`` (given reversed)."""
+        if self.kit:
+            return [*self.kit, "procs", marker[::-1]]
+        return ["python3", "-c", COUNTER, marker[::-1]]
+
+    def connect(self, port: int) -> tuple[list[str], bytes | None]:
+        """Connects to the guest's 127.0.0.1:``port``: exit 0 when it connected."""
+        if self.kit:  # the bridge's reach check: "BNB reach PORT ok|timeout|ERRNO"
+            check = {"nonce": "selftest", "ports": [[port, f"tcp:127.0.0.1:{port}"]], "timeout": 5}
+            return [*self.kit, "reach"], json.dumps(check).encode()
+        probe = (
+            "import socket,sys\n"
+            "try:\n"
+            f"    socket.create_connection(('127.0.0.1', {port}), 5).close()\n"
+            "except OSError as e:\n"
+            "    sys.exit(str(e))\n"
+        )
+        return ["python3", "-c", probe], None
+
+    def write(self, path: str, text: str) -> tuple[list[str], bytes | None]:
+        if self.kit:
+            return [*self.kit, "write", path], f"{text}\n".encode()
+        return ["/bin/sh", "-c", f"echo {text} > {path}"], None
+
+    def touch(self, path: str) -> tuple[list[str], bytes | None]:
+        """An empty file at ``path``."""
+        return ([*self.kit, "write", path], b"") if self.kit else (["touch", path], None)
+
+    def read(self, path: str) -> list[str]:
+        return [*self.kit, "read", path] if self.kit else ["cat", path]
+
+    def uid(self) -> tuple[list[str], str]:
+        """Prints the uid (the kit's ``whoami``: ``uid:gid``); the command's name."""
+        return (
+            ([*self.kit, "whoami"], "whoami (the kit's)") if self.kit else (["id", "-u"], "id -u")
+        )
+
+    def who(self) -> list[str]:
+        return [*self.kit, "whoami"] if self.kit else ["id"]
+
+
+def connected(tools: GuestTools, seen: ExecSeen, port: int) -> str:
+    """``ok`` when the guest's connect to ``port`` was made, else what it said."""
+    if tools.kit:
+        words = seen.stdout.split()
+        # connected: the host's end answered and closed ("ok") or kept it open ("timeout")
+        if seen.code == 0 and words[:3] == ["BNB", "reach", str(port)]:
+            return "ok" if words[3:4] in (["ok"], ["timeout"]) else " ".join(words[3:4])
+        return _said(seen)
+    return "ok" if seen.code == 0 else _said(seen)
+
+
 def workload_argv(name: str) -> list[str]:
     """A workload any image runs (POSIX sh): it waits until told, prints a line, exits 7."""
-    script = (
-        f"n=0; while [ ! -e {_go_file(name)} ] && [ $n -lt {WORKLOAD_WAIT * 10} ];"
-        f" do sleep 0.1; n=$((n+1)); done; echo {WORKLOAD_MARK}; exit {WORKLOAD_EXIT}"
-    )
-    return ["/bin/sh", "-c", script]
+    return GuestTools().workload(name)
 
 
 def build_spec(
-    base: dict[str, Any] | None, args: argparse.Namespace, volume: str
+    base: dict[str, Any] | None,
+    args: argparse.Namespace,
+    volume: str,
+    tools: GuestTools | None = None,
 ) -> dict[str, Any]:
     """The throwaway bottle's spec: the user's, else one from the images given, with the
-    selftest's workload and read-write volume."""
+    selftest's workload (on the kit when there is one) and read-write volume."""
     if base is not None:
         doc = json.loads(json.dumps(base))  # a deep copy of plain JSON values
     else:
@@ -176,7 +256,7 @@ def build_spec(
             "agent": {"image": args.agent_image, "env": ["LANG=C.UTF-8"]},
         }
     agent = doc.setdefault("agent", {})
-    agent["workload"] = workload_argv(args.name)
+    agent["workload"] = (tools or GuestTools()).workload(args.name)
     # The same path in the guest: any image has room for it, and it names what it mounts.
     agent["volumes"] = [*agent.get("volumes", []), f"{volume}:{volume}:rw"]
     return doc
@@ -311,13 +391,15 @@ def _said(seen: ExecSeen) -> str:
     return f"exit {seen.code}" + (f": {tail}" if tail else "")
 
 
-def judge_exec_root(seen: ExecSeen) -> Check:
-    if seen.code == 0 and seen.stdout.strip() == "0":
-        return Check("exec-root", Verdict.PASS, "`id -u` with -u 0 printed 0")
+def judge_exec_root(seen: ExecSeen, command: str = "id -u") -> Check:
+    """``command`` printed the uid 0 (the kit's ``whoami`` prints ``uid:gid``)."""
+    printed = seen.stdout.strip()
+    if seen.code == 0 and printed.split(":")[0] == "0":
+        return Check("exec-root", Verdict.PASS, f"`{command}` with -u 0 printed {printed}")
     return Check(
         "exec-root",
         Verdict.FAIL,
-        f"`id -u` with -u 0: {_said(seen)}, printed {seen.stdout.strip()[:40]!r}",
+        f"`{command}` with -u 0: {_said(seen)}, printed {printed[:40]!r}",
         FIXES["exec-root"],
     )
 
@@ -456,6 +538,8 @@ class Run:
         self.kinds: list[str] = []
         self.torn_down = False
         self.per_vm_uids = False
+        #: The guest commands: on the daemon's kit once Hello says one is ready.
+        self.tools = GuestTools()
 
     def checks(self) -> Iterator[Check]:
         """Every step once, in :data:`STEPS` order: those the run passed by are SKIP."""
@@ -473,8 +557,9 @@ class Run:
             yield Check(step, Verdict.SKIP, reason)
 
     def _steps(self) -> Iterator[Check]:
-        hello = self.c.hello()
+        hello = self._kit_built(self.c.hello())
         self.per_vm_uids = (hello.vm_uids or "").startswith("per-VM")
+        self.tools = GuestTools(hello.guest_kit_argv)
         first = judge_hello(hello, self.control)
         if first[1].verdict is Verdict.FAIL:
             yield from first
@@ -495,6 +580,18 @@ class Run:
             if made:
                 shutil.rmtree(volume, ignore_errors=True)
 
+    def _kit_built(self, hello: HelloResult) -> HelloResult:
+        """Hello once the daemon's kit is no longer being built (it is at its start; the
+        create would wait for it too), so the guest commands are chosen for what the bottle
+        will mount; bounded by the call timeout."""
+        import time
+
+        deadline = time.monotonic() + self.idle
+        while (hello.guest_kit or "").startswith("building") and time.monotonic() < deadline:
+            time.sleep(0.5)
+            hello = self.c.hello()
+        return hello
+
     def _hello_lines(self) -> Iterator[Check]:
         """``privilege`` (what the create's VMs showed) and ``kit``, from one Hello."""
         hello = self.c.hello()
@@ -502,7 +599,7 @@ class Run:
         yield judge_kit(hello.guest_kit)
 
     def _with_bottle(self, volume: str) -> Iterator[Check]:
-        spec = build_spec(self.base_spec, self.args, volume)
+        spec = build_spec(self.base_spec, self.args, volume, self.tools)
         self.c.watch(self.name)
         try:
             record = self.c.call(calls.create_bottle(self.name, spec=json.dumps(spec)))
@@ -515,8 +612,9 @@ class Run:
             yield from self._hello_lines()
             yield from judge_created(record)
             yield judge_bridge(self.c.call(calls.bottle_status(self.name)), self._reach(spec))
-            yield judge_exec_root(self._exec(["id", "-u"], user="0"))
-            yield judge_exec_user(self._exec(["id"]))
+            argv, command = self.tools.uid()
+            yield judge_exec_root(self._exec(argv, user="0"), command)
+            yield judge_exec_user(self._exec(self.tools.who()))
             yield self._session_end()
             yield self._volume(volume)
             yield self._workload()
@@ -527,11 +625,20 @@ class Run:
                     self.c.call(calls.destroy_bottle(self.name))
             raise
 
-    def _exec(self, argv: Sequence[str], user: str | None = None) -> ExecSeen:
+    def _exec(
+        self, argv: Sequence[str], stdin: bytes | None = None, user: str | None = None
+    ) -> ExecSeen:
         out, err = io.BytesIO(), io.BytesIO()
+        given = None if stdin is None else io.BytesIO(stdin)
         try:
             code = self.c.exec(
-                self.name, list(argv), stdout=out, stderr=err, user=user, time_limit=60
+                self.name,
+                list(argv),
+                stdin=given,
+                stdout=out,
+                stderr=err,
+                user=user,
+                time_limit=60,
             )
         except BottlenetError as e:
             return ExecSeen(None, "", "", f"{e.code}: {e.message}")
@@ -548,7 +655,7 @@ class Run:
 
         marker = f"bottlenet-selftest-session-{self.name}"
         request = ExecRequest(
-            self.name, ("python3", "-c", SLEEPER, marker), user="0", stdin=True, fds=False
+            self.name, tuple(self.tools.sleeper(marker)), user="0", stdin=True, fds=False
         )
         try:
             session = self.c.start_exec(request)
@@ -568,7 +675,7 @@ class Run:
 
         deadline = time.monotonic() + SESSION_WAIT
         while True:
-            seen = self._exec(["python3", "-c", COUNTER, marker[::-1]], user="0")
+            seen = self._exec(self.tools.counter(marker), user="0")
             if seen.code == 0 and (seen.stdout.strip() != "0") == want:
                 return True
             if time.monotonic() > deadline:
@@ -580,25 +687,19 @@ class Run:
         reached: dict[int, str] = {}
         for service in spec.get("sidecar", {}).get("service", []):
             port = int(service["guest_port"])
-            probe = (
-                "import socket,sys\n"
-                "try:\n"
-                f"    socket.create_connection(('127.0.0.1', {port}), 5).close()\n"
-                "except OSError as e:\n"
-                "    sys.exit(str(e))\n"
-            )
-            seen = self._exec(["python3", "-c", probe], user="0")
-            reached[port] = "ok" if seen.code == 0 else _said(seen)
+            argv, stdin = self.tools.connect(port)
+            reached[port] = connected(self.tools, self._exec(argv, stdin, user="0"), port)
         return reached
 
     def _volume(self, volume: str) -> Check:
         import secrets
 
         to_host, to_guest = secrets.token_hex(8), secrets.token_hex(8)
-        wrote = self._exec(["/bin/sh", "-c", f"echo {to_host} > {volume}/from-guest"], user="0")
+        argv, stdin = self.tools.write(f"{volume}/from-guest", to_host)
+        wrote = self._exec(argv, stdin, user="0")
         host_read = _read_text(os.path.join(volume, "from-guest"))
         _write_new(os.path.join(volume, "from-host"), to_guest + "\n")
-        read = self._exec(["cat", f"{volume}/from-host"], user="0")
+        read = self._exec(self.tools.read(f"{volume}/from-host"), user="0")
         return judge_volume(
             volume,
             None if wrote.code == 0 else f"the guest's write: {_said(wrote)}",
@@ -610,7 +711,7 @@ class Run:
 
     def _workload(self) -> Check:
         before = self.c.call(calls.bottle_status(self.name)).workload
-        self._exec(["touch", _go_file(self.name)], user="0")
+        self._exec(*self.tools.touch(_go_file(self.name)), user="0")
         code = self._wait_event("workload_exited") if before else None
         log = io.BytesIO()
         try:

@@ -232,6 +232,9 @@ class Hello(ControlCommand):
         (b"vm_uids_basis", amp.Unicode(optional=True)),
         # bottlenet's guest kit: "ready: kit ...", "building", or why not and the fallback.
         (b"guest_kit", amp.Unicode(optional=True)),
+        # The ready kit's program at its fixed guest path (a guest command is it plus one
+        # of its subcommands); absent while no kit is ready.
+        (b"guest_kit_argv", StrictListOf(amp.Unicode(), optional=True)),
     ]
 
 

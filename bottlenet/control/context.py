@@ -92,6 +92,8 @@ class SmolvmFacts:
     vm_uids: Callable[[], tuple[str | None, str | None]] = _no_vm_uids
     #: bottlenet's guest kit as ``status`` shows it (``KitKeeper.describe``; None: unknown).
     guest_kit: Callable[[], str | None] = lambda: None
+    #: The ready kit's program as a guest runs it (``KitKeeper.guest_argv``; None: none).
+    guest_kit_argv: Callable[[], list[str] | None] = lambda: None
     _settled: OneShot[None] = field(factory=_settled, init=False)
 
     @property

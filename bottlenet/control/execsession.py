@@ -240,7 +240,8 @@ class ExecSession:
         copy = _StdinCopy(in_w)
         if stdin is not None and self.forward_stdin:
             copy.open(stdin)
-        if copy.state is _Input.CLOSED:
+        # an in-memory stdin that is empty is at its end now: no event would come to say so
+        if copy.state is _Input.CLOSED or copy.write([]):
             self._close_pipe(in_w)
         sinks = {out_r: stdout, err_r: stderr}
         note = NoteFilter()  # smolvm's packed-assets note heads the stderr pipe: not ours

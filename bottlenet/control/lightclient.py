@@ -72,6 +72,7 @@ COMMANDS: dict[str, tuple[Schema, Schema]] = {
             "vm_uids": (Kind.UNICODE, True),
             "vm_uids_basis": (Kind.UNICODE, True),
             "guest_kit": (Kind.UNICODE, True),
+            "guest_kit_argv": (Kind.UNICODE_LIST, True),
         },
     ),
     "Ping": ({}, {}),

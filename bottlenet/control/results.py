@@ -37,6 +37,8 @@ class HelloResult(NamedTuple):
     smolvm_tested_versions: tuple[str, ...] = ()
     #: bottlenet's guest kit (``KitKeeper.describe``); None from an older daemon.
     guest_kit: str | None = None
+    #: The ready kit's program as a guest runs it (empty: no kit ready, or an older daemon).
+    guest_kit_argv: tuple[str, ...] = ()
 
     @classmethod
     def from_answer(cls, d: dict[str, Any]) -> HelloResult:
@@ -52,6 +54,7 @@ class HelloResult(NamedTuple):
             smolvm_tested=d.get("smolvm_tested"),
             smolvm_tested_versions=tuple(d.get("smolvm_tested_versions") or ()),
             guest_kit=d.get("guest_kit"),
+            guest_kit_argv=tuple(d.get("guest_kit_argv") or ()),
         )
 
 

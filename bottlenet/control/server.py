@@ -264,6 +264,7 @@ class ControlLocator(SafeCommandLocator):
             "vm_uids": vm_uids,
             "vm_uids_basis": basis,
             "guest_kit": smolvm.guest_kit(),
+            "guest_kit_argv": smolvm.guest_kit_argv(),
         }
 
     @C.Ping.responder

@@ -4,8 +4,10 @@ The kit is the daemon's own interpreter with its own loader and shared libraries
 found by asking the loader, ``ld.so --list``), the part of the standard library the guest
 programs import (found by importing them in a fresh ``-I -S`` interpreter, byte-compiled and
 sourceless) and the guest programs themselves (``kit/guest.py`` as ``app/main.pyc``, the
-probe, the bridge, its reach check, the session wrapper and the workload parent). Nothing of
-a guest's image is needed to run it: the kit's loader is named directly (``kit.program``).
+probe, the bridge, its reach check, the session wrapper and the workload parent), and the
+guest's package ``bottlenet.transparent`` (``pkg/``: the egress layer, the link report the
+probe imports, the relay the bridge and the layer share). Nothing of a guest's image is
+needed to run it: the kit's loader is named directly (``kit.program``).
 
 Why not PyInstaller (+ staticx for a libc-free binary): a one-file bundle unpacks itself into
 a writable ``/tmp`` at every start (0.35 s more per command here, far more under software
@@ -14,28 +16,35 @@ interpreter (its extension modules carry a ``DT_RUNPATH``). A directory with its
 starts as fast as the interpreter itself and runs from a read-only mount.
 
 The cache: ``<state-dir>/kit/<key>/``, the key a hash of every input (the layout, the
-interpreter and each library and module file by path, size and mtime, and the guest
-programs' bytes), so a change of any input builds a new kit. Next to it ``<key>.digest``, the
-tree digest taken when it was built (``guest.tree_digest``); a kit whose files no longer
-give that digest is built again, never used as it is. Blocking: run it off the reactor thread.
+interpreter and each library and module file by path, size and mtime, and the bytes of the
+guest programs and of the package's modules), so a change of any input builds a new kit.
+Next to it ``<key>.digest``, the tree digest taken when it was built
+(``guest.tree_digest``); a kit whose files no longer give that digest is built again, never
+used as it is. Kits of older inputs are removed at the daemon's start (:meth:`KitCache.prune`)
+unless a live bottle mounts one or another daemon sharing the cache uses it (each daemon
+holds a shared lock on ``<key>.use`` of the kits it uses). Blocking: run it off the reactor
+thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
 import os
 import py_compile
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Collection, Iterator
 from importlib import resources
 
-from attrs import frozen
+from attrs import field, frozen
 from twisted.logger import Logger
 
 from bottlenet.errors import BottlenetError
@@ -43,9 +52,13 @@ from bottlenet.kit import guest
 from bottlenet.kit.program import LIB, MAIN, PYTHON, KitProgram, KitRef
 
 #: Bump when build() changes what goes into a kit.
-LAYOUT = 1
+LAYOUT = 2
 #: The state directory's kit folder.
 KITS = "kit"
+#: In it: the lock every cache change is made under, and beside each ``<key>`` kit its
+#: ``<key>.digest`` and ``<key>.use`` (held with a shared lock by each daemon using the kit).
+LOCK, USE = ".lock", ".use"
+_KEY = re.compile(r"[0-9a-f]{16}")
 #: Each guest program: its name in the kit's ``app/`` and where its source is.
 PROGRAMS = {
     "main": ("bottlenet.kit", "guest.py"),
@@ -54,8 +67,14 @@ PROGRAMS = {
     "reach": ("bottlenet.bridge", "reach.py"),
     "parent": ("bottlenet.kit", "parent.py"),
 }
-#: Imported inside functions of the guest programs (the rest is found by running them).
+#: The package the kit ships whole (``pkg/``), but its host-side modules.
+PACKAGE = "bottlenet.transparent"
+HOST_ONLY = ("script.py", "__main__.py")
+#: Imported inside functions of the guest programs (the rest is found by running them);
+#: ``encodings.idna`` is what ``socket.getaddrinfo`` encodes a name with (without it every
+#: lookup fails with LookupError, and the gate's DNS check could not see a name resolve).
 LATE_IMPORTS = (
+    "encodings.idna",
     "hashlib",
     "json",
     "marshal",
@@ -71,7 +90,10 @@ LATE_IMPORTS = (
 #: Run by the kit's interpreter to name the files the guest programs need (stdin: sources).
 _COLLECT = """\
 import json, sys
-sources, LATE = json.loads(sys.stdin.read())
+sources, PKG, MODULES, LATE = json.loads(sys.stdin.read())
+sys.path.insert(0, PKG)
+for m in MODULES:
+    __import__(m)
 for name, text in sorted(sources.items()):
     if name == "session":  # all top-level code: its imports are among the late ones
         continue
@@ -167,6 +189,22 @@ def sources() -> dict[str, str]:
     return texts
 
 
+def package_sources() -> dict[str, str]:
+    """The shipped package's modules, by their path under ``pkg/`` (its parent package's
+    ``__init__`` an empty one)."""
+    room = resources.files(PACKAGE)
+    base = PACKAGE.replace(".", "/")
+    texts = {f"{base.rpartition('/')[0]}/__init__.py": ""}
+    for item in sorted(room.iterdir(), key=lambda i: i.name):
+        if item.name.endswith(".py") and item.name not in HOST_ONLY:
+            texts[f"{base}/{item.name}"] = item.read_text()
+    return texts
+
+
+def _module_names(package: dict[str, str]) -> list[str]:
+    return [path[:-3].replace("/", ".").removesuffix(".__init__") for path in sorted(package)]
+
+
 def _run(argv: list[str], stdin: str | None = None) -> str:
     try:
         p = subprocess.run(argv, input=stdin, capture_output=True, text=True, timeout=120)
@@ -191,6 +229,8 @@ class Inputs:
     libraries: dict[str, str]
     sources: dict[str, str]
     pyversion: str
+    #: ``pkg/`` relative path -> source text (the package the guest programs import).
+    package: dict[str, str] = field(factory=dict)
 
     def key(self) -> str:
         strip = shutil.which("strip")
@@ -201,7 +241,7 @@ class Inputs:
         for path in sorted(set(files)):
             st = os.stat(path)
             h.update(f"{path} {st.st_size} {st.st_mtime_ns}\n".encode())
-        for name, text in sorted(self.sources.items()):
+        for name, text in sorted({**self.sources, **self.package}.items()):
             h.update(f"{name} {len(text)}\n".encode() + text.encode())
         return h.hexdigest()[:16]
 
@@ -226,16 +266,20 @@ def find_inputs(python: str | None = None) -> Inputs:
         raise KitUnavailable(
             f"the interpreter is built for {machine} but this host is {os.uname().machine}"
         )
-    texts = sources()
-    collected = json.loads(
-        _run(
-            [python, "-I", "-S", "-X", "utf8", "-c", _COLLECT],
-            stdin=json.dumps([texts, LATE_IMPORTS]),
+    texts, package = sources(), package_sources()
+    with tempfile.TemporaryDirectory() as pkg:
+        _write_tree(pkg, package)
+        collected = json.loads(
+            _run(
+                [python, "-I", "-S", "-X", "utf8", "-c", _COLLECT],
+                stdin=json.dumps([texts, pkg, _module_names(package), LATE_IMPORTS]),
+            )
         )
-    )
     stdlib, dynload, version = collected["stdlib"], collected["dynload"], collected["version"]
     modules: dict[str, str] = {}
     for f in collected["files"]:
+        if f.startswith(pkg + "/"):
+            continue  # the package itself: shipped from its sources
         if f.startswith(dynload + "/"):
             modules[f"lib-dynload/{os.path.basename(f)}"] = f
         elif f.startswith(stdlib + "/") and f.endswith(".py"):
@@ -245,7 +289,15 @@ def find_inputs(python: str | None = None) -> Inputs:
     binaries = [python, *(f for f in modules.values() if f.endswith(".so"))]
     libs = libraries_of(loader, binaries)
     libs.pop(os.path.basename(loader), None)
-    return Inputs(python, machine, os.path.realpath(loader), modules, libs, texts, version)
+    return Inputs(python, machine, os.path.realpath(loader), modules, libs, texts, version, package)
+
+
+def _write_tree(root: str, files: dict[str, str]) -> None:
+    for rel, text in files.items():
+        path = os.path.join(root, rel)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as fh:
+            fh.write(text)
 
 
 def _copy(src: str, dest: str, mode: int) -> None:
@@ -303,6 +355,12 @@ def build(inputs: Inputs, dest: str) -> None:
                 fh.write(text)
             dest_name = MAIN if name == "main" else f"app/{name}.pyc"
             _compile(path, os.path.join(dest, dest_name), f"bottlenet-kit/{name}.py")
+        _write_tree(os.path.join(src, guest.PKG), inputs.package)
+        for rel in inputs.package:
+            shown = f"bottlenet-kit/{guest.PKG}/{rel}"
+            _compile(
+                os.path.join(src, guest.PKG, rel), os.path.join(dest, guest.PKG, rel + "c"), shown
+            )
     info = {"format": guest.FORMAT, "machine": inputs.machine, "loader": f"{LIB}/{loader_name}"}
     with open(os.path.join(dest, "kit.json"), "w") as fh:
         json.dump(info, fh, sort_keys=True)
@@ -311,6 +369,15 @@ def build(inputs: Inputs, dest: str) -> None:
         for d in dirs:
             os.chmod(os.path.join(top, d), 0o555)
     os.chmod(dest, 0o555)
+
+
+def _recorded(base: str) -> str | None:
+    """The digest recorded at a kit's build (None: none readable)."""
+    try:
+        with open(base + ".digest") as fh:
+            return fh.read(128).strip()
+    except OSError:
+        return None
 
 
 def tree_size(root: str) -> int:
@@ -345,6 +412,8 @@ class KitCache:
     def __init__(self, state_dir: str, python: str | None = None) -> None:
         self.dir = os.path.join(state_dir, KITS)
         self.python = python
+        #: key -> the descriptor holding ``<key>.use`` (shared): the kits this daemon uses.
+        self.held: dict[str, int] = {}
 
     def _kit(self, key: str, digest: str, built_in: float = 0.0) -> Kit:
         root = os.path.join(self.dir, key)
@@ -354,24 +423,87 @@ class KitCache:
 
     def ensure(self) -> Kit:
         """The kit of today's inputs: the cached one when its files still give the digest
-        recorded at its build, else a new build. KitUnavailable when none can be built."""
+        recorded at its build, else a new build (held in use from then on: :meth:`prune`s
+        of other daemons sharing the cache leave it). KitUnavailable when none can be
+        built."""
         inputs = find_inputs(self.python)
         key = inputs.key()
+        with self._locked():
+            kit = self.cached(key) or self.build(inputs, key)
+            self._hold(key)
+            return kit
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The cache's lock: daemons sharing one cache build, hold and prune one at a time."""
         try:
             os.makedirs(self.dir, mode=0o755, exist_ok=True)
-            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDWR | os.O_CREAT, 0o644)
+            lock = os.open(os.path.join(self.dir, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
         except PermissionError:  # another user's cache: its kits can still be used
-            lock = os.open(os.path.join(self.dir, ".lock"), os.O_RDONLY)
+            lock = os.open(os.path.join(self.dir, LOCK), os.O_RDONLY)
         except OSError as e:
             raise KitUnavailable(f"cannot use {self.dir}: {e.strerror or e}") from None
         try:
-            fcntl.flock(lock, fcntl.LOCK_EX)  # daemons sharing one cache build it once
-            cached = self.cached(key)
-            if cached is not None:
-                return cached
-            return self.build(inputs, key)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
         finally:
             os.close(lock)
+
+    def _hold(self, key: str) -> None:
+        """Mark the kit ``key`` in use by this daemon (a shared lock on ``<key>.use``, kept
+        until :meth:`release`); a cache this user may not write is used unmarked."""
+        if key in self.held:
+            return
+        try:
+            fd = os.open(os.path.join(self.dir, key + USE), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError:
+            return
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        self.held[key] = fd
+
+    def release(self) -> None:
+        """This daemon uses none of the cache's kits any more (it stops)."""
+        for fd in self.held.values():
+            os.close(fd)
+        self.held.clear()
+
+    def prune(self, keep: Collection[str] = ()) -> list[str]:
+        """Remove the kits of other keys that no daemon holds in use and whose digest is not
+        in ``keep`` (the kits the daemon's live bottles mount: held from now on), and what
+        a build that died left; the keys removed. Blocking: a walk of the cache."""
+        removed: list[str] = []
+        with self._locked():
+            names = os.listdir(self.dir)
+            for name in names:
+                if name.startswith(".build-"):  # no build runs while the lock is held
+                    remove(os.path.join(self.dir, name))
+            for key in sorted({n.partition(".")[0] for n in names} - {""}):
+                if not _KEY.fullmatch(key):
+                    continue
+                if key in self.held:
+                    continue
+                if _recorded(os.path.join(self.dir, key)) in keep:
+                    self._hold(key)
+                elif self._remove_unused(key):
+                    removed.append(key)
+        return removed
+
+    def _remove_unused(self, key: str) -> bool:
+        """Remove the kit ``key`` unless a daemon holds it in use."""
+        base = os.path.join(self.dir, key)
+        fd = os.open(base + USE, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return False  # another daemon uses it
+            remove(base)
+            for leftover in (base + ".digest", base + USE):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            return True
+        finally:
+            os.close(fd)
 
     def cached(self, key: str) -> Kit | None:
         root = os.path.join(self.dir, key)

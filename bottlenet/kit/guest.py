@@ -16,6 +16,12 @@ libc. Each subcommand is one of bottlenet's guest commands:
 ``workload prepare|run|wait|logs ...``, ``whoami``   the workload's steps
 ``idle``                     waits until killed (the agent VM's wait command)
 ``write PATH``               stdin to PATH, atomically (the sidecar's egress policy)
+``read PATH``                PATH's bytes (a regular file, at most 1 MiB) on stdout
+``procs REVERSED``           how many processes carry REVERSED, read backwards, in their argv
+``wait-for PATH SECONDS CODE WORD...``   waits until PATH exists (SECONDS at most), prints the
+                             WORDs and exits CODE (a workload that needs no shell)
+``egress install|serve|run|remove ...``   the transparent egress layer (issue 37:
+                             ``bottlenet.transparent.layer.main``; stdin is its lifeline)
 
 Standard library only. The daemon imports it too, for :func:`tree_digest`: the host and the
 guest compute the kit's digest with this one function.
@@ -35,6 +41,8 @@ from collections.abc import Callable
 FORMAT = 1
 #: Where the guest programs are, relative to the kit's root.
 APP = "app"
+#: Where the package the programs import (``bottlenet.transparent``) is: on ``sys.path``.
+PKG = "pkg"
 EXIT_USAGE = 2
 #: The probe's exit when the kit's files are not the ones the host built.
 EXIT_KIT_MISMATCH = 5
@@ -332,7 +340,61 @@ def cmd_write(args: list[str]) -> int:
     return 0
 
 
-#: Every subcommand (issue 37's egress layer is one more entry).
+def cmd_read(args: list[str]) -> int:
+    """A regular file's first :data:`MAX_WRITE` bytes on stdout (never a FIFO's block, a
+    device or a link followed); exit 1 when it cannot be read."""
+    if len(args) != 1:
+        return _usage()
+    try:
+        fd = os.open(args[0], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        sys.stderr.write("read: %s\n" % e.strerror)
+        return 1
+    with os.fdopen(fd, "rb") as fh:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            sys.stderr.write("read: not a regular file\n")
+            return 1
+        sys.stdout.buffer.write(fh.read(MAX_WRITE))
+    return 0
+
+
+def cmd_procs(args: list[str]) -> int:
+    """The number of processes whose argv carries the mark given reversed (so this
+    command's own argv does not carry it)."""
+    if len(args) != 1:
+        return _usage()
+    mark, n = args[0][::-1].encode(), 0
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open("/proc/%s/cmdline" % pid, "rb") as fh:
+                    n += mark in fh.read()
+            except OSError:
+                pass
+    sys.stdout.write("%d\n" % n)
+    return 0
+
+
+def cmd_wait_for(args: list[str]) -> int:
+    """Waits until PATH exists (polled ten times a second, SECONDS at most), then prints
+    the WORDs and exits CODE."""
+    if len(args) < 3 or not args[1].isdigit() or not args[2].isdigit():
+        return _usage()
+    end = time.monotonic() + int(args[1])
+    while not os.path.exists(args[0]) and time.monotonic() < end:
+        time.sleep(0.1)
+    sys.stdout.write(" ".join(args[3:]) + "\n")
+    sys.stdout.flush()
+    return int(args[2]) & 0xFF
+
+
+def cmd_egress(args: list[str]) -> int:
+    from bottlenet.transparent.layer import main as layer_main
+
+    return layer_main(args)
+
+
+#: Every subcommand.
 COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "version": cmd_version,
     "digest": cmd_digest,
@@ -344,6 +406,10 @@ COMMANDS: dict[str, Callable[[list[str]], int]] = {
     "whoami": cmd_whoami,
     "idle": cmd_idle,
     "write": cmd_write,
+    "read": cmd_read,
+    "procs": cmd_procs,
+    "wait-for": cmd_wait_for,
+    "egress": cmd_egress,
 }
 
 
@@ -359,4 +425,5 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.path.join(kit_root(), PKG))
     sys.exit(main(sys.argv[1:]))

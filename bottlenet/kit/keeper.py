@@ -4,12 +4,15 @@ against its digest before each mount, built again when its files changed.
 Creates that come while the kit is being built wait for it. Where no kit can be built (or
 ``--guest-kit off``), :meth:`KitKeeper.checked` gives None and guest commands fall back to
 the image's python3 and ``/bin/sh``; ``status`` and the self-test say so (:meth:`describe`).
+At start, in the same job off the reactor, the kits of older inputs are removed from the
+cache, but those the daemon's live bottles mount (``mounted``) and those another daemon
+sharing the cache uses (:meth:`KitCache.prune`).
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, TypeVar
 
 from twisted.application.service import Service
@@ -49,8 +52,16 @@ class KitKeeper(Service):
 
     log = Logger()
 
-    def __init__(self, reactor: Any, cache: KitCache | None, run: Runner | None = None) -> None:
+    def __init__(
+        self,
+        reactor: Any,
+        cache: KitCache | None,
+        run: Runner | None = None,
+        mounted: Callable[[], Collection[str]] = frozenset,
+    ) -> None:
         self.cache = cache
+        #: The digests of the kits the daemon's live bottles mount (kept by the prune).
+        self.mounted = mounted
         self._run: Runner = run or _off_the_reactor(reactor)
         self.state = KitState.OFF if cache is None else KitState.BUILDING
         self.kit: Kit | None = None
@@ -60,14 +71,41 @@ class KitKeeper(Service):
     def startService(self) -> None:
         super().startService()
         if self.cache is not None and self._building is None and self.kit is None:
-            self._build()
+            self._build(self._first)
 
-    def _build(self) -> OneShot[Kit | None]:
+    def stopService(self) -> Any:
+        if self.cache is not None and self._building is None:
+            self.cache.release()
+        return super().stopService()
+
+    def _first(self) -> Kit:
+        """The start's job: the kit, then the cache pruned (whether or not a kit came)."""
+        assert self.cache is not None
+        try:
+            return self.cache.ensure()
+        finally:
+            self._prune()
+
+    def _prune(self) -> None:
+        assert self.cache is not None
+        try:
+            removed = self.cache.prune(self.mounted())
+        except (OSError, KitUnavailable) as e:
+            self.log.warn("old guest kits not removed: {why}", why=str(e))
+            return
+        if removed:
+            self.log.info(
+                "removed {n} guest kit(s) of older inputs: {keys}",
+                n=len(removed),
+                keys=", ".join(removed),
+            )
+
+    def _build(self, job: Callable[[], Kit] | None = None) -> OneShot[Kit | None]:
         assert self.cache is not None
         shot: OneShot[Kit | None] = OneShot()
         self._building = shot
         self.state = KitState.BUILDING
-        self._run(self.cache.ensure).addBoth(self._built, shot)
+        self._run(job or self.cache.ensure).addBoth(self._built, shot)
         return shot
 
     def _built(self, result: Kit | Failure, shot: OneShot[Kit | None]) -> None:
@@ -109,6 +147,12 @@ class KitKeeper(Service):
             self.kit = None
             self._build()
         return await self.current()
+
+    def guest_argv(self) -> list[str] | None:
+        """The ready kit's program at its fixed guest path (None: no kit ready)."""
+        if self.state is KitState.READY and self.kit is not None:
+            return self.kit.program.argv()
+        return None
 
     def describe(self) -> str:
         """One line for ``status`` and the self-test."""

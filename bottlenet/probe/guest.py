@@ -9,7 +9,10 @@ ICMP echo to the guest's loopback answered), otherwise the run ends ``blind`` (e
 The ways to the host it tries: TCP to the host ports via 127.0.0.1, ``[::1]``, each default
 gateway and nameserver; the same ports over vsock to the host (CID 2); UDP to the well-known
 UDP ports on the same addresses (any answer counts); ICMP and ICMPv6 echo to each gateway
-and to the outside address.
+and to the outside address. First it reports what each network link can carry (its kind,
+flags, addresses and routes, read over rtnetlink by ``bottlenet.transparent.links``, which
+the kit ships and the script carries): the judge allows a link but ``lo`` only when it
+provably carries nothing.
 """
 
 import hashlib
@@ -417,9 +420,28 @@ def layer_main():
     return EXIT_FAIL if fail else EXIT_PASS
 
 
+def report_links():
+    """``link NAME KIND FLAGS``, then its ``addr NAME IP/LEN`` and ``route NAME TYPE DEST/LEN``
+    lines, for every link (``links unreadable`` when rtnetlink cannot be read)."""
+    try:
+        from bottlenet.transparent.links import read
+
+        found = read()
+    except Exception:  # no rtnetlink, or an image's python3 too old for the reader
+        say("links", "unreadable")
+        return
+    for link in found:
+        say("link", link.name, link.kind or "-", "%x" % link.flags)
+        for a in link.addresses:
+            say("addr", link.name, a)
+        for r in link.routes:
+            say("route", link.name, r)
+
+
 def main():
     if PLAN.get("layer"):
         return layer_main()
+    report_links()
     if not controls():
         say("end", "blind")
         return EXIT_BLIND

@@ -261,6 +261,8 @@ class LayerPlan:
     nonce: str = field(converter=check_nonce)
     outside: Target = field(converter=_outside, default=Target("tcp", "1.1.1.1", 443))
     timeout: float = CHECK_TIMEOUT
+    #: The digest of the kit that runs the check (None: the image's python3), as ProbePlan's.
+    kit: str | None = field(converter=_hex64_or_none, default=None)
 
     @property
     def port(self) -> int:

@@ -3,8 +3,10 @@
 Where the daemon could build no kit (``bottlenet.kit``), the script is sent on the guest's
 stdin (``/bin/sh -s``), so no file of the image is run but its ``/bin/sh`` and its
 ``python3``. The sh part lists the network interfaces (which needs no tool, so a python-less
-guest still reports them); the checks are ``guest.py`` with the plan filled in. With a kit,
-the kit's ``probe`` runs the same checks and lines from :func:`kit_request` on its stdin.
+guest still reports them); the checks are ``guest.py`` with the plan filled in, carrying the
+modules its link report imports (``bottlenet.transparent``'s ``netlink`` and ``links``, by
+``transparent.script.bootstrap``). With a kit, the kit's ``probe`` runs the same checks and
+lines from :func:`kit_request` on its stdin.
 """
 
 from __future__ import annotations
@@ -13,8 +15,11 @@ import json
 from importlib import resources
 
 from bottlenet.probe.plan import LOOPBACKS, VSOCK_HOST_CID, LayerPlan, ProbePlan
+from bottlenet.transparent.script import bootstrap
 
 EXIT_NO_TOOL = 4
+#: What the guest program imports of ``bottlenet.transparent`` (its link report).
+MODULES = ("netlink", "links")
 _HEREDOC = "BOTTLENET_PROBE_PY"
 
 _SH = """\
@@ -79,12 +84,13 @@ def layer_literal(plan: LayerPlan) -> dict[str, object]:
 
 
 def guest_program(plan: ProbePlan | LayerPlan) -> str:
-    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal)."""
+    """``guest.py`` with its ``PLAN`` line replaced by this plan (a Python literal), after the
+    modules it imports."""
     source = resources.files("bottlenet.probe").joinpath("guest.py").read_text()
     literal = layer_literal(plan) if isinstance(plan, LayerPlan) else plan_literal(plan)
     marker = "PLAN = {}  # type: dict  # filled in by script.render\n"
     assert marker in source
-    return source.replace(marker, f"PLAN = {literal!r}\n", 1)
+    return bootstrap(MODULES, source.replace(marker, f"PLAN = {literal!r}\n", 1))
 
 
 def render(plan: ProbePlan | LayerPlan) -> bytes:
@@ -96,10 +102,11 @@ def render(plan: ProbePlan | LayerPlan) -> bytes:
     ).encode()
 
 
-def kit_request(plan: ProbePlan) -> bytes:
+def kit_request(plan: ProbePlan | LayerPlan) -> bytes:
     """What the kit's ``probe`` reads on stdin: the plan, and the digest it must have."""
     assert plan.kit is not None
-    return json.dumps({"plan": plan_literal(plan), "kit": plan.kit}).encode()
+    literal = layer_literal(plan) if isinstance(plan, LayerPlan) else plan_literal(plan)
+    return json.dumps({"plan": literal, "kit": plan.kit}).encode()
 
 
 #: The guest command: the script comes on stdin.

@@ -10,16 +10,14 @@ a guest root that flushes the rules does). Every line it prints is ``BNE ...``:
 * ``BNE failed STEP ERRNO``: a step failed otherwise (exit 6);
 * ``BNE conn TARGET OUTCOME`` for each redirected connection.
 
-Like the bridge, its stdin is its lifeline: when stdin is a pipe or a socket (the daemon's
-session), its end ends the layer. The rules stay when it ends: with the listener gone,
-connects are refused, and a restart installs them again.
+Like the bridge, its stdin is its lifeline (``relay.lifeline``, the bridge's too): when stdin
+is a pipe or a socket (the daemon's session), its end ends the layer. The rules stay when it
+ends: with the listener gone, connects are refused, and a restart installs them again.
 """
 
 from __future__ import annotations
 
 import errno
-import os
-import stat
 import sys
 import threading
 import time
@@ -28,6 +26,7 @@ from collections.abc import Sequence
 from bottlenet.transparent import nftables, routes
 from bottlenet.transparent.listener import Listener
 from bottlenet.transparent.netlink import NetlinkError
+from bottlenet.transparent.relay import lifeline, spawn
 
 #: The listener's port: below 1024, so no agent process (not root) can take it.
 LISTEN_PORT = 1001
@@ -64,28 +63,9 @@ def install(port: int) -> int:
     return 0
 
 
-def lifeline() -> None:
-    """Exit when stdin (a pipe or a socket: the session) ends; its bytes are discarded."""
-    try:
-        mode = os.fstat(0).st_mode
-    except OSError:
-        return
-    if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
-        return
-    while True:
-        try:
-            data = os.read(0, 4096)
-        except OSError:
-            data = b""
-        if not data:
-            os._exit(0)
-
-
 def serve(proxy: str, port: int) -> int:
     threading.stack_size(256 * 1024)
-    t = threading.Thread(target=lifeline)
-    t.daemon = True
-    t.start()
+    spawn(lifeline)
     listener = Listener(proxy, port, lambda target, outcome: say("conn", target, outcome))
     try:
         listener.bind()

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 
 from bottlenet.transparent.names import MAX_QUERY, NameTable, answer
+from bottlenet.transparent.relay import pump, spawn
 
 SO_ORIGINAL_DST = 80
 SOL_IPV6 = 41
@@ -123,25 +124,6 @@ def open_tunnel(path: str, target: str) -> tuple[socket.socket | None, str, byte
     return up, OK, rest
 
 
-def pump(src: socket.socket, dst: socket.socket) -> None:
-    """Copy until ``src`` ends, then half-close ``dst``; a failure ends both directions."""
-    buf = bytearray(CHUNK)
-    view = memoryview(buf)
-    try:
-        while True:
-            n = src.recv_into(buf)
-            if not n:
-                break
-            dst.sendall(view[:n])
-        dst.shutdown(socket.SHUT_WR)
-    except OSError:
-        for s in (src, dst):
-            try:
-                s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-
 class Listener:
     """The listener and resolver of one layer: ``proxy`` is the mounted socket of the
     service named by ``transparent_egress``."""
@@ -178,9 +160,9 @@ class Listener:
 
     def start(self) -> None:
         for s, family in self.sockets:
-            _thread(self.accept_loop, s, family)
+            spawn(self.accept_loop, s, family)
         for d in self.resolvers:
-            _thread(self.resolve_loop, d)
+            spawn(self.resolve_loop, d)
 
     def close(self) -> None:
         for s, _ in self.sockets:
@@ -217,7 +199,7 @@ class Listener:
                     time.sleep(0.1)
                 continue
             try:
-                _thread(self.handle, conn, family)
+                spawn(self.handle, conn, family)
             except RuntimeError:  # no thread to be had: this connection ends
                 reset(conn)
                 self.slots.release()
@@ -248,8 +230,8 @@ class Listener:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if early:
                 conn.sendall(early)
-            t = _thread(pump, conn, up)
-            pump(up, conn)
+            t = spawn(pump, conn, up, CHUNK)
+            pump(up, conn, CHUNK)
             t.join()
         except (OSError, RuntimeError):
             pass
@@ -277,13 +259,6 @@ def _bound(family: int, kind: int, addr: tuple[str, int], optional: bool) -> soc
             return None
         raise
     return s
-
-
-def _thread(target: Callable[..., None], *args: object) -> threading.Thread:
-    t = threading.Thread(target=target, args=args)
-    t.daemon = True
-    t.start()
-    return t
 
 
 def stdout_report(target: str, outcome: str) -> None:

@@ -1,9 +1,11 @@
-"""The netlink wire format, for exactly what the layer sends: messages, attributes, acks.
+"""The netlink wire format, for exactly what the guest side sends: messages, attributes, acks,
+dumps.
 
 A message is ``nlmsghdr`` + a family header + attributes (type, length, payload padded to 4
 bytes; a nested attribute holds attributes). ``Netlink.transact`` sends a list of requests in
 one datagram, each asking for an ack, and returns the first error as :class:`NetlinkError`
 naming the request it answered, so a caller can say which piece of the kernel refused.
+``Netlink.dump`` reads one dump (the layer's routes and the gate's link report, ``links.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ NETLINK_ROUTE = 0
 NETLINK_NETFILTER = 12
 NLM_F_REQUEST = 0x1
 NLM_F_ACK = 0x4
+NLM_F_DUMP = 0x300
 NLM_F_REPLACE = 0x100
 NLM_F_EXCL = 0x200
 NLM_F_CREATE = 0x400
@@ -27,6 +30,8 @@ NLA_F_NESTED = 0x8000
 _HDR = struct.Struct("=IHHII")
 #: The largest answer the layer reads (acks and errors are small; an error echoes its request).
 RECV_SIZE = 65536
+#: The most messages one dump may bring (a guest has a handful of links, addresses, routes).
+MAX_DUMP = 4096
 
 
 class NetlinkError(Exception):
@@ -146,3 +151,23 @@ class Netlink:
                 if code:
                     raise NetlinkError(-code, index, requests[index][3])
                 wanted.discard(index)
+
+    def dump(self, kind: int, body: bytes, what: str) -> list[tuple[int, bytes]]:
+        """Every message (type, body) of one dump request; NetlinkError when the kernel
+        refuses it, or when it brings more than :data:`MAX_DUMP` messages (``E2BIG``)."""
+        seq = self.seq
+        self.seq += 1
+        self.sock.send(message(kind, NLM_F_REQUEST | NLM_F_DUMP, seq, body))
+        out: list[tuple[int, bytes]] = []
+        while True:
+            for got, at, payload in replies(self.sock.recv(RECV_SIZE)):
+                if at != seq:
+                    continue
+                if got == NLMSG_DONE:
+                    return out
+                if got == NLMSG_ERROR:
+                    (code,) = struct.unpack_from("=i", payload) if len(payload) >= 4 else (0,)
+                    raise NetlinkError(-code or errno.EPROTO, 0, what)
+                if len(out) >= MAX_DUMP:
+                    raise NetlinkError(errno.E2BIG, 0, what)
+                out.append((got, payload))

@@ -1,21 +1,22 @@
-"""The layer as a POSIX sh script for an agent VM without bottlenet's guest kit.
+"""The room's modules carried to an image's python3, for agent VMs without bottlenet's guest kit.
 
-Until the kit (issue 36) is mounted, the daemon runs the layer on the image's python3, as it
-runs the bridge: the script comes on the guest's stdin (``/bin/sh -s``), and the layer's
-modules travel inside its ``-c`` program (a finder that imports them from memory), so
-nothing is written into the image and the session's stdin stays the layer's lifeline. A kit
-calls ``bottlenet.transparent.layer.main`` itself and needs none of this.
+Where no kit is mounted, the daemon's guest programs run on the image's python3 from a script
+on the guest's stdin (``/bin/sh -s``): nothing is written into the image. :func:`bootstrap`
+is the one way such a program gets this room's modules: their sources travel inside it and a
+finder imports them from memory (the layer here, the probe's link report, the bridge's
+relay). ``render`` is the layer's own script: its program is an argument (``-c``), so the
+session's stdin stays the layer's lifeline. A kit ships the room as a package and needs none
+of this.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from importlib import resources
 
 #: The modules the layer runs (its room, without this host-side file).
-MODULES = ("netlink", "nftables", "routes", "names", "listener", "layer")
-#: Where a trusted kit with its own python3 is mounted (the probe's KIT_DIR).
-KIT_DIR = "/run/bottlenet-probe"
+MODULES = ("netlink", "nftables", "routes", "names", "relay", "listener", "layer")
 EXIT_NO_TOOL = 4
 NO_TOOL = "BNE notool"
 _PATH = re.compile(r"/[A-Za-z0-9._/-]{1,106}")
@@ -39,6 +40,8 @@ class Memory(MetaPathFinder, Loader):
             return
         exec(compile(SOURCES[module.__name__], module.__name__, "exec"), module.__dict__)
 sys.meta_path.insert(0, Memory())
+"""
+_LAYER = """\
 from bottlenet.transparent.layer import main
 sys.exit(main(sys.argv[1:]))
 """
@@ -50,8 +53,7 @@ _SH = """\
 # 127.0.0.53:53; every TCP connect leaves as CONNECT host:port on {proxy}.
 # Prints "BNE ready", then one "BNE conn TARGET OUTCOME" per connection; runs until its stdin
 # ends. Exit 5: the kernel lacks a piece ("BNE missing KEY"); {no_tool}: no python3.
-if [ -x {kit}/bin/python3 ]; then PY={kit}/bin/python3
-elif command -v python3 >/dev/null 2>&1; then PY=python3
+if command -v python3 >/dev/null 2>&1; then PY=python3
 else echo "{notool}"; exit {no_tool}
 fi
 exec "$PY" -I -S -c '{program}' {command}
@@ -64,11 +66,17 @@ def check_proxy_path(path: str) -> str:
     return path
 
 
+def bootstrap(modules: Sequence[str], run: str) -> str:
+    """Python source that makes ``modules`` of this room importable from memory, then runs
+    ``run`` (a program's own text, which may import them)."""
+    room = resources.files("bottlenet.transparent")
+    sources = {f"bottlenet.transparent.{m}": room.joinpath(f"{m}.py").read_text() for m in modules}
+    return _BOOT.format(sources=sources) + run
+
+
 def program() -> str:
     """The bootstrap with the layer's sources in it."""
-    room = resources.files("bottlenet.transparent")
-    sources = {f"bottlenet.transparent.{m}": room.joinpath(f"{m}.py").read_text() for m in MODULES}
-    return _BOOT.format(sources=sources)
+    return bootstrap(MODULES, _LAYER)
 
 
 def render(proxy: str, port: int, command: str = "run") -> bytes:
@@ -83,7 +91,6 @@ def render(proxy: str, port: int, command: str = "run") -> bytes:
         port=port,
         command=argv,
         proxy=proxy,
-        kit=KIT_DIR,
         no_tool=EXIT_NO_TOOL,
         notool=NO_TOOL,
         program=text,

@@ -41,7 +41,7 @@ from tests.probe.guests import pass_transcript, witness_own_endpoints
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
 from vmctl.ports import Ownership, PortCheck
 from vmctl.smolvm import ExecResult, Features, Machine, Smolvm, SmolvmVersion, UidReservation
-from vmctl.spec import MachineSpec, validate_spec
+from vmctl.spec import DEFAULT_DEVICE_BUDGET, MachineSpec, validate_spec
 from vmctl.uids import FIRST_VM_UID, UidEnd, UidSupply
 
 T = TypeVar("T")
@@ -81,6 +81,8 @@ class MemorySmolvm:
     """The subset of :class:`vmctl.smolvm.Smolvm` the bottles layer calls, in memory."""
 
     version_text: str = "1.32.2"
+    #: smolvm's virtio device budget per VM (``Smolvm.device_budget``).
+    device_budget: int = DEFAULT_DEVICE_BUDGET
     machines: dict[str, MemMachine] = field(factory=dict)
     #: Every call: (method, machine name or "").
     calls: list[tuple[str, str]] = field(factory=list)
@@ -171,7 +173,7 @@ class MemorySmolvm:
 
     def create(self, spec: MachineSpec) -> Deferred[None]:
         def create() -> None:
-            validate_spec(spec, check_paths=False)
+            validate_spec(spec, self.device_budget, check_paths=False)
             if spec.name in self.machines:
                 raise AlreadyExists(f"machine {spec.name} already exists")
             self.machines[spec.name] = MemMachine(spec)

@@ -74,7 +74,27 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     assert len(out) == len(STEPS) and all(line.startswith("PASS") for line in out)
     assert [line.split()[1] for line in out] == [*STEPS]  # every step once, teardown last
     (user,) = [line for line in out if line.split()[1] == "exec-user"]
-    assert "uid=4242" in user
+    assert "4242:4243" in user  # the kit's whoami, as the image's user
+    with daemon.client() as c:
+        assert c.list_bottles().total == 0
+
+
+def test_a_bare_image_passes_every_line_on_the_kit(daemon: VMDaemon) -> None:
+    """An agent image with nothing in it (no python3, no shell, no coreutils: the fake's
+    ``bare`` mode with no program at all): the selftest's own guest commands run on the kit
+    (its wait-for workload, idle, procs, reach, write, read, whoami), every line PASS."""
+    daemon.fake.set_faults("exec-netns")
+    images = os.path.join(daemon.fake.path, "fake-images.json")
+    with open(images, "w") as f:
+        json.dump({daemon.image: {"bare": []}}, f)
+    try:
+        code, report = selftest(daemon, "--name", "st-bare")
+    finally:
+        os.unlink(images)
+    assert code == 0, report
+    assert lines(report, "PASS") == [*STEPS], report
+    (root,) = [c for c in report["checks"] if c["step"] == "exec-root"]
+    assert root["seen"] == "`whoami (the kit's)` with -u 0 printed 0:0", root
     with daemon.client() as c:
         assert c.list_bottles().total == 0
 

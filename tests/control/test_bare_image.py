@@ -17,6 +17,7 @@ import subprocess
 import pytest
 
 from tests import netguard
+from tests.netio import ConnectProxy
 
 from .daemon_helpers import ENV, REPO
 from .test_bridge import page_server
@@ -143,3 +144,63 @@ def test_a_kit_whose_bytes_differ_is_refused_by_the_gate() -> None:
         assert b"b1" not in d.ctl("bottle", "ls").stdout
     finally:
         assert not d.cleanup()
+
+
+#: Transparent egress for a bare image: the layer runs on the kit (issue 37 on issue 36).
+EGRESS_SPEC = """\
+mode = "socket"
+[sidecar]
+image = "registry.example/sidecar:1"
+[[sidecar.service]]
+name = "egress"
+guest_port = 3128
+[agent]
+image = "{image}"
+bridge = "none"
+transparent_egress = "egress"
+"""
+
+
+def test_a_bare_image_gets_transparent_egress_from_the_kit() -> None:
+    """No python3 and no shell in the guest, ``transparent_egress`` set: created (the gate
+    and the layer's canaries PASS), the layer is the kit's ``egress run`` (no shell), and a
+    client with no proxy variables dialling 203.0.113.7:443 reaches the named service as
+    CONNECT (which refuses it)."""
+    recorder = ConnectProxy(0, lambda target: None)
+    d = VMDaemon()
+    try:
+        relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{recorder.port}"}
+        d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
+        with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
+            json.dump({d.image: {"bare": BARE}}, f)
+        d.start()
+        spec = os.path.join(d.dir, "e1.toml")
+        with open(spec, "w") as f:
+            f.write(EGRESS_SPEC.format(image=d.image))
+        r = d.ctl("--json", "bottle", "create", "e1", "--spec", spec)
+        assert r.returncode == 0, (r.stderr, d.log())
+        b = json.loads(r.stdout)
+        assert b["probe"] == "PASS" and "transparent egress running" in b["bridge"], b
+        assert recorder.lines == []  # the canaries went to the daemon's witness
+        layer = [argv for argv in _argvs(d, "e1") if b"egress" in argv and b"session" not in argv]
+        assert layer and all(a[0].startswith(b"/run/bottlenet-kit/") for a in layer), layer
+        r = d.ctl("bottle", "exec", "e1", "--", "curl", "--noproxy", "*", "-sS", "-m", "20",
+                  "http://203.0.113.7:443/")  # fmt: skip
+        assert r.returncode != 0, r  # connected, then reset: the proxy refused it
+        line = "CONNECT 203.0.113.7:443 HTTP/1.1"
+        assert wait_for(lambda: line in recorder.lines, 30, line), recorder.lines
+    finally:
+        recorder.close()
+        assert not d.cleanup()
+
+
+def _argvs(d: VMDaemon, bottle: str) -> list[list[bytes]]:
+    """The argv of every process in ``bottle``'s agent "VM"."""
+    out = []
+    for pid in d.guest_pids(f"bn-{bottle}-agent"):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                out.append(fh.read().split(b"\0"))
+        except OSError:
+            continue
+    return out

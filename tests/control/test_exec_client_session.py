@@ -44,20 +44,24 @@ def _expect(sock: socket.socket, frame: bytes) -> None:
     assert got == frame
 
 
+@pytest.mark.parametrize("given", ["none", "empty"])
 def test_an_fd_session_without_stdin_closes_the_commands_stdin(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], given: str
 ) -> None:
-    """No ``-i``: the command's stdin pipe is closed as soon as the client holds it, so a
-    command reading stdin (``cat``) sees its end even while our own stdin stays open."""
+    """No ``-i`` (or an empty in-memory stdin, as the self-test gives the kit's ``write``):
+    the command's stdin pipe is closed as soon as the client holds it, so a command reading
+    stdin (``cat``) sees its end even while our own stdin stays open, and no other event is
+    needed to say so (the empty one waited for the command's output that never came)."""
     client, daemon = pair
-    session = ExecSession(client, b"", tty=False, stdin=False, fds=True)
+    session = ExecSession(client, b"", tty=False, stdin=given == "empty", fds=True)
     our_stdin_r, our_stdin_w = os.pipe()  # open, and nobody writes to it
     result: list[int | BaseException] = []
 
     def run() -> None:
         try:
             with open(our_stdin_r, "rb", buffering=0) as stdin:
-                result.append(session.run(stdin, io.BytesIO(), io.BytesIO()))
+                given_stdin = io.BytesIO(b"") if given == "empty" else stdin
+                result.append(session.run(given_stdin, io.BytesIO(), io.BytesIO()))
         except BaseException as e:
             result.append(e)
 

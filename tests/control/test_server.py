@@ -49,6 +49,7 @@ def test_hello_negotiates(conn: Conn) -> None:
         "features": list(C.FEATURES),
         "smolvm_available": False,
         "guest_kit": None,
+        "guest_kit_argv": None,
         "smolvm_version": None,
         "smolvm_source": None,
         "smolvm_tested": None,

@@ -159,7 +159,8 @@ def layer_pids(d: VMDaemon, bottle: str) -> list[int]:
                 argv = fh.read().split(b"\0")
         except OSError:
             continue
-        if b"run" in argv and any(b"bottlenet.transparent.layer" in a for a in argv):
+        # the kit's ``egress run`` (not the session wrapper around it)
+        if b"egress" in argv and b"run" in argv and b"session" not in argv:
             out.append(pid)
     return out
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from typing import Any
 
 import pytest
@@ -67,6 +68,28 @@ def test_the_kit_refuses_to_run_the_checks_when_its_bytes_differ(
     out = in_empty_root(kit, "probe", stdin=kit_request(good))
     assert f"BNP {NONCE} kit {kit.digest}" in out.stdout.decode()
     assert b" end " in out.stdout and b"kit-mismatch" not in out.stdout
+    # the link report: the kit ships bottlenet.transparent's reader (pkg/), nothing of the root
+    assert f"BNP {NONCE} link lo - " in out.stdout.decode(), out
+
+
+@needs_root
+def test_the_kits_dns_check_sees_a_name_that_resolves(
+    built_kit: tuple[KitCache, Kit], tmp_path: Any
+) -> None:
+    """The gate's DNS check on the kit: a name the guest's /etc/hosts resolves is a leak
+    (the kit carries ``encodings.idna``, which every ``getaddrinfo`` of a name needs; without
+    it each lookup raised LookupError and read as "blocked")."""
+    _, kit = built_kit
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n198.51.100.9 gate-leak.test\n")
+    p = plan(kit=kit.digest, timeout=1.0, dns=("gate-leak.test",), own=(), witness=False)
+    script = f'mount --bind {hosts} /etc/hosts && ip link set lo up && exec "$@"'
+    out = subprocess.run(
+        ["unshare", "--mount", "--net", "--propagation", "private", "sh", "-c", script, "sh",
+         *kit.host_program.argv("probe")],
+        input=kit_request(p), capture_output=True, timeout=120,
+    )  # fmt: skip
+    assert f"BNP {NONCE} dns gate-leak.test resolves" in out.stdout.decode(), out
 
 
 def test_the_request_carries_the_plan_and_the_digest() -> None:

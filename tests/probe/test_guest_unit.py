@@ -22,6 +22,7 @@ import bottlenet.probe.guest as guest
 from bottlenet.probe.judge import Verdict, judge
 from bottlenet.probe.plan import ProbePlan, host_id_hash
 from bottlenet.probe.script import plan_literal
+from bottlenet.transparent import links
 from tests.probe.test_probe import NONCE, OWN, plan
 
 #: A guest with an IPv4 default route via 10.0.2.2 on eth0 (flags UP|GATEWAY) and a local net.
@@ -72,6 +73,9 @@ class FakeGuest:
         monkeypatch.setattr(guest, "ping", ping)
         monkeypatch.setattr(guest, "resolves", lambda name: name in self.resolving)
         monkeypatch.setattr(guest, "controls", lambda: True)
+        #: What rtnetlink reports (the test's own namespace is not the guest's): lo only.
+        self.links = [links.Link(1, "lo", "", 0x49)]
+        monkeypatch.setattr(links, "read", lambda: self.links)
 
     def file(self, path: str, text: str) -> None:
         p = self.root / path.lstrip("/")

@@ -49,10 +49,12 @@ def transcript(
     paths: tuple[str, ...] = (),
     override: dict[str, str] | None = None,
     end: str = "pass",
+    links: tuple[str, ...] = (),
 ) -> bytes:
-    """A well-formed transcript for ``p`` in which everything is blocked (unless overridden)."""
+    """A well-formed transcript for ``p`` in which everything is blocked (unless overridden);
+    ``links``: the rtnetlink report's lines (``link NAME KIND FLAGS``, ``addr``, ``route``)."""
     o = override or {}
-    lines = ["begin 1"] + [f"iface {i}" for i in ifaces] + ["tool image"]
+    lines = ["begin 1"] + [f"iface {i}" for i in ifaces] + ["tool image"] + list(links)
     lines += ["control tcp ok", "control unix ok", "control icmp ok"]
     lines += [f"own {t} {o.get(str(t), 'ok')}" for t in p.own]
     pairs = [tuple(x.split(" ")) for x in paths]
@@ -277,6 +279,7 @@ def test_every_path_to_the_host_is_required_and_leaks_are_named() -> None:
     t = transcript(
         p,
         ifaces=("eth0", "lo"),
+        links=("link eth0 - 11043", "addr eth0 10.0.2.15/24", "route eth0 unicast 0.0.0.0/0"),
         paths=paths,
         override={
             "tcp:10.0.2.2:18080": "reachable",
@@ -289,7 +292,9 @@ def test_every_path_to_the_host_is_required_and_leaks_are_named() -> None:
     )
     v = judge(p, t, exit_code=1, witnessed=[OWN])
     assert v.problems == (
-        "network interface eth0 in a socket-mode guest (only lo is allowed)",
+        "network interface eth0 in a socket-mode guest (a device, not a dummy link; up; address"
+        " 10.0.2.15/24; routes unicast 0.0.0.0/0): only lo, or a dummy link that is down with"
+        " no address and no route, is allowed",
         "leak: tcp:10.0.2.2:18080 (host port 18080 via the default gateway 10.0.2.2) is reachable",
         "leak: tcp:[fe80::2%eth0]:18080 (host port 18080 via the default gateway fe80::2%eth0)"
         " is reachable",

@@ -12,6 +12,11 @@
  *   run   LABEL STDIN ARGV...  runs it (STDIN a file, or - for /dev/null), its output to the
  *                        transcript, and says "RVM-STEP LABEL exit <code> <ms>" on the console
  *   env   NAME=VALUE     set for the steps after it
+ *   unenv NAME           unset for the steps after it
+ *   up    LINK ADDR MASK brings LINK up with the IPv4 ADDR/MASK, by ioctl as libkrun's init
+ *                        does for dummy0 when its transparent socket impersonation is on
+ *                        (tsi_hijack; 203.0.113.1/255.255.255.0 in smolmachines 1.32.2 and
+ *                        1.37.3); says "RVM-UP LINK ok" or "RVM-UP LINK failed <errno>"
  *
  * The transcript is the virtio port named "transcript"; the console is /dev/console (hvc0).
  * At the end: "RVM-DONE", sync, power off.
@@ -21,6 +26,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <net/if.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <stdarg.h>
@@ -139,6 +145,27 @@ static void setup(void) {
     close(s);
 }
 
+static void link_up(const char *name, const char *addr, const char *mask) {
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    snprintf(ifr.ifr_name, sizeof ifr.ifr_name, "%s", name);
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in *sin = (struct sockaddr_in *)&ifr.ifr_addr;
+    const char *failed = NULL;
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) != 0) failed = "flags";
+    ifr.ifr_flags |= IFF_UP;
+    if (!failed && ioctl(s, SIOCSIFFLAGS, &ifr) != 0) failed = "up";
+    memset(&ifr.ifr_addr, 0, sizeof ifr.ifr_addr);
+    sin->sin_family = AF_INET;
+    inet_pton(AF_INET, addr, &sin->sin_addr);
+    if (!failed && ioctl(s, SIOCSIFADDR, &ifr) != 0) failed = "address";
+    inet_pton(AF_INET, mask, &sin->sin_addr);
+    if (!failed && ioctl(s, SIOCSIFNETMASK, &ifr) != 0) failed = "mask";
+    close(s);
+    if (failed) say("RVM-UP %s failed %s %s", name, failed, strerror(errno));
+    else say("RVM-UP %s ok", name);
+}
+
 int main(void) {
     setup();
     say("RVM-INIT kernel up, agent running");
@@ -155,6 +182,10 @@ int main(void) {
         if (n < 2) continue;
         if (strcmp(argv[0], "env") == 0) {
             putenv(strdup(argv[1]));
+        } else if (strcmp(argv[0], "unenv") == 0) {
+            unsetenv(argv[1]);
+        } else if (strcmp(argv[0], "up") == 0 && n >= 4) {
+            link_up(argv[1], argv[2], argv[3]);
         } else if (strcmp(argv[0], "bg") == 0) {
             start(argv + 1, keep[0]);
         } else if (strcmp(argv[0], "unix") == 0) {

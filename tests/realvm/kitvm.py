@@ -7,14 +7,21 @@ Its PID 1 is ``agent.c`` (at ``/init``), a static stand-in for smolvm's guest ag
 what smolvm's mounts (the kit read-only at ``/run/bottlenet-kit``) and runs a fixed list of
 steps, each one of bottlenet's guest commands exactly as the daemon sends it. The
 image has no python3 and no libc; ``busybox`` has a static busybox and nothing else,
-``noshell`` has no shell at all, only a static program.
+``noshell`` has no shell at all, only a static program. The kernel's command line is
+libkrun's own (``krunfw.cmdline``), so its ``dummy`` driver makes ``dummy0`` (down, no
+address) as in every smolvm guest: the gate passes it, as a link that carries nothing. In
+``noshell`` the agent then brings ``dummy0`` up with 203.0.113.1/24, as libkrun's init does
+when its transparent socket impersonation is on, and a second gate fails naming it.
 
 Host side: the daemon's real forward (``ForwardTable``) onto the sidecar stand-in, diverted to
 the gate's witness for the gate (QEMU's chardev connects to it; ``relay.py``, run by the
 kit's interpreter, stands in for smolvm's ``--mount-socket`` at ``/run/bottle/egress.sock``);
 the plan and the verdict are the daemon's own code. In ``busybox``, after the gate the
 bridge (the kit's ``bridge``, under the kit's session wrapper) serves guest 127.0.0.1:3128
-and busybox ``wget`` reaches tinyproxy (behind the forward) through it.
+and busybox ``wget`` reaches tinyproxy (behind the forward) through it; then the kit's
+transparent egress layer (``egress run``, its routes and nf_tables rules by netlink) takes
+busybox ``wget`` with no proxy variable to tinyproxy as ``CONNECT name:port`` (the name from
+the layer's resolver) and ``CONNECT ip:port``.
 """
 
 from __future__ import annotations
@@ -26,12 +33,16 @@ import subprocess
 import tempfile
 from typing import Any
 
+from attrs import evolve
+
+from bottlenet.bottles.egresslayer import layer_args
 from bottlenet.bottles.probe import GateSettings, Markers, plan_gate
 from bottlenet.bridge.script import Bridge, bridge_args
 from bottlenet.kit.build import Kit, KitCache
 from bottlenet.kit.program import KitRef, kit_session
 from bottlenet.probe.judge import judge
 from bottlenet.probe.script import kit_request
+from bottlenet.transparent.layer import LISTEN_PORT
 from tests.netguard import TEST_KIT_DIR
 from tests.realvm import krunfw
 from tests.realvm.build import KrunfwKit, ensure_krunfw
@@ -54,11 +65,8 @@ BRIDGE_PORT = 3128
 #: The suite's shared kit cache (the one its daemons use).
 KIT_DIR = TEST_KIT_DIR
 BUSYBOX = "/bin/busybox"
-#: libkrunfw's kernel has the dummy driver built in, which makes a ``dummy0`` at boot; the
-#: gate allows only ``lo`` in a socket-mode guest. In smolvm, libkrun's own init handles
-#: ``dummy0`` (its name sits beside ``init.krun`` in libkrun.so), which this stand-in agent
-#: does not model: here the kernel is told to make none (a finding for the gate's lane).
-NO_DUMMY = "dummy.numdummies=0"
+#: What libkrun's init gives dummy0 with ``tsi_hijack`` on (libkrun.so of both wheels).
+TSI_DUMMY = ("dummy0", "203.0.113.1", "255.255.255.0")
 
 
 def guest_kit() -> Kit:
@@ -108,10 +116,28 @@ def steps_for(ref: KitRef, busybox: bool) -> list[list[str]]:
              "http://allowed.test:18180/page"],
             ["run", "wget-denied", "-", BUSYBOX, "wget", "-q", "-O", "-",
              "http://denied.test:18181/page"],
+            # transparent egress on the kit (its `egress` subcommand, as the daemon runs it),
+            # then clients with no proxy variable: a name through its resolver, a raw IP
+            ["bg", *kit_session(ref), *ref.argv("egress", *layer_args(GUEST_SOCKET))],
+            ["tcp", str(LISTEN_PORT)],
+            ["unenv", "http_proxy"],
+            ["run", "wget-transparent", "-", BUSYBOX, "wget", "-q", "-O", "-",
+             "http://allowed.test:18180/page"],
+            ["run", "wget-raw-ip", "-", BUSYBOX, "wget", "-q", "-O", "-", "http://203.0.113.7:443/"],
         ]  # fmt: skip
     steps.append(["run", "exec-static", "-", *kit_session(ref), "/bin/hello"])
     steps.append(["run", "no-shell", "-", *kit_session(ref), "/bin/sh", "-c", "echo shell"])
+    if not busybox:  # dummy0 brought up as libkrun's TSI init does, then the gate again
+        steps.append(["up", *TSI_DUMMY])
+        steps.append(["run", "gate-tsi", "/rvm/probe-tsi.json", *kit_session(ref),
+                      *ref.argv("probe")])  # fmt: skip
     return steps
+
+
+def gate_lines(transcript: bytes, nonce: str) -> bytes:
+    """One gate run's lines (each run has its own nonce)."""
+    mine = f"BNP {nonce} ".encode()
+    return b"\n".join(ln for ln in transcript.splitlines() if ln.startswith(mine))
 
 
 async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
@@ -148,13 +174,15 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         kit=ref.digest,
     )
     witness = divert_to_witness(reactor, table, nonce, str(plan.own[0]))
-    rootfs(k, kit, work, steps_for(ref, busybox), {"probe.json": kit_request(plan)}, busybox)
+    # the second gate (noshell, after dummy0 is up): judged on its links, no witness
+    tsi = evolve(plan, nonce=secrets.token_hex(16), witness=False)
+    files = {"probe.json": kit_request(plan), "probe-tsi.json": kit_request(tsi)}
+    rootfs(k, kit, work, steps_for(ref, busybox), files, busybox)
     argv = krunfw.qemu_argv(
         k.kernel,
         os.path.join(work, "root.ext4"),
         os.path.join(work, "console.log"),
         [(sock, "egress")],
-        append=NO_DUMMY,
         files=[(os.path.join(work, "transcript.txt"), "transcript")],
     )
     qemu, code, wall = await boot(reactor, argv)
@@ -174,9 +202,10 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         w = line.split()
         if len(w) == 5 and w[0] == "RVM-STEP":
             steps[w[1]] = (int(w[3]), int(w[4]))
-    gate_lines = b"\n".join(ln for ln in transcript.splitlines() if ln.startswith(b"BNP "))
-    verdict = judge(plan, gate_lines, exit_code=steps.get("gate", (None,))[0],
+    verdict = judge(plan, gate_lines(transcript, nonce), exit_code=steps.get("gate", (None,))[0],
                     witnessed=witness.seen)  # fmt: skip
+    tsi_verdict = judge(tsi, gate_lines(transcript, tsi.nonce),
+                        exit_code=steps.get("gate-tsi", (None,))[0])  # fmt: skip
     other = [ln.decode("utf-8", "replace") for ln in transcript.splitlines()
              if not ln.startswith((b"BNP ", b"BNB "))]  # fmt: skip
     return {
@@ -184,6 +213,13 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
         "passed": verdict.passed,
         "lines": verdict.lines(),
         "problems": list(verdict.problems),
+        # what the gate saw of the guest's links: its iface and rtnetlink lines
+        "links": [
+            ln.split(" ", 2)[2]
+            for ln in gate_lines(transcript, nonce).decode().splitlines()
+            if ln.split(" ")[2] in ("iface", "link", "addr", "route", "links")
+        ],
+        "tsi_problems": list(tsi_verdict.problems) if "gate-tsi" in steps else None,
         "witnessed": sorted(witness.seen),
         "steps": steps,
         "output": other,
