@@ -85,7 +85,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
 PAGE_BYTE_BUDGET = 60_000
-MAX_CLIENT_VERSION = 128
 #: An Exec's ``time_limit`` (seconds) is at most a day.
 MAX_EXEC_TIME_LIMIT = 86400
 # A client version is logged as is only in this shape (name/dotted version, lowercase);
