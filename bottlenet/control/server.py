@@ -364,11 +364,7 @@ class ControlLocator(SafeCommandLocator):
             raise InvalidArgument(f"timeout: more than 0 and at most {MAX_WAIT:g} seconds")
         self._full_control("Drain")
         node = self._node()
-
-        async def drain() -> None:
-            node.drain()
-
-        await self._mutate("Drain", "node", drain())
+        await self._mutate("Drain", "node", _now(node.drain))
         # A wait without a timeout is bounded too (a week), as every Deferred held for a peer.
         empty = await node.when_empty(timeout or MAX_WAIT) if wait else node.held() == 0
         return {"draining": node.draining, "held": node.held(), "empty": empty}
@@ -377,11 +373,7 @@ class ControlLocator(SafeCommandLocator):
     async def undrain(self) -> dict[str, Any]:
         self._full_control("Undrain")
         node = self._node()
-
-        async def undrain() -> None:
-            node.undrain()
-
-        await self._mutate("Undrain", "node", undrain())
+        await self._mutate("Undrain", "node", _now(node.undrain))
         return {"draining": node.draining}
 
     def _record(self, bottle: Bottle, backend: ControlBackend) -> BottleRecord:
