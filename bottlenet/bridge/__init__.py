@@ -6,5 +6,6 @@ This room holds the program the guest kit runs, or the daemon feeds the guest's 
 where there is no kit (``guest.py``, standard library only), the short program that proves
 each port reaches the host (``reach.py``), and how both are rendered into the ``/bin/sh -s``
 script (``script.py``). Like the probe, it imports nothing of the daemon:
-``python -m bottlenet.bridge script PORT=PATH ...`` prints the exact script by hand.
+``python -m bottlenet.bridge script PORT=PATH ...`` (``__main__.py``) prints the exact script
+by hand.
 """

@@ -9,6 +9,7 @@
 - :mod:`~bottlenet.cli.selftest`: ``bottlenetctl selftest``, VM bottles checked on a new host.
 - :mod:`~bottlenet.cli.invocation`: one run as a value, parsed once.
 - :mod:`~bottlenet.cli.output`: exit codes, error reporting, the one table renderer.
+- :mod:`~bottlenet.cli.__main__`: ``python -m bottlenet.cli``.
 
 The rule of this room: the console client talks to the daemon only over the control socket.
 It imports the client side of :mod:`bottlenet.control` (blocking client, records, error
