@@ -372,13 +372,19 @@ def test_readme_options_table_names_every_daemon_option() -> None:
         readme = f.read()
     table = readme[readme.index("## Options") : readme.index("## Control")]
     o = Options()
-    names = [p[0] for p in o.optParameters] + [f[0] for f in o.optFlags]
-    names += ["allow-uid", "version"]
-    for name in names:
+    for name in sorted(_daemon_options() - {"help"}):
         assert f"`--{name}" in table, f"README options table lacks --{name}"
     for name, _, default, *_ in o.optParameters:
         if default is not None:
             assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
+
+
+def _daemon_options() -> set[str]:
+    """Every long option ``twist bottlenet`` takes (its parameters, flags and ``opt_``
+    methods: ``--label``, ``--allow-uid``), as its own parser gathers them."""
+    from bottlenet.tap import Options
+
+    return {name.rstrip("=") for name in Options().longOpt}
 
 
 def _ports(text: str) -> set[str]:
@@ -453,3 +459,100 @@ def test_readme_demo_runs(tmp_path: Path) -> None:
     code, out, err = _run_against_daemon(tmp_path, home + daemon, [home + demo], ROOT)
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert out.endswith("hello through bottlenet\n"), out
+
+
+def _rooms_table() -> list[tuple[str, str, set[str]]]:
+    """(first cell, room folder or "", the ``name.py`` the second cell names) for each row of
+    docs/architecture.md's rooms table."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    section = text[text.index("## The rooms") : text.index("## The doors")]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 3 or not line.startswith("| "):
+            continue
+        folder = re.fullmatch(r"`([\w/]+/)`", cells[0])
+        rows.append((cells[0], folder.group(1) if folder else "", set(MODULE.findall(cells[1]))))
+    return rows
+
+
+MODULE = re.compile(r"`(\w+\.py)`")
+
+
+def test_rooms_table_names_every_module_of_each_room() -> None:
+    """docs/architecture.md's rooms table: each room's row names exactly the ``.py`` files in
+    its folder (``__init__.py`` aside), and every top-level module of ``bottlenet/`` has a row."""
+    rows = _rooms_table()
+    assert len([r for r in rows if r[1]]) >= 12, rows
+    for _, folder, named in rows:
+        if not folder:
+            continue
+        here = {n for n in os.listdir(os.path.join(ROOT, folder)) if n.endswith(".py")}
+        here.discard("__init__.py")
+        assert not here - named, f"the rooms table's {folder} row lacks {sorted(here - named)}"
+        assert not named - here, f"the rooms table's {folder} row names {sorted(named - here)}"
+    first = " ".join(cell for cell, _, _ in rows)
+    for name in os.listdir(os.path.join(ROOT, "bottlenet")):
+        if name.endswith(".py") and name != "__init__.py":
+            assert f"`bottlenet/{name}`" in first, f"the rooms table has no row for {name}"
+
+
+def test_every_room_lists_its_modules() -> None:
+    """Each room's ``__init__.py`` names every module of the room (``:mod:`` or ``name.py``)."""
+    for _, folder, _ in _rooms_table():
+        init = os.path.join(ROOT, folder, "__init__.py")
+        if not folder or not os.path.exists(init):
+            continue
+        with open(init) as f:
+            text = f.read()
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            module = name.removesuffix(".py")
+            if module == name or module == "__init__":
+                continue
+            said = re.search(rf"[.`]{re.escape(module)}(`|\.py`)", text)
+            assert said, f"{folder}__init__.py does not name its module {name}"
+
+
+def _commands() -> dict[str, list[str]]:
+    """bottlenetctl's commands, each with its subcommands, from its own parser."""
+    import argparse
+
+    def subs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    return {name: list(subs(p)) for name, p in subs(build_parser()).items()}
+
+
+def test_readme_control_section_names_every_command() -> None:
+    """README's Control section names every ``bottlenetctl`` command and subcommand the
+    parser has (``bottle rm|ls``, ``node info``, ``top``)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Control") : readme.index("## Documentation")]
+    section = " ".join(section.split())  # a command may be wrapped across lines
+    commands = _commands()
+    assert len(commands) >= 10 and commands["bottle"], commands
+    for command, subcommands in commands.items():
+        if not subcommands:
+            assert re.search(rf"`{command}[ `]", section), f"README's Control lacks {command}"
+        for sub in subcommands:
+            said = re.search(rf"`{command} ([\w-]+\|)*{sub}[|` ]", section)
+            assert said, f"README's Control section lacks `{command} {sub}`"
+
+
+def test_readme_options_table_names_only_daemon_options() -> None:
+    """Each ``--option`` in the first column of README's options table is one the daemon's
+    own parser takes (the converse of the test above)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("## Options") : readme.index("## Control")]
+    first = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `--")]
+    assert len(first) >= 20, first
+    takes = _daemon_options()
+    for cell in first:
+        for option in re.findall(r"`--([\w-]+)", cell):
+            assert option in takes, f"README's options table names --{option}: no such option"
