@@ -141,6 +141,16 @@ class Base(unittest.TestCase):
         )
         return await self.table.add(spec)
 
+    async def unix_echo_forward(self) -> UNIXListen:
+        """b1's UNIX endpoint ``agent`` relaying to an echo server on a UNIX socket."""
+        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
+        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
+        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(tport.stopListening)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        return listen
+
     async def client(self, info: ForwardInfo, proto: Collector) -> Collector:
         assert isinstance(info.bound, TCPListen)
         await connect_tcp(ALIAS, info.bound.port, proto)
@@ -399,12 +409,7 @@ class PeerCheckTests(Base):
         c = await self.client(info, Collector(b"over tcp", fin=True))
         await c.done
         assert bytes(c.received) == b"over tcp" and asked == []
-        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
-        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
-        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
-        self.addCleanup(tport.stopListening)
-        listen = unix_listen_for(self.state_dir, "b1", "agent")
-        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        listen = await self.unix_echo_forward()
         u = Collector(b"over unix", fin=True)
         await connect_unix(listen.path, u)
         await u.done
@@ -606,12 +611,7 @@ class UnixTests(Base):
         bytes still relayed, at most one log line (not one per message)."""
         from twisted.logger import globalLogPublisher
 
-        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
-        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
-        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
-        self.addCleanup(tport.stopListening)
-        listen = unix_listen_for(self.state_dir, "b1", "agent")
-        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        listen = await self.unix_echo_forward()
         marker = os.path.join(tempdir(self), "passed-fd")
         open(marker, "w").close()
         said: list[dict[str, Any]] = []
