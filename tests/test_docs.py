@@ -556,3 +556,45 @@ def test_readme_options_table_names_only_daemon_options() -> None:
     for cell in first:
         for option in re.findall(r"`--([\w-]+)", cell):
             assert option in takes, f"README's options table names --{option}: no such option"
+
+
+#: A figure: a number with a unit, a ratio or a percentage ("20.9 ms", "1.3x", "1,024 fds").
+FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:µs|ms|s|MiB|KiB|MB|GB|Gbit/s|x|%)(?![\w/])")
+#: What may make a figure: a benchmark or a real-VM script of the tree, fwdbench (beside it).
+MAKER = re.compile(
+    r"(?:benchmarks/|python -m benchmarks\.|tests/realvm/)([\w.]+)|fwdbench\.py|"
+    r"no benchmark in the tree"
+)
+
+
+def _performance_sections() -> list[tuple[str, str]]:
+    """(heading, body) of each ``##`` and ``###`` section of docs/performance.md."""
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        parts = re.split(r"(?m)^(#{2,3} .*)$", f.read())
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_every_performance_figure_names_its_benchmark() -> None:
+    """Each section of docs/performance.md that gives a figure names what made it: a file of
+    ``benchmarks/`` or ``tests/realvm/`` that exists (or says plainly that none in the tree
+    did); every benchmark named anywhere in it exists, and "How to run" runs each one."""
+    sections = _performance_sections()
+    assert len(sections) >= 20
+    for heading, body in sections:
+        makers = list(MAKER.finditer(heading + body))
+        for m in makers:
+            if m.group(1):
+                top = "benchmarks" if "realvm" not in m.group(0) else "tests/realvm"
+                name = m.group(1).rstrip(".")
+                path = os.path.join(ROOT, top, name)
+                if not name.endswith((".py", ".md")) and name != "run":
+                    path += ".py"  # python -m benchmarks.NAME
+                assert os.path.exists(path), f"performance.md, {heading}: no {top}/{name}"
+        if FIGURE.search(body):
+            assert makers, f"performance.md, {heading}: figures, and no benchmark named"
+    how = dict(sections)["## How to run"]
+    for name in os.listdir(os.path.join(ROOT, "benchmarks")):
+        with open(os.path.join(ROOT, "benchmarks", name), "rb") as f:
+            runnable = b'__name__ == "__main__"' in f.read() or name == "run"
+        if runnable and not re.search(rf"benchmarks[/.]{re.escape(name.removesuffix('.py'))}", how):
+            raise AssertionError(f"performance.md's How to run does not run benchmarks/{name}")
