@@ -598,3 +598,41 @@ def test_every_performance_figure_names_its_benchmark() -> None:
             runnable = b'__name__ == "__main__"' in f.read() or name == "run"
         if runnable and not re.search(rf"benchmarks[/.]{re.escape(name.removesuffix('.py'))}", how):
             raise AssertionError(f"performance.md's How to run does not run benchmarks/{name}")
+
+
+def test_protocol_doc_names_every_command_and_error_code() -> None:
+    """docs/protocol.md has a section for each AMP command the daemon declares and names no
+    other; its Errors table names each error code the daemon can answer, and no other."""
+    import inspect
+
+    from twisted.protocols import amp
+
+    import bottlenet.control.commands as commands
+    import bottlenet.errors as errors
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        doc = f.read()
+    declared = {c.commandName.decode() for c in [*commands.ALL_COMMANDS, *commands.PUSHED_COMMANDS]}
+    headings = " ".join(re.findall(r"(?m)^### .*$", doc))
+    documented = set(re.findall(r"`(bottlenet\.\w+)`", headings))
+    assert declared - documented == set(), f"protocol.md has no section for {declared - documented}"
+    assert documented - declared == set(), f"protocol.md documents {documented - declared}"
+
+    def codes(module: object) -> set[str]:
+        return {
+            v.code
+            for v in vars(module).values()
+            if inspect.isclass(v)
+            and issubclass(v, Exception)
+            and isinstance(getattr(v, "code", None), str)
+        }
+
+    answered = codes(errors) | codes(commands) | {amp.UNHANDLED_ERROR_CODE.decode()}
+    table = doc[doc.index("## Errors") : doc.index("## Records")]
+    listed = {
+        code
+        for row in re.findall(r"(?m)^\| (`.*?) \|", table)
+        for code in re.findall(r"`(\w+)`", row)
+    }
+    assert answered - listed == set(), f"protocol.md's Errors table lacks {answered - listed}"
+    assert listed - answered == set(), f"protocol.md's Errors table names {listed - answered}"
