@@ -556,3 +556,83 @@ def test_readme_options_table_names_only_daemon_options() -> None:
     for cell in first:
         for option in re.findall(r"`--([\w-]+)", cell):
             assert option in takes, f"README's options table names --{option}: no such option"
+
+
+#: A figure: a number with a unit, a ratio or a percentage ("20.9 ms", "1.3x", "1,024 fds").
+FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:µs|ms|s|MiB|KiB|MB|GB|Gbit/s|x|%)(?![\w/])")
+#: What may make a figure: a benchmark or a real-VM script of the tree, fwdbench (beside it).
+MAKER = re.compile(
+    r"(?:benchmarks/|python -m benchmarks\.|tests/realvm/)([\w.]+)|fwdbench\.py|"
+    r"no benchmark in the tree"
+)
+
+
+def _performance_sections() -> list[tuple[str, str]]:
+    """(heading, body) of each ``##`` and ``###`` section of docs/performance.md."""
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        parts = re.split(r"(?m)^(#{2,3} .*)$", f.read())
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_every_performance_figure_names_its_benchmark() -> None:
+    """Each section of docs/performance.md that gives a figure names what made it: a file of
+    ``benchmarks/`` or ``tests/realvm/`` that exists (or says plainly that none in the tree
+    did); every benchmark named anywhere in it exists, and "How to run" runs each one."""
+    sections = _performance_sections()
+    assert len(sections) >= 20
+    for heading, body in sections:
+        makers = list(MAKER.finditer(heading + body))
+        for m in makers:
+            if m.group(1):
+                top = "benchmarks" if "realvm" not in m.group(0) else "tests/realvm"
+                name = m.group(1).rstrip(".")
+                path = os.path.join(ROOT, top, name)
+                if not name.endswith((".py", ".md")) and name != "run":
+                    path += ".py"  # python -m benchmarks.NAME
+                assert os.path.exists(path), f"performance.md, {heading}: no {top}/{name}"
+        if FIGURE.search(body):
+            assert makers, f"performance.md, {heading}: figures, and no benchmark named"
+    how = dict(sections)["## How to run"]
+    for name in os.listdir(os.path.join(ROOT, "benchmarks")):
+        with open(os.path.join(ROOT, "benchmarks", name), "rb") as f:
+            runnable = b'__name__ == "__main__"' in f.read() or name == "run"
+        if runnable and not re.search(rf"benchmarks[/.]{re.escape(name.removesuffix('.py'))}", how):
+            raise AssertionError(f"performance.md's How to run does not run benchmarks/{name}")
+
+
+def test_protocol_doc_names_every_command_and_error_code() -> None:
+    """docs/protocol.md has a section for each AMP command the daemon declares and names no
+    other; its Errors table names each error code the daemon can answer, and no other."""
+    import inspect
+
+    from twisted.protocols import amp
+
+    import bottlenet.control.commands as commands
+    import bottlenet.errors as errors
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        doc = f.read()
+    declared = {c.commandName.decode() for c in [*commands.ALL_COMMANDS, *commands.PUSHED_COMMANDS]}
+    headings = " ".join(re.findall(r"(?m)^### .*$", doc))
+    documented = set(re.findall(r"`(bottlenet\.\w+)`", headings))
+    assert declared - documented == set(), f"protocol.md has no section for {declared - documented}"
+    assert documented - declared == set(), f"protocol.md documents {documented - declared}"
+
+    def codes(module: object) -> set[str]:
+        return {
+            v.code
+            for v in vars(module).values()
+            if inspect.isclass(v)
+            and issubclass(v, Exception)
+            and isinstance(getattr(v, "code", None), str)
+        }
+
+    answered = codes(errors) | codes(commands) | {amp.UNHANDLED_ERROR_CODE.decode()}
+    table = doc[doc.index("## Errors") : doc.index("## Records")]
+    listed = {
+        code
+        for row in re.findall(r"(?m)^\| (`.*?) \|", table)
+        for code in re.findall(r"`(\w+)`", row)
+    }
+    assert answered - listed == set(), f"protocol.md's Errors table lacks {answered - listed}"
+    assert listed - answered == set(), f"protocol.md's Errors table names {listed - answered}"
