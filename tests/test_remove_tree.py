@@ -176,6 +176,14 @@ def _once(
     return hit
 
 
+def _remove_at(parent_dir: Path, name: str) -> None:
+    parent = _dir_fd(parent_dir)
+    try:
+        remove_tree_at(parent, name)
+    finally:
+        os.close(parent)
+
+
 def test_a_file_that_became_a_directory_before_its_unlink_is_removed_later(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -190,11 +198,7 @@ def test_a_file_that_became_a_directory_before_its_unlink_is_removed_later(
         os.mknod("f/inner", dir_fd=fd)
 
     hit = _once(monkeypatch, "unlink", "f", to_dir)
-    parent = _dir_fd(tmp_path)
-    try:
-        remove_tree_at(parent, "s1")
-    finally:
-        os.close(parent)
+    _remove_at(tmp_path, "s1")
     assert hit == ["f"] and os.listdir(tmp_path) == []
 
 
@@ -209,9 +213,5 @@ def test_a_directory_refilled_before_its_rmdir_is_emptied_again(
         os.mknod("d/late", dir_fd=fd)
 
     hit = _once(monkeypatch, "rmdir", "d", refill)
-    parent = _dir_fd(tmp_path)
-    try:
-        remove_tree_at(parent, "s1")
-    finally:
-        os.close(parent)
+    _remove_at(tmp_path, "s1")
     assert hit == ["d"] and os.listdir(tmp_path) == []
