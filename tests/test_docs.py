@@ -652,3 +652,23 @@ def test_metrics_table_names_every_metric() -> None:
     assert set(rows) - written == set(), (
         f"operations.md's metrics table names {set(rows) - written}"
     )
+
+
+def test_the_doors_list_the_layers_contract() -> None:
+    """docs/architecture.md's order of the rooms is pyproject's ``layers`` contract, and that
+    contract's ground floor is the rooms table's ground floor, module for module."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    said = re.search(r"lists the rooms top\s+to bottom \((.*?)\), so", text, re.S)
+    assert said, "architecture.md no longer lists the rooms in order"
+    drawn = [p.strip().strip("`") for p in " ".join(said.group(1).split()).split(";")]
+    rooms = [layer.replace("bottlenet.", "") for layer in layers]
+    assert drawn[:-1] == rooms[:-1] and drawn[-1] == "the ground floor", (drawn, rooms)
+    ground = {m.removeprefix("bottlenet.") for m in layers[-1].split(" : ")}
+    first = next(cell for cell, _, _ in _rooms_table() if cell.startswith("ground floor"))
+    assert ground == set(re.findall(r"`bottlenet/(\w+)\.py`", first)), (ground, first)
