@@ -672,3 +672,26 @@ def test_the_doors_list_the_layers_contract() -> None:
     ground = {m.removeprefix("bottlenet.") for m in layers[-1].split(" : ")}
     first = next(cell for cell, _, _ in _rooms_table() if cell.startswith("ground floor"))
     assert ground == set(re.findall(r"`bottlenet/(\w+)\.py`", first)), (ground, first)
+
+
+def test_protocol_doc_names_each_commands_arguments_and_answer() -> None:
+    """Each command's section of docs/protocol.md names (as ``name``) every argument and
+    answer key the command declares; ``capability``, which every scoped call may carry, is
+    named once, in "Scoped peers"."""
+    import bottlenet.control.commands as commands
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        doc = f.read()
+    sections: dict[str, str] = {}
+    for part in re.split(r"(?m)^### ", doc)[1:]:
+        heading, _, body = part.partition("\n")
+        for name in re.findall(r"`bottlenet\.(\w+)`", heading):
+            sections[name] = sections.get(name, "") + body
+    scoped = doc[doc.index("### Scoped peers") :]
+    assert "`capability`" in scoped[: scoped.index("\n### ")]
+    for command in [*commands.ALL_COMMANDS, *commands.PUSHED_COMMANDS]:
+        named = set(re.findall(r"`(\w+)`", sections[command.__name__]))
+        keys = {k.decode() if isinstance(k, bytes) else k for k, _ in command.arguments}
+        keys |= {k.decode() if isinstance(k, bytes) else k for k, _ in command.response}
+        keys.discard("capability")
+        assert keys <= named, f"protocol.md, {command.__name__}: {sorted(keys - named)} unnamed"
