@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from twisted.internet.defer import Deferred, fail, succeed
+from twisted.internet.task import Clock
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 
 from bottlenet.bottles.bottle import VMBottle
@@ -14,6 +16,7 @@ from bottlenet.bottles.events import LEASE_EXPIRED, BottleEvent
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import InvalidArgument, NotFound
+from bottlenet.node.lease import MAX_SLEEP, RETRY, LeasePolicy
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
 from tests.bottles.test_drain import node_of
@@ -244,3 +247,60 @@ def test_a_renewal_during_recovery_is_answered_after_the_restore(rigs: Rigs, tmp
     assert second.registry.has_bottle("vm1")
     advance(second, mono, 2)
     assert not second.registry.has_bottle("vm1")
+
+
+def test_a_reap_that_finds_the_bottle_gone_is_not_retried() -> None:
+    """A reap answered NOT_FOUND (the bottle went by another way): nothing left to reap, so
+    no retry is scheduled and no 'reaping it failed' line is logged."""
+    clock = Clock()
+    reaps: list[str] = []
+    said: list[LogEvent] = []
+
+    def reap() -> Deferred[None]:
+        reaps.append("reap")
+        return fail(NotFound("bottle gone does not exist"))
+
+    timer = LeasePolicy(clock, clock.seconds, grace=0).timer("gone", lambda: None, reap)
+    globalLogPublisher.addObserver(said.append)
+    try:
+        timer.arm(1)
+        clock.advance(1)
+        assert reaps == ["reap"] and clock.getDelayedCalls() == []
+        clock.advance(10 * RETRY)
+    finally:
+        globalLogPublisher.removeObserver(said.append)
+    assert reaps == ["reap"]
+    assert not [e for e in said if "reaping it failed" in (formatEvent(e) or "")]
+
+
+def test_a_wall_clock_stepped_back_delays_a_reap_by_at_most_max_sleep() -> None:
+    """The reactor's clock lags the monotonic one (a wall step back): the timer still looks
+    every MAX_SLEEP of reactor time, so the reap comes at most MAX_SLEEP late."""
+    clock, mono = Clock(), Monotonic()
+    reaps: list[str] = []
+
+    def reap() -> Deferred[None]:
+        reaps.append("reap")
+        return succeed(None)
+
+    LeasePolicy(clock, mono, grace=0).timer("b", lambda: None, reap).arm(600)
+    mono.now += 600  # the lease ran out by the monotonic clock; the reactor's stood still
+    clock.advance(MAX_SLEEP)
+    assert reaps == ["reap"]
+
+
+def test_a_new_bottle_of_a_destroyed_leased_ones_name_is_not_reaped_by_its_lease(
+    rigs: Rigs, tmp: str
+) -> None:
+    """A leased bottle destroyed by hand takes its lease with it: a new bottle of that name
+    (no lease) outlives the old deadline, and no lease_expired is heard for either."""
+    rig = rigs()
+    mono = Monotonic()
+    node_of(rig, mono, grace=30)
+    seen: list[BottleEvent] = []
+    rig.registry.events.subscribe(seen.append)
+    rig.run(rig.registry.create_bottle("x", tenancy=lease(60)))
+    rig.run(rig.registry.destroy_bottle("x"))
+    rig.run(rig.registry.create_bottle("x"))
+    advance(rig, mono, 200)
+    assert rig.registry.has_bottle("x") and LEASE_EXPIRED not in kinds(seen, "x")

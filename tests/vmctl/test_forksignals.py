@@ -9,14 +9,20 @@ certain instead of raced. The last test checks that vmctl's attached exec spawns
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
 
 from vmctl import forksignals
 
@@ -63,7 +69,13 @@ def test_outside_the_guard_a_fork_is_left_alone(daemon_handler: list[int]) -> No
 
 
 class _Quiet(ProcessProtocol):
-    pass
+    """Hears nothing; ``ended`` fires when the child has been reaped."""
+
+    def __init__(self) -> None:
+        self.ended: Deferred[None] = Deferred()
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(None)
 
 
 class SpawnInsideTheGuard(FakeSmolvmTestCase):
@@ -85,6 +97,37 @@ class SpawnInsideTheGuard(FakeSmolvmTestCase):
 
         self.runner.reactor = Reactor()
         for tty in (False, True):
-            transport = await self.smolvm.spawn_exec("m1", ["true"], _Quiet(), tty=tty)
-            transport.signalProcess("KILL")
+            quiet = _Quiet()
+            transport = await self.smolvm.spawn_exec("m1", ["true"], quiet, tty=tty)
+            with contextlib.suppress(ProcessExitedAlready):
+                transport.signalProcess("KILL")
+            await quiet.ended  # reaped here, not left to the next test's reactor check
         self.assertEqual(seen, [True, True])
+
+
+#: Run in a fresh interpreter: an after-fork hook registered *before* vmctl.forksignals runs
+#: in the child ahead of the guard's own, so its SIGTERM lands between the fork and the
+#: guard's reset (the earliest point of the window). Prints the child's wait status.
+_EARLIEST = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, lambda *a: None)  # the daemon's handler
+os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+from vmctl import forksignals
+with forksignals.child_signals_default():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_term_at_the_first_instant_after_the_fork_is_held_until_the_default() -> None:
+    """A SIGTERM that reaches the child before the guard's child hook has run is held
+    (blocked across the fork), not taken by the daemon's handler: the child dies of it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _EARLIEST], capture_output=True, text=True, cwd=root, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    status = int(out.stdout)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
