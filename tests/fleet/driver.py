@@ -69,7 +69,12 @@ def handle(req: dict[str, Any]) -> Any:
         }
     if op == "timed_pool":
         # as "pool", plus each bottle's seconds from the request to ready (the benchmark)
-        request = BottleRequest(lease_seconds=req.get("lease"), name_prefix="bench")
+        request = BottleRequest(
+            spec=req.get("spec"),
+            lease_seconds=req.get("lease"),
+            name_prefix="bench",
+            pool=req.get("pool", "auto"),
+        )
         started = time.monotonic()
         ready: list[float] = []
 
