@@ -34,6 +34,7 @@ from bottlenet.bridge.script import Bridge  # noqa: E402
 from bottlenet.bridge.script import render as render_bridge  # noqa: E402
 from bottlenet.transparent.layer import LISTEN_PORT  # noqa: E402
 from bottlenet.transparent.script import render as render_layer  # noqa: E402
+from tests.netio import ConnectProxy  # noqa: E402
 
 SERVER_PORT, BRIDGE_PORT = 18500, 3128
 OUTSIDE = "203.0.113.7"
@@ -59,45 +60,6 @@ def echo_and_bulk(port: int) -> None:
                 while n > 0:
                     c.sendall(chunk[: min(n, len(chunk))])
                     n -= len(chunk)
-
-    def loop() -> None:
-        while True:
-            c, _ = srv.accept()
-            threading.Thread(target=serve, args=(c,), daemon=True).start()
-
-    threading.Thread(target=loop, daemon=True).start()
-
-
-def proxy(path: str, upstream: int) -> None:
-    """The sidecar's CONNECT proxy stand-in: every target is tunnelled to ``upstream``."""
-    srv = socket.socket(socket.AF_UNIX)
-    srv.bind(path)
-    srv.listen(128)
-
-    def pump(a: socket.socket, b: socket.socket) -> None:
-        try:
-            while d := a.recv(262144):
-                b.sendall(d)
-            b.shutdown(socket.SHUT_WR)
-        except OSError:
-            pass
-
-    def serve(c: socket.socket) -> None:
-        head = b""
-        while b"\r\n\r\n" not in head:
-            d = c.recv(4096)
-            if not d:
-                c.close()
-                return
-            head += d
-        up = socket.create_connection(("127.0.0.1", upstream))
-        c.sendall(b"HTTP/1.1 200 Connection established\r\n\r\n")
-        t = threading.Thread(target=pump, args=(c, up), daemon=True)
-        t.start()
-        pump(up, c)
-        t.join()
-        c.close()
-        up.close()
 
     def loop() -> None:
         while True:
@@ -169,7 +131,8 @@ def main() -> None:
     work = tempfile.mkdtemp(prefix="bn-egress-bench-")
     sock = os.path.join(work, "egress.sock")
     echo_and_bulk(SERVER_PORT)
-    proxy(sock, SERVER_PORT)
+    # the sidecar's CONNECT proxy stand-in: every target is tunnelled to the server
+    proxy = ConnectProxy(sock, lambda target: ("127.0.0.1", SERVER_PORT))
     layer = start(render_layer(sock, LISTEN_PORT), b"BNE ready")
     bridge = start(render_bridge([Bridge(BRIDGE_PORT, sock)]), b"BNB ready")
     best: dict[str, list[float]] = {"bridge": [1e9, 0.0], "layer": [1e9, 0.0]}
@@ -183,6 +146,7 @@ def main() -> None:
         for p in (layer, bridge):
             p.terminate()
             p.wait(10)
+        proxy.close()
         shutil.rmtree(work, ignore_errors=True)
     (bs, br), (ls, lr) = best["bridge"], best["layer"]
     print(

@@ -286,26 +286,31 @@ class Bridges:
 
     # -- start and prove ----------------------------------------------------------------
 
-    async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
-        """One attached session running the bridge, ``ready`` (else BridgeFailed)."""
+    def _session(self, kept: BridgeKeeper) -> tuple[list[str], BridgeSession]:
+        """The guest command that runs the kept program, and its session."""
         kit = kept.kit
         argv = list(ARGV) if kit is None else kit.argv("bridge", *bridge_args(kept.bridges))
         # With the kit nothing is fed; one empty line is (the bridge ignores it): Twisted's
         # process writer noticed the session's end only once it had written something, so
         # a bridge that died was never restarted (tests/control/test_bridge.py).
-        session = BridgeSession(render(kept.bridges) if kit is None else b"\n")
+        return argv, BridgeSession(render(kept.bridges) if kit is None else b"\n")
+
+    async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
+        """One attached session running the kept program, ``ready`` (else BridgeFailed)."""
+        argv, session = self._session(kept)
         kept.session = session
+        cannot = f"the {self.what} cannot start in {kept.agent_vm}"
         try:
             await self.smolvm.spawn_exec(
-                kept.agent_vm, argv, session, user=GUEST_ROOT, session=kit_session(kit)
+                kept.agent_vm, argv, session, user=GUEST_ROOT, session=kit_session(kept.kit)
             )
         except VmctlError as e:
-            raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
+            raise BridgeFailed(f"{cannot}: {e.message}") from None
         timer = self.reactor.callLater(START_TIMEOUT, session.stop)
         try:
             await session.ready
         except BridgeFailed as e:
-            raise BridgeFailed(f"the bridge cannot start in {kept.agent_vm}: {e.message}") from None
+            raise BridgeFailed(f"{cannot}: {e.message}") from None
         finally:
             if timer.active():
                 timer.cancel()

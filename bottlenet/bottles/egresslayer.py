@@ -183,28 +183,10 @@ class Layers(Bridges):
     log = Logger()
     what = "egress layer"
 
-    async def _spawn(self, kept: BridgeKeeper) -> BridgeSession:
+    def _session(self, kept: BridgeKeeper) -> tuple[list[str], BridgeSession]:
         assert isinstance(kept, LayerKeeper)
         argv, stdin = layer_command(kept.proxy, kept.kit)
-        session = LayerSession(stdin, kept.counters)
-        kept.session = session
-        try:
-            await self.smolvm.spawn_exec(
-                kept.agent_vm, argv, session, user=GUEST_ROOT, session=kit_session(kept.kit)
-            )
-        except VmctlError as e:
-            raise BridgeFailed(f"it cannot start: {e.message}") from None
-        timer = self.reactor.callLater(30.0, session.stop)
-        try:
-            await session.ready
-        finally:
-            if timer.active():
-                timer.cancel()
-        kept.started_at = self.reactor.seconds()
-        return session
-
-    def _watch(self, kept: BridgeKeeper, session: BridgeSession) -> None:
-        """No missed-connection check: the layer's own connects are counted, not squared."""
+        return argv, LayerSession(stdin, kept.counters)
 
     def _keeper(
         self,
@@ -213,7 +195,8 @@ class Layers(Bridges):
         endpoints: Sequence[Endpoint],
         state: BridgeState = BridgeState.STARTING,
     ) -> LayerKeeper:
-        """``endpoints``: the proxy service's, whose mounted socket the layer opens."""
+        """``endpoints``: the proxy service's, whose mounted socket the layer opens. No guest
+        port is bridged, so nothing is squared: the layer's own connects are counted."""
         (proxy,) = endpoints
         assert proxy.guest_path is not None
         return LayerKeeper(bottle, agent_vm, [], proxy=proxy.guest_path, state=state)
@@ -225,9 +208,7 @@ class Layers(Bridges):
         try:
             kept = await self.start(bottle, agent_vm, [proxy], kit)
         except BridgeFailed as e:
-            raise EgressLayerFailed(
-                f"transparent egress cannot start in {agent_vm}: {e.message}"
-            ) from None
+            raise EgressLayerFailed(e.message) from None
         assert isinstance(kept, LayerKeeper)
         return kept
 

@@ -151,9 +151,14 @@ def parse_spec_json(text: str) -> dict[str, Any]:
 
 
 def paginate(
-    records: Sequence[T], offset: int | None, limit: int | None, budget: int = PAGE_BYTE_BUDGET
+    records: Sequence[T],
+    offset: int | None,
+    limit: int | None,
+    key: str,
+    budget: int = PAGE_BYTE_BUDGET,
 ) -> dict[str, Any]:
-    """One page of ``records``: at most ``MAX_PAGE`` items and ``budget`` JSON bytes."""
+    """A listing's answer: one page of ``records`` under ``key`` (at most ``MAX_PAGE`` items
+    and ``budget`` JSON bytes), the ``total`` and the ``next_offset``."""
     start = 0 if offset is None else offset
     if start < 0:
         raise InvalidArgument("offset must be >= 0")
@@ -170,7 +175,7 @@ def paginate(
         page.append(record)
     end = start + len(page)
     return {
-        "items": page,
+        key: page,
         "total": len(records),
         "next_offset": end if end < len(records) else None,
     }
@@ -645,12 +650,7 @@ class ControlLocator(SafeCommandLocator):
             backend.list_bottles(),
             lambda b: bottle_record(b, len(backend.list_forwards(b.name)), with_env=False),
         )
-        page = paginate(records, offset, limit)
-        return {
-            "bottles": page["items"],
-            "total": page["total"],
-            "next_offset": page["next_offset"],
-        }
+        return paginate(records, offset, limit, "bottles")
 
     @C.BottleStatus.responder
     def bottle_status(self, name: str, capability: str | None = None) -> dict[str, Any]:
@@ -701,8 +701,8 @@ class ControlLocator(SafeCommandLocator):
         )
         return {}
 
-    def _forwards(self, bottle: str | None, capability: str | None) -> Sequence[ForwardInfo]:
-        backend, _ = self._view(capability)
+    def _forwards(self, backend: ControlBackend, bottle: str | None) -> Sequence[ForwardInfo]:
+        """The forwards of ``bottle`` (NOT_FOUND for one ``backend`` does not know), or all."""
         if bottle is not None:
             check_bottle_name(bottle)
             backend.get_bottle(bottle)  # NOT_FOUND for an unknown bottle
@@ -716,15 +716,9 @@ class ControlLocator(SafeCommandLocator):
         limit: int | None,
         capability: str | None = None,
     ) -> dict[str, Any]:
-        records: LazyView[ForwardRecord] = LazyView(
-            self._forwards(bottle, capability), forward_record
-        )
-        page = paginate(records, offset, limit)
-        return {
-            "forwards": page["items"],
-            "total": page["total"],
-            "next_offset": page["next_offset"],
-        }
+        backend, _ = self._view(capability)
+        records: LazyView[ForwardRecord] = LazyView(self._forwards(backend, bottle), forward_record)
+        return paginate(records, offset, limit, "forwards")
 
     @C.Stats.responder
     def stats(
@@ -735,13 +729,12 @@ class ControlLocator(SafeCommandLocator):
         capability: str | None = None,
     ) -> dict[str, Any]:
         backend, _ = self._view(capability)
-        forwards = self._forwards(bottle, capability)
+        forwards = self._forwards(backend, bottle)
         layer = backend.transparent_stats(bottle)
         # The forwards, then one row per transparent egress target (label "transparent:T").
         rows: list[ForwardInfo | TransparentCount] = [*forwards, *layer]
         records: LazyView[StatsRecord] = LazyView(rows, _stats_row)
-        page = paginate(records, offset, limit)
-        return {"stats": page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+        return paginate(records, offset, limit, "stats")
 
 
 def _stats_row(row: ForwardInfo | TransparentCount) -> StatsRecord:

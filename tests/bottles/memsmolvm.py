@@ -36,6 +36,7 @@ from bottlenet.bottles.store import StateStore
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import AliasPool
 from bottlenet.forward.table import ForwardTable
+from bottlenet.node.info import Node, node_parts
 from bottlenet.probe.script import ARGV
 from tests.probe.guests import pass_transcript, witness_own_endpoints
 from vmctl.errors import AlreadyExists, NotFound, VmctlError
@@ -525,3 +526,20 @@ class Rig:
 async def _stop(table: ForwardTable) -> None:
     for info in table.list():
         await table.remove(info.spec.bottle, info.spec.label)
+
+
+def node_of(rig: Rig, monotonic: Callable[[], float] | None = None, grace: float = 30) -> Node:
+    """The node as the daemon builds it over this rig's state, its policies told by the
+    rig's table (``monotonic``: the lease policy's clock, by default the rig's)."""
+    parts = node_parts(
+        rig.clock,
+        rig.store,
+        StateStore(rig.state_dir).load(),
+        rig.events.emit,
+        monotonic=monotonic or rig.clock.seconds,
+        lease_grace=grace,
+    )
+    rig.use(policies=parts.policies())
+    return Node(
+        rig.registry, rig.table.budget, parts, host="n1", labels=(("zone", "a"),), privilege="root"
+    )

@@ -12,33 +12,15 @@ import pytest
 from bottlenet.bottles.events import DRAINED, UNDRAINED, BottleEvent
 from bottlenet.bottles.model import Role, Source, machine_name
 from bottlenet.bottles.spec import parse_bottle_spec
-from bottlenet.bottles.store import StateStore
 from bottlenet.errors import Draining, InvalidArgument, ResourceExhausted
 from bottlenet.errors import KvmUnavailable as BnKvmUnavailable
 from bottlenet.forward.spec import parse_target
-from bottlenet.node.info import MAX_DRAIN_WAITERS, MAX_LABELS, Node, check_labels, node_parts
+from bottlenet.node.info import MAX_DRAIN_WAITERS, MAX_LABELS, check_labels
 from tests.bottles.harness import spec_doc
-from tests.bottles.memsmolvm import Rig
+from tests.bottles.memsmolvm import Rig, node_of
 from vmctl.errors import KvmUnavailable
 
 Rigs = Callable[..., Rig]
-
-
-def node_of(rig: Rig, monotonic: Callable[[], float] | None = None, grace: float = 30) -> Node:
-    """The node as the daemon builds it over this rig's state, its policies told by the
-    rig's table (``monotonic``: the lease policy's clock, by default the rig's)."""
-    parts = node_parts(
-        rig.clock,
-        rig.store,
-        StateStore(rig.state_dir).load(),
-        rig.events.emit,
-        monotonic=monotonic or rig.clock.seconds,
-        lease_grace=grace,
-    )
-    rig.use(policies=parts.policies())
-    return Node(
-        rig.registry, rig.table.budget, parts, host="n1", labels=(("zone", "a"),), privilege="root"
-    )
 
 
 def fail_a_create_without_kvm(rig: Rig, tmp: str, name: str = "x") -> None:

@@ -21,24 +21,12 @@ from bottlenet.bottles.store import StateStore
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import InvalidArgument, ResourceExhausted
 from bottlenet.forward.spec import bottle_dir
-from bottlenet.node.info import Node, node_parts
+from bottlenet.node.info import Node
 from tests.bottles.harness import spec_doc
-from tests.bottles.memsmolvm import Rig
+from tests.bottles.memsmolvm import Rig, node_of
 from vmctl.errors import SmolvmFailed
 
 Rigs = Callable[..., Rig]
-
-
-def node_of(rig: Rig) -> Node:
-    """The node over this rig's state, its policies (the pools among them) told by the
-    table, started as the daemon starts it after recovery."""
-    parts = node_parts(
-        rig.clock, rig.store, StateStore(rig.state_dir).load(), rig.events.emit,
-        monotonic=rig.clock.seconds,
-    )  # fmt: skip
-    rig.use(policies=parts.policies())
-    node = Node(rig.registry, rig.table.budget, parts, host="n1", privilege="root")
-    return node
 
 
 def started(rig: Rig, node: Node) -> Node:
@@ -46,6 +34,16 @@ def started(rig: Rig, node: Node) -> Node:
     node.pools.start()
     rig.settle()
     return node
+
+
+def pooled(rigs: Rigs, tmp: str, size: int) -> tuple[Rig, Node, dict[str, Any]]:
+    """A started node whose one pool of ``size`` members is filled."""
+    rig = rigs()
+    node = started(rig, node_of(rig))
+    doc = doc_of(tmp)
+    node.pools.ensure(doc, size)
+    rig.settle()
+    return rig, node, doc
 
 
 def doc_of(tmp: str, **kw: Any) -> dict[str, Any]:
@@ -64,11 +62,7 @@ def test_a_pool_fills_and_a_create_of_its_spec_takes_a_member(rigs: Rigs, tmp: s
     """Two members are made without their workload and are not listed; a create of the
     spec takes one (no new machine), is named, leased and runs its workload; the pool
     fills again."""
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 2)
-    rig.settle()
+    rig, node, doc = pooled(rigs, tmp, 2)
     assert ready(node, doc) == 2
     assert rig.registry.list_bottles() == [] and rig.registry.held() == 2
     machines = set(rig.smolvm.names())
@@ -97,11 +91,7 @@ def test_a_pool_fills_and_a_create_of_its_spec_takes_a_member(rigs: Rigs, tmp: s
 def test_a_create_with_another_spec_or_pool_off_boots(rigs: Rigs, tmp: str) -> None:
     """Only the same spec document takes a member; ``pool off`` never does; ``pool only``
     with none ready is RESOURCE_EXHAUSTED at once."""
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 1)
-    rig.settle()
+    rig, node, doc = pooled(rigs, tmp, 1)
     other = create(rig, "other", doc_of(tmp, egress=False))
     assert other.require_vms().home is None
     off = create(rig, "off", doc, pool=PoolUse.OFF)
@@ -177,11 +167,7 @@ def test_a_crash_between_the_records_keeps_the_taken_bottle(rigs: Rigs, tmp: str
 
 def test_draining_stops_refills_and_empties_the_pools(rigs: Rigs, tmp: str) -> None:
     """A drain destroys the waiting members and makes none; an undrain fills again."""
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 2)
-    rig.settle()
+    rig, node, doc = pooled(rigs, tmp, 2)
     node.drain()
     rig.settle()
     assert rig.registry.held() == 0 and ready(node, doc) == 0
@@ -197,11 +183,7 @@ def test_draining_stops_refills_and_empties_the_pools(rigs: Rigs, tmp: str) -> N
 def test_a_degraded_member_is_replaced(rigs: Rigs, tmp: str) -> None:
     """A member whose sidecar exits is destroyed and another made; no event reaches the
     wire."""
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 1)
-    rig.settle()
+    rig, _, doc = pooled(rigs, tmp, 1)
     seen: list[BottleEvent] = []
     rig.registry.events.subscribe(seen.append)
     home = next(iter(rig.registry.members(spec_hash(doc))))[0]
@@ -239,11 +221,7 @@ def test_a_failed_fill_is_counted_and_retried_after_a_back_off(rigs: Rigs, tmp: 
 
 def test_removing_a_pool_destroys_its_members(rigs: Rigs, tmp: str) -> None:
     """``pool rm``: the pool is forgotten durably and its members destroyed."""
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 2)
-    rig.settle()
+    rig, node, doc = pooled(rigs, tmp, 2)
     assert node.pools.remove(spec_hash(doc)) == 2
     rig.settle()
     assert rig.registry.held() == 0 and rig.smolvm.names() == []
@@ -269,11 +247,7 @@ def test_a_member_is_not_a_bottle_to_any_caller(rigs: Rigs, tmp: str) -> None:
     of that name (ALREADY_EXISTS)."""
     from bottlenet.errors import AlreadyExists, NotFound
 
-    rig = rigs()
-    node = started(rig, node_of(rig))
-    doc = doc_of(tmp)
-    node.pools.ensure(doc, 1)
-    rig.settle()
+    rig, _, doc = pooled(rigs, tmp, 1)
     home = next(iter(rig.registry.members(spec_hash(doc))))[0]
     with pytest.raises(NotFound):
         rig.registry.get_bottle(home)

@@ -367,8 +367,7 @@ class EntrypointOrderTests(E2ECase):
             "-c",
             f'date +%s.%N > {marks}/"$0".t && mv {marks}/"$0".t {marks}/"$0"',
         ]
-        with open(os.path.join(self.fake.path, "fake-images.json"), "w") as f:
-            json.dump({image: {"entrypoint": [*record, "entrypoint"]}}, f)
+        self.fake.set_images({image: {"entrypoint": [*record, "entrypoint"]}})
         client = await self.start()
         await client.create_bottle(
             "e1", spec=self.spec_json(mode="socket", workload=(*record, "workload"))

@@ -76,6 +76,16 @@ class VolumeRuleTests(DaemonCase):
         assert uid is not None
         return uid
 
+    def left_as(self, uid: int) -> subprocess.Popen[bytes]:
+        """What a compromised VMM leaves behind: a process of ``uid``'s that must die with
+        the bottle's destroy (killed at the test's end if it did not)."""
+        left = subprocess.Popen(
+            ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "sleep", "300"],
+            start_new_session=True,
+        )
+        self.addCleanup(lambda: left.poll() is None and (left.kill(), left.wait()))
+        return left
+
     def creates(self) -> list[list[str]]:
         return [
             a for a in self.fake.argvs() if a[:2] == ["machine", "create"] and a[-1] != "--help"
@@ -246,12 +256,7 @@ class VolumeRuleTests(DaemonCase):
         client = await self.start()
         await client.create_bottle("f1", spec=self.spec_json(work))
         agent = self.agent_uid("f1")
-        # what a compromised VMM leaves behind: it must die with the destroy
-        left = subprocess.Popen(
-            ["setpriv", f"--reuid={agent}", f"--regid={agent}", "--clear-groups", "sleep", "300"],
-            start_new_session=True,
-        )
-        self.addCleanup(lambda: left.poll() is None and (left.kill(), left.wait()))
+        left = self.left_as(agent)
         real_write = posixacl.write
 
         def failing(fd: int, acl: posixacl.Acl) -> None:
@@ -276,11 +281,7 @@ class VolumeRuleTests(DaemonCase):
         client = await self.start()
         await client.create_bottle("g1", spec=self.spec_json(work))
         agent = self.agent_uid("g1")
-        left = subprocess.Popen(
-            ["setpriv", f"--reuid={agent}", f"--regid={agent}", "--clear-groups", "sleep", "300"],
-            start_new_session=True,
-        )
-        self.addCleanup(lambda: left.poll() is None and (left.kill(), left.wait()))
+        left = self.left_as(agent)
 
         def unreadable(book: GrantBook, uid: int | None = None) -> list[Any]:
             raise OSError(5, "Input/output error")

@@ -58,13 +58,11 @@ def test_a_good_setup_passes_every_line_one_text_line_a_check(daemon: VMDaemon) 
     teardown, exit 0; exec-user names that user (bottlenet's own execs run with -u 0); the
     bottle gone with nothing left. (A good run's --json report: test_selftest_unit.py.)"""
     daemon.fake.set_faults("exec-netns")
-    images = os.path.join(daemon.fake.path, "fake-images.json")
-    with open(images, "w") as f:
-        json.dump({daemon.image: {"user": "4242:4243"}}, f)
+    daemon.fake.set_images({daemon.image: {"user": "4242:4243"}})
     try:
         r = daemon.ctl("selftest", "--spec", daemon.spec, "--name", "st-text", timeout=300)
     finally:
-        os.unlink(images)
+        daemon.fake.set_images({})
     out = r.stdout.decode().splitlines()
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert "Traceback" not in r.stderr.decode(), r.stderr
@@ -84,13 +82,11 @@ def test_a_bare_image_passes_every_line_on_the_kit(daemon: VMDaemon) -> None:
     ``bare`` mode with no program at all): the selftest's own guest commands run on the kit
     (its wait-for workload, idle, procs, reach, write, read, whoami), every line PASS."""
     daemon.fake.set_faults("exec-netns")
-    images = os.path.join(daemon.fake.path, "fake-images.json")
-    with open(images, "w") as f:
-        json.dump({daemon.image: {"bare": []}}, f)
+    daemon.fake.set_images({daemon.image: {"bare": []}})
     try:
         code, report = selftest(daemon, "--name", "st-bare")
     finally:
-        os.unlink(images)
+        daemon.fake.set_images({})
     assert code == 0, report
     assert lines(report, "PASS") == [*STEPS], report
     (root,) = [c for c in report["checks"] if c["step"] == "exec-root"]

@@ -69,15 +69,10 @@ def test_a_bare_image_gets_the_gate_bridge_exec_session_end_and_workload(
         d = VMDaemon()
         relay = {"/run/bottlenet/web.sock": f"127.0.0.1:{port}"}
         d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
-        image = {"bare": BARE, **({} if user is None else {"user": user})}
-        with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
-            json.dump({d.image: image}, f)
+        d.fake.set_images({d.image: {"bare": BARE, **({} if user is None else {"user": user})}})
         d.start()
         try:
-            spec = os.path.join(d.dir, "b1.toml")
-            with open(spec, "w") as f:
-                f.write(SPEC.format(image=d.image))
-            r = d.ctl("--json", "bottle", "create", "b1", "--spec", spec)
+            r = d.create("b1", SPEC.format(image=d.image))
             assert r.returncode == 0, (r.stderr, d.log())
             assert json.loads(r.stdout)["probe"] == "PASS"
             # nothing of an interpreter or a shell in this guest
@@ -129,14 +124,9 @@ def test_a_kit_whose_bytes_differ_is_refused_by_the_gate() -> None:
         os.chmod(os.path.join(copy, "kit.json"), 0o644)
         with open(os.path.join(copy, "kit.json"), "a") as f:
             f.write(" ")
-        image = {"bare": BARE}
-        with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
-            json.dump({d.image: image}, f)
+        d.fake.set_images({d.image: {"bare": BARE}})
         d.fake.set_faults("exec-netns", version="1.32.2", volume_swap={"/run/bottlenet-kit": copy})
-        spec = os.path.join(d.dir, "b1.toml")
-        with open(spec, "w") as f:
-            f.write(SPEC.format(image=d.image))
-        r = d.ctl("--json", "bottle", "create", "b1", "--spec", spec)
+        r = d.create("b1", SPEC.format(image=d.image))
         assert r.returncode != 0
         error = json.loads(r.stderr)
         assert error["code"] == "ISOLATION_FAILED", error
@@ -171,13 +161,9 @@ def test_a_bare_image_gets_transparent_egress_from_the_kit() -> None:
     try:
         relay = {"/run/bottlenet/egress.sock": f"127.0.0.1:{recorder.port}"}
         d.fake.set_faults("exec-netns", version="1.32.2", expose_relay=relay)
-        with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
-            json.dump({d.image: {"bare": BARE}}, f)
+        d.fake.set_images({d.image: {"bare": BARE}})
         d.start()
-        spec = os.path.join(d.dir, "e1.toml")
-        with open(spec, "w") as f:
-            f.write(EGRESS_SPEC.format(image=d.image))
-        r = d.ctl("--json", "bottle", "create", "e1", "--spec", spec)
+        r = d.create("e1", EGRESS_SPEC.format(image=d.image))
         assert r.returncode == 0, (r.stderr, d.log())
         b = json.loads(r.stdout)
         assert b["probe"] == "PASS" and "transparent egress running" in b["bridge"], b

@@ -98,10 +98,7 @@ def shared() -> Iterator[VMDaemon]:
 
 
 def create(d: VMDaemon, name: str, *, env: str = '"LANG=C.UTF-8"', extra: str = "") -> Any:
-    spec = os.path.join(d.dir, f"{name}.toml")
-    with open(spec, "w") as f:
-        f.write(SPEC.format(image=d.image, env=env, extra=extra))
-    return d.ctl("--json", "bottle", "create", name, "--spec", spec)
+    return d.create(name, SPEC.format(image=d.image, env=env, extra=extra))
 
 
 def bridge_pids(d: VMDaemon, bottle: str) -> list[int]:

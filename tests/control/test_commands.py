@@ -450,16 +450,15 @@ def _max_records() -> dict[str, list[Any]]:
 def test_max_page_stays_under_amp_limit(command: type[C.ControlCommand]) -> None:
     key = command.response[0][0].decode()
     records = _max_records()[key] * 3
-    page = paginate(records, 0, 10_000)
-    response = {key: page["items"], "total": page["total"], "next_offset": page["next_offset"]}
+    response = paginate(records, 0, 10_000, key)
     box = command.makeResponse(response, None)
     assert all(len(v) <= 0xFFFF for v in box.values())
     assert len(box.serialize()) < 64 * 1024
-    assert page["next_offset"] == len(page["items"]) > 0
+    assert response["next_offset"] == len(response[key]) > 0
     # Paging to the end returns every record exactly once.
     seen, offset = 0, 0
     while offset is not None:
-        page = paginate(records, offset, None)
-        seen += len(page["items"])
+        page = paginate(records, offset, None, key)
+        seen += len(page[key])
         offset = page["next_offset"]
     assert seen == len(records)

@@ -49,8 +49,7 @@ def image_user_daemon(port: int) -> VMDaemon:
     d = VMDaemon()
     relay = {"/run/bottlenet/web.sock": f"127.0.0.1:{port}"}
     d.fake.set_faults("exec-netns", expose_relay=relay)
-    with open(os.path.join(d.fake.path, "fake-images.json"), "w") as f:
-        json.dump({d.image: {"user": IMAGE_USER}}, f)
+    d.fake.set_images({d.image: {"user": IMAGE_USER}})
     return d
 
 
@@ -61,10 +60,7 @@ def test_non_root_image_user_gate_bridge_below_1024_and_workload_as_that_user() 
     with page_server() as port:
         d = image_user_daemon(port).start()
         try:
-            spec = os.path.join(d.dir, "b1.toml")
-            with open(spec, "w") as f:
-                f.write(SPEC.format(image=d.image, fetch=FETCH))
-            r = d.ctl("--json", "bottle", "create", "b1", "--spec", spec)
+            r = d.create("b1", SPEC.format(image=d.image, fetch=FETCH))
             assert r.returncode == 0, (r.stderr, d.log())
             record = json.loads(r.stdout)
             assert record["probe"] == "PASS"

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 from collections.abc import Iterator
 
 import pytest
@@ -21,26 +22,14 @@ import pytest
 from tests import netguard
 from tests.netio import ConnectProxy
 
-from .vmdaemon import VMDaemon, wait_for
+from .vmdaemon import SPEC_TOML, VMDaemon, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not netguard.active(), reason="exec-netns needs root and the netguard"
 )
 
-SPEC = """\
-mode = "socket"
-[sidecar]
-image = "registry.example/sidecar:1"
-[[sidecar.service]]
-name = "egress"
-guest_port = 3128
-env = ["HTTPS_PROXY=http://{{host}}:{{port}}"]
-[agent]
-image = "{image}"
-env = ["LANG=C.UTF-8"]
-bridge = "none"
-{extra}
-"""
+#: The suite's VM spec with no bridge (an env-free client gets nothing from one) and ``extra``.
+SPEC = SPEC_TOML + 'bridge = "none"\n{extra}\n'
 
 #: In the guest, with an empty environment: a raw dial, then what the far end said.
 DIAL = (
@@ -69,11 +58,8 @@ def daemon(recorder: ConnectProxy, *faults: str) -> VMDaemon:
     return d.start()
 
 
-def create(d: VMDaemon, name: str, extra: str) -> object:
-    spec = os.path.join(d.dir, f"{name}.toml")
-    with open(spec, "w") as f:
-        f.write(SPEC.format(image=d.image, extra=extra))
-    return d.ctl("--json", "bottle", "create", name, "--spec", spec)
+def create(d: VMDaemon, name: str, extra: str) -> subprocess.CompletedProcess[bytes]:
+    return d.create(name, SPEC.format(image=d.image, extra=extra))
 
 
 def dial(d: VMDaemon, bottle: str, host: str, port: int) -> str:

@@ -131,18 +131,26 @@ class VMDaemon:
             timeout=timeout,
         )
 
+    def create(self, name: str, spec: str) -> subprocess.CompletedProcess[bytes]:
+        """``bottlenetctl --json bottle create NAME`` of the spec text ``spec`` (written to
+        ``NAME.toml`` in the daemon's directory)."""
+        path = os.path.join(self.dir, f"{name}.toml")
+        with open(path, "w") as f:
+            f.write(spec)
+        result: subprocess.CompletedProcess[bytes] = self.ctl(
+            "--json", "bottle", "create", name, "--spec", path
+        )
+        return result
+
     def create_vm_bottle(
         self, name: str = "b1", workload: Sequence[str] = (), user: str | None = None
     ) -> dict[str, Any]:
-        spec = self.spec
+        spec = SPEC_TOML.format(image=self.image)
         if workload:
-            spec = os.path.join(self.dir, f"{name}.toml")
-            with open(spec, "w") as f:
-                f.write(SPEC_TOML.format(image=self.image))
-                f.write(f"workload = {json.dumps(list(workload))}\n")
-                if user is not None:
-                    f.write(f"user = {json.dumps(user)}\n")
-        r = self.ctl("--json", "bottle", "create", name, "--spec", spec)
+            spec += f"workload = {json.dumps(list(workload))}\n"
+            if user is not None:
+                spec += f"user = {json.dumps(user)}\n"
+        r = self.create(name, spec)
         assert r.returncode == 0, (r.stdout, r.stderr, self.log())
         record: dict[str, Any] = json.loads(r.stdout)
         return record

@@ -17,7 +17,7 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from vmctl.uidranges import Ledger
@@ -92,6 +92,12 @@ class FakeSmolvm:
             data.setdefault("version", PLAYED_VERSION)
         with open(os.path.join(self.path, "fake-faults.json"), "w") as fh:
             json.dump(data, fh)
+
+    def set_images(self, images: Mapping[str, Mapping[str, object]]) -> None:
+        """Write ``fake-images.json``: an image's path -> its config (``user``, ``bare``,
+        ``entrypoint``; ``{}``: no image has one)."""
+        with open(os.path.join(self.path, "fake-images.json"), "w") as fh:
+            json.dump(images, fh)
 
     def calls(self) -> list[dict[str, Any]]:
         """Every recorded call: ``argv`` (after the program name), ``env``, ``env_keys``."""

@@ -15,7 +15,6 @@ variables.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import socket
@@ -28,11 +27,17 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from bottlenet.bridge.script import Bridge, render
-from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
-from bottlenet.forward.table import ForwardTable
 from tests.realvm.build import GUEST_PYTHON, _libs, _python_files, find_kit
-from tests.realvm.host import GUEST_SOCKET, OUTSIDE, Accepts, boot, namespace_setup, qemu_argv
+from tests.realvm.host import (
+    GUEST_SOCKET,
+    OUTSIDE,
+    Accepts,
+    boot,
+    namespace_setup,
+    own_forward,
+    qemu_argv,
+    run_cpio,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 GUEST_PORT = 3128
@@ -190,36 +195,6 @@ def start_tinyproxy(work: str) -> subprocess.Popen[bytes]:
             time.sleep(0.05)
 
 
-def overlay_cpio(base: str, out: str, files: dict[str, bytes | str]) -> None:
-    """``base`` plus a second newc archive: guest path -> bytes, or a host file to copy."""
-    stage = tempfile.mkdtemp(prefix="rvm-bridge-")
-    try:
-        for guest, data in files.items():
-            target = os.path.join(stage, guest.lstrip("/"))
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            if isinstance(data, bytes):
-                with open(target, "wb") as fh:
-                    fh.write(data)
-            else:
-                shutil.copy2(os.path.realpath(data), target)
-        names = subprocess.run(
-            ["find", "."], cwd=stage, capture_output=True, text=True, check=True
-        ).stdout.split("\n")
-        with open(base, "rb") as fh, open(out, "wb") as dst:
-            while chunk := fh.read(1 << 20):
-                dst.write(chunk)
-            dst.flush()
-            subprocess.run(
-                ["cpio", "-o", "-H", "newc", "--quiet"],
-                input="\n".join(n for n in names if n).encode(),
-                stdout=dst,
-                cwd=stage,
-                check=True,
-            )
-    finally:
-        shutil.rmtree(stage, ignore_errors=True)
-
-
 def guest_files(ca: str) -> dict[str, bytes | str]:
     conf = {
         "port": GUEST_PORT,
@@ -267,6 +242,17 @@ def hosts_file(work: str) -> None:
     subprocess.run(["mount", "--bind", path, "/etc/hosts"], check=True)
 
 
+def the_web(work: str) -> subprocess.Popen[bytes]:
+    """What the guests' clients reach: ``allowed.test`` and ``denied.test`` (pages on
+    127.0.0.1 and DENIED_ADDR, names in this mount namespace's hosts file) and tinyproxy in
+    front of them, allowing the first only; returns tinyproxy's process."""
+    hosts_file(work)
+    subprocess.run(["ip", "addr", "add", f"{DENIED_ADDR}/32", "dev", "lo"], check=False)
+    serve_pages("allowed", "127.0.0.1", ALLOWED_PORT)
+    serve_pages("denied", DENIED_ADDR, DENIED_PORT)
+    return start_tinyproxy(work)
+
+
 def parse(transcript: bytes) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     for line in transcript.decode("utf-8", "replace").splitlines():
@@ -284,30 +270,21 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         raise SystemExit("the bridge run needs tinyproxy and curl (Debian packages)")
     namespace_setup()
     work = tempfile.mkdtemp(prefix="rvm-bridge-")
-    hosts_file(work)
-    subprocess.run(["ip", "addr", "add", f"{DENIED_ADDR}/32", "dev", "lo"], check=False)
+    proxy = the_web(work)
     ca, tls = test_ca(work)
-    serve_pages("allowed", "127.0.0.1", ALLOWED_PORT)
-    serve_pages("denied", DENIED_ADDR, DENIED_PORT)
     serve_pages("secret", "127.0.0.1", TLS_PORT, tls)
     serve_stream(ECHO_PORT, echo)
     serve_stream(BLAST_PORT, blast)
     outside = Accepts()
     outside.listen(OUTSIDE, 443)
-    proxy = start_tinyproxy(work)
 
     state_dir = os.path.join(work, "state")
     os.makedirs(state_dir, mode=0o700)
-    table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
-    table.startService()
-    listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
-    target = TCPTarget(ipaddress.IPv4Address("127.0.0.1"), PROXY_PORT)
-    info = await table.add(ForwardSpec("rvm", "egress", listen, target))
+    table, sock, _ = await own_forward(reactor, state_dir, PROXY_PORT)
 
     conf = "NET=none\nBLIND=0\nSHARES=''\n"
     initrd = os.path.join(work, "initrd.cpio")
-    overlay_cpio(kit.initrd, initrd, {"/rvm.conf": conf.encode(), **guest_files(ca)})
-    sock = info.bound.path  # type: ignore[union-attr]
+    run_cpio({"/rvm.conf": conf.encode(), **guest_files(ca)}, kit.initrd, initrd)
     argv = qemu_argv({"net": "none", "smp": SMP}, kit, initrd, work, sock, [], ports=PORTS)
     qemu, code, wall = await boot(reactor, argv)
     await table.stopService()

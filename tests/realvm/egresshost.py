@@ -20,18 +20,13 @@ its words.
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import socket
-import subprocess
 import tempfile
 from typing import Any
 
 from bottlenet.bottles.egresslayer import LayerCounters, LayerSession
-from bottlenet.forward.aliases import AliasRegistry
-from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
-from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import judge_layer
 from bottlenet.probe.plan import LayerPlan, new_nonce
 from bottlenet.probe.script import render as render_check
@@ -44,16 +39,22 @@ from tests.realvm.bridgehost import (
     ALLOWED_PORT,
     CLIENT_IMPORTS,
     CURL,
-    DENIED_ADDR,
     DENIED_PORT,
     PROXY_PORT,
     _Pages,
-    hosts_file,
-    serve_pages,
-    start_tinyproxy,
+    the_web,
 )
 from tests.realvm.build import BUSYBOX, GUEST_PYTHON, _libs, _python_files
-from tests.realvm.host import GUEST_SOCKET, OUTSIDE, Accepts, boot, namespace_setup
+from tests.realvm.host import (
+    GUEST_SOCKET,
+    OUTSIDE,
+    Accepts,
+    boot,
+    namespace_setup,
+    own_forward,
+    place,
+    run_cpio,
+)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RECORD_PORT = 18129
@@ -129,18 +130,8 @@ def root_tree(tree: str, files: dict[str, bytes | str]) -> None:
     for extra in ("/lib/x86_64-linux-gnu/libgcc_s.so.1",):
         if os.path.exists(extra):
             host_files[extra] = extra
-    for src, dest in host_files.items():
-        target = os.path.join(tree, dest.lstrip("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        shutil.copy2(os.path.realpath(src), target)
-    for guest, data in files.items():
-        target = os.path.join(tree, guest.lstrip("/"))
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        if isinstance(data, bytes):
-            with open(target, "wb") as fh:
-                fh.write(data)
-        else:
-            shutil.copy2(data, target)
+    place(tree, {dest: src for src, dest in host_files.items()})
+    place(tree, files)
     os.symlink("busybox", os.path.join(tree, "bin", "sh"))
     os.chmod(os.path.join(tree, "init"), 0o755)
 
@@ -178,13 +169,9 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         raise SystemExit("the egress run needs libkrunfw.so.5 (pip install 'bottlenet[vm]')")
     namespace_setup()
     work = tempfile.mkdtemp(prefix="rvm-egress-")
-    hosts_file(work)
-    subprocess.run(["ip", "addr", "add", f"{DENIED_ADDR}/32", "dev", "lo"], check=False)
-    serve_pages("allowed", "127.0.0.1", ALLOWED_PORT)
-    serve_pages("denied", DENIED_ADDR, DENIED_PORT)
+    proxy = the_web(work)
     outside = Accepts()
     outside.listen(OUTSIDE, 443)
-    proxy = start_tinyproxy(work)
     # in front of tinyproxy: each request line kept, then the request goes on unchanged
     recorder = ConnectProxy(
         RECORD_PORT, lambda target: ("127.0.0.1", PROXY_PORT), forward_head=True
@@ -192,11 +179,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
 
     state_dir = os.path.join(work, "state")
     os.makedirs(state_dir, mode=0o700)
-    table = ForwardTable(reactor, AliasRegistry(AliasPool.parse(DEFAULT_POOL)), state_dir=state_dir)
-    table.startService()
-    listen = UNIXListen(os.path.join(state_dir, "bottles", "rvm", "egress.sock"))
-    target = TCPTarget(ipaddress.IPv4Address("127.0.0.1"), RECORD_PORT)
-    info = await table.add(ForwardSpec("rvm", "egress", listen, target))
+    table, sock, _ = await own_forward(reactor, state_dir, RECORD_PORT)
 
     # the gate's layer check: the forward diverted to the CONNECT witness until it has seen
     # every canary, then back to the relay (the clients' turn)
@@ -221,7 +204,6 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     root = os.path.join(work, "root.ext4")
     krunfw.make_root(tree, root)
     console = os.path.join(work, "console.log")
-    sock = info.bound.path  # type: ignore[union-attr]
     ports = [(sock, "egress")] + [(sock, f"egress-{i}") for i in range(1, PORTS)]
     qemu, code, wall = await boot(reactor, krunfw.qemu_argv(kernel, root, console, ports))
     witness.close()
@@ -261,7 +243,7 @@ async def run_nonft(reactor: Any, name: str) -> dict[str, Any]:
     """The layer on the tier's Debian kernel, nf_tables not loaded: what it says, and the
     create error the daemon's session makes of it."""
     from tests.realvm.build import find_kit
-    from tests.realvm.host import qemu_argv, run_cpio
+    from tests.realvm.host import qemu_argv
 
     kit = find_kit()
     if kit is None:

@@ -14,6 +14,7 @@ plan, markers, script and verdict are the daemon's own code (``bottlenet.bottles
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import os
@@ -25,6 +26,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from twisted.internet import defer, protocol
@@ -284,23 +286,40 @@ def qemu_argv(
     return argv
 
 
-def run_cpio(files: dict[str, bytes], base: str, out: str) -> None:
-    """``base`` plus a second newc archive holding ``files`` (the kernel unpacks both)."""
+def place(root: str, files: Mapping[str, bytes | str]) -> None:
+    """Write ``files`` under ``root``: guest path -> bytes, or a host file to copy."""
+    for guest, data in files.items():
+        target = os.path.join(root, guest.lstrip("/"))
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if isinstance(data, bytes):
+            with open(target, "wb") as fh:
+                fh.write(data)
+        else:
+            shutil.copy2(os.path.realpath(data), target)
+
+
+def run_cpio(files: Mapping[str, bytes | str], base: str, out: str) -> None:
+    """``base`` plus a second newc archive holding ``files`` (as :func:`place` takes them;
+    the kernel unpacks both)."""
     stage = tempfile.mkdtemp(prefix="rvm-run-")
-    for name, data in files.items():
-        with open(os.path.join(stage, name), "wb") as fh:
-            fh.write(data)
-    with open(base, "rb") as fh, open(out, "wb") as dst:
-        while chunk := fh.read(1 << 20):
-            dst.write(chunk)
-        dst.flush()
-        subprocess.run(
-            ["cpio", "-o", "-H", "newc", "--quiet"],
-            input="\n".join(files).encode(),
-            stdout=dst,
-            cwd=stage,
-            check=True,
-        )
+    try:
+        place(stage, files)
+        names = subprocess.run(
+            ["find", ".", "-mindepth", "1"], cwd=stage, capture_output=True, text=True, check=True
+        ).stdout.split("\n")
+        with open(base, "rb") as fh, open(out, "wb") as dst:
+            while chunk := fh.read(1 << 20):
+                dst.write(chunk)
+            dst.flush()
+            subprocess.run(
+                ["cpio", "-o", "-H", "newc", "--quiet"],
+                input="\n".join(n for n in names if n).encode(),
+                stdout=dst,
+                cwd=stage,
+                check=True,
+            )
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 async def boot(reactor: Any, argv: list[str]) -> tuple[QemuProtocol, int, float]:
@@ -388,7 +407,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
     argv = qemu_argv(variant, kit, initrd, work, sock, shares)
     qemu, code, wall = await boot(reactor, argv)
     witness.close()
-    with contextlib_suppress():
+    with contextlib.suppress(Exception):
         table.divert("rvm", "egress", None)
     markers.remove()
     rw_seen = collect_rw(nonce, volumes)
@@ -422,14 +441,6 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
         "qemu_output": qemu.output.decode("utf-8", "replace")[-2000:] if code else "",
         "kernel": kit.kernel_version,
     }
-
-
-class contextlib_suppress:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> bool:
-        return True
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 from typing import Any
 
@@ -151,11 +150,7 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix=f"rvm-{name}-")
     proxy = None
     if busybox:
-        bridgehost.hosts_file(work)
-        bridgehost.serve_pages("allowed", "127.0.0.1", bridgehost.ALLOWED_PORT)
-        subprocess.run(["ip", "addr", "add", f"{bridgehost.DENIED_ADDR}/32", "dev", "lo"])
-        bridgehost.serve_pages("denied", bridgehost.DENIED_ADDR, bridgehost.DENIED_PORT)
-        proxy = bridgehost.start_tinyproxy(work)
+        proxy = bridgehost.the_web(work)
     state_dir = os.path.join(work, "state")
     os.makedirs(state_dir, mode=0o700)
     table, sock, endpoint = await own_forward(reactor, state_dir, bridgehost.PROXY_PORT)

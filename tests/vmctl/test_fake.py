@@ -107,8 +107,7 @@ def test_entrypoint_runs_on_start_unless_a_command_replaces_it(
     marker = tmp_path / "entrypoint-ran"
     image = tmp_path / "img.tar"
     image.write_bytes(b"x")
-    with open(os.path.join(fake_smolvm.path, "fake-images.json"), "w") as fh:
-        json.dump({str(image): {"entrypoint": ["/bin/sh", "-c", f"date > {marker}"]}}, fh)
+    fake_smolvm.set_images({str(image): {"entrypoint": ["/bin/sh", "-c", f"date > {marker}"]}})
     for name, cmd in (("wait", ["--", "sleep", "infinity"]), ("plain", [])):
         assert run(fake_smolvm, "machine", "create", "--name", name, "-I", str(image),
                    *cmd).returncode == 0  # fmt: skip

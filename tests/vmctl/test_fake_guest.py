@@ -6,7 +6,6 @@ against something that fails the way a real guest would."""
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 
@@ -39,8 +38,7 @@ def run(fake: FakeSmolvm, *args: str) -> subprocess.CompletedProcess[str]:
 
 def machine(fake: FakeSmolvm, image: dict[str, object], *cmd: str) -> None:
     """``m1`` from IMAGE (its config in ``fake-images.json``), created with ``-- cmd``."""
-    with open(os.path.join(fake.path, "fake-images.json"), "w") as f:
-        json.dump({IMAGE: image}, f)
+    fake.set_images({IMAGE: image})
     rest = ["--", *cmd] if cmd else []
     r = run(fake, "machine", "create", "--name", "m1", "-I", IMAGE, *rest)
     assert r.returncode == 0, r.stderr
