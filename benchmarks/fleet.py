@@ -16,6 +16,9 @@ for each:
 
 and then:
 
+* seconds from asking to an empty Ray actor's first answer on each bottle node, all at once
+  (a Ray worker process started alone: the floor of a cold pool, whose hosts start so);
+
 * Ray worker processes on each node with the first pool placed (not Ray's own two agents of
   every node), their memory (proportional set size, PSS) and that memory per bottle of the
   node; their PSS once that pool is closed, and what the second pool's bottles added to it,
@@ -208,6 +211,9 @@ def run(bottles: int, lease: float, vm_boot: float | None, vm_bottles: int) -> d
                 if per_node.get(n.label)
                 else 0.0,
             }
+        # a cold pool's floor: a Ray worker process started on each node, nothing else
+        started_alone = driver.call("worker_start", timeout=300)
+        out["ray_worker_start_seconds"] = [round(s, 2) for s in started_alone]
         if vm_boot is not None:
             out["vm"] = vm_pools(cluster, driver, labels, vm_bottles, lease)
         lost = max(cluster.nodes, key=lambda n: per_node.get(n.label, 0))

@@ -4,13 +4,14 @@ A host (:mod:`bottlenet.fleet.host`) is a detached Ray actor on its node that ho
 bottle its owner has there. The placing process starts it with the owner's handle, which
 exists before the owner's own process does, so a trainer's first pool waits for its hosts'
 starts (one worker process per node, all at once), not for the owner's start and then the
-hosts'. Threads of the process share the hosts; a host that ended (its ``keep`` call
-returned: its owner gone, or it died) is replaced by the next placement on its node.
+hosts'. Threads of the process share the hosts without a lock: a host is published with
+``dict.setdefault`` (atomic), and a thread that lost that race kills the host it started
+before any call reaches it. A host that ended (its ``keep`` call returned: its owner gone, or
+it died) is replaced by the next placement on its node.
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterable
 from typing import Any
 
@@ -53,49 +54,57 @@ class JobHosts:
         self.owner = owner
         self.owner_label = owner_label
         self._hosts: dict[str, _Host] = {}
-        self._lock = threading.Lock()
 
     def on(self, node_ids: Iterable[str]) -> dict[str, Any]:
         """The host on each node, started (not waited for) where there is none or its host
         ended."""
         wanted = sorted(set(node_ids))
-        with self._lock:
-            self._drop_ended()
-            for node in wanted:
-                if node not in self._hosts:
-                    handle: Any = _RemoteHost.options(**host_options(node)).remote(
-                        self.owner, self.owner_label
-                    )
-                    self._hosts[node] = _Host(handle, handle.keep.remote())
-            return {node: self._hosts[node].handle for node in wanted}
+        self._drop_ended()
+        hosts = {}
+        for node in wanted:
+            host = self._hosts.get(node)
+            if host is None:
+                host = self._start(node)
+            hosts[node] = host.handle
+        return hosts
+
+    def _start(self, node_id: str) -> _Host:
+        handle: Any = _RemoteHost.options(**host_options(node_id)).remote(
+            self.owner, self.owner_label
+        )
+        started = _Host(handle, handle.keep.remote())
+        host = self._hosts.setdefault(node_id, started)
+        if host is not started:
+            ray.kill(handle)  # another thread's host is there first; this one holds nothing
+        return host
 
     def forget(self, node_id: str, handle: Any) -> None:
         """A call on ``handle`` failed with its actor gone: the next :meth:`on` starts
-        another there."""
-        with self._lock:
-            host = self._hosts.get(node_id)
-            if host is not None and host.handle == handle:
-                del self._hosts[node_id]
+        another there (a race with another thread at worst drops a live host, which keeps
+        its bottles; the next :meth:`on` starts another)."""
+        host = self._hosts.get(node_id)
+        if host is not None and host.handle == handle:
+            self._hosts.pop(node_id, None)
 
     def _drop_ended(self) -> None:
-        if not self._hosts:
+        hosts = dict(self._hosts)
+        if not hosts:
             return
-        nodes = {h.keeper: node for node, h in self._hosts.items()}
-        ended, _ = ray.wait(list(nodes), num_returns=len(nodes), timeout=0)
-        for ref in ended:
-            del self._hosts[nodes[ref]]
+        ended, _ = ray.wait([h.keeper for h in hosts.values()], num_returns=len(hosts), timeout=0)
+        gone = {ref.hex() for ref in ended}
+        for node, host in hosts.items():
+            if host.keeper.hex() in gone:
+                self.forget(node, host.handle)
 
 
 _by_owner: dict[Any, JobHosts] = {}
-_by_owner_lock = threading.Lock()
 
 
 def hosts_of(owner: Any) -> JobHosts:
     """The hosts of ``owner`` (this process's :func:`~bottlenet.fleet.owner.job_owner`),
     made on first use; their bottles carry the owner label ``ray-job-<job id>``."""
-    with _by_owner_lock:
-        hosts = _by_owner.get(owner)
-        if hosts is None:
-            label = f"ray-job-{ray.get_runtime_context().get_job_id()}"
-            hosts = _by_owner[owner] = JobHosts(owner, label)
-        return hosts
+    hosts = _by_owner.get(owner)
+    if hosts is None:
+        label = f"ray-job-{ray.get_runtime_context().get_job_id()}"
+        hosts = _by_owner.setdefault(owner, JobHosts(owner, label))
+    return hosts
