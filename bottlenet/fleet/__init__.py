@@ -8,7 +8,7 @@ package, nor Ray.
 
 The names below are imported on first use: a Ray worker that unpickles the owner imports
 that module only (a few milliseconds), not the placer, the hosts' control client and the
-pool's progress bar (about 0.14 s here).
+pool's progress bar (about 0.15 s here).
 """
 
 from __future__ import annotations
