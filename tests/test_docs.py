@@ -372,13 +372,19 @@ def test_readme_options_table_names_every_daemon_option() -> None:
         readme = f.read()
     table = readme[readme.index("## Options") : readme.index("## Control")]
     o = Options()
-    names = [p[0] for p in o.optParameters] + [f[0] for f in o.optFlags]
-    names += ["allow-uid", "version"]
-    for name in names:
+    for name in sorted(_daemon_options() - {"help"}):
         assert f"`--{name}" in table, f"README options table lacks --{name}"
     for name, _, default, *_ in o.optParameters:
         if default is not None:
             assert f"`{default}`" in table, f"README: --{name} default {default!r} missing"
+
+
+def _daemon_options() -> set[str]:
+    """Every long option ``twist bottlenet`` takes (its parameters, flags and ``opt_``
+    methods: ``--label``, ``--allow-uid``), as its own parser gathers them."""
+    from bottlenet.tap import Options
+
+    return {name.rstrip("=") for name in Options().longOpt}
 
 
 def _ports(text: str) -> set[str]:
@@ -453,3 +459,180 @@ def test_readme_demo_runs(tmp_path: Path) -> None:
     code, out, err = _run_against_daemon(tmp_path, home + daemon, [home + demo], ROOT)
     assert code == 0, f"stdout:\n{out}\nstderr:\n{err}"
     assert out.endswith("hello through bottlenet\n"), out
+
+
+def _rooms_table() -> list[tuple[str, str, set[str]]]:
+    """(first cell, room folder or "", the ``name.py`` the second cell names) for each row of
+    docs/architecture.md's rooms table."""
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    section = text[text.index("## The rooms") : text.index("## The doors")]
+    rows = []
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) != 3 or not line.startswith("| "):
+            continue
+        folder = re.fullmatch(r"`([\w/]+/)`", cells[0])
+        rows.append((cells[0], folder.group(1) if folder else "", set(MODULE.findall(cells[1]))))
+    return rows
+
+
+MODULE = re.compile(r"`(\w+\.py)`")
+
+
+def test_rooms_table_names_every_module_of_each_room() -> None:
+    """docs/architecture.md's rooms table: each room's row names exactly the ``.py`` files in
+    its folder (``__init__.py`` aside), and every top-level module of ``bottlenet/`` has a row."""
+    rows = _rooms_table()
+    assert len([r for r in rows if r[1]]) >= 12, rows
+    for _, folder, named in rows:
+        if not folder:
+            continue
+        here = {n for n in os.listdir(os.path.join(ROOT, folder)) if n.endswith(".py")}
+        here.discard("__init__.py")
+        assert not here - named, f"the rooms table's {folder} row lacks {sorted(here - named)}"
+        assert not named - here, f"the rooms table's {folder} row names {sorted(named - here)}"
+    first = " ".join(cell for cell, _, _ in rows)
+    for name in os.listdir(os.path.join(ROOT, "bottlenet")):
+        if name.endswith(".py") and name != "__init__.py":
+            assert f"`bottlenet/{name}`" in first, f"the rooms table has no row for {name}"
+
+
+def test_every_room_lists_its_modules() -> None:
+    """Each room's ``__init__.py`` names every module of the room (``:mod:`` or ``name.py``)."""
+    for _, folder, _ in _rooms_table():
+        init = os.path.join(ROOT, folder, "__init__.py")
+        if not folder or not os.path.exists(init):
+            continue
+        with open(init) as f:
+            text = f.read()
+        for name in os.listdir(os.path.join(ROOT, folder)):
+            module = name.removesuffix(".py")
+            if module == name or module == "__init__":
+                continue
+            said = re.search(rf"[.`]{re.escape(module)}(`|\.py`)", text)
+            assert said, f"{folder}__init__.py does not name its module {name}"
+
+
+def _commands() -> dict[str, list[str]]:
+    """bottlenetctl's commands, each with its subcommands, from its own parser."""
+    import argparse
+
+    def subs(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                return dict(action.choices)
+        return {}
+
+    return {name: list(subs(p)) for name, p in subs(build_parser()).items()}
+
+
+def test_readme_control_section_names_every_command() -> None:
+    """README's Control section names every ``bottlenetctl`` command and subcommand the
+    parser has (``bottle rm|ls``, ``node info``, ``top``)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    section = readme[readme.index("## Control") : readme.index("## Documentation")]
+    section = " ".join(section.split())  # a command may be wrapped across lines
+    commands = _commands()
+    assert len(commands) >= 10 and commands["bottle"], commands
+    for command, subcommands in commands.items():
+        if not subcommands:
+            assert re.search(rf"`{command}[ `]", section), f"README's Control lacks {command}"
+        for sub in subcommands:
+            said = re.search(rf"`{command} ([\w-]+\|)*{sub}[|` ]", section)
+            assert said, f"README's Control section lacks `{command} {sub}`"
+
+
+def test_readme_options_table_names_only_daemon_options() -> None:
+    """Each ``--option`` in the first column of README's options table is one the daemon's
+    own parser takes (the converse of the test above)."""
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    table = readme[readme.index("## Options") : readme.index("## Control")]
+    first = [line.split(" | ")[0] for line in table.splitlines() if line.startswith("| `--")]
+    assert len(first) >= 20, first
+    takes = _daemon_options()
+    for cell in first:
+        for option in re.findall(r"`--([\w-]+)", cell):
+            assert option in takes, f"README's options table names --{option}: no such option"
+
+
+#: A figure: a number with a unit, a ratio or a percentage ("20.9 ms", "1.3x", "1,024 fds").
+FIGURE = re.compile(r"\b\d[\d,.]*\s?(?:µs|ms|s|MiB|KiB|MB|GB|Gbit/s|x|%)(?![\w/])")
+#: What may make a figure: a benchmark or a real-VM script of the tree, fwdbench (beside it).
+MAKER = re.compile(
+    r"(?:benchmarks/|python -m benchmarks\.|tests/realvm/)([\w.]+)|fwdbench\.py|"
+    r"no benchmark in the tree"
+)
+
+
+def _performance_sections() -> list[tuple[str, str]]:
+    """(heading, body) of each ``##`` and ``###`` section of docs/performance.md."""
+    with open(os.path.join(ROOT, "docs", "performance.md")) as f:
+        parts = re.split(r"(?m)^(#{2,3} .*)$", f.read())
+    return list(zip(parts[1::2], parts[2::2], strict=True))
+
+
+def test_every_performance_figure_names_its_benchmark() -> None:
+    """Each section of docs/performance.md that gives a figure names what made it: a file of
+    ``benchmarks/`` or ``tests/realvm/`` that exists (or says plainly that none in the tree
+    did); every benchmark named anywhere in it exists, and "How to run" runs each one."""
+    sections = _performance_sections()
+    assert len(sections) >= 20
+    for heading, body in sections:
+        makers = list(MAKER.finditer(heading + body))
+        for m in makers:
+            if m.group(1):
+                top = "benchmarks" if "realvm" not in m.group(0) else "tests/realvm"
+                name = m.group(1).rstrip(".")
+                path = os.path.join(ROOT, top, name)
+                if not name.endswith((".py", ".md")) and name != "run":
+                    path += ".py"  # python -m benchmarks.NAME
+                assert os.path.exists(path), f"performance.md, {heading}: no {top}/{name}"
+        if FIGURE.search(body):
+            assert makers, f"performance.md, {heading}: figures, and no benchmark named"
+    how = dict(sections)["## How to run"]
+    for name in os.listdir(os.path.join(ROOT, "benchmarks")):
+        with open(os.path.join(ROOT, "benchmarks", name), "rb") as f:
+            runnable = b'__name__ == "__main__"' in f.read() or name == "run"
+        if runnable and not re.search(rf"benchmarks[/.]{re.escape(name.removesuffix('.py'))}", how):
+            raise AssertionError(f"performance.md's How to run does not run benchmarks/{name}")
+
+
+def test_protocol_doc_names_every_command_and_error_code() -> None:
+    """docs/protocol.md has a section for each AMP command the daemon declares and names no
+    other; its Errors table names each error code the daemon can answer, and no other."""
+    import inspect
+
+    from twisted.protocols import amp
+
+    import bottlenet.control.commands as commands
+    import bottlenet.errors as errors
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        doc = f.read()
+    declared = {c.commandName.decode() for c in [*commands.ALL_COMMANDS, *commands.PUSHED_COMMANDS]}
+    headings = " ".join(re.findall(r"(?m)^### .*$", doc))
+    documented = set(re.findall(r"`(bottlenet\.\w+)`", headings))
+    assert declared - documented == set(), f"protocol.md has no section for {declared - documented}"
+    assert documented - declared == set(), f"protocol.md documents {documented - declared}"
+
+    def codes(module: object) -> set[str]:
+        return {
+            v.code
+            for v in vars(module).values()
+            if inspect.isclass(v)
+            and issubclass(v, Exception)
+            and isinstance(getattr(v, "code", None), str)
+        }
+
+    answered = codes(errors) | codes(commands) | {amp.UNHANDLED_ERROR_CODE.decode()}
+    table = doc[doc.index("## Errors") : doc.index("## Records")]
+    listed = {
+        code
+        for row in re.findall(r"(?m)^\| (`.*?) \|", table)
+        for code in re.findall(r"`(\w+)`", row)
+    }
+    assert answered - listed == set(), f"protocol.md's Errors table lacks {answered - listed}"
+    assert listed - answered == set(), f"protocol.md's Errors table names {listed - answered}"

@@ -5,7 +5,11 @@ timeouts, TERM→KILL, explicit env), ``spec`` (MachineSpec, validation, device 
 ``smolvm`` (the typed API, version floor, feature detection), ``ports`` (exposed-socket and
 raw-port ownership checks, stop-before-delete undo), ``service`` (the Service and the daemon
 wiring), ``forksignals`` (a signal sent between a child's fork and exec is not lost),
-``errors``.
+``templates`` (smolvm's disk templates unpacked before the first start), ``kvm`` (what
+``/dev/kvm`` shows before any boot), ``uids`` (per-VM uids: reserved, ended, retired, reused),
+``uidranges`` (the host's ledger of uid blocks, one per data dir), ``residue`` (what a VM uid
+can leave behind), ``sessionend`` (the guest-side wrapper that ends an attached command with
+its session), ``errors``.
 """
 
 from __future__ import annotations

@@ -308,11 +308,6 @@ def devices(spec: MachineSpec) -> list[tuple[str, str]]:
     return out
 
 
-def device_count(spec: MachineSpec) -> int:
-    """How many virtio-mmio devices the user side of ``spec`` needs (:func:`devices`)."""
-    return len(devices(spec))
-
-
 def _unique(values: Sequence[object], what: str) -> None:
     if len(set(values)) != len(values):
         raise InvalidArgument(f"invalid {what} is repeated")

@@ -180,11 +180,6 @@ def is_vm_uid(uid: int) -> bool:
     return FIRST_VM_UID <= uid < MAX_VM_UID
 
 
-def in_range(uid: int) -> bool:
-    """A uid of smolvm's own block (what a data dir before blocks handed out)."""
-    return FIRST_VM_UID <= uid <= LAST_VM_UID
-
-
 def _boot_id() -> str:
     return read_entry("/proc/sys/kernel/random/boot_id")
 

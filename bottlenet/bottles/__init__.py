@@ -37,7 +37,18 @@
 - :mod:`~bottlenet.bottles.attach`: a launcher's command in the agent VM (``exec -i [-t]``).
 - :mod:`~bottlenet.bottles.workload`: the workload's start after the gate, its wrapper, its exit
   waiter, its log.
-- :mod:`~bottlenet.bottles.events`: bottle events as they happen (created ... destroyed).
+- :mod:`~bottlenet.bottles.events`: bottle events as they happen (created ... destroyed);
+  :mod:`~bottlenet.bottles.egresswatch`: the sidecar's egress-floor denials among them.
+- :mod:`~bottlenet.bottles.bridge`: the in-guest bridge, started, proven, watched, restarted;
+  :mod:`~bottlenet.bottles.egresslayer`: the transparent egress layer, kept the same way.
+- :mod:`~bottlenet.bottles.readiness`: each sidecar service answers before it is used;
+  :mod:`~bottlenet.bottles.vmmaccess`: which VMM uid may reach which socket;
+  :mod:`~bottlenet.bottles.unseen`: why a connection never reached the host;
+  :mod:`~bottlenet.bottles.vmloss`: whether a session ended because its VM did.
+- :mod:`~bottlenet.bottles.tenancy`: a bottle's owner, scoped creator and lease;
+  :mod:`~bottlenet.bottles.pooled`: a warm pool's member as the table sees it.
+- :mod:`~bottlenet.bottles.bottledirs`: a bottle's directory, removed as hostile ground;
+  :mod:`~bottlenet.bottles.leftovers`: what a bottle that is gone left on the host.
 
 The rule of this room: bottles composes the data plane (:mod:`bottlenet.forward`) and the
 smolvm driver (:mod:`vmctl`) with the ground floor; it knows nothing of AMP, the CLI or

@@ -134,8 +134,9 @@ def vm_parts(spec: BottleSpec) -> tuple[SidecarSpec, AgentSpec]:
 @frozen
 class VMHost:
     """The parts a VM bottle's steps use (smolvm, the forward table, the VMM access, the
-    launch gate, the bridges, the pid watcher, the state dir, the clock, the options), and
-    the steps that are the host's own: uids, endpoints, verify, egress, teardown.
+    launch gate, the bridges and egress layers, the pid watcher, the volume grants, the guest
+    kit's keeper, the state dir, the reactor, the options), and the steps that are the
+    host's own: uids, endpoints, verify, egress, teardown.
     ``check_port``, ``check_socket`` and ``service_ready`` are the seams tests inject."""
 
     log: ClassVar[Logger] = Logger()

@@ -227,11 +227,6 @@ def connected(tools: GuestTools, seen: ExecSeen, port: int) -> str:
     return "ok" if seen.code == 0 else _said(seen)
 
 
-def workload_argv(name: str) -> list[str]:
-    """A workload any image runs (POSIX sh): it waits until told, prints a line, exits 7."""
-    return GuestTools().workload(name)
-
-
 def build_spec(
     base: dict[str, Any] | None,
     args: argparse.Namespace,

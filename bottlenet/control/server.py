@@ -85,7 +85,6 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 # A page's JSON value is trimmed to this many bytes (AMP's hard limit is 65,535).
 PAGE_BYTE_BUDGET = 60_000
-MAX_CLIENT_VERSION = 128
 #: An Exec's ``time_limit`` (seconds) is at most a day.
 MAX_EXEC_TIME_LIMIT = 86400
 # A client version is logged as is only in this shape (name/dotted version, lowercase);
@@ -365,11 +364,7 @@ class ControlLocator(SafeCommandLocator):
             raise InvalidArgument(f"timeout: more than 0 and at most {MAX_WAIT:g} seconds")
         self._full_control("Drain")
         node = self._node()
-
-        async def drain() -> None:
-            node.drain()
-
-        await self._mutate("Drain", "node", drain())
+        await self._mutate("Drain", "node", _now(node.drain))
         # A wait without a timeout is bounded too (a week), as every Deferred held for a peer.
         empty = await node.when_empty(timeout or MAX_WAIT) if wait else node.held() == 0
         return {"draining": node.draining, "held": node.held(), "empty": empty}
@@ -378,11 +373,7 @@ class ControlLocator(SafeCommandLocator):
     async def undrain(self) -> dict[str, Any]:
         self._full_control("Undrain")
         node = self._node()
-
-        async def undrain() -> None:
-            node.undrain()
-
-        await self._mutate("Undrain", "node", undrain())
+        await self._mutate("Undrain", "node", _now(node.undrain))
         return {"draining": node.draining}
 
     def _record(self, bottle: Bottle, backend: ControlBackend) -> BottleRecord:

@@ -6,6 +6,17 @@ daemon with a lease, keeps the leases while the trainer lives, and destroys the 
 asked or when the trainer goes away (``docs/fleet.md``). The daemon itself never imports this
 package, nor Ray.
 
+- :mod:`~bottlenet.fleet.request`: the values that cross between the trainer and a host actor.
+- :mod:`~bottlenet.fleet.placement`: ``place``, with retries on another node after a refusal.
+- :mod:`~bottlenet.fleet.pool`: ``BottlePool``, N bottles of one request destroyed together.
+- :mod:`~bottlenet.fleet.placed`: the trainer's handle on one placed bottle.
+- :mod:`~bottlenet.fleet.owner`: the owner actor, alive as long as the placing process.
+- :mod:`~bottlenet.fleet.hosts`: the placing process's host on each node, started by it.
+- :mod:`~bottlenet.fleet.host`: one host actor per owner and node, which keeps its bottles.
+- :mod:`~bottlenet.fleet.renewal`: a host's leases kept while the trainer lives.
+- :mod:`~bottlenet.fleet.raystart`: ``ray start`` arguments from this node's daemon.
+- :mod:`~bottlenet.fleet.errors`: the trainer side's typed errors.
+
 The names below are imported on first use: a Ray worker that unpickles the owner imports
 that module only (a few milliseconds), not the placer, the hosts' control client and the
 pool's progress bar (about 0.15 s here).

@@ -8,6 +8,11 @@
 - :mod:`~bottlenet.forward.relay`: the portable relay (backpressure, half-close, reset).
 - :mod:`~bottlenet.forward.splice`: the Linux ``splice(2)`` engine.
 - :mod:`~bottlenet.forward.fastreactor`: an epoll reactor without per-event log context.
+- :mod:`~bottlenet.forward.budget`: per-bottle and global connection budgets, the idle sweep.
+- :mod:`~bottlenet.forward.targets`: a target is never the daemon's own socket nor outside
+  the bottle's target directory.
+- :mod:`~bottlenet.forward.ratelimit`: rate-limited log lines, shared by every plane.
+- :mod:`~bottlenet.forward.capabilities`: the optional engine, port and reactor capabilities.
 
 The table alone, for benchmarks, is ``benchmarks/standalone.py`` (not shipped).
 

@@ -21,6 +21,7 @@ itself as the sink.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 from collections.abc import Callable
 from enum import Enum, StrEnum
@@ -33,6 +34,7 @@ from twisted.internet import tcp
 from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import (
     IConsumer,
+    IFileDescriptorReceiver,
     IHalfCloseableProtocol,
     IPushProducer,
     IStreamClientEndpoint,
@@ -40,6 +42,7 @@ from twisted.internet.interfaces import (
     ITCPTransport,
 )
 from twisted.internet.protocol import Factory, Protocol, connectionDone
+from twisted.logger import Logger
 from twisted.python.failure import Failure
 from zope.interface import implementer
 
@@ -174,6 +177,29 @@ class Leg(Protocol):
 
     def connectionLost(self, reason: Failure = connectionDone) -> None:
         self.sink.lost(reason)
+
+
+@implementer(IHalfCloseableProtocol, IFileDescriptorReceiver)
+class AcceptedLeg(Leg):
+    """The accepted leg. A UNIX peer (an agent VMM's uid) may send descriptors
+    (``SCM_RIGHTS``) with its bytes: a relay passes bytes only, so each is closed at once and
+    said in one line per connection (Twisted's own fallback logs a line per message: the
+    peer would fill the daemon's log). The outbound leg needs none of this: its transport
+    reads with ``recv``, which drops them. (Not on :class:`Leg` itself: Twisted's client
+    endpoints wrap a protocol providing both interfaces as one providing the last only.)"""
+
+    log = Logger()
+    _descriptors = 0
+
+    def fileDescriptorReceived(self, descriptor: int) -> None:
+        os.close(descriptor)
+        self._descriptors += 1
+        if self._descriptors == 1:
+            self.log.warn(
+                "a relayed peer sent file descriptors ({address}); closed: a relay passes "
+                "bytes only",
+                address=self.transport.getHost(),
+            )
 
 
 class RelayEngine(TypingProtocol):
@@ -540,7 +566,7 @@ class RelaySession:
         """The accepted connection's protocol (what a listener's factory returns)."""
         leg = self._inbound
         if leg is None:
-            leg = self._inbound = Leg(self)
+            leg = self._inbound = AcceptedLeg(self)
         return leg
 
     def start_accepted(

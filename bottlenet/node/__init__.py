@@ -6,6 +6,8 @@
   bottle's lease timer, which reaps a bottle whose lease and grace ran out.
 - :mod:`~bottlenet.node.info`: this host as a node of a fleet (``NodeInfo``'s report,
   ``--label``), what the creates told of KVM, and the node's controls.
+- :mod:`~bottlenet.node.pools`: the warm pools, filled, trimmed and replaced, kept in the
+  node's record.
 
 The rule of this room: the node's policies hear the bottles through their outputs
 (:mod:`bottlenet.bottles.policy`, injected into the table), never by subscribing to the event

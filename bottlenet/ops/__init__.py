@@ -6,6 +6,7 @@
 - :mod:`~bottlenet.ops.sdnotify`: systemd readiness (``READY=1``, ``STOPPING=1``).
 - :mod:`~bottlenet.ops.rlimits`: raising ``RLIMIT_NOFILE`` to what the reactor can use.
 - :mod:`~bottlenet.ops.fatal`: the one way the daemon stops on an error it must not run on with.
+- :mod:`~bottlenet.ops.listening`: listen on an endpoint, or the daemon does not run.
 
 The rule of this room: ops knows how to run a daemon, not what bottlenet does. It imports the
 ground floor (:mod:`bottlenet.errors`, :mod:`bottlenet.paths`) and the data plane's value

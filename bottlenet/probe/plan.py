@@ -235,10 +235,6 @@ class ProbePlan:
         for name in value:
             check_dns_name(name)
 
-    def witness_line(self, target: Target) -> bytes:
-        """What the guest sends on an own endpoint for the host's witness to see."""
-        return f"BNP-WITNESS {self.nonce} {target}\n".encode()
-
 
 def host_id_hash(nonce: str, value: str) -> str:
     """The form in which a host identity (machine-id, hostname) is compared in the guest."""

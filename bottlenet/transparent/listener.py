@@ -17,7 +17,6 @@ import errno
 import ipaddress
 import socket
 import struct
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -259,8 +258,3 @@ def _bound(family: int, kind: int, addr: tuple[str, int], optional: bool) -> soc
             return None
         raise
     return s
-
-
-def stdout_report(target: str, outcome: str) -> None:
-    sys.stdout.write(f"BNE conn {target} {outcome}\n")
-    sys.stdout.flush()

@@ -66,10 +66,6 @@ def s32be(kind: int, value: int) -> bytes:
     return attr(kind, struct.pack("!i", value))
 
 
-def u32(kind: int, value: int) -> bytes:
-    return attr(kind, struct.pack("=I", value))
-
-
 def string(kind: int, value: str) -> bytes:
     return attr(kind, value.encode() + b"\0")
 

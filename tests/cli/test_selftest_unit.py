@@ -187,7 +187,7 @@ def test_teardown_line() -> None:
 
 def test_workload_waits_for_its_go_file_with_a_bound() -> None:
     """The workload is plain POSIX sh that waits for its go file, bounded, then exits 7."""
-    argv = st.workload_argv("b1")
+    argv = st.GuestTools().workload("b1")
     assert argv[:2] == ["/bin/sh", "-c"]
     assert "/tmp/.bottlenet-selftest-go-b1" in argv[2] and f"-lt {st.WORKLOAD_WAIT * 10}" in argv[2]
     assert argv[2].endswith(f"exit {st.WORKLOAD_EXIT}")

@@ -26,7 +26,7 @@ from vmctl.uids import registered_vm_uid
 
 from .daemon_helpers import ENV, REPO
 from .test_bridge import create, daemon, fetch, page_server
-from .vmdaemon import VMDaemon, wait_for
+from .vmdaemon import VMDaemon, cmdline, pids_running, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not netguard.active(), reason="exec-netns needs root and the netguard"
@@ -195,13 +195,7 @@ def test_a_bridged_connection_the_host_never_sees_gets_eof_and_a_named_cause() -
 
 #: A guest command that ignores stdin and never writes (its sleep is found by its odd length).
 QUIET = ["sh", "-c", "echo started; exec sleep 3017"]
-
-
-def _quiet_ones() -> list[int]:
-    """Every process on the host running QUIET's sleep (an orphan included)."""
-    return [int(p) for p in os.listdir("/proc") if p.isdigit() and _cmdline(int(p)) == SLEEP]
-
-
+#: QUIET's sleep as /proc shows it (found on the host, an orphan included).
 SLEEP = b"sleep\x003017\x00"
 #: The workload waiter's argv as the guest kit runs it (``workload wait DIR``).
 WAITER = b"\x00workload\x00wait\x00/tmp/.bottlenet-workload-"
@@ -216,9 +210,9 @@ def test_time_limit_and_daemon_stop_end_quiet_guest_commands() -> None:
         d.create_vm_bottle("b1", workload=["sleep", "301"])
         with d.client(timeout=60) as c:
             session = c.open_exec("b1", QUIET, fds=False, time_limit=3)
-            wait_for(_quiet_ones, 30, "the quiet command")
+            wait_for(lambda: pids_running(SLEEP), 30, "the quiet command")
             wait_for(lambda: "ended: exit 124" in d.log(), 60, "the time limit")
-            wait_for(lambda: not _quiet_ones(), 30, "the timed-out command to end")
+            wait_for(lambda: not pids_running(SLEEP), 30, "the timed-out command to end")
             session.close()
         ctl = subprocess.Popen(
             d.ctl_argv("bottle", "exec", "b1", "--", *QUIET),
@@ -229,21 +223,13 @@ def test_time_limit_and_daemon_stop_end_quiet_guest_commands() -> None:
         )
         assert ctl.stdout is not None and ctl.stdout.readline() == b"started\n"
         waiter = wait_for(
-            lambda: [p for p in d.guest_pids() if WAITER in _cmdline(p)],
+            lambda: [p for p in d.guest_pids() if WAITER in cmdline(p)],
             30,
             "the workload waiter",
         )
         d.stop()
         ctl.communicate(timeout=60)
-        wait_for(lambda: not _quiet_ones(), 30, "the command to end with the daemon")
+        wait_for(lambda: not pids_running(SLEEP), 30, "the command to end with the daemon")
         wait_for(lambda: not set(waiter) & set(d.guest_pids()), 30, "the waiter to end")
     finally:
         assert not d.cleanup()
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            return fh.read()
-    except OSError:
-        return b""

@@ -21,7 +21,7 @@ from tests.netio import ConnectProxy
 
 from .daemon_helpers import ENV, REPO
 from .test_bridge import page_server
-from .vmdaemon import VMDaemon, wait_for
+from .vmdaemon import VMDaemon, pids_running, wait_for
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not netguard.active(), reason="exec-netns needs root and the netguard"
@@ -43,19 +43,6 @@ workload = ["echo", "hello-from-a-bare-image"]
 """
 #: The attached command whose client goes away (its argv is its mark in /proc).
 SLEEP = b"sleep\x003023\x00"
-
-
-def _marked() -> list[int]:
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                with open(f"/proc/{p}/cmdline", "rb") as fh:
-                    if fh.read() == SLEEP:
-                        out.append(int(p))
-            except OSError:
-                pass
-    return out
 
 
 @pytest.mark.parametrize("user", [None, "4242:4243"], ids=["root", "image-user"])
@@ -99,10 +86,12 @@ def test_a_bare_image_gets_the_gate_bridge_exec_session_end_and_workload(
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
             )
-            wait_for(_marked, 30, "the attached command in the guest")
+            wait_for(lambda: pids_running(SLEEP), 30, "the attached command in the guest")
             ctl.send_signal(signal.SIGKILL)  # the client goes away
             ctl.wait(30)
-            wait_for(lambda: not _marked(), 30, "the guest command to end with its session")
+            wait_for(
+                lambda: not pids_running(SLEEP), 30, "the guest command to end with its session"
+            )
         finally:
             assert not d.cleanup()
 
@@ -168,7 +157,11 @@ def test_a_bare_image_gets_transparent_egress_from_the_kit() -> None:
         b = json.loads(r.stdout)
         assert b["probe"] == "PASS" and "transparent egress running" in b["bridge"], b
         assert recorder.lines == []  # the canaries went to the daemon's witness
-        layer = [argv for argv in _argvs(d, "e1") if b"egress" in argv and b"session" not in argv]
+        layer = [
+            argv
+            for argv in d.agent_argvs("e1").values()
+            if b"egress" in argv and b"session" not in argv
+        ]
         assert layer and all(a[0].startswith(b"/run/bottlenet-kit/") for a in layer), layer
         r = d.ctl("bottle", "exec", "e1", "--", "curl", "--noproxy", "*", "-sS", "-m", "20",
                   "http://203.0.113.7:443/")  # fmt: skip
@@ -178,15 +171,3 @@ def test_a_bare_image_gets_transparent_egress_from_the_kit() -> None:
     finally:
         recorder.close()
         assert not d.cleanup()
-
-
-def _argvs(d: VMDaemon, bottle: str) -> list[list[bytes]]:
-    """The argv of every process in ``bottle``'s agent "VM"."""
-    out = []
-    for pid in d.guest_pids(f"bn-{bottle}-agent"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                out.append(fh.read().split(b"\0"))
-        except OSError:
-            continue
-    return out

@@ -105,12 +105,7 @@ def bridge_pids(d: VMDaemon, bottle: str) -> list[int]:
     """The processes running bottlenet's bridge program in ``bottle``'s agent "VM" (the
     fake's execs there, and their descendants)."""
     out = []
-    for pid in d.guest_pids(f"bn-{bottle}-agent"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                words = fh.read().split(b"\0")
-        except OSError:
-            continue
+    for pid, words in d.agent_argvs(bottle).items():
         # the guest kit's bridge (not its session wrapper, whose first word after the kit's
         # program is "session"), or the image's python3 running the script's program
         kit = KIT_MAIN in words and words[words.index(KIT_MAIN) + 1 :][:1] == [b"bridge"]

@@ -138,17 +138,12 @@ def test_a_kernel_without_nf_tables_fails_the_create_naming_it(recorder: Connect
 
 def layer_pids(d: VMDaemon, bottle: str) -> list[int]:
     """The processes running the layer's program in ``bottle``'s agent "VM"."""
-    out = []
-    for pid in d.guest_pids(f"bn-{bottle}-agent"):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as fh:
-                argv = fh.read().split(b"\0")
-        except OSError:
-            continue
-        # the kit's ``egress run`` (not the session wrapper around it)
-        if b"egress" in argv and b"run" in argv and b"session" not in argv:
-            out.append(pid)
-    return out
+    # the kit's ``egress run`` (not the session wrapper around it)
+    return [
+        pid
+        for pid, argv in d.agent_argvs(bottle).items()
+        if b"egress" in argv and b"run" in argv and b"session" not in argv
+    ]
 
 
 def test_a_killed_layer_is_restarted_and_carries_again(

@@ -38,6 +38,20 @@ env = ["LANG=C.UTF-8"]
 """
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line as ``/proc`` has it, NUL-terminated words (empty: it is gone)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read()
+    except OSError:
+        return b""
+
+
+def pids_running(line: bytes) -> list[int]:
+    """Every process on the host whose command line is exactly ``line`` (an orphan too)."""
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and cmdline(int(p)) == line]
+
+
 def wait_for(condition: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
     """Poll ``condition`` until it is truthy (a bounded wait on an outside process's state)."""
     deadline = time.monotonic() + timeout
@@ -190,6 +204,11 @@ class VMDaemon:
             grew = bool(more)
             found |= more
         return sorted(found)
+
+    def agent_argvs(self, bottle: str) -> dict[int, list[bytes]]:
+        """The argv of every live process in ``bottle``'s agent "VM" (by :meth:`guest_pids`)."""
+        argvs = {pid: cmdline(pid) for pid in self.guest_pids(f"bn-{bottle}-agent")}
+        return {pid: line.split(b"\0") for pid, line in argvs.items() if line}
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import array
 import errno
 import ipaddress
 import os
@@ -11,13 +12,14 @@ import stat
 import tempfile
 from typing import Any
 
-from twisted.internet import reactor, task
+from twisted.internet import reactor, task, threads
 from twisted.internet.error import (
     ConnectError,
     ConnectionDone,
     ConnectionLost,
     ConnectionRefusedError,
 )
+from twisted.logger import formatEvent
 from twisted.trial import unittest
 
 from benchmarks.standalone import TwistedConnectTable
@@ -138,6 +140,16 @@ class Base(unittest.TestCase):
             **kw,
         )
         return await self.table.add(spec)
+
+    async def unix_echo_forward(self) -> UNIXListen:
+        """b1's UNIX endpoint ``agent`` relaying to an echo server on a UNIX socket."""
+        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
+        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
+        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
+        self.addCleanup(tport.stopListening)
+        listen = unix_listen_for(self.state_dir, "b1", "agent")
+        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        return listen
 
     async def client(self, info: ForwardInfo, proto: Collector) -> Collector:
         assert isinstance(info.bound, TCPListen)
@@ -397,12 +409,7 @@ class PeerCheckTests(Base):
         c = await self.client(info, Collector(b"over tcp", fin=True))
         await c.done
         assert bytes(c.received) == b"over tcp" and asked == []
-        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
-        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
-        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
-        self.addCleanup(tport.stopListening)
-        listen = unix_listen_for(self.state_dir, "b1", "agent")
-        await self.table.add(ForwardSpec("b1", "agent", listen, UNIXTarget(target_path)))
+        listen = await self.unix_echo_forward()
         u = Collector(b"over unix", fin=True)
         await connect_unix(listen.path, u)
         await u.done
@@ -598,6 +605,42 @@ class UnixTests(Base):
         with self.assertRaises(InvalidArgument):
             await self.table.add(ForwardSpec("b1", "agent", listen, target))
         assert os.path.isfile(listen.path)
+
+    async def test_descriptors_a_peer_sends_are_closed_and_said_once(self) -> None:
+        """A peer's SCM_RIGHTS (200 messages) on a UNIX endpoint: every descriptor closed, the
+        bytes still relayed, at most one log line (not one per message)."""
+        from twisted.logger import globalLogPublisher
+
+        listen = await self.unix_echo_forward()
+        marker = os.path.join(tempdir(self), "passed-fd")
+        open(marker, "w").close()
+        said: list[dict[str, Any]] = []
+        globalLogPublisher.addObserver(said.append)
+        self.addCleanup(globalLogPublisher.removeObserver, said.append)
+        n = 200
+
+        def peer() -> bytes:
+            fd = os.open(marker, os.O_RDONLY)
+            try:
+                with socket.socket(socket.AF_UNIX) as s:
+                    s.settimeout(30)
+                    s.connect(listen.path)
+                    for _ in range(n):
+                        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+                        s.sendmsg([b"x"], rights)
+                    s.shutdown(socket.SHUT_WR)
+                    got = b""
+                    while chunk := s.recv(65536):
+                        got += chunk
+                    return got
+            finally:
+                os.close(fd)
+
+        got = await threads.deferToThread(peer)
+        assert got == b"x" * n
+        await self.until(lambda: not fd_links(marker), "the passed descriptors to be closed")
+        about = [e for e in said if "descriptor" in (formatEvent(e) or "")]
+        assert len(about) <= 1, [formatEvent(e) for e in about[:3]]
 
     async def test_symlinked_bottle_dir_refused(self) -> None:
         from bottlenet.errors import InvalidArgument

@@ -16,7 +16,7 @@ from vmctl.spec import (
     PortMapping,
     Volume,
     create_args,
-    device_count,
+    devices,
     exec_args,
     parse_pair,
     validate_name,
@@ -157,19 +157,19 @@ class ValidateTests(SynchronousTestCase):
                 validate_spec(s)
 
     def test_device_count(self) -> None:
-        self.assertEqual(device_count(spec()), 0)
-        self.assertEqual(device_count(spec(net=True)), 0)  # TSI: no NIC
-        self.assertEqual(device_count(spec(net=True, net_backend="virtio-net")), 1)
-        self.assertEqual(device_count(spec(ports=[PortMapping(1, 2), PortMapping(3, 4)])), 1)
-        self.assertEqual(device_count(spec(outbound_localhost_only=True)), 1)
-        self.assertEqual(device_count(spec(allow_hosts=["a.b"])), 1)
-        self.assertEqual(device_count(spec(allow_cidrs=["1.2.3.4"])), 1)
+        self.assertEqual(len(devices(spec())), 0)
+        self.assertEqual(len(devices(spec(net=True))), 0)  # TSI: no NIC
+        self.assertEqual(len(devices(spec(net=True, net_backend="virtio-net"))), 1)
+        self.assertEqual(len(devices(spec(ports=[PortMapping(1, 2), PortMapping(3, 4)]))), 1)
+        self.assertEqual(len(devices(spec(outbound_localhost_only=True))), 1)
+        self.assertEqual(len(devices(spec(allow_hosts=["a.b"]))), 1)
+        self.assertEqual(len(devices(spec(allow_cidrs=["1.2.3.4"]))), 1)
         for img in ("/i", "./i", "../i", "i.tar", "i.tar.gz", "i.tgz"):
-            self.assertEqual(device_count(spec(image=img)), 1, img)
-        self.assertEqual(device_count(spec(image="docker.io/alpine:3")), 0)
-        self.assertEqual(device_count(spec(from_file="/x.smolmachine")), 1)
-        self.assertEqual(device_count(spec(volumes=self.vols(3))), 3)
-        self.assertEqual(device_count(spec(mount_sockets=[MountSocket("/a", "/b")] * 3)), 0)
+            self.assertEqual(len(devices(spec(image=img))), 1, img)
+        self.assertEqual(len(devices(spec(image="docker.io/alpine:3"))), 0)
+        self.assertEqual(len(devices(spec(from_file="/x.smolmachine"))), 1)
+        self.assertEqual(len(devices(spec(volumes=self.vols(3)))), 3)
+        self.assertEqual(len(devices(spec(mount_sockets=[MountSocket("/a", "/b")] * 3))), 0)
 
     def test_budget(self) -> None:
         validate_spec(spec(volumes=self.vols(3), ports=[PortMapping(1, 2)]))
