@@ -1,6 +1,7 @@
 """Bottles across nodes placed by Ray (a benchmark, not a test; docs/performance.md, "Fleet").
 
-    .venv/bin/python benchmarks/fleet.py [--bottles 30] [--lease 6] [--vm-boot B [--vm-bottles 9]] [--json F]
+    .venv/bin/python benchmarks/fleet.py [--bottles 30] [--lease 6] [--json F]
+                                         [--vm-boot B [--vm-bottles 9]]
 
 As root, with the ``ray`` extra and redis-server: the multi-node tier's cluster
 (``tests/fleet/netns.py``: three bottle nodes in namespaces of their own, each with its raylet
