@@ -131,9 +131,10 @@ class Placer:
         return bottles
 
     def _wait_owner(self, owner: Any, deadline: float) -> None:
-        """The hosts start beside the owner, not after it, and renew leases only once it
-        answers: no bottle is handed over before it has (at once, but for a first pool on
-        a slow node)."""
+        """The bottles are handed over only once the owner answers: the hosts renew leases
+        only after it has, and a process whose owner never starts would hold bottles that
+        nothing keeps. The hosts started beside it, so this waits only for what is left of
+        the owner's own start (nothing, but for a first pool)."""
         left = max(deadline - time.monotonic(), 0.0)
         ready, _ = ray.wait([owner.ping.remote()], timeout=left)
         if not ready:
