@@ -636,3 +636,19 @@ def test_protocol_doc_names_every_command_and_error_code() -> None:
     }
     assert answered - listed == set(), f"protocol.md's Errors table lacks {answered - listed}"
     assert listed - answered == set(), f"protocol.md's Errors table names {listed - answered}"
+
+
+def test_metrics_table_names_every_metric() -> None:
+    """docs/operations.md's metrics table names each family ``bottlenet/ops/metrics.py``
+    writes, and no other."""
+    with open(os.path.join(ROOT, "bottlenet", "ops", "metrics.py")) as f:
+        written = set(re.findall(r'"(bottlenet_\w+)"', f.read()))
+    with open(os.path.join(ROOT, "docs", "operations.md")) as f:
+        rows = re.findall(r"(?m)^\| `(bottlenet_\w+)` \|", f.read())
+    assert len(written) >= 10, written
+    assert written - set(rows) == set(), (
+        f"operations.md's metrics table lacks {written - set(rows)}"
+    )
+    assert set(rows) - written == set(), (
+        f"operations.md's metrics table names {set(rows) - written}"
+    )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,62 @@ def test_depth_beyond_the_bound_holds_at_most_that_many_directories_open(
         real_close(parent)
     assert not (tmp_path / "t").exists()
     assert most[0] <= MAX_TREE_DEPTH
+
+
+def _once(
+    monkeypatch: pytest.MonkeyPatch, call: str, name: str, before: Callable[[int], None]
+) -> list[str]:
+    """Wrap ``os.<call>`` so that its first call on ``name`` runs ``before(dir_fd)`` first:
+    another uid's rename landing exactly between the scan and the removal."""
+    real = getattr(os, call)
+    hit: list[str] = []
+
+    def racing(path: str, *, dir_fd: int | None = None) -> None:
+        if path == name and not hit and dir_fd is not None:
+            hit.append(path)
+            before(dir_fd)
+        real(path, dir_fd=dir_fd)
+
+    monkeypatch.setattr(os, call, racing)
+    return hit
+
+
+def _remove_at(parent_dir: Path, name: str) -> None:
+    parent = _dir_fd(parent_dir)
+    try:
+        remove_tree_at(parent, name)
+    finally:
+        os.close(parent)
+
+
+def test_a_file_that_became_a_directory_before_its_unlink_is_removed_later(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Scanned as a file, a directory by its unlink (EISDIR): left for the next pass, which
+    removes it; the removal does not fail."""
+    (tmp_path / "s1").mkdir()
+    (tmp_path / "s1" / "f").write_text("x")
+
+    def to_dir(fd: int) -> None:
+        os.unlink("f", dir_fd=fd)
+        os.mkdir("f", dir_fd=fd)
+        os.mknod("f/inner", dir_fd=fd)
+
+    hit = _once(monkeypatch, "unlink", "f", to_dir)
+    _remove_at(tmp_path, "s1")
+    assert hit == ["f"] and os.listdir(tmp_path) == []
+
+
+def test_a_directory_refilled_before_its_rmdir_is_emptied_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A subdirectory refilled between its emptying and its ``rmdir`` (ENOTEMPTY): the
+    parent's next pass sees it again and removes it; the removal does not fail."""
+    (tmp_path / "s1" / "d").mkdir(parents=True)
+
+    def refill(fd: int) -> None:
+        os.mknod("d/late", dir_fd=fd)
+
+    hit = _once(monkeypatch, "rmdir", "d", refill)
+    _remove_at(tmp_path, "s1")
+    assert hit == ["d"] and os.listdir(tmp_path) == []

@@ -32,6 +32,8 @@
 - :mod:`~bottlenet.bottles.probe`: the launch gate step (markers, witness, exec, verdict) around
   :mod:`bottlenet.probe`.
 - :mod:`~bottlenet.bottles.egress`: the sidecar's egress allow-list, pushed and reloaded.
+- :mod:`~bottlenet.bottles.owncommand`: one of bottlenet's own commands in a guest, as its
+  root, under the kit's session wrapper (the gate, the reach proof, the policy's write).
 - :mod:`~bottlenet.bottles.agentenv`: the agent's stamped environment.
 - :mod:`~bottlenet.bottles.watch`: notice a VM process exit without polling smolvm.
 - :mod:`~bottlenet.bottles.attach`: a launcher's command in the agent VM (``exec -i [-t]``).

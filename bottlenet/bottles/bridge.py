@@ -40,6 +40,7 @@ from twisted.logger import Logger
 from twisted.python.failure import Failure
 
 from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.owncommand import run_own_command
 from bottlenet.bottles.probe import divert_to_witness
 from bottlenet.bottles.unseen import refused_count, seen_count, vmm_uid, why_unseen
 from bottlenet.bottles.vmloss import lost_reason
@@ -414,14 +415,7 @@ class Bridges:
                 else (kit.argv("reach"), reach_request(nonce, ports))
             )
             try:
-                await self.smolvm.exec(
-                    agent_vm,
-                    argv,
-                    stdin=stdin,
-                    timeout=REACH_TIMEOUT,
-                    user=GUEST_ROOT,
-                    session=kit_session(kit),
-                )
+                await run_own_command(self.smolvm, agent_vm, argv, stdin, REACH_TIMEOUT, kit)
             except VmctlError as e:
                 raise BridgeFailed(
                     f"the bridge check cannot run in {agent_vm}: {e.message}"

@@ -13,9 +13,10 @@ from collections.abc import Sequence
 
 from twisted.logger import Logger
 
+from bottlenet.bottles.owncommand import run_own_command
 from bottlenet.bottles.spec import EgressSpec
 from bottlenet.errors import SmolvmFailed
-from bottlenet.kit.program import KitRef, kit_session
+from bottlenet.kit.program import KitRef
 from vmctl.smolvm import GUEST_ROOT, Smolvm
 
 #: Atomic write inside the guest: "$1" is the policy path, stdin the document.
@@ -33,14 +34,7 @@ async def _write(
     smolvm: Smolvm, machine: str, path: str, hosts: Sequence[str], kit: KitRef | None
 ) -> None:
     argv = [*WRITE_ARGV, path] if kit is None else kit.argv("write", path)
-    result = await smolvm.exec(
-        machine,
-        argv,
-        stdin=policy_document(hosts),
-        timeout=EXEC_TIMEOUT,
-        user=GUEST_ROOT,
-        session=kit_session(kit),
-    )
+    result = await run_own_command(smolvm, machine, argv, policy_document(hosts), EXEC_TIMEOUT, kit)
     if result.exit_code != 0:
         raise SmolvmFailed(
             f"writing the egress policy in {machine} failed (exit {result.exit_code})"

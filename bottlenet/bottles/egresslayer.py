@@ -30,9 +30,10 @@ from twisted.logger import Logger
 
 from bottlenet.bottles.bridge import BridgeKeeper, Bridges, BridgeSession, BridgeState
 from bottlenet.bottles.model import Endpoint
+from bottlenet.bottles.owncommand import run_own_command
 from bottlenet.bottles.probe import probe_command
 from bottlenet.errors import BridgeFailed, EgressLayerFailed
-from bottlenet.kit.program import KitRef, kit_session
+from bottlenet.kit.program import KitRef
 from bottlenet.probe.judge import Verdict, judge_layer
 from bottlenet.probe.plan import LayerPlan, new_nonce
 from bottlenet.probe.witness import ConnectWitness, ConnectWitnessFactory
@@ -40,7 +41,6 @@ from bottlenet.transparent.layer import EXIT_FAILED, EXIT_MISSING, LISTEN_PORT
 from bottlenet.transparent.nftables import NEEDS
 from bottlenet.transparent.script import ARGV, EXIT_NO_TOOL, NO_TOOL, check_proxy_path, render
 from vmctl.errors import VmctlError
-from vmctl.smolvm import GUEST_ROOT
 
 #: The layer's check (one short exec) may take this long.
 CHECK_TIMEOUT = 60.0
@@ -230,14 +230,7 @@ class Layers(Bridges):
         self.table.divert(bottle, proxy.service, ConnectWitnessFactory(self.reactor, witness))
         argv, stdin = probe_command(plan, kit)
         try:
-            result = await self.smolvm.exec(
-                agent_vm,
-                argv,
-                stdin=stdin,
-                timeout=CHECK_TIMEOUT,
-                user=GUEST_ROOT,
-                session=kit_session(kit),
-            )
+            result = await run_own_command(self.smolvm, agent_vm, argv, stdin, CHECK_TIMEOUT, kit)
         except VmctlError as e:
             raise EgressLayerFailed(
                 f"the transparent egress check cannot run in {agent_vm}: {e.message}"

@@ -20,13 +20,14 @@ from attrs import evolve, frozen
 from twisted.logger import Logger
 
 from bottlenet.bottles.model import Endpoint, TCPEndpoint
+from bottlenet.bottles.owncommand import run_own_command
 from bottlenet.bottles.spec import EgressSpec
 from bottlenet.bottles.unseen import refused_count, vmm_uid, why_unseen
 from bottlenet.errors import InvalidArgument
 from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import TCPListen
 from bottlenet.forward.table import ForwardTable
-from bottlenet.kit.program import KitRef, kit_session
+from bottlenet.kit.program import KitRef
 from bottlenet.paths import open_regular
 from bottlenet.probe.judge import Verdict, judge
 from bottlenet.probe.plan import (
@@ -44,7 +45,7 @@ from bottlenet.probe.plan import (
 )
 from bottlenet.probe.script import ARGV, kit_request, render
 from bottlenet.probe.witness import Witness, WitnessFactory
-from vmctl.smolvm import GUEST_ROOT, Smolvm
+from vmctl.smolvm import Smolvm
 from vmctl.spec import Volume
 
 PROBE_TIMEOUT = 60.0
@@ -348,14 +349,7 @@ class Gate:
                     self._divert(bottle, e.service, seen, str(target))
                     diverted.append(e.service)
             argv, stdin = probe_command(plan, kit)
-            result = await self.smolvm.exec(
-                agent_vm,
-                argv,
-                stdin=stdin,
-                timeout=PROBE_TIMEOUT,
-                user=GUEST_ROOT,
-                session=kit_session(kit),
-            )
+            result = await run_own_command(self.smolvm, agent_vm, argv, stdin, PROBE_TIMEOUT, kit)
         finally:
             if seen is not None:
                 seen.close()

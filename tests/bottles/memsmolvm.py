@@ -59,6 +59,8 @@ class MemMachine:
     pid: int | None = None
     #: What a 1.37 record says of ``--block-private`` (None: a 1.32 record, silent on it).
     floor: tuple[str, ...] | None = None
+    #: smolvm's ``machine run`` makes ephemeral machines (bottlenet never does).
+    ephemeral: bool = False
 
     def record(self) -> Machine:
         return Machine(
@@ -66,6 +68,7 @@ class MemMachine:
             self.state,
             pid=self.pid,
             labels=dict(self.spec.labels),
+            ephemeral=self.ephemeral,
             block_private=self.floor,
             reports_floor=self.floor is not None,
         )
@@ -240,15 +243,16 @@ class MemorySmolvm:
     def list(
         self, labels: Mapping[str, str] | None = None, *, include_ephemeral: bool = False
     ) -> Deferred[list[Machine]]:
-        """Every machine (bottlenet makes no ephemeral ones: ``include_ephemeral`` changes
-        nothing here)."""
+        """The machines carrying every ``labels`` pair; ephemeral ones only when asked (as
+        ``Smolvm.list``)."""
         want = dict(labels or {})
 
         def listing() -> list[Machine]:
             return [
                 m.record()
                 for m in self.machines.values()
-                if all(dict(m.spec.labels).get(k) == v for k, v in want.items())
+                if (include_ephemeral or not m.ephemeral)
+                and all(dict(m.spec.labels).get(k) == v for k, v in want.items())
             ]
 
         return self._answer("list", "", listing)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from twisted.internet.defer import Deferred, fail
+from twisted.internet.task import Clock
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 
 from bottlenet.bottles.bottle import VMBottle
@@ -14,6 +16,7 @@ from bottlenet.bottles.events import LEASE_EXPIRED, BottleEvent
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import InvalidArgument, NotFound
+from bottlenet.node.lease import RETRY, LeasePolicy
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
 from tests.bottles.test_drain import node_of
@@ -244,3 +247,27 @@ def test_a_renewal_during_recovery_is_answered_after_the_restore(rigs: Rigs, tmp
     assert second.registry.has_bottle("vm1")
     advance(second, mono, 2)
     assert not second.registry.has_bottle("vm1")
+
+
+def test_a_reap_that_finds_the_bottle_gone_is_not_retried() -> None:
+    """A reap answered NOT_FOUND (the bottle went by another way): nothing left to reap, so
+    no retry is scheduled and no 'reaping it failed' line is logged."""
+    clock = Clock()
+    reaps: list[str] = []
+    said: list[LogEvent] = []
+
+    def reap() -> Deferred[None]:
+        reaps.append("reap")
+        return fail(NotFound("bottle gone does not exist"))
+
+    timer = LeasePolicy(clock, clock.seconds, grace=0).timer("gone", lambda: None, reap)
+    globalLogPublisher.addObserver(said.append)
+    try:
+        timer.arm(1)
+        clock.advance(1)
+        assert reaps == ["reap"] and clock.getDelayedCalls() == []
+        clock.advance(10 * RETRY)
+    finally:
+        globalLogPublisher.removeObserver(said.append)
+    assert reaps == ["reap"]
+    assert not [e for e in said if "reaping it failed" in (formatEvent(e) or "")]

@@ -42,3 +42,15 @@ def test_a_dangling_link_at_a_gone_bottles_directory_is_a_leftover(rigs: Rigs, t
     assert rig.run(rig.registry.leftovers("gone")) == [
         f"the bottle's directory {path} still exists"
     ]
+
+
+def test_an_ephemeral_machine_with_a_gone_bottles_name_is_a_leftover(rigs: Rigs, tmp: str) -> None:
+    """smolvm's listing leaves ephemeral machines out unless asked: one holding the gone
+    bottle's agent name (a ``machine run`` in the same data dir) is still reported."""
+    rig = rigs()
+    rig.run(rig.registry.create_bottle("gone", spec=spec(tmp, "gone")))
+    left = rig.smolvm.machines[machine_name("gone", Role.AGENT)]
+    rig.run(rig.registry.destroy_bottle("gone"))
+    agent = machine_name("gone", Role.AGENT)
+    rig.smolvm.machines[agent] = MemMachine(evolve(left.spec, name=agent), ephemeral=True)
+    assert rig.run(rig.registry.leftovers("gone")) == [f"machine {agent} still exists (stopped)"]

@@ -189,6 +189,15 @@ class RealProbe(TestCase):
         self.assertFalse(await answers(reactor, self.listener("dropped", drop=True)))
         self.assertFalse(await answers(reactor, os.path.join(self.dir, "absent")))
 
+    async def test_a_socket_nobody_listens_on_is_not_ready(self) -> None:
+        """The socket file is there but its listener is gone (the service died): the connect
+        is refused, and that is no answer."""
+        path = os.path.join(self.dir, "dead")
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.bind(path)
+        s.close()  # the inode stays, nothing listens: ECONNREFUSED
+        self.assertFalse(await answers(reactor, path))
+
     async def test_the_probes_connection_is_closed_after_it(self) -> None:
         """Once ``answers`` said yes, the service sees its connection closed (tests-4 R07:
         one left open per try, for the VM's life)."""

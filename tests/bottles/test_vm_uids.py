@@ -84,11 +84,13 @@ def test_the_reserved_uids_are_granted_admitted_and_kept_in_the_record(
 def test_a_one_uid_daemon_keeps_its_records_as_they_were(
     rigs: Callable[..., Rig], tmp: str
 ) -> None:
-    """Under one uid nothing is reserved and the record has no ``vm_uids``."""
+    """Under one uid nothing is reserved and the record has no ``vm_uids``; the endpoints
+    admit the daemon's own uid only, from their bind (no grant comes later to set it)."""
     rig = rigs()
-    rig.run(rig.registry.create_bottle("rb", spec=spec(tmp)))
+    rig.run(rig.registry.create_bottle("rb", spec=spec(tmp, listen="unix")))
     assert "vm_uids" not in rig.state()["rb"]
     assert not any(call[0] == "reserve_uid" for call in rig.smolvm.calls)
+    assert rig.table.peers["rb"] == frozenset({os.geteuid()})
 
 
 def test_a_raw_port_sidecar_gets_a_reserved_uid_too(rigs: Callable[..., Rig], tmp: str) -> None:

@@ -14,6 +14,7 @@ from twisted.logger import capturedLogs, formatEvent
 from bottlenet.control import codec, stream
 from bottlenet.control import commands as C
 from bottlenet.control.execbroker import ExecBridge
+from bottlenet.control.identity import mint_capability
 
 from .fakes import Conn, FakeBackend, make_factory
 
@@ -176,3 +177,21 @@ def test_fd_session_whose_client_leaves_closes_the_pipes_and_ends_the_command() 
     bridge.client_lost()
     assert not any(_open(fd) for fd in sent)
     assert child.signals == ["TERM"]
+
+
+def test_a_scoped_peers_destroy_ends_its_bottles_exec_sessions() -> None:
+    """A scoped peer names its bottle in its own name space: its DestroyBottle still ends the
+    sessions kept under the node's name of that bottle, and no other bottle's."""
+    clock = Clock()
+    backend = FakeBackend()
+    factory = make_factory(backend, uid=4243, scoped_uids=frozenset({4243}), clock=clock)
+    conn = Conn(factory)
+    capability = mint_capability()
+    conn.call(C.CreateBottle, name="b1", capability=capability)
+    (node_name,) = backend.bottles
+    assert node_name != "b1"  # the scoped name space: the node's name is another
+    doomed, doomed_child = _session(node_name, clock)
+    other, other_child = _session("b1", clock)  # an operator's bottle called b1
+    factory.context.exec_sessions.update({doomed, other})
+    assert conn.call(C.DestroyBottle, name="b1", capability=capability) == {}
+    assert doomed_child.signals == ["TERM"] and other_child.signals == []

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -88,3 +90,31 @@ class SpawnInsideTheGuard(FakeSmolvmTestCase):
             transport = await self.smolvm.spawn_exec("m1", ["true"], _Quiet(), tty=tty)
             transport.signalProcess("KILL")
         self.assertEqual(seen, [True, True])
+
+
+#: Run in a fresh interpreter: an after-fork hook registered *before* vmctl.forksignals runs
+#: in the child ahead of the guard's own, so its SIGTERM lands between the fork and the
+#: guard's reset (the earliest point of the window). Prints the child's wait status.
+_EARLIEST = """
+import os, signal, sys
+signal.signal(signal.SIGTERM, lambda *a: None)  # the daemon's handler
+os.register_at_fork(after_in_child=lambda: os.kill(os.getpid(), signal.SIGTERM))
+from vmctl import forksignals
+with forksignals.child_signals_default():
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+print(os.waitpid(pid, 0)[1])
+"""
+
+
+def test_a_term_at_the_first_instant_after_the_fork_is_held_until_the_default() -> None:
+    """A SIGTERM that reaches the child before the guard's child hook has run is held
+    (blocked across the fork), not taken by the daemon's handler: the child dies of it."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = subprocess.run(
+        [sys.executable, "-c", _EARLIEST], capture_output=True, text=True, cwd=root, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    status = int(out.stdout)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM, status
