@@ -695,3 +695,20 @@ def test_protocol_doc_names_each_commands_arguments_and_answer() -> None:
         keys |= {k.decode() if isinstance(k, bytes) else k for k, _ in command.response}
         keys.discard("capability")
         assert keys <= named, f"protocol.md, {command.__name__}: {sorted(keys - named)} unnamed"
+
+
+def test_the_session_cap_the_docs_give_is_the_codes() -> None:
+    """docs/protocol.md's BUSY row gives the cap and its split (the agent's connections, those
+    kept for bottlenet's own); bottles.md the cap: both are ``bottles/sessions.py``'s."""
+    from bottlenet.bottles.sessions import AGENT_CONNECTIONS, RESERVED, SESSION_CAP
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        protocol = f.read()
+    found = re.search(
+        r"cap of (\d+) sessions .*?serves (\d+) connections at once, (\d+) are kept", protocol
+    )
+    assert found, "docs/protocol.md no longer gives the session cap"
+    assert tuple(map(int, found.groups())) == (SESSION_CAP, AGENT_CONNECTIONS, RESERVED)
+    with open(os.path.join(ROOT, "docs", "bottles.md")) as f:
+        bottles = f.read()
+    assert f"at most {SESSION_CAP} `bottle exec`/`bottle logs` sessions" in bottles
