@@ -652,3 +652,63 @@ def test_metrics_table_names_every_metric() -> None:
     assert set(rows) - written == set(), (
         f"operations.md's metrics table names {set(rows) - written}"
     )
+
+
+def test_the_doors_list_the_layers_contract() -> None:
+    """docs/architecture.md's order of the rooms is pyproject's ``layers`` contract, and that
+    contract's ground floor is the rooms table's ground floor, module for module."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    (layers,) = [c["layers"] for c in contracts if c["type"] == "layers"]
+    with open(os.path.join(ROOT, "docs", "architecture.md")) as f:
+        text = f.read()
+    said = re.search(r"lists the rooms top\s+to bottom \((.*?)\), so", text, re.S)
+    assert said, "architecture.md no longer lists the rooms in order"
+    drawn = [p.strip().strip("`") for p in " ".join(said.group(1).split()).split(";")]
+    rooms = [layer.replace("bottlenet.", "") for layer in layers]
+    assert drawn[:-1] == rooms[:-1] and drawn[-1] == "the ground floor", (drawn, rooms)
+    ground = {m.removeprefix("bottlenet.") for m in layers[-1].split(" : ")}
+    first = next(cell for cell, _, _ in _rooms_table() if cell.startswith("ground floor"))
+    assert ground == set(re.findall(r"`bottlenet/(\w+)\.py`", first)), (ground, first)
+
+
+def test_protocol_doc_names_each_commands_arguments_and_answer() -> None:
+    """Each command's section of docs/protocol.md names (as ``name``) every argument and
+    answer key the command declares; ``capability``, which every scoped call may carry, is
+    named once, in "Scoped peers"."""
+    import bottlenet.control.commands as commands
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        doc = f.read()
+    sections: dict[str, str] = {}
+    for part in re.split(r"(?m)^### ", doc)[1:]:
+        heading, _, body = part.partition("\n")
+        for name in re.findall(r"`bottlenet\.(\w+)`", heading):
+            sections[name] = sections.get(name, "") + body
+    scoped = doc[doc.index("### Scoped peers") :]
+    assert "`capability`" in scoped[: scoped.index("\n### ")]
+    for command in [*commands.ALL_COMMANDS, *commands.PUSHED_COMMANDS]:
+        named = set(re.findall(r"`(\w+)`", sections[command.__name__]))
+        keys = {k.decode() if isinstance(k, bytes) else k for k, _ in command.arguments}
+        keys |= {k.decode() if isinstance(k, bytes) else k for k, _ in command.response}
+        keys.discard("capability")
+        assert keys <= named, f"protocol.md, {command.__name__}: {sorted(keys - named)} unnamed"
+
+
+def test_the_session_cap_the_docs_give_is_the_codes() -> None:
+    """docs/protocol.md's BUSY row gives the cap and its split (the agent's connections, those
+    kept for bottlenet's own); bottles.md the cap: both are ``bottles/sessions.py``'s."""
+    from bottlenet.bottles.sessions import AGENT_CONNECTIONS, RESERVED, SESSION_CAP
+
+    with open(os.path.join(ROOT, "docs", "protocol.md")) as f:
+        protocol = f.read()
+    found = re.search(
+        r"cap of (\d+) sessions .*?serves (\d+) connections at once, (\d+) are kept", protocol
+    )
+    assert found, "docs/protocol.md no longer gives the session cap"
+    assert tuple(map(int, found.groups())) == (SESSION_CAP, AGENT_CONNECTIONS, RESERVED)
+    with open(os.path.join(ROOT, "docs", "bottles.md")) as f:
+        bottles = f.read()
+    assert f"at most {SESSION_CAP} `bottle exec`/`bottle logs` sessions" in bottles

@@ -168,3 +168,21 @@ def test_a_removed_bottle_ignores_late_callbacks(owned: Owned, tmp: str) -> None
     rig.settle()
     assert [e[0] for e in owned.events] == ["destroyed"]
     assert not os.path.exists(os.path.join(rig.state_dir, "bottles", "b1"))
+
+
+def test_a_bottle_restored_degraded_runs_nothing_again(
+    owned: Owned, rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """A degraded bottle a restart keeps (its teardown failed) is adopted idle: no workload
+    waiter is started in its agent VM again, nothing of it is watched."""
+    owned.create(tmp, workload=("/agent", "run"))
+    owned.owner.sidecar_exited()
+    owned.rig.settle()
+    assert owned.rig.state()["b1"]["state"] == "degraded"
+    owned.rig.close()
+    again = Owned(rigs(smolvm=owned.rig.smolvm), Attached())
+    again.rig.smolvm.fail_on("stop", "bn-b1-agent", VmSmolvmFailed("injected"))
+    again.rig.smolvm.fail_on("delete", "bn-b1-agent", VmSmolvmFailed("injected"))
+    again.rig.recover()
+    assert again.rig.registry.state_of("b1") is Lifecycle.DEGRADED
+    assert again.attached.protocols == [] and "b1" not in again.rig.watched()

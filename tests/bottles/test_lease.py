@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from twisted.internet.defer import Deferred, fail
+from twisted.internet.defer import Deferred, fail, succeed
 from twisted.internet.task import Clock
 from twisted.logger import LogEvent, formatEvent, globalLogPublisher
 
@@ -16,7 +16,7 @@ from bottlenet.bottles.events import LEASE_EXPIRED, BottleEvent
 from bottlenet.bottles.spec import parse_bottle_spec
 from bottlenet.bottles.tenancy import Tenancy
 from bottlenet.errors import InvalidArgument, NotFound
-from bottlenet.node.lease import RETRY, LeasePolicy
+from bottlenet.node.lease import MAX_SLEEP, RETRY, LeasePolicy
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig
 from tests.bottles.test_drain import node_of
@@ -271,3 +271,36 @@ def test_a_reap_that_finds_the_bottle_gone_is_not_retried() -> None:
         globalLogPublisher.removeObserver(said.append)
     assert reaps == ["reap"]
     assert not [e for e in said if "reaping it failed" in (formatEvent(e) or "")]
+
+
+def test_a_wall_clock_stepped_back_delays_a_reap_by_at_most_max_sleep() -> None:
+    """The reactor's clock lags the monotonic one (a wall step back): the timer still looks
+    every MAX_SLEEP of reactor time, so the reap comes at most MAX_SLEEP late."""
+    clock, mono = Clock(), Monotonic()
+    reaps: list[str] = []
+
+    def reap() -> Deferred[None]:
+        reaps.append("reap")
+        return succeed(None)
+
+    LeasePolicy(clock, mono, grace=0).timer("b", lambda: None, reap).arm(600)
+    mono.now += 600  # the lease ran out by the monotonic clock; the reactor's stood still
+    clock.advance(MAX_SLEEP)
+    assert reaps == ["reap"]
+
+
+def test_a_new_bottle_of_a_destroyed_leased_ones_name_is_not_reaped_by_its_lease(
+    rigs: Rigs, tmp: str
+) -> None:
+    """A leased bottle destroyed by hand takes its lease with it: a new bottle of that name
+    (no lease) outlives the old deadline, and no lease_expired is heard for either."""
+    rig = rigs()
+    mono = Monotonic()
+    node_of(rig, mono, grace=30)
+    seen: list[BottleEvent] = []
+    rig.registry.events.subscribe(seen.append)
+    rig.run(rig.registry.create_bottle("x", tenancy=lease(60)))
+    rig.run(rig.registry.destroy_bottle("x"))
+    rig.run(rig.registry.create_bottle("x"))
+    advance(rig, mono, 200)
+    assert rig.registry.has_bottle("x") and LEASE_EXPIRED not in kinds(seen, "x")

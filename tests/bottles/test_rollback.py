@@ -23,7 +23,7 @@ from bottlenet.bottles import workload as guest_workload
 from bottlenet.bottles.creation import Creation
 from bottlenet.bottles.host import VMOptions
 from bottlenet.bottles.spec import BottleSpec, parse_bottle_spec
-from bottlenet.errors import BindRefused, BottlenetError, SmolvmFailed
+from bottlenet.errors import BindRefused, BottlenetError, BridgeFailed, SmolvmFailed
 from tests.bottles.harness import spec_doc
 from tests.bottles.memsmolvm import Rig, exits, leak
 from vmctl.errors import KvmUnavailable
@@ -247,3 +247,38 @@ def test_state_write_fails(rigs: Callable[..., Rig], tmp: str) -> None:
     rig.store.put = broken  # type: ignore[method-assign]
     rig.store.save = broken  # type: ignore[method-assign]
     create_fails(rig, "UNAVAILABLE", spec(tmp))
+
+
+class _Keeper:
+    def __init__(self) -> None:
+        self.stopped = False
+
+    def stop(self) -> None:
+        self.stopped = True
+
+
+class _BridgesThatCannotProve:
+    """The bridge starts (a keeper), then its proof fails: what a guest without the bottle's
+    sockets mounted gives."""
+
+    def __init__(self) -> None:
+        self.kept: list[_Keeper] = []
+
+    async def start(self, *args: Any, **kw: Any) -> _Keeper:
+        self.kept.append(_Keeper())
+        return self.kept[-1]
+
+    async def prove(self, *args: Any, **kw: Any) -> None:
+        raise BridgeFailed("the bridge does not reach 127.0.0.1:3128")
+
+
+def test_a_create_that_fails_after_its_bridge_started_stops_the_bridge(
+    rigs: Callable[..., Rig], tmp: str
+) -> None:
+    """The bridge's proof fails: the rollback stops the keeper the create started (it would
+    restart a bridge into a deleted VM), and nothing of the bottle is left."""
+    rig = rigs()
+    bridges = _BridgesThatCannotProve()
+    rig.use(bridges=bridges)
+    create_fails(rig, "BRIDGE_FAILED", spec(tmp, bridge="bottlenet"))
+    assert [k.stopped for k in bridges.kept] == [True]

@@ -124,10 +124,15 @@ def test_grant_lets_only_that_uid_write_and_revoke_restores_everything(
 def test_read_only_and_already_writable_volumes_are_left_alone(
     volume: Path, book: GrantBook
 ) -> None:
-    """A ``:ro`` volume, or one the VM's uid may already write, gets no entry."""
+    """A ``:ro`` volume, or one the VM's uid may already write (by its mode for others, or
+    as the directory's owner), gets no entry."""
     with resolved(volume, read_only=True) as r:
         assert volumeaccess.grant(r, VM_UID, book, "b1") == []
     os.chmod(volume, 0o777)
+    with resolved(volume) as r:
+        assert volumeaccess.grant(r, VM_UID, book, "b1") == []
+    os.chmod(volume, 0o755)
+    os.chown(volume, VM_UID, VM_UID)
     with resolved(volume) as r:
         assert volumeaccess.grant(r, VM_UID, book, "b1") == []
     with pytest.raises(OSError):

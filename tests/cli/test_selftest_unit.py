@@ -470,3 +470,21 @@ def test_a_service_port_of_0_is_refused(tmp_path: Any) -> None:
     with pytest.raises(InvalidArgument, match="a port 1-65535"):
         st.cmd_selftest(daemon, inv, io.StringIO())  # type: ignore[arg-type]
     assert daemon.told == []
+
+
+def test_a_run_that_skips_its_steps_fails(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that ends early with SKIP lines and no FAIL (nothing was checked) is no pass:
+    ``ok`` is false and the command fails (exit 1)."""
+
+    class Skipping:
+        def __init__(self, *args: Any) -> None:
+            pass
+
+        def checks(self) -> Iterator[Check]:
+            yield Check("daemon", Verdict.PASS, "ok")
+            for step in st.STEPS[1:]:
+                yield Check(step, Verdict.SKIP, "not reached")
+
+    monkeypatch.setattr(st, "Run", Skipping)
+    failed, report = _run(_GoodDaemon([]), str(tmp_path))
+    assert failed and report["ok"] is False

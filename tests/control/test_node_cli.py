@@ -10,10 +10,17 @@ from tests.bottles.harness import DaemonCase
 
 
 class NodeCLITests(DaemonCase):
-    async def test_info_drain_undrain(self) -> None:
+    async def _drained(self) -> None:
+        """A daemon with labels, two bottles (one leased) and the node drained."""
+        client = await self.start("--label", "zone=eu-1", "--label", "kvm=false", vm_bottles=False)
+        await client.create_bottle("held")
+        await client.create_bottle("leased", lease_seconds=3600)
+        await client.drain()
+
+    async def test_info_and_drain(self) -> None:
         """node info reports labels and capacity; drain refuses a create with DRAINING (exit
-        1), shows in status and node info, says so on the event stream, survives a
-        restart; undrain takes bottles again."""
+        1), shows in status and node info and says so on the event stream; the bottles
+        held keep working."""
         client = await self.start("--label", "zone=eu-1", "--label", "kvm=false", vm_bottles=False)
         await client.create_bottle("held")
         await client.create_bottle("leased", lease_seconds=3600)  # counted on after a restart
@@ -42,6 +49,10 @@ class NodeCLITests(DaemonCase):
         # the bottle held keeps working: it is listed and destroyed as usual
         self.assertEqual([b.name for b in await client.all_bottles()], ["held", "leased"])
 
+    async def test_drain_survives_a_restart_and_undrain(self) -> None:
+        """A drain survives a restart (the lease counted on), drain --wait times out while a
+        bottle is held and answers empty once none is; undrain takes bottles again."""
+        await self._drained()
         await self.stop()
         client = await self.start(vm_bottles=False)
         assert self.root is not None and self.root.node is not None

@@ -9,6 +9,7 @@ certain instead of raced. The last test checks that vmctl's attached exec spawns
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -18,7 +19,10 @@ from typing import Any
 
 import pytest
 from twisted.internet import reactor
+from twisted.internet.defer import Deferred
+from twisted.internet.error import ProcessExitedAlready
 from twisted.internet.protocol import ProcessProtocol
+from twisted.python.failure import Failure
 
 from vmctl import forksignals
 
@@ -65,7 +69,13 @@ def test_outside_the_guard_a_fork_is_left_alone(daemon_handler: list[int]) -> No
 
 
 class _Quiet(ProcessProtocol):
-    pass
+    """Hears nothing; ``ended`` fires when the child has been reaped."""
+
+    def __init__(self) -> None:
+        self.ended: Deferred[None] = Deferred()
+
+    def processEnded(self, reason: Failure) -> None:
+        self.ended.callback(None)
 
 
 class SpawnInsideTheGuard(FakeSmolvmTestCase):
@@ -87,8 +97,11 @@ class SpawnInsideTheGuard(FakeSmolvmTestCase):
 
         self.runner.reactor = Reactor()
         for tty in (False, True):
-            transport = await self.smolvm.spawn_exec("m1", ["true"], _Quiet(), tty=tty)
-            transport.signalProcess("KILL")
+            quiet = _Quiet()
+            transport = await self.smolvm.spawn_exec("m1", ["true"], quiet, tty=tty)
+            with contextlib.suppress(ProcessExitedAlready):
+                transport.signalProcess("KILL")
+            await quiet.ended  # reaped here, not left to the next test's reactor check
         self.assertEqual(seen, [True, True])
 
 
