@@ -38,6 +38,7 @@ from bottlenet.fleet.errors import (
     Refusal,
     describe_refusals,
 )
+from bottlenet.fleet.hosts import JobHosts, hosts_of
 from bottlenet.fleet.owner import job_owner
 from bottlenet.fleet.placed import PlacedBottle
 from bottlenet.fleet.request import BOTTLE_RESOURCE, REFUSAL_CODES, BottleRequest, Placement
@@ -98,7 +99,7 @@ class Placer:
     #: every refusal on the way, those of bottles placed elsewhere afterwards too
     refusals: list[Refusal] = attrs.field(factory=list)
     shared: PlacementGroup | None = None
-    _owner: Any = None
+    _hosts: JobHosts | None = None
     _pending: dict[Any, tuple[_Slot, Step]] = attrs.field(factory=dict)
 
     def run(self) -> list[PlacedBottle]:
@@ -108,15 +109,17 @@ class Placer:
             return []  # Ray refuses a placement group without bundles
         deadline = time.monotonic() + self.timeout
         try:
-            self._owner = job_owner()
+            owner = job_owner()
+            self._hosts = hosts_of(owner)
             self.shared = reserve(self.request, self.count)
             self._wait_reserved(self.shared, deadline)
             nodes = bundle_nodes(self.shared)
-            hosts = self._hosts(nodes)
+            hosts = self._hosts.on(nodes)
             for i, node in enumerate(nodes):
                 self._create(_Slot(i), node, hosts[node])
             while self._pending:
                 self._settle_one(deadline)
+            self._wait_owner(owner, deadline)
         except BaseException:
             self._abandon()
             raise
@@ -127,9 +130,18 @@ class Placer:
             self._release_shared()  # every bottle went elsewhere: the batch's holds none
         return bottles
 
-    def _hosts(self, nodes: Sequence[str]) -> dict[str, Any]:
-        hosts: dict[str, Any] = ray.get(self._owner.hosts.remote(sorted(set(nodes))))
-        return hosts
+    def _wait_owner(self, owner: Any, deadline: float) -> None:
+        """The bottles are handed over only once the owner answers: the hosts renew leases
+        only after it has, and a process whose owner never starts would hold bottles that
+        nothing keeps. The hosts started beside it, so this waits only for what is left of
+        the owner's own start (nothing, but for a first pool)."""
+        left = max(deadline - time.monotonic(), 0.0)
+        ready, _ = ray.wait([owner.ping.remote()], timeout=left)
+        if not ready:
+            raise PlacementTimeout(
+                f"the placing process's owner actor did not start within {self.timeout:g}s"
+            )
+        ray.get(ready[0])
 
     def _wait_reserved(self, reservation: PlacementGroup, deadline: float) -> None:
         ready, _ = ray.wait([reservation.ready()], timeout=max(deadline - time.monotonic(), 0))
@@ -153,12 +165,14 @@ class Placer:
         if step is Step.RESERVED:
             assert slot.reservation is not None
             [node] = bundle_nodes(slot.reservation)
-            self._create(slot, node, self._hosts([node])[node])
+            assert self._hosts is not None
+            self._create(slot, node, self._hosts.on([node])[node])
             return
         try:
             placement: Placement = ray.get(done[0])
         except RayActorError as e:
-            self._owner.forget.remote(slot.node_id, slot.host)
+            assert self._hosts is not None
+            self._hosts.forget(slot.node_id, slot.host)
             refusal = Refusal(slot.node_id, "HOST_LOST", type(e).__name__)
         else:
             if not placement.refused:
@@ -226,13 +240,18 @@ def bottle_nodes() -> set[str]:
     }
 
 
-def start_hosts(timeout: float = 120.0) -> int:
-    """Start this process's host on every live node that offers bottles and wait until each
-    answers, so that the first pool waits for no Ray worker to start (else a node's host
-    starts with the first bottle placed there); how many hosts there are."""
+def start_hosts(timeout: float = 120.0, *, wait: bool = True) -> int:
+    """Start this process's host on every live node that offers bottles, so that the first
+    pool waits for no Ray worker to start (else a node's host starts with the first bottle
+    placed there); how many hosts there are. With ``wait`` (the default) it returns once
+    each host and the owner answer; without, at once (call it right after ``ray.init``, and
+    the hosts start while the trainer gets ready)."""
     owner = job_owner()
-    hosts: dict[str, Any] = ray.get(owner.hosts.remote(sorted(bottle_nodes())), timeout=timeout)
-    ray.get([host.phases.remote() for host in hosts.values()], timeout=timeout)
+    hosts = hosts_of(owner).on(bottle_nodes())
+    if wait:
+        ray.get(
+            [owner.ping.remote(), *(h.phases.remote() for h in hosts.values())], timeout=timeout
+        )
     return len(hosts)
 
 

@@ -13,10 +13,21 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from bottlenet.fleet import BottlePool, BottleRequest, PlacedBottle
 
 pools: dict[str, BottlePool] = {}
+
+
+@ray.remote
+class Empty:
+    """An actor that does nothing: its start is a Ray worker process's start alone."""
+
+    def ping(self) -> None:
+        return None
+
+
 #: Marks the answer lines (Ray may write lines of its own to stdout).
 REPLY = "@reply "
 
@@ -69,7 +80,12 @@ def handle(req: dict[str, Any]) -> Any:
         }
     if op == "timed_pool":
         # as "pool", plus each bottle's seconds from the request to ready (the benchmark)
-        request = BottleRequest(lease_seconds=req.get("lease"), name_prefix="bench")
+        request = BottleRequest(
+            spec=req.get("spec"),
+            lease_seconds=req.get("lease"),
+            name_prefix="bench",
+            pool=req.get("pool", "auto"),
+        )
         started = time.monotonic()
         ready: list[float] = []
 
@@ -95,6 +111,26 @@ def handle(req: dict[str, Any]) -> Any:
     if op == "close":
         pools.pop(req["id"]).close()
         return None
+    if op == "worker_start":
+        # the floor of a cold pool (the benchmark): an empty actor on each bottle node, all
+        # at once, as a first pool starts its hosts; each one's seconds to its first answer
+        nodes = [
+            n["NodeID"] for n in ray.nodes() if n.get("Alive") and n["Resources"].get("bottle")
+        ]
+        started = time.monotonic()
+        actors = [
+            Empty.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote()
+            for node in nodes
+        ]
+        answered = []
+        for ref in [a.ping.remote() for a in actors]:
+            ray.get(ref, timeout=req.get("timeout", 120))
+            answered.append(time.monotonic() - started)
+        for a in actors:
+            ray.kill(a)
+        return answered
     if op == "free":
         return ray.available_resources().get("bottle", 0)
     if op == "nodes":

@@ -172,11 +172,16 @@ class Node(NodeDaemon):
     def label(self) -> str:
         return f"n{self.index}"
 
-    def start_daemon(self, env: dict[str, str], extra: Sequence[str] = ()) -> None:
+    def start_daemon(
+        self, env: dict[str, str], extra: Sequence[str] = (), *, gate: bool = False
+    ) -> None:
+        """The node's daemon; without ``gate`` it skips the launch gate (the fake's plain
+        ``exec`` runs on the host, where the gate's checks cannot pass)."""
+        skip = () if gate else ("--unsafe-skip-isolation-probe",)
         argv = daemon_argv(
             os.path.join(self.root, "state"), self.control,
             "--smolvm", FAKE_SMOLVM, "--smolvm-data-dir", self.fake.path,
-            "--uid-ledger", self.fake.uid_ledger, "--unsafe-skip-isolation-probe", *extra,
+            "--uid-ledger", self.fake.uid_ledger, *skip, *extra,
         )  # fmt: skip
         log = open(os.path.join(self.root, "daemon.log"), "ab")
         self.proc = self.ns.popen(argv, env=env, cwd=REPO, stdout=log, stderr=log)
@@ -237,6 +242,9 @@ class NetCluster:
     bottles: Sequence[int]
     ray_uid: int | None = RAY_UID
     lease_grace: float = 3.0
+    #: VMs that take this many seconds to boot, each node's launch gate run (the fake's
+    #: isolating ``exec-netns`` stand-in, as root); None: instant VMs, no gate.
+    vm_boot: float | None = None
     token: str = "bottlenet-fleet-test-token-0123456789abcdef"
     switch: Namespace = attrs.field(factory=lambda: Namespace("switch", net_only=True))
     head: Namespace = attrs.field(factory=lambda: Namespace("head"))
@@ -327,7 +335,10 @@ class NetCluster:
             "--label", f"bottlenet-node={node.label}", "--lease-grace", f"{self.lease_grace:g}",
             *scoped,
         ]  # fmt: skip
-        node.start_daemon(self.env(PATH=f"{BIN}:/usr/bin:/bin", PYTHONPATH=REPO), extra)
+        if self.vm_boot is not None:
+            node.fake.set_faults("exec-netns", "slow-start", slow_start=self.vm_boot)
+        env = self.env(PATH=f"{BIN}:/usr/bin:/bin", PYTHONPATH=REPO)
+        node.start_daemon(env, extra, gate=self.vm_boot is not None)
         os.chmod(node.control, 0o666)  # as a systemd socket's group would let Ray reach it
 
     def _plug(self, ns: Namespace, ip: str, veth: str) -> None:

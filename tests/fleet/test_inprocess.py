@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from unittest import mock
@@ -32,6 +33,7 @@ from bottlenet.fleet import (
     place,
     start_hosts,
 )
+from bottlenet.fleet.owner import JobOwner
 from tests.bottles.harness import spec_doc
 from tests.control.daemon_helpers import ENV, REPO
 from tests.fleet.daemons import NodeDaemon, quiet_ray
@@ -256,11 +258,12 @@ def _host_processes() -> list[int]:
 
 
 def test_bottles_share_their_nodes_host_process(fleet: Fleet) -> None:
-    """``start_hosts`` starts one host per bottle node; 6 bottles on nodes 0 and 1 use those
-    hosts (a node's bottles share one), and no host process starts for them."""
-    assert start_hosts() == len(fleet.daemons)
+    """``start_hosts(wait=False)`` starts one host per bottle node and returns at once; 6
+    bottles on nodes 0 and 1 use those hosts (a node's bottles share one), and no host
+    process starts for them."""
+    assert start_hosts(wait=False) == len(fleet.daemons)
+    wait_for("a host on every node", lambda: len(_host_processes()) == len(fleet.daemons))
     hosts = sorted(_host_processes())
-    assert len(hosts) == len(fleet.daemons)
     either = BottleRequest(lease_seconds=LEASE, label_selector={"bottlenet-node": "in(n0,n1)"})
     with BottlePool(6, either, progress=False) as pool:
         by_node = {b.node_id: b.host for b in pool}
@@ -268,6 +271,42 @@ def test_bottles_share_their_nodes_host_process(fleet: Fleet) -> None:
         assert all(b.host == by_node[b.node_id] for b in pool)
         assert sorted(_host_processes()) == hosts
     assert fleet.held() == fleet.empty()
+
+
+def test_a_pool_is_placed_before_its_owner_has_started(fleet: Fleet) -> None:
+    """The hosts start beside the owner actor, not after it: with the owner's start held
+    back, a pool's bottles are made on their nodes; the pool is handed over once the owner
+    answers, and closes as any other."""
+    gate = os.path.join(fleet.root, "owner-may-start")
+
+    class HeldOwner(JobOwner):
+        def __init__(self, gate: str) -> None:
+            deadline = time.monotonic() + 120
+            while not os.path.exists(gate) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            super().__init__("ray-job-held")
+
+    owner = ray.remote(HeldOwner).options(num_cpus=0).remote(gate)
+    unleased = BottleRequest(lease_seconds=None, label_selector={"bottlenet-node": "in(n0,n1)"})
+    opened: list[BottlePool] = []
+    with mock.patch("bottlenet.fleet.placement.job_owner", return_value=owner):
+        placing = threading.Thread(
+            target=lambda: opened.append(BottlePool(2, unleased, progress=False).open())
+        )
+        placing.start()
+        try:
+            wait_for("both bottles made", lambda: sum(map(len, fleet.held().values())) == 2)
+            assert opened == [], "the pool was handed over before its owner answered"
+        finally:
+            with open(gate, "w"):
+                pass
+            placing.join(120)
+    [pool] = opened
+    assert {b.name for b in pool} <= set().union(*fleet.held().values())
+    pool.close()
+    assert fleet.held() == fleet.empty()
+    ray.kill(owner)  # its hosts see it gone and end
+    wait_for("every bottle resource free", all_bottles_free)
 
 
 def test_vm_bottle_exec_logs_status_and_progress(

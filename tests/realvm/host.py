@@ -26,7 +26,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from twisted.internet import defer, protocol
@@ -38,6 +38,7 @@ from bottlenet.forward.aliases import AliasRegistry
 from bottlenet.forward.spec import DEFAULT_POOL, AliasPool, ForwardSpec, TCPTarget, UNIXListen
 from bottlenet.forward.table import ForwardTable
 from bottlenet.probe.judge import judge
+from bottlenet.probe.plan import ProbePlan
 from bottlenet.probe.script import render
 from bottlenet.probe.witness import Witness, WitnessFactory
 from tests.realvm.build import find_kit
@@ -100,6 +101,34 @@ async def own_forward(
     target = TCPTarget(ipaddress.IPv4Address("127.0.0.1"), target_port)
     await table.add(ForwardSpec("rvm", "egress", listen, target))
     return table, listen.path, TCPEndpoint("egress", 3128, listen.path, GUEST_SOCKET, RAW_PORT)
+
+
+def stand_in_gate(
+    endpoint: TCPEndpoint,
+    nonce: str,
+    absent: Sequence[str],
+    udp_ports: tuple[int, ...] = (),
+    volumes: Sequence[Volume] = (),
+    kit: str | None = None,
+) -> ProbePlan:
+    """The gate's plan for the bottle's one endpoint against this namespace's stand-ins: the
+    outside address, the DNS name, the host's control and metrics ports, another bottle."""
+    settings = GateSettings(
+        outside=f"{OUTSIDE}:443",
+        dns_name=DNS_NAME,
+        host_ports=(CONTROL_PORT, METRICS_PORT),
+        udp_ports=udp_ports,
+    )
+    return plan_gate(
+        [endpoint],
+        mode="socket",
+        nonce=nonce,
+        other_bottle=f"{OTHER_BOTTLE[0]}:{OTHER_BOTTLE[1]}",
+        settings=settings,
+        absent=absent,
+        volumes=volumes,
+        kit=kit,
+    )
 
 
 def divert_to_witness(reactor: Any, table: ForwardTable, nonce: str, own: str) -> Witness:
@@ -379,21 +408,7 @@ async def run(reactor: Any, name: str) -> dict[str, Any]:
 
     nonce = secrets.token_hex(16)
     markers = Markers(nonce, [state_dir, home])
-    settings = GateSettings(
-        outside=f"{OUTSIDE}:443",
-        dns_name=DNS_NAME,
-        host_ports=(CONTROL_PORT, METRICS_PORT),
-        udp_ports=(UDP_PORT,),
-    )
-    plan = plan_gate(
-        [endpoint],
-        mode="socket",
-        nonce=nonce,
-        other_bottle=f"{OTHER_BOTTLE[0]}:{OTHER_BOTTLE[1]}",
-        settings=settings,
-        absent=markers.paths,
-        volumes=volumes,
-    )
+    plan = stand_in_gate(endpoint, nonce, markers.paths, udp_ports=(UDP_PORT,), volumes=volumes)
     witness = divert_to_witness(reactor, table, nonce, str(plan.own[0]))
     conf = f"NET={variant['net']}\nBLIND={1 if variant.get('blind') else 0}\n"
     conf += (

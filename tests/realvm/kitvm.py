@@ -35,7 +35,7 @@ from typing import Any
 from attrs import evolve
 
 from bottlenet.bottles.egresslayer import layer_args
-from bottlenet.bottles.probe import GateSettings, Markers, plan_gate
+from bottlenet.bottles.probe import Markers
 from bottlenet.bridge.script import Bridge, bridge_args
 from bottlenet.kit.build import Kit, KitCache
 from bottlenet.kit.program import KitRef, kit_session
@@ -46,16 +46,12 @@ from tests.netguard import TEST_KIT_DIR
 from tests.realvm import krunfw
 from tests.realvm.build import KrunfwKit, ensure_krunfw
 from tests.realvm.host import (
-    CONTROL_PORT,
-    DNS_NAME,
     GUEST_SOCKET,
-    METRICS_PORT,
-    OTHER_BOTTLE,
-    OUTSIDE,
     boot,
     divert_to_witness,
     namespace_setup,
     own_forward,
+    stand_in_gate,
     stand_ins,
 )
 
@@ -156,18 +152,7 @@ async def run(reactor: Any, name: str, busybox: bool) -> dict[str, Any]:
     table, sock, endpoint = await own_forward(reactor, state_dir, bridgehost.PROXY_PORT)
     nonce = secrets.token_hex(16)
     markers = Markers(nonce, [state_dir])
-    settings = GateSettings(
-        outside=f"{OUTSIDE}:443", dns_name=DNS_NAME, host_ports=(CONTROL_PORT, METRICS_PORT)
-    )
-    plan = plan_gate(
-        [endpoint],
-        mode="socket",
-        nonce=nonce,
-        other_bottle=f"{OTHER_BOTTLE[0]}:{OTHER_BOTTLE[1]}",
-        settings=settings,
-        absent=markers.paths,
-        kit=ref.digest,
-    )
+    plan = stand_in_gate(endpoint, nonce, markers.paths, kit=ref.digest)
     witness = divert_to_witness(reactor, table, nonce, str(plan.own[0]))
     # the second gate (noshell, after dummy0 is up): judged on its links, no witness
     tsi = evolve(plan, nonce=secrets.token_hex(16), witness=False)
