@@ -18,9 +18,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from twisted.application.service import Service
-from twisted.internet.defer import Deferred
+from twisted.internet.defer import CancelledError, Deferred
 from twisted.internet.interfaces import IDelayedCall, IReactorTime
 from twisted.logger import Logger
+from twisted.python.failure import Failure
 
 from bottlenet.bottles.events import EGRESS_DENIED, BottleEvent
 from bottlenet.bottles.model import Bottle, BottleState
@@ -92,8 +93,13 @@ class EgressWatch(Service):
     def _tick(self) -> None:
         self._next = None
         self._polling = Deferred.fromCoroutine(self.poll())
-        self._polling.addErrback(lambda f: self.log.failure("egress watch failed", f))
+        self._polling.addErrback(self._failed)
         self._polling.addBoth(lambda _: self._schedule())
+
+    def _failed(self, failure: Failure) -> None:
+        if failure.check(CancelledError) and not self.running:
+            return  # the stop cancelled the poll in flight: nothing failed
+        self.log.failure("egress watch failed", failure)
 
     async def poll(self) -> None:
         """One round over every kept VM bottle's sidecar."""

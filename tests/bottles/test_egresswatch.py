@@ -130,3 +130,27 @@ def test_smolvm_egress_events_parses_the_fakes_output(tmp_path: os.PathLike[str]
         EgressDenial("t2", "sendto", "169.254.169.254:80"),
         EgressDenial("t3", "other", "10.1.1.1:53"),
     ]
+
+
+def test_a_stop_during_a_poll_logs_no_failure() -> None:
+    """A poll still waiting on smolvm when the daemon stops is cancelled quietly: no
+    "egress watch failed" traceback at every stop that meets one, and no poll after."""
+    from twisted.logger import capturedLogs
+
+    clock = Clock()
+    pending: Deferred[Any] = Deferred()
+    asked: list[str] = []
+
+    class Slow:
+        def egress_events(self, name: str, limit: int) -> Deferred[Any]:
+            asked.append(name)
+            return pending
+
+    watch = EgressWatch(clock, Slow(), lambda: [VmBottle("b1")], lambda e: None)  # type: ignore[arg-type]
+    watch.startService()
+    clock.advance(INTERVAL)
+    assert asked == ["bn-b1-sidecar"]
+    with capturedLogs() as events:
+        watch.stopService()
+    assert [e for e in events if e.get("log_failure")] == []
+    assert clock.getDelayedCalls() == []
