@@ -418,14 +418,8 @@ class PeerCheckTests(Base):
 
 class UnixTests(Base):
     async def test_unix_listen_and_unix_target(self) -> None:
-        os.makedirs(targets_dir(self.state_dir, "b1"), mode=0o700)
-        target_path = os.path.join(targets_dir(self.state_dir, "b1"), "sidecar.sock")
-        tport = reactor.listenUNIX(target_path, factory_of(Echo))  # type: ignore[attr-defined]
-        self.addCleanup(tport.stopListening)
-        listen = unix_listen_for(self.state_dir, "b1", "agent")
-        spec = ForwardSpec("b1", "agent", listen, UNIXTarget(target_path))
-        info = await self.table.add(spec)
-        assert info.bound == listen
+        listen = await self.unix_echo_forward()
+        assert self.table.get("b1", "agent").bound == listen
         mode = os.stat(listen.path).st_mode
         assert stat.S_ISSOCK(mode) and stat.S_IMODE(mode) == 0o600
         bdir = os.path.dirname(listen.path)
