@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from typing import NamedTuple
+from typing import BinaryIO, NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CACHE = os.environ.get("BOTTLENET_REALVM_CACHE", "/var/tmp/bottlenet-realvm")
@@ -154,15 +154,22 @@ def build_initrd(root: str, modules_dir: str, out: str) -> None:
     os.rename(os.path.join(root, "init.sh"), os.path.join(root, "init"))
     os.chmod(os.path.join(root, "init"), 0o755)
     os.chmod(os.path.join(root, "blind-python3"), 0o755)
-    names = _run("find", ".", cwd=root).split("\n")
     with open(out, "wb") as fh:
-        subprocess.run(
-            ["cpio", "-o", "-H", "newc", "--quiet"],
-            input="\n".join(n for n in names if n).encode(),
-            stdout=fh,
-            cwd=root,
-            check=True,
-        )
+        write_newc(root, fh, with_root=True)
+
+
+def write_newc(root: str, dst: BinaryIO, *, with_root: bool) -> None:
+    """Every file under ``root`` as one newc cpio archive, written to ``dst``. ``with_root``:
+    ``.`` is an entry too (an initramfs's own root; an archive appended to one leaves it)."""
+    find = ["find", "."] if with_root else ["find", ".", "-mindepth", "1"]
+    names = _run(*find, cwd=root).split("\n")
+    subprocess.run(
+        ["cpio", "-o", "-H", "newc", "--quiet"],
+        input="\n".join(n for n in names if n).encode(),
+        stdout=dst,
+        cwd=root,
+        check=True,
+    )
 
 
 #: Bump when build_initrd changes what goes into the initramfs.

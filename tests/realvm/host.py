@@ -41,7 +41,7 @@ from bottlenet.probe.judge import judge
 from bottlenet.probe.plan import ProbePlan
 from bottlenet.probe.script import render
 from bottlenet.probe.witness import Witness, WitnessFactory
-from tests.realvm.build import find_kit
+from tests.realvm.build import find_kit, write_newc
 from vmctl.spec import Volume
 
 OUTSIDE = "198.51.100.7"  # TEST-NET-2, put on this namespace's lo only
@@ -333,20 +333,11 @@ def run_cpio(files: Mapping[str, bytes | str], base: str, out: str) -> None:
     stage = tempfile.mkdtemp(prefix="rvm-run-")
     try:
         place(stage, files)
-        names = subprocess.run(
-            ["find", ".", "-mindepth", "1"], cwd=stage, capture_output=True, text=True, check=True
-        ).stdout.split("\n")
         with open(base, "rb") as fh, open(out, "wb") as dst:
             while chunk := fh.read(1 << 20):
                 dst.write(chunk)
             dst.flush()
-            subprocess.run(
-                ["cpio", "-o", "-H", "newc", "--quiet"],
-                input="\n".join(n for n in names if n).encode(),
-                stdout=dst,
-                cwd=stage,
-                check=True,
-            )
+            write_newc(stage, dst, with_root=False)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
